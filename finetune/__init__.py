@@ -1,0 +1,29 @@
+"""finetune: LoRA fine-tuning of Gemma with Keras 3 and keras-hub, on JAX, PyTorch or TensorFlow.
+
+Notebook use:
+
+    import finetune
+    cfg = finetune.load_config("recipes/tiny.yaml", {"train.epochs": 2})
+    metrics = finetune.run(cfg)
+
+Nothing here imports keras, so the backend named in the config can still be
+chosen; import keras yourself only after `run`, or with the same backend.
+"""
+
+from finetune.config import Config
+from finetune.config import load as load_config
+from finetune.errors import UserError
+
+__all__ = ["Config", "UserError", "load_config", "run"]
+__version__ = "0.1.0"
+
+
+def run(cfg: Config | None = None) -> dict:
+    """Train, evaluate and save a LoRA adapter as `cfg` says; returns the run's metrics."""
+    from finetune import backend
+
+    cfg = cfg or Config()
+    backend.select(cfg.backend, cfg.train.xla_mem_fraction)
+    from finetune import train
+
+    return train.run(cfg)

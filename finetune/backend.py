@@ -1,0 +1,149 @@
+"""Choose the Keras backend and apply its tweaks, recording each one.
+
+`select()` must run before keras is first imported: Keras reads KERAS_BACKEND
+once, at import. `apply_runtime_tweaks()` runs after, when the framework can
+say what hardware it sees. Both return what they did, for config.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+from finetune.errors import UserError
+
+# The seed article's measurement: gemma_2b at seq_len 512 on a 24 GB card fits
+# batch 4 under JAX but only 2 under PyTorch; TensorFlow is given the safe 2.
+DEFAULT_BATCH_SIZE = {"jax": 4, "torch": 2, "tensorflow": 2}
+
+
+def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
+    """Set KERAS_BACKEND and the environment tweaks that must precede the import."""
+    if "keras" in sys.modules:
+        import keras
+
+        current = keras.config.backend()
+        if current != backend:
+            raise UserError(
+                f"keras is already loaded with the {current} backend in this process, so {backend} "
+                "cannot be chosen; restart the kernel and call finetune before importing keras"
+            )
+    os.environ["KERAS_BACKEND"] = backend
+    # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tweaks = {"KERAS_BACKEND": backend}
+    if backend == "jax":
+        # The tutorial's 1.00 lets XLA take the whole card rather than its 75% default.
+        fraction = f"{xla_mem_fraction:.2f}"
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
+        tweaks["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
+    return tweaks
+
+
+def accelerator() -> str:
+    """'gpu', 'tpu' or 'cpu': what the current backend will compute on."""
+    import keras
+
+    backend = keras.config.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform.replace("cuda", "gpu").replace("rocm", "gpu")
+    if backend == "torch":
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    import tensorflow as tf
+
+    if tf.config.list_logical_devices("TPU"):
+        return "tpu"
+    return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+
+
+def supports_bfloat16(device: str) -> bool:
+    """bf16 needs a TPU or a GPU of compute capability 8.0 or newer (not a T4)."""
+    if device == "tpu":
+        return True
+    if device != "gpu":
+        return False
+    import keras
+
+    backend = keras.config.backend()
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.is_bf16_supported()
+    if backend == "jax":
+        import jax
+
+        capability = getattr(jax.devices()[0], "compute_capability", "8.0")
+        return float(capability) >= 8.0
+    import tensorflow as tf
+
+    gpu = tf.config.list_physical_devices("GPU")[0]
+    major, _ = tf.config.experimental.get_device_details(gpu).get("compute_capability", (8, 0))
+    return major >= 8
+
+
+def apply_runtime_tweaks(precision: str) -> dict:
+    """TF32 matmuls and the dtype policy; returns the tweaks applied."""
+    import keras
+
+    backend = keras.config.backend()
+    device = accelerator()
+    tweaks: dict = {"device": device}
+    if backend == "torch":
+        import torch
+
+        torch.set_float32_matmul_precision("high")
+        tweaks["torch.float32_matmul_precision"] = "high"
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        tweaks["tensorflow.tensor_float_32"] = True
+    elif device == "gpu":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32")
+        tweaks["jax_default_matmul_precision"] = "tensorfloat32"
+    if precision == "auto":
+        precision = "mixed_bfloat16" if supports_bfloat16(device) else "float32"
+    keras.config.set_dtype_policy(precision)
+    tweaks["dtype_policy"] = precision
+    return tweaks
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an accelerator or host out-of-memory error, on any backend."""
+    text = f"{type(error).__name__}: {error}"
+    return any(k in text for k in ("RESOURCE_EXHAUSTED", "ResourceExhausted", "out of memory", "OutOfMemory"))
+
+
+def peak_memory_mb() -> float:
+    """Peak accelerator memory of this process, or peak resident memory on a CPU."""
+    import keras
+
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                return stats["peak_bytes_in_use"] / 2**20
+        elif backend == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.max_memory_allocated() / 2**20
+        else:
+            import tensorflow as tf
+
+            if tf.config.list_physical_devices("GPU"):
+                return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    except (RuntimeError, ValueError):
+        pass
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,138 @@
+"""Token ids and response-only weights, laid out in fixed-size batches.
+
+keras-hub's Gemma preprocessor takes whole strings and cannot tell prompt from
+response, so the ids are built here: <bos> prompt response <eos>, weight 0 on
+prompt positions and 1 on response positions (and on <eos>, so the model
+learns to stop). Arrays carry `segment_ids` (1 for the only example of a
+row, 0 for padding) so that a packer can later put several examples in one row
+with ids 1, 2, 3...; the model side then needs a block-diagonal mask built
+from them, since keras-hub derives its attention mask from padding alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+
+from finetune.errors import UserError
+
+BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
+
+
+@dataclass
+class Example:
+    token_ids: list[int]
+    """<bos> prompt response <eos>, at most seq_len + 1 ids (inputs and shifted targets)."""
+    weights: list[float]
+    """Per id: 1.0 where the id is a training target, 0.0 where it is not."""
+
+
+def template_overhead(tokenizer, template) -> int:
+    """Tokens the template's fixed text takes, with empty instruction and response."""
+    from finetune.data import Record
+
+    prompt, response = template.apply(Record(instruction="", response=""))
+    return 2 + len(_ids(tokenizer, prompt + response))  # + <bos> and <eos>
+
+
+def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
+    """(prompt, response) pairs to Examples; returns (examples, dropped).
+
+    A pair whose prompt alone fills the sequence has no response token left to
+    learn from and is dropped; longer responses are cut at seq_len.
+    """
+    if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
+        raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
+    prompts = _ids(tokenizer, [p for p, _ in pairs])
+    responses = _ids(tokenizer, [r for _, r in pairs])
+    examples, dropped = [], 0
+    for prompt, response in zip(prompts, responses):
+        ids = [BOS, *prompt, *response, EOS][: seq_len + 1]
+        prompt_weight = 1.0 if train_on_prompt else 0.0
+        weights = [0.0] + [prompt_weight] * len(prompt) + [1.0] * (len(response) + 1)
+        weights = weights[: len(ids)]
+        if len(prompt) + 1 >= len(ids):  # nothing of the response survived the cut
+            dropped += 1
+            continue
+        examples.append(Example(ids, weights))
+    return examples, dropped
+
+
+def _ids(tokenizer, texts):
+    out = tokenizer.tokenize(texts)
+    if isinstance(texts, str):
+        return [int(t) for t in np.asarray(out)]
+    return [[int(t) for t in np.asarray(row)] for row in out]
+
+
+def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
+    """One example per row, right-padded: inputs, shifted targets and weights."""
+    n = len(examples)
+    ids = np.zeros((n, seq_len + 1), np.int32)
+    weights = np.zeros((n, seq_len + 1), np.float32)
+    for row, example in enumerate(examples):
+        ids[row, : len(example.token_ids)] = example.token_ids
+        weights[row, : len(example.weights)] = example.weights
+    lengths = np.array([len(e.token_ids) - 1 for e in examples])
+    present = np.arange(seq_len)[None, :] < lengths[:, None]
+    return {
+        "token_ids": ids[:, :-1],
+        "padding_mask": present,
+        "segment_ids": present.astype(np.int32),
+        "labels": ids[:, 1:],
+        "weights": weights[:, 1:],
+    }
+
+
+def check_fits(examples, dropped: int, source: str) -> None:
+    if not examples:
+        raise UserError(
+            f"no usable records in {source}: all {dropped} prompts fill the whole sequence; "
+            "raise --seq-len or use shorter records"
+        )
+
+
+class Batches(keras.utils.PyDataset):
+    """Fixed-size batches of padded rows for Keras fit/evaluate.
+
+    Training drops the ragged last batch so every step has the same shape (one
+    compile under XLA) and reshuffles each epoch from `seed + epoch`, so a run
+    is reproducible batch for batch.
+    """
+
+    def __init__(self, arrays, batch_size: int, shuffle: bool = False, seed: int = 0):
+        super().__init__()
+        self.arrays = arrays
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.rows = len(arrays["token_ids"])
+        self.order = self._order()
+
+    def _order(self):
+        if not self.shuffle:
+            return np.arange(self.rows)
+        return np.random.default_rng(self.seed + self.epoch).permutation(self.rows)
+
+    def __len__(self):
+        if self.shuffle:
+            return self.rows // self.batch_size
+        return -(-self.rows // self.batch_size)
+
+    def __getitem__(self, index):
+        rows = self.order[index * self.batch_size : (index + 1) * self.batch_size]
+        a = self.arrays
+        x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
+        return x, a["labels"][rows], a["weights"][rows]
+
+    def on_epoch_end(self):
+        self.epoch += 1
+        self.order = self._order()
+
+    def tokens(self, index) -> tuple[int, int]:
+        """Non-padding input tokens and weighted (trained) targets in batch `index`."""
+        rows = self.order[index * self.batch_size : (index + 1) * self.batch_size]
+        return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())

@@ -1,0 +1,283 @@
+"""The run's typed configuration: defaults < recipe YAML < --set < named flags.
+
+Pure Python and YAML, no keras: the config is read before the backend is
+chosen. `load()` refuses unknown keys and wrong types with a message that
+names the key, so a typo in a recipe never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from finetune.errors import UserError
+from finetune.templates import TEMPLATES
+
+BACKENDS = ("jax", "torch", "tensorflow")
+PRECISIONS = ("auto", "float32", "mixed_bfloat16", "bfloat16")
+SAMPLE_DATA = "sample"
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "gemma_2b_en"
+    """keras-hub preset name, `kaggle://` handle, local preset directory, or `tiny`."""
+    seq_len: int = 256
+    """Tokens per training sequence; longer records are cut (the Keras tutorial's 256)."""
+    precision: str = "auto"
+    """auto: mixed_bfloat16 on a GPU or TPU, float32 on a CPU; or float32, mixed_bfloat16, bfloat16."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 4
+    """Rank of the LoRA factors: higher adapts more and costs more memory."""
+    alpha: Optional[float] = None
+    """LoRA scale is alpha / rank; None means alpha = rank (scale 1, keras-hub's default)."""
+    targets: list[str] = field(default_factory=lambda: ["query", "value"])
+    """Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = SAMPLE_DATA
+    """Dolly-style JSONL path (local or gs://), hf:NAME for a Hugging Face dataset, or `sample`."""
+    template: str = "dolly"
+    """Instruction template: dolly (the Keras tutorial's), alpaca, or gemma-chat."""
+    drop_context: bool = False
+    """Drop records that carry a context (the Keras tutorial does, to keep sequences short)."""
+    categories: list[str] = field(default_factory=list)
+    """Keep only these Dolly categories; empty keeps all."""
+    max_records: Optional[int] = None
+    """Use at most this many records (after filters); None uses all."""
+    eval_fraction: float = 0.05
+    """Share of records held out for evaluation (at least one batch)."""
+    train_on_prompt: bool = False
+    """Also compute the loss on prompt tokens; by default only response tokens count."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps, whatever `epochs` says."""
+    batch_size: Union[int, str, None] = None
+    """Sequences per step; None picks the backend's default, `auto` probes the largest that fits."""
+    learning_rate: Optional[float] = None
+    """AdamW rate; None takes the preset's (5e-5 for Gemma checkpoints, as the tutorial)."""
+    weight_decay: float = 0.01
+    """AdamW decay, not applied to biases and norm scales (the tutorial's recipe)."""
+    seed: int = 0
+    """Seeds the split, the shuffling and the LoRA initialisation."""
+    xla_mem_fraction: float = 1.00
+    """JAX only: share of GPU memory XLA may take (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    samples: int = 3
+    """Held-out prompts to generate from before and after training, into samples.md."""
+    max_new_tokens: int = 48
+    """Tokens generated for each sample."""
+
+
+@dataclass
+class OutputConfig:
+    dir: Optional[str] = None
+    """Where the run's files go; None means runs/<timestamp>/."""
+    overwrite: bool = False
+    """Replace a run already in `dir`."""
+
+
+@dataclass
+class Config:
+    backend: str = "jax"
+    """Keras backend: jax, torch or tensorflow."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load(recipe: Optional[str | Path] = None, overrides: Optional[dict[str, Any]] = None) -> Config:
+    """Build a Config from defaults, an optional recipe file and dotted-key overrides.
+
+    overrides: dict. Dotted keys (`train.epochs`) to values, applied in order
+        after the recipe; the CLI passes `--set` pairs first, then named flags.
+    """
+    data: dict = {}
+    if recipe is not None:
+        data = read_recipe(recipe)
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    return from_dict(data)
+
+
+def from_dict(data: dict) -> Config:
+    """A checked Config from a nested mapping (a recipe, or a run's config.yaml)."""
+    cfg = _build(Config, data, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def read_recipe(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist; pass a YAML file such as recipes/tiny.yaml")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path} must be a mapping of keys such as `train:` and `lora:`")
+    return data
+
+
+def parse_set(pair: str) -> tuple[str, Any]:
+    """`key=value` from --set; the value is read as YAML, so 2, 1e-4, [a, b] and null work."""
+    key, sep, raw = pair.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {pair!r} must look like key=value, e.g. --set train.epochs=2")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"config key {key!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def keys() -> list[str]:
+    """Every dotted config key, for messages and help."""
+    out = []
+    for name, hint in typing.get_type_hints(Config).items():
+        if dataclasses.is_dataclass(hint):
+            out += [f"{name}.{f.name}" for f in dataclasses.fields(hint)]
+        else:
+            out.append(name)
+    return out
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"config section {prefix.rstrip('.') or 'top level'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = prefix + unknown[0]
+        close = difflib.get_close_matches(key, keys(), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(keys())}"
+        raise UserError(f"unknown config key {key!r}; {hint}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix + name + ".")
+        else:
+            kwargs[name] = _coerce(prefix + name, hint, value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint, value):
+    """Check `value` against the annotation; ints pass where floats are wanted."""
+    if _matches(hint, value):
+        if hint is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+    raise UserError(f"config key {key!r} must be {_describe(hint)}, got {value!r}")
+
+
+def _matches(hint, value) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_matches(arg, value) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(item, v) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that need no keras and no files."""
+
+    def check(ok: bool, message: str):
+        if not ok:
+            raise UserError(message)
+
+    check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}; choose one of {', '.join(BACKENDS)}")
+    check(
+        cfg.model.precision in PRECISIONS,
+        f"unknown precision {cfg.model.precision!r}; choose one of {', '.join(PRECISIONS)}",
+    )
+    check(
+        cfg.data.template in TEMPLATES, f"unknown template {cfg.data.template!r}; choose one of {', '.join(TEMPLATES)}"
+    )
+    check(cfg.lora.rank >= 1, f"LoRA rank must be at least 1, got {cfg.lora.rank}; try --rank 4")
+    check(cfg.lora.alpha is None or cfg.lora.alpha > 0, f"LoRA alpha must be positive, got {cfg.lora.alpha}")
+    check(bool(cfg.lora.targets), "LoRA needs at least one target layer, e.g. --target query --target value")
+    check(cfg.model.seq_len >= 8, f"seq-len {cfg.model.seq_len} is too small; use at least 64 (256 is typical)")
+    check(
+        0 < cfg.data.eval_fraction < 1,
+        f"eval fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}; try 0.05",
+    )
+    check(
+        cfg.data.max_records is None or cfg.data.max_records >= 2,
+        f"max records must be at least 2 (one to train, one to evaluate), got {cfg.data.max_records}",
+    )
+    bs = cfg.train.batch_size
+    check(
+        bs is None or bs == "auto" or (isinstance(bs, int) and bs >= 1),
+        f"batch size must be a positive integer or `auto`, got {bs!r}",
+    )
+    check(cfg.train.epochs >= 1, f"epochs must be at least 1, got {cfg.train.epochs}")
+    check(
+        cfg.train.max_steps is None or cfg.train.max_steps >= 1,
+        f"max steps must be at least 1, got {cfg.train.max_steps}",
+    )
+    lr = cfg.train.learning_rate
+    check(lr is None or lr > 0, f"learning rate must be positive, got {lr}")
+    check(cfg.train.weight_decay >= 0, f"weight decay must not be negative, got {cfg.train.weight_decay}")
+    check(
+        0 < cfg.train.xla_mem_fraction <= 1, f"XLA memory fraction must be in (0, 1], got {cfg.train.xla_mem_fraction}"
+    )
+    check(cfg.train.samples >= 0, f"samples must not be negative, got {cfg.train.samples}")
+    check(cfg.train.max_new_tokens >= 1, f"max new tokens must be at least 1, got {cfg.train.max_new_tokens}")

@@ -1,0 +1,162 @@
+"""Read, check, filter and split Dolly-style records. Knows nothing of prompts.
+
+A record is one JSON object per line with `instruction` and `response`
+strings, optional `context` and `category` strings (null reads as empty), and
+any other keys ignored. Sources: a local path, a gs:// path, `hf:NAME` for a
+Hugging Face dataset, or `sample` for the project's own sample in data/.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.errors import UserError
+
+SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "dolly-sample.jsonl"
+TEXT_FIELDS = ("instruction", "context", "response", "category")
+REQUIRED = ("instruction", "response")
+
+
+@dataclass(frozen=True)
+class Record:
+    instruction: str
+    response: str
+    context: str = ""
+    category: str = ""
+
+
+def load_records(source: str) -> list[Record]:
+    """All records of `source`, checked; raises UserError naming the line at fault."""
+    if source == "sample":
+        source = str(SAMPLE_PATH)
+    if source.startswith("hf:"):
+        return _from_hugging_face(source[3:])
+    raw = _read_bytes(source)
+    try:
+        # utf-8-sig: a byte-order mark from Windows editors is valid input.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{source} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); re-save it as UTF-8"
+        ) from None
+    if not text.strip():
+        raise UserError(f"{source} is empty; it needs one JSON record per line with instruction and response")
+    records = []
+    # splitlines() also ends lines at CR, so CRLF files read the same as LF ones.
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{source}:{number}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        records.append(_record(obj, f"{source}:{number}"))
+    return records
+
+
+def _read_bytes(source: str) -> bytes:
+    if source.startswith("gs://"):
+        return _read_cloud(source)
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"data file {source} does not exist; pass --data PATH to a Dolly-style JSONL file")
+    if not path.is_file():
+        raise UserError(f"data path {source} is not a file; pass --data PATH to a Dolly-style JSONL file")
+    return path.read_bytes()
+
+
+def _read_cloud(source: str) -> bytes:
+    """gs:// through tf.io.gfile (installed with keras-hub), else fsspec/gcsfs."""
+    try:
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(source, "rb") as f:
+            return f.read()
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - gfile raises framework-specific errors
+        raise UserError(
+            f"could not read {source}: {str(e).splitlines()[0]}; check the path and your GCS credentials"
+        ) from e
+    try:
+        import fsspec
+
+        with fsspec.open(source, "rb") as f:
+            return f.read()
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"could not read {source}: {e}; install gcsfs and check your GCS credentials") from e
+
+
+def _from_hugging_face(name: str) -> list[Record]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("hf: data needs the `datasets` package: pip install datasets") from None
+    try:
+        rows = datasets.load_dataset(name, split="train")
+    except Exception as e:  # noqa: BLE001 - hub and network errors come in many types
+        raise UserError(
+            f"could not load Hugging Face dataset {name!r} ({type(e).__name__}); without network, "
+            "export it to JSONL elsewhere and pass --data FILE.jsonl"
+        ) from e
+    return [_record(dict(row), f"hf:{name} row {i}") for i, row in enumerate(rows)]
+
+
+def _record(obj, where: str) -> Record:
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object with instruction and response, got {type(obj).__name__}")
+    for name in REQUIRED:
+        if name not in obj:
+            raise UserError(f"{where}: record has no {name!r} field; every record needs instruction and response")
+    fields = {}
+    for name in TEXT_FIELDS:
+        value = obj.get(name)
+        if value is None and name not in REQUIRED:
+            value = ""
+        if not isinstance(value, str):
+            raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+        fields[name] = value
+    for name in REQUIRED:
+        if not fields[name].strip():
+            raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
+    return Record(**fields)
+
+
+def filter_records(records, *, drop_context=False, categories=(), max_records=None, source=""):
+    """Apply the data filters; an empty result is a user error."""
+    kept = [r for r in records if not (drop_context and r.context.strip())]
+    if categories:
+        wanted = set(categories)
+        kept = [r for r in kept if r.category in wanted]
+    if max_records is not None:
+        kept = kept[:max_records]
+    if not kept:
+        applied = []
+        if drop_context:
+            applied.append("drop_context")
+        if categories:
+            applied.append(f"categories={list(categories)}")
+        raise UserError(
+            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); "
+            "relax --category / --drop-context or use another file"
+        )
+    return kept
+
+
+def split(records, eval_fraction: float, seed: int, min_eval: int = 1):
+    """Shuffle with `seed`, hold out `eval_fraction` (at least `min_eval`); returns (train, eval)."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(min_eval, round(len(records) * eval_fraction))
+    if len(records) - n_eval < 1:
+        raise UserError(
+            f"{len(records)} records are too few to hold out {n_eval} for evaluation and train on the rest; "
+            "add records or lower --eval-fraction / --batch-size"
+        )
+    held = set(order[:n_eval])
+    train = [r for i, r in enumerate(records) if i not in held]
+    evaluation = [r for i, r in enumerate(records) if i in held]
+    return train, evaluation

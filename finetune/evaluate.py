@@ -1,0 +1,53 @@
+"""Held-out metrics over response tokens, and greedy generations.
+
+Loss and accuracy come from the weighted metrics compiled in model.compile():
+each accumulates sum(weight * value) / sum(weight) over every held-out token,
+so padding and prompt positions (weight 0) never enter the average.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import keras
+
+
+def metrics(lm, batches) -> dict:
+    """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`."""
+    # Keras' own evaluate: keras-hub's would re-wrap the token-id batches (see train.py).
+    result = keras.Model.evaluate(lm, batches, verbose=0, return_dict=True)
+    return from_logs(result)
+
+
+def from_logs(logs: dict, prefix: str = "") -> dict:
+    loss = float(logs[prefix + "token_loss"])
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "accuracy": float(logs[prefix + "token_accuracy"]),
+    }
+
+
+@contextlib.contextmanager
+def preprocessor_attached(lm, preprocessor):
+    """generate() takes strings, so it needs the preprocessor that fit() must not see."""
+    lm.preprocessor = preprocessor
+    try:
+        yield lm
+    finally:
+        lm.preprocessor = None
+
+
+def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tokens=("<eos>",)) -> list[str]:
+    """Greedy continuations of `prompts`, without the prompt text."""
+    if not prompts:
+        return []
+    tokenizer = preprocessor.tokenizer
+    longest = max(len(tokenizer.tokenize(p)) for p in prompts) + 1  # + <bos>
+    stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
+    with preprocessor_attached(lm, preprocessor):
+        outputs = lm.generate(prompts, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
+    if isinstance(outputs, str):
+        outputs = [outputs]
+    return [out[len(p) :] if out.startswith(p) else out for p, out in zip(prompts, outputs)]

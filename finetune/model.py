@@ -1,0 +1,85 @@
+"""Build the Gemma causal LM, put LoRA on it, compile it.
+
+We use keras-hub's own mechanisms (from_preset, backbone.enable_lora,
+save_lora_weights/load_lora_weights) rather than wrapping them. The one thing
+keras-hub's backbone.enable_lora lacks is LoRA's alpha; the Keras layers
+under it have it, so we set it on each adapted layer after enabling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import keras_hub
+
+from finetune import presets
+from finetune.errors import UserError
+
+CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
+
+
+def build(source: presets.Source, seq_len: int):
+    """The causal LM (without preprocessor attached) and its preprocessor."""
+    policy = keras.config.dtype_policy().name
+    if source.kind == "tiny":
+        tokenizer = presets.tiny_tokenizer()
+        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy)
+        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
+        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        return lm, preprocessor
+    cls = getattr(keras_hub.models, CAUSAL_LM[source.family])
+    try:
+        lm = cls.from_preset(source.handle, dtype=policy)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from e
+    preprocessor = lm.preprocessor
+    preprocessor.sequence_length = seq_len
+    lm.preprocessor = None
+    return lm, preprocessor
+
+
+def adaptable_layer_names(backbone) -> set[str]:
+    return {layer.name for layer in backbone._flatten_layers(include_self=False) if hasattr(layer, "enable_lora")}
+
+
+def enable_lora(lm, rank: int, alpha: float | None, targets: list[str]) -> int:
+    """LoRA on the named layers, everything else frozen; returns the count of adapted layers."""
+    backbone = lm.backbone
+    available = adaptable_layer_names(backbone)
+    missing = [t for t in targets if t not in available]
+    if missing:
+        raise UserError(
+            f"no layer named {missing[0]!r} to adapt in this model; choose from {', '.join(sorted(available))}"
+        )
+    backbone.enable_lora(rank, target_layer_names=list(targets))
+    adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
+    if alpha is not None:
+        for layer in adapted:
+            layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
+    return len(adapted)
+
+
+def compile(lm, learning_rate: float, weight_decay: float) -> None:
+    """AdamW without decay on biases and norm scales, as in the Keras tutorial.
+
+    The loss is averaged over weighted (response) tokens of each batch: Keras'
+    default reduction would divide by every position, padding included. The
+    weighted metrics accumulate over tokens across batches, so evaluate()
+    returns the exact per-token average over the whole held-out set.
+    """
+    optimizer = keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=weight_decay)
+    optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
+    lm.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+        weighted_metrics=[
+            keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="token_loss"),
+            keras.metrics.SparseCategoricalAccuracy(name="token_accuracy"),
+        ],
+        sampler="greedy",
+    )
+
+
+def trainable_parameters(lm) -> int:
+    return int(sum(math.prod(v.shape) for v in lm.trainable_weights))

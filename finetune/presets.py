@@ -1,0 +1,166 @@
+"""Which model a --preset names, and the embedded tiny Gemma.
+
+A preset is one of: `tiny` (built here, offline), a local preset directory
+(made by save_to_preset, or attached under /kaggle/input), a `kaggle://`
+handle, or a keras-hub preset name such as gemma_2b_en or gemma3_1b.
+Kaggle-hosted ones need credentials; without them we stop in seconds with
+instructions instead of waiting on a download that cannot work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.errors import UserError
+
+TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny" / "tokenizer.spm"
+# A smoke-test model, not an assistant: about 0.4M parameters, Gemma 1 layout.
+TINY_CONFIG = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=128,
+    intermediate_dim=512,
+    head_dim=32,
+)
+TINY_SEED = 1234
+# Learning rates a run uses when none is given. Gemma checkpoints take the
+# Keras tutorial's 5e-5; the tiny model starts from random weights and
+# needs a much larger step to move in a one-minute run.
+LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str
+    """tiny, local or hub."""
+    handle: str
+    """What keras_hub's from_preset is given (or `tiny`)."""
+    family: str
+    """gemma (Gemma 1 and 2, GemmaCausalLM) or gemma3 (Gemma3CausalLM)."""
+
+    @property
+    def default_learning_rate(self) -> float:
+        return LEARNING_RATE["tiny" if self.kind == "tiny" else "pretrained"]
+
+
+def resolve(preset: str) -> Source:
+    """Classify `preset` and check that it can be loaded, without loading it."""
+    if preset == "tiny":
+        return Source("tiny", "tiny", "gemma")
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        return Source("local", str(path), _family_of_directory(path))
+    if preset.startswith("kaggle://"):
+        family = "gemma3" if "gemma3" in preset or "gemma-3" in preset else "gemma"
+        source = Source("hub", preset, family)
+    elif "/" in preset or preset.startswith((".", "~")):
+        raise UserError(
+            f"preset directory {preset} does not exist; pass a directory made by save_to_preset, "
+            "a preset name such as gemma_2b_en, or `tiny`"
+        )
+    else:
+        source = Source("hub", preset, _family_of_name(preset))
+    _check_hub_access(source.handle)
+    return source
+
+
+def _family_of_directory(path: Path) -> str:
+    config = path / "config.json"
+    if not config.is_file():
+        raise UserError(f"{path} is not a keras-hub preset directory (no config.json); make one with save_to_preset")
+    try:
+        class_name = json.loads(config.read_text(encoding="utf-8")).get("class_name", "")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{config} is not valid JSON; re-create the preset with save_to_preset") from None
+    if "Gemma3" in class_name:
+        return "gemma3"
+    if "Gemma" in class_name:
+        return "gemma"
+    raise UserError(f"{path} holds a {class_name or 'non-Gemma'} model; finetune trains Gemma presets only")
+
+
+def known_names() -> dict[str, str]:
+    import keras_hub
+
+    names = {name: "gemma" for name in keras_hub.models.GemmaCausalLM.presets}
+    names.update({name: "gemma3" for name in keras_hub.models.Gemma3CausalLM.presets})
+    return names
+
+
+def _family_of_name(name: str) -> str:
+    names = known_names()
+    if name in names:
+        return names[name]
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else "e.g. gemma_2b_en, gemma2_2b_en, gemma3_1b, or tiny"
+    raise UserError(f"unknown preset {name!r}; {hint}")
+
+
+def kaggle_credentials_present() -> bool:
+    if os.environ.get("KAGGLE_USERNAME") and os.environ.get("KAGGLE_KEY"):
+        return True
+    if os.environ.get("KAGGLE_API_TOKEN"):
+        return True
+    config_dir = Path(os.environ.get("KAGGLE_CONFIG_DIR", Path.home() / ".kaggle"))
+    return (config_dir / "kaggle.json").is_file() or (config_dir / "access_token").is_file()
+
+
+def _in_kagglehub_cache(handle: str) -> bool:
+    """kagglehub keeps models under <cache>/models/<owner>/<model>/<framework>/<variation>."""
+    cache = Path(os.environ.get("KAGGLEHUB_CACHE", Path.home() / ".cache" / "kagglehub"))
+    parts = handle.removeprefix("kaggle://").split("/")
+    variation = parts[3] if len(parts) >= 4 else parts[-1]
+    return any(cache.glob(f"models/*/*/*/{variation}"))
+
+
+def _check_hub_access(handle: str) -> None:
+    if _in_kagglehub_cache(handle):
+        return
+    if not kaggle_credentials_present():
+        raise UserError(
+            f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
+            "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
+            "license on kaggle.com;\nin a Kaggle notebook, attach the model and pass its /kaggle/input/... "
+            "directory as --preset; or run offline with --preset tiny"
+        )
+    try:
+        socket.create_connection(("www.kaggle.com", 443), timeout=5).close()
+    except OSError:
+        raise UserError(
+            f"cannot reach kaggle.com to download {handle}; check the network, pass a local preset "
+            "directory as --preset, or run offline with --preset tiny"
+        ) from None
+
+
+def tiny_tokenizer():
+    import keras_hub
+
+    return keras_hub.models.GemmaTokenizer(proto=str(TINY_TOKENIZER))
+
+
+def tiny_backbone(vocabulary_size: int, dtype=None):
+    """The tiny GemmaBackbone with weights drawn by numpy from a fixed seed.
+
+    Drawing with numpy rather than Keras initializers gives the same weights
+    on every backend, so an adapter trained on one backend applies to the
+    same base model on another.
+    """
+    import keras_hub
+    import numpy as np
+
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, dtype=dtype, **TINY_CONFIG)
+    rng = np.random.default_rng(TINY_SEED)
+    for weight in backbone.weights:
+        shape = tuple(weight.shape)
+        if len(shape) == 1:  # RMSNorm scales: Gemma multiplies by (1 + scale)
+            value = np.zeros(shape, np.float32)
+        else:
+            value = rng.normal(0.0, 0.1, size=shape).astype(np.float32)
+        weight.assign(value)
+    return backbone

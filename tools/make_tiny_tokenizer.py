@@ -1,0 +1,76 @@
+"""Train the tiny model's SentencePiece tokenizer on data/dolly-sample.jsonl.
+
+The result ships as finetune/assets/tiny/tokenizer.spm. It keeps Gemma's
+special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then
+<start_of_turn> and <end_of_turn>) and Gemma's text handling (no dummy
+prefix, no whitespace folding, byte fallback), so keras_hub's GemmaTokenizer
+treats it exactly like the real one and any UTF-8 text round-trips.
+
+usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N]
+"""
+
+import argparse
+import io
+import json
+from pathlib import Path
+
+import sentencepiece as spm
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", nargs="?", default=HERE / "data" / "dolly-sample.jsonl")
+    parser.add_argument("out", nargs="?", default=HERE / "finetune" / "assets" / "tiny" / "tokenizer.spm")
+    parser.add_argument("--vocab", type=int, default=1024)
+    args = parser.parse_args()
+
+    texts = []
+    with open(args.data, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            texts += [record["instruction"], record["context"], record["response"]]
+    # The template words, so that prompts tokenize into few pieces.
+    texts += [
+        "Instruction:\n",
+        "Context:\n",
+        "Response:\n",
+        "### Instruction:\n",
+        "### Input:\n",
+        "### Response:\n",
+        "user\n",
+        "model\n",
+    ] * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(t for t in texts if t),
+        model_writer=model,
+        vocab_size=args.vocab,
+        model_type="unigram",
+        character_coverage=1.0,
+        byte_fallback=True,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        split_digits=True,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_bytes(model.getvalue())
+    print(f"wrote {args.out} ({len(model.getvalue())} bytes)")
+
+
+if __name__ == "__main__":
+    main()
