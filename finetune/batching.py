@@ -38,7 +38,7 @@ def template_overhead(tokenizer, template) -> int:
 
 
 def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
-    """(prompt, response) pairs to Examples; returns (examples, dropped).
+    """(prompt, response) pairs to Examples; returns (examples, indices of dropped pairs).
 
     A pair whose prompt alone fills the sequence has no response token left to
     learn from and is dropped; longer responses are cut at seq_len.
@@ -47,14 +47,14 @@ def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
         raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
     prompts = _ids(tokenizer, [p for p, _ in pairs])
     responses = _ids(tokenizer, [r for _, r in pairs])
-    examples, dropped = [], 0
-    for prompt, response in zip(prompts, responses):
+    examples, dropped = [], []
+    for index, (prompt, response) in enumerate(zip(prompts, responses)):
         ids = [BOS, *prompt, *response, EOS][: seq_len + 1]
         prompt_weight = 1.0 if train_on_prompt else 0.0
         weights = [0.0] + [prompt_weight] * len(prompt) + [1.0] * (len(response) + 1)
         weights = weights[: len(ids)]
         if len(prompt) + 1 >= len(ids):  # nothing of the response survived the cut
-            dropped += 1
+            dropped.append(index)
             continue
         examples.append(Example(ids, weights))
     return examples, dropped
@@ -86,10 +86,10 @@ def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
     }
 
 
-def check_fits(examples, dropped: int, source: str) -> None:
+def check_fits(examples, dropped: list[int], source: str) -> None:
     if not examples:
         raise UserError(
-            f"no usable records in {source}: all {dropped} prompts fill the whole sequence; "
+            f"no usable records in {source}: all {len(dropped)} prompts fill the whole sequence; "
             "raise --seq-len or use shorter records"
         )
 

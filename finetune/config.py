@@ -123,6 +123,9 @@ def load(recipe: Optional[str | Path] = None, overrides: Optional[dict[str, Any]
 
 def from_dict(data: dict) -> Config:
     """A checked Config from a nested mapping (a recipe, or a run's config.yaml)."""
+    # A run's config.yaml adds a `resolved:` record of what the run found; it is
+    # not a setting, so a finished run's config can be used as a recipe.
+    data = {k: v for k, v in data.items() if k != "resolved"}
     cfg = _build(Config, data, prefix="")
     validate(cfg)
     return cfg
@@ -200,8 +203,15 @@ def _build(cls, data: Any, prefix: str):
 
 def _coerce(key: str, hint, value):
     """Check `value` against the annotation; ints pass where floats are wanted."""
+    allowed = typing.get_args(hint) or (hint,)
+    if float in allowed and isinstance(value, str):
+        # YAML 1.1 reads 5e-5 (no dot) as a string, and people write rates that way.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if _matches(hint, value):
-        if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        if float in allowed and int not in allowed and type(value) is int:
             return float(value)
         return value
     raise UserError(f"config key {key!r} must be {_describe(hint)}, got {value!r}")

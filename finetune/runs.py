@@ -29,9 +29,7 @@ def open_run(directory: str | Path) -> Run:
         raise UserError(
             f"{directory} is not a finished run (no config.yaml and {outputs.ADAPTER}); pass --run DIR of a run"
         )
-    data = config_module.read_recipe(config_file)
-    data.pop("resolved", None)
-    return Run(directory, config_module.from_dict(data))
+    return Run(directory, config_module.from_dict(config_module.read_recipe(config_file)))
 
 
 def load_model(run: Run):
@@ -50,7 +48,7 @@ def load_model(run: Run):
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
-    from finetune import batching, data, evaluate, templates
+    from finetune import batching, data, evaluate, templates, train
 
     cfg = run.config
     records = data.load_records(data_path or cfg.data.path)
@@ -61,14 +59,12 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
         max_records=cfg.data.max_records,
         source=data_path or cfg.data.path,
     )
-    if data_path is None:  # the same held-out records as in training
-        _, records = data.split(records, cfg.data.eval_fraction, cfg.train.seed, min_eval=cfg.train.batch_size)
     lm, preprocessor = load_model(run)
     template = templates.get(cfg.data.template)
-    examples, dropped = batching.tokenize(
-        [template.apply(r) for r in records], preprocessor.tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
-    )
-    batching.check_fits(examples, dropped, data_path or cfg.data.path)
+    usable = train.usable_examples(records, template, preprocessor.tokenizer, cfg)
+    if data_path is None:  # the same held-out records as in training
+        _, usable = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=cfg.train.batch_size)
+    examples = [e for _, e in usable]
     batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
     result = evaluate.metrics(lm, batches)
     result["examples"] = len(examples)

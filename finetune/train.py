@@ -50,35 +50,30 @@ def run(cfg: Config) -> dict:
             f"seq-len {cfg.model.seq_len} is too small for the {template.name} template, whose fixed text "
             f"takes {overhead} tokens; use --seq-len {max(64, overhead + 8)} or more"
         )
-    batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
-    first_batch = backend.DEFAULT_BATCH_SIZE[cfg.backend] if batch_size == "auto" else batch_size
-    train_records, eval_records = data.split(records, cfg.data.eval_fraction, cfg.train.seed, min_eval=first_batch)
-    train_examples, dropped = batching.tokenize(
-        [template.apply(r) for r in train_records], tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
-    )
-    eval_examples, eval_dropped = batching.tokenize(
-        [template.apply(r) for r in eval_records], tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
-    )
-    batching.check_fits(train_examples, dropped, cfg.data.path)
-    batching.check_fits(eval_examples, eval_dropped, f"the held-out part of {cfg.data.path}")
-    if dropped + eval_dropped:
-        print(f"note: {dropped + eval_dropped} records skipped: their prompt fills all {cfg.model.seq_len} tokens")
-    train_arrays = batching.pad(train_examples, cfg.model.seq_len)
-    eval_arrays = batching.pad(eval_examples, cfg.model.seq_len)
+    usable = usable_examples(records, template, tokenizer, cfg)
 
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
     model.compile(lm, learning_rate, cfg.train.weight_decay)
+    batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     if batch_size == "auto":
-        batch_size = largest_batch_size(lm, train_arrays, limit=min(64, len(train_examples)))
+        # Capped so that a held-out batch and a training batch both remain.
+        probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
+        batch_size = largest_batch_size(lm, probe_rows, limit=min(64, len(usable) // 2))
         print(f"batch size auto: {batch_size}")
-    if len(train_examples) < batch_size:
+    train_part, eval_part = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
+    if len(train_part) < batch_size:
         raise UserError(
-            f"{len(train_examples)} training records are fewer than one batch of {batch_size}; "
+            f"{len(train_part)} training records are fewer than one batch of {batch_size}; "
             "lower --batch-size or add records"
         )
-    train_batches = batching.Batches(train_arrays, batch_size, shuffle=True, seed=cfg.train.seed)
-    eval_batches = batching.Batches(eval_arrays, batch_size)
+    train_examples = [e for _, e in train_part]
+    eval_examples = [e for _, e in eval_part]
+    eval_records = [r for r, _ in eval_part]
+    train_batches = batching.Batches(
+        batching.pad(train_examples, cfg.model.seq_len), batch_size, shuffle=True, seed=cfg.train.seed
+    )
+    eval_batches = batching.Batches(batching.pad(eval_examples, cfg.model.seq_len), batch_size)
 
     sample_records = eval_records[: cfg.train.samples]
     sample_prompts = [template.apply(r)[0] for r in sample_records]
@@ -177,6 +172,19 @@ def run(cfg: Config) -> dict:
         raise
     print(outputs.summary_table(metrics, run_dir))
     return metrics
+
+
+def usable_examples(records, template, tokenizer, cfg: Config) -> list[tuple]:
+    """(record, Example) for each record that leaves a response token within seq_len."""
+    examples, dropped = batching.tokenize(
+        [template.apply(r) for r in records], tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
+    )
+    batching.check_fits(examples, dropped, cfg.data.path)
+    if dropped:
+        print(f"note: {len(dropped)} records skipped: their prompt fills all {cfg.model.seq_len} tokens")
+    skipped = set(dropped)
+    kept = [r for i, r in enumerate(records) if i not in skipped]
+    return list(zip(kept, examples))
 
 
 def largest_batch_size(lm, arrays, limit: int) -> int:

@@ -1,0 +1,62 @@
+"""Shared fixtures. The Keras backend comes from KERAS_BACKEND (one pytest process per backend)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+BACKEND = os.environ["KERAS_BACKEND"]
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DOLLY = REPO.parent / "shared" / "data" / "dolly-real-151.jsonl"
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def make_records(n: int, with_context_every: int = 3):
+    out = []
+    for i in range(n):
+        out.append(
+            {
+                "instruction": f"What is {i} plus {i + 1}?",
+                "context": f"Numbers {i} and {i + 1}." if i % with_context_every == 0 else "",
+                "response": f"{i} plus {i + 1} is {2 * i + 1}.",
+                "category": "general_qa" if i % 2 else "open_qa",
+            }
+        )
+    return out
+
+
+@pytest.fixture
+def backend_name():
+    return BACKEND
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    return write_jsonl(tmp_path / "small.jsonl", make_records(24))
+
+
+@pytest.fixture
+def tiny_args():
+    """CLI flags for a fast tiny run on this process' backend."""
+    return [
+        "--preset",
+        "tiny",
+        "--backend",
+        BACKEND,
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--set",
+        "train.samples=1",
+        "--set",
+        "train.max_new_tokens=4",
+    ]

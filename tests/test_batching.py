@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+
+from finetune import batching, presets, templates
+from finetune.data import Record
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return presets.tiny_tokenizer()
+
+
+def ids(tokenizer, text):
+    return [int(t) for t in np.asarray(tokenizer.tokenize(text))]
+
+
+def test_prompt_positions_carry_weight_zero(tokenizer):
+    prompt, response = templates.get("dolly").apply(Record(instruction="What is 2 plus 2?", response="4."))
+    (example,), dropped = batching.tokenize([(prompt, response)], tokenizer, seq_len=64)
+    n_prompt, n_response = len(ids(tokenizer, prompt)), len(ids(tokenizer, response))
+    assert dropped == []
+    assert example.token_ids[0] == batching.BOS and example.token_ids[-1] == batching.EOS
+    assert example.token_ids[1 : 1 + n_prompt] == ids(tokenizer, prompt)
+    assert example.weights == [0.0] * (1 + n_prompt) + [1.0] * (n_response + 1)
+
+
+def test_train_on_prompt_weights_prompt_tokens(tokenizer):
+    (example,), _ = batching.tokenize([("Question:\n", "Answer.")], tokenizer, seq_len=64, train_on_prompt=True)
+    assert example.weights[0] == 0.0  # <bos> is never a target
+    assert all(w == 1.0 for w in example.weights[1:])
+
+
+def test_long_examples_are_cut_and_prompt_only_ones_dropped(tokenizer):
+    long_response = ("word " * 100).strip()
+    pairs = [("Q:\n", long_response), ("very long prompt " * 40, "A.")]
+    examples, dropped = batching.tokenize(pairs, tokenizer, seq_len=32)
+    assert dropped == [1]
+    assert len(examples) == 1 and len(examples[0].token_ids) == 33  # seq_len inputs + 1 shifted target
+
+
+def test_pad_shifts_targets_and_masks_padding(tokenizer):
+    examples, _ = batching.tokenize([("Q:\n", "Yes."), ("Question two:\n", "No way.")], tokenizer, seq_len=24)
+    arrays = batching.pad(examples, seq_len=24)
+    assert arrays["token_ids"].shape == (2, 24)
+    for row, example in enumerate(examples):
+        n = len(example.token_ids) - 1
+        np.testing.assert_array_equal(arrays["token_ids"][row, :n], example.token_ids[:-1])
+        np.testing.assert_array_equal(arrays["labels"][row, :n], example.token_ids[1:])
+        np.testing.assert_array_equal(arrays["weights"][row, :n], example.weights[1:])
+        assert arrays["padding_mask"][row, :n].all() and not arrays["padding_mask"][row, n:].any()
+        assert not arrays["weights"][row, n:].any()
+        np.testing.assert_array_equal(arrays["segment_ids"][row], arrays["padding_mask"][row].astype(np.int32))
+
+
+def test_training_batches_are_full_and_reshuffled_per_epoch(tokenizer):
+    examples, _ = batching.tokenize([(f"Q{i}:\n", f"A{i}.") for i in range(10)], tokenizer, seq_len=16)
+    arrays = batching.pad(examples, 16)
+    train = batching.Batches(arrays, batch_size=4, shuffle=True, seed=1)
+    assert len(train) == 2  # the ragged last batch is dropped
+    first = np.concatenate([train[i][0]["token_ids"] for i in range(len(train))])
+    train.on_epoch_end()
+    second = np.concatenate([train[i][0]["token_ids"] for i in range(len(train))])
+    assert first.shape == (8, 16) and not np.array_equal(first, second)
+    evaluation = batching.Batches(arrays, batch_size=4)
+    assert len(evaluation) == 3 and len(evaluation[2][1]) == 2  # every held-out row is seen
+
+
+def test_template_overhead_counts_fixed_text(tokenizer):
+    overhead = batching.template_overhead(tokenizer, templates.get("alpaca"))
+    assert overhead > batching.template_overhead(tokenizer, templates.get("dolly")) > 2

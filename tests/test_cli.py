@@ -1,0 +1,220 @@
+"""The CLI: help, flag precedence, and every bad input: exit 2, a clear message, nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import BACKEND, make_records, write_jsonl
+from typer.testing import CliRunner
+
+import finetune
+from finetune.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_lists_every_option_with_its_default():
+    top = invoke("--help")
+    assert top.exit_code == 0
+    for command in ("gemma", "eval", "generate"):
+        assert command in top.output
+    result = invoke("gemma", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for flag, default in [
+        ("--backend", "jax"),
+        ("--preset", "gemma_2b_en"),
+        ("--rank", "4"),
+        ("--template", "dolly"),
+        ("--seq-len", "256"),
+        ("--eval-fraction", "0.05"),
+        ("--epochs", "1"),
+        ("--seed", "0"),
+    ]:
+        assert flag in text and f"[default: {default}]" in text, flag
+    for flag in (
+        "--alpha",
+        "--target",
+        "--data",
+        "--batch-size",
+        "--max-steps",
+        "--lr",
+        "--output",
+        "--recipe",
+        "--set",
+        "--overwrite",
+        "--train-on-prompt",
+        "--debug",
+    ):
+        assert flag in text, flag
+
+
+def test_flag_precedence(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(finetune, "run", lambda cfg: seen.setdefault("cfg", cfg))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lora:\n  rank: 8\n  alpha: 16\ntrain:\n  epochs: 3\n  seed: 5\n")
+    result = invoke(
+        "gemma",
+        "--recipe",
+        recipe,
+        "--set",
+        "train.epochs=4",
+        "--set",
+        "lora.rank=6",
+        "--rank",
+        "2",
+        "--target",
+        "query,key",
+        "--batch-size",
+        "auto",
+    )
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert cfg.lora.rank == 2  # flag beats --set beats recipe
+    assert cfg.train.epochs == 4  # --set beats recipe
+    assert cfg.train.seed == 5 and cfg.lora.alpha == 16.0  # recipe beats defaults
+    assert cfg.lora.targets == ["query", "key"]
+    assert cfg.train.batch_size == "auto"
+    assert cfg.backend == "jax"  # the default
+
+
+def bad_inputs(tmp_path):
+    """(name, extra CLI args) for each input mistake the brief lists."""
+    good = write_jsonl(tmp_path / "good.jsonl", make_records(12))
+    files = {
+        "empty": b"",
+        "not-json": b'{"instruction": "a", "response": "b"}\nnot json at all\n',
+        "no-response": b'{"instruction": "a"}\n',
+        "non-string": b'{"instruction": "a", "response": 42}\n',
+        "not-utf8": '{"instruction": "\u00e9t\u00e9", "response": "b"}\n'.encode("cp1252"),
+    }
+    cases = {name: (["--data", str(_write(tmp_path / f"{name}.jsonl", content))]) for name, content in files.items()}
+    cases.update(
+        {
+            "missing-file": ["--data", str(tmp_path / "missing.jsonl")],
+            "no-records-after-filters": ["--data", str(good), "--category", "poetry"],
+            "unknown-backend": ["--backend", "numpy"],
+            "unknown-preset": ["--preset", "gemma_9z_en"],
+            "missing-preset-dir": ["--preset", str(tmp_path / "no-such-preset")],
+            "unknown-template": ["--template", "chatml"],
+            "rank-zero": ["--rank", "0"],
+            "seq-len-too-small": ["--seq-len", "12"],
+            "eval-fraction-zero": ["--eval-fraction", "0"],
+            "eval-fraction-one": ["--eval-fraction", "1.5"],
+            "bad-batch-size": ["--batch-size", "lots"],
+            "unknown-set-key": ["--set", "train.epoch=2"],
+            "unknown-target": ["--target", "qkv"],
+        }
+    )
+    return cases, good
+
+
+def _write(path, content):
+    path.write_bytes(content)
+    return path
+
+
+EXPECTED = {
+    "empty": "is empty",
+    "not-json": ":2: not valid JSON",
+    "no-response": ":1: record has no 'response' field",
+    "non-string": ":1: field 'response' must be a string",
+    "not-utf8": "is not UTF-8",
+    "missing-file": "does not exist",
+    "no-records-after-filters": "no usable records",
+    "unknown-backend": "unknown backend 'numpy'",
+    "unknown-preset": "unknown preset 'gemma_9z_en'",
+    "missing-preset-dir": "does not exist",
+    "unknown-template": "unknown template 'chatml'",
+    "rank-zero": "rank must be at least 1",
+    "seq-len-too-small": "too small for the dolly template",
+    "eval-fraction-zero": "between 0 and 1",
+    "eval-fraction-one": "between 0 and 1",
+    "bad-batch-size": "--batch-size must be a positive integer",
+    "unknown-set-key": "did you mean 'train.epochs'",
+    "unknown-target": "no layer named 'qkv'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_exits_2_with_a_message_and_writes_nothing(tmp_path, case, tiny_args):
+    cases, good = bad_inputs(tmp_path)
+    out = tmp_path / "run"
+    args = ["gemma", *tiny_args, "--data", good, "--output", out, *cases[case]]
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and EXPECTED[case] in message, message
+    assert len(message.splitlines()) <= 2
+    assert "Traceback" not in result.output
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]
+
+
+def test_output_holding_a_run_is_refused_unless_overwrite(tmp_path, tiny_args, small_data):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.json").write_text("{}")
+    result = invoke("gemma", *tiny_args, "--data", small_data, "--output", out)
+    assert result.exit_code == 2 and "already holds a run" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
+
+
+def test_kaggle_preset_without_credentials_fails_fast_and_hides_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path / "cache"))
+    for name in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    result = invoke("gemma", "--backend", BACKEND, "--preset", "gemma_2b_en", "--output", tmp_path / "run")
+    assert result.exit_code == 2
+    assert "KAGGLE_USERNAME" in result.stderr and "/kaggle/input" in result.stderr and "--preset tiny" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+    monkeypatch.setenv("KAGGLE_USERNAME", "someone")
+    monkeypatch.setenv("KAGGLE_KEY", "s3cr3t-key-value")
+    result = invoke("gemma", "--backend", BACKEND, "--preset", "gemma_2b_en", "--output", tmp_path / "run")
+    # With credentials but no network here, the download cannot work: still exit 2, never the key.
+    assert result.exit_code == 2
+    assert "s3cr3t-key-value" not in result.output
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = invoke("gemma", "--backend", BACKEND, "--preset", "tiny", "--data", tmp_path / "missing.jsonl", "--debug")
+    assert result.exit_code == 2
+    assert "Traceback" in result.output and "UserError" in result.output
+
+
+def test_python_dash_m_runs_the_cli_in_a_fresh_process(tmp_path):
+    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"instruction": "a"}) + "\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "gemma",
+            "--preset",
+            "tiny",
+            "--backend",
+            BACKEND,
+            "--data",
+            str(bad),
+            "--output",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "record has no 'response' field" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,88 @@
+import pytest
+
+from finetune import config
+from finetune.errors import UserError
+
+
+def test_defaults_match_the_documented_command():
+    cfg = config.load()
+    assert cfg.backend == "jax"
+    assert cfg.model.preset == "gemma_2b_en"
+    assert cfg.lora.rank == 4
+    assert cfg.lora.targets == ["query", "value"]
+    assert cfg.data.eval_fraction == 0.05
+    assert cfg.data.train_on_prompt is False
+
+
+def test_precedence_recipe_then_set_then_flags(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lora:\n  rank: 8\ntrain:\n  epochs: 3\n  seed: 7\n")
+    # The CLI passes --set pairs first, then named flags: later keys win.
+    cfg = config.load(recipe, {"train.epochs": 5, "lora.rank": 16, **{"lora.rank": 2}})
+    assert cfg.train.epochs == 5  # --set over recipe
+    assert cfg.lora.rank == 2  # flag over --set
+    assert cfg.train.seed == 7  # recipe over default
+
+
+def test_unknown_key_is_refused_with_a_suggestion(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(UserError, match="did you mean 'train.epochs'"):
+        config.load(recipe)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.epochs", "two", "must be an integer"),
+        ("lora.targets", "query", "must be a list of a string"),
+        ("data.drop_context", "yes", "must be true or false"),
+    ],
+)
+def test_wrong_types_are_refused(key, value, message):
+    with pytest.raises(UserError, match=message):
+        config.load(None, {key: value})
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("backend", "numpy", "unknown backend"),
+        ("data.template", "chatml", "unknown template"),
+        ("lora.rank", 0, "rank must be at least 1"),
+        ("data.eval_fraction", 0.0, "between 0 and 1"),
+        ("data.eval_fraction", 1.0, "between 0 and 1"),
+        ("train.batch_size", 0, "batch size"),
+        ("train.batch_size", "big", "batch size"),
+        ("model.precision", "fp8", "unknown precision"),
+    ],
+)
+def test_out_of_range_values_are_refused(key, value, message):
+    with pytest.raises(UserError, match=message):
+        config.load(None, {key: value})
+
+
+def test_set_values_are_read_as_yaml():
+    assert config.load(None, dict([config.parse_set("train.learning_rate=1e-4")])).train.learning_rate == 1e-4
+    assert config.parse_set("lora.targets=[query, key]") == ("lora.targets", ["query", "key"])
+    assert config.parse_set("train.max_steps=null") == ("train.max_steps", None)
+    with pytest.raises(UserError, match="key=value"):
+        config.parse_set("train.epochs")
+
+
+def test_recipe_rates_without_a_dot_read_as_numbers(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  learning_rate: 5e-5\n")
+    assert config.load(recipe).train.learning_rate == 5e-5
+
+
+def test_integers_are_accepted_where_numbers_are_wanted():
+    cfg = config.load(None, {"train.learning_rate": 1, "train.batch_size": "auto"})
+    assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
+    assert cfg.train.batch_size == "auto"
+
+
+def test_a_run_s_config_yaml_works_as_a_recipe(tmp_path):
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text("lora:\n  rank: 3\nresolved:\n  preset_kind: tiny\n")
+    assert config.load(recipe).lora.rank == 3

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+from conftest import make_records, write_jsonl
+
+from finetune import data
+from finetune.errors import UserError
+
+
+def test_reads_records_and_ignores_extra_keys(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "response": "b", "id": 7, "context": None}])
+    assert data.load_records(str(path)) == [data.Record(instruction="a", response="b", context="", category="")]
+
+
+def test_bom_and_crlf_are_valid(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(r) for r in make_records(3)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    records = data.load_records(str(path))
+    assert len(records) == 3
+    assert records[0].instruction == "What is 0 plus 1?"
+
+
+def test_the_sample_loads():
+    records = data.load_records("sample")
+    assert len(records) >= 200
+    assert any(r.context for r in records) and any(not r.context for r in records)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty"),
+        (b"\n  \n", "is empty"),
+        (b'{"instruction": "a", "response": "b"}\n{not json}\n', r":2: not valid JSON"),
+        (b'{"instruction": "a"}\n', r":1: record has no 'response' field"),
+        (b'{"response": "a"}\n', r":1: record has no 'instruction' field"),
+        (b'{"instruction": "a", "response": 3}\n', r":1: field 'response' must be a string, got int"),
+        (b'{"instruction": "a", "response": "b", "context": ["x"]}\n', r"field 'context' must be a string"),
+        (b'["a", "b"]\n', "expected a JSON object"),
+        (b'{"instruction": "a", "response": "  "}\n', "field 'response' is empty"),
+        ('{"instruction": "caf\u00e9", "response": "b"}\n'.encode("latin-1"), "is not UTF-8"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        data.load_records(str(path))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        data.load_records(str(tmp_path / "nope.jsonl"))
+
+
+def test_filters():
+    records = [data.Record(**r) for r in make_records(12)]
+    no_context = data.filter_records(records, drop_context=True)
+    assert no_context and all(not r.context for r in no_context)
+    only_open = data.filter_records(records, categories=["open_qa"])
+    assert {r.category for r in only_open} == {"open_qa"}
+    assert len(data.filter_records(records, max_records=5)) == 5
+    with pytest.raises(UserError, match="no usable records"):
+        data.filter_records(records, categories=["poetry"])
+
+
+def test_split_is_seeded_and_holds_out_at_least_min_eval():
+    records = [data.Record(**r) for r in make_records(40)]
+    train, held = data.split(records, 0.05, seed=3, min_eval=4)
+    assert len(held) == 4 and len(train) == 36
+    assert set(train).isdisjoint(held)
+    assert data.split(records, 0.05, seed=3, min_eval=4) == (train, held)
+    assert data.split(records, 0.05, seed=4, min_eval=4)[1] != held
+    with pytest.raises(UserError, match="too few"):
+        data.split(records[:2], 0.5, seed=0, min_eval=2)

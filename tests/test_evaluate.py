@@ -1,0 +1,44 @@
+import keras
+import numpy as np
+
+from finetune import batching, evaluate, model, presets
+
+
+def test_loss_is_averaged_over_response_tokens_only():
+    keras.utils.set_random_seed(0)
+    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
+    model.enable_lora(lm, 2, None, ["query", "value"])
+    model.compile(lm, learning_rate=1e-3, weight_decay=0.0)
+    pairs = [
+        ("Instruction:\nA long prompt about " + "many things " * i + "\n\nResponse:\n", "Short.") for i in range(5)
+    ]
+    examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=48)
+    arrays = batching.pad(examples, 48)
+    result = evaluate.metrics(lm, batching.Batches(arrays, batch_size=2))  # uneven batches on purpose
+
+    out = keras.ops.convert_to_numpy(lm({"token_ids": arrays["token_ids"], "padding_mask": arrays["padding_mask"]}))
+    shifted = out - out.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, arrays["labels"][..., None], axis=-1)[..., 0]
+    w = arrays["weights"]
+    expected = float((nll * w).sum() / w.sum())
+    correct = (out.argmax(-1) == arrays["labels"]).astype(np.float32)
+
+    np.testing.assert_allclose(result["loss"], expected, rtol=1e-4)
+    np.testing.assert_allclose(result["accuracy"], float((correct * w).sum() / w.sum()), rtol=1e-4)
+    np.testing.assert_allclose(result["perplexity"], np.exp(expected), rtol=1e-3)
+    # Keras' default reduction would have divided by every position, padding included.
+    assert abs(expected - float((nll * w).sum() / w.size)) > 0.5
+    # And an unweighted mean over the real tokens would have counted the prompts.
+    assert abs(expected - float(nll[arrays["padding_mask"]].mean())) > 1e-3
+
+
+def test_generate_returns_continuations_without_the_prompt():
+    keras.utils.set_random_seed(0)
+    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
+    model.compile(lm, learning_rate=1e-3, weight_decay=0.0)
+    prompts = ["Instruction:\nSay hi.\n\nResponse:\n", "Instruction:\nCount.\n\nResponse:\n"]
+    outputs = evaluate.generate(lm, preprocessor, prompts, max_new_tokens=5)
+    assert len(outputs) == 2
+    assert not any(o.startswith("Instruction:") for o in outputs)
+    assert lm.preprocessor is None  # detached again, so fit sees token ids

@@ -1,0 +1,80 @@
+import keras
+import numpy as np
+import pytest
+
+from finetune import batching, model, presets
+from finetune.errors import UserError
+
+TINY = presets.Source("tiny", "tiny", "gemma")
+
+
+def build(rank=2, alpha=None, targets=("query", "value")):
+    keras.utils.set_random_seed(0)
+    lm, preprocessor = model.build(TINY, seq_len=32)
+    model.enable_lora(lm, rank, alpha, list(targets))
+    model.compile(lm, learning_rate=1e-2, weight_decay=0.0)
+    return lm, preprocessor
+
+
+def a_batch(preprocessor, n=4):
+    pairs = [(f"Instruction:\nSay {i}.\n\nResponse:\n", f"{i} {i} {i}.") for i in range(n)]
+    examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=32)
+    return batching.Batches(batching.pad(examples, 32), batch_size=n)[0]
+
+
+def logits(lm, x):
+    return keras.ops.convert_to_numpy(lm(x, training=False))
+
+
+def test_tiny_base_weights_are_the_same_on_every_build():
+    first, _ = model.build(TINY, seq_len=32)
+    second, _ = model.build(TINY, seq_len=32)
+    for a, b in zip(first.backbone.weights, second.backbone.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+
+def test_only_lora_factors_train():
+    lm, _ = build(rank=2)
+    names = {v.path.split("/")[-1] for v in lm.trainable_weights}
+    assert names == {"lora_kernel_a", "lora_kernel_b"}
+    # Keras factors an einsum kernel of shape (heads, hidden, head_dim) into
+    # A (heads, hidden, rank) and B (rank, head_dim): query has 4 heads, value 1.
+    query, value = 4 * 128 * 2 + 2 * 32, 1 * 128 * 2 + 2 * 32
+    assert model.trainable_parameters(lm) == 2 * (query + value)
+
+
+def test_alpha_sets_the_layer_scale_and_targets_are_checked():
+    lm, _ = build(rank=2, alpha=8.0, targets=("query",))
+    adapted = [layer for layer in lm.backbone._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    assert [layer.name for layer in adapted] == ["query", "query"]
+    assert all(layer.lora_alpha == 8.0 for layer in adapted)
+    fresh, _ = model.build(TINY, seq_len=32)
+    with pytest.raises(UserError, match="no layer named 'qkv'"):
+        model.enable_lora(fresh, 2, None, ["qkv"])
+
+
+def test_adapter_save_then_load_gives_identical_logits(tmp_path):
+    lm, preprocessor = build(rank=2, alpha=4.0)
+    x, y, w = a_batch(preprocessor)
+    for _ in range(3):
+        lm.train_on_batch(x, y, sample_weight=w)
+    path = str(tmp_path / "adapter.lora.h5")
+    lm.backbone.save_lora_weights(path)
+
+    base, _ = build(rank=2, alpha=4.0)
+    assert not np.allclose(logits(base, x), logits(lm, x), atol=1e-4)  # training moved the adapter
+    base.backbone.load_lora_weights(path)
+    np.testing.assert_allclose(logits(base, x), logits(lm, x), rtol=1e-5, atol=1e-5)
+
+
+def test_local_preset_directory_resolves_and_loads(tmp_path):
+    lm, preprocessor = model.build(TINY, seq_len=32)
+    lm.preprocessor = preprocessor
+    lm.save_to_preset(str(tmp_path / "tiny-preset"))
+    source = presets.resolve(str(tmp_path / "tiny-preset"))
+    assert (source.kind, source.family) == ("local", "gemma")
+    loaded, loaded_preprocessor = model.build(source, seq_len=32)
+    x, _, _ = a_batch(preprocessor)
+    lm.preprocessor = None
+    np.testing.assert_allclose(logits(loaded, x), logits(lm, x), rtol=1e-5, atol=1e-5)
+    assert loaded_preprocessor.tokenizer.vocabulary_size() == preprocessor.tokenizer.vocabulary_size()
