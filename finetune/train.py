@@ -87,6 +87,8 @@ def run(cfg: Config) -> dict:
     epochs = cfg.train.epochs
     if cfg.train.max_steps is not None:
         epochs = min(epochs, math.ceil(cfg.train.max_steps / steps_per_epoch))
+        # A run shorter than an epoch declares it, so the progress bar counts to max_steps.
+        steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps)
     recorder = StepRecorder(train_batches, cfg.train.max_steps)
     train_started = time.perf_counter()
     # keras-hub's CausalLM.fit wraps its input in a tf.data/grain pipeline for
@@ -97,6 +99,7 @@ def run(cfg: Config) -> dict:
         train_batches,
         validation_data=eval_batches,
         epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
         callbacks=[recorder],
         verbose=1 if sys.stdout.isatty() else 2,
     )
