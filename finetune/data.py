@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import platforms
 from finetune.errors import UserError
 
 SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "dolly-sample.jsonl"
@@ -91,6 +92,7 @@ def _read_cloud(source: str) -> bytes:
 
 
 def _from_hugging_face(name: str) -> list[Record]:
+    platforms.use_hugging_face_cache_only_when_offline()
     try:
         import datasets
     except ImportError:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import platforms
 from finetune.errors import UserError
 
 TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny" / "tokenizer.spm"
@@ -102,40 +101,21 @@ def _family_of_name(name: str) -> str:
     raise UserError(f"unknown preset {name!r}; {hint}")
 
 
-def kaggle_credentials_present() -> bool:
-    if os.environ.get("KAGGLE_USERNAME") and os.environ.get("KAGGLE_KEY"):
-        return True
-    if os.environ.get("KAGGLE_API_TOKEN"):
-        return True
-    config_dir = Path(os.environ.get("KAGGLE_CONFIG_DIR", Path.home() / ".kaggle"))
-    return (config_dir / "kaggle.json").is_file() or (config_dir / "access_token").is_file()
-
-
-def _in_kagglehub_cache(handle: str) -> bool:
-    """kagglehub keeps models under <cache>/models/<owner>/<model>/<framework>/<variation>."""
-    cache = Path(os.environ.get("KAGGLEHUB_CACHE", Path.home() / ".cache" / "kagglehub"))
-    parts = handle.removeprefix("kaggle://").split("/")
-    variation = parts[3] if len(parts) >= 4 else parts[-1]
-    return any(cache.glob(f"models/*/*/*/{variation}"))
-
-
 def _check_hub_access(handle: str) -> None:
-    if _in_kagglehub_cache(handle):
+    if platforms.in_kagglehub_cache(handle):
         return
-    if not kaggle_credentials_present():
+    if not platforms.kaggle_credentials_present():
         raise UserError(
             f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
             "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
             "license on kaggle.com;\nin a Kaggle notebook, attach the model and pass its /kaggle/input/... "
             "directory as --preset; or run offline with --preset tiny"
         )
-    try:
-        socket.create_connection(("www.kaggle.com", 443), timeout=5).close()
-    except OSError:
+    if not platforms.reachable("www.kaggle.com"):
         raise UserError(
             f"cannot reach kaggle.com to download {handle}; check the network, pass a local preset "
             "directory as --preset, or run offline with --preset tiny"
-        ) from None
+        )
 
 
 def tiny_tokenizer():

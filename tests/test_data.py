@@ -74,3 +74,38 @@ def test_split_is_seeded_and_holds_out_at_least_min_eval():
     assert data.split(records, 0.05, seed=4, min_eval=4)[1] != held
     with pytest.raises(UserError, match="too few"):
         data.split(records[:2], 0.5, seed=0, min_eval=2)
+
+
+def test_hugging_face_datasets_are_read_and_checked_row_by_row(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from finetune import platforms
+
+    monkeypatch.setattr(platforms, "reachable", lambda *a, **k: True)
+    rows = [
+        {"instruction": "a", "context": None, "response": "b", "category": "open_qa"},
+        {"instruction": "c", "response": ""},
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows[:1] if name == "good/set" else rows)
+    assert data.load_records("hf:good/set") == [data.Record("a", "b", "", "open_qa")]
+    with pytest.raises(UserError, match=r"hf:bad/set row 1: field 'response' is empty"):
+        data.load_records("hf:bad/set")
+
+    def offline(name, split):
+        raise ConnectionError("no route")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(UserError, match="could not load Hugging Face dataset 'x/y'.*--data FILE.jsonl"):
+        data.load_records("hf:x/y")
+
+
+def test_the_sample_is_exactly_what_its_generator_writes(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "sample.jsonl"
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "make_sample_data.py"), str(out)], check=True, capture_output=True
+    )
+    assert out.read_bytes() == (REPO / "data" / "dolly-sample.jsonl").read_bytes()
