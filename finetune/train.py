@@ -101,7 +101,8 @@ def run(cfg: Config) -> dict:
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
         callbacks=[recorder],
-        verbose=1 if sys.stdout.isatty() else 2,
+        # A live progress bar in a terminal or notebook; one line per epoch in logs.
+        verbose=1 if sys.stdout.isatty() or "ipykernel" in sys.modules else 2,
     )
     train_seconds = time.perf_counter() - train_started
     # fit evaluates the held-out split after every epoch; the last one is "after".
