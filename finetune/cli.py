@@ -34,6 +34,9 @@ def _fail(error: BaseException, debug: bool):
     """One or two lines and exit 2 for what the user can fix; the traceback only with --debug."""
     if debug:
         traceback.print_exception(error)
+    if isinstance(error, KeyboardInterrupt):
+        print("interrupted; nothing was saved", file=sys.stderr)
+        raise typer.Exit(130)
     if isinstance(error, UserError):
         print(f"error: {error}", file=sys.stderr)
         raise typer.Exit(2)
@@ -163,7 +166,7 @@ def gemma(
         finetune.run(cfg)
     except typer.Exit:
         raise
-    except Exception as error:  # noqa: BLE001 - the one place errors become exit codes
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         _fail(error, debug)
 
 
@@ -184,7 +187,7 @@ def eval_(
             f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
             f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
         )
-    except Exception as error:  # noqa: BLE001
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
 
 
@@ -206,7 +209,7 @@ def generate(
         backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
-    except Exception as error:  # noqa: BLE001
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
 
 

@@ -218,3 +218,12 @@ def test_python_dash_m_runs_the_cli_in_a_fresh_process(tmp_path):
     assert proc.returncode == 2
     assert "record has no 'response' field" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune, "run", interrupted)
+    result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
+    assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.output
