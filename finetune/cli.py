@@ -13,7 +13,9 @@ from typing import Optional
 import typer
 
 from finetune import config as config_module
+from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.errors import UserError
+from finetune.presets import LEARNING_RATE
 
 D = config_module.Config()  # the built-in defaults, shown in --help
 
@@ -28,6 +30,11 @@ app = typer.Typer(
 
 def _default(value) -> str:
     return f"[default: {value}]"
+
+
+def _flag(help_text: str):
+    """An option that defaults to None, so that only flags the user typed override the recipe."""
+    return typer.Option(None, help=help_text, show_default=False)
 
 
 def _fail(error: BaseException, debug: bool):
@@ -53,55 +60,34 @@ def _fail(error: BaseException, debug: bool):
 
 @app.command()
 def gemma(
-    backend: Optional[str] = typer.Option(
-        None, help=f"Keras backend: jax, torch or tensorflow. {_default(D.backend)}", show_default=False
+    backend: Optional[str] = _flag(f"Keras backend: jax, torch or tensorflow. {_default(D.backend)}"),
+    preset: Optional[str] = _flag(
+        f"keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, or `tiny` (offline). {_default(D.model.preset)}"
     ),
-    preset: Optional[str] = typer.Option(
-        None,
-        help=f"keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, or `tiny` (offline). {_default(D.model.preset)}",
-        show_default=False,
+    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}"),
+    alpha: Optional[float] = _flag("LoRA alpha; the update is scaled by alpha/rank. [default: rank]"),
+    target: Optional[list[str]] = _flag(
+        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}"
     ),
-    rank: Optional[int] = typer.Option(None, help=f"LoRA rank. {_default(D.lora.rank)}", show_default=False),
-    alpha: Optional[float] = typer.Option(
-        None, help="LoRA alpha; the update is scaled by alpha/rank. [default: rank]", show_default=False
+    data: Optional[str] = _flag(
+        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (data/dolly-sample.jsonl). {_default(D.data.path)}"
     ),
-    target: Optional[list[str]] = typer.Option(
-        None,
-        help=f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}",
-        show_default=False,
+    template: Optional[str] = _flag(f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}"),
+    seq_len: Optional[int] = _flag(f"Tokens per training sequence. {_default(D.model.seq_len)}"),
+    batch_size: Optional[str] = _flag(
+        "Sequences per step, or `auto` to probe the largest that fits. "
+        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items()))
     ),
-    data: Optional[str] = typer.Option(
-        None,
-        help=f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (data/dolly-sample.jsonl). {_default(D.data.path)}",
-        show_default=False,
+    epochs: Optional[int] = _flag(f"Passes over the training split. {_default(D.train.epochs)}"),
+    max_steps: Optional[int] = _flag("Stop after this many steps. [default: no limit]"),
+    lr: Optional[float] = _flag(
+        "AdamW learning rate. " + _default(f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny")
     ),
-    template: Optional[str] = typer.Option(
-        None, help=f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}", show_default=False
+    eval_fraction: Optional[float] = _flag(
+        f"Share of records held out for evaluation. {_default(D.data.eval_fraction)}"
     ),
-    seq_len: Optional[int] = typer.Option(
-        None, help=f"Tokens per training sequence. {_default(D.model.seq_len)}", show_default=False
-    ),
-    batch_size: Optional[str] = typer.Option(
-        None,
-        help="Sequences per step, or `auto` to probe the largest that fits. [default: jax 4, torch 2, tensorflow 2]",
-        show_default=False,
-    ),
-    epochs: Optional[int] = typer.Option(
-        None, help=f"Passes over the training split. {_default(D.train.epochs)}", show_default=False
-    ),
-    max_steps: Optional[int] = typer.Option(
-        None, help="Stop after this many steps. [default: no limit]", show_default=False
-    ),
-    lr: Optional[float] = typer.Option(
-        None, help="AdamW learning rate. [default: 5e-5; 1e-2 for tiny]", show_default=False
-    ),
-    eval_fraction: Optional[float] = typer.Option(
-        None, help=f"Share of records held out for evaluation. {_default(D.data.eval_fraction)}", show_default=False
-    ),
-    seed: Optional[int] = typer.Option(
-        None, help=f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}", show_default=False
-    ),
-    output: Optional[str] = typer.Option(None, help="Run directory. [default: runs/<timestamp>]", show_default=False),
+    seed: Optional[int] = _flag(f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}"),
+    output: Optional[str] = _flag("Run directory. [default: runs/<timestamp>]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in --output."),
     train_on_prompt: bool = typer.Option(
         False, "--train-on-prompt", help="Also train on prompt tokens (default: response tokens only)."
@@ -109,21 +95,15 @@ def gemma(
     drop_context: bool = typer.Option(
         False, "--drop-context", help="Drop records that have a context, as the Keras tutorial does."
     ),
-    category: Optional[list[str]] = typer.Option(
-        None, help="Keep only this Dolly category; repeatable. [default: all]", show_default=False
+    category: Optional[list[str]] = _flag("Keep only this Dolly category; repeatable. [default: all]"),
+    max_records: Optional[int] = _flag("Use at most this many records. [default: all]"),
+    precision: Optional[str] = _flag(
+        f"auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on GPU/TPU, float32 on CPU. {_default(D.model.precision)}"
     ),
-    max_records: Optional[int] = typer.Option(
-        None, help="Use at most this many records. [default: all]", show_default=False
+    xla_mem_fraction: Optional[float] = _flag(
+        f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}"
     ),
-    precision: Optional[str] = typer.Option(
-        None,
-        help=f"auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on GPU/TPU, float32 on CPU. {_default(D.model.precision)}",
-        show_default=False,
-    ),
-    xla_mem_fraction: Optional[float] = typer.Option(
-        None, help=f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}", show_default=False
-    ),
-    recipe: Optional[str] = typer.Option(None, help="YAML recipe; flags and --set override it.", show_default=False),
+    recipe: Optional[str] = _flag("YAML recipe; flags and --set override it."),
     set_: Optional[list[str]] = typer.Option(
         None, "--set", help="Any config key, e.g. --set train.epochs=2; repeatable.", show_default=False
     ),
@@ -173,7 +153,7 @@ def gemma(
 @app.command("eval")
 def eval_(
     run: str = typer.Option(..., "--run", help="A finished run directory."),
-    data: Optional[str] = typer.Option(None, help="Evaluate on all of this JSONL instead of the run's held-out split."),
+    data: Optional[str] = _flag("Evaluate on all of this JSONL instead of the run's held-out split."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
@@ -195,9 +175,7 @@ def eval_(
 def generate(
     run: str = typer.Option(..., "--run", help="A finished run directory."),
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
-    max_new_tokens: Optional[int] = typer.Option(
-        None, help="Tokens to generate. [default: the run's]", show_default=False
-    ),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. [default: the run's]"),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the template."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ):

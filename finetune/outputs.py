@@ -82,29 +82,16 @@ def write_history(path: Path, rows: list[dict]) -> None:
             writer.writerow({c: row.get(c, "") for c in columns})
 
 
+SAMPLE_SECTIONS = (("Prompt", "prompt"), ("Reference", "reference"), ("Before training", "before"),
+                   ("After training", "after"))  # fmt: skip
+
+
 def write_samples(path: Path, samples: list[dict]) -> None:
     lines = ["# Generations on held-out prompts", "", "Greedy decoding, before and after training.", ""]
-    for i, s in enumerate(samples, start=1):
-        lines += [
-            f"## Sample {i}",
-            "",
-            "**Prompt**",
-            "",
-            _fence(s["prompt"]),
-            "",
-            "**Reference**",
-            "",
-            _fence(s["reference"]),
-            "",
-            "**Before training**",
-            "",
-            _fence(s["before"]),
-            "",
-            "**After training**",
-            "",
-            _fence(s["after"]),
-            "",
-        ]
+    for i, sample in enumerate(samples, start=1):
+        lines += [f"## Sample {i}", ""]
+        for title, key in SAMPLE_SECTIONS:
+            lines += [f"**{title}**", "", _fence(sample[key]), ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 

@@ -227,3 +227,14 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
     monkeypatch.setattr(finetune, "run", interrupted)
     result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
     assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.output
+
+
+def test_importing_the_cli_and_api_loads_no_framework():
+    """The backend is chosen from flags, so nothing may import keras before the CLI has parsed them."""
+    code = (
+        "import sys, finetune, finetune.cli; "
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('keras', 'keras_hub', 'jax', 'torch', 'tensorflow')]; "
+        "print(loaded); sys.exit(1 if loaded else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
