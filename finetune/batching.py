@@ -97,9 +97,9 @@ def check_fits(examples, dropped: list[int], source: str) -> None:
 class Batches(keras.utils.PyDataset):
     """Fixed-size batches of padded rows for Keras fit/evaluate.
 
-    Training drops the ragged last batch so every step has the same shape (one
-    compile under XLA) and reshuffles each epoch from `seed + epoch`, so a run
-    is reproducible batch for batch.
+    Every batch has the same shape, so XLA compiles once: training drops the
+    ragged last batch (reshuffling each epoch from `seed + epoch`, so a run is
+    reproducible batch for batch), evaluation pads it with weight-0 rows.
     """
 
     def __init__(self, arrays, batch_size: int, shuffle: bool = False, seed: int = 0):
@@ -125,8 +125,15 @@ class Batches(keras.utils.PyDataset):
     def __getitem__(self, index):
         rows = self.order[index * self.batch_size : (index + 1) * self.batch_size]
         a = self.arrays
+        weights = a["weights"][rows]
+        short = self.batch_size - len(rows)
+        if short:
+            # Fill the last held-out batch with weight-0 copies: every batch keeps
+            # one shape (no second XLA compile), and the metrics ignore the copies.
+            rows = np.concatenate([rows, self.order[np.arange(short) % self.rows]])
+            weights = np.concatenate([weights, np.zeros((short, weights.shape[1]), weights.dtype)])
         x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
-        return x, a["labels"][rows], a["weights"][rows]
+        return x, a["labels"][rows], weights
 
     def on_epoch_end(self):
         self.epoch += 1

@@ -26,8 +26,9 @@ RUN_MARKERS = ("config.yaml", "metrics.json", ADAPTER)
 def choose_dir(requested: str | None, overwrite: bool) -> Path:
     """The run directory to use; refuses one that holds a run unless `overwrite`."""
     if requested is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        return Path("runs") / stamp
+        path = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        _check_writable(path)
+        return path
     path = Path(requested)
     if path.exists() and not path.is_dir():
         raise UserError(f"output {path} is a file, not a directory; pass another --output")
@@ -35,7 +36,19 @@ def choose_dir(requested: str | None, overwrite: bool) -> Path:
         raise UserError(
             f"output directory {path} already holds a run; pass --overwrite to replace it or choose another --output"
         )
+    _check_writable(path)
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse now, not after hours of training, a place the run could not be written to."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"cannot write the run to {path}: {existing} is not a writable directory; pass another --output"
+        )
 
 
 class RunWriter:

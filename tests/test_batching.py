@@ -62,7 +62,11 @@ def test_training_batches_are_full_and_reshuffled_per_epoch(tokenizer):
     second = np.concatenate([train[i][0]["token_ids"] for i in range(len(train))])
     assert first.shape == (8, 16) and not np.array_equal(first, second)
     evaluation = batching.Batches(arrays, batch_size=4)
-    assert len(evaluation) == 3 and len(evaluation[2][1]) == 2  # every held-out row is seen
+    assert len(evaluation) == 3  # every held-out row is seen
+    x, y, w = evaluation[2]
+    assert x["token_ids"].shape == (4, 16) and len(y) == 4  # the same shape as every other batch
+    np.testing.assert_array_equal(w[:2], arrays["weights"][8:])
+    assert not w[2:].any()  # the filler rows count for nothing
 
 
 def test_template_overhead_counts_fixed_text(tokenizer):

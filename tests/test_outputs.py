@@ -17,6 +17,8 @@ def test_choose_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         outputs.choose_dir(str(tmp_path / "file"), True)
+    with pytest.raises(UserError, match="not a writable directory"):
+        outputs.choose_dir(str(tmp_path / "file" / "run"), False)
 
 
 def test_writer_publishes_all_files_at_once_or_none(tmp_path):
