@@ -18,7 +18,9 @@ from finetune import platforms
 from finetune.errors import UserError
 
 TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny" / "tokenizer.spm"
-# A smoke-test model, not an assistant: about 0.4M parameters, Gemma 1 layout.
+TINY_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny" / "weights.npz"
+# A smoke-test model, not an assistant: about 0.4M parameters, Gemma 1 layout,
+# briefly pretrained on text generated like the sample (see tools/).
 TINY_CONFIG = dict(
     num_layers=2,
     num_query_heads=4,
@@ -27,9 +29,8 @@ TINY_CONFIG = dict(
     intermediate_dim=512,
     head_dim=32,
 )
-TINY_SEED = 1234
 # Learning rates a run uses when none is given. Gemma checkpoints take the
-# Keras tutorial's 5e-5; the tiny model starts from random weights and
+# Keras tutorial's 5e-5; the tiny model is small and barely pretrained, and
 # needs a much larger step to move in a one-minute run.
 LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
 
@@ -125,22 +126,16 @@ def tiny_tokenizer():
 
 
 def tiny_backbone(vocabulary_size: int, dtype=None):
-    """The tiny GemmaBackbone with weights drawn by numpy from a fixed seed.
+    """The tiny GemmaBackbone with its shipped base weights (tools/make_tiny_weights.py).
 
-    Drawing with numpy rather than Keras initializers gives the same weights
-    on every backend, so an adapter trained on one backend applies to the
-    same base model on another.
+    Loaded from a numpy file rather than initialised, so every backend starts
+    from the same base model and an adapter trained on one applies on another.
     """
     import keras_hub
     import numpy as np
 
     backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, dtype=dtype, **TINY_CONFIG)
-    rng = np.random.default_rng(TINY_SEED)
-    for weight in backbone.weights:
-        shape = tuple(weight.shape)
-        if len(shape) == 1:  # RMSNorm scales: Gemma multiplies by (1 + scale)
-            value = np.zeros(shape, np.float32)
-        else:
-            value = rng.normal(0.0, 0.1, size=shape).astype(np.float32)
-        weight.assign(value)
+    with np.load(TINY_WEIGHTS) as stored:
+        for weight in backbone.weights:
+            weight.assign(stored[weight.path].astype(np.float32))
     return backbone

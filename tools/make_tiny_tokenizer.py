@@ -6,6 +6,9 @@ special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then
 prefix, no whitespace folding, byte fallback), so keras_hub's GemmaTokenizer
 treats it exactly like the real one and any UTF-8 text round-trips.
 
+The tiny base weights are trained on its ids: after changing it, rerun
+tools/make_tiny_weights.py.
+
 usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N]
 """
 
