@@ -1,8 +1,8 @@
 """Held-out metrics over response tokens, and greedy generations.
 
-Loss and accuracy come from the weighted metrics compiled in model.compile():
-each accumulates sum(weight * value) / sum(weight) over every held-out token,
-so padding and prompt positions (weight 0) never enter the average.
+Loss and accuracy come from the weighted metrics of model.evaluator(): each
+accumulates sum(weight * value) / sum(weight) over every held-out token, so
+padding and prompt positions (weight 0) never enter the average.
 """
 
 from __future__ import annotations
@@ -10,23 +10,12 @@ from __future__ import annotations
 import contextlib
 import math
 
-import keras
 
-
-def metrics(lm, batches) -> dict:
+def metrics(evaluator, batches) -> dict:
     """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`."""
-    # Keras' own evaluate: keras-hub's would re-wrap the token-id batches (see train.py).
-    result = keras.Model.evaluate(lm, batches, verbose=0, return_dict=True)
-    return from_logs(result)
-
-
-def from_logs(logs: dict, prefix: str = "") -> dict:
-    loss = float(logs[prefix + "token_loss"])
-    return {
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 50.0)),
-        "accuracy": float(logs[prefix + "token_accuracy"]),
-    }
+    logs = evaluator.evaluate(batches, verbose=0, return_dict=True)
+    loss = float(logs["token_loss"])
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": float(logs["token_accuracy"])}
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ def load_model(run: Run):
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
-    from finetune import batching, data, evaluate, templates, train
+    from finetune import batching, data, evaluate, model, templates, train
 
     cfg = run.config
     records = data.load_records(data_path or cfg.data.path)
@@ -66,7 +66,7 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
         _, usable = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=cfg.train.batch_size)
     examples = [e for _, e in usable]
     batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
-    result = evaluate.metrics(lm, batches)
+    result = evaluate.metrics(model.evaluator(lm), batches)
     result["examples"] = len(examples)
     return result
 

@@ -77,7 +77,8 @@ def run(cfg: Config) -> dict:
 
     sample_records = eval_records[: cfg.train.samples]
     sample_prompts = [template.apply(r)[0] for r in sample_records]
-    before = evaluate.metrics(lm, eval_batches)
+    evaluator = model.evaluator(lm)
+    before = evaluate.metrics(evaluator, eval_batches)
     print(f"eval loss before training: {before['loss']:.4f}")
     generated_before = evaluate.generate(
         lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
@@ -89,7 +90,7 @@ def run(cfg: Config) -> dict:
         epochs = min(epochs, math.ceil(cfg.train.max_steps / steps_per_epoch))
         # A run shorter than an epoch declares it, so the progress bar counts to max_steps.
         steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps)
-    recorder = StepRecorder(train_batches, cfg.train.max_steps)
+    recorder = StepRecorder(train_batches, cfg.train.max_steps, lambda: evaluate.metrics(evaluator, eval_batches))
     train_started = time.perf_counter()
     # keras-hub's CausalLM.fit wraps its input in a tf.data/grain pipeline for
     # string preprocessing; these batches are token ids already, so use
@@ -97,7 +98,6 @@ def run(cfg: Config) -> dict:
     history = keras.Model.fit(
         lm,
         train_batches,
-        validation_data=eval_batches,
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
         callbacks=[recorder],
@@ -105,8 +105,7 @@ def run(cfg: Config) -> dict:
         verbose=1 if sys.stdout.isatty() or "ipykernel" in sys.modules else 2,
     )
     train_seconds = time.perf_counter() - train_started
-    # fit evaluates the held-out split after every epoch; the last one is "after".
-    after = evaluate.from_logs({k: v[-1] for k, v in history.history.items()}, prefix="val_")
+    after = recorder.evaluations[-1]  # the held-out split is evaluated after every epoch
     generated_after = evaluate.generate(
         lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
     )
@@ -235,10 +234,12 @@ class StepRecorder(keras.callbacks.Callback):
     batch sizes, step k's own loss is k * mean_k - (k - 1) * mean_(k-1).
     """
 
-    def __init__(self, batches, max_steps=None):
+    def __init__(self, batches, max_steps, evaluate_held_out):
         super().__init__()
         self.batches = batches
         self.max_steps = max_steps
+        self.evaluate_held_out = evaluate_held_out
+        self.evaluations: list[dict] = []
         self.rows: list[dict] = []
         self.step = 0
         self.total_tokens = 0
@@ -266,15 +267,13 @@ class StepRecorder(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs and "val_token_loss" in logs:
-            self.rows.append(
-                {
-                    "step": self.step,
-                    "epoch": epoch + 1,
-                    "eval_loss": float(logs["val_token_loss"]),
-                    "eval_accuracy": float(logs["val_token_accuracy"]),
-                }
-            )
+        # Keras has written the trained weights back to the variables by now
+        # (JAX holds them apart during the epoch), so the evaluator sees them.
+        result = self.evaluate_held_out()
+        self.evaluations.append(result)
+        self.rows.append(
+            {"step": self.step, "epoch": epoch + 1, "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+        )
 
     def tokens_per_second(self) -> float:
         """Over steps 2..N: the first step includes compilation."""

@@ -149,3 +149,11 @@ def test_batch_size_auto_picks_a_size_and_leaves_the_model_untouched(tmp_path):
     # The probe's trial steps were undone: same start, same one step, same result.
     assert auto["eval_loss_before"] == pytest.approx(fixed["eval_loss_before"], rel=1e-6)
     assert auto["eval_loss"] == pytest.approx(fixed["eval_loss"], rel=1e-4)
+
+
+def test_every_epoch_is_evaluated(tmp_path):
+    train(tmp_path / "epochs", "--max-records", "24", "--epochs", "2", "--max-steps", "1000")
+    rows = list(csv.DictReader((tmp_path / "epochs" / "history.csv").open()))
+    evals = [r for r in rows if r["eval_loss"]]
+    assert [r["epoch"] for r in evals] == ["1", "2"]
+    assert float(evals[-1]["eval_loss"]) == pytest.approx(read(tmp_path / "epochs")[0]["eval_loss"])
