@@ -17,12 +17,12 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from finetune.data import SAMPLE
 from finetune.errors import UserError
 from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "bfloat16")
-SAMPLE_DATA = "sample"
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    path: str = SAMPLE_DATA
+    path: str = SAMPLE
     """Dolly-style JSONL path (local or gs://), hf:NAME for a Hugging Face dataset, or `sample`."""
     template: str = "dolly"
     """Instruction template: dolly (the Keras tutorial's), alpaca, or gemma-chat."""

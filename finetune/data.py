@@ -16,6 +16,7 @@ from pathlib import Path
 from finetune import platforms
 from finetune.errors import UserError
 
+SAMPLE = "sample"  # the name that stands for SAMPLE_PATH
 SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "dolly-sample.jsonl"
 TEXT_FIELDS = ("instruction", "context", "response", "category")
 REQUIRED = ("instruction", "response")
@@ -31,7 +32,7 @@ class Record:
 
 def load_records(source: str) -> list[Record]:
     """All records of `source`, checked; raises UserError naming the line at fault."""
-    if source == "sample":
+    if source == SAMPLE:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
         return _from_hugging_face(source[3:])

@@ -51,17 +51,11 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     from finetune import batching, data, evaluate, model, templates, train
 
     cfg = run.config
-    records = data.load_records(data_path or cfg.data.path)
-    records = data.filter_records(
-        records,
-        drop_context=cfg.data.drop_context,
-        categories=cfg.data.categories,
-        max_records=cfg.data.max_records,
-        source=data_path or cfg.data.path,
-    )
+    path = data_path or cfg.data.path
+    records = train.load_records(cfg, path)
     lm, preprocessor = load_model(run)
     template = templates.get(cfg.data.template)
-    usable = train.usable_examples(records, template, preprocessor.tokenizer, cfg)
+    usable = train.usable_examples(records, template, preprocessor.tokenizer, cfg, path)
     if data_path is None:  # the same held-out records as in training
         _, usable = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=cfg.train.batch_size)
     examples = [e for _, e in usable]

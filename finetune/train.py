@@ -30,14 +30,7 @@ def run(cfg: Config) -> dict:
     # Everything a user can get wrong is checked before the first file is written.
     run_dir = outputs.choose_dir(cfg.output.dir, cfg.output.overwrite)
     source = presets.resolve(cfg.model.preset)
-    records = data.load_records(cfg.data.path)
-    records = data.filter_records(
-        records,
-        drop_context=cfg.data.drop_context,
-        categories=cfg.data.categories,
-        max_records=cfg.data.max_records,
-        source=cfg.data.path,
-    )
+    records = load_records(cfg, cfg.data.path)
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision))
     keras.utils.set_random_seed(cfg.train.seed)
 
@@ -50,7 +43,7 @@ def run(cfg: Config) -> dict:
             f"seq-len {cfg.model.seq_len} is too small for the {template.name} template, whose fixed text "
             f"takes {overhead} tokens; use --seq-len {max(64, overhead + 8)} or more"
         )
-    usable = usable_examples(records, template, tokenizer, cfg)
+    usable = usable_examples(records, template, tokenizer, cfg, cfg.data.path)
 
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
@@ -177,12 +170,23 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def usable_examples(records, template, tokenizer, cfg: Config) -> list[tuple]:
+def load_records(cfg: Config, path: str) -> list[data.Record]:
+    """The records of `path`, checked and filtered as the config says."""
+    return data.filter_records(
+        data.load_records(path),
+        drop_context=cfg.data.drop_context,
+        categories=cfg.data.categories,
+        max_records=cfg.data.max_records,
+        source=path,
+    )
+
+
+def usable_examples(records, template, tokenizer, cfg: Config, source: str) -> list[tuple]:
     """(record, Example) for each record that leaves a response token within seq_len."""
     examples, dropped = batching.tokenize(
         [template.apply(r) for r in records], tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
     )
-    batching.check_fits(examples, dropped, cfg.data.path)
+    batching.check_fits(examples, dropped, source)
     if dropped:
         print(f"note: {len(dropped)} records skipped: their prompt fills all {cfg.model.seq_len} tokens")
     skipped = set(dropped)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from finetune import config
+from finetune.data import SAMPLE
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -33,7 +34,7 @@ def test_recipe_opens_with_its_command(recipe):
 def test_tiny_recipe_is_the_offline_quickstart():
     cfg = config.load(RECIPES_DIR / "tiny.yaml")
     assert cfg.model.preset == "tiny"
-    assert cfg.data.path == config.SAMPLE_DATA
+    assert cfg.data.path == SAMPLE
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

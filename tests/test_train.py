@@ -157,3 +157,11 @@ def test_every_epoch_is_evaluated(tmp_path):
     evals = [r for r in rows if r["eval_loss"]]
     assert [r["epoch"] for r in evals] == ["1", "2"]
     assert float(evals[-1]["eval_loss"]) == pytest.approx(read(tmp_path / "epochs")[0]["eval_loss"])
+
+
+def test_eval_on_another_file_names_that_file_in_errors(two_step_run, tmp_path):
+    long_prompts = tmp_path / "long.jsonl"
+    long_prompts.write_text(json.dumps({"instruction": "word " * 200, "response": "ok"}) + "\n")
+    result = runner.invoke(app, ["eval", "--run", str(two_step_run[0]), "--data", str(long_prompts)])
+    assert result.exit_code == 2
+    assert f"no usable records in {long_prompts}" in result.stderr
