@@ -131,10 +131,14 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def read_recipe(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path} does not exist; pass a YAML file such as recipes/tiny.yaml")
+# Shipped recipes live inside the package, so `--recipe tiny` works from any
+# directory and from a non-editable install, not only from a checkout.
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def read_recipe(recipe: str | Path) -> dict:
+    """The settings in a recipe: a YAML file, or a shipped recipe by name (see `find_recipe`)."""
+    path = find_recipe(recipe)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -144,6 +148,46 @@ def read_recipe(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a mapping of keys such as `train:` and `lora:`")
     return data
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """The file `--recipe` names: a path that exists, else a shipped recipe.
+
+    A shipped recipe is named `tiny`, `tiny.yaml` or `recipes/tiny.yaml`; the
+    last is its path in a checkout before recipes moved into the package, so
+    commands written then keep working anywhere. Other missing paths are errors
+    rather than silently read as the shipped recipe of the same name.
+    """
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    if path.parent in (Path("."), Path("recipes")):
+        return shipped_recipe(path.name)
+    names = ", ".join(shipped_recipes())
+    raise UserError(f"recipe {path} does not exist; pass a YAML file or a shipped recipe ({names})")
+
+
+def shipped_recipe(name: str) -> Path:
+    """A shipped recipe's file by name (`tiny` or `tiny.yaml`); raises UserError listing the names."""
+    shipped = shipped_recipes()
+    stem = name.removesuffix(".yaml")
+    if stem not in shipped:
+        raise UserError(
+            f"no recipe {name!r}: not a file here, and the shipped recipes are {', '.join(shipped)} "
+            "(`finetune recipes` describes them)"
+        )
+    return shipped[stem]
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name to file of each recipe in finetune/recipes/, sorted by name."""
+    return {path.stem: path for path in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def recipe_summary(path: Path) -> str:
+    """A recipe's one-line description: its second line, the comment under its command."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return lines[1].lstrip("#").strip() if len(lines) > 1 else ""
 
 
 def parse_set(pair: str) -> tuple[str, Any]:

@@ -108,4 +108,4 @@ def test_the_sample_is_exactly_what_its_generator_writes(tmp_path):
     subprocess.run(
         [sys.executable, str(REPO / "tools" / "make_sample_data.py"), str(out)], check=True, capture_output=True
     )
-    assert out.read_bytes() == (REPO / "data" / "dolly-sample.jsonl").read_bytes()
+    assert out.read_bytes() == data.SAMPLE_PATH.read_bytes()

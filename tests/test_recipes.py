@@ -1,17 +1,19 @@
-"""Every shipped recipe loads against the config's keys and says how to run it.
+"""Every shipped recipe loads against the config's keys, says how to run it, and is found by name.
 
 A recipe that names a key the code no longer has, or a wrong type, fails here
-rather than in a user's first run. Pure config: no keras, so no backend.
+rather than in a user's first run. Pure config and the `recipes` command: no
+keras, so no backend.
 """
 
-from pathlib import Path
-
 import pytest
+from typer.testing import CliRunner
 
 from finetune import config
+from finetune.cli import app
 from finetune.data import SAMPLE
+from finetune.errors import UserError
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = config.RECIPES_DIR
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 
 
@@ -25,10 +27,10 @@ def test_recipe_loads(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_opens_with_its_command(recipe):
-    first_line = recipe.read_text(encoding="utf-8").splitlines()[0]
-    assert first_line.startswith("#"), f"{recipe.name} must open with a comment giving its command"
-    assert f"finetune gemma --recipe recipes/{recipe.name}" in first_line
+def test_recipe_opens_with_its_command_and_a_summary(recipe):
+    command, summary = recipe.read_text(encoding="utf-8").splitlines()[:2]
+    assert command == f"# finetune gemma --recipe {recipe.stem}", f"{recipe.name} must open with its command"
+    assert summary.startswith("# ") and config.recipe_summary(recipe), f"{recipe.name}: line 2 is its one-line summary"
 
 
 def test_tiny_recipe_is_the_offline_quickstart():
@@ -44,3 +46,56 @@ def test_every_setting_says_why(recipe):
         key, colon, value = code.partition(":")
         if colon and value.strip():  # a setting, not a section header or a comment
             assert "  # " in line, f"{recipe.name}:{number}: `{key.strip()}` needs an inline comment saying why"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny.yaml", "recipes/tiny.yaml"])
+def test_shipped_recipes_are_found_by_name_from_anywhere(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: `recipes/tiny.yaml` is the pre-move path in old commands
+    assert config.find_recipe(name) == RECIPES_DIR / "tiny.yaml"
+    assert config.load(name).model.preset == "tiny"
+
+
+def test_a_local_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("lora:\n  rank: 7\n")
+    assert config.load("tiny.yaml").lora.rank == 7
+    assert config.load("tiny").lora.rank == 4  # a bare name is not a file here, so the shipped one
+
+
+@pytest.mark.parametrize("name", ["nope", "recipes/nope.yaml"])
+def test_an_unknown_recipe_lists_the_shipped_ones(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="gemma-2b-dolly, gemma3-1b, tiny"):
+        config.load(name)
+
+
+def test_a_missing_path_elsewhere_is_not_read_as_a_shipped_recipe(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        config.load(tmp_path / "tiny.yaml")
+
+
+def test_recipes_command_lists_names_and_summaries():
+    result = CliRunner().invoke(app, ["recipes"])
+    assert result.exit_code == 0, result.output
+    for recipe in RECIPES:
+        assert f"{recipe.stem}  " in result.output and config.recipe_summary(recipe) in result.output
+
+
+def test_recipes_copy_writes_a_copy_and_never_overwrites(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["recipes", "copy", "tiny", str(tmp_path)])  # a directory: DEST/tiny.yaml
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "tiny.yaml").read_bytes() == (RECIPES_DIR / "tiny.yaml").read_bytes()
+    assert config.load(tmp_path / "tiny.yaml").model.preset == "tiny"
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("lora:\n  rank: 8\n")
+    result = runner.invoke(app, ["recipes", "copy", "tiny", str(mine)])
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert mine.read_text() == "lora:\n  rank: 8\n"
+
+
+def test_recipes_copy_of_an_unknown_name_exits_2(tmp_path):
+    result = CliRunner().invoke(app, ["recipes", "copy", "nope", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2 and "tiny" in result.output
+    assert not (tmp_path / "x.yaml").exists()

@@ -1,4 +1,4 @@
-"""Write data/dolly-sample.jsonl, the project's own Dolly-format sample.
+"""Write finetune/assets/dolly-sample.jsonl, the project's own Dolly-format sample.
 
 Every record is generated here from small fact tables and sentence patterns
 written for this project, so the sample carries no third-party text. It is
@@ -257,7 +257,7 @@ def make_records(count, seed=0):
 def main():
     here = Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=here / "data" / "dolly-sample.jsonl")
+    parser.add_argument("out", nargs="?", default=here / "finetune" / "assets" / "dolly-sample.jsonl")
     parser.add_argument("--count", type=int, default=400)
     args = parser.parse_args()
     with open(args.out, "w", encoding="utf-8", newline="\n") as f:

@@ -1,4 +1,4 @@
-"""Train the tiny model's SentencePiece tokenizer on data/dolly-sample.jsonl.
+"""Train the tiny model's SentencePiece tokenizer on finetune/assets/dolly-sample.jsonl.
 
 The result ships as finetune/assets/tiny/tokenizer.spm. It keeps Gemma's
 special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then
@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent.parent
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", nargs="?", default=HERE / "data" / "dolly-sample.jsonl")
+    parser.add_argument("data", nargs="?", default=HERE / "finetune" / "assets" / "dolly-sample.jsonl")
     parser.add_argument("out", nargs="?", default=HERE / "finetune" / "assets" / "tiny" / "tokenizer.spm")
     parser.add_argument("--vocab", type=int, default=1024)
     args = parser.parse_args()

@@ -3,10 +3,11 @@
 The tiny preset is a smoke test, but a base model of pure noise makes its
 generations unreadable. This gives it a little language first: all weights
 are trained as a plain causal LM on raw text from tools/make_sample_data.py
-with a different seed (other names, numbers and choices than data/), and no
-instruction template, so following the template is still left for LoRA to
-learn. Weights are stored as float16 to keep the file small; the run takes
-about a minute on a laptop CPU.
+with a different seed (other names, numbers and choices than the shipped
+finetune/assets/dolly-sample.jsonl), and no instruction template, so
+following the template is still left for LoRA to learn. Weights are stored
+as float16 to keep the file small; the run takes about a minute on a laptop
+CPU.
 
 usage: KERAS_BACKEND=jax python tools/make_tiny_weights.py [--epochs N]
 """

@@ -1,0 +1,107 @@
+"""A non-editable install runs the quickstart from any directory.
+
+The sample and the recipes once lived at the repository's top level, so a
+wheel installed into site-packages looked for them in site-packages/data/ and
+failed. This builds the wheel, installs it into a folder of its own, and runs
+from an unrelated directory with that folder first on sys.path.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import BACKEND, REPO
+
+from finetune import config
+
+# --no-build-isolation builds with the venv's own setuptools, so the test needs no network;
+# Python 3.12+ venvs no longer come with setuptools preinstalled.
+pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools in this environment")
+
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+SHIPPED = [
+    "finetune/assets/dolly-sample.jsonl",
+    "finetune/assets/tiny/tokenizer.spm",
+    "finetune/assets/tiny/weights.npz",
+    *(f"finetune/recipes/{path.name}" for path in sorted(config.RECIPES_DIR.glob("*.yaml"))),
+]
+
+# Checks the installed copy is the one imported (the editable install's finder
+# comes after PYTHONPATH on sys.path) and that `tiny` and `sample` resolve in it.
+LOAD_TINY = """
+import sys
+from pathlib import Path
+
+import finetune
+from finetune import data
+
+site = Path(sys.argv[1]).resolve()
+assert Path(finetune.__file__).resolve().is_relative_to(site), finetune.__file__
+cfg = finetune.load_config("tiny")
+assert cfg.model.preset == "tiny" and cfg.data.path == data.SAMPLE, cfg
+assert data.SAMPLE_PATH.resolve().is_relative_to(site) and data.SAMPLE_PATH.is_file(), data.SAMPLE_PATH
+assert len(data.load_records(cfg.data.path)) == 400
+"""
+
+
+def _source_copy(dest: Path) -> Path:
+    """What the wheel is built from, copied: an in-tree build would write build/ and
+    finetune.egg-info/ (the editable install's metadata) into the shared checkout,
+    and a stale build/lib/ could slip files into the wheel."""
+    dest.mkdir()
+    shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
+    shutil.copy2(REPO / "README.md", dest / "README.md")
+    shutil.copytree(REPO / "finetune", dest / "finetune", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def _run(args, timeout, **kwargs):
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert result.returncode == 0, (
+        f"{args[:4]} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    )
+    return result
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(site, elsewhere): the wheel installed into `site`, and an empty working directory."""
+    root = tmp_path_factory.mktemp("install")
+    source = _source_copy(root / "src")
+    wheels = root / "wheels"
+    _run([*PIP, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", wheels, source], timeout=300)
+    (wheel,) = wheels.glob("finetune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [name for name in SHIPPED if name not in names]
+    assert not missing, f"the wheel lacks {missing}"
+    site = root / "site"
+    _run([*PIP, "install", "--no-deps", "--no-index", "--target", site, wheel], timeout=300)
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    return site, elsewhere
+
+
+def _env(site: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(site), "KERAS_BACKEND": BACKEND}
+
+
+def test_installed_package_finds_its_recipes_and_sample(installed):
+    site, elsewhere = installed
+    _run([sys.executable, "-c", LOAD_TINY, site], timeout=120, cwd=elsewhere, env=_env(site))
+
+
+def test_installed_quickstart_runs_outside_the_checkout(installed):
+    site, elsewhere = installed
+    out = elsewhere / "run"
+    command = [
+        *(sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND),
+        *("--max-steps", "2", "--seq-len", "64", "--batch-size", "2"),
+        *("--set", "train.samples=1", "--set", "train.max_new_tokens=4", "--output", out),
+    ]
+    _run(command, timeout=300, cwd=elsewhere, env=_env(site))
+    assert json.loads((out / "metrics.json").read_text())
