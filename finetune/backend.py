@@ -117,8 +117,10 @@ def apply_runtime_tweaks(precision: str) -> dict:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is an accelerator or host out-of-memory error, on any backend."""
-    text = f"{type(error).__name__}: {error}"
-    return any(k in text for k in ("RESOURCE_EXHAUSTED", "ResourceExhausted", "out of memory", "OutOfMemory"))
+    # Case-insensitive: XLA says "RESOURCE_EXHAUSTED: Out of memory", torch "CUDA out of memory",
+    # TensorFlow raises ResourceExhaustedError.
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(k in text for k in ("resource_exhausted", "resourceexhausted", "out of memory", "outofmemory"))
 
 
 def peak_memory_mb() -> float:

@@ -45,8 +45,8 @@ def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
     """
     if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
         raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
-    prompts = _ids(tokenizer, [p for p, _ in pairs])
-    responses = _ids(tokenizer, [r for _, r in pairs])
+    prompts = _leading_ids(tokenizer, [p for p, _ in pairs], seq_len)
+    responses = _leading_ids(tokenizer, [r for _, r in pairs], seq_len)
     examples, dropped = [], []
     for index, (prompt, response) in enumerate(zip(prompts, responses)):
         ids = [BOS, *prompt, *response, EOS][: seq_len + 1]
@@ -58,6 +58,24 @@ def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
             continue
         examples.append(Example(ids, weights))
     return examples, dropped
+
+
+def _leading_ids(tokenizer, texts, seq_len: int):
+    """The ids of each text, as far as seq_len + 1 of them can be kept; very long texts are cut first.
+
+    Tokenizing takes time in the text's length (6.8 s for a 10 MB record with the
+    tiny tokenizer) though at most seq_len + 1 ids are kept. A text is cut to 32
+    characters per kept id, and the cut is used only if it still gives twice the
+    ids kept: SentencePiece pieces are short and the cut changes only the last
+    few, so the kept ids are the whole text's. Texts of long pieces (a run of
+    unknown characters merged into one <unk>) fall back to the whole text.
+    """
+    limit = 32 * (seq_len + 1)
+    ids = _ids(tokenizer, [text[:limit] for text in texts])
+    for index, text in enumerate(texts):
+        if len(text) > limit and len(ids[index]) < 2 * (seq_len + 1):
+            ids[index] = _ids(tokenizer, text)
+    return ids
 
 
 def _ids(tokenizer, texts):

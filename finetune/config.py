@@ -7,8 +7,11 @@ names the key, so a typo in a recipe never silently falls back to a default.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -227,6 +230,11 @@ def keys() -> list[str]:
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
         raise UserError(f"config section {prefix.rstrip('.') or 'top level'} must be a mapping")
+    # YAML reads `1:` and `~:` as an int and a null key; sorting them with the names below would raise TypeError.
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        where = f"in section {prefix.rstrip('.')}" if prefix else "at the top level"
+        raise UserError(f"config key {odd[0]!r} {where} is not a name; keys are words such as train: or epochs:")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -290,6 +298,17 @@ def _describe(hint) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
+def _settings(cfg: Config):
+    """(dotted key, value) for every setting."""
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                yield f"{section.name}.{f.name}", getattr(value, f.name)
+        else:
+            yield section.name, value
+
+
 def validate(cfg: Config) -> None:
     """Range checks that need no keras and no files."""
 
@@ -297,7 +316,18 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise UserError(message)
 
+    # NaN passes no range check's `not` and inf passes `> 0`: refuse both in every float setting first.
+    for key, value in _settings(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"config key {key!r} must be a finite number, got {value}")
     check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}; choose one of {', '.join(BACKENDS)}")
+    # An empty string, as from an unset shell variable, would mean the current directory.
+    check(bool(cfg.model.preset.strip()), "--preset is empty; pass a preset name such as gemma_2b_en, or tiny")
+    check(bool(cfg.data.path.strip()), "--data is empty; pass a Dolly-style JSONL file, hf:NAME or sample")
+    check(
+        cfg.output.dir is None or bool(cfg.output.dir.strip()),
+        "--output is empty; pass a run directory, or leave it out for runs/<timestamp>",
+    )
     check(
         cfg.model.precision in PRECISIONS,
         f"unknown precision {cfg.model.precision!r}; choose one of {', '.join(PRECISIONS)}",
@@ -329,9 +359,29 @@ def validate(cfg: Config) -> None:
     )
     lr = cfg.train.learning_rate
     check(lr is None or lr > 0, f"learning rate must be positive, got {lr}")
+    # The seeds of numpy and keras.utils.set_random_seed are 32-bit unsigned.
+    check(0 <= cfg.train.seed < 2**32, f"seed must be between 0 and {2**32 - 1}, got {cfg.train.seed}; try --seed 0")
     check(cfg.train.weight_decay >= 0, f"weight decay must not be negative, got {cfg.train.weight_decay}")
     check(
         0 < cfg.train.xla_mem_fraction <= 1, f"XLA memory fraction must be in (0, 1], got {cfg.train.xla_mem_fraction}"
     )
     check(cfg.train.samples >= 0, f"samples must not be negative, got {cfg.train.samples}")
     check(cfg.train.max_new_tokens >= 1, f"max new tokens must be at least 1, got {cfg.train.max_new_tokens}")
+    check(
+        cfg.train.checkpoint_every >= 1,
+        f"checkpoint every must be at least 1 step, got {cfg.train.checkpoint_every}; try --checkpoint-every 100",
+    )
+    check(
+        cfg.train.keep_checkpoints >= 1,
+        f"keep checkpoints must be at least 1, got {cfg.train.keep_checkpoints}; try --keep-checkpoints 2",
+    )
+    limit = cfg.train.time_limit
+    if limit is not None and limit != "off":
+        try:
+            seconds = parse_duration(limit)
+        except ValueError:
+            seconds = -1.0
+        check(
+            seconds > 0,
+            f"time limit {limit!r} is not a duration; write it like 11h30m, 90m or 3600s (or `off`)",
+        )

@@ -3,7 +3,8 @@
 A record is one JSON object per line with `instruction` and `response`
 strings, optional `context` and `category` strings (null reads as empty), and
 any other keys ignored. Sources: a local path, a gs:// path, `hf:NAME` for a
-Hugging Face dataset, or `sample` for the project's own sample in data/.
+Hugging Face dataset, or `sample` for the project's own sample, shipped in
+finetune/assets/ so that installs outside a checkout find it too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from finetune import platforms
 from finetune.errors import UserError
 
 SAMPLE = "sample"  # the name that stands for SAMPLE_PATH
-SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "dolly-sample.jsonl"
+SAMPLE_PATH = Path(__file__).resolve().parent / "assets" / "dolly-sample.jsonl"
 TEXT_FIELDS = ("instruction", "context", "response", "category")
 REQUIRED = ("instruction", "response")
 
@@ -47,8 +48,11 @@ def load_records(source: str) -> list[Record]:
     if not text.strip():
         raise UserError(f"{source} is empty; it needs one JSON record per line with instruction and response")
     records = []
-    # splitlines() also ends lines at CR, so CRLF files read the same as LF ones.
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends lines at \n only: str.splitlines() would also split inside a
+    # record at U+2028, U+2029 or U+0085, which JSON strings may hold raw. CRLF files
+    # read the same as LF ones.
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -67,7 +71,10 @@ def _read_bytes(source: str) -> bytes:
         raise UserError(f"data file {source} does not exist; pass --data PATH to a Dolly-style JSONL file")
     if not path.is_file():
         raise UserError(f"data path {source} is not a file; pass --data PATH to a Dolly-style JSONL file")
-    return path.read_bytes()
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read data file {source} ({e.strerror or e}); check its permissions") from None
 
 
 def _read_cloud(source: str) -> bytes:
@@ -121,6 +128,14 @@ def _record(obj, where: str) -> Record:
             value = ""
         if not isinstance(value, str):
             raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON allows an escaped lone surrogate such as "\ud800"; it is not text, and the tokenizer fails on it.
+            raise UserError(
+                f"{where}: field {name!r} holds a lone surrogate escape (\\ud800-\\udfff), which is not text; "
+                "fix or remove the record"
+            ) from None
         fields[name] = value
     for name in REQUIRED:
         if not fields[name].strip():

@@ -40,20 +40,40 @@ def build(source: presets.Source, seq_len: int):
 
 
 def adaptable_layer_names(backbone) -> set[str]:
-    return {layer.name for layer in backbone._flatten_layers(include_self=False) if hasattr(layer, "enable_lora")}
+    """Layers whose LoRA factors keras-hub can save and load.
+
+    backbone.save_lora_weights writes `lora_kernel_a/b`, which only dense layers
+    have. The token embedding has enable_lora too, but its factors are named
+    `lora_embeddings_a/b`, and saving them fails after the whole training.
+    """
+    dense = (keras.layers.Dense, keras.layers.EinsumDense)
+    return {
+        layer.name
+        for layer in backbone._flatten_layers(include_self=False)
+        if isinstance(layer, dense) and hasattr(layer, "enable_lora")
+    }
 
 
 def enable_lora(lm, rank: int, alpha: float | None, targets: list[str]) -> int:
     """LoRA on the named layers, everything else frozen; returns the count of adapted layers."""
     backbone = lm.backbone
     available = adaptable_layer_names(backbone)
+    choices = ", ".join(sorted(available))
     missing = [t for t in targets if t not in available]
-    if missing:
+    if missing and missing[0] in {layer.name for layer in backbone._flatten_layers(include_self=False)}:
         raise UserError(
-            f"no layer named {missing[0]!r} to adapt in this model; choose from {', '.join(sorted(available))}"
+            f"layer {missing[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
         )
+    if missing:
+        raise UserError(f"no layer named {missing[0]!r} to adapt in this model; choose from {choices}")
     backbone.enable_lora(rank, target_layer_names=list(targets))
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
+    # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
+    unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
+    if unsavable:
+        raise UserError(
+            f"layer {unsavable[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
+        )
     if alpha is not None:
         for layer in adapted:
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank

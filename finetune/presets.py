@@ -75,9 +75,15 @@ def _family_of_directory(path: Path) -> str:
     if not config.is_file():
         raise UserError(f"{path} is not a keras-hub preset directory (no config.json); make one with save_to_preset")
     try:
-        class_name = json.loads(config.read_text(encoding="utf-8")).get("class_name", "")
+        described = json.loads(config.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{config} is not valid JSON; re-create the preset with save_to_preset") from None
+    if not isinstance(described, dict):
+        raise UserError(
+            f"{config} must hold a JSON object with a class_name, not a {type(described).__name__}; "
+            "re-create the preset with save_to_preset"
+        )
+    class_name = str(described.get("class_name") or "")
     if "Gemma3" in class_name:
         return "gemma3"
     if "Gemma" in class_name:

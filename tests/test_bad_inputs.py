@@ -1,0 +1,393 @@
+"""The bad-input corpus: every mistake a user can make, refused the same way.
+
+Each case runs the CLI in-process and must exit 2 with one or two lines on
+stderr that start with `error: ` and name the file, line, flag or key at
+fault, with no traceback and no run directory (nor `.run*` staging sibling)
+left behind. A second table holds odd but valid data, which must load.
+"""
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import h5py
+import numpy as np
+import pytest
+from conftest import BACKEND, make_records, write_jsonl
+from typer.testing import CliRunner
+
+import finetune
+from finetune.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@dataclass
+class Where:
+    """What a case may refer to: its temporary directory, good data, the trained runs."""
+
+    tmp: Path
+    good: Path
+    out: Path
+    runs: dict
+    monkeypatch: pytest.MonkeyPatch
+
+    def file(self, name: str, content: bytes | str) -> Path:
+        path = self.tmp / name
+        path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+        return path
+
+    def run_copy(self, name: str = "rank4") -> Path:
+        copy = self.tmp / f"copy-of-{name}"
+        shutil.copytree(self.runs[name], copy)
+        return copy
+
+
+@dataclass
+class Case:
+    name: str
+    args: Callable[[Where], list]
+    """The command line: `gemma` cases get the tiny flags, good data and --output before these."""
+    expected: str
+    """A substring of the message, naming what is at fault."""
+    command: str = "gemma"
+    setup: Optional[Callable[[Where], None]] = None
+
+
+def gemma(name, args, expected):
+    return Case(name, lambda w: list(args), expected)
+
+
+def data(name, content, expected):
+    return Case(name, lambda w: ["--data", w.file(f"{name}.jsonl", content)], expected)
+
+
+def recipe(name, content, expected):
+    return Case(name, lambda w: ["--recipe", w.file(f"{name}.yaml", content)], expected)
+
+
+def preset_dir(name, config_json, expected):
+    def args(w):
+        directory = w.tmp / name
+        directory.mkdir()
+        if config_json is not None:
+            (directory / "config.json").write_bytes(config_json.encode())
+        return ["--preset", directory]
+
+    return Case(name, args, expected)
+
+
+def run_case(name, command, change, expected):
+    """`finetune eval|generate --run COPY` on a copy of a trained run, changed by `change(copy, where)`."""
+
+    def args(w):
+        copy = w.run_copy()
+        change(copy, w)
+        return ["--run", copy, *(["--prompt", "hi"] if command == "generate" else [])]
+
+    return Case(name, args, expected, command=command)
+
+
+def generate(name, extra, expected):
+    """`finetune generate` on an intact run, with bad flags."""
+    return Case(name, lambda w: ["--run", w.run_copy(), "--prompt", "hi", *extra], expected, command="generate")
+
+
+def _truncate(path: Path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+
+
+def _poison(path: Path):
+    with h5py.File(path, "r+") as f:
+        names = []
+        f.visititems(lambda name, obj: names.append(name) if name.endswith("lora_kernel_b") else None)
+        dataset = f[names[0]]
+        values = dataset[()]
+        values.flat[0] = np.nan
+        dataset[...] = values
+
+
+def _unreadable(w: Where):
+    path = w.file("unreadable.jsonl", '{"instruction": "a", "response": "b"}\n')
+    original = Path.read_bytes
+
+    def refuse(self):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return original(self)
+
+    w.monkeypatch.setattr(Path, "read_bytes", refuse)
+
+
+ADAPTER = "adapter.lora.h5"
+
+CASES = [
+    # Numbers: out of range, not finite, or not numbers at all.
+    gemma("lr-nan", ["--lr", "nan"], "'train.learning_rate' must be a finite number"),
+    gemma("lr-inf", ["--lr", "inf"], "'train.learning_rate' must be a finite number"),
+    gemma("lr-negative", ["--lr", "-1"], "learning rate must be positive"),
+    gemma("lr-zero", ["--lr", "0"], "learning rate must be positive"),
+    gemma("alpha-inf", ["--alpha", "inf"], "'lora.alpha' must be a finite number"),
+    gemma("alpha-nan", ["--alpha", "nan"], "'lora.alpha' must be a finite number"),
+    gemma("alpha-zero", ["--alpha", "0"], "alpha must be positive"),
+    gemma("alpha-negative", ["--alpha", "-2"], "alpha must be positive"),
+    gemma("rank-zero", ["--rank", "0"], "rank must be at least 1"),
+    gemma("rank-negative", ["--rank", "-1"], "rank must be at least 1"),
+    gemma("rank-nan", ["--rank", "nan"], "invalid value for '--rank': 'nan' is not a valid integer"),
+    gemma("epochs-zero", ["--epochs", "0"], "epochs must be at least 1"),
+    gemma("epochs-negative", ["--epochs", "-1"], "epochs must be at least 1"),
+    gemma("max-steps-zero", ["--max-steps", "0"], "max steps must be at least 1"),
+    gemma("max-steps-negative", ["--max-steps", "-3"], "max steps must be at least 1"),
+    gemma("batch-size-zero", ["--batch-size", "0"], "batch size must be a positive integer"),
+    gemma("batch-size-negative", ["--batch-size", "-4"], "batch size must be a positive integer"),
+    gemma("batch-size-nan", ["--batch-size", "nan"], "--batch-size must be a positive integer"),
+    gemma("bad-batch-size", ["--batch-size", "lots"], "--batch-size must be a positive integer"),
+    gemma("weight-decay-inf", ["--set", "train.weight_decay=.inf"], "'train.weight_decay' must be a finite number"),
+    gemma("weight-decay-nan", ["--set", "train.weight_decay=.nan"], "'train.weight_decay' must be a finite number"),
+    gemma("seed-negative", ["--seed", "-1"], "seed must be between 0 and 4294967295"),
+    gemma("seed-too-large", ["--seed", str(2**32)], "seed must be between 0 and 4294967295"),
+    gemma("eval-fraction-nan", ["--eval-fraction", "nan"], "'data.eval_fraction' must be a finite number"),
+    gemma("eval-fraction-zero", ["--eval-fraction", "0"], "between 0 and 1"),
+    gemma("eval-fraction-one", ["--eval-fraction", "1.5"], "between 0 and 1"),
+    gemma("xla-mem-fraction-nan", ["--xla-mem-fraction", "nan"], "'train.xla_mem_fraction' must be a finite number"),
+    gemma("seq-len-too-small", ["--seq-len", "12"], "too small for the dolly template"),
+    gemma("unknown-option", ["--epoch", "2"], "no such option: --epoch"),
+    # Empty strings, as from an unset shell variable.
+    gemma("empty-output", ["--output", ""], "--output is empty"),
+    gemma("empty-data", ["--data", ""], "--data is empty"),
+    gemma("empty-preset", ["--preset", ""], "--preset is empty"),
+    gemma("empty-recipe", ["--recipe", ""], "--recipe is empty"),
+    # Names that do not exist.
+    gemma("unknown-backend", ["--backend", "numpy"], "unknown backend 'numpy'"),
+    gemma("unknown-template", ["--template", "chatml"], "unknown template 'chatml'"),
+    gemma("unknown-set-key", ["--set", "train.epoch=2"], "did you mean 'train.epochs'"),
+    # Recipes.
+    recipe("recipe-list", "- 1\n- 2\n", "must be a mapping"),
+    recipe("recipe-scalar", "just a string\n", "must be a mapping"),
+    recipe("recipe-integer-key", "1: 2\n", "config key 1 at the top level is not a name"),
+    recipe("recipe-null-key", "~: 3\n", "config key None at the top level is not a name"),
+    recipe("recipe-nested-integer-key", "train:\n  7: 1\n", "config key 7 in section train is not a name"),
+    recipe("recipe-section-list", "train: [1, 2]\n", "'train' is not a section"),
+    recipe("recipe-invalid-yaml", "train: {epochs: [1\n", "is not valid YAML"),
+    recipe("recipe-not-utf8", "train:\n  epochs: 1 # \u00e9t\u00e9\n".encode("cp1252"), "recipe-not-utf8.yaml"),
+    recipe("recipe-unknown-key", "train:\n  epoch: 2\n", "unknown config key 'train.epoch'"),
+    Case("recipe-missing", lambda w: ["--recipe", w.tmp / "missing.yaml"], "missing.yaml"),
+    # Data files.
+    data("data-empty", b"", "is empty"),
+    data("data-not-json", '{"instruction": "a", "response": "b"}\nnot json at all\n', ":2: not valid JSON"),
+    data("data-json-array", '["instruction", "response"]\n', ":1: expected a JSON object"),
+    data("data-no-response", '{"instruction": "a"}\n', ":1: record has no 'response' field"),
+    data("data-non-string", '{"instruction": "a", "response": 42}\n', ":1: field 'response' must be a string"),
+    data("data-empty-instruction", '{"instruction": "  ", "response": "b"}\n', ":1: field 'instruction' is empty"),
+    data("data-not-utf8", '{"instruction": "\u00e9t\u00e9", "response": "b"}\n'.encode("cp1252"), "is not UTF-8"),
+    data("data-lone-surrogate", '{"instruction": "\\ud800", "response": "x"}\n', ":1: field 'instruction'"),
+    Case("data-missing", lambda w: ["--data", w.tmp / "missing.jsonl"], "missing.jsonl does not exist"),
+    Case("data-directory", lambda w: ["--data", w.tmp], "is not a file"),
+    Case(
+        "data-unreadable",
+        lambda w: ["--data", w.tmp / "unreadable.jsonl"],
+        "cannot read data file",
+        setup=_unreadable,
+    ),
+    Case("data-no-records-after-filters", lambda w: ["--category", "poetry"], "no usable records"),
+    # Presets.
+    gemma("preset-unknown-name", ["--preset", "gemma_9z_en"], "unknown preset 'gemma_9z_en'"),
+    Case("preset-missing-directory", lambda w: ["--preset", w.tmp / "no-such-preset"], "no-such-preset does not exist"),
+    preset_dir("preset-no-config", None, "no config.json"),
+    preset_dir("preset-config-list", "[1, 2]", "config.json must hold a JSON object"),
+    preset_dir("preset-config-not-json", "{not json", "config.json is not valid JSON"),
+    preset_dir("preset-not-gemma", '{"class_name": "LlamaBackbone"}', "holds a LlamaBackbone model"),
+    # LoRA targets.
+    gemma("target-embedding", ["--target", "token_embedding"], "layer 'token_embedding' cannot be adapted"),
+    gemma("target-unknown", ["--target", "qkv"], "no layer named 'qkv'"),
+    # Runs for eval and generate.
+    run_case("run-no-config", "eval", lambda r, w: (r / "config.yaml").unlink(), "has no config.yaml"),
+    run_case("run-no-adapter", "generate", lambda r, w: (r / ADAPTER).unlink(), f"has no {ADAPTER}"),
+    run_case("run-truncated-adapter", "eval", lambda r, w: _truncate(r / ADAPTER), "not a readable adapter"),
+    run_case(
+        "run-random-adapter",
+        "generate",
+        lambda r, w: (r / ADAPTER).write_bytes(np.random.default_rng(0).bytes(4096)),
+        "not a readable adapter",
+    ),
+    run_case(
+        "run-adapter-of-other-rank",
+        "eval",
+        lambda r, w: shutil.copy(w.runs["rank2"] / ADAPTER, r / ADAPTER),
+        "has LoRA rank 2, but the run's config.yaml says 4",
+    ),
+    run_case("run-adapter-not-finite", "generate", lambda r, w: _poison(r / ADAPTER), "weights that are not finite"),
+    run_case(
+        "run-config-not-yaml", "eval", lambda r, w: (r / "config.yaml").write_text("lora: [unclosed\n"), "config.yaml"
+    ),
+    Case("run-missing", lambda w: ["--run", w.tmp / "no-such-run"], "no-such-run does not exist", command="eval"),
+    generate("generate-zero-tokens", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    generate("generate-negative-tokens", ["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
+    Case("generate-empty-prompt", lambda w: ["--run", w.run_copy(), "--prompt", ""], "--prompt is empty", "generate"),
+    generate("generate-tokens-not-int", ["--max-new-tokens", "x"], "invalid value for '--max-new-tokens'"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """Two real tiny runs (LoRA rank 4 and 2), one step each, that the run cases copy and break."""
+    root = tmp_path_factory.mktemp("runs")
+    records = write_jsonl(root / "records.jsonl", make_records(24))
+    runs = {}
+    for name, rank in (("rank4", 4), ("rank2", 2)):
+        runs[name] = root / name
+        args = ["--preset", "tiny", "--backend", BACKEND, "--seq-len", 64, "--batch-size", 2, "--max-steps", 1]
+        args += ["--set", "train.samples=0", "--rank", rank, "--data", records, "--output", runs[name]]
+        result = invoke("gemma", *args)
+        assert result.exit_code == 0, result.output
+    return runs
+
+
+def test_the_corpus_is_large_and_its_names_unique():
+    names = [case.name for case in CASES]
+    assert len(names) == len(set(names)) and len(names) >= 40
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_exits_2_with_a_message_and_writes_nothing(case, tmp_path, tiny_args, monkeypatch, request):
+    runs = request.getfixturevalue("trained_runs") if case.command != "gemma" else {}
+    cwd = tmp_path / "cwd"  # an empty --output must not write the run into the current directory
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    where = Where(tmp_path, write_jsonl(tmp_path / "good.jsonl", make_records(12)), tmp_path / "run", runs, monkeypatch)
+    if case.setup:
+        case.setup(where)
+    args = [case.command, *case.args(where)]
+    if case.command == "gemma":
+        args[1:1] = [*tiny_args, "--data", where.good, "--output", where.out]
+    result = invoke(*args)
+    message = result.stderr.strip()
+    assert result.exit_code == 2, result.output
+    assert message.startswith("error: ") and case.expected in message, message
+    assert len(message.splitlines()) <= 2, message
+    assert "Traceback" not in result.output
+    assert not where.out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]
+    assert not list(cwd.iterdir())
+
+
+# Odd but valid: these must load, not be refused.
+def _valid(line_ending="\n", bom=b""):
+    records = make_records(3)
+    records[1]["response"] = "one\u2028two\u2029three"  # raw separators: valid JSON, but str.splitlines splits there
+    text = line_ending.join(json.dumps(r, ensure_ascii=False) for r in records) + line_ending
+    return records, bom + text.encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "line_ending, bom", [("\n", b""), ("\r\n", b""), ("\n", b"\xef\xbb\xbf"), ("\r\n", b"\xef\xbb\xbf")]
+)
+def test_odd_but_valid_data_loads(tmp_path, line_ending, bom):
+    from finetune import data
+
+    records, raw = _valid(line_ending, bom)
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(raw)
+    loaded = data.load_records(str(path))
+    assert [r.response for r in loaded] == [r["response"] for r in records]
+    assert [r.instruction for r in loaded] == [r["instruction"] for r in records]
+
+
+def test_a_10_mb_record_loads_and_tokenizes_quickly(tmp_path):
+    from finetune import batching, data, presets
+
+    text = "x" * 10_000_000  # one long word: the slowest case for SentencePiece
+    path = write_jsonl(tmp_path / "long.jsonl", [{"instruction": "Repeat x.", "response": text}])
+    (record,) = data.load_records(str(path))
+    assert len(record.response) == 10_000_000
+    tokenizer = presets.tiny_tokenizer()
+    started = time.perf_counter()
+    (example,), dropped = batching.tokenize([("Instruction: Repeat x.\n", record.response)], tokenizer, 64)
+    seconds = time.perf_counter() - started
+    assert not dropped and len(example.token_ids) == 65
+    assert seconds < 2, f"tokenizing a 10 MB record took {seconds:.1f} s"  # 6.8 s before the cut
+
+
+def test_cutting_long_texts_keeps_the_same_tokens():
+    from finetune import batching, presets
+
+    tokenizer = presets.tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    words = ["the", "Hanoi", "capital", "of", "é", "日本", "  ", "\n", "x" * 40, "12345", "<eos>"]
+    for seq_len in (16, 64):
+        for _ in range(3):
+            text = " ".join(rng.choice(words, size=4000))
+            cut, _ = batching.tokenize([("Q: ", text)], tokenizer, seq_len)
+            whole = batching._ids(tokenizer, ["Q: ", text])
+            assert cut[0].token_ids == [batching.BOS, *whole[0], *whole[1], batching.EOS][: seq_len + 1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 bytes.",
+        "Out of memory while trying to allocate 4294967296 bytes.",
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "ResourceExhaustedError: OOM when allocating tensor with shape[4,256,256000]",
+    ],
+)
+def test_out_of_memory_is_recognised_on_every_backend(text):
+    from finetune import backend
+
+    assert backend.is_out_of_memory(RuntimeError(text))
+    assert not backend.is_out_of_memory(ValueError("shapes (2, 3) and (4, 5) do not match"))
+
+
+def test_backend_flag_beats_keras_backend_with_a_note(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
+    other = next(b for b in ("jax", "torch", "tensorflow") if b != BACKEND)
+    monkeypatch.setenv("KERAS_BACKEND", other)
+    result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
+    assert result.exit_code == 0, result.output
+    assert seen["cfg"].backend == BACKEND
+    notes = [line for line in result.output.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and f"KERAS_BACKEND={other}" in notes[0] and f"--backend {BACKEND}" in notes[0]
+
+
+def test_usage_errors_are_one_line_and_help_still_works():
+    result = invoke("gemma", "--rank", "nan")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "error: invalid value for '--rank': 'nan' is not a valid integer"
+    assert len(lines) == 2 and lines[1].startswith("see ") and lines[1].endswith("gemma --help")
+    assert invoke("--help").exit_code == 0
+    assert "Usage" in invoke("gemma", "--help").output
+    bare = invoke()  # no arguments: the help, as before
+    assert "gemma" in bare.output and "Commands" in bare.output
+    assert invoke("gemmma").stderr.startswith("error: no such command 'gemmma'")
+    missing = invoke("generate", "--prompt", "hi")
+    assert missing.exit_code == 2 and missing.stderr.startswith("error: missing option '--run'")
+
+
+def test_finite_checks_cover_every_float_key():
+    from finetune import config
+
+    for key in ("train.learning_rate", "lora.alpha", "data.eval_fraction", "train.xla_mem_fraction"):
+        for value in (math.inf, -math.inf, math.nan):
+            with pytest.raises(finetune.UserError, match="finite"):
+                config.load(None, {key: value})
+
+
+def test_no_keras_backend_note_without_a_conflict(monkeypatch):
+    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: None)
+    monkeypatch.setenv("KERAS_BACKEND", BACKEND)
+    result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
+    assert result.exit_code == 0 and "note:" not in result.output
+    monkeypatch.delenv("KERAS_BACKEND")
+    assert "note:" not in invoke("gemma", "--preset", "tiny", "--backend", BACKEND).output
