@@ -112,52 +112,68 @@ def check_fits(examples, dropped: list[int], source: str) -> None:
         )
 
 
-class Batches(keras.utils.PyDataset):
-    """Fixed-size batches of padded rows for Keras fit/evaluate.
+class TrainOrder:
+    """The training batch of every global step, a pure function of (seed, step).
 
-    Every batch has the same shape, so XLA compiles once: training drops the
-    ragged last batch (reshuffling each epoch from `seed + epoch`, so a run is
-    reproducible batch for batch), evaluation pads it with weight-0 rows.
+    Data epoch e trains the rows of permutation(seed + e) in order, batch_size at
+    a time, dropping the ragged tail so every step has one shape (one XLA
+    compile). Since step s always trains the same rows, a run resumed at step s
+    trains exactly the batches an uninterrupted run would, and the tokens
+    counted for a step are those of the batch that step trained.
     """
 
-    def __init__(self, arrays, batch_size: int, shuffle: bool = False, seed: int = 0):
+    def __init__(self, arrays, batch_size: int, seed: int):
+        self.arrays = arrays
+        self.batch_size = batch_size
+        self.seed = seed
+        self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
+        self._epoch, self._order = None, None
+
+    def rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            rows = len(self.arrays["token_ids"])
+            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(rows)
+        return self._order[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def batch(self, step: int):
+        """(inputs, labels, weights) of global step `step` (0-based)."""
+        rows, a = self.rows(step), self.arrays
+        return (
+            {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]},
+            a["labels"][rows],
+            a["weights"][rows],
+        )
+
+    def tokens(self, step: int) -> tuple[int, int]:
+        """Non-padding input tokens and weighted (trained) targets of step `step`'s batch."""
+        rows = self.rows(step)
+        return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())
+
+
+class Batches(keras.utils.PyDataset):
+    """Held-out batches for Keras evaluate: every row once, in order, in batches of one shape.
+
+    The ragged last batch is filled with weight-0 copies of other rows, so XLA
+    compiles once and the weighted metrics ignore the copies.
+    """
+
+    def __init__(self, arrays, batch_size: int):
         super().__init__()
         self.arrays = arrays
         self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
         self.rows = len(arrays["token_ids"])
-        self.order = self._order()
-
-    def _order(self):
-        if not self.shuffle:
-            return np.arange(self.rows)
-        return np.random.default_rng(self.seed + self.epoch).permutation(self.rows)
 
     def __len__(self):
-        if self.shuffle:
-            return self.rows // self.batch_size
         return -(-self.rows // self.batch_size)
 
     def __getitem__(self, index):
-        rows = self.order[index * self.batch_size : (index + 1) * self.batch_size]
+        rows = np.arange(index * self.batch_size, min((index + 1) * self.batch_size, self.rows))
         a = self.arrays
         weights = a["weights"][rows]
         short = self.batch_size - len(rows)
         if short:
-            # Fill the last held-out batch with weight-0 copies: every batch keeps
-            # one shape (no second XLA compile), and the metrics ignore the copies.
-            rows = np.concatenate([rows, self.order[np.arange(short) % self.rows]])
+            rows = np.concatenate([rows, np.arange(short) % self.rows])
             weights = np.concatenate([weights, np.zeros((short, weights.shape[1]), weights.dtype)])
         x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
         return x, a["labels"][rows], weights
-
-    def on_epoch_end(self):
-        self.epoch += 1
-        self.order = self._order()
-
-    def tokens(self, index) -> tuple[int, int]:
-        """Non-padding input tokens and weighted (trained) targets in batch `index`."""
-        rows = self.order[index * self.batch_size : (index + 1) * self.batch_size]
-        return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())

@@ -6,20 +6,78 @@ and it is chosen here, from the flags, before anything imports keras.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from finetune import config as config_module
 from finetune.backend import DEFAULT_BATCH_SIZE
-from finetune.errors import UserError
+from finetune.errors import RunStopped, UserError
 from finetune.presets import LEARNING_RATE
+
+try:  # recent typer (0.29 here) vendors click: it raises its own copy's exceptions, not the `click` package's
+    from typer._click import exceptions as click_exceptions
+except ImportError:
+    from click import exceptions as click_exceptions
 
 D = config_module.Config()  # the built-in defaults, shown in --help
 
+# Pydantic's error types behind typer's "Input should be a valid integer, unable to parse ...".
+_PARSED_AS = {
+    "int_parsing": "integer",
+    "int_from_float": "integer",
+    "float_parsing": "number",
+    "bool_parsing": "boolean",
+}
+
+
+class _Commands(typer.core.TyperGroup):
+    """The top-level group, so that click's own usage errors follow the project's rule too.
+
+    Click answers `--rank nan` or `--epoch 2` with a usage block and `Error: ...`
+    over four lines; we print one `error:` line and where to find help, exit 2.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            # Not standalone, click raises its errors to us and returns exit codes instead of exiting.
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as error:  # bare `finetune`: the help, as click shows it
+            error.show()
+            sys.exit(error.exit_code)
+        except click_exceptions.UsageError as error:
+            print(f"error: {_usage_message(error)}", file=sys.stderr)
+            command = error.ctx.command_path if error.ctx is not None else "finetune"
+            print(f"see {command} --help", file=sys.stderr)
+            sys.exit(2)
+        except click_exceptions.ClickException as error:
+            print(f"error: {error.format_message()}", file=sys.stderr)
+            sys.exit(error.exit_code)
+        except typer.Abort:  # end of input at a prompt
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_message(error) -> str:
+    """Click's message on one line, in our words: invalid value for '--rank': 'nan' is not a valid integer."""
+    cause = error.__cause__
+    if isinstance(error, click_exceptions.BadParameter) and hasattr(cause, "errors") and cause.errors():
+        first = cause.errors()[0]
+        if first.get("type") in _PARSED_AS and "input" in first:
+            error.message = f"{first['input']!r} is not a valid {_PARSED_AS[first['type']]}"
+    message = (error.format_message().strip().splitlines() or ["bad usage"])[0]
+    return message[0].lower() + message[1:]
+
+
 app = typer.Typer(
+    cls=_Commands,
     help="Fine-tune Gemma with LoRA on Keras 3 (JAX, PyTorch or TensorFlow).",
     no_args_is_help=True,
     add_completion=False,
@@ -42,8 +100,11 @@ def _fail(error: BaseException, debug: bool):
     if debug:
         traceback.print_exception(error)
     if isinstance(error, KeyboardInterrupt):
-        print("interrupted; nothing was saved", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         raise typer.Exit(130)
+    if isinstance(error, RunStopped):
+        print(str(error), file=sys.stderr)
+        raise typer.Exit(error.exit_code)
     if isinstance(error, UserError):
         print(f"error: {error}", file=sys.stderr)
         raise typer.Exit(2)
@@ -70,7 +131,7 @@ def gemma(
         f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}"
     ),
     data: Optional[str] = _flag(
-        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (data/dolly-sample.jsonl). {_default(D.data.path)}"
+        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}"
     ),
     template: Optional[str] = _flag(f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}"),
     seq_len: Optional[int] = _flag(f"Tokens per training sequence. {_default(D.model.seq_len)}"),
@@ -88,7 +149,23 @@ def gemma(
     ),
     seed: Optional[int] = _flag(f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}"),
     output: Optional[str] = _flag("Run directory. [default: runs/<timestamp>]"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in --output."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run already in --output (the old one stays until the new one finishes)."
+    ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue the run in --output from its newest checkpoint, with its settings; "
+        "start it there if it has none. --epochs and --max-steps may grow.",
+    ),
+    checkpoint_every: Optional[int] = _flag(
+        f"Save a checkpoint every N steps, and at each epoch's end. {_default(D.train.checkpoint_every)}"
+    ),
+    keep_checkpoints: Optional[int] = _flag(f"Keep the newest N checkpoints. {_default(D.train.keep_checkpoints)}"),
+    time_limit: Optional[str] = _flag(
+        "Stop with a checkpoint before this much time, e.g. 11h30m, 90m, or `off`. "
+        "[default: 11h30m in a Kaggle notebook, else off]"
+    ),
     train_on_prompt: bool = typer.Option(
         False, "--train-on-prompt", help="Also train on prompt tokens (default: response tokens only)."
     ),
@@ -103,7 +180,9 @@ def gemma(
     xla_mem_fraction: Optional[float] = _flag(
         f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}"
     ),
-    recipe: Optional[str] = _flag("YAML recipe; flags and --set override it."),
+    recipe: Optional[str] = _flag(
+        "YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set override it."
+    ),
     set_: Optional[list[str]] = typer.Option(
         None, "--set", help="Any config key, e.g. --set train.epochs=2; repeatable.", show_default=False
     ),
@@ -114,6 +193,8 @@ def gemma(
     Precedence: built-in defaults < --recipe < --set < named flags.
     """
     try:
+        _refuse_empty({"--output": output, "--data": data, "--preset": preset, "--recipe": recipe})
+        _note_keras_backend(backend)
         overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
         flags = {
             "backend": backend,
@@ -138,12 +219,20 @@ def gemma(
             "train.xla_mem_fraction": xla_mem_fraction,
             "output.dir": output,
             "output.overwrite": overwrite or None,
+            "train.checkpoint_every": checkpoint_every,
+            "train.keep_checkpoints": keep_checkpoints,
+            "train.time_limit": time_limit,
         }
         overrides.update({k: v for k, v in flags.items() if v is not None})
-        cfg = config_module.load(recipe, overrides)
+        base = None
+        if resume:
+            from finetune import runs
+
+            base = runs.resume_settings(output)
+        cfg = config_module.load(recipe, overrides, base=base)
         import finetune
 
-        finetune.run(cfg)
+        finetune.run(cfg, resume=resume)
     except typer.Exit:
         raise
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
@@ -160,6 +249,8 @@ def eval_(
     try:
         from finetune import backend, runs
 
+        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+        _refuse_empty({"--data": data})
         saved = runs.open_run(run)
         backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
         result = runs.evaluate_run(saved, data)
@@ -183,12 +274,90 @@ def generate(
     try:
         from finetune import backend, runs
 
+        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+        if any(not p.strip() for p in prompt):
+            raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}; try --max-new-tokens 48")
         saved = runs.open_run(run)
         backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
+
+
+recipes_app = typer.Typer(
+    help="The shipped recipes: list them, or copy one out to edit.", add_completion=False, rich_markup_mode=None
+)
+app.add_typer(recipes_app, name="recipes")
+
+
+@recipes_app.callback(invoke_without_command=True)
+def recipes(ctx: typer.Context):
+    """List the shipped recipes; `finetune recipes copy NAME DEST` copies one out to edit."""
+    if ctx.invoked_subcommand is not None:
+        return
+    shipped = config_module.shipped_recipes()
+    width = max(map(len, shipped))
+    for name, path in shipped.items():
+        print(f"{name:<{width}}  {config_module.recipe_summary(path)}")
+    print("\nrun one: finetune gemma --recipe NAME; edit one: finetune recipes copy NAME DEST")
+
+
+@recipes_app.command("copy")
+def recipes_copy(
+    name: str = typer.Argument(..., help="A shipped recipe, e.g. tiny."),
+    dest: str = typer.Argument(..., help="The file to write, or a directory to put NAME.yaml in."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+):
+    """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
+    try:
+        source = config_module.shipped_recipe(name)
+        target = Path(dest) / source.name if Path(dest).is_dir() else Path(dest)
+        if not target.parent.is_dir():
+            raise UserError(f"directory {target.parent} does not exist; create it or pick another DEST")
+        try:
+            # "x" refuses an existing file at open time, so a file made meanwhile is not clobbered either.
+            with open(target, "xb") as f:
+                f.write(source.read_bytes())
+        except FileExistsError:
+            raise UserError(f"{target} already exists; remove it or pick another DEST") from None
+        print(f"copied {source.stem} to {target}; run it with: finetune gemma --recipe {target}")
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
+@app.command("runs")
+def runs_(
+    directory: str = typer.Argument("runs", help="A run directory, or a directory of runs."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+):
+    """List runs and their state: finished, running, checkpointed at step N, stopped or failed."""
+    try:
+        from finetune import runs
+
+        rows = runs.list_runs(directory)
+        if not rows:
+            print(f"no runs in {directory}")
+            return
+        print(runs.format_table(rows))
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
+def _refuse_empty(flags: dict, fix: str = "give it a value or leave the flag out") -> None:
+    """An unset shell variable gives `--output ""`, which would otherwise mean the current directory."""
+    for flag, value in flags.items():
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} is empty (an unset shell variable?); {fix}")
+
+
+def _note_keras_backend(flag: str | None) -> None:
+    """Keras users expect KERAS_BACKEND to choose; say so when --backend overrides it."""
+    env = os.environ.get("KERAS_BACKEND")
+    if flag in config_module.BACKENDS and env and env != flag:
+        print(f"note: --backend {flag} overrides KERAS_BACKEND={env}", file=sys.stderr)
 
 
 def _split_list(values):

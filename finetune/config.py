@@ -86,6 +86,13 @@ class TrainConfig:
     """Held-out prompts to generate from before and after training, into samples.md."""
     max_new_tokens: int = 48
     """Tokens generated for each sample."""
+    checkpoint_every: int = 100
+    """Save a resumable checkpoint every this many steps (and always at the end of an epoch)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; older ones are deleted."""
+    time_limit: Optional[str] = None
+    """Stop with a checkpoint before this much time has passed (`11h30m`, `90m`, `3600s`); None is
+    11h30m in a Kaggle notebook (its sessions end at 12 hours) and no limit elsewhere; `off` disables."""
 
 
 @dataclass
@@ -110,18 +117,39 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def load(recipe: Optional[str | Path] = None, overrides: Optional[dict[str, Any]] = None) -> Config:
+def load(
+    recipe: Optional[str | Path] = None, overrides: Optional[dict[str, Any]] = None, base: Optional[dict] = None
+) -> Config:
     """Build a Config from defaults, an optional recipe file and dotted-key overrides.
 
     overrides: dict. Dotted keys (`train.epochs`) to values, applied in order
         after the recipe; the CLI passes `--set` pairs first, then named flags.
+    base: dict. Settings that stand in for the defaults: a checkpoint's config
+        when resuming, so `--resume` alone continues the run as it was.
     """
-    data: dict = {}
+    data: dict = copy.deepcopy(base) if base else {}
     if recipe is not None:
-        data = read_recipe(recipe)
+        _merge(data, read_recipe(recipe))
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     return from_dict(data)
+
+
+def _merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `11h30m`, `90m`, `45s`, `1h` or a bare number of seconds; raises ValueError."""
+    match = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not text.strip() or not match or not any(match.groups()):
+        raise ValueError(text)
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def from_dict(data: dict) -> Config:

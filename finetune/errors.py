@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can fix."""
+"""The exceptions that end a run with a message for a person instead of a traceback."""
 
 
 class UserError(Exception):
@@ -7,3 +7,15 @@ class UserError(Exception):
     The CLI turns it into one or two lines on stderr and exit code 2. Raise it
     before anything is written, so that a refused run leaves no trace.
     """
+
+
+class RunStopped(Exception):
+    """Training stopped early on request, with a checkpoint saved to resume from.
+
+    exit_code: int. 130 for Ctrl-C, 143 for SIGTERM (128 + the signal), 75
+        (EX_TEMPFAIL: try again later) for the time limit.
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -1,8 +1,12 @@
-"""The run directory: checked before any work, written whole at the end.
+"""The run directory: checked before any work, claimed for training, published file by file.
 
-Files are written into a hidden sibling directory and renamed into place
-last, so an interrupted or refused run never leaves a half-written run that
-looks finished.
+Before training nothing is written. When training starts the directory is
+created and locked (an flock, released by the kernel even on SIGKILL), so two
+runs can never write into one directory. Checkpoints go into it as training
+goes (checkpoint.py). The results are written at the end, each file under a
+temporary name, fsynced and renamed, with metrics.json last: its presence marks
+a finished run, and --overwrite replaces the old run's results only once the
+new run has finished training.
 """
 
 from __future__ import annotations
@@ -12,32 +16,66 @@ import datetime
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
 
+from finetune import checkpoint, storage
 from finetune.errors import UserError
 
 ADAPTER = "adapter.lora.h5"
-RUN_MARKERS = ("config.yaml", "metrics.json", ADAPTER)
+METRICS = "metrics.json"
+CONFIG = "config.yaml"
+STATUS = "status.json"
+LOCK = ".lock"
+RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
+# A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
+NAME_MAX = 255
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs still work, unguarded against a second writer.
+    fcntl = None
 
 
-def choose_dir(requested: str | None, overwrite: bool) -> Path:
-    """The run directory to use; refuses one that holds a run unless `overwrite`."""
+def check_target(requested: str | None, overwrite: bool, resume: bool) -> Path:
+    """The run directory to use; refuses, before any work, one the run could not or must not write to."""
     if requested is None:
-        path = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        _check_writable(path)
-        return path
+        if resume:
+            raise UserError("--resume needs --output DIR, the run directory to continue")
+        return default_dir()
+    if not requested.strip():
+        raise UserError("--output is empty (an unset shell variable?); pass the run directory, e.g. --output runs/a")
     path = Path(requested)
+    for part in path.parts:
+        if len(part.encode("utf-8")) > NAME_MAX - 16:  # room for temporary names beside it
+            raise UserError(f"output name {part[:40]}... is {len(part)} characters, too long; use a shorter --output")
     if path.exists() and not path.is_dir():
         raise UserError(f"output {path} is a file, not a directory; pass another --output")
-    if not overwrite and any((path / name).exists() for name in RUN_MARKERS):
+    if not resume and not overwrite:
+        refuse_existing_run(path)
+    _check_writable(path)
+    return path
+
+
+def default_dir() -> Path:
+    path = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    _check_writable(path)
+    return path
+
+
+def refuse_existing_run(path: Path) -> None:
+    """A run (finished, or checkpointed and unfinished) in `path` is never silently replaced."""
+    if any((path / name).exists() for name in RUN_MARKERS):
         raise UserError(
             f"output directory {path} already holds a run; pass --overwrite to replace it or choose another --output"
         )
-    _check_writable(path)
-    return path
+    found = checkpoint.find(path)
+    if found:
+        raise UserError(
+            f"output directory {path} holds an unfinished run, checkpointed at step {found[-1].step}; "
+            "pass --resume to continue it, --overwrite to start again, or choose another --output"
+        )
 
 
 def _check_writable(path: Path) -> None:
@@ -51,31 +89,132 @@ def _check_writable(path: Path) -> None:
         )
 
 
-class RunWriter:
-    """Collects a run's files in a staging directory and publishes them at once."""
+def check_free_space(path: Path, needed_bytes: int) -> None:
+    """Refuse a run whose checkpoints and adapter would not fit on the disk."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise UserError(
+            f"{existing} has {free / 2**20:.1f} MB free, and this run needs about {needed_bytes / 2**20:.1f} MB "
+            "for its checkpoints and adapter; free some space or pass another --output"
+        )
 
-    def __init__(self, final: Path):
-        self.final = final
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
 
-    def path(self, name: str) -> Path:
-        return self.staging / name
+class Claim:
+    """A run directory held by this process: created if needed and locked until release()."""
 
-    def publish(self) -> Path:
-        if not self.final.exists():
-            self.staging.rename(self.final)
-            return self.final
-        # An existing directory may hold the user's own files: replace ours one
-        # by one, metrics.json last, since its presence marks a finished run.
-        names = sorted((p.name for p in self.staging.iterdir()), key=lambda n: n == "metrics.json")
-        for name in names:
-            os.replace(self.staging / name, self.final / name)
-        self.staging.rmdir()
-        return self.final
+    def __init__(self, path: Path, created: bool, lock_file):
+        self.path = path
+        self.created = created
+        self._lock_file = lock_file
 
-    def discard(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def abandon(self) -> None:
+        """Undo the claim of a run that wrote nothing worth keeping."""
+        self.release()
+        if self.created and not checkpoint.find(self.path):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
+    """Create and lock the run directory; re-checks under the lock that it is still free.
+
+    default: bool. `path` is the default runs/<timestamp>: if another run took
+        that name in the same second, use the next free one (-2, -3, ...).
+    """
+    created = False
+    if default:
+        base, n = path, 1
+        while True:
+            try:
+                path.mkdir(parents=True)
+                created = True
+                break
+            except FileExistsError:
+                n += 1
+                path = base.with_name(f"{base.name}-{n}")
+    elif not path.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        created = True
+    lock_file = None
+    if fcntl is not None:
+        lock_file = open(path / LOCK, "a+")  # noqa: SIM115 - held open until release()
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise UserError(
+                f"another finetune run is writing to {path}; wait for it to end or choose another --output"
+            ) from None
+    held = Claim(path, created, lock_file)
+    if not resume and not overwrite:
+        try:
+            refuse_existing_run(path)  # another run may have finished here since check_target
+        except UserError:
+            held.release()
+            raise
+    return held
+
+
+def is_locked(path: Path) -> bool:
+    """Whether a live process holds the run directory `path`."""
+    if fcntl is None or not (path / LOCK).exists():
+        return False
+    with open(path / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+def write_atomic(path: Path, write) -> None:
+    """Call write(temporary_path), fsync the result and rename it over `path`."""
+    temporary = path.with_name(f".partial.{path.name}")
+    try:
+        write(temporary)
+        storage.fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_status(run_dir: Path, state: str, step: int, message: str = "") -> None:
+    """status.json: running, stopped, failed or finished, for `finetune runs`."""
+    status = {"state": state, "step": step, "message": message, "pid": os.getpid(), "time": _now()}
+    write_atomic(run_dir / STATUS, lambda p: p.write_text(json.dumps(status, indent=1) + "\n", encoding="utf-8"))
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        status = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
+        return status if isinstance(status, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def publish(run_dir: Path, files: dict) -> None:
+    """Write the results: `files` maps a name to write(path); metrics.json goes last.
+
+    The old metrics.json goes first, so a crash halfway never leaves old results
+    marked as the finished run beside new ones.
+    """
+    (run_dir / METRICS).unlink(missing_ok=True)
+    for name in sorted(files, key=lambda n: n == METRICS):
+        write_atomic(run_dir / name, files[name])
+    storage.fsync_directory(run_dir)
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def write_config(path: Path, config: dict) -> None:
@@ -83,7 +222,8 @@ def write_config(path: Path, config: dict) -> None:
 
 
 def write_metrics(path: Path, metrics: dict) -> None:
-    path.write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    # allow_nan=False: a NaN can never reach a finished run's metrics as a bare `NaN`.
+    path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def write_history(path: Path, rows: list[dict]) -> None:
@@ -146,7 +286,8 @@ def summary_table(metrics: dict, run_dir: Path) -> str:
         ("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}"),
         ("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
         ("eval accuracy", f"{metrics['eval_accuracy']:.3f}"),
-        ("tokens/s", f"{metrics['tokens_per_second']:.0f}"),
+        # None when this session trained a single step: that step compiles, so it is not timed.
+        ("tokens/s", "n/a" if metrics["tokens_per_second"] is None else f"{metrics['tokens_per_second']:.0f}"),
         ("seconds", f"{metrics['seconds']:.1f}"),
         ("peak memory", f"{metrics['peak_memory_mb']:.0f} MB"),
     ]

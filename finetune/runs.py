@@ -128,5 +128,77 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
     return evaluate.generate(
-        lm, preprocessor, prompts, max_new_tokens or cfg.train.max_new_tokens, template.stop_tokens
+        lm,
+        preprocessor,
+        prompts,
+        cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        template.stop_tokens,
     )
+
+
+def resume_settings(output: str | None) -> dict | None:
+    """The config of the newest checkpoint in `output`, to resume with; None when there is none.
+
+    Pure Python, so the CLI can read it before the backend is chosen.
+    """
+    from finetune import checkpoint
+
+    if not output:
+        raise UserError("--resume needs --output DIR, the run directory to continue")
+    found = checkpoint.latest(Path(output))
+    return found.state()["config"] if found else None
+
+
+def list_runs(directory: str | Path) -> list[dict]:
+    """A row per run in `directory` (or for `directory` itself): its path, state, step and eval loss."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory} is not a directory; pass a run directory or a directory of runs")
+    candidates = [directory] + sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [row for row in (describe(path) for path in candidates) if row is not None]
+
+
+def describe(path: Path) -> dict | None:
+    """What state the run in `path` is in; None if `path` holds no run."""
+    import json
+
+    from finetune import checkpoint
+
+    status = outputs.read_status(path)
+    found = checkpoint.find(path)
+    finished = (path / outputs.METRICS).is_file()
+    if not (finished or found or status):
+        return None
+    row = {"run": str(path), "state": "", "step": "", "eval_loss": "", "note": ""}
+    if finished:
+        try:
+            metrics = json.loads((path / outputs.METRICS).read_text(encoding="utf-8"))
+            row.update(step=metrics.get("steps", ""), eval_loss=f"{metrics['eval_loss']:.4f}")
+        except (OSError, ValueError, KeyError, TypeError):
+            row["note"] = "metrics.json unreadable"
+        row["state"] = "finished"
+        return row
+    step = found[-1].step if found else status.get("step", "")
+    row["step"] = step
+    if outputs.is_locked(path):
+        row["state"] = "running"
+    elif status.get("state") in ("failed", "stopped"):
+        row["state"] = status["state"]
+        row["note"] = str(status.get("message", "")).splitlines()[0][:100] if status.get("message") else ""
+    elif found:
+        row["state"] = "checkpointed"
+        row["note"] = "killed or lost; --resume continues it" if status.get("state") == "running" else ""
+    else:
+        row["state"] = "failed"
+        row["note"] = "ended before its first checkpoint"
+    if found and row["state"] != "running":
+        row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = ["run", "state", "step", "eval_loss", "note"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,36 +1,72 @@
 """run(cfg): the whole recipe, from seed to saved adapter, top to bottom.
 
 It follows the Keras Gemma LoRA tutorial: load a preset, enable LoRA, compile
-AdamW, fit, then save the adapter. What it adds: response-only loss on
+AdamW, train, then save the adapter. What it adds: response-only loss on
 pre-tokenized batches, evaluation before and after on a held-out split,
-and a run directory that records everything the run did.
+checkpoints to resume from after a kill, guards that never publish a broken
+run, and a run directory that records everything the run did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import math
-import sys
+import os
 import time
+import uuid
 
 import keras
+import numpy as np
 
-from finetune import backend, batching, data, evaluate, model, outputs, presets, templates
-from finetune.config import Config
-from finetune.errors import UserError
+from finetune import backend, batching, checkpoint, data, evaluate, loop, model, outputs, presets, templates
+from finetune.config import Config, parse_duration
+from finetune.errors import RunStopped, UserError
+
+# Settings a resumed run must share with its checkpoint: anything else would not
+# continue the same training. epochs, max_steps and the output settings may change.
+RESUME_KEYS = (
+    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("lora", "rank"), ("lora", "alpha"),
+    ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
+    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("train", "batch_size"),
+    ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
+)  # fmt: skip
+KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 
 
-def run(cfg: Config) -> dict:
-    """Train a LoRA adapter as `cfg` says; returns the run's metrics (also in metrics.json)."""
+def run(cfg: Config, resume: bool = False) -> dict:
+    """Train a LoRA adapter as `cfg` says; returns the run's metrics (also in metrics.json).
+
+    resume: bool. Continue from the newest valid checkpoint in cfg.output.dir;
+        without one, start there afresh.
+    """
     started = time.perf_counter()
+    deadline = _deadline(cfg.train.time_limit)
     # finetune.run() and the CLI select the backend before importing this
     # module; selecting again records the tweaks and catches a mismatch.
     tweaks = backend.select(cfg.backend, cfg.train.xla_mem_fraction)
 
     # Everything a user can get wrong is checked before the first file is written.
-    run_dir = outputs.choose_dir(cfg.output.dir, cfg.output.overwrite)
+    target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
+    resume_from = checkpoint.latest(target) if resume else None
+    if resume and resume_from is None:
+        broken = checkpoint.problems(target)
+        if broken:
+            raise UserError(
+                f"cannot resume {target}: no checkpoint there can be loaded ({broken[-1]}); "
+                "pass --overwrite to start again"
+            )
+        if (target / outputs.METRICS).exists():
+            raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
+        print(f"note: no checkpoint in {target} to resume from; starting a new run there")
     source = presets.resolve(cfg.model.preset)
     records = load_records(cfg, cfg.data.path)
+    fingerprint = data_fingerprint(records)
+    saved = None
+    if resume_from is not None:
+        saved = resume_from.state()
+        check_resumable(saved, cfg, fingerprint, target)
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision))
     keras.utils.set_random_seed(cfg.train.seed)
 
@@ -60,49 +96,121 @@ def run(cfg: Config) -> dict:
             f"{len(train_part)} training records are fewer than one batch of {batch_size}; "
             "lower --batch-size or add records"
         )
-    train_examples = [e for _, e in train_part]
-    eval_examples = [e for _, e in eval_part]
     eval_records = [r for r, _ in eval_part]
-    train_batches = batching.Batches(
-        batching.pad(train_examples, cfg.model.seq_len), batch_size, shuffle=True, seed=cfg.train.seed
-    )
-    eval_batches = batching.Batches(batching.pad(eval_examples, cfg.model.seq_len), batch_size)
+    order = batching.TrainOrder(batching.pad([e for _, e in train_part], cfg.model.seq_len), batch_size, cfg.train.seed)
+    eval_batches = batching.Batches(batching.pad([e for _, e in eval_part], cfg.model.seq_len), batch_size)
+    steps_per_epoch = order.steps_per_epoch
+    total_steps = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps is not None:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    if resume_from is not None and resume_from.step >= total_steps:
+        raise UserError(
+            f"{target} has already trained {resume_from.step} of {total_steps} steps; "
+            "raise --epochs or --max-steps to train further"
+        )
+    outputs.check_free_space(target, checkpoint_bytes(lm) * (cfg.train.keep_checkpoints + 2))
+
+    resolved = cfg.to_dict()
+    resolved["train"]["batch_size"] = batch_size
+    resolved["train"]["learning_rate"] = learning_rate
+    # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it.
+    resolved["output"] = {"dir": None, "overwrite": False}
 
     sample_records = eval_records[: cfg.train.samples]
     sample_prompts = [template.apply(r)[0] for r in sample_records]
     evaluator = model.evaluator(lm)
-    before = evaluate.metrics(evaluator, eval_batches)
-    print(f"eval loss before training: {before['loss']:.4f}")
-    generated_before = evaluate.generate(
-        lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
-    )
+    eval_started = time.perf_counter()
+    if saved is None:
+        before = evaluate.metrics(evaluator, eval_batches)
+        print(f"eval loss before training: {before['loss']:.4f}")
+        generated_before = evaluate.generate(
+            lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
+        )
+        progress, run_id = loop.Progress(), uuid.uuid4().hex[:8]
+    else:
+        weights, optimizer_values, _ = checkpoint.load(resume_from)
+        restore(lm, weights, optimizer_values, saved, resume_from)
+        before, generated_before = saved["eval_before"], saved["generated_before"]
+        progress, run_id = loop.Progress.from_state(saved["progress"]), saved["run_id"]
+        print(f"resuming {target} at step {progress.step}/{total_steps}")
+    eval_seconds = time.perf_counter() - eval_started
 
-    steps_per_epoch = len(train_batches)
-    epochs = cfg.train.epochs
-    if cfg.train.max_steps is not None:
-        epochs = min(epochs, math.ceil(cfg.train.max_steps / steps_per_epoch))
-        # A run shorter than an epoch declares it, so the progress bar counts to max_steps.
-        steps_per_epoch = min(steps_per_epoch, cfg.train.max_steps)
-    recorder = StepRecorder(train_batches, cfg.train.max_steps, lambda: evaluate.metrics(evaluator, eval_batches))
-    train_started = time.perf_counter()
-    # keras-hub's CausalLM.fit wraps its input in a tf.data/grain pipeline for
-    # string preprocessing; these batches are token ids already, so use
-    # Keras' own fit, which takes a PyDataset on every backend.
-    history = keras.Model.fit(
+    claim = outputs.claim(target, default=cfg.output.dir is None, overwrite=cfg.output.overwrite, resume=resume)
+    run_dir = claim.path
+
+    def save_checkpoint(progress: loop.Progress) -> None:
+        weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
+        if not all(np.isfinite(w).all() for w in weights):
+            raise UserError(
+                f"the LoRA weights are not finite after step {progress.step}: training diverged, so nothing "
+                f"was published.\n{divergence_advice(cfg, learning_rate)}"
+            )
+        state = {
+            "run_id": run_id,
+            "step": progress.step,
+            "config": resolved,
+            "data_fingerprint": fingerprint,
+            "eval_before": before,
+            "generated_before": generated_before,
+            "progress": progress.to_state(),
+            "trainable_paths": [v.path for v in lm.trainable_variables],
+            "optimizer_paths": [v.path for v in lm.optimizer.variables],
+        }
+        optimizer_values = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
+        try:
+            checkpoint.save(run_dir, run_id, progress.step, weights, optimizer_values, state)
+            checkpoint.prune(run_dir, run_id, cfg.train.keep_checkpoints)
+            outputs.write_status(run_dir, "running", progress.step)
+        except OSError as e:
+            last = checkpoint.latest(run_dir)
+            kept = f"the checkpoint at step {last.step} is intact" if last else "no earlier checkpoint exists"
+            raise UserError(
+                f"could not write the checkpoint at step {progress.step} to {run_dir}: {e.strerror or e}; "
+                f"{kept}.\nFree space or fix the directory, then rerun with --resume"
+            ) from e
+
+    trainer = loop.Loop(
         lm,
-        train_batches,
-        epochs=epochs,
-        steps_per_epoch=steps_per_epoch,
-        callbacks=[recorder],
-        # A live progress bar in a terminal or notebook; one line per epoch in logs.
-        verbose=1 if sys.stdout.isatty() or "ipykernel" in sys.modules else 2,
+        order,
+        total_steps,
+        progress,
+        evaluate_held_out=lambda: evaluate.metrics(evaluator, eval_batches),
+        save_checkpoint=save_checkpoint,
+        checkpoint_every=cfg.train.checkpoint_every,
+        deadline=deadline,
+        eval_seconds=eval_seconds,
+        divergence_advice=divergence_advice(cfg, learning_rate),
+        last_saved=resume_from.step if resume_from else None,
     )
-    train_seconds = time.perf_counter() - train_started
-    after = recorder.evaluations[-1]  # the held-out split is evaluated after every epoch
+    try:
+        outputs.write_status(run_dir, "running", progress.step)
+        trainer.run()
+    except RunStopped as stop:
+        outputs.write_status(run_dir, "stopped", progress.step, str(stop))
+        claim.release()
+        raise
+    except BaseException as error:
+        failure = error
+        if backend.is_out_of_memory(error):
+            failure = UserError(
+                f"out of memory at step {progress.step + 1} with batch {batch_size}, seq-len {cfg.model.seq_len}, "
+                f"rank {cfg.lora.rank}; lower --batch-size or --seq-len"
+                + (f" (the checkpoint at step {trainer.last_saved} is kept)" if trainer.last_saved else "")
+            )
+        if trainer.last_saved is None:
+            claim.abandon()  # nothing worth keeping was written
+        else:
+            _record_failure(run_dir, progress.step, failure)
+            claim.release()
+        if failure is error:
+            raise
+        raise failure from error
+
+    after = progress.evaluations[-1]  # the held-out split is evaluated after every epoch and the last step
     generated_after = evaluate.generate(
         lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
     )
-
+    train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
     metrics = {
         "backend": cfg.backend,
         "preset": cfg.model.preset,
@@ -111,34 +219,35 @@ def run(cfg: Config) -> dict:
         "targets": list(cfg.lora.targets),
         "adapted_layers": adapted,
         "trainable_parameters": model.trainable_parameters(lm),
-        "train_examples": len(train_examples),
-        "eval_examples": len(eval_examples),
+        "train_examples": len(train_part),
+        "eval_examples": len(eval_part),
         "batch_size": batch_size,
         "seq_len": cfg.model.seq_len,
         "learning_rate": learning_rate,
-        "steps": recorder.step,
-        "epochs": epochs,
-        "train_loss": float(history.history["loss"][-1]),
+        "steps": progress.step,
+        "epochs": math.ceil(progress.step / steps_per_epoch),
+        "resumed_from_step": resume_from.step if resume_from else None,
+        "train_loss": train_losses[-1],
         "eval_loss_before": before["loss"],
         "eval_loss": after["loss"],
         "eval_perplexity_before": before["perplexity"],
         "eval_perplexity": after["perplexity"],
         "eval_accuracy_before": before["accuracy"],
         "eval_accuracy": after["accuracy"],
-        "trained_tokens": recorder.total_tokens,
-        "response_tokens": recorder.total_response_tokens,
-        "tokens_per_second": recorder.tokens_per_second(),
-        "train_seconds": train_seconds,
+        "trained_tokens": progress.trained_tokens,
+        "response_tokens": progress.response_tokens,
+        # Non-padding tokens per second of optimizer steps in this session, its first
+        # (compiling) step and every evaluation excluded.
+        "tokens_per_second": trainer.tokens_per_second(),
+        "train_seconds": progress.train_seconds,
         "seconds": time.perf_counter() - started,
         "peak_memory_mb": backend.peak_memory_mb(),
         "dtype_policy": tweaks["dtype_policy"],
         "device": tweaks["device"],
     }
-    resolved = cfg.to_dict()
-    resolved["train"]["batch_size"] = batch_size
-    resolved["train"]["learning_rate"] = learning_rate
-    resolved["output"]["dir"] = str(run_dir)
     resolved["resolved"] = {
+        "output_dir": str(run_dir.resolve()),
+        "run_id": run_id,
         "preset_kind": source.kind,
         "preset_family": source.family,
         "backend_tweaks": tweaks,
@@ -148,26 +257,105 @@ def run(cfg: Config) -> dict:
         {"prompt": p, "reference": r.response, "before": b, "after": a}
         for p, r, b, a in zip(sample_prompts, sample_records, generated_before, generated_after)
     ]
-
-    writer = outputs.RunWriter(run_dir)
+    history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
+    title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
     try:
-        lm.backbone.save_lora_weights(str(writer.path(outputs.ADAPTER)))
-        outputs.write_config(writer.path("config.yaml"), resolved)
-        outputs.write_history(writer.path("history.csv"), recorder.rows)
-        outputs.write_samples(writer.path("samples.md"), samples)
-        outputs.plot_loss(
-            writer.path("loss.png"),
-            [{"step": 0, "eval_loss": before["loss"]}] + recorder.rows,
-            f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}",
+        outputs.publish(
+            run_dir,
+            {
+                outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
+                outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
+                "history.csv": lambda p: outputs.write_history(p, progress.rows),
+                "samples.md": lambda p: outputs.write_samples(p, samples),
+                "loss.png": lambda p: outputs.plot_loss(p, history, title),
+                outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
+            },
         )
-        metrics["seconds"] = time.perf_counter() - started
-        outputs.write_metrics(writer.path("metrics.json"), metrics)
-        writer.publish()
-    except BaseException:
-        writer.discard()
-        raise
+        checkpoint.remove_others(run_dir, run_id)
+        outputs.write_status(run_dir, "finished", progress.step)
+    finally:
+        claim.release()
     print(outputs.summary_table(metrics, run_dir))
     return metrics
+
+
+def _deadline(time_limit: str | None) -> float | None:
+    """The time.monotonic() instant to stop by, from --time-limit (11h30m by default in a Kaggle notebook)."""
+    if time_limit is None and os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+        time_limit = KAGGLE_TIME_LIMIT
+    if time_limit is None or time_limit == "off":
+        return None
+    return time.monotonic() + parse_duration(time_limit)
+
+
+def divergence_advice(cfg: Config, learning_rate: float) -> str:
+    lower = f"{learning_rate / 10:g}"
+    precision = "" if cfg.model.precision == "float32" else " or --precision float32"
+    return f"Try a lower learning rate (--lr {lower}; this run used {learning_rate:g}){precision}."
+
+
+def _record_failure(run_dir, step: int, error: BaseException) -> None:
+    if isinstance(error, KeyboardInterrupt):
+        state, message = "stopped", "interrupted"
+    else:
+        state, message = "failed", str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    try:
+        outputs.write_status(run_dir, state, step, message)
+    except OSError:
+        pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
+
+
+def data_fingerprint(records) -> str:
+    """sha256 of the records a run trains and evaluates on, after filters."""
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(json.dumps([r.instruction, r.context, r.response, r.category]).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def check_resumable(saved: dict, cfg: Config, fingerprint: str, target) -> None:
+    """Refuse a resume that would not continue the same training."""
+    ours = cfg.to_dict()
+    for section, key in RESUME_KEYS:
+        then, now = saved["config"][section][key], ours[section][key]
+        if now is None and key in ("batch_size", "learning_rate"):
+            continue  # not given: the checkpoint's resolved value is used
+        if then != now:
+            raise UserError(
+                f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
+                f"for {now!r}; drop that setting to continue, or start a new run with another --output"
+            )
+    if saved["data_fingerprint"] != fingerprint:
+        raise UserError(
+            f"cannot resume {target}: the records in {cfg.data.path} differ from those the checkpoint was trained "
+            "on; restore that data, or start a new run with another --output"
+        )
+
+
+def restore(lm, weights, optimizer_values, saved: dict, found) -> None:
+    """Put a checkpoint's LoRA weights and optimizer state back, after checking they fit this model."""
+    lm.optimizer.build(lm.trainable_variables)
+    pairs = [
+        (lm.trainable_variables, weights, saved["trainable_paths"]),
+        (lm.optimizer.variables, optimizer_values, saved["optimizer_paths"]),
+    ]
+    for variables, values, paths in pairs:
+        # Paths carry per-instance suffixes (adamw_1/...), so compare their last part, in order.
+        leaves = [p.rsplit("/", 1)[-1] for p in paths]
+        if len(variables) != len(values) or [v.path.rsplit("/", 1)[-1] for v in variables] != leaves:
+            raise UserError(f"checkpoint {found.path} does not match this model's variables; start a new run")
+        for variable, value in zip(variables, values):
+            if tuple(variable.shape) != value.shape:
+                raise UserError(
+                    f"checkpoint {found.path}: {variable.path} has shape {value.shape}, the model "
+                    f"{tuple(variable.shape)}; start a new run"
+                )
+            variable.assign(value)
+
+
+def checkpoint_bytes(lm) -> int:
+    """A checkpoint's size: the trainable weights and AdamW's two moments, in float32."""
+    return 3 * 4 * model.trainable_parameters(lm) + 2**20
 
 
 def load_records(cfg: Config, path: str) -> list[data.Record]:
@@ -229,58 +417,3 @@ def _versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
-
-
-class StepRecorder(keras.callbacks.Callback):
-    """Per-step train loss, throughput and the max-steps stop.
-
-    Keras reports a running mean of the epoch's batch losses; with equal
-    batch sizes, step k's own loss is k * mean_k - (k - 1) * mean_(k-1).
-    """
-
-    def __init__(self, batches, max_steps, evaluate_held_out):
-        super().__init__()
-        self.batches = batches
-        self.max_steps = max_steps
-        self.evaluate_held_out = evaluate_held_out
-        self.evaluations: list[dict] = []
-        self.rows: list[dict] = []
-        self.step = 0
-        self.total_tokens = 0
-        self.total_response_tokens = 0
-        self._times: list[float] = []
-        self._tokens: list[int] = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch + 1
-        self._mean = 0.0
-        self._epoch_start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        mean = float(logs["loss"])
-        loss = (batch + 1) * mean - batch * self._mean
-        self._mean = mean
-        self.step += 1
-        tokens, response_tokens = self.batches.tokens(batch)
-        self.total_tokens += tokens
-        self.total_response_tokens += response_tokens
-        self._tokens.append(tokens)
-        self._times.append(time.perf_counter())
-        self.rows.append({"step": self.step, "epoch": self.epoch, "train_loss": loss})
-        if self.max_steps is not None and self.step >= self.max_steps:
-            self.model.stop_training = True
-
-    def on_epoch_end(self, epoch, logs=None):
-        # Keras has written the trained weights back to the variables by now
-        # (JAX holds them apart during the epoch), so the evaluator sees them.
-        result = self.evaluate_held_out()
-        self.evaluations.append(result)
-        self.rows.append(
-            {"step": self.step, "epoch": epoch + 1, "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
-        )
-
-    def tokens_per_second(self) -> float:
-        """Over steps 2..N: the first step includes compilation."""
-        if len(self._times) < 2:
-            return float("nan")
-        return sum(self._tokens[1:]) / (self._times[-1] - self._times[0])

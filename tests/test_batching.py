@@ -55,11 +55,10 @@ def test_pad_shifts_targets_and_masks_padding(tokenizer):
 def test_training_batches_are_full_and_reshuffled_per_epoch(tokenizer):
     examples, _ = batching.tokenize([(f"Q{i}:\n", f"A{i}.") for i in range(10)], tokenizer, seq_len=16)
     arrays = batching.pad(examples, 16)
-    train = batching.Batches(arrays, batch_size=4, shuffle=True, seed=1)
-    assert len(train) == 2  # the ragged last batch is dropped
-    first = np.concatenate([train[i][0]["token_ids"] for i in range(len(train))])
-    train.on_epoch_end()
-    second = np.concatenate([train[i][0]["token_ids"] for i in range(len(train))])
+    train = batching.TrainOrder(arrays, batch_size=4, seed=1)
+    assert train.steps_per_epoch == 2  # the ragged last batch is dropped
+    first = np.concatenate([train.batch(s)[0]["token_ids"] for s in (0, 1)])
+    second = np.concatenate([train.batch(s)[0]["token_ids"] for s in (2, 3)])
     assert first.shape == (8, 16) and not np.array_equal(first, second)
     evaluation = batching.Batches(arrays, batch_size=4)
     assert len(evaluation) == 3  # every held-out row is seen
@@ -67,6 +66,28 @@ def test_training_batches_are_full_and_reshuffled_per_epoch(tokenizer):
     assert x["token_ids"].shape == (4, 16) and len(y) == 4  # the same shape as every other batch
     np.testing.assert_array_equal(w[:2], arrays["weights"][8:])
     assert not w[2:].any()  # the filler rows count for nothing
+
+
+def test_a_step_s_batch_does_not_depend_on_what_ran_before(tokenizer):
+    """Exact resume: a fresh order asked for step 5 first gives what a run reaching step 5 trains."""
+    examples, _ = batching.tokenize([(f"Q{i}:\n", f"A{i} " * (i + 1)) for i in range(11)], tokenizer, seq_len=32)
+    arrays = batching.pad(examples, 32)
+    running = batching.TrainOrder(arrays, batch_size=3, seed=7)
+    trained = [running.batch(s) for s in range(7)]
+    resumed = batching.TrainOrder(arrays, batch_size=3, seed=7)
+    for step in (5, 6):
+        x, y, w = resumed.batch(step)
+        np.testing.assert_array_equal(x["token_ids"], trained[step][0]["token_ids"])
+        np.testing.assert_array_equal(w, trained[step][2])
+
+
+def test_counted_tokens_are_those_of_the_trained_batch(tokenizer):
+    examples, _ = batching.tokenize([(f"Q{i}:\n", "word " * (i + 1)) for i in range(9)], tokenizer, seq_len=32)
+    arrays = batching.pad(examples, 32)
+    order = batching.TrainOrder(arrays, batch_size=2, seed=3)
+    for step in range(8):
+        x, _, w = order.batch(step)
+        assert order.tokens(step) == (int(x["padding_mask"].sum()), int(w.sum()))
 
 
 def test_template_overhead_counts_fixed_text(tokenizer):

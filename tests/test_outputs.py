@@ -4,35 +4,60 @@ from finetune import outputs
 from finetune.errors import UserError
 
 
-def test_choose_dir(tmp_path):
-    assert outputs.choose_dir(None, False).parent.name == "runs"
-    assert outputs.choose_dir(str(tmp_path / "new"), False) == tmp_path / "new"
+def test_check_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert outputs.check_target(None, False, False).parent.name == "runs"
+    assert outputs.check_target(str(tmp_path / "new"), False, False) == tmp_path / "new"
+    assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()  # checks write nothing
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("x")
-    assert outputs.choose_dir(str(tmp_path / "notes"), False) == tmp_path / "notes"  # no run in it yet
+    assert outputs.check_target(str(tmp_path / "notes"), False, False) == tmp_path / "notes"  # no run in it yet
     (tmp_path / "notes" / "config.yaml").write_text("x")
     with pytest.raises(UserError, match="already holds a run"):
-        outputs.choose_dir(str(tmp_path / "notes"), False)
-    assert outputs.choose_dir(str(tmp_path / "notes"), True) == tmp_path / "notes"
+        outputs.check_target(str(tmp_path / "notes"), False, False)
+    assert outputs.check_target(str(tmp_path / "notes"), True, False) == tmp_path / "notes"
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        outputs.choose_dir(str(tmp_path / "file"), True)
+        outputs.check_target(str(tmp_path / "file"), True, False)
     with pytest.raises(UserError, match="not a writable directory"):
-        outputs.choose_dir(str(tmp_path / "file" / "run"), False)
+        outputs.check_target(str(tmp_path / "file" / "run"), False, False)
+    with pytest.raises(UserError, match="--output is empty"):
+        outputs.check_target("", False, False)
+    with pytest.raises(UserError, match="too long"):
+        outputs.check_target(str(tmp_path / ("x" * 250)), False, False)
+    with pytest.raises(UserError, match="--resume needs --output"):
+        outputs.check_target(None, False, True)
 
 
-def test_writer_publishes_all_files_at_once_or_none(tmp_path):
-    writer = outputs.RunWriter(tmp_path / "run")
-    writer.path("metrics.json").write_text("{}")
-    assert not (tmp_path / "run").exists()
-    writer.publish()
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging left
+def test_publish_writes_metrics_last_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text('{"old": true}')
+    (run / "notes.txt").write_text("mine")
+    written = []
+    monkeypatch.setattr(outputs, "write_atomic", lambda path, write: (written.append(path.name), write(path)))
+    outputs.publish(run, {"metrics.json": lambda p: p.write_text("{}"), "config.yaml": lambda p: p.write_text("x")})
+    assert written == ["config.yaml", "metrics.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.json", "notes.txt"]
 
-    failed = outputs.RunWriter(tmp_path / "other")
-    failed.path("config.yaml").write_text("x")
-    failed.discard()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+def test_a_failed_write_leaves_the_old_file(tmp_path):
+    (tmp_path / "config.yaml").write_text("old")
+
+    def half_written(path):
+        path.write_text("new but cut")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        outputs.write_atomic(tmp_path / "config.yaml", half_written)
+    assert (tmp_path / "config.yaml").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_free_space_is_checked_before_training(tmp_path):
+    outputs.check_free_space(tmp_path / "run", 1024)
+    with pytest.raises(UserError, match="MB free"):
+        outputs.check_free_space(tmp_path / "run", 2**60)
 
 
 def test_history_plot_and_summary(tmp_path):
@@ -56,9 +81,10 @@ def test_history_plot_and_summary(tmp_path):
         eval_loss=2.0,
         eval_perplexity=7.39,
         eval_accuracy=0.5,
-        tokens_per_second=10.0,
+        tokens_per_second=None,
         seconds=1.0,
         peak_memory_mb=100.0,
     )
     table = outputs.summary_table(metrics, tmp_path)
     assert "3.0000 -> 2.0000" in table and "jax" in table
+    assert "n/a" in table  # one step in this session: nothing timed

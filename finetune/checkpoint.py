@@ -1,0 +1,188 @@
+"""Save, find, check and load a run's trainable state, for an exact resume after a kill.
+
+A checkpoint holds only what training changes: the LoRA weights, the optimizer's
+variables (its iteration count included) and the loop's position and records.
+The frozen base is never written; a resume rebuilds it from the preset.
+
+    <run>/checkpoints/step-00000100-<run_id>/
+        weights.npz     trainable variables, in order; their paths are in state.json
+        optimizer.npz   optimizer variables, in order
+        state.json      step, config, data fingerprint, history and metrics so far
+        manifest.json   size and sha256 of the three files above: written last
+
+Writes are atomic the way Orbax's are: the files go into a hidden temporary
+directory beside the final one, each flushed and fsynced, the manifest last;
+then the directory is renamed into place and its parent fsynced. A crash at any
+instant leaves the previous checkpoint or the new one, and a directory without a
+manifest that matches its files is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from finetune import storage
+
+DIRECTORY = "checkpoints"
+MANIFEST = "manifest.json"
+FILES = ("weights.npz", "optimizer.npz", "state.json")
+FORMAT = 1
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded: torn, corrupt or from another format."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    run_id: str
+    created: float
+
+    def state(self) -> dict:
+        return json.loads((self.path / "state.json").read_text(encoding="utf-8"))
+
+
+def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict) -> Checkpoint:
+    """Write one checkpoint atomically; returns it. Raises OSError (disk full, unwritable)."""
+    parent = Path(run_dir) / DIRECTORY
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / f"step-{step:08d}-{run_id}"
+    temporary = parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        contents = {
+            "weights.npz": _npz(weights),
+            "optimizer.npz": _npz(optimizer),
+            "state.json": json.dumps(state, allow_nan=False, indent=1).encode("utf-8"),
+        }
+        for name, payload in contents.items():
+            storage.write_synced(temporary / name, payload)
+        created = time.time()
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "run_id": run_id,
+            "created": created,
+            "files": {name: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for name, p in contents.items()},
+        }
+        storage.write_synced(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        storage.fsync_directory(temporary)
+        if final.exists():  # the same step saved twice (a stop right after a scheduled save)
+            shutil.rmtree(final)
+        os.rename(temporary, final)
+        storage.fsync_directory(parent)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return Checkpoint(final, step, run_id, created)
+
+
+def find(run_dir: Path, verify: bool = False) -> list[Checkpoint]:
+    """The run's checkpoints whose manifest matches their files, oldest first.
+
+    verify: bool. Also check every file's sha256, not only its size.
+    """
+    parent = Path(run_dir) / DIRECTORY
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        if path.name.startswith(".") or not path.is_dir():
+            continue  # a temporary directory left by a crash
+        try:
+            found.append(_checked(path, verify))
+        except CheckpointError:
+            continue
+    return sorted(found, key=lambda c: (c.created, c.step))
+
+
+def problems(run_dir: Path) -> list[str]:
+    """Why each checkpoint directory that cannot be loaded is refused, for messages."""
+    parent = Path(run_dir) / DIRECTORY
+    found = []
+    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if path.name.startswith(".") or not path.is_dir():
+            continue
+        try:
+            _checked(path, verify=True)
+        except CheckpointError as e:
+            found.append(str(e))
+    return found
+
+
+def latest(run_dir: Path) -> Checkpoint | None:
+    """The newest checkpoint that is whole, checksums included."""
+    for candidate in reversed(find(run_dir)):
+        try:
+            return _checked(candidate.path, verify=True)
+        except CheckpointError:
+            continue
+    return None
+
+
+def load(checkpoint: Checkpoint) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """(trainable values, optimizer values, state), checked against the manifest."""
+    _checked(checkpoint.path, verify=True)
+    weights = _arrays(checkpoint.path / "weights.npz")
+    optimizer = _arrays(checkpoint.path / "optimizer.npz")
+    return weights, optimizer, checkpoint.state()
+
+
+def prune(run_dir: Path, run_id: str, keep: int) -> None:
+    """Delete this run's checkpoints but the newest `keep`, and any left by a replaced run."""
+    found = find(run_dir)
+    ours = [c for c in found if c.run_id == run_id]
+    doomed = ours[:-keep] if keep else ours
+    for checkpoint in doomed:
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+    for path in (Path(run_dir) / DIRECTORY).glob(".tmp-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_others(run_dir: Path, run_id: str) -> None:
+    """Delete checkpoints of other runs once this one has finished in their place (--overwrite)."""
+    for checkpoint in find(run_dir):
+        if checkpoint.run_id != run_id:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+
+def _checked(path: Path, verify: bool) -> Checkpoint:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+        for name in FILES:
+            expected = manifest["files"][name]
+            file = path / name
+            if file.stat().st_size != expected["bytes"]:
+                raise CheckpointError(f"{file} is {file.stat().st_size} bytes, its manifest says {expected['bytes']}")
+            if verify and hashlib.sha256(file.read_bytes()).hexdigest() != expected["sha256"]:
+                raise CheckpointError(f"{file} does not match its checksum")
+        return Checkpoint(path, int(manifest["step"]), str(manifest["run_id"]), float(manifest["created"]))
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a whole checkpoint ({type(e).__name__})") from e
+
+
+def _npz(arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, *[np.asarray(a) for a in arrays])
+    return buffer.getvalue()
+
+
+def _arrays(path: Path) -> list[np.ndarray]:
+    with np.load(path, allow_pickle=False) as stored:
+        return [stored[f"arr_{i}"] for i in range(len(stored.files))]

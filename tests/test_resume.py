@@ -1,0 +1,289 @@
+"""Never lose a run: kill and resume, signals, the time limit, torn checkpoints, NaN, a full disk.
+
+Each test runs the tiny model on this process' backend. Runs that must die are
+subprocesses (tests/fault_run.py sends the signal right after a checkpoint);
+the rest run in-process through the CLI.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+from conftest import BACKEND
+from typer.testing import CliRunner
+
+from finetune import checkpoint, outputs, runs
+from finetune.cli import app
+from finetune.errors import UserError
+
+runner = CliRunner()
+TESTS = Path(__file__).resolve().parent
+# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps.
+SHORT = [
+    "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
+    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
+]  # fmt: skip
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def train(out, *flags):
+    result = invoke("gemma", *SHORT, *flags, "--output", out)
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    return result
+
+
+def run_with_fault(out, fault: str, step: int, *flags, mark=None):
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "FAULT": fault, "FAULT_STEP": str(step)}
+    if mark:
+        env["FAULT_MARK"] = str(mark)
+    args = [sys.executable, str(TESTS / "fault_run.py"), "gemma", *SHORT, *flags, "--output", str(out)]
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+
+
+def adapter_arrays(path):
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: arrays.__setitem__(name, item[()]) if isinstance(item, h5py.Dataset) else None)
+    return arrays
+
+
+def metrics(out):
+    return json.loads((out / "metrics.json").read_text())
+
+
+def train_losses(out):
+    return [r["train_loss"] for r in _history(out) if r["train_loss"]]
+
+
+def _history(out):
+    import csv
+
+    return list(csv.DictReader((out / "history.csv").open()))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(out)
+    return out
+
+
+def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
+    """SIGKILL right after the step-4 checkpoint, then --resume alone: the same adapter, bit for bit."""
+    out = tmp_path / "killed"
+    killed = run_with_fault(out, "SIGKILL", 4)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "metrics.json").exists()
+    assert [c.step for c in checkpoint.find(out)] == [2, 4]
+    assert runs.describe(out)["state"] == "checkpointed"
+
+    result = invoke("gemma", "--resume", "--output", out)  # every other setting comes from the checkpoint
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    assert "resuming" in result.output and "step 4/8" in result.output
+    whole, resumed = adapter_arrays(uninterrupted / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert whole.keys() == resumed.keys() and len(whole) > 1
+    for name in whole:
+        np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
+    assert train_losses(out) == train_losses(uninterrupted)
+    assert metrics(out)["eval_loss"] == metrics(uninterrupted)["eval_loss"]
+    assert metrics(out)["eval_loss_before"] == metrics(uninterrupted)["eval_loss_before"]
+    assert metrics(out)["resumed_from_step"] == 4 and metrics(out)["steps"] == 8
+    assert runs.describe(out)["state"] == "finished"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_within_the_bound(tmp_path):
+    out, mark = tmp_path / "term", tmp_path / "sent"
+    result = run_with_fault(out, "SIGTERM", 2, mark=mark)
+    ended = time.time()
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "SIGTERM" in result.stderr and "--resume" in result.stderr and "Traceback" not in result.stderr
+    # It finishes the step under way, saves, and exits: the README promises one step plus a save.
+    assert ended - float(mark.read_text()) < 30
+    assert checkpoint.latest(out).step == 3 and not (out / "metrics.json").exists()
+    assert outputs.read_status(out)["state"] == "stopped"
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130_then_resumes(uninterrupted, tmp_path):
+    out = tmp_path / "interrupted"
+    result = run_with_fault(out, "SIGINT", 2)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert checkpoint.latest(out).step == 3 and not (out / "metrics.json").exists()
+    train(out, "--resume")
+    assert train_losses(out) == train_losses(uninterrupted)
+
+
+def test_the_time_limit_stops_with_a_checkpoint(tmp_path):
+    out = tmp_path / "limited"
+    result = invoke("gemma", *SHORT, "--time-limit", "1s", "--output", out)
+    assert result.exit_code == 75, result.output
+    assert "time limit" in result.stderr and "--resume" in result.stderr
+    assert checkpoint.latest(out) is not None and not (out / "metrics.json").exists()
+
+
+def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_path):
+    out = tmp_path / "extend"
+    train(out, "--max-steps", "4")
+    for flags, named in [
+        (["--rank", "8"], "lora.rank=4"),
+        (["--target", "query,key"], "lora.targets"),
+        (["--template", "alpaca"], "data.template"),
+        (["--seq-len", "48"], "model.seq_len"),
+        (["--lr", "0.5"], "train.learning_rate"),
+    ]:
+        result = invoke("gemma", "--resume", *flags, "--output", out)
+        assert result.exit_code == 2 and named in result.stderr, (flags, result.output)
+    train(out, "--resume", "--max-steps", "8")
+    assert metrics(out)["steps"] == 8 and train_losses(out) == train_losses(uninterrupted)
+    result = invoke("gemma", "--resume", "--output", out)
+    assert result.exit_code == 2 and "already trained 8 of 8 steps" in result.stderr
+
+
+def test_resume_refuses_data_that_changed(tmp_path):
+    data = tmp_path / "data.jsonl"
+    records = [{"instruction": f"Say {i}.", "response": f"{i} it is."} for i in range(30)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run"
+    killed = run_with_fault(out, "SIGKILL", 2, "--data", data)
+    assert killed.returncode == -9
+    records[5]["response"] = "changed"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = invoke("gemma", "--resume", "--output", out)
+    assert result.exit_code == 2 and "differ from those the checkpoint was trained on" in result.stderr
+
+
+def test_a_crash_between_writing_and_renaming_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    weights, optimizer = [np.arange(6, dtype=np.float32)], [np.ones(3, np.float32)]
+    checkpoint.save(tmp_path, "abc", 2, weights, optimizer, {"step": 2})
+
+    def crash(*args):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(checkpoint.os, "rename", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, "abc", 4, [w + 1 for w in weights], optimizer, {"step": 4})
+    found = checkpoint.latest(tmp_path)
+    assert found.step == 2
+    loaded, _, state = checkpoint.load(found)
+    np.testing.assert_array_equal(loaded[0], weights[0])
+    assert state == {"step": 2}
+
+
+def test_a_torn_or_corrupt_checkpoint_is_never_loaded(tmp_path):
+    for step in (2, 4, 6):
+        checkpoint.save(tmp_path, "abc", step, [np.full(4, step, np.float32)], [], {"step": step})
+    newest = checkpoint.find(tmp_path)
+    (newest[-1].path / "manifest.json").unlink()  # killed before the manifest: torn
+    data = bytearray((newest[-2].path / "weights.npz").read_bytes())
+    data[-20] ^= 0xFF  # same size, flipped bits: only the checksum sees it
+    (newest[-2].path / "weights.npz").write_bytes(bytes(data))
+    (tmp_path / "checkpoints" / ".tmp-step-00000008-abc-1").mkdir()  # a crash mid-write
+    found = checkpoint.latest(tmp_path)
+    assert found.step == 2
+    assert checkpoint.load(found)[0][0][0] == 2
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    out = tmp_path / "kept"
+    train(out, "--keep-checkpoints", "1")
+    assert [c.step for c in checkpoint.find(out)] == [8]
+
+
+def test_a_nan_run_is_never_published(tmp_path):
+    out = tmp_path / "nan"
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--output", out)
+    assert result.exit_code == 2, result.output
+    assert "diverged" in result.stderr and "--lr" in result.stderr and "Traceback" not in result.output
+    assert not (out / "metrics.json").exists() and not (out / "adapter.lora.h5").exists()
+    assert outputs.read_status(out)["state"] == "failed"
+    good = checkpoint.latest(out)
+    assert good is not None and all(np.isfinite(w).all() for w in checkpoint.load(good)[0])
+    assert runs.describe(out)["state"] == "failed"
+
+
+def test_a_nan_run_before_any_checkpoint_leaves_nothing(tmp_path):
+    out = tmp_path / "nan"
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
+    assert result.exit_code == 2 and "diverged" in result.stderr
+    assert not out.exists()
+
+
+def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "full"
+    save = checkpoint.save
+
+    def disk_full_at_step_4(run_dir, run_id, step, *args, **kwargs):
+        if step == 4:
+            raise OSError(28, "No space left on device")
+        return save(run_dir, run_id, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", disk_full_at_step_4)
+    result = invoke("gemma", *SHORT, "--output", out)
+    assert result.exit_code == 2, result.output
+    assert "No space left on device" in result.stderr and "step 2 is intact" in result.stderr
+    assert checkpoint.latest(out).step == 2 and not (out / "metrics.json").exists()
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tmp_path):
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    before = (out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--overwrite", "--output", out)
+    assert result.exit_code == 2 and "diverged" in result.stderr
+    assert ((out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()) == before
+    train(out, "--overwrite", "--seed", "3")
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
+    assert {c.run_id for c in checkpoint.find(out)} == {metrics_run_id(out)}  # the old run's are gone
+
+
+def metrics_run_id(out):
+    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]["run_id"]
+
+
+def test_a_run_config_used_as_a_recipe_never_replaces_the_run(uninterrupted, tmp_path):
+    config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
+    assert config["output"] == {"dir": None, "overwrite": False}
+    result = invoke("gemma", "--recipe", uninterrupted / "config.yaml", "--output", uninterrupted)
+    assert result.exit_code == 2 and "already holds a run" in result.stderr
+
+
+def test_an_unfinished_run_is_not_restarted_by_accident(tmp_path):
+    out = tmp_path / "run"
+    assert run_with_fault(out, "SIGKILL", 2).returncode == -9
+    result = invoke("gemma", *SHORT, "--output", out)
+    assert result.exit_code == 2 and "checkpointed at step 2" in result.stderr and "--resume" in result.stderr
+
+
+def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = outputs.default_dir()
+    first = outputs.claim(path, default=True, overwrite=False, resume=False)
+    second = outputs.claim(path, default=True, overwrite=False, resume=False)  # the same second
+    assert first.path != second.path and second.path.name == f"{path.name}-2"
+    with pytest.raises(UserError, match="another finetune run is writing"):
+        outputs.claim(first.path, default=False, overwrite=True, resume=False)
+    assert runs.describe(first.path) is None  # a claim alone is not a run
+    first.release()
+    outputs.claim(first.path, default=False, overwrite=True, resume=False).release()
+
+
+def test_runs_lists_each_state(uninterrupted, tmp_path):
+    parent = tmp_path / "all"
+    parent.mkdir()
+    assert run_with_fault(parent / "killed", "SIGKILL", 2).returncode == -9
+    invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--output", parent / "diverged")
+    result = runner.invoke(app, ["runs", str(parent)])
+    assert result.exit_code == 0
+    states = {line.split()[0].rsplit("/", 1)[-1]: line.split()[1] for line in result.output.splitlines()[1:]}
+    assert states == {"killed": "checkpointed", "diverged": "failed"}
+    result = runner.invoke(app, ["runs", str(uninterrupted)])
+    assert "finished" in result.output and "8" in result.output
