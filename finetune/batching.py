@@ -139,8 +139,9 @@ class TrainOrder:
     def batch(self, step: int):
         """(inputs, labels, weights) of global step `step` (0-based)."""
         rows, a = self.rows(step), self.arrays
+        # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
         return (
-            {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]},
+            {"token_ids": a["token_ids"][rows], "padding_mask": a["segment_ids"][rows]},
             a["labels"][rows],
             a["weights"][rows],
         )

@@ -172,6 +172,10 @@ def gemma(
     drop_context: bool = typer.Option(
         False, "--drop-context", help="Drop records that have a context, as the Keras tutorial does."
     ),
+    packing: Optional[str] = _flag(
+        "auto, on or off: several examples per row, each attending only to itself (exact); off pads one "
+        f"example per row, as the Keras tutorial does. {_default(D.data.packing)}"
+    ),
     category: Optional[list[str]] = _flag("Keep only this Dolly category; repeatable. [default: all]"),
     max_records: Optional[int] = _flag("Use at most this many records. [default: all]"),
     precision: Optional[str] = _flag(
@@ -211,6 +215,7 @@ def gemma(
             "data.categories": _split_list(category),
             "data.drop_context": drop_context or None,
             "data.train_on_prompt": train_on_prompt or None,
+            "data.packing": packing,
             "train.batch_size": _batch_size(batch_size),
             "train.epochs": epochs,
             "train.max_steps": max_steps,

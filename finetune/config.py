@@ -26,6 +26,7 @@ from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "bfloat16")
+PACKING = ("auto", "on", "off")
 
 
 @dataclass
@@ -64,6 +65,9 @@ class DataConfig:
     """Share of records held out for evaluation (at least one batch)."""
     train_on_prompt: bool = False
     """Also compute the loss on prompt tokens; by default only response tokens count."""
+    packing: str = "auto"
+    """Several examples per training row, each attending only to itself (exact): auto (on for Gemma 1, 2
+    and 3), on, or off (one example per row, padded, as in the Keras tutorial)."""
 
 
 @dataclass
@@ -363,6 +367,7 @@ def validate(cfg: Config) -> None:
     check(
         cfg.data.template in TEMPLATES, f"unknown template {cfg.data.template!r}; choose one of {', '.join(TEMPLATES)}"
     )
+    check(cfg.data.packing in PACKING, f"unknown packing {cfg.data.packing!r}; choose one of {', '.join(PACKING)}")
     check(cfg.lora.rank >= 1, f"LoRA rank must be at least 1, got {cfg.lora.rank}; try --rank 4")
     check(cfg.lora.alpha is None or cfg.lora.alpha > 0, f"LoRA alpha must be positive, got {cfg.lora.alpha}")
     check(bool(cfg.lora.targets), "LoRA needs at least one target layer, e.g. --target query --target value")

@@ -13,14 +13,24 @@ import math
 import keras
 import keras_hub
 
-from finetune import presets
+from finetune import attention, presets
 from finetune.errors import UserError
 
 CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
 
 
 def build(source: presets.Source, seq_len: int):
-    """The causal LM (without preprocessor attached) and its preprocessor."""
+    """The causal LM (without preprocessor attached) and its preprocessor.
+
+    Its decoder blocks take segment ids where keras-hub takes `padding_mask`
+    (attention.py), so packed rows train exactly; one-example rows are unchanged.
+    """
+    lm, preprocessor = _load(source, seq_len)
+    attention.enable(lm.backbone)
+    return lm, preprocessor
+
+
+def _load(source: presets.Source, seq_len: int):
     policy = keras.config.dtype_policy().name
     if source.kind == "tiny":
         tokenizer = presets.tiny_tokenizer()

@@ -282,6 +282,7 @@ def summary_table(metrics: dict, run_dir: Path) -> str:
         ("preset", metrics["preset"]),
         ("LoRA rank", str(metrics["rank"])),
         ("train steps", str(metrics["steps"])),
+        ("padding", _padding(metrics)),
         ("train loss", f"{metrics['train_loss']:.4f}"),
         ("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}"),
         ("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
@@ -294,3 +295,12 @@ def summary_table(metrics: dict, run_dir: Path) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])
+
+
+def _padding(metrics: dict) -> str:
+    """The share of trained positions that were padding, and what packing saved."""
+    if "padding_fraction" not in metrics:
+        return "n/a"
+    if metrics.get("packing"):
+        return f"{metrics['padding_fraction_unpacked']:.0%} -> {metrics['padding_fraction']:.0%} (packed)"
+    return f"{metrics['padding_fraction']:.0%} (not packed)"

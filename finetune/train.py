@@ -20,7 +20,7 @@ import uuid
 import keras
 import numpy as np
 
-from finetune import backend, batching, checkpoint, data, evaluate, loop, model, outputs, presets, templates
+from finetune import backend, batching, checkpoint, data, evaluate, loop, model, outputs, packing, presets, templates
 from finetune.config import Config, parse_duration
 from finetune.errors import RunStopped, UserError
 
@@ -29,7 +29,8 @@ from finetune.errors import RunStopped, UserError
 RESUME_KEYS = (
     ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("lora", "rank"), ("lora", "alpha"),
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
-    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("train", "batch_size"),
+    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
+    ("train", "batch_size"),
     ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
 )  # fmt: skip
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
@@ -97,7 +98,21 @@ def run(cfg: Config, resume: bool = False) -> dict:
             "lower --batch-size or add records"
         )
     eval_records = [r for r, _ in eval_part]
-    order = batching.TrainOrder(batching.pad([e for _, e in train_part], cfg.model.seq_len), batch_size, cfg.train.seed)
+    train_examples = [e for _, e in train_part]
+    padded = batching.pad(train_examples, cfg.model.seq_len)
+    rows = packing.pack(train_examples, cfg.model.seq_len) if cfg.data.packing != "off" else padded
+    if len(rows["token_ids"]) < batch_size:
+        raise UserError(
+            f"{len(train_examples)} training records fill {len(rows['token_ids'])} rows, fewer than one batch of "
+            f"{batch_size}; lower --batch-size, add records, or pass --packing off"
+        )
+    padding = {"padding_fraction": packing.padding_fraction(rows), "unpacked": packing.padding_fraction(padded)}
+    if cfg.data.packing != "off":
+        print(
+            f"packing: {len(train_examples)} examples in {len(rows['token_ids'])} rows of {cfg.model.seq_len} "
+            f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
+        )
+    order = batching.TrainOrder(rows, batch_size, cfg.train.seed)
     eval_batches = batching.Batches(batching.pad([e for _, e in eval_part], cfg.model.seq_len), batch_size)
     steps_per_epoch = order.steps_per_epoch
     total_steps = steps_per_epoch * cfg.train.epochs
@@ -234,6 +249,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
         "eval_perplexity": after["perplexity"],
         "eval_accuracy_before": before["accuracy"],
         "eval_accuracy": after["accuracy"],
+        "packing": cfg.data.packing != "off",
+        "padding_fraction": padding["padding_fraction"],
+        "padding_fraction_unpacked": padding["unpacked"],
         "trained_tokens": progress.trained_tokens,
         "response_tokens": progress.response_tokens,
         # Non-padding tokens per second of optimizer steps in this session, its first

@@ -284,6 +284,12 @@ CASES = [
         lambda w: ["--resume", "--data", w.good, "--output", _unfinished(w)],
         "differ from those the checkpoint was trained on",
     ),
+    resume(
+        "resume-other-packing",
+        lambda w: ["--resume", "--packing", "off", "--output", _unfinished(w)],
+        "data.packing='auto'",
+    ),
+    gemma("unknown-packing", ["--packing", "sometimes"], "unknown packing 'sometimes'"),
     resume("resume-finished-run", lambda w: ["--resume", "--output", w.run_copy()], "already trained 1 of 1 steps"),
     Case(
         "output-holds-unfinished-run",

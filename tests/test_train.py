@@ -62,6 +62,17 @@ def test_a_two_step_run_writes_every_output(two_step_run):
     assert "eval loss" in printed and "->" in printed  # the summary table
 
 
+def test_rows_are_packed_by_default_and_padded_with_packing_off(tmp_path):
+    # At seq-len 256 several sample records share a row (at 64 none fit together).
+    train(tmp_path / "packed", "--seq-len", "256")
+    packed = read(tmp_path / "packed")[0]
+    assert packed["packing"] and packed["padding_fraction"] < packed["padding_fraction_unpacked"] / 2
+    train(tmp_path / "padded", "--seq-len", "256", "--packing", "off")
+    padded = read(tmp_path / "padded")[0]
+    assert not padded["packing"] and padded["padding_fraction"] == padded["padding_fraction_unpacked"]
+    assert packed["trained_tokens"] > 2 * padded["trained_tokens"]  # the same two steps carry more tokens
+
+
 def test_backend_tweaks_are_recorded(two_step_run):
     tweaks = read(two_step_run[0])[1]["resolved"]["backend_tweaks"]
     expected = {
