@@ -105,9 +105,10 @@ def check_free_space(path: Path, needed_bytes: int) -> None:
 class Claim:
     """A run directory held by this process: created if needed and locked until release()."""
 
-    def __init__(self, path: Path, created: bool, lock_file):
+    def __init__(self, path: Path, created: bool, lock_file, had_lock: bool = False):
         self.path = path
         self.created = created
+        self.had_lock = had_lock
         self._lock_file = lock_file
 
     def release(self) -> None:
@@ -116,10 +117,18 @@ class Claim:
             self._lock_file = None
 
     def abandon(self) -> None:
-        """Undo the claim of a run that wrote nothing worth keeping."""
+        """Undo the claim of a run that wrote nothing worth keeping: remove only what it created."""
         self.release()
-        if self.created and not checkpoint.find(self.path):
+        if checkpoint.find(self.path):
+            return
+        if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
+            return
+        if not self.had_lock:
+            (self.path / LOCK).unlink(missing_ok=True)
+        empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
+        if empty.is_dir() and not any(empty.iterdir()):
+            empty.rmdir()
 
 
 def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
@@ -142,7 +151,7 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
     elif not path.exists():
         path.mkdir(parents=True, exist_ok=True)
         created = True
-    lock_file = None
+    lock_file, had_lock = None, (path / LOCK).exists()
     if fcntl is not None:
         lock_file = open(path / LOCK, "a+")  # noqa: SIM115 - held open until release()
         try:
@@ -152,7 +161,7 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
             raise UserError(
                 f"another finetune run is writing to {path}; wait for it to end or choose another --output"
             ) from None
-    held = Claim(path, created, lock_file)
+    held = Claim(path, created, lock_file, had_lock)
     if not resume and not overwrite:
         try:
             refuse_existing_run(path)  # another run may have finished here since check_target

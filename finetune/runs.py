@@ -141,12 +141,26 @@ def resume_settings(output: str | None) -> dict | None:
 
     Pure Python, so the CLI can read it before the backend is chosen.
     """
-    from finetune import checkpoint
 
     if not output:
         raise UserError("--resume needs --output DIR, the run directory to continue")
-    found = checkpoint.latest(Path(output))
+    found = newest_checkpoint(Path(output))
     return found.state()["config"] if found else None
+
+
+def newest_checkpoint(run_dir: Path):
+    """The checkpoint a --resume continues from; None if `run_dir` has none; refuses if none can be loaded."""
+    from finetune import checkpoint
+
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        broken = checkpoint.problems(run_dir)
+        if broken:
+            raise UserError(
+                f"cannot resume {run_dir}: no checkpoint there can be loaded ({broken[-1]}); "
+                "pass --overwrite to start again"
+            )
+    return found
 
 
 def list_runs(directory: str | Path) -> list[dict]:

@@ -20,7 +20,20 @@ import uuid
 import keras
 import numpy as np
 
-from finetune import backend, batching, checkpoint, data, evaluate, loop, model, outputs, packing, presets, templates
+from finetune import (
+    backend,
+    batching,
+    checkpoint,
+    data,
+    evaluate,
+    loop,
+    model,
+    outputs,
+    packing,
+    presets,
+    runs,
+    templates,
+)
 from finetune.config import Config, parse_duration
 from finetune.errors import RunStopped, UserError
 
@@ -50,14 +63,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     # Everything a user can get wrong is checked before the first file is written.
     target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
-    resume_from = checkpoint.latest(target) if resume else None
+    resume_from = runs.newest_checkpoint(target) if resume else None
     if resume and resume_from is None:
-        broken = checkpoint.problems(target)
-        if broken:
-            raise UserError(
-                f"cannot resume {target}: no checkpoint there can be loaded ({broken[-1]}); "
-                "pass --overwrite to start again"
-            )
         if (target / outputs.METRICS).exists():
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
         print(f"note: no checkpoint in {target} to resume from; starting a new run there")
@@ -82,7 +89,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
     usable = usable_examples(records, template, tokenizer, cfg, cfg.data.path)
 
-    adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
     model.compile(lm, learning_rate, cfg.train.weight_decay)
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
@@ -118,7 +125,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
-    if resume_from is not None and resume_from.step >= total_steps:
+    # A run killed while publishing has its last checkpoint but no metrics.json: resuming publishes it.
+    if resume_from is not None and resume_from.step >= total_steps and (target / outputs.METRICS).exists():
         raise UserError(
             f"{target} has already trained {resume_from.step} of {total_steps} steps; "
             "raise --epochs or --max-steps to train further"
@@ -198,8 +206,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         last_saved=resume_from.step if resume_from else None,
     )
     try:
-        outputs.write_status(run_dir, "running", progress.step)
-        trainer.run()
+        trainer.run()  # status.json is written with each checkpoint
     except RunStopped as stop:
         outputs.write_status(run_dir, "stopped", progress.step, str(stop))
         claim.release()
@@ -291,6 +298,11 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
         checkpoint.remove_others(run_dir, run_id)
         outputs.write_status(run_dir, "finished", progress.step)
+    except OSError as e:
+        raise UserError(
+            f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
+            "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
+        ) from e
     finally:
         claim.release()
     print(outputs.summary_table(metrics, run_dir))

@@ -215,6 +215,28 @@ def test_a_nan_run_before_any_checkpoint_leaves_nothing(tmp_path):
     result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
     assert result.exit_code == 2 and "diverged" in result.stderr
     assert not out.exists()
+    out.mkdir()  # the user's own directory: only what the run created goes
+    (out / "notes.txt").write_text("mine")
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
+    assert result.exit_code == 2 and [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_that_fails_while_writing_its_results_is_published_by_resume(uninterrupted, tmp_path, monkeypatch):
+    out = tmp_path / "late"
+
+    def disk_full(path, metrics):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(outputs, "write_metrics", disk_full)
+        result = invoke("gemma", *SHORT, "--output", out)
+    assert result.exit_code == 2 and "could not write the results" in result.stderr and "--resume" in result.stderr
+    assert not (out / "metrics.json").exists() and checkpoint.latest(out).step == 8
+    train(out, "--resume")
+    assert metrics(out)["steps"] == 8 and train_losses(out) == train_losses(uninterrupted)
+    whole, resumed = adapter_arrays(uninterrupted / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    for name in whole:
+        np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
 
 
 def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -231,6 +253,27 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "No space left on device" in result.stderr and "step 2 is intact" in result.stderr
     assert checkpoint.latest(out).step == 2 and not (out / "metrics.json").exists()
+
+
+def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    import keras
+
+    out, calls = tmp_path / "oom", []
+    train_on_batch = keras.Model.train_on_batch
+
+    def out_of_memory_at_step_3(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 bytes.")
+        return train_on_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "train_on_batch", out_of_memory_at_step_3)
+    result = invoke("gemma", *SHORT, "--output", out)
+    assert result.exit_code == 2, result.output
+    message = result.stderr
+    assert "out of memory at step 3 with batch 2, seq-len 64, rank 4" in message and "--batch-size" in message
+    assert "checkpoint at step 2 is kept" in message and "Traceback" not in result.output
+    assert checkpoint.latest(out).step == 2 and outputs.read_status(out)["state"] == "failed"
 
 
 def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tmp_path):
