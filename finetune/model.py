@@ -12,6 +12,7 @@ import math
 
 import keras
 import keras_hub
+import numpy as np
 
 from finetune import attention, presets
 from finetune.errors import UserError
@@ -64,8 +65,12 @@ def adaptable_layer_names(backbone) -> set[str]:
     }
 
 
-def enable_lora(lm, rank: int, alpha: float | None, targets: list[str]) -> int:
-    """LoRA on the named layers, everything else frozen; returns the count of adapted layers."""
+def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: int = 0) -> int:
+    """LoRA on the named layers, everything else frozen; returns the count of adapted layers.
+
+    seed: int. The LoRA factors start from this numpy seed, not from the
+        backend's own generator, so every backend trains the same model.
+    """
     backbone = lm.backbone
     available = adaptable_layer_names(backbone)
     choices = ", ".join(sorted(available))
@@ -87,7 +92,30 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str]) -> int:
     if alpha is not None:
         for layer in adapted:
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
+    initialise_lora(adapted, seed)
     return len(adapted)
+
+
+def initialise_lora(layers, seed: int) -> None:
+    """Keras' own LoRA init (A: He uniform, B: zeros), drawn from one seeded numpy generator.
+
+    Each backend's generator gives other numbers for the same seed, so the same
+    recipe ended one tiny epoch at eval loss 0.27 on JAX, 0.32 on PyTorch and
+    0.26 on TensorFlow. Drawn here, the three start from the same adapter.
+    """
+    rng = np.random.default_rng(seed)
+    for layer in layers:
+        shape = tuple(layer.lora_kernel_a.shape)
+        limit = math.sqrt(6.0 / _fan_in(shape))
+        layer.lora_kernel_a.assign(rng.uniform(-limit, limit, shape).astype("float32"))
+        layer.lora_kernel_b.assign(np.zeros(tuple(layer.lora_kernel_b.shape), "float32"))
+
+
+def _fan_in(shape) -> int:
+    """Keras' fan-in of a kernel: the second-last axis times the receptive field before it."""
+    if len(shape) == 1:
+        return shape[0]
+    return shape[-2] * math.prod(shape[:-2])
 
 
 def compile(lm, learning_rate: float, weight_decay: float) -> None:
