@@ -86,6 +86,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool):
+    if value:
+        from finetune import __version__
+
+        print(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print finetune's version and exit."
+    ),
+):
+    """Fine-tune Gemma with LoRA on Keras 3 (JAX, PyTorch or TensorFlow)."""
+
+
 def _default(value) -> str:
     return f"[default: {value}]"
 

@@ -164,3 +164,8 @@ def test_importing_the_cli_and_api_loads_no_framework():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"finetune {finetune.__version__}"
