@@ -4,9 +4,8 @@ keras-hub's Gemma preprocessor takes whole strings and cannot tell prompt from
 response, so the ids are built here: <bos> prompt response <eos>, weight 0 on
 prompt positions and 1 on response positions (and on <eos>, so the model
 learns to stop). Arrays carry `segment_ids` (1 for the only example of a
-row, 0 for padding) so that a packer can later put several examples in one row
-with ids 1, 2, 3...; the model side then needs a block-diagonal mask built
-from them, since keras-hub derives its attention mask from padding alone.
+row, 0 for padding); packing.py puts several examples in a row with ids
+1, 2, 3..., and attention.py makes them a per-example mask in the model.
 """
 
 from __future__ import annotations

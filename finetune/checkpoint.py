@@ -19,6 +19,7 @@ manifest that matches its files is never loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune import storage
+from finetune.errors import UserError
 
 DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
@@ -58,6 +60,10 @@ def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict)
     parent = Path(run_dir) / DIRECTORY
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / f"step-{step:08d}-{run_id}"
+    n = 1
+    while final.exists():  # the same step saved again (an evaluation added on resume): never replace one
+        n += 1
+        final = parent / f"step-{step:08d}-{run_id}-{n}"
     temporary = parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
@@ -79,8 +85,6 @@ def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict)
         }
         storage.write_synced(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
         storage.fsync_directory(temporary)
-        if final.exists():  # the same step saved twice (a stop right after a scheduled save)
-            shutil.rmtree(final)
         os.rename(temporary, final)
         storage.fsync_directory(parent)
     except BaseException:
@@ -144,8 +148,7 @@ def prune(run_dir: Path, run_id: str, keep: int) -> None:
     """Delete this run's checkpoints but the newest `keep`, and any left by a replaced run."""
     found = find(run_dir)
     ours = [c for c in found if c.run_id == run_id]
-    doomed = ours[:-keep] if keep else ours
-    for checkpoint in doomed:
+    for checkpoint in ours[:-keep]:
         shutil.rmtree(checkpoint.path, ignore_errors=True)
     for path in (Path(run_dir) / DIRECTORY).glob(".tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
@@ -186,3 +189,100 @@ def _npz(arrays) -> bytes:
 def _arrays(path: Path) -> list[np.ndarray]:
     with np.load(path, allow_pickle=False) as stored:
         return [stored[f"arr_{i}"] for i in range(len(stored.files))]
+
+
+# Settings a resumed run must share with its checkpoint: anything else would not continue
+# the same training. epochs, max_steps, checkpointing and the output settings may change.
+RESUME_KEYS = (
+    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("lora", "rank"), ("lora", "alpha"),
+    ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
+    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
+    ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
+)  # fmt: skip
+
+
+def newest(run_dir: Path) -> Checkpoint | None:
+    """The checkpoint a --resume continues from; None if `run_dir` has none; refuses if none can be loaded."""
+    found = latest(run_dir)
+    if found is None:
+        broken = problems(run_dir)
+        if broken:
+            raise UserError(
+                f"cannot resume {run_dir}: no checkpoint there can be loaded ({broken[-1]}); "
+                "pass --overwrite to start again"
+            )
+    return found
+
+
+def settings_to_resume(output: str | None) -> dict | None:
+    """The config of the newest checkpoint in `output`; None when it has none. No keras: the CLI reads it first."""
+    if not output:
+        raise UserError("--resume needs --output DIR, the run directory to continue")
+    found = newest(Path(output))
+    return found.state()["config"] if found else None
+
+
+def resumed_config(cfg, saved: dict):
+    """`cfg` with the batch size and learning rate the checkpoint resolved, where `cfg` leaves them to be chosen.
+
+    A recipe's `batch_size: null` or `auto` must continue at the batch the run used, not at a new default.
+    """
+    train = saved["config"]["train"]
+    updates = {}
+    if cfg.train.batch_size in (None, "auto"):
+        updates["batch_size"] = train["batch_size"]
+    if cfg.train.learning_rate is None:
+        updates["learning_rate"] = train["learning_rate"]
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
+
+
+def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
+    """Refuse a resume that would not continue the same training."""
+    ours = cfg.to_dict()
+    for section, key in RESUME_KEYS:
+        then, now = saved["config"][section][key], ours[section][key]
+        if key == "packing":  # auto is on
+            then, now = then != "off", now != "off"
+        if then != now:
+            raise UserError(
+                f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
+                f"for {now!r}; drop that setting to continue, or start a new run with another --output"
+            )
+    if saved["data_fingerprint"] != fingerprint:
+        raise UserError(
+            f"cannot resume {target}: the records in {cfg.data.path} differ from those the checkpoint was trained "
+            "on; restore that data, or start a new run with another --output"
+        )
+
+
+def capture(lm) -> tuple[list[np.ndarray], list[np.ndarray], list[str], list[str]]:
+    """(trainable values, optimizer values, their paths): what a checkpoint holds of the model."""
+    weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
+    optimizer = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
+    return weights, optimizer, [v.path for v in lm.trainable_variables], [v.path for v in lm.optimizer.variables]
+
+
+def restore(lm, found: Checkpoint) -> dict:
+    """Put a checkpoint's LoRA weights and optimizer state back, after checking they fit; returns its state."""
+    try:
+        weights, optimizer, state = load(found)
+    except CheckpointError as e:  # e.g. pruned by a run that held the directory meanwhile
+        raise UserError(f"cannot resume from {found.path}: {e}; rerun --resume") from e
+    lm.optimizer.build(lm.trainable_variables)
+    pairs = [
+        (lm.trainable_variables, weights, state["trainable_paths"]),
+        (lm.optimizer.variables, optimizer, state["optimizer_paths"]),
+    ]
+    for variables, values, paths in pairs:
+        # Paths carry per-instance suffixes (adamw_1/...), so compare their last part, in order.
+        leaves = [p.rsplit("/", 1)[-1] for p in paths]
+        if len(variables) != len(values) or [v.path.rsplit("/", 1)[-1] for v in variables] != leaves:
+            raise UserError(f"checkpoint {found.path} does not match this model's variables; start a new run")
+        for variable, value in zip(variables, values):
+            if tuple(variable.shape) != value.shape:
+                raise UserError(
+                    f"checkpoint {found.path}: {variable.path} has shape {value.shape}, the model "
+                    f"{tuple(variable.shape)}; start a new run"
+                )
+            variable.assign(value)
+    return state

@@ -248,9 +248,9 @@ def gemma(
         overrides.update({k: v for k, v in flags.items() if v is not None})
         base = None
         if resume:
-            from finetune import runs
+            from finetune import checkpoint
 
-            base = runs.resume_settings(output)
+            base = checkpoint.settings_to_resume(output)
         cfg = config_module.load(recipe, overrides, base=base)
         import finetune
 

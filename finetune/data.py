@@ -9,6 +9,7 @@ finetune/assets/ so that installs outside a checkout find it too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -162,6 +163,14 @@ def filter_records(records, *, drop_context=False, categories=(), max_records=No
             "relax --category / --drop-context or use another file"
         )
     return kept
+
+
+def fingerprint(records) -> str:
+    """sha256 of the records' text: a resume refuses data that changed since its checkpoint."""
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(json.dumps([r.instruction, r.context, r.response, r.category]).encode("utf-8"))
+    return digest.hexdigest()
 
 
 def split(records, eval_fraction: float, seed: int, min_eval: int = 1):

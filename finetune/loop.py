@@ -158,8 +158,15 @@ class Loop:
                 if stop:
                     self._report.close()
                     raise RunStopped(*stop)
+            if not self._evaluated_at(progress.step):
+                # Resumed at the last step from a checkpoint saved mid-epoch (a stop): the end needs its evaluation.
+                self._evaluate(max(1, -(-progress.step // order.steps_per_epoch)))
+                self._save()
         self._report.close()
         return progress
+
+    def _evaluated_at(self, step: int) -> bool:
+        return any(row["step"] == step and "eval_loss" in row for row in self.progress.rows)
 
     def tokens_per_second(self) -> float | None:
         return self.timed_tokens / self.timed_seconds if self.timed_seconds > 0 else None

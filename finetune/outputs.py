@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import yaml
@@ -52,6 +53,8 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Path:
             raise UserError(f"output name {part[:40]}... is {len(part)} characters, too long; use a shorter --output")
     if path.exists() and not path.is_dir():
         raise UserError(f"output {path} is a file, not a directory; pass another --output")
+    if is_locked(path):
+        raise UserError(f"another finetune run is writing to {path}; wait for it to end or choose another --output")
     if not resume and not overwrite:
         refuse_existing_run(path)
     _check_writable(path)
@@ -80,20 +83,24 @@ def refuse_existing_run(path: Path) -> None:
 
 def _check_writable(path: Path) -> None:
     """Refuse now, not after hours of training, a place the run could not be written to."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
+    existing = _nearest_existing(path)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(
             f"cannot write the run to {path}: {existing} is not a writable directory; pass another --output"
         )
 
 
-def check_free_space(path: Path, needed_bytes: int) -> None:
-    """Refuse a run whose checkpoints and adapter would not fit on the disk."""
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where the run's directory would be made."""
     existing = path.resolve()
     while not existing.exists():
         existing = existing.parent
+    return existing
+
+
+def check_free_space(path: Path, needed_bytes: int) -> None:
+    """Refuse a run whose checkpoints and adapter would not fit on the disk."""
+    existing = _nearest_existing(path)
     free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise UserError(
@@ -117,18 +124,24 @@ class Claim:
             self._lock_file = None
 
     def abandon(self) -> None:
-        """Undo the claim of a run that wrote nothing worth keeping: remove only what it created."""
-        self.release()
-        if checkpoint.find(self.path):
-            return
-        if self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        if not self.had_lock:
-            (self.path / LOCK).unlink(missing_ok=True)
-        empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
-        if empty.is_dir() and not any(empty.iterdir()):
-            empty.rmdir()
+        """Undo the claim of a run that wrote nothing worth keeping: remove only what it created.
+
+        The removal happens while the lock is still held, so no other run can
+        claim the directory in between and lose it.
+        """
+        try:
+            if checkpoint.find(self.path):
+                return
+            if self.created:
+                shutil.rmtree(self.path, ignore_errors=True)
+                return
+            if not self.had_lock:
+                (self.path / LOCK).unlink(missing_ok=True)
+            empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
+            if empty.is_dir() and not any(empty.iterdir()):
+                empty.rmdir()
+        finally:
+            self.release()
 
 
 def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
@@ -154,13 +167,17 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
     lock_file, had_lock = None, (path / LOCK).exists()
     if fcntl is not None:
         lock_file = open(path / LOCK, "a+")  # noqa: SIM115 - held open until release()
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock_file.close()
-            raise UserError(
-                f"another finetune run is writing to {path}; wait for it to end or choose another --output"
-            ) from None
+        for attempt in range(20):  # `finetune runs` probes the lock for an instant: let it pass
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 19:
+                    lock_file.close()
+                    raise UserError(
+                        f"another finetune run is writing to {path}; wait for it to end or choose another --output"
+                    ) from None
+                time.sleep(0.05)
     held = Claim(path, created, lock_file, had_lock)
     if not resume and not overwrite:
         try:
@@ -175,12 +192,15 @@ def is_locked(path: Path) -> bool:
     """Whether a live process holds the run directory `path`."""
     if fcntl is None or not (path / LOCK).exists():
         return False
-    with open(path / LOCK, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        with open(path / LOCK) as f:  # read-only: run directories may be on read-only copies
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        return False
     return False
 
 

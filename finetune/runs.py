@@ -136,33 +136,6 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     )
 
 
-def resume_settings(output: str | None) -> dict | None:
-    """The config of the newest checkpoint in `output`, to resume with; None when there is none.
-
-    Pure Python, so the CLI can read it before the backend is chosen.
-    """
-
-    if not output:
-        raise UserError("--resume needs --output DIR, the run directory to continue")
-    found = newest_checkpoint(Path(output))
-    return found.state()["config"] if found else None
-
-
-def newest_checkpoint(run_dir: Path):
-    """The checkpoint a --resume continues from; None if `run_dir` has none; refuses if none can be loaded."""
-    from finetune import checkpoint
-
-    found = checkpoint.latest(run_dir)
-    if found is None:
-        broken = checkpoint.problems(run_dir)
-        if broken:
-            raise UserError(
-                f"cannot resume {run_dir}: no checkpoint there can be loaded ({broken[-1]}); "
-                "pass --overwrite to start again"
-            )
-    return found
-
-
 def list_runs(directory: str | Path) -> list[dict]:
     """A row per run in `directory` (or for `directory` itself): its path, state, step and eval loss."""
     directory = Path(directory)

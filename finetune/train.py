@@ -9,7 +9,6 @@ run, and a run directory that records everything the run did.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -31,21 +30,11 @@ from finetune import (
     outputs,
     packing,
     presets,
-    runs,
     templates,
 )
 from finetune.config import Config, parse_duration
 from finetune.errors import RunStopped, UserError
 
-# Settings a resumed run must share with its checkpoint: anything else would not
-# continue the same training. epochs, max_steps and the output settings may change.
-RESUME_KEYS = (
-    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("lora", "rank"), ("lora", "alpha"),
-    ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
-    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
-    ("train", "batch_size"),
-    ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
-)  # fmt: skip
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 
 
@@ -63,18 +52,19 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     # Everything a user can get wrong is checked before the first file is written.
     target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
-    resume_from = runs.newest_checkpoint(target) if resume else None
+    resume_from = checkpoint.newest(target) if resume else None
     if resume and resume_from is None:
         if (target / outputs.METRICS).exists():
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
         print(f"note: no checkpoint in {target} to resume from; starting a new run there")
     source = presets.resolve(cfg.model.preset)
     records = load_records(cfg, cfg.data.path)
-    fingerprint = data_fingerprint(records)
+    fingerprint = data.fingerprint(records)
     saved = None
     if resume_from is not None:
         saved = resume_from.state()
-        check_resumable(saved, cfg, fingerprint, target)
+        cfg = checkpoint.resumed_config(cfg, saved)
+        checkpoint.check_compatible(saved, cfg, fingerprint, target)
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision))
     keras.utils.set_random_seed(cfg.train.seed)
 
@@ -125,12 +115,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
-    # A run killed while publishing has its last checkpoint but no metrics.json: resuming publishes it.
-    if resume_from is not None and resume_from.step >= total_steps and (target / outputs.METRICS).exists():
-        raise UserError(
-            f"{target} has already trained {resume_from.step} of {total_steps} steps; "
-            "raise --epochs or --max-steps to train further"
-        )
+    if resume_from is not None:
+        check_resume_end(resume_from, total_steps, target)
     outputs.check_free_space(target, checkpoint_bytes(lm) * (cfg.train.keep_checkpoints + 2))
 
     resolved = cfg.to_dict()
@@ -151,162 +137,160 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
         progress, run_id = loop.Progress(), uuid.uuid4().hex[:8]
     else:
-        weights, optimizer_values, _ = checkpoint.load(resume_from)
-        restore(lm, weights, optimizer_values, saved, resume_from)
+        saved = checkpoint.restore(lm, resume_from)
         before, generated_before = saved["eval_before"], saved["generated_before"]
         progress, run_id = loop.Progress.from_state(saved["progress"]), saved["run_id"]
         print(f"resuming {target} at step {progress.step}/{total_steps}")
     eval_seconds = time.perf_counter() - eval_started
 
     claim = outputs.claim(target, default=cfg.output.dir is None, overwrite=cfg.output.overwrite, resume=resume)
-    run_dir = claim.path
+    try:  # every way out lets go of the run directory
+        run_dir = claim.path
 
-    def save_checkpoint(progress: loop.Progress) -> None:
-        weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
-        if not all(np.isfinite(w).all() for w in weights):
-            raise UserError(
-                f"the LoRA weights are not finite after step {progress.step}: training diverged, so nothing "
-                f"was published.\n{divergence_advice(cfg, learning_rate)}"
-            )
-        state = {
-            "run_id": run_id,
-            "step": progress.step,
-            "config": resolved,
-            "data_fingerprint": fingerprint,
-            "eval_before": before,
-            "generated_before": generated_before,
-            "progress": progress.to_state(),
-            "trainable_paths": [v.path for v in lm.trainable_variables],
-            "optimizer_paths": [v.path for v in lm.optimizer.variables],
-        }
-        optimizer_values = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
-        try:
-            checkpoint.save(run_dir, run_id, progress.step, weights, optimizer_values, state)
-            checkpoint.prune(run_dir, run_id, cfg.train.keep_checkpoints)
-            outputs.write_status(run_dir, "running", progress.step)
-        except OSError as e:
-            last = checkpoint.latest(run_dir)
-            kept = f"the checkpoint at step {last.step} is intact" if last else "no earlier checkpoint exists"
-            raise UserError(
-                f"could not write the checkpoint at step {progress.step} to {run_dir}: {e.strerror or e}; "
-                f"{kept}.\nFree space or fix the directory, then rerun with --resume"
-            ) from e
+        def save_checkpoint(progress: loop.Progress) -> None:
+            weights, optimizer_values, trainable_paths, optimizer_paths = checkpoint.capture(lm)
+            if not all(np.isfinite(w).all() for w in weights):
+                raise UserError(
+                    f"the LoRA weights are not finite after step {progress.step}: training diverged, so nothing "
+                    f"was published.\n{divergence_advice(cfg, learning_rate)}"
+                )
+            state = {
+                "run_id": run_id,
+                "step": progress.step,
+                "config": resolved,
+                "data_fingerprint": fingerprint,
+                "eval_before": before,
+                "generated_before": generated_before,
+                "progress": progress.to_state(),
+                "trainable_paths": trainable_paths,
+                "optimizer_paths": optimizer_paths,
+            }
+            try:
+                checkpoint.save(run_dir, run_id, progress.step, weights, optimizer_values, state)
+                checkpoint.prune(run_dir, run_id, cfg.train.keep_checkpoints)
+                outputs.write_status(run_dir, "running", progress.step)
+            except OSError as e:
+                last = checkpoint.latest(run_dir)
+                kept = f"the checkpoint at step {last.step} is intact" if last else "no earlier checkpoint exists"
+                raise UserError(
+                    f"could not write the checkpoint at step {progress.step} to {run_dir}: {e.strerror or e}; "
+                    f"{kept}.\nFree space or fix the directory, then rerun with --resume"
+                ) from e
 
-    trainer = loop.Loop(
-        lm,
-        order,
-        total_steps,
-        progress,
-        evaluate_held_out=lambda: evaluate.metrics(evaluator, eval_batches),
-        save_checkpoint=save_checkpoint,
-        checkpoint_every=cfg.train.checkpoint_every,
-        deadline=deadline,
-        eval_seconds=eval_seconds,
-        divergence_advice=divergence_advice(cfg, learning_rate),
-        last_saved=resume_from.step if resume_from else None,
-    )
-    try:
-        trainer.run()  # status.json is written with each checkpoint
-    except RunStopped as stop:
-        outputs.write_status(run_dir, "stopped", progress.step, str(stop))
-        claim.release()
-        raise
-    except BaseException as error:
-        failure = error
-        if backend.is_out_of_memory(error):
-            failure = UserError(
-                f"out of memory at step {progress.step + 1} with batch {batch_size}, seq-len {cfg.model.seq_len}, "
-                f"rank {cfg.lora.rank}; lower --batch-size or --seq-len"
-                + (f" (the checkpoint at step {trainer.last_saved} is kept)" if trainer.last_saved else "")
-            )
-        if trainer.last_saved is None:
-            claim.abandon()  # nothing worth keeping was written
-        else:
-            _record_failure(run_dir, progress.step, failure)
-            claim.release()
-        if failure is error:
-            raise
-        raise failure from error
-
-    after = progress.evaluations[-1]  # the held-out split is evaluated after every epoch and the last step
-    generated_after = evaluate.generate(
-        lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
-    )
-    train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
-    metrics = {
-        "backend": cfg.backend,
-        "preset": cfg.model.preset,
-        "rank": cfg.lora.rank,
-        "alpha": cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank,
-        "targets": list(cfg.lora.targets),
-        "adapted_layers": adapted,
-        "trainable_parameters": model.trainable_parameters(lm),
-        "train_examples": len(train_part),
-        "eval_examples": len(eval_part),
-        "batch_size": batch_size,
-        "seq_len": cfg.model.seq_len,
-        "learning_rate": learning_rate,
-        "steps": progress.step,
-        "epochs": math.ceil(progress.step / steps_per_epoch),
-        "resumed_from_step": resume_from.step if resume_from else None,
-        "train_loss": train_losses[-1],
-        "eval_loss_before": before["loss"],
-        "eval_loss": after["loss"],
-        "eval_perplexity_before": before["perplexity"],
-        "eval_perplexity": after["perplexity"],
-        "eval_accuracy_before": before["accuracy"],
-        "eval_accuracy": after["accuracy"],
-        "packing": cfg.data.packing != "off",
-        "padding_fraction": padding["padding_fraction"],
-        "padding_fraction_unpacked": padding["unpacked"],
-        "trained_tokens": progress.trained_tokens,
-        "response_tokens": progress.response_tokens,
-        # Non-padding tokens per second of optimizer steps in this session, its first
-        # (compiling) step and every evaluation excluded.
-        "tokens_per_second": trainer.tokens_per_second(),
-        "train_seconds": progress.train_seconds,
-        "seconds": time.perf_counter() - started,
-        "peak_memory_mb": backend.peak_memory_mb(),
-        "dtype_policy": tweaks["dtype_policy"],
-        "device": tweaks["device"],
-    }
-    resolved["resolved"] = {
-        "output_dir": str(run_dir.resolve()),
-        "run_id": run_id,
-        "preset_kind": source.kind,
-        "preset_family": source.family,
-        "backend_tweaks": tweaks,
-        "versions": _versions(),
-    }
-    samples = [
-        {"prompt": p, "reference": r.response, "before": b, "after": a}
-        for p, r, b, a in zip(sample_prompts, sample_records, generated_before, generated_after)
-    ]
-    history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
-    title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
-    try:
-        outputs.publish(
-            run_dir,
-            {
-                outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
-                outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
-                "history.csv": lambda p: outputs.write_history(p, progress.rows),
-                "samples.md": lambda p: outputs.write_samples(p, samples),
-                "loss.png": lambda p: outputs.plot_loss(p, history, title),
-                outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
-            },
+        trainer = loop.Loop(
+            lm,
+            order,
+            total_steps,
+            progress,
+            evaluate_held_out=lambda: evaluate.metrics(evaluator, eval_batches),
+            save_checkpoint=save_checkpoint,
+            checkpoint_every=cfg.train.checkpoint_every,
+            deadline=deadline,
+            eval_seconds=eval_seconds,
+            divergence_advice=divergence_advice(cfg, learning_rate),
+            last_saved=resume_from.step if resume_from else None,
         )
-        checkpoint.remove_others(run_dir, run_id)
-        outputs.write_status(run_dir, "finished", progress.step)
-    except OSError as e:
-        raise UserError(
-            f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
-            "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
-        ) from e
+        try:
+            trainer.run()  # status.json is written with each checkpoint
+        except RunStopped as stop:
+            outputs.write_status(run_dir, "stopped", progress.step, str(stop))
+            raise
+        except BaseException as error:
+            failure = error
+            if backend.is_out_of_memory(error):
+                failure = UserError(
+                    f"out of memory at step {progress.step + 1} with batch {batch_size}, seq-len {cfg.model.seq_len}, "
+                    f"rank {cfg.lora.rank}; lower --batch-size or --seq-len"
+                    + (f" (the checkpoint at step {trainer.last_saved} is kept)" if trainer.last_saved else "")
+                )
+            if trainer.last_saved is None:
+                claim.abandon()  # nothing worth keeping was written
+            else:
+                _record_failure(run_dir, progress.step, failure)
+            if failure is error:
+                raise
+            raise failure from error
+
+        after = progress.evaluations[-1]  # the held-out split is evaluated after every epoch and the last step
+        generated_after = evaluate.generate(
+            lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
+        )
+        train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
+        metrics = {
+            "backend": cfg.backend,
+            "preset": cfg.model.preset,
+            "rank": cfg.lora.rank,
+            "alpha": cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank,
+            "targets": list(cfg.lora.targets),
+            "adapted_layers": adapted,
+            "trainable_parameters": model.trainable_parameters(lm),
+            "train_examples": len(train_part),
+            "eval_examples": len(eval_part),
+            "batch_size": batch_size,
+            "seq_len": cfg.model.seq_len,
+            "learning_rate": learning_rate,
+            "run_id": run_id,
+            "steps": progress.step,
+            "epochs": math.ceil(progress.step / steps_per_epoch),
+            "resumed_from_step": resume_from.step if resume_from else None,
+            "train_loss": train_losses[-1],
+            "eval_loss_before": before["loss"],
+            "eval_loss": after["loss"],
+            "eval_perplexity_before": before["perplexity"],
+            "eval_perplexity": after["perplexity"],
+            "eval_accuracy_before": before["accuracy"],
+            "eval_accuracy": after["accuracy"],
+            "packing": cfg.data.packing != "off",
+            "padding_fraction": padding["padding_fraction"],
+            "padding_fraction_unpacked": padding["unpacked"],
+            "trained_tokens": progress.trained_tokens,
+            "response_tokens": progress.response_tokens,
+            # Non-padding tokens per second of optimizer steps in this session, its first
+            # (compiling) step and every evaluation excluded.
+            "tokens_per_second": trainer.tokens_per_second(),
+            "train_seconds": progress.train_seconds,
+            "seconds": time.perf_counter() - started,
+            "peak_memory_mb": backend.peak_memory_mb(),
+            "dtype_policy": tweaks["dtype_policy"],
+            "device": tweaks["device"],
+        }
+        resolved["resolved"] = {
+            "output_dir": str(run_dir.resolve()),
+            "run_id": run_id,
+            "preset_kind": source.kind,
+            "preset_family": source.family,
+            "backend_tweaks": tweaks,
+            "versions": _versions(),
+        }
+        samples = [
+            {"prompt": p, "reference": r.response, "before": b, "after": a}
+            for p, r, b, a in zip(sample_prompts, sample_records, generated_before, generated_after)
+        ]
+        history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
+        title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
+        try:
+            outputs.publish(
+                run_dir,
+                {
+                    outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
+                    outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
+                    "history.csv": lambda p: outputs.write_history(p, progress.rows),
+                    "samples.md": lambda p: outputs.write_samples(p, samples),
+                    "loss.png": lambda p: outputs.plot_loss(p, history, title),
+                    outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
+                },
+            )
+            checkpoint.remove_others(run_dir, run_id)
+            outputs.write_status(run_dir, "finished", progress.step)
+        except OSError as e:
+            raise UserError(
+                f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
+                "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
+            ) from e
+        print(outputs.summary_table(metrics, run_dir))
+        return metrics
     finally:
         claim.release()
-    print(outputs.summary_table(metrics, run_dir))
-    return metrics
 
 
 def _deadline(time_limit: str | None) -> float | None:
@@ -335,52 +319,27 @@ def _record_failure(run_dir, step: int, error: BaseException) -> None:
         pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
 
 
-def data_fingerprint(records) -> str:
-    """sha256 of the records a run trains and evaluates on, after filters."""
-    digest = hashlib.sha256()
-    for r in records:
-        digest.update(json.dumps([r.instruction, r.context, r.response, r.category]).encode("utf-8"))
-    return digest.hexdigest()
+def check_resume_end(found, total_steps: int, target) -> None:
+    """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
 
-
-def check_resumable(saved: dict, cfg: Config, fingerprint: str, target) -> None:
-    """Refuse a resume that would not continue the same training."""
-    ours = cfg.to_dict()
-    for section, key in RESUME_KEYS:
-        then, now = saved["config"][section][key], ours[section][key]
-        if now is None and key in ("batch_size", "learning_rate"):
-            continue  # not given: the checkpoint's resolved value is used
-        if then != now:
-            raise UserError(
-                f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
-                f"for {now!r}; drop that setting to continue, or start a new run with another --output"
-            )
-    if saved["data_fingerprint"] != fingerprint:
+    A run whose last checkpoint is its final step but has no results of that
+    checkpoint (killed while publishing) is resumed: it only publishes.
+    """
+    if found.step > total_steps:
         raise UserError(
-            f"cannot resume {target}: the records in {cfg.data.path} differ from those the checkpoint was trained "
-            "on; restore that data, or start a new run with another --output"
+            f"{target} has trained {found.step} steps, more than the {total_steps} this run asks for; "
+            f"raise --max-steps or --epochs to at least that"
         )
-
-
-def restore(lm, weights, optimizer_values, saved: dict, found) -> None:
-    """Put a checkpoint's LoRA weights and optimizer state back, after checking they fit this model."""
-    lm.optimizer.build(lm.trainable_variables)
-    pairs = [
-        (lm.trainable_variables, weights, saved["trainable_paths"]),
-        (lm.optimizer.variables, optimizer_values, saved["optimizer_paths"]),
-    ]
-    for variables, values, paths in pairs:
-        # Paths carry per-instance suffixes (adamw_1/...), so compare their last part, in order.
-        leaves = [p.rsplit("/", 1)[-1] for p in paths]
-        if len(variables) != len(values) or [v.path.rsplit("/", 1)[-1] for v in variables] != leaves:
-            raise UserError(f"checkpoint {found.path} does not match this model's variables; start a new run")
-        for variable, value in zip(variables, values):
-            if tuple(variable.shape) != value.shape:
-                raise UserError(
-                    f"checkpoint {found.path}: {variable.path} has shape {value.shape}, the model "
-                    f"{tuple(variable.shape)}; start a new run"
-                )
-            variable.assign(value)
+    try:
+        metrics = json.loads((target / outputs.METRICS).read_text(encoding="utf-8"))
+        published = metrics.get("run_id") == found.run_id and metrics.get("steps") == found.step
+    except (OSError, ValueError, AttributeError):
+        published = False
+    if found.step == total_steps and published:
+        raise UserError(
+            f"{target} has already trained {found.step} of {total_steps} steps; "
+            "raise --epochs or --max-steps to train further"
+        )
 
 
 def checkpoint_bytes(lm) -> int:

@@ -148,6 +148,31 @@ def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_p
     assert result.exit_code == 2 and "already trained 8 of 8 steps" in result.stderr
 
 
+def test_resume_to_an_earlier_end(tmp_path):
+    """A stop at step 3 (mid-epoch, no evaluation yet) resumed with --max-steps 3 evaluates and publishes;
+    an end before the checkpoint is refused; a recipe's `batch_size: null` keeps the run's batch."""
+    out = tmp_path / "stopped"
+    assert run_with_fault(out, "SIGTERM", 2).returncode == 143
+    result = invoke("gemma", "--resume", "--max-steps", "2", "--output", out)
+    assert result.exit_code == 2 and "trained 3 steps, more than the 2" in result.stderr
+    train(out, "--resume", "--max-steps", "3", "--set", "train.batch_size=null")
+    assert metrics(out)["steps"] == 3 and metrics(out)["batch_size"] == 2
+    rows = _history(out)
+    assert rows[-1]["step"] == "3" and rows[-1]["eval_loss"]
+
+
+def test_an_overwrite_killed_before_publishing_is_published_by_resume(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    with monkeypatch.context() as patch:
+        patch.setattr(outputs, "publish", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        result = invoke("gemma", *SHORT, "--overwrite", "--seed", "3", "--output", out)
+    assert result.exit_code == 2 and "rerun with --resume" in result.stderr
+    assert metrics(out)["steps"] == 2  # the old run's results are still there
+    train(out, "--resume")
+    assert metrics(out)["steps"] == 8 and yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
+
+
 def test_resume_refuses_data_that_changed(tmp_path):
     data = tmp_path / "data.jsonl"
     records = [{"instruction": f"Say {i}.", "response": f"{i} it is."} for i in range(30)]
@@ -314,6 +339,8 @@ def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
     assert first.path != second.path and second.path.name == f"{path.name}-2"
     with pytest.raises(UserError, match="another finetune run is writing"):
         outputs.claim(first.path, default=False, overwrite=True, resume=False)
+    busy = invoke("gemma", *SHORT, "--resume", "--output", first.path)  # refused before any model is built
+    assert busy.exit_code == 2 and "another finetune run is writing" in busy.stderr
     assert runs.describe(first.path) is None  # a claim alone is not a run
     first.release()
     outputs.claim(first.path, default=False, overwrite=True, resume=False).release()
