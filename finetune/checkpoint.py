@@ -242,7 +242,7 @@ def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
     for section, key in RESUME_KEYS:
         then, now = saved["config"][section][key], ours[section][key]
         if key == "packing":  # auto is on
-            then, now = then != "off", now != "off"
+            then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:
             raise UserError(
                 f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "

@@ -287,7 +287,7 @@ CASES = [
     resume(
         "resume-other-packing",
         lambda w: ["--resume", "--packing", "off", "--output", _unfinished(w)],
-        "data.packing='auto'",
+        "data.packing='on', this run asks for 'off'",
     ),
     gemma("unknown-packing", ["--packing", "sometimes"], "unknown packing 'sometimes'"),
     resume("resume-finished-run", lambda w: ["--resume", "--output", w.run_copy()], "already trained 1 of 1 steps"),
