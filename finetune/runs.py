@@ -100,7 +100,7 @@ def check_adapter(path: Path, backbone, rank: int) -> None:
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
-    from finetune import batching, data, evaluate, model, templates, train
+    from finetune import batching, evaluate, model, templates, train
 
     cfg = run.config
     path = data_path or cfg.data.path
@@ -109,7 +109,7 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     template = templates.get(cfg.data.template)
     usable = train.usable_examples(records, template, preprocessor.tokenizer, cfg, path)
     if data_path is None:  # the same held-out records as in training
-        _, usable = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=cfg.train.batch_size)
+        _, usable = train.split(usable, cfg, cfg.train.batch_size)
     examples = [e for _, e in usable]
     batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
     result = evaluate.metrics(model.evaluator(lm), batches)

@@ -88,7 +88,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
         batch_size = largest_batch_size(lm, probe_rows, limit=min(64, len(usable) // 2))
         print(f"batch size auto: {batch_size}")
-    train_part, eval_part = data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
+    train_part, eval_part = split(usable, cfg, batch_size)
     if len(train_part) < batch_size:
         raise UserError(
             f"{len(train_part)} training records are fewer than one batch of {batch_size}; "
@@ -356,6 +356,11 @@ def load_records(cfg: Config, path: str) -> list[data.Record]:
         max_records=cfg.data.max_records,
         source=path,
     )
+
+
+def split(usable, cfg: Config, batch_size: int):
+    """(training, held out) examples: the split a run trains on, and the one `finetune eval` scores again."""
+    return data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
 
 
 def usable_examples(records, template, tokenizer, cfg: Config, source: str) -> list[tuple]:
