@@ -25,9 +25,10 @@ def run(cfg: Config | None = None, resume: bool = False) -> dict:
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
         limit stops training early, after saving a checkpoint.
     """
-    from finetune import backend
+    from finetune import backend, config
 
     cfg = cfg or Config()
+    config.validate(cfg)  # a Config built by hand in a notebook gets the same checks as a recipe
     backend.select(cfg.backend, cfg.train.xla_mem_fraction)
     from finetune import train
 

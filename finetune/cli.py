@@ -214,7 +214,8 @@ def gemma(
     Precedence: built-in defaults < --recipe < --set < named flags.
     """
     try:
-        _refuse_empty({"--output": output, "--data": data, "--preset": preset, "--recipe": recipe})
+        # --output, --data and --preset are checked with the rest of the config (config.validate).
+        _refuse_empty({"--recipe": recipe})
         _note_keras_backend(backend)
         overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
         flags = {

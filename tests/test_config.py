@@ -86,3 +86,12 @@ def test_a_run_s_config_yaml_works_as_a_recipe(tmp_path):
     recipe = tmp_path / "config.yaml"
     recipe.write_text("lora:\n  rank: 3\nresolved:\n  preset_kind: tiny\n")
     assert config.load(recipe).lora.rank == 3
+
+
+def test_the_python_api_checks_a_config_built_by_hand():
+    import finetune
+
+    cfg = config.Config()
+    cfg.lora.rank = 0
+    with pytest.raises(finetune.UserError, match="rank must be at least 1"):
+        finetune.run(cfg)
