@@ -196,8 +196,10 @@ def gemma(
     category: Optional[list[str]] = _flag("Keep only this Dolly category; repeatable. [default: all]"),
     max_records: Optional[int] = _flag("Use at most this many records. [default: all]"),
     precision: Optional[str] = _flag(
-        f"auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on GPU/TPU, float32 on CPU. {_default(D.model.precision)}"
+        "auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on a TPU, a bf16 GPU (not a T4) or a CPU with "
+        f"bf16 units, else float32. {_default(D.model.precision)}"
     ),
+    threads: Optional[int] = _flag("PyTorch on CPU: intra-op threads. [default: the physical cores idle at start]"),
     xla_mem_fraction: Optional[float] = _flag(
         f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}"
     ),
@@ -240,6 +242,7 @@ def gemma(
             "train.learning_rate": lr,
             "train.seed": seed,
             "train.xla_mem_fraction": xla_mem_fraction,
+            "train.threads": threads,
             "output.dir": output,
             "output.overwrite": overwrite or None,
             "train.checkpoint_every": checkpoint_every,

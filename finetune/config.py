@@ -36,7 +36,8 @@ class ModelConfig:
     seq_len: int = 256
     """Tokens per training sequence; longer records are cut (the Keras tutorial's 256)."""
     precision: str = "auto"
-    """auto: mixed_bfloat16 on a GPU or TPU, float32 on a CPU; or float32, mixed_bfloat16, bfloat16."""
+    """auto: mixed_bfloat16 on a TPU, a GPU with bf16 (A100, L4, H100; not a T4) and a CPU with bf16 units
+    (AVX512-BF16 or AMX), else float32; or float32, mixed_bfloat16, bfloat16."""
 
 
 @dataclass
@@ -86,6 +87,8 @@ class TrainConfig:
     """Seeds the split, the shuffling and the LoRA initialisation."""
     xla_mem_fraction: float = 1.00
     """JAX only: share of GPU memory XLA may take (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    threads: Optional[int] = None
+    """PyTorch on a CPU: intra-op threads; None takes the physical cores idle when the run starts."""
     samples: int = 3
     """Held-out prompts to generate from before and after training, into samples.md."""
     max_new_tokens: int = 48
@@ -397,6 +400,10 @@ def validate(cfg: Config) -> None:
     check(cfg.train.weight_decay >= 0, f"weight decay must not be negative, got {cfg.train.weight_decay}")
     check(
         0 < cfg.train.xla_mem_fraction <= 1, f"XLA memory fraction must be in (0, 1], got {cfg.train.xla_mem_fraction}"
+    )
+    check(
+        cfg.train.threads is None or cfg.train.threads >= 1,
+        f"threads must be at least 1, got {cfg.train.threads}; leave it out to use the idle cores",
     )
     check(cfg.train.samples >= 0, f"samples must not be negative, got {cfg.train.samples}")
     check(cfg.train.max_new_tokens >= 1, f"max new tokens must be at least 1, got {cfg.train.max_new_tokens}")

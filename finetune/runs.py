@@ -37,7 +37,7 @@ def load_model(run: Run):
     from finetune import backend, model, presets
 
     cfg = run.config
-    backend.apply_runtime_tweaks(cfg.model.precision)
+    backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
     source = presets.resolve(cfg.model.preset)
     lm, preprocessor = model.build(source, cfg.model.seq_len)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)

@@ -65,7 +65,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         saved = resume_from.state()
         cfg = checkpoint.resumed_config(cfg, saved)
         checkpoint.check_compatible(saved, cfg, fingerprint, target)
-    tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision))
+    tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
     keras.utils.set_random_seed(cfg.train.seed)
 
     lm, preprocessor = model.build(source, cfg.model.seq_len)

@@ -1,5 +1,6 @@
 """Shared fixtures. The Keras backend comes from KERAS_BACKEND (one pytest process per backend)."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,23 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 BACKEND = os.environ["KERAS_BACKEND"]
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DOLLY = REPO.parent / "shared" / "data" / "dolly-real-151.jsonl"
+
+
+@contextlib.contextmanager
+def float32_policy():
+    """Build models in float32 whatever an earlier in-process run left as keras' global dtype policy.
+
+    A run applies its precision globally, as the Keras tutorial does, and `auto`
+    is mixed_bfloat16 on a CPU with bf16 units; exactness tests need float32.
+    """
+    import keras
+
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float32")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(before)
 
 
 def write_jsonl(path: Path, records) -> Path:

@@ -28,11 +28,33 @@ def test_runtime_tweaks_on_a_cpu():
     policy = keras.config.dtype_policy().name
     try:
         tweaks = backend.apply_runtime_tweaks("auto")
-        assert tweaks["device"] == "cpu" and tweaks["dtype_policy"] == "float32"
+        # auto is bf16 on a CPU only where it has bf16 units (AVX512-BF16 or AMX).
+        expected = "mixed_bfloat16" if backend.cpu_has_bfloat16() else "float32"
+        assert tweaks["device"] == "cpu" and tweaks["dtype_policy"] == expected
         assert backend.apply_runtime_tweaks("mixed_bfloat16")["dtype_policy"] == "mixed_bfloat16"
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
     finally:
         keras.config.set_dtype_policy(policy)
+
+
+def test_torch_threads_are_the_idle_physical_cores_unless_set(monkeypatch):
+    cores = backend.physical_cores()
+    assert 1 <= cores <= (os.cpu_count() or 1)
+    assert backend.torch_threads(3) == (3, "set by train.threads")
+    monkeypatch.setattr(backend, "idle_cores", lambda: 1)
+    assert backend.torch_threads(None) == (1, f"1 of {cores} physical cores idle at start")
+    monkeypatch.setattr(backend, "idle_cores", lambda: None)
+    assert backend.torch_threads(None)[0] == cores
+
+
+def test_idle_cores_counts_a_busy_core(monkeypatch):
+    # /proc/stat over the interval: 1000 jiffies, of which 500 idle -> half the cores idle.
+    times = iter([(1000, 200), (2000, 700)])
+    monkeypatch.setattr(backend, "_cpu_times", lambda: next(times))
+    monkeypatch.setattr(backend, "physical_cores", lambda: 4)
+    assert backend.idle_cores(interval=0) == 2
+    times = iter([(1000, 200), (2000, 200)])  # every core busy: still one thread
+    assert backend.idle_cores(interval=0) == 1
 
 
 def test_out_of_memory_errors_are_recognised_on_every_backend():

@@ -13,7 +13,10 @@ import sys
 import pytest
 from conftest import BACKEND
 
-RUN = "--preset tiny --seq-len 64 --batch-size 2 --max-records 40 --max-steps 6 --set train.samples=0".split()
+# float32: in bf16 (auto on a CPU with bf16 units) each backend's kernels round differently, and the
+# held-out loss after six steps came out 2% apart; the agreement the issue asks for is float32's.
+RUN = "--preset tiny --seq-len 64 --batch-size 2 --max-records 40 --max-steps 6 --precision float32".split()
+RUN += ["--set", "train.samples=0"]
 
 
 def losses(out):

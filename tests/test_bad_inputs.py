@@ -297,6 +297,7 @@ CASES = [
         "holds an unfinished run, checkpointed at step 1",
         setup=None,
     ),
+    gemma("threads-zero", ["--threads", "0"], "threads must be at least 1"),
 ]
 
 
