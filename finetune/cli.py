@@ -265,6 +265,47 @@ def gemma(
         _fail(error, debug)
 
 
+@app.command()
+def bench(
+    arch: str = typer.Option(
+        "cpu-small", help="Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b."
+    ),
+    tokenizer: Optional[str] = _flag("SentencePiece .spm tokenizer file. [default: the tiny model's]"),
+    data: str = typer.Option("sample", help="Dolly-style JSONL to train on, or `sample`."),
+    seq_len: int = typer.Option(512, help="Tokens per row."),
+    batch_size: int = typer.Option(8, help="Rows per step."),
+    steps: int = typer.Option(10, help="Timed steps per row of the table."),
+    warmup: int = typer.Option(2, help="Steps run before timing (the first compiles)."),
+    rank: int = typer.Option(4, help="LoRA rank, on query and value."),
+    backends: Optional[str] = _flag("Comma-separated backends. [default: every installed one]"),
+    recipes: str = typer.Option(
+        "finetune,tutorial", help="finetune (this tool's settings) and/or tutorial (the Keras tutorial's)."
+    ),
+    levers: str = typer.Option(
+        "", help="Comma-separated levers to measure off, each as one more row: packing, precision."
+    ),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+):
+    """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
+    try:
+        from finetune import bench as bench_module
+
+        workload = bench_module.Workload(
+            arch=arch, tokenizer=tokenizer or "", data=data, seq_len=seq_len, batch_size=batch_size,
+            steps=steps, warmup=warmup, rank=rank,
+        )  # fmt: skip
+        chosen = _split_list([backends]) if backends else bench_module.installed_backends()
+        bench_module.run(
+            workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path
+        )
+    except typer.Exit:
+        raise
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
 @app.command("eval")
 def eval_(
     run: str = typer.Option(..., "--run", help="A finished run directory."),

@@ -87,6 +87,11 @@ def preset_dir(name, config_json, expected):
     return Case(name, args, expected)
 
 
+def bench(name, args, expected):
+    """`finetune bench` with bad flags: refused before any worker starts."""
+    return Case(name, lambda w: list(args), expected, command="bench")
+
+
 def run_case(name, command, change, expected):
     """`finetune eval|generate --run COPY` on a copy of a trained run, changed by `change(copy, where)`."""
 
@@ -298,6 +303,15 @@ CASES = [
         setup=None,
     ),
     gemma("threads-zero", ["--threads", "0"], "threads must be at least 1"),
+    bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),
+    bench("bench-unknown-backend", ["--backends", "mxnet"], "unknown backend 'mxnet'"),
+    bench("bench-unknown-lever", ["--levers", "turbo"], "unknown lever 'turbo'"),
+    bench("bench-unknown-recipe", ["--recipes", "hf"], "unknown recipe 'hf'"),
+    bench("bench-no-recipe", ["--recipes", ""], "nothing to run"),
+    bench("bench-zero-steps", ["--steps", "0"], "--steps must be at least 1"),
+    Case("bench-missing-tokenizer", lambda w: ["--tokenizer", w.tmp / "no.spm"], "no.spm does not exist", "bench"),
+    Case("bench-missing-data", lambda w: ["--data", w.tmp / "none.jsonl"], "none.jsonl", "bench"),
+    Case("bench-json-folder-missing", lambda w: ["--json", w.out / "rows.json"], "its folder does not exist", "bench"),
 ]
 
 

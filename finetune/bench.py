@@ -1,0 +1,527 @@
+"""`finetune bench`: one LoRA workload trained on each backend, side by side, with numbers that compare.
+
+Each (backend, recipe) row runs in its own Python process, since Keras fixes
+its backend at first import. The model is a Gemma architecture with random
+weights (throughput does not depend on their values); the data is real.
+
+- Recipe `finetune` is what `finetune gemma` trains with: packed rows, the
+  backend's tweaks (precision `auto`, PyTorch threads), response-only loss, one
+  `train_on_batch` per step, exactly as loop.py drives it.
+- Recipe `tutorial` is the Keras Gemma LoRA tutorial's: every example padded
+  to seq-len, float32, no tweaks, `fit()` on the preprocessed batches.
+- A lever row is the `finetune` recipe with one setting turned back (packing
+  off, float32), so what each lever buys is measured in the same run.
+
+tokens/s counts the non-padding tokens of the timed steps only: the first
+`warmup` steps (compilation) are left out, and nothing else is timed. MFU is
+those tokens/s times the training FLOPs per token, over the best matmul rate
+measured on this device in the row's compute dtype by any backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from finetune.errors import UserError
+
+# Gemma architectures in keras_hub.models.GemmaBackbone terms. cpu-small is the
+# shared benchmark workload's; gemma-2b and gemma-7b are the released models' dims.
+ARCHS = {
+    "tiny": dict(
+        num_layers=2, num_query_heads=4, num_key_value_heads=1, hidden_dim=128, intermediate_dim=512, head_dim=32
+    ),
+    "cpu-small": dict(
+        num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
+    ),
+    "gemma-2b": dict(
+        num_layers=18, num_query_heads=8, num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32768, head_dim=256
+    ),
+    "gemma-7b": dict(
+        num_layers=28, num_query_heads=16, num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49152, head_dim=256
+    ),
+}
+# The released models' vocabulary; the small archs take the tokenizer's. Ids of
+# a small tokenizer are valid ids of a larger vocabulary, and the logits cost is the real one.
+VOCAB = {"gemma-2b": 256000, "gemma-7b": 256000}
+BACKENDS = ("jax", "torch", "tensorflow")
+RECIPES = ("finetune", "tutorial")
+LEVERS = {"packing": "packing off", "precision": "float32"}
+ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
+
+
+@dataclass
+class Workload:
+    arch: str = "cpu-small"
+    tokenizer: str = ""
+    """A SentencePiece .spm file; empty takes the tiny model's."""
+    data: str = "sample"
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 10
+    """Timed steps, after the warm-up ones."""
+    warmup: int = 2
+    rank: int = 4
+
+
+@dataclass
+class Spec:
+    backend: str
+    recipe: str
+    lever: str | None = None
+    workload: Workload = field(default_factory=Workload)
+
+
+def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
+    """Everything a user can get wrong, before any process starts."""
+    if workload.arch not in ARCHS:
+        raise UserError(f"unknown arch {workload.arch!r}; choose one of {', '.join(ARCHS)}")
+    if workload.tokenizer and not Path(workload.tokenizer).is_file():
+        raise UserError(f"tokenizer {workload.tokenizer} does not exist; pass a SentencePiece .spm file")
+    for name, value, least in (
+        ("seq-len", workload.seq_len, 16),
+        ("batch-size", workload.batch_size, 1),
+        ("steps", workload.steps, 1),
+        ("warmup", workload.warmup, 1),
+        ("rank", workload.rank, 1),
+    ):
+        if value < least:
+            raise UserError(f"--{name} must be at least {least}, got {value}")
+    for kind, given, allowed in (
+        ("backend", backends, BACKENDS),
+        ("recipe", recipes, RECIPES),
+        ("lever", levers, LEVERS),
+    ):
+        unknown = [g for g in given if g not in allowed]
+        if unknown:
+            raise UserError(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(allowed)}")
+    if not backends or not (recipes or levers):
+        raise UserError("nothing to run: give at least one backend and one recipe")
+    import importlib.util
+
+    missing = [b for b in backends if importlib.util.find_spec(b) is None]
+    if missing:
+        raise UserError(
+            f"{missing[0]} is not installed; pip install 'finetune[{missing[0]}]', or leave it out of --backends"
+        )
+    from finetune import data
+
+    data.load_records(workload.data)  # a missing or malformed file fails here, not in every worker
+
+
+def installed_backends() -> list[str]:
+    import importlib.util
+
+    return [b for b in BACKENDS if importlib.util.find_spec(b) is not None]
+
+
+def run(
+    workload: Workload,
+    backends: list[str],
+    recipes: list[str],
+    levers: list[str],
+    json_path: str | None = None,
+    plot_path: str | None = None,
+) -> list[dict]:
+    """Run every row, one process each, one after another; print the table and the verdict."""
+    check(workload, backends, recipes, levers)
+    for path in (json_path, plot_path):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise UserError(f"cannot write {path}: its folder does not exist")
+    specs = [Spec(b, r, None, workload) for b in backends for r in recipes]
+    specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers]
+    specs.sort(key=lambda spec: backends.index(spec.backend))  # each backend's rows together
+    rows = []
+    for index, spec in enumerate(specs, 1):
+        label = f"{spec.backend} {spec.recipe}" + (f" ({LEVERS[spec.lever]})" if spec.lever else "")
+        print(f"bench {index}/{len(specs)}: {label} ...", flush=True)
+        row = run_worker(spec)
+        rows.append(row)
+        if "error" in row:
+            print(f"  failed: {row['error']}", flush=True)
+        else:
+            print(f"  {row['tokens_per_s']:.0f} tokens/s, loss {_loss(row)}", flush=True)
+    add_mfu(rows, workload)
+    print()
+    print(table(rows))
+    print(verdict(rows))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    if plot_path:
+        plot(rows, plot_path, workload)
+    if all("error" in row for row in rows):
+        raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
+    return rows
+
+
+def run_worker(spec: Spec) -> dict:
+    """One row, in a fresh process on its backend; a failed process gives a row with `error`."""
+    env = dict(os.environ, KERAS_BACKEND=spec.backend)
+    payload = json.dumps({**asdict(spec), "workload": asdict(spec.workload)})
+    process = subprocess.run([sys.executable, "-m", "finetune.bench", payload], env=env, capture_output=True, text=True)
+    for line in reversed(process.stdout.splitlines()):
+        if line.startswith(ROW):
+            return json.loads(line[len(ROW) :])
+    tail = (process.stderr or process.stdout).strip().splitlines()
+    return {
+        "backend": spec.backend,
+        "recipe": spec.recipe,
+        "lever": spec.lever,
+        "error": tail[-1] if tail else f"exit {process.returncode}",
+    }
+
+
+# --- the worker: everything below runs in the row's own process -------------------------------
+
+
+def _work(spec: Spec) -> dict:
+    from finetune import backend
+
+    backend.select(spec.backend)  # the tutorial too sets XLA's memory fraction to 1.00
+    import keras
+
+    if spec.recipe == "tutorial":  # no other tweak: float32, each framework's own thread count
+        keras.config.set_dtype_policy("float32")
+        tweaks = {"device": backend.accelerator()}
+    else:
+        tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
+    keras.utils.set_random_seed(0)
+    lm, tokenizer = _model(spec.workload)
+    train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
+    result = train(spec, lm, tokenizer)
+    policy = keras.config.dtype_policy()
+    result.update(
+        backend=spec.backend,
+        recipe=spec.recipe,
+        lever=spec.lever,
+        arch=spec.workload.arch,
+        device=tweaks["device"],
+        precision=policy.name,
+        settings=_settings(spec, tweaks, policy.name),
+        peak_memory_mb=round(backend.peak_memory_mb(), 1),
+        matmul_peak_gflops=round(matmul_peak(policy.compute_dtype, tweaks["device"]) / 1e9, 1),
+        compute_dtype=policy.compute_dtype,
+        vocab=lm.backbone.vocabulary_size,
+    )
+    return result
+
+
+def _settings(spec: Spec, tweaks: dict, policy: str) -> str:
+    if spec.recipe == "tutorial":
+        return f"one example per row, {policy}, fit()"
+    parts = ["packing off" if spec.lever == "packing" else "packed", policy]
+    threads = tweaks.get("torch.intra_op_threads")
+    if threads:
+        parts.append(f"{threads.split()[0]} threads")
+    return ", ".join(parts)
+
+
+def _model(workload: Workload):
+    import keras_hub
+
+    from finetune import presets
+
+    tokenizer_file = workload.tokenizer or str(presets.TINY_TOKENIZER)
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=tokenizer_file)
+    vocab = VOCAB.get(workload.arch) or tokenizer.vocabulary_size()
+    import keras
+
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=vocab, dtype=keras.config.dtype_policy().name, **ARCHS[workload.arch]
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None), tokenizer
+
+
+def _examples(workload: Workload, tokenizer):
+    from finetune import batching, data, templates
+
+    template = templates.get("dolly")
+    records = data.load_records(workload.data)
+    examples, _ = batching.tokenize([template.apply(r) for r in records], tokenizer, workload.seq_len)
+    return records, template, examples
+
+
+def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
+    """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, train_on_batch per step."""
+    from finetune import attention, batching, model, packing
+
+    w = spec.workload
+    attention.enable(lm.backbone)
+    model.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
+    model.compile(lm, 1e-4, 0.01)
+    _, _, examples = _examples(w, tokenizer)
+    rows = batching.pad(examples, w.seq_len) if spec.lever == "packing" else packing.pack(examples, w.seq_len)
+    if len(rows["token_ids"]) < w.batch_size:
+        raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
+    order = batching.TrainOrder(rows, w.batch_size, seed=0)
+    losses, seconds, tokens, positions = [], 0.0, 0, 0
+    for step in range(w.warmup + w.steps):
+        x, y, sample_weight = order.batch(step)
+        started = time.perf_counter()
+        loss = lm.train_on_batch(x, y, sample_weight=sample_weight)  # returns numpy: the step has finished
+        elapsed = time.perf_counter() - started
+        losses.append(float(loss))
+        if step >= w.warmup:
+            seconds += elapsed
+            tokens += order.tokens(step)[0]
+            positions += x["token_ids"].size
+    return _measured(losses, seconds, tokens, positions)
+
+
+def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:
+    """The Keras tutorial's recipe: keras-hub's preprocessor pads each example to seq-len; fit() trains."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    w = spec.workload
+    lm.backbone.enable_lora(rank=w.rank)
+    optimizer = keras.optimizers.AdamW(learning_rate=1e-4, weight_decay=0.01)
+    optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
+    lm.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=optimizer,
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+    )
+    records, template, _ = _examples(w, tokenizer)
+    texts = ["".join(template.apply(r)) for r in records]
+    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer=tokenizer, sequence_length=w.seq_len)
+    x, y, sample_weight = preprocessor(texts)
+    take = np.arange((w.warmup + w.steps) * w.batch_size) % len(texts)
+    x = {k: np.asarray(v)[take] for k, v in x.items()}
+    y, sample_weight = np.asarray(y)[take], np.asarray(sample_weight)[take]
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.means, self.started, self.seconds = [], None, 0.0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.means.append(float(logs["loss"]))  # fit's running mean over the steps so far
+            if batch == w.warmup - 1:
+                self.started = time.perf_counter()
+
+        def on_train_end(self, logs=None):
+            self.seconds = time.perf_counter() - self.started
+
+    timer = Timer()
+    lm.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=w.batch_size,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[timer],
+    )
+    losses = [m * (i + 1) - (timer.means[i - 1] * i if i else 0.0) for i, m in enumerate(timer.means)]
+    timed = sample_weight[w.warmup * w.batch_size :]
+    return _measured(losses, timer.seconds, int(timed.sum()), timed.size)
+
+
+def _measured(losses: list[float], seconds: float, tokens: int, positions: int) -> dict:
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "padding_fraction": round(1 - tokens / positions, 4),
+        "loss": _finite(sum(losses) / len(losses)),
+        "losses": [_finite(v) for v in losses],
+        "timed_seconds": round(seconds, 3),
+        "timed_tokens": tokens,
+    }
+
+
+def _finite(value: float) -> float | None:
+    """Rounded, or None for a NaN or infinite loss: JSON has no NaN."""
+    return round(value, 5) if math.isfinite(value) else None
+
+
+def matmul_peak(dtype: str, device: str) -> float:
+    """FLOP/s of a square matmul on this backend in `dtype`, the best of a few timed runs."""
+    import keras
+    import numpy as np
+    from keras import ops
+
+    n = 2048 if device == "cpu" else 8192
+    a = ops.convert_to_tensor(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype=dtype)
+    multiply = ops.matmul
+    if keras.config.backend() == "jax":
+        import jax
+
+        multiply = jax.jit(ops.matmul)
+    best = math.inf
+    for attempt in range(6):
+        started = time.perf_counter()
+        product = multiply(a, a)
+        ops.convert_to_numpy(ops.cast(product[0, 0], "float32"))  # wait for the device
+        if attempt:  # the first call compiles
+            best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+# --- the parent again: counting, the table, the verdict, the plot -----------------------------
+
+
+def train_flops_per_token(arch: str, vocab: int, seq_len: int) -> float:
+    """FLOPs to train one token with LoRA on a frozen base.
+
+    The frozen weights need no weight gradients, so a matmul of N weights costs
+    2N forward and 2N backward per token (not the usual 6N). Attention's score
+    and value products are counted over the whole row, as the dense kernel
+    computes them, forward once and backward twice. LoRA's own products (rank
+    4) are left out: under 1% of the rest.
+    """
+    a = ARCHS[arch]
+    d, heads, kv, head_dim, ff = (
+        a["hidden_dim"], a["num_query_heads"], a["num_key_value_heads"], a["head_dim"], a["intermediate_dim"] // 2
+    )  # fmt: skip
+    per_layer = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ff
+    weights = a["num_layers"] * per_layer + d * vocab  # + the logits, tied to the embedding
+    attention = 2 * 2 * a["num_layers"] * seq_len * heads * head_dim
+    return 4 * weights + 3 * attention
+
+
+def add_mfu(rows: list[dict], workload: Workload) -> None:
+    """MFU of each row against the device's best measured matmul rate in the row's compute dtype."""
+    peaks: dict[str, float] = {}
+    for row in rows:
+        if "error" not in row:
+            peaks[row["compute_dtype"]] = max(peaks.get(row["compute_dtype"], 0.0), row["matmul_peak_gflops"])
+    for row in rows:
+        if "error" in row:
+            continue
+        flops = train_flops_per_token(workload.arch, row["vocab"], workload.seq_len)
+        row["mfu"] = round(row["tokens_per_s"] * flops / (peaks[row["compute_dtype"]] * 1e9), 4)
+        row["device_peak_gflops"] = peaks[row["compute_dtype"]]
+
+
+def _loss(row: dict) -> str:
+    return "not finite" if row["loss"] is None else f"{row['loss']:.4f}"
+
+
+def _label(row: dict) -> str:
+    return row["recipe"] + (f", {LEVERS[row['lever']]}" if row.get("lever") else "")
+
+
+def table(rows: list[dict]) -> str:
+    header = ("backend", "recipe", "settings", "tokens/s", "padding", "MFU", "peak mem", "loss")
+    lines = []
+    for row in rows:
+        if "error" in row:
+            lines.append((row["backend"], _label(row), "failed (below)", "", "", "", "", ""))
+            continue
+        lines.append(
+            (
+                row["backend"],
+                _label(row),
+                row["settings"],
+                f"{row['tokens_per_s']:.0f}",
+                f"{row['padding_fraction']:.0%}",
+                f"{row['mfu']:.1%}",
+                f"{row['peak_memory_mb'] / 1024:.1f} GB",
+                _loss(row),
+            )
+        )
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.append(
+        "tokens/s: non-padding tokens of the timed steps (warm-up excluded). loss: mean training loss of all steps;"
+        " finetune's is over response tokens, the tutorial's over every token."
+    )
+    out += [f"{row['backend']} {_label(row)} failed: {row['error']}" for row in rows if "error" in row]
+    return "\n".join(out)
+
+
+def verdict(rows: list[dict]) -> str:
+    """One line: the fastest backend here, by how much, and why a backend more than 2x behind is slow."""
+    best = {r["backend"]: r for r in rows if r["recipe"] == "finetune" and not r.get("lever") and "error" not in r}
+    if not best:
+        return "verdict: no finetune row finished, so no backend can be named fastest"
+    ranked = sorted(best.values(), key=lambda r: -r["tokens_per_s"])
+    top = ranked[0]
+    parts = [f"verdict: {top['backend']} is fastest here ({top['tokens_per_s']:.0f} tokens/s"]
+    if len(ranked) > 1:
+        parts[0] += ", " + ", ".join(
+            f"{top['tokens_per_s'] / r['tokens_per_s']:.2f}x {r['backend']}" for r in ranked[1:]
+        )
+    parts[0] += ")"
+    tutorial = {r["backend"]: r for r in rows if r["recipe"] == "tutorial" and "error" not in r}
+    if top["backend"] in tutorial:
+        parts.append(f"{top['tokens_per_s'] / tutorial[top['backend']]['tokens_per_s']:.2f}x the tutorial recipe on it")
+    for slow in ranked[1:]:
+        behind = top["tokens_per_s"] / slow["tokens_per_s"]
+        if behind > 2:
+            parts.append(f"{slow['backend']} is {behind:.1f}x behind: {_why_slow(slow, top)}")
+    return "; ".join(parts)
+
+
+def _why_slow(slow: dict, top: dict) -> str:
+    own, theirs = slow["matmul_peak_gflops"], top["matmul_peak_gflops"]
+    if own < 0.6 * theirs:
+        return (
+            f"its {slow['compute_dtype']} matmuls peak at {own:.0f} GFLOP/s on this device against "
+            f"{theirs:.0f} on {top['backend']}"
+        )
+    return (
+        f"not its matmuls ({own:.0f} GFLOP/s peak here, against {theirs:.0f} on {top['backend']}): it reaches "
+        f"{slow['mfu']:.0%} MFU against {top['mfu']:.0%}, so its time goes to the work around them "
+        "(op dispatch, masking, optimizer)"
+    )
+
+
+def plot(rows: list[dict], path: str, workload: Workload) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "error" not in r]
+    fig, (speed, curve) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    labels = [f"{r['backend']}\n{_label(r)}" for r in done]
+    colours = ["tab:blue" if r["recipe"] == "finetune" and not r.get("lever") else "tab:gray" for r in done]
+    speed.bar(range(len(done)), [r["tokens_per_s"] for r in done], color=colours)
+    speed.set_xticks(range(len(done)), labels, fontsize=7)
+    speed.set_ylabel("trained tokens/s (non-padding)")
+    speed.set_title(f"{workload.arch}, seq {workload.seq_len}, batch {workload.batch_size}")
+    for r in done:
+        curve.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['backend']} {_label(r)}", linewidth=1)
+    curve.set_xlabel("step")
+    curve.set_ylabel("training loss")
+    curve.set_title("loss per step")
+    curve.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _worker_main(payload: str) -> int:
+    spec_dict = json.loads(payload)
+    spec = Spec(**{**spec_dict, "workload": Workload(**spec_dict["workload"])})
+    try:
+        row = _work(spec)
+    except Exception as error:  # noqa: BLE001 - the parent shows it as the row's failure
+        if not isinstance(error, UserError):
+            import traceback
+
+            traceback.print_exc()
+        message = str(error).splitlines()[0] if str(error) else ""
+        row = {
+            "backend": spec.backend,
+            "recipe": spec.recipe,
+            "lever": spec.lever,
+            "error": f"{type(error).__name__}: {message}",
+        }
+    print(ROW + json.dumps(row), flush=True)
+    return 0 if "error" not in row else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1]))

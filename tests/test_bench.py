@@ -1,0 +1,95 @@
+"""`finetune bench`: its rows, its FLOP count, its verdict, and one real run on this suite's backend.
+
+No speed is asserted: the numbers belong in BENCHMARKS.md. The run is the
+smallest that goes through every path: the tiny arch, one warm-up and one
+timed step per row, in the worker processes `finetune bench` starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras_hub
+from conftest import BACKEND
+
+from finetune import bench
+
+
+def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
+    out, picture = tmp_path / "rows.json", tmp_path / "bench.png"
+    args = [
+        *("--arch tiny --seq-len 64 --batch-size 2 --steps 1 --warmup 1 --levers packing".split()),
+        *("--backends", BACKEND, "--json", str(out), "--plot", str(picture)),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "bench", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": BACKEND},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["recipe"], r["lever"]) for r in rows] == [
+        (BACKEND, "finetune", None),
+        (BACKEND, "tutorial", None),
+        (BACKEND, "finetune", "packing"),
+    ]
+    for row in rows:
+        assert {"backend", "recipe", "tokens_per_s", "padding_fraction", "mfu", "peak_memory_mb", "loss"} <= set(row)
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_memory_mb"] > 0
+        assert len(row["losses"]) == 2 and row["loss"] > 0
+    packed, tutorial, unpacked = rows
+    # Packing is what removes the padding; the tutorial pads every example to seq-len.
+    assert packed["padding_fraction"] < unpacked["padding_fraction"] / 2
+    assert tutorial["padding_fraction"] > packed["padding_fraction"] and tutorial["precision"] == "float32"
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1].startswith(f"verdict: {BACKEND} is fastest here") and "the tutorial recipe" in lines[-1]
+    assert any(line.startswith("backend") and "tokens/s" in line and "MFU" in line for line in lines)
+
+
+def test_the_flop_count_covers_every_weight_of_the_architecture():
+    """4 FLOPs per frozen weight per token: checked against the parameters keras-hub builds for the arch."""
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=300, **bench.ARCHS["tiny"])
+    dims = bench.ARCHS["tiny"]
+    norms = (2 * dims["num_layers"] + 1) * dims["hidden_dim"]
+    attention = 3 * 2 * 2 * dims["num_layers"] * 64 * dims["num_query_heads"] * dims["head_dim"]
+    flops = bench.train_flops_per_token("tiny", 300, 64)
+    assert (flops - attention) / 4 == backbone.count_params() - norms
+
+
+def test_gemma_2b_has_the_released_model_s_parameter_count():
+    # gemma_2b_en: 2,506,172,416 parameters, of which 37 RMS norm scales of 2048.
+    weights = (bench.train_flops_per_token("gemma-2b", 256000, 1) - 3 * 2 * 2 * 18 * 8 * 256) / 4
+    assert weights + 37 * 2048 == 2_506_172_416
+
+
+def row(backend, tokens, recipe="finetune", peak=100.0, mfu=0.1):
+    return {"backend": backend, "recipe": recipe, "lever": None, "tokens_per_s": tokens,
+            "matmul_peak_gflops": peak, "compute_dtype": "bfloat16", "mfu": mfu}  # fmt: skip
+
+
+def test_the_verdict_names_the_fastest_and_its_lead():
+    line = bench.verdict(
+        [row("jax", 900), row("tensorflow", 1800), row("torch", 1200), row("tensorflow", 600, "tutorial")]
+    )
+    assert line.startswith("verdict: tensorflow is fastest here (1800 tokens/s, 1.50x torch, 2.00x jax)")
+    assert "3.00x the tutorial recipe on it" in line
+    assert "behind" not in line  # nobody is more than 2x behind
+
+
+def test_the_verdict_says_why_a_backend_is_more_than_2x_behind():
+    slow_matmuls = bench.verdict([row("torch", 1000, peak=400), row("jax", 300, peak=150)])
+    assert "jax is 3.3x behind: its bfloat16 matmuls peak at 150 GFLOP/s on this device against 400" in slow_matmuls
+    elsewhere = bench.verdict([row("torch", 1000, mfu=0.3), row("jax", 300, mfu=0.09)])
+    assert "jax is 3.3x behind: not its matmuls (100 GFLOP/s peak here, against 100 on torch)" in elsewhere
+    assert "9% MFU against 30%" in elsewhere
+
+
+def test_a_failed_row_is_shown_and_the_others_still_count():
+    rows = [row("jax", 900), {"backend": "torch", "recipe": "finetune", "lever": None, "error": "MemoryError: x"}]
+    assert bench.verdict(rows).startswith("verdict: jax is fastest here (900 tokens/s)")
+    rows[0].update(settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
+    assert "failed: MemoryError: x" in bench.table(rows)
