@@ -52,7 +52,7 @@ ARCHS = {
 VOCAB = {"gemma-2b": 256000, "gemma-7b": 256000}
 BACKENDS = ("jax", "torch", "tensorflow")
 RECIPES = ("finetune", "tutorial")
-LEVERS = {"packing": "packing off", "precision": "float32"}
+LEVERS = {"packing": "packing off", "precision": "float32", "int8": "int8 base", "int4": "int4 base"}
 ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 
 
@@ -216,6 +216,8 @@ def _settings(spec: Spec, tweaks: dict, policy: str) -> str:
     if spec.recipe == "tutorial":
         return f"one example per row, {policy}, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", policy]
+    if spec.lever in ("int8", "int4"):
+        parts.append(f"{spec.lever} base")
     threads = tweaks.get("torch.intra_op_threads")
     if threads:
         parts.append(f"{threads.split()[0]} threads")
@@ -253,6 +255,8 @@ def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
 
     w = spec.workload
     attention.enable(lm.backbone)
+    if spec.lever in ("int8", "int4"):
+        lm.backbone.quantize(spec.lever)  # as model.build does for --quantize
     model.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
     model.compile(lm, 1e-4, 0.01)
     _, _, examples = _examples(w, tokenizer)
@@ -434,7 +438,8 @@ def table(rows: list[dict]) -> str:
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out.append(
         "tokens/s: non-padding tokens of the timed steps (warm-up excluded). loss: mean training loss of all steps;"
-        " finetune's is over response tokens, the tutorial's over every token."
+        " finetune's is per response token, the tutorial's is Keras' default (every token's loss summed, divided"
+        " by every position, padding included)."
     )
     out += [f"{row['backend']} {_label(row)} failed: {row['error']}" for row in rows if "error" in row]
     return "\n".join(out)
@@ -484,18 +489,20 @@ def plot(rows: list[dict], path: str, workload: Workload) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in rows if "error" not in r]
-    fig, (speed, curve) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
-    labels = [f"{r['backend']}\n{_label(r)}" for r in done]
+    fig, (speed, curve) = plt.subplots(1, 2, figsize=(13, 0.4 * len(done) + 2.5), dpi=100)
+    labels = [f"{r['backend']} {_label(r)}" for r in done]
     colours = ["tab:blue" if r["recipe"] == "finetune" and not r.get("lever") else "tab:gray" for r in done]
-    speed.bar(range(len(done)), [r["tokens_per_s"] for r in done], color=colours)
-    speed.set_xticks(range(len(done)), labels, fontsize=7)
-    speed.set_ylabel("trained tokens/s (non-padding)")
+    speed.barh(range(len(done)), [r["tokens_per_s"] for r in done], color=colours)
+    speed.set_yticks(range(len(done)), labels, fontsize=8)
+    speed.invert_yaxis()
+    speed.set_xlabel("trained tokens/s (non-padding)")
     speed.set_title(f"{workload.arch}, seq {workload.seq_len}, batch {workload.batch_size}")
-    for r in done:
+    # The tutorial's loss is Keras' default (divided by every position, padding included): another scale.
+    for r in (r for r in done if r["recipe"] == "finetune"):
         curve.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['backend']} {_label(r)}", linewidth=1)
     curve.set_xlabel("step")
-    curve.set_ylabel("training loss")
-    curve.set_title("loss per step")
+    curve.set_ylabel("training loss per response token")
+    curve.set_title("finetune rows: loss per step")
     curve.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

@@ -194,7 +194,7 @@ def _arrays(path: Path) -> list[np.ndarray]:
 # Settings a resumed run must share with its checkpoint: anything else would not continue
 # the same training. epochs, max_steps, checkpointing and the output settings may change.
 RESUME_KEYS = (
-    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("lora", "rank"), ("lora", "alpha"),
+    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("model", "quantize"), ("lora", "rank"), ("lora", "alpha"),
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
@@ -240,7 +240,7 @@ def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
     """Refuse a resume that would not continue the same training."""
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
-        then, now = saved["config"][section][key], ours[section][key]
+        then, now = saved["config"][section].get(key), ours[section][key]  # .get: keys added since
         if key == "packing":  # auto is on
             then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:

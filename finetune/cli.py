@@ -199,6 +199,9 @@ def gemma(
         "auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on a TPU, a bf16 GPU (not a T4) or a CPU with "
         f"bf16 units, else float32. {_default(D.model.precision)}"
     ),
+    quantize: Optional[str] = _flag(
+        "int4: quantize the frozen base before LoRA (QLoRA-like), to save memory. [default: none]"
+    ),
     threads: Optional[int] = _flag("PyTorch on CPU: intra-op threads. [default: the physical cores idle at start]"),
     xla_mem_fraction: Optional[float] = _flag(
         f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}"
@@ -243,6 +246,7 @@ def gemma(
             "train.seed": seed,
             "train.xla_mem_fraction": xla_mem_fraction,
             "train.threads": threads,
+            "model.quantize": quantize,
             "output.dir": output,
             "output.overwrite": overwrite or None,
             "train.checkpoint_every": checkpoint_every,

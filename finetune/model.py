@@ -20,14 +20,19 @@ from finetune.errors import UserError
 CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
 
 
-def build(source: presets.Source, seq_len: int):
+def build(source: presets.Source, seq_len: int, quantize: str | None = None):
     """The causal LM (without preprocessor attached) and its preprocessor.
 
     Its decoder blocks take segment ids where keras-hub takes `padding_mask`
     (attention.py), so packed rows train exactly; one-example rows are unchanged.
+
+    quantize: str. int4: the frozen base weights are quantized here,
+        before LoRA is enabled, as QLoRA does; the LoRA factors stay in float.
     """
     lm, preprocessor = _load(source, seq_len)
     attention.enable(lm.backbone)
+    if quantize is not None:
+        lm.backbone.quantize(quantize)  # the backbone, not lm: quantize() locks the model it is called on
     return lm, preprocessor
 
 

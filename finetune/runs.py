@@ -39,7 +39,7 @@ def load_model(run: Run):
     cfg = run.config
     backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
     source = presets.resolve(cfg.model.preset)
-    lm, preprocessor = model.build(source, cfg.model.seq_len)
+    lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     adapter = run.directory / outputs.ADAPTER
     check_adapter(adapter, lm.backbone, cfg.lora.rank)

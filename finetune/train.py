@@ -68,7 +68,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
     keras.utils.set_random_seed(cfg.train.seed)
 
-    lm, preprocessor = model.build(source, cfg.model.seq_len)
+    lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
     tokenizer = preprocessor.tokenizer
     template = templates.get(cfg.data.template)
     overhead = batching.template_overhead(tokenizer, template)

@@ -303,6 +303,8 @@ CASES = [
         setup=None,
     ),
     gemma("threads-zero", ["--threads", "0"], "threads must be at least 1"),
+    gemma("quantize-int8", ["--quantize", "int8"], "--quantize int8 is not offered"),
+    gemma("quantize-unknown", ["--quantize", "fp3"], "unknown quantize mode 'fp3'"),
     bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),
     bench("bench-unknown-backend", ["--backends", "mxnet"], "unknown backend 'mxnet'"),
     bench("bench-unknown-lever", ["--levers", "turbo"], "unknown lever 'turbo'"),

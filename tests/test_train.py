@@ -8,7 +8,7 @@ import yaml
 from conftest import BACKEND, SHARED_DOLLY
 from typer.testing import CliRunner
 
-from finetune import backend, model, presets
+from finetune import backend, model, presets, runs
 from finetune.cli import app
 
 runner = CliRunner()
@@ -178,3 +178,15 @@ def test_eval_on_another_file_names_that_file_in_errors(two_step_run, tmp_path):
     result = runner.invoke(app, ["eval", "--run", str(two_step_run[0]), "--data", str(long_prompts)])
     assert result.exit_code == 2
     assert f"no usable records in {long_prompts}" in result.stderr
+
+
+def test_an_int4_base_trains_saves_and_reloads_its_adapter(tmp_path):
+    """--quantize int4 quantizes the frozen base before LoRA; eval rebuilds it quantized and loads the adapter."""
+    out = tmp_path / "int4"
+    train(out, "--quantize", "int4", "--set", "train.samples=1")
+    metrics, config = read(out)
+    assert config["model"]["quantize"] == "int4" and metrics["eval_loss"] < metrics["eval_loss_before"]
+    lm, _ = runs.load_model(runs.open_run(out))
+    assert any(v.path.endswith("kernel_scale") for v in lm.backbone.weights)  # the rebuilt base is quantized
+    reported = float(invoke("eval", "--run", out).output.split("eval_loss ")[1].split()[0])
+    assert reported == pytest.approx(metrics["eval_loss"], abs=1e-3)
