@@ -80,9 +80,8 @@ app = typer.Typer(
     cls=_Commands,
     help="Fine-tune Gemma with LoRA on Keras 3 (JAX, PyTorch or TensorFlow).",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+    rich_markup_mode="rich",
 )
 
 
@@ -104,12 +103,12 @@ def _options(
 
 
 def _default(value) -> str:
-    return f"[default: {value}]"
+    return f"(default: {value})"
 
 
-def _flag(help_text: str):
+def _flag(help_text: str, rich_help_panel: str | None = None, metavar: str | None = None):
     """An option that defaults to None, so that only flags the user typed override the recipe."""
-    return typer.Option(None, help=help_text, show_default=False)
+    return typer.Option(None, help=help_text, show_default=False, rich_help_panel=rich_help_panel, metavar=metavar)
 
 
 def _fail(error: BaseException, debug: bool):
@@ -138,81 +137,146 @@ def _fail(error: BaseException, debug: bool):
 
 @app.command()
 def gemma(
-    backend: Optional[str] = _flag(f"Keras backend: jax, torch or tensorflow. {_default(D.backend)}"),
-    preset: Optional[str] = _flag(
-        f"keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, or `tiny` (offline). {_default(D.model.preset)}"
+    backend: Optional[str] = _flag(
+        "Keras backend: jax, torch or tensorflow. (default: $KERAS_BACKEND if set, else jax)",
+        rich_help_panel="Model",
+        metavar="jax|torch|tensorflow",
     ),
-    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}"),
-    alpha: Optional[float] = _flag("LoRA alpha; the update is scaled by alpha/rank. [default: rank]"),
+    preset: Optional[str] = _flag(
+        f"keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, or `tiny` (offline). {_default(D.model.preset)}",
+        rich_help_panel="Model",
+        metavar="NAME|DIR",
+    ),
+    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}", rich_help_panel="LoRA"),
+    alpha: Optional[float] = _flag(
+        "LoRA alpha; the update is scaled by alpha/rank. (default: rank)", rich_help_panel="LoRA"
+    ),
     target: Optional[list[str]] = _flag(
-        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}"
+        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}",
+        rich_help_panel="LoRA",
+        metavar="LAYER",
     ),
     data: Optional[str] = _flag(
-        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}"
+        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}",
+        rich_help_panel="Data",
+        metavar="FILE|sample|hf:NAME",
     ),
-    template: Optional[str] = _flag(f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}"),
-    seq_len: Optional[int] = _flag(f"Tokens per training sequence. {_default(D.model.seq_len)}"),
+    template: Optional[str] = _flag(
+        f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}",
+        rich_help_panel="Data",
+        metavar="dolly|alpaca|gemma-chat",
+    ),
+    seq_len: Optional[int] = _flag(
+        f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"
+    ),
     batch_size: Optional[str] = _flag(
         "Sequences per step, or `auto` to probe the largest that fits. "
-        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items()))
+        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items())),
+        rich_help_panel="Training",
+        metavar="N|auto",
     ),
-    epochs: Optional[int] = _flag(f"Passes over the training split. {_default(D.train.epochs)}"),
-    max_steps: Optional[int] = _flag("Stop after this many steps. [default: no limit]"),
+    epochs: Optional[int] = _flag(
+        f"Passes over the training split. {_default(D.train.epochs)}", rich_help_panel="Training"
+    ),
+    max_steps: Optional[int] = _flag("Stop after this many steps. (default: no limit)", rich_help_panel="Training"),
     lr: Optional[float] = _flag(
-        "AdamW learning rate. " + _default(f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny")
+        "AdamW learning rate. " + _default(f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny"),
+        rich_help_panel="Training",
     ),
     eval_fraction: Optional[float] = _flag(
-        f"Share of records held out for evaluation. {_default(D.data.eval_fraction)}"
+        f"Share of records held out for evaluation. {_default(D.data.eval_fraction)}", rich_help_panel="Data"
     ),
-    seed: Optional[int] = _flag(f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}"),
-    output: Optional[str] = _flag("Run directory. [default: runs/<timestamp>]"),
+    seed: Optional[int] = _flag(
+        f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}", rich_help_panel="Training"
+    ),
+    output: Optional[str] = _flag(
+        "Run directory. (default: runs/<timestamp>)", rich_help_panel="Output and checkpoints", metavar="DIR"
+    ),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace a run already in --output (the old one stays until the new one finishes)."
+        False,
+        "--overwrite",
+        help="Replace a run already in --output (the old one stays until the new one finishes).",
+        rich_help_panel="Output and checkpoints",
     ),
     resume: bool = typer.Option(
         False,
         "--resume",
         help="Continue the run in --output from its newest checkpoint, with its settings; "
         "start it there if it has none. --epochs and --max-steps may grow.",
+        rich_help_panel="Output and checkpoints",
     ),
     checkpoint_every: Optional[int] = _flag(
-        f"Save a checkpoint every N steps, and at each epoch's end. {_default(D.train.checkpoint_every)}"
+        f"Save a checkpoint every N steps, and at each epoch's end. {_default(D.train.checkpoint_every)}",
+        rich_help_panel="Output and checkpoints",
     ),
-    keep_checkpoints: Optional[int] = _flag(f"Keep the newest N checkpoints. {_default(D.train.keep_checkpoints)}"),
+    keep_checkpoints: Optional[int] = _flag(
+        f"Keep the newest N checkpoints. {_default(D.train.keep_checkpoints)}", rich_help_panel="Output and checkpoints"
+    ),
     time_limit: Optional[str] = _flag(
         "Stop with a checkpoint before this much time, e.g. 11h30m, 90m, or `off`. "
-        "[default: 11h30m in a Kaggle notebook, else off]"
+        "(default: 11h30m in a Kaggle notebook, else off)",
+        rich_help_panel="Output and checkpoints",
+        metavar="DURATION",
     ),
     train_on_prompt: bool = typer.Option(
-        False, "--train-on-prompt", help="Also train on prompt tokens (default: response tokens only)."
+        False,
+        "--train-on-prompt",
+        help="Also train on prompt tokens (default: response tokens only).",
+        rich_help_panel="Data",
     ),
     drop_context: bool = typer.Option(
-        False, "--drop-context", help="Drop records that have a context, as the Keras tutorial does."
+        False,
+        "--drop-context",
+        help="Drop records that have a context, as the Keras tutorial does.",
+        rich_help_panel="Data",
     ),
     packing: Optional[str] = _flag(
         "auto, on or off: several examples per row, each attending only to itself (exact); off pads one "
-        f"example per row, as the Keras tutorial does. {_default(D.data.packing)}"
+        f"example per row, as the Keras tutorial does. {_default(D.data.packing)}",
+        rich_help_panel="Data",
+        metavar="auto|on|off",
     ),
-    category: Optional[list[str]] = _flag("Keep only this Dolly category; repeatable. [default: all]"),
-    max_records: Optional[int] = _flag("Use at most this many records. [default: all]"),
+    category: Optional[list[str]] = _flag(
+        "Keep only this Dolly category; repeatable. (default: all)", rich_help_panel="Data", metavar="NAME"
+    ),
+    max_records: Optional[int] = _flag("Use at most this many records. (default: all)", rich_help_panel="Data"),
     precision: Optional[str] = _flag(
         "auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on a TPU, a bf16 GPU (not a T4) or a CPU with "
-        f"bf16 units, else float32. {_default(D.model.precision)}"
+        f"bf16 units, else float32. {_default(D.model.precision)}",
+        rich_help_panel="Model",
+        metavar="auto|float32|mixed_bfloat16|bfloat16",
     ),
     quantize: Optional[str] = _flag(
-        "int4: quantize the frozen base before LoRA (QLoRA-like), to save memory. [default: none]"
+        "int4: quantize the frozen base before LoRA (QLoRA-like), to save memory. (default: none)",
+        rich_help_panel="Model",
+        metavar="int4",
     ),
-    threads: Optional[int] = _flag("PyTorch on CPU: intra-op threads. [default: the physical cores idle at start]"),
+    threads: Optional[int] = _flag(
+        "PyTorch on CPU: intra-op threads. (default: the physical cores idle at start)", rich_help_panel="Training"
+    ),
     xla_mem_fraction: Optional[float] = _flag(
-        f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}"
+        f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}", rich_help_panel="Training"
     ),
     recipe: Optional[str] = _flag(
-        "YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set override it."
+        "YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set override it.",
+        rich_help_panel="Recipe and diagnostics",
+        metavar="FILE|NAME",
     ),
     set_: Optional[list[str]] = typer.Option(
-        None, "--set", help="Any config key, e.g. --set train.epochs=2; repeatable.", show_default=False
+        None,
+        "--set",
+        help="Any config key, e.g. --set train.epochs=2; repeatable.",
+        show_default=False,
+        rich_help_panel="Recipe and diagnostics",
+        metavar="KEY=VALUE",
     ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Recipe and diagnostics"),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece).",
+        rich_help_panel="Recipe and diagnostics",
+    ),
 ):
     """Fine-tune a Gemma preset with LoRA on Dolly-style data, evaluate it and save the adapter.
 
@@ -274,14 +338,14 @@ def bench(
     arch: str = typer.Option(
         "cpu-small", help="Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b."
     ),
-    tokenizer: Optional[str] = _flag("SentencePiece .spm tokenizer file. [default: the tiny model's]"),
+    tokenizer: Optional[str] = _flag("SentencePiece .spm tokenizer file. (default: the tiny model's)"),
     data: str = typer.Option("sample", help="Dolly-style JSONL to train on, or `sample`."),
     seq_len: int = typer.Option(512, help="Tokens per row."),
     batch_size: int = typer.Option(8, help="Rows per step."),
     steps: int = typer.Option(10, help="Timed steps per row of the table."),
     warmup: int = typer.Option(2, help="Steps run before timing (the first compiles)."),
     rank: int = typer.Option(4, help="LoRA rank, on query and value."),
-    backends: Optional[str] = _flag("Comma-separated backends. [default: every installed one]"),
+    backends: Optional[str] = _flag("Comma-separated backends. (default: every installed one)"),
     recipes: str = typer.Option(
         "finetune,tutorial", help="finetune (this tool's settings) and/or tutorial (the Keras tutorial's)."
     ),
@@ -291,6 +355,9 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
 ):
     """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
     try:
@@ -315,6 +382,9 @@ def eval_(
     run: str = typer.Option(..., "--run", help="A finished run directory."),
     data: Optional[str] = _flag("Evaluate on all of this JSONL instead of the run's held-out split."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
     try:
@@ -337,9 +407,12 @@ def eval_(
 def generate(
     run: str = typer.Option(..., "--run", help="A finished run directory."),
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. [default: the run's]"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. (default: the run's)"),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the template."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
 ):
     """Generate from the base model with a saved adapter (greedy)."""
     try:
@@ -381,6 +454,9 @@ def recipes_copy(
     name: str = typer.Argument(..., help="A shipped recipe, e.g. tiny."),
     dest: str = typer.Argument(..., help="The file to write, or a directory to put NAME.yaml in."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
 ):
     """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
     try:
@@ -403,6 +479,9 @@ def recipes_copy(
 def runs_(
     directory: str = typer.Argument("runs", help="A run directory, or a directory of runs."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
 ):
     """List runs and their state: finished, running, checkpointed at step N, stopped or failed."""
     try:
@@ -447,6 +526,11 @@ def _batch_size(value):
 
 
 def main():
+    # Before any framework is imported; commands accept --verbose so that it passes the parser.
+    if "--verbose" not in sys.argv[1:] and not os.environ.get("FINETUNE_VERBOSE"):
+        from finetune import quiet
+
+        quiet.install()
     app()
 
 

@@ -1,0 +1,49 @@
+"""Quiet by default: a run's stderr holds the tool's lines only, and the frameworks' log lines are dropped."""
+
+import os
+import subprocess
+import sys
+
+from conftest import BACKEND
+
+from finetune import quiet
+
+NOISE = [
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"I0000 00:00:1795325987.734281   15909 port.cc:153] oneDNN custom operations are on.",
+    b"E0000 00:00:1795325992.352479   15909 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)",
+    b"W1122 05:40:01.123456    1234 cudart_stub.cc:31] Could not find cuda drivers on your machine",
+    b"normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity normalization.",
+]
+OURS = [b"error: LoRA rank must be at least 1, got 0; try --rank 4", b"note: 3 records skipped", b"Traceback (most"]
+
+
+def test_framework_log_lines_are_noise_and_ours_are_not():
+    assert all(quiet.is_noise(line) for line in NOISE)
+    assert not any(quiet.is_noise(line) for line in OURS)
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": BACKEND},
+        timeout=300,
+    )
+
+
+def test_a_tiny_run_prints_nothing_on_stderr(tmp_path):
+    done = cli(
+        *f"gemma --preset tiny --backend {BACKEND} --seq-len 64 --batch-size 2 --max-steps 1".split(),
+        *("--max-records", "20", "--set", "train.samples=0", "--output", str(tmp_path / "run")),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "training steps 1-1" in done.stdout
+
+
+def test_an_error_still_reaches_stderr_whole():
+    done = cli("gemma", "--preset", "tiny", "--rank", "0")
+    assert done.returncode == 2
+    assert done.stderr == "error: LoRA rank must be at least 1, got 0; try --rank 4\n"
