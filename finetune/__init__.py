@@ -3,8 +3,11 @@
 Notebook use:
 
     import finetune
-    cfg = finetune.load_config("tiny", {"train.epochs": 2})  # a shipped recipe, or a YAML path
+    cfg = finetune.load_config("tiny", {"train.epochs": 2, "output.dir": "runs/first"})  # or a YAML path
     metrics = finetune.run(cfg)
+    finetune.evaluate("runs/first")                     # held-out metrics of the finished run
+    finetune.generate("runs/first", ["What is LoRA?"])  # completions with its adapter
+    lm = finetune.load("runs/first")                    # the keras-hub model, adapter loaded
 
 Nothing here imports keras, so the backend named in the config can still be
 chosen; import keras yourself only after `run`, or with the same backend.
@@ -14,22 +17,61 @@ from finetune.config import Config
 from finetune.config import load as load_config
 from finetune.errors import RunStopped, UserError
 
-__all__ = ["Config", "RunStopped", "UserError", "load_config", "run"]
+__all__ = ["Config", "RunStopped", "UserError", "evaluate", "generate", "load", "load_config", "run"]
 __version__ = "0.1.0"
 
 
-def run(cfg: Config | None = None, resume: bool = False) -> dict:
+def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     """Train, evaluate and save a LoRA adapter as `cfg` says; returns the run's metrics.
 
+    cfg: Config, or a nested dict of settings as in a recipe.
     resume: bool. Continue the run in cfg.output.dir from its newest checkpoint
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
         limit stops training early, after saving a checkpoint.
     """
     from finetune import backend, config
 
-    cfg = cfg or Config()
-    config.validate(cfg)  # a Config built by hand in a notebook gets the same checks as a recipe
+    # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
+    cfg = config.from_dict(cfg if isinstance(cfg, dict) else (cfg or Config()).to_dict())
+    cfg = config.absolute_paths(cfg)  # config.yaml then names the same files from any directory
     backend.select(cfg.backend, cfg.train.xla_mem_fraction)
     from finetune import train
 
     return train.run(cfg, resume=resume)
+
+
+def _open(run_dir):
+    from finetune import backend, runs
+
+    saved = runs.open_run(run_dir)
+    backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
+    return saved
+
+
+def evaluate(run_dir, data: str | None = None) -> dict:
+    """Per-token loss, perplexity and accuracy over response tokens of a finished run's adapter.
+
+    data: str. Evaluate on all records of this file instead of the run's held-out split.
+    """
+    from finetune import runs
+
+    return runs.evaluate_run(_open(run_dir), data)
+
+
+def generate(run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False) -> list[str]:
+    """Greedy completions from a finished run's model; each prompt goes in the run's template unless `raw`."""
+    from finetune import runs
+
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise UserError("prompts must be non-empty strings, e.g. finetune.generate(run_dir, ['What is LoRA?'])")
+    return runs.generate(_open(run_dir), prompts, max_new_tokens, raw)
+
+
+def load(run_dir):
+    """The keras-hub causal LM of a finished run, with its adapter loaded and its preprocessor attached."""
+    from finetune import runs
+
+    lm, preprocessor = runs.load_model(_open(run_dir))
+    lm.preprocessor = preprocessor
+    return lm

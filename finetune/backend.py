@@ -30,6 +30,10 @@ def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
                 f"keras is already loaded with the {current} backend in this process, so {backend} "
                 "cannot be chosen; restart the kernel and call finetune before importing keras"
             )
+    import importlib.util
+
+    if importlib.util.find_spec(backend) is None:
+        raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
     os.environ["KERAS_BACKEND"] = backend
     # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -36,23 +36,31 @@ def template_overhead(tokenizer, template) -> int:
     return 2 + len(_ids(tokenizer, prompt + response))  # + <bos> and <eos>
 
 
-def tokenize(pairs, tokenizer, seq_len: int, train_on_prompt: bool = False):
-    """(prompt, response) pairs to Examples; returns (examples, indices of dropped pairs).
+def tokenize(items, tokenizer, seq_len: int, train_on_prompt: bool = False):
+    """Texts to Examples; returns (examples, indices of dropped items).
 
-    A pair whose prompt alone fills the sequence has no response token left to
-    learn from and is dropped; longer responses are cut at seq_len.
+    items: (prompt, response) pairs, or lists of (text, trained) segments (a
+        template's `segments()`: every turn of a chat). Trained segments and the
+        closing <eos> get weight 1, the others 0 (1 with train_on_prompt).
+    An item cut at seq_len with no trained token left (its prompt alone fills
+    the sequence) has nothing to learn from and is dropped.
     """
     if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
         raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
-    prompts = _leading_ids(tokenizer, [p for p, _ in pairs], seq_len)
-    responses = _leading_ids(tokenizer, [r for _, r in pairs], seq_len)
+    items = [[(item[0], False), (item[1], True)] if isinstance(item, tuple) else list(item) for item in items]
+    texts = [text for item in items for text, _ in item]
+    pieces = iter(_leading_ids(tokenizer, texts, seq_len))
     examples, dropped = [], []
-    for index, (prompt, response) in enumerate(zip(prompts, responses)):
-        ids = [BOS, *prompt, *response, EOS][: seq_len + 1]
-        prompt_weight = 1.0 if train_on_prompt else 0.0
-        weights = [0.0] + [prompt_weight] * len(prompt) + [1.0] * (len(response) + 1)
-        weights = weights[: len(ids)]
-        if len(prompt) + 1 >= len(ids):  # nothing of the response survived the cut
+    for index, item in enumerate(items):
+        ids, weights, trained = [BOS], [0.0], [False]
+        for _, is_trained in item:
+            segment = next(pieces)
+            ids += segment
+            weights += [1.0 if is_trained or train_on_prompt else 0.0] * len(segment)
+            trained += [is_trained] * len(segment)
+        ids, weights, trained = ids + [EOS], weights + [1.0], trained + [True]
+        ids, weights = ids[: seq_len + 1], weights[: seq_len + 1]
+        if not any(trained[: len(ids)]):  # nothing of the response survived the cut
             dropped.append(index)
             continue
         examples.append(Example(ids, weights))

@@ -245,7 +245,7 @@ def _examples(workload: Workload, tokenizer):
 
     template = templates.get("dolly")
     records = data.load_records(workload.data)
-    examples, _ = batching.tokenize([template.apply(r) for r in records], tokenizer, workload.seq_len)
+    examples, _ = batching.tokenize([template.segments(r) for r in records], tokenizer, workload.seq_len)
     return records, template, examples
 
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -116,10 +117,15 @@ class OutputConfig:
     """Replace a run already in `dir`."""
 
 
+def _default_backend() -> str:
+    """KERAS_BACKEND when it is set, as Keras users expect; else jax."""
+    return os.environ.get("KERAS_BACKEND") or "jax"
+
+
 @dataclass
 class Config:
-    backend: str = "jax"
-    """Keras backend: jax, torch or tensorflow."""
+    backend: str = field(default_factory=_default_backend)
+    """Keras backend: jax, torch or tensorflow; by default KERAS_BACKEND, else jax."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -142,10 +148,41 @@ def load(
     """
     data: dict = copy.deepcopy(base) if base else {}
     if recipe is not None:
-        _merge(data, read_recipe(recipe))
+        settings = read_recipe(recipe)
+        _anchor_paths(settings, find_recipe(recipe).parent)
+        _merge(data, settings)
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
-    return from_dict(data)
+    return absolute_paths(from_dict(data))
+
+
+def _is_local_path(value) -> bool:
+    """Whether a data path or preset names a local file or folder (not `sample`, hf:, gs://, kaggle://)."""
+    if not isinstance(value, str) or not value.strip() or value in (SAMPLE, "tiny"):  # tiny is built in
+        return False
+    return ":" not in value.split("/")[0]
+
+
+def _anchor_paths(settings: dict, folder: Path) -> None:
+    """A recipe's relative data path, and a relative preset folder beside it, are relative to the recipe's folder."""
+    data_section, model_section = settings.get("data"), settings.get("model")
+    if isinstance(data_section, dict) and _is_local_path(data_section.get("path")):
+        path = Path(data_section["path"]).expanduser()
+        if not path.is_absolute():
+            data_section["path"] = str(folder / path)
+    if isinstance(model_section, dict) and _is_local_path(model_section.get("preset")):
+        path = Path(model_section["preset"]).expanduser()
+        if not path.is_absolute() and (folder / path).is_dir():
+            model_section["preset"] = str(folder / path)
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """`cfg` with its local data path and preset folder made absolute, so a run's config.yaml works from anywhere."""
+    if _is_local_path(cfg.data.path):
+        cfg.data.path = os.path.abspath(os.path.expanduser(cfg.data.path))
+    if _is_local_path(cfg.model.preset) and Path(cfg.model.preset).expanduser().is_dir():
+        cfg.model.preset = os.path.abspath(os.path.expanduser(cfg.model.preset))
+    return cfg
 
 
 def _merge(into: dict, update: dict) -> None:
@@ -361,7 +398,8 @@ def validate(cfg: Config) -> None:
     for key, value in _settings(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"config key {key!r} must be a finite number, got {value}")
-    check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}; choose one of {', '.join(BACKENDS)}")
+    source = " (from KERAS_BACKEND)" if cfg.backend == os.environ.get("KERAS_BACKEND") else ""
+    check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}{source}; choose one of {', '.join(BACKENDS)}")
     # An empty string, as from an unset shell variable, would mean the current directory.
     check(bool(cfg.model.preset.strip()), "--preset is empty; pass a preset name such as gemma_2b_en, or tiny")
     check(bool(cfg.data.path.strip()), "--data is empty; pass a Dolly-style JSONL file, hf:NAME or sample")

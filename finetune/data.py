@@ -1,10 +1,16 @@
-"""Read, check, filter and split Dolly-style records. Knows nothing of prompts.
+"""Read, check, filter and split instruction records. Knows nothing of prompts.
 
-A record is one JSON object per line with `instruction` and `response`
-strings, optional `context` and `category` strings (null reads as empty), and
-any other keys ignored. Sources: a local path, a gs:// path, `hf:NAME` for a
-Hugging Face dataset, or `sample` for the project's own sample, shipped in
-finetune/assets/ so that installs outside a checkout find it too.
+A file holds one JSON object per line (JSON Lines) or one JSON array of them,
+in one of three formats, told apart by the first record's keys:
+
+- dolly: `instruction` and `response` strings, optional `context` and `category`;
+- alpaca: `instruction` and `output`, optional `input` (read as the context);
+- chat: `messages`, a list of `{role, content}` turns (system, user, assistant),
+  ending with the assistant's; a system turn is put before the first user turn.
+
+null reads as empty and other keys are ignored. Sources: a local path, a gs://
+path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
+sample, shipped in finetune/assets/ so that installs outside a checkout find it too.
 """
 
 from __future__ import annotations
@@ -24,16 +30,37 @@ TEXT_FIELDS = ("instruction", "context", "response", "category")
 REQUIRED = ("instruction", "response")
 
 
+FORMATS = ("dolly", "alpaca", "chat")
+ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
+
+
 @dataclass(frozen=True)
 class Record:
     instruction: str
     response: str
     context: str = ""
     category: str = ""
+    turns: tuple = ()
+    """Chat records: ((role, text), ...) alternating user and assistant, ending with the assistant's. For
+    those, instruction is the first user turn and response the last assistant turn."""
+
+
+def detect_format(obj) -> str:
+    """dolly, alpaca or chat, from one record's keys."""
+    if isinstance(obj, dict) and "messages" in obj:
+        return "chat"
+    if isinstance(obj, dict) and "output" in obj and "response" not in obj:
+        return "alpaca"
+    return "dolly"
 
 
 def load_records(source: str) -> list[Record]:
     """All records of `source`, checked; raises UserError naming the line at fault."""
+    return read(source)[0]
+
+
+def read(source: str) -> tuple[list[Record], str]:
+    """(records, format) of `source`: the format is detected from its first record."""
     if source == SAMPLE:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
@@ -48,7 +75,9 @@ def load_records(source: str) -> list[Record]:
         ) from None
     if not text.strip():
         raise UserError(f"{source} is empty; it needs one JSON record per line with instruction and response")
-    records = []
+    if text.lstrip().startswith("["):
+        return _from_array(text, source)
+    records, fmt = [], None
     # JSON Lines ends lines at \n only: str.splitlines() would also split inside a
     # record at U+2028, U+2029 or U+0085, which JSON strings may hold raw. CRLF files
     # read the same as LF ones.
@@ -60,8 +89,22 @@ def load_records(source: str) -> list[Record]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{source}:{number}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-        records.append(_record(obj, f"{source}:{number}"))
-    return records
+        fmt = fmt or detect_format(obj)
+        records.append(_record(obj, f"{source}:{number}", fmt))
+    return records, fmt or "dolly"
+
+
+def _from_array(text: str, source: str) -> tuple[list[Record], str]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{source}: not valid JSON ({e.msg} at line {e.lineno}); a file starting with [ must be one JSON array"
+        ) from None
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{source}: the JSON array is empty; it needs records with instruction and response")
+    fmt = detect_format(items[0])
+    return [_record(obj, f"{source} item {i}", fmt) for i, obj in enumerate(items, start=1)], fmt
 
 
 def _read_bytes(source: str) -> bytes:
@@ -100,7 +143,7 @@ def _read_cloud(source: str) -> bytes:
         raise UserError(f"could not read {source}: {e}; install gcsfs and check your GCS credentials") from e
 
 
-def _from_hugging_face(name: str) -> list[Record]:
+def _from_hugging_face(name: str) -> tuple[list[Record], str]:
     platforms.use_hugging_face_cache_only_when_offline()
     try:
         import datasets
@@ -113,12 +156,23 @@ def _from_hugging_face(name: str) -> list[Record]:
             f"could not load Hugging Face dataset {name!r} ({type(e).__name__}); without network, "
             "export it to JSONL elsewhere and pass --data FILE.jsonl"
         ) from e
-    return [_record(dict(row), f"hf:{name} row {i}") for i, row in enumerate(rows)]
+    fmt = detect_format(dict(rows[0])) if len(rows) else "dolly"
+    return [_record(dict(row), f"hf:{name} row {i}", fmt) for i, row in enumerate(rows)], fmt
 
 
-def _record(obj, where: str) -> Record:
+def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
         raise UserError(f"{where}: expected a JSON object with instruction and response, got {type(obj).__name__}")
+    if fmt == "chat":
+        return _chat_record(obj, where)
+    if fmt == "alpaca":
+        for name in ("instruction", "output"):
+            if name not in obj:
+                raise UserError(
+                    f"{where}: record has no {name!r} field; this file is in Alpaca format (instruction, input, "
+                    "output), as its first record is"
+                )
+        obj = {"instruction": obj["instruction"], "context": obj.get("input"), "response": obj["output"]}
     for name in REQUIRED:
         if name not in obj:
             raise UserError(f"{where}: record has no {name!r} field; every record needs instruction and response")
@@ -142,6 +196,37 @@ def _record(obj, where: str) -> Record:
         if not fields[name].strip():
             raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
     return Record(**fields)
+
+
+def _chat_record(obj: dict, where: str) -> Record:
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} turns")
+    system, turns = "", []
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise UserError(f"{where}: message {number} must be an object with a `role` and a string `content`")
+        role, content = message.get("role"), message["content"]
+        if role == "system" and number == 1:
+            system = content
+            continue
+        if role not in ROLES:
+            raise UserError(f"{where}: message {number} has role {role!r}; use system (first only), user or assistant")
+        expected = "user" if len(turns) % 2 == 0 else "assistant"
+        if ROLES[role] != expected:
+            raise UserError(f"{where}: message {number} should be the {expected}'s: turns must alternate, user first")
+        if not content.strip():
+            raise UserError(f"{where}: message {number} is empty; remove the record or fill it in")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{where}: message {number} holds a lone surrogate escape, which is not text") from None
+        turns.append((expected, content))
+    if not turns or turns[-1][0] != "assistant":
+        raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
+    if system:
+        turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
+    return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 
 
 def filter_records(records, *, drop_context=False, categories=(), max_records=None, source=""):
@@ -169,7 +254,8 @@ def fingerprint(records) -> str:
     """sha256 of the records' text: a resume refuses data that changed since its checkpoint."""
     digest = hashlib.sha256()
     for r in records:
-        digest.update(json.dumps([r.instruction, r.context, r.response, r.category]).encode("utf-8"))
+        fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
+        digest.update(json.dumps(fields).encode("utf-8"))
     return digest.hexdigest()
 
 

@@ -248,7 +248,7 @@ class Report:
         done = step - self._first_step
         left = elapsed / done * (self.total - step) if done else 0.0
         rate = f"  {tokens_per_second:,.0f} tok/s" if tokens_per_second else ""
-        text = f"step {step}/{self.total}  loss {loss:.4f}{rate}  {_clock(elapsed)} elapsed  {_clock(left)} left"
+        text = f"step {step}/{self.total}  loss {loss:.4f}{rate}  {clock(elapsed)} elapsed  {clock(left)} left"
         if self.live:
             print("\r" + text.ljust(78), end="", file=self.out, flush=True)
             self._open = True
@@ -270,6 +270,6 @@ def _is_interactive(out) -> bool:
     return bool(getattr(out, "isatty", lambda: False)()) or "ipykernel" in sys.modules
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

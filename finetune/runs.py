@@ -100,7 +100,7 @@ def check_adapter(path: Path, backbone, rank: int) -> None:
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
-    from finetune import batching, evaluate, model, templates, train
+    from finetune import batching, model, scoring, templates, train
 
     cfg = run.config
     path = data_path or cfg.data.path
@@ -112,14 +112,14 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
         _, usable = train.split(usable, cfg, cfg.train.batch_size)
     examples = [e for _, e in usable]
     batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
-    result = evaluate.metrics(model.evaluator(lm), batches)
+    result = scoring.metrics(model.evaluator(lm), batches)
     result["examples"] = len(examples)
     return result
 
 
 def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False) -> list[str]:
     """Greedy completions; each prompt is put in the run's template unless `raw`."""
-    from finetune import evaluate, templates
+    from finetune import scoring, templates
     from finetune.data import Record
 
     cfg = run.config
@@ -127,7 +127,7 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     if not raw:
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
-    return evaluate.generate(
+    return scoring.generate(
         lm,
         preprocessor,
         prompts,

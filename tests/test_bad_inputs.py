@@ -220,7 +220,7 @@ CASES = [
     # Data files.
     data("data-empty", b"", "is empty"),
     data("data-not-json", '{"instruction": "a", "response": "b"}\nnot json at all\n', ":2: not valid JSON"),
-    data("data-json-array", '["instruction", "response"]\n', ":1: expected a JSON object"),
+    data("data-json-array", '["instruction", "response"]\n', "item 1: expected a JSON object"),
     data("data-no-response", '{"instruction": "a"}\n', ":1: record has no 'response' field"),
     data("data-non-string", '{"instruction": "a", "response": 42}\n', ":1: field 'response' must be a string"),
     data("data-empty-instruction", '{"instruction": "  ", "response": "b"}\n', ":1: field 'instruction' is empty"),
@@ -303,6 +303,18 @@ CASES = [
         setup=None,
     ),
     gemma("threads-zero", ["--threads", "0"], "threads must be at least 1"),
+    data(
+        "chat-with-dolly-template",
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+        "holds chat records (messages); train them with --template gemma-chat",
+    ),
+    data("json-array-empty", "[]", "the JSON array is empty"),
+    data(
+        "json-array-broken", '[{"instruction": "a", "response": "b"},', "a file starting with [ must be one JSON array"
+    ),
+    data(
+        "alpaca-no-output", '{"instruction": "a", "input": "", "output": "b"}\n{"instruction": "c"}\n', "Alpaca format"
+    ),
     gemma("quantize-int8", ["--quantize", "int8"], "--quantize int8 is not offered"),
     gemma("quantize-unknown", ["--quantize", "fp3"], "unknown quantize mode 'fp3'"),
     bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),

@@ -95,3 +95,27 @@ def test_the_python_api_checks_a_config_built_by_hand():
     cfg.lora.rank = 0
     with pytest.raises(finetune.UserError, match="rank must be at least 1"):
         finetune.run(cfg)
+
+
+def test_a_recipe_s_relative_paths_are_relative_to_the_recipe(tmp_path, monkeypatch):
+    recipes = tmp_path / "recipes"
+    (recipes / "my-preset").mkdir(parents=True)
+    recipe = recipes / "mine.yaml"
+    recipe.write_text("data:\n  path: mydata.jsonl\nmodel:\n  preset: my-preset\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = config.load(str(recipe))
+    assert cfg.data.path == str(recipes / "mydata.jsonl") and cfg.model.preset == str(recipes / "my-preset")
+    # A path typed on the command line is relative to where it was typed, and stored absolute.
+    cfg = config.load(str(recipe), {"data.path": "typed.jsonl"})
+    assert cfg.data.path == str(elsewhere / "typed.jsonl")
+
+
+def test_names_that_are_not_paths_stay_as_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # a folder named like the built-in model does not shadow it
+    for data_path in ("sample", "hf:databricks/databricks-dolly-15k", "gs://bucket/d.jsonl"):
+        assert config.load(None, {"data.path": data_path}).data.path == data_path
+    for preset in ("tiny", "gemma_2b_en", "kaggle://keras/gemma/keras/gemma_2b_en"):
+        assert config.load(None, {"model.preset": preset}).model.preset == preset

@@ -2,7 +2,7 @@ import keras
 import numpy as np
 from conftest import float32_policy
 
-from finetune import batching, evaluate, model, presets
+from finetune import batching, model, presets, scoring
 
 
 def test_loss_is_averaged_over_response_tokens_only():
@@ -16,7 +16,7 @@ def test_loss_is_averaged_over_response_tokens_only():
     ]
     examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=48)
     arrays = batching.pad(examples, 48)
-    result = evaluate.metrics(model.evaluator(lm), batching.Batches(arrays, batch_size=2))  # a ragged last batch
+    result = scoring.metrics(model.evaluator(lm), batching.Batches(arrays, batch_size=2))  # a ragged last batch
 
     out = keras.ops.convert_to_numpy(lm({"token_ids": arrays["token_ids"], "padding_mask": arrays["padding_mask"]}))
     shifted = out - out.max(-1, keepdims=True)
@@ -41,7 +41,7 @@ def test_generate_returns_continuations_without_the_prompt():
         lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
     model.compile(lm, learning_rate=1e-3, weight_decay=0.0)
     prompts = ["Instruction:\nSay hi.\n\nResponse:\n", "Instruction:\nCount.\n\nResponse:\n"]
-    outputs = evaluate.generate(lm, preprocessor, prompts, max_new_tokens=5)
+    outputs = scoring.generate(lm, preprocessor, prompts, max_new_tokens=5)
     assert len(outputs) == 2
     assert not any(o.startswith("Instruction:") for o in outputs)
     assert lm.preprocessor is None  # detached again, so fit sees token ids

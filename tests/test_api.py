@@ -1,0 +1,78 @@
+"""The Python API a notebook uses: run, evaluate, generate and load, with the CLI's checks and messages."""
+
+import keras_hub
+import pytest
+from conftest import BACKEND
+
+import finetune
+from finetune import backend, config
+from finetune.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api") / "run"
+    settings = {
+        "backend": BACKEND, "output.dir": str(out), "model.seq_len": 64, "train.batch_size": 2,
+        "train.max_steps": 2, "train.samples": 0, "data.max_records": 40,
+    }  # fmt: skip
+    metrics = finetune.run(finetune.load_config("tiny", settings))
+    return out, metrics
+
+
+def test_evaluate_gives_the_run_s_held_out_loss(finished):
+    out, metrics = finished
+    result = finetune.evaluate(out)
+    assert result["loss"] == pytest.approx(metrics["eval_loss"], abs=1e-3) and result["examples"] > 0
+
+
+def test_generate_takes_one_prompt_or_several(finished):
+    out, _ = finished
+    (one,) = finetune.generate(out, "Name a colour.", max_new_tokens=3)
+    assert isinstance(one, str)
+    assert len(finetune.generate(str(out), ["a", "b"], max_new_tokens=2)) == 2
+    with pytest.raises(UserError, match="prompts must be non-empty strings"):
+        finetune.generate(out, ["fine", " "])
+
+
+def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished):
+    out, _ = finished
+    lm = finetune.load(out)
+    assert isinstance(lm, keras_hub.models.CausalLM) and lm.preprocessor is not None
+    assert lm.backbone._lora_enabled_layers  # keras-hub records the adapted layers here
+    assert isinstance(lm.generate("Instruction:\nSay hi.\n\nResponse:\n", max_length=40), str)
+
+
+def test_a_wrong_type_set_in_python_names_the_key():
+    cfg = finetune.Config()
+    cfg.lora.rank = "4"
+    with pytest.raises(UserError, match="config key 'lora.rank' must be an integer"):
+        finetune.run(cfg)
+    cfg.lora.rank = 0
+    with pytest.raises(UserError, match="LoRA rank must be at least 1"):
+        finetune.run(cfg)
+
+
+def test_a_dict_of_settings_is_a_config():
+    with pytest.raises(UserError, match="unknown config key"):
+        finetune.run({"lora": {"rnak": 4}})
+
+
+def test_keras_backend_is_the_default_backend(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    assert finetune.Config().backend == "torch" and config.load(None, {}).backend == "torch"
+    assert config.load(None, {"backend": "tensorflow"}).backend == "tensorflow"  # --backend wins
+    monkeypatch.setenv("KERAS_BACKEND", "mxnet")
+    with pytest.raises(UserError, match=r"unknown backend 'mxnet' \(from KERAS_BACKEND\)"):
+        config.load(None, {})
+    monkeypatch.delenv("KERAS_BACKEND")
+    assert finetune.Config().backend == "jax"
+
+
+def test_a_missing_backend_package_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == BACKEND else real(name, *a))
+    with pytest.raises(UserError, match=rf"pip install 'finetune\[{BACKEND}\]'"):
+        backend.select(BACKEND)
