@@ -18,16 +18,22 @@ def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
+def help_text(*args) -> str:
+    """Help as one line of words: wide, without the panels' box characters."""
+    result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.translate(str.maketrans("│╭╮╰╯─", "      ")).split())
+
+
 def test_help_lists_every_option_with_its_default():
-    top = invoke("--help")
-    assert top.exit_code == 0
-    for command in ("gemma", "eval", "generate"):
-        assert command in top.output
-    result = invoke("gemma", "--help")
-    assert result.exit_code == 0
-    text = " ".join(result.output.split())
+    top = help_text()
+    for command in ("gemma", "bench", "eval", "generate", "runs", "recipes"):
+        assert command in top
+    # Whole command descriptions and shell completion.
+    assert "compare tokens/s, MFU and memory." in top and "--install-completion" in top
+    text = help_text("gemma")
     for flag, default in [
-        ("--backend", "jax"),
+        ("--backend", "$KERAS_BACKEND if set, else jax"),
         ("--preset", "gemma_2b_en"),
         ("--rank", "4"),
         ("--template", "dolly"),
@@ -36,7 +42,7 @@ def test_help_lists_every_option_with_its_default():
         ("--epochs", "1"),
         ("--seed", "0"),
     ]:
-        assert flag in text and f"[default: {default}]" in text, flag
+        assert flag in text and f"(default: {default})" in text, flag
     for flag in (
         "--alpha",
         "--target",
@@ -50,8 +56,25 @@ def test_help_lists_every_option_with_its_default():
         "--overwrite",
         "--train-on-prompt",
         "--debug",
+        "--verbose",
+        "--threads",
+        "--quantize",
     ):
         assert flag in text, flag
+
+
+def test_help_groups_the_options_and_lists_the_allowed_values():
+    text = help_text("gemma")
+    panels = ["Model", "LoRA", "Data", "Training", "Output and checkpoints", "Recipe and diagnostics"]
+    assert all(f" {panel} " in text for panel in panels)
+    assert " Model --backend" in text and " LoRA --rank" in text and " Data --data" in text  # heading, first option
+    for values in (
+        "jax|torch|tensorflow",
+        "dolly|alpaca|gemma-chat",
+        "auto|float32|mixed_bfloat16|bfloat16",
+        "auto|on|off",
+    ):
+        assert values in text, values
 
 
 def test_flag_precedence(tmp_path, monkeypatch):

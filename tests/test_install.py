@@ -105,3 +105,16 @@ def test_installed_quickstart_runs_outside_the_checkout(installed):
     ]
     _run(command, timeout=300, cwd=elsewhere, env=_env(site))
     assert json.loads((out / "metrics.json").read_text())
+
+
+def test_the_readme_python_example_runs_from_the_installed_package(installed):
+    site, elsewhere = installed
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Python API") :]
+    example = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    assert "finetune.run(" in example and "finetune.load(" in example
+    workdir = elsewhere / "readme-example"
+    workdir.mkdir()
+    checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
+    _run([sys.executable, "-c", example + checks], timeout=600, cwd=workdir, env=_env(site))
+    assert (workdir / "runs" / "first" / "adapter.lora.h5").is_file()
