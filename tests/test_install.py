@@ -2,8 +2,10 @@
 
 The sample and the recipes once lived at the repository's top level, so a
 wheel installed into site-packages looked for them in site-packages/data/ and
-failed. This builds the wheel, installs it into a folder of its own, and runs
-from an unrelated directory with that folder first on sys.path.
+failed. This builds the wheel, installs it into a fresh virtual environment,
+and runs its `finetune` command and the README's Python example from an
+unrelated directory. The environment's dependencies (4 GB) are this one's,
+seen through a .pth line: only finetune itself comes from the wheel.
 """
 
 import json
@@ -11,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -70,7 +73,7 @@ def _run(args, timeout, **kwargs):
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """(site, elsewhere): the wheel installed into `site`, and an empty working directory."""
+    """(venv, elsewhere): the wheel installed into a fresh venv, and an empty working directory."""
     root = tmp_path_factory.mktemp("install")
     source = _source_copy(root / "src")
     wheels = root / "wheels"
@@ -79,36 +82,42 @@ def installed(tmp_path_factory):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [name for name in SHIPPED if name not in names]
     assert not missing, f"the wheel lacks {missing}"
-    site = root / "site"
-    _run([*PIP, "install", "--no-deps", "--no-index", "--target", site, wheel], timeout=300)
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], 60).stdout.strip())
+    # This environment's packages, after the venv's own: its editable finetune is not seen, since a .pth
+    # line adds a folder to sys.path without running the .pth files (the editable finder) inside it.
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([*PIP, "--python", python, "install", "--no-deps", "--no-index", wheel], timeout=300)
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
-    return site, elsewhere
+    return venv, elsewhere
 
 
-def _env(site: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(site), "KERAS_BACKEND": BACKEND}
+def _env() -> dict:
+    return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, "KERAS_BACKEND": BACKEND}
 
 
 def test_installed_package_finds_its_recipes_and_sample(installed):
-    site, elsewhere = installed
-    _run([sys.executable, "-c", LOAD_TINY, site], timeout=120, cwd=elsewhere, env=_env(site))
+    venv, elsewhere = installed
+    _run([venv / "bin" / "python", "-c", LOAD_TINY, venv], timeout=120, cwd=elsewhere, env=_env())
 
 
 def test_installed_quickstart_runs_outside_the_checkout(installed):
-    site, elsewhere = installed
+    venv, elsewhere = installed
     out = elsewhere / "run"
     command = [
-        *(sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND),
+        *(venv / "bin" / "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND),
         *("--max-steps", "2", "--seq-len", "64", "--batch-size", "2"),
         *("--set", "train.samples=1", "--set", "train.max_new_tokens=4", "--output", out),
     ]
-    _run(command, timeout=300, cwd=elsewhere, env=_env(site))
+    _run(command, timeout=300, cwd=elsewhere, env=_env())
     assert json.loads((out / "metrics.json").read_text())
 
 
 def test_the_readme_python_example_runs_from_the_installed_package(installed):
-    site, elsewhere = installed
+    venv, elsewhere = installed
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("## Python API") :]
     example = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
@@ -116,5 +125,5 @@ def test_the_readme_python_example_runs_from_the_installed_package(installed):
     workdir = elsewhere / "readme-example"
     workdir.mkdir()
     checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
-    _run([sys.executable, "-c", example + checks], timeout=600, cwd=workdir, env=_env(site))
+    _run([venv / "bin" / "python", "-c", example + checks], timeout=600, cwd=workdir, env=_env())
     assert (workdir / "runs" / "first" / "adapter.lora.h5").is_file()
