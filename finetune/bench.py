@@ -151,12 +151,12 @@ def run(
     print()
     print(table(rows))
     print(verdict(rows))
+    if all("error" in row for row in rows):  # nothing to write
+        raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1, allow_nan=False) + "\n", encoding="utf-8")
     if plot_path:
         plot(rows, plot_path, workload)
-    if all("error" in row for row in rows):
-        raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
     return rows
 
 

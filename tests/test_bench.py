@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import keras_hub
+import pytest
 from conftest import BACKEND
 
 from finetune import bench
@@ -93,3 +94,12 @@ def test_a_failed_row_is_shown_and_the_others_still_count():
     assert bench.verdict(rows).startswith("verdict: jax is fastest here (900 tokens/s)")
     rows[0].update(settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
     assert "failed: MemoryError: x" in bench.table(rows)
+
+
+def test_when_every_row_fails_nothing_is_written(tmp_path, monkeypatch):
+    failed = {"backend": BACKEND, "recipe": "finetune", "lever": None, "error": "MemoryError: x"}
+    monkeypatch.setattr(bench, "run_worker", lambda spec: dict(failed, recipe=spec.recipe))
+    out = tmp_path / "rows.json"
+    with pytest.raises(bench.UserError, match="every bench row failed; the first: MemoryError: x"):
+        bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune"], [], json_path=str(out))
+    assert not out.exists()
