@@ -97,36 +97,32 @@ def supports_bfloat16(device: str) -> bool:
     return major >= 8
 
 
-def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); Linux only, else False."""
+def _cpuinfo() -> list[tuple[str, str]]:
+    """(key, value) lines of /proc/cpuinfo; empty where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+            return [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in f)]
     except OSError:
-        pass
-    return False
+        return []
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); Linux only, else False."""
+    flags = next((value.split() for key, value in _cpuinfo() if key == "flags"), [])
+    return bool(set(flags) & {"avx512_bf16", "amx_bf16"})
 
 
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (hyperthreads counted once)."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     cores, cpu, package = set(), None, "0"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "processor":
-                    cpu = int(value)
-                elif key == "physical id":
-                    package = value
-                elif key == "core id" and cpu in allowed:
-                    cores.add((package, value))
-    except (OSError, ValueError):
-        pass
+    for key, value in _cpuinfo():
+        if key == "processor" and value.isdigit():
+            cpu = int(value)
+        elif key == "physical id":
+            package = value
+        elif key == "core id" and cpu in allowed:
+            cores.add((package, value))
     return len(cores) or len(allowed) or 1
 
 

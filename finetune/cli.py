@@ -157,7 +157,8 @@ def gemma(
         metavar="LAYER",
     ),
     data: Optional[str] = _flag(
-        f"Dolly-style JSONL (path or gs://), hf:NAME, or `sample` (the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}",
+        "Records: JSONL or a JSON array in Dolly, Alpaca or chat format (a path or gs://), hf:NAME, or `sample` "
+        f"(the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}",
         rich_help_panel="Data",
         metavar="FILE|sample|hf:NAME",
     ),
