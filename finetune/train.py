@@ -91,7 +91,11 @@ def run(cfg: Config, resume: bool = False) -> dict:
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     if batch_size == "auto":
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
-        batch_size, why = auto_batch_size(lm, probe_rows, len(usable), tweaks["device"])
+        examples = [e for _, e in usable]
+        rows = len(examples)
+        if cfg.data.packing != "off":  # packed, the same examples fill fewer rows, hence fewer steps
+            rows = len(packing.best_fit_decreasing([len(e.token_ids) - 1 for e in examples], cfg.model.seq_len))
+        batch_size, why = auto_batch_size(lm, probe_rows, rows, tweaks["device"])
         print(f"batch size auto: {batch_size} ({why})")
     train_part, eval_part = split(usable, cfg, batch_size)
     if len(train_part) < batch_size:
@@ -396,7 +400,7 @@ AUTO_BATCH_CAP = 64
 AUTO_MIN_STEPS = 8  # an epoch of fewer steps barely trains
 
 
-def auto_batch_size(lm, arrays, records: int, device: str) -> tuple[int, str]:
+def auto_batch_size(lm, arrays, rows: int, device: str) -> tuple[int, str]:
     """`--batch-size auto`: (batch size, why), never so large that an epoch has under 8 steps.
 
     On an accelerator: the largest power of two whose trial step fits in memory.
@@ -405,7 +409,7 @@ def auto_batch_size(lm, arrays, records: int, device: str) -> tuple[int, str]:
     adds 10% to tokens/s. Trial steps change the LoRA weights and the optimizer
     state, so both are put back afterwards: the probe must not leak into the run.
     """
-    limit = max(1, min(AUTO_BATCH_CAP, records // AUTO_MIN_STEPS))
+    limit = max(1, min(AUTO_BATCH_CAP, rows // AUTO_MIN_STEPS))
     lm.optimizer.build(lm.trainable_variables)
     state = lm.trainable_variables + list(lm.optimizer.variables)
     saved = [v.numpy() for v in state]
@@ -432,7 +436,7 @@ def auto_batch_size(lm, arrays, records: int, device: str) -> tuple[int, str]:
         lm.reset_metrics()
     if best is None:
         raise UserError("one sequence does not fit in memory; lower --seq-len or pick a smaller preset")
-    cap = f"the cap: {AUTO_BATCH_CAP}, or 1/{AUTO_MIN_STEPS} of the {records} records, so an epoch has steps enough"
+    cap = f"the cap: {AUTO_BATCH_CAP}, or 1/{AUTO_MIN_STEPS} of the {rows} rows, so an epoch has steps enough"
     if device == "cpu":
         measured = ", ".join(f"{s}: {v:.0f}" for s, v in speeds.items())
         ending = cap if best == limit else "doubling again added under 10%"
