@@ -4,7 +4,8 @@ from finetune import config
 from finetune.errors import UserError
 
 
-def test_defaults_match_the_documented_command():
+def test_defaults_match_the_documented_command(monkeypatch):
+    monkeypatch.delenv("KERAS_BACKEND")  # set per suite; without it the default is jax
     cfg = config.load()
     assert cfg.backend == "jax"
     assert cfg.model.preset == "gemma_2b_en"
