@@ -258,6 +258,26 @@ def gemma(
     xla_mem_fraction: Optional[float] = _flag(
         f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}", rich_help_panel="Training"
     ),
+    parallel: Optional[str] = _flag(
+        "none; data: the model replicated, each batch split over the devices; model: the kernels sharded over "
+        f"the mesh's model axis. JAX only. {_default(D.distribution.parallel)}",
+        rich_help_panel="Scale out",
+        metavar="none|data|model",
+    ),
+    mesh: Optional[str] = _flag(
+        "DATAxMODEL device mesh, e.g. 2x4. (default: all devices on the data axis for data, the model axis for model)",
+        rich_help_panel="Scale out",
+        metavar="DxM",
+    ),
+    coordinator: Optional[str] = _flag(
+        "Multi-host: host:port of process 0. (default: from CLUSTER_SPEC on Vertex AI, or KERAS_DISTRIBUTION_*)",
+        rich_help_panel="Scale out",
+        metavar="HOST:PORT",
+    ),
+    num_processes: Optional[int] = _flag("Multi-host: processes in the job.", rich_help_panel="Scale out"),
+    process_id: Optional[int] = _flag(
+        "Multi-host: this process's index (0 writes the outputs).", rich_help_panel="Scale out"
+    ),
     recipe: Optional[str] = _flag(
         "YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set override it.",
         rich_help_panel="Recipe and diagnostics",
@@ -285,7 +305,7 @@ def gemma(
     """
     try:
         # --output, --data and --preset are checked with the rest of the config (config.validate).
-        _refuse_empty({"--recipe": recipe})
+        _refuse_empty({"--recipe": recipe, "--mesh": mesh, "--coordinator": coordinator})
         _note_keras_backend(backend)
         overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
         flags = {
@@ -317,6 +337,11 @@ def gemma(
             "train.checkpoint_every": checkpoint_every,
             "train.keep_checkpoints": keep_checkpoints,
             "train.time_limit": time_limit,
+            "distribution.parallel": parallel,
+            "distribution.mesh": mesh,
+            "distribution.coordinator": coordinator,
+            "distribution.num_processes": num_processes,
+            "distribution.process_id": process_id,
         }
         overrides.update({k: v for k, v in flags.items() if v is not None})
         base = None
