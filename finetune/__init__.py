@@ -37,7 +37,13 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     backend.select(cfg.backend, cfg.train.xla_mem_fraction)
     from finetune import train
 
-    return train.run(cfg, resume=resume)
+    try:
+        return train.run(cfg, resume=resume)
+    finally:
+        if cfg.distribution.parallel != "none":  # a notebook's next run starts on one device again
+            import keras
+
+            keras.distribution.set_distribution(None)
 
 
 def _open(run_dir):

@@ -129,10 +129,11 @@ class TrainOrder:
     counted for a step are those of the batch that step trained.
     """
 
-    def __init__(self, arrays, batch_size: int, seed: int):
+    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int] = (0, 1)):
         self.arrays = arrays
         self.batch_size = batch_size
         self.seed = seed
+        self.part = part
         self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
         self._epoch, self._order = None, None
 
@@ -144,8 +145,8 @@ class TrainOrder:
         return self._order[index * self.batch_size : (index + 1) * self.batch_size]
 
     def batch(self, step: int):
-        """(inputs, labels, weights) of global step `step` (0-based)."""
-        rows, a = self.rows(step), self.arrays
+        """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
+        rows, a = local(self.rows(step), self.part), self.arrays
         # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
         return (
             {"token_ids": a["token_ids"][rows], "padding_mask": a["segment_ids"][rows]},
@@ -166,11 +167,12 @@ class Batches(keras.utils.PyDataset):
     compiles once and the weighted metrics ignore the copies.
     """
 
-    def __init__(self, arrays, batch_size: int):
+    def __init__(self, arrays, batch_size: int, part: tuple[int, int] = (0, 1)):
         super().__init__()
         self.arrays = arrays
         self.batch_size = batch_size
         self.rows = len(arrays["token_ids"])
+        self.part = part
 
     def __len__(self):
         return -(-self.rows // self.batch_size)
@@ -183,5 +185,14 @@ class Batches(keras.utils.PyDataset):
         if short:
             rows = np.concatenate([rows, np.arange(short) % self.rows])
             weights = np.concatenate([weights, np.zeros((short, weights.shape[1]), weights.dtype)])
+        mine = local(np.arange(self.batch_size), self.part)
+        rows, weights = rows[mine], weights[mine]
         x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
         return x, a["labels"][rows], weights
+
+
+def local(rows: np.ndarray, part: tuple[int, int]) -> np.ndarray:
+    """Process `index` of `count`'s contiguous share of a global batch's rows (all of them for one process)."""
+    index, count = part
+    share = len(rows) // count
+    return rows[index * share : (index + 1) * share]

@@ -504,6 +504,11 @@ def validate(cfg: Config) -> None:
         "drop one of them",
     )
     check(
+        dist.parallel == "none" or bs != "auto",
+        f"--batch-size auto does not combine with --parallel {dist.parallel}; pass a batch size that the data axis "
+        "divides, e.g. --batch-size 8",
+    )
+    check(
         dist.num_processes is None or dist.num_processes >= 1,
         f"num processes must be at least 1, got {dist.num_processes}",
     )

@@ -134,7 +134,7 @@ def place(dims: Dims, model_size: int) -> list[Placement]:
             continue
         chosen = next((d for d in rule.candidates if shape[d] % model_size == 0), None)
         if chosen is None:
-            sizes = " or ".join(f"dimension {d} ({shape[d]})" for d in rule.candidates)
+            sizes = " nor ".join(f"dimension {d} ({shape[d]})" for d in rule.candidates)
             raise UserError(
                 f"cannot shard {rule.group} ({rule.pattern.split('|')[0]}, shape {shape}) over a model axis of "
                 f"{model_size}: neither {sizes} is divisible by {model_size}; use a --mesh whose model axis divides it"

@@ -145,3 +145,18 @@ def tiny_backbone(vocabulary_size: int, dtype=None):
         for weight in backbone.weights:
             weight.assign(stored[weight.path].astype(np.float32))
     return backbone
+
+
+def dims(source: Source):
+    """The backbone's sizes, read without building it: the layouts are set before the weights exist."""
+    from finetune import layouts
+
+    if source.kind == "tiny":
+        config = dict(TINY_CONFIG, vocabulary_size=tiny_tokenizer().vocabulary_size())
+    elif source.kind == "local":
+        config = json.loads((Path(source.handle) / "config.json").read_text(encoding="utf-8"))["config"]
+    else:
+        from keras_hub.src.utils.preset_utils import load_json
+
+        config = load_json(source.handle)["config"]
+    return layouts.Dims.from_backbone_config(config, source.family)

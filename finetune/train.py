@@ -13,8 +13,11 @@ import importlib.metadata
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -24,6 +27,7 @@ from finetune import (
     batching,
     checkpoint,
     data,
+    distribution,
     loop,
     model,
     outputs,
@@ -54,9 +58,18 @@ def run(cfg: Config, resume: bool = False) -> dict:
     # finetune.run() and the CLI select the backend before importing this
     # module; selecting again records the tweaks and catches a mismatch.
     tweaks = backend.select(cfg.backend, cfg.train.xla_mem_fraction)
+    # A multi-process job is joined before anything touches the devices.
+    job = distribution.cluster(cfg.distribution)
+    if job is not None and resume:
+        raise UserError("--resume is not supported in a multi-process job yet; resume on a single host")
+    distribution.initialize(job)
+    writer = job is None or job.process_id == 0
 
     # Everything a user can get wrong is checked before the first file is written.
-    target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
+    if writer:
+        target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
+    else:  # every process trains and saves alike, but only process 0's files are kept
+        target = Path(tempfile.mkdtemp(prefix=f"finetune-process-{job.process_id}-")) / "run"
     resume_from = checkpoint.newest(target) if resume else None
     if resume and resume_from is None:
         if (target / outputs.METRICS).exists():
@@ -72,6 +85,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
         checkpoint.check_compatible(saved, cfg, fingerprint, target)
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
     keras.utils.set_random_seed(cfg.train.seed)
+    batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
+    # Set before the model is built, so that weights are created sharded, never whole on one device.
+    distributed = None
+    if cfg.distribution.parallel != "none":
+        distributed = distribution.setup(cfg.distribution, presets.dims(source), batch_size)
+    part = distribution.process()
 
     phase(f"loading {cfg.model.preset} on {cfg.backend}")
     lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
@@ -88,7 +107,6 @@ def run(cfg: Config, resume: bool = False) -> dict:
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
     model.compile(lm, learning_rate, cfg.train.weight_decay)
-    batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     if batch_size == "auto":
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
         examples = [e for _, e in usable]
@@ -118,8 +136,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
             f"packing: {len(train_examples)} examples in {len(rows['token_ids'])} rows of {cfg.model.seq_len} "
             f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
         )
-    order = batching.TrainOrder(rows, batch_size, cfg.train.seed)
-    eval_batches = batching.Batches(batching.pad([e for _, e in eval_part], cfg.model.seq_len), batch_size)
+    # In a multi-process job each process feeds its own slice of every global batch.
+    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part)
+    eval_batches = batching.Batches(batching.pad([e for _, e in eval_part], cfg.model.seq_len), batch_size, part=part)
     steps_per_epoch = order.steps_per_epoch
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
@@ -134,7 +153,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
     # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it.
     resolved["output"] = {"dir": None, "overwrite": False}
 
-    sample_records = eval_records[: cfg.train.samples]
+    samples_wanted = cfg.train.samples
+    if job is not None and samples_wanted:
+        # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
+        print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
+        samples_wanted = 0
+    sample_records = eval_records[:samples_wanted]
     sample_prompts = [template.apply(r)[0] for r in sample_records]
     evaluator = model.evaluator(lm)
     eval_started = time.perf_counter()
@@ -268,6 +292,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             "peak_memory_mb": backend.peak_memory_mb(),
             "dtype_policy": tweaks["dtype_policy"],
             "device": tweaks["device"],
+            "distribution": distributed or {"parallel": "none", "devices": 1, "processes": 1},
         }
         resolved["resolved"] = {
             "output_dir": str(run_dir.resolve()),
@@ -303,10 +328,13 @@ def run(cfg: Config, resume: bool = False) -> dict:
                 f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
                 "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
             ) from e
-        print(outputs.summary_table(metrics, run_dir))
+        if writer:
+            print(outputs.summary_table(metrics, run_dir))
         return metrics
     finally:
         claim.release()
+        if not writer:
+            shutil.rmtree(target.parent, ignore_errors=True)
 
 
 def _deadline(time_limit: str | None) -> float | None:

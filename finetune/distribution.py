@@ -1,0 +1,177 @@
+"""Device meshes, layout maps and multi-host start-up, through the Keras distribution API (JAX).
+
+`--parallel data` is keras' DataParallel: the model is replicated and each batch
+is split over the devices. `--parallel model` is keras' ModelParallel over a
+(batch, model) mesh, with the layouts of layouts.py in a LayoutMap; it is set
+before the model is built, so that every weight is created sharded. XLA's SPMD
+partitioner does the rest.
+
+A job of several processes (Vertex AI workers, a TPU pod's hosts, a hand-made
+cluster) starts with `initialize`, before anything touches the devices. Each
+process then feeds its own slice of every global batch (`part`), and only
+process 0 writes the run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from finetune import layouts
+from finetune.errors import UserError
+
+# Vertex AI's worker pools: 0 is the chief (one replica), 1 the other workers.
+# Pools 2 (reduction servers) and 3 (evaluators) do not train.
+TRAINING_POOLS = ("workerpool0", "workerpool1")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    coordinator: str
+    num_processes: int
+    process_id: int
+    source: str
+    """Where the settings came from: flags, CLUSTER_SPEC or KERAS_DISTRIBUTION_*."""
+
+
+def cluster(dist, environ=os.environ) -> Cluster | None:
+    """The multi-process job this process belongs to, or None when it runs alone.
+
+    Flags win; then Vertex AI's CLUSTER_SPEC; then keras' own
+    KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID.
+    """
+    flags = (dist.coordinator, dist.num_processes, dist.process_id)
+    if any(v is not None for v in flags):
+        if any(v is None for v in flags):
+            raise UserError(
+                "a multi-host run needs all three of --coordinator HOST:PORT, --num-processes N and --process-id I"
+            )
+        found = Cluster(dist.coordinator, dist.num_processes, dist.process_id, "flags")
+    elif environ.get("CLUSTER_SPEC"):
+        found = _from_cluster_spec(environ["CLUSTER_SPEC"])
+    elif environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES") or environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES"):
+        try:
+            found = Cluster(
+                environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",")[0],
+                int(environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES", "1")),
+                int(environ.get("KERAS_DISTRIBUTION_PROCESS_ID", "0")),
+                "KERAS_DISTRIBUTION_*",
+            )
+        except ValueError:
+            raise UserError(
+                "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID must be integers"
+            ) from None
+    else:
+        return None
+    if found.num_processes == 1:
+        return None
+    if not (0 <= found.process_id < found.num_processes):
+        raise UserError(
+            f"process id {found.process_id} is out of range for {found.num_processes} processes ({found.source})"
+        )
+    if not found.coordinator or ":" not in found.coordinator:
+        raise UserError(f"the coordinator address {found.coordinator!r} ({found.source}) must be HOST:PORT")
+    return found
+
+
+def _from_cluster_spec(text: str) -> Cluster:
+    """Vertex AI's CLUSTER_SPEC: workerpool0 replica 0 is process 0 and the coordinator."""
+    try:
+        spec = json.loads(text)
+        pools = spec["cluster"]
+        task = spec["task"]
+        members = [(pool, i) for pool in TRAINING_POOLS for i in range(len(pools.get(pool, [])))]
+        coordinator = pools["workerpool0"][0]
+        me = (task["type"], int(task["index"]))
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise UserError(
+            "CLUSTER_SPEC is not the JSON Vertex AI writes (cluster.workerpool0, task.type, task.index); "
+            "unset it, or pass --coordinator, --num-processes and --process-id"
+        ) from None
+    if me not in members:
+        raise UserError(f"this worker ({me[0]} #{me[1]}) is not a training worker pool of CLUSTER_SPEC")
+    return Cluster(coordinator, len(members), members.index(me), "CLUSTER_SPEC")
+
+
+def initialize(found: Cluster | None) -> None:
+    """Join the job before anything touches the devices (a no-op for a single process)."""
+    if found is None:
+        return
+    import keras
+
+    print(
+        f"joining a job of {found.num_processes} processes as process {found.process_id}, "
+        f"coordinator {found.coordinator} ({found.source})",
+        flush=True,
+    )
+    keras.distribution.initialize(
+        job_addresses=found.coordinator, num_processes=found.num_processes, process_id=found.process_id
+    )
+
+
+def process() -> tuple[int, int]:
+    """(this process's index, the number of processes); (0, 1) without a multi-process job."""
+    import keras
+
+    if keras.config.backend() != "jax":
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:
+    """Set keras' global distribution for `dist` (before the model is built); returns what the run records.
+
+    None for `--parallel none`.
+    """
+    if dist.parallel == "none":
+        return None
+    import keras
+
+    devices = keras.distribution.list_devices()
+    data, model = layouts.parse_mesh(dist.mesh, dist.parallel, len(devices))
+    index, count = process()
+    if batch_size % data:
+        raise UserError(
+            f"--batch-size {batch_size} does not split over a data axis of {data} devices; use a multiple of {data}"
+        )
+    if batch_size % count:
+        raise UserError(f"--batch-size {batch_size} does not split over {count} processes; use a multiple of {count}")
+    if dist.parallel == "data":
+        mesh = keras.distribution.DeviceMesh((data,), (layouts.DATA_AXIS,), devices)
+        distribution = keras.distribution.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
+        groups = {}
+    else:
+        mesh = keras.distribution.DeviceMesh((data, model), (layouts.DATA_AXIS, layouts.MODEL_AXIS), devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        groups = {}
+        for placement in layouts.place(dims, model):
+            layout_map[placement.rule.pattern] = placement.axes
+            groups[placement.rule.group] = list(placement.axes)
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name=layouts.DATA_AXIS, auto_shard_dataset=False
+        )
+    # Each process feeds its own rows of every batch (batching.local): nothing for keras to shard.
+    keras.distribution.set_distribution(distribution)
+    info = {
+        "parallel": dist.parallel,
+        "mesh_shape": list(mesh.shape),
+        "axis_names": list(mesh.axis_names),
+        "devices": len(devices),
+        "processes": count,
+        "layouts": groups,
+    }
+    print(
+        f"distribution: {dist.parallel} parallel over {len(devices)} devices, mesh "
+        f"{' x '.join(f'{n} {a}' for n, a in zip(mesh.shape, mesh.axis_names))}"
+        + (f", {count} processes" if count > 1 else ""),
+        flush=True,
+    )
+    return info
+
+
+def sharding_of(variable) -> str:
+    """A variable's sharding as JAX holds it (for tests and the curious)."""
+    return str(getattr(variable.value, "sharding", None))

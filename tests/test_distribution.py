@@ -1,0 +1,334 @@
+"""Sharding and multi-host: layouts, cluster settings, and real runs on simulated CPU devices.
+
+The runs need JAX (the installed Keras's distribution API is JAX-only) and a
+device count fixed before JAX starts, so they run in subprocesses of the JAX
+suite with XLA_FLAGS=--xla_force_host_platform_device_count=N.
+"""
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BACKEND, REPO
+
+from finetune import distribution, layouts
+from finetune.config import DistributionConfig
+from finetune.errors import UserError
+
+jax_only = pytest.mark.skipif(BACKEND != "jax", reason="the distribution API is JAX-only; runs once, in the JAX suite")
+TIMEOUT = 300  # every wait is bounded: a broken collective fails the test instead of hanging it
+
+
+def spec(task_type: str, index: int, port: int = 2222, workers: int = 1) -> str:
+    """CLUSTER_SPEC as Vertex AI writes it on each worker of a custom job."""
+    return json.dumps(
+        {
+            "cluster": {
+                "workerpool0": [f"127.0.0.1:{port}"],
+                "workerpool1": [f"10.0.0.{i + 2}:2222" for i in range(workers)],
+            },
+            "environment": "cloud",
+            "task": {"type": task_type, "index": index},
+            "job": '{"worker_pool_specs": []}',
+        }
+    )
+
+
+# --- cluster settings (every backend: pure Python) ---
+
+
+def test_cluster_spec_maps_chief_and_workers_to_processes():
+    none = DistributionConfig()
+    chief = distribution.cluster(none, {"CLUSTER_SPEC": spec("workerpool0", 0, workers=2)})
+    assert (chief.coordinator, chief.num_processes, chief.process_id) == ("127.0.0.1:2222", 3, 0)
+    second = distribution.cluster(none, {"CLUSTER_SPEC": spec("workerpool1", 1, workers=2)})
+    assert (second.num_processes, second.process_id, second.source) == (3, 2, "CLUSTER_SPEC")
+
+
+def test_single_worker_cluster_spec_is_no_job():
+    solo = json.dumps({"cluster": {"workerpool0": ["host:2222"]}, "task": {"type": "workerpool0", "index": 0}})
+    assert distribution.cluster(DistributionConfig(), {"CLUSTER_SPEC": solo}) is None
+    assert distribution.cluster(DistributionConfig(), {}) is None
+
+
+def test_flags_win_over_the_environment_and_need_all_three():
+    flags = DistributionConfig(coordinator="h:1234", num_processes=4, process_id=3)
+    found = distribution.cluster(flags, {"CLUSTER_SPEC": spec("workerpool0", 0)})
+    assert (found.coordinator, found.num_processes, found.process_id, found.source) == ("h:1234", 4, 3, "flags")
+    with pytest.raises(UserError, match="all three"):
+        distribution.cluster(DistributionConfig(coordinator="h:1234"), {})
+
+
+def test_keras_distribution_variables():
+    env = {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234,10.0.0.2:1234",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+        "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+    }
+    found = distribution.cluster(DistributionConfig(), env)
+    assert (found.coordinator, found.num_processes, found.process_id) == ("10.0.0.1:1234", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"CLUSTER_SPEC": "{not json"}, "not the JSON Vertex AI writes"),
+        ({"CLUSTER_SPEC": spec("workerpool3", 0)}, "not a training worker pool"),
+        ({"KERAS_DISTRIBUTION_NUM_PROCESSES": "two"}, "must be integers"),
+        ({"KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": "5"}, "out of range"),
+    ],
+)
+def test_broken_cluster_settings_are_refused(env, message):
+    with pytest.raises(UserError, match=message):
+        distribution.cluster(DistributionConfig(), env)
+
+
+# --- layouts (every backend: pure Python) ---
+
+GEMMA_2B = layouts.Dims(256000, 18, 8, 1, 2048, 256, 16384)
+
+
+def test_one_kv_head_shards_key_and_value_on_the_hidden_axis():
+    placed = {p.rule.group: p for p in layouts.place(GEMMA_2B, 4)}
+    assert placed["query"].axes == ("model", None, None)  # 8 heads over 4
+    assert placed["key"].axes == placed["value"].axes == (None, "model", None)  # 1 head: hidden 2048 over 4
+    assert placed["ffw_gating"].axes == (None, "model") and placed["ffw_linear"].axes == ("model", None)
+    assert placed["lora_a_attention"].axes == (None, None, None)
+
+
+def test_an_indivisible_kernel_is_refused_with_its_name_and_sizes():
+    odd = layouts.Dims(vocabulary_size=1024, num_layers=2, num_query_heads=3, num_key_value_heads=1,
+                       hidden_dim=96, head_dim=32, ffw_dim=256)  # fmt: skip
+    with pytest.raises(UserError, match=r"cannot shard query .*\(3, 96, 32\).* model axis of 64"):
+        layouts.place(odd, 64)
+
+
+def test_model_axis_of_one_replicates_everything():
+    assert all(set(p.axes) <= {None} for p in layouts.place(GEMMA_2B, 1))
+
+
+@pytest.mark.parametrize(
+    "text, parallel, devices, expected",
+    [(None, "data", 8, (8, 1)), (None, "model", 8, (1, 8)), ("2x4", "model", 8, (2, 4)), ("8x1", "data", 8, (8, 1))],
+)
+def test_mesh(text, parallel, devices, expected):
+    assert layouts.parse_mesh(text, parallel, devices) == expected
+
+
+@pytest.mark.parametrize(
+    "text, parallel, message",
+    [("2x2", "model", "needs 4 devices, and 8 are visible"), ("2by4", "model", "is not DATAxMODEL"),
+     ("2x4", "data", "replicates the model")],
+)  # fmt: skip
+def test_bad_mesh(text, parallel, message):
+    with pytest.raises(UserError, match=message):
+        layouts.parse_mesh(text, parallel, 8)
+
+
+def _variable_paths(backbone) -> list[str]:
+    return [v.path for v in backbone.weights]
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_every_rule_matches_real_variables_and_no_path_matches_two(family):
+    """The rules are keyed on keras-hub's variable paths: check them against real Gemma 1 and Gemma 3 models."""
+    import keras_hub
+    from conftest import float32_policy
+
+    targets = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
+    dims = dict(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=1, hidden_dim=32,
+                intermediate_dim=64, head_dim=8)  # fmt: skip
+    with float32_policy():
+        if family == "gemma":
+            backbone = keras_hub.models.GemmaBackbone(**dims)
+        else:
+            backbone = keras_hub.models.Gemma3Backbone(image_size=None, vision_encoder=None, **dims)
+        backbone.enable_lora(2, target_layer_names=targets)
+    placements = layouts.place(layouts.Dims.from_backbone_config(dims, family), 2)
+    matched = {}
+    for variable in backbone.weights:
+        axes = layouts.layout_of(variable.path, placements)  # raises on a path two rules match
+        if axes is not None:
+            assert len(axes) == len(variable.shape), variable.path
+            matched.setdefault(next(p.rule.group for p in placements if p.axes is axes), []).append(variable)
+    assert set(matched) == {p.rule.group for p in placements}
+    # Each sharded kernel's shape is the one the rule computes from the config.
+    for placement in placements:
+        if placement.shape:
+            assert {tuple(v.shape) for v in matched[placement.rule.group]} == {placement.shape}
+
+
+# --- refusals (every backend) ---
+
+
+def test_parallel_needs_jax_and_an_explicit_batch(tiny_args, tmp_path):
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+
+    runner = CliRunner()
+    other = "torch" if BACKEND == "jax" else BACKEND
+    args = ["gemma", *tiny_args, "--output", str(tmp_path / "r")]
+    args[args.index("--backend") + 1] = other
+    done = runner.invoke(app, [*args, "--parallel", "data"])
+    assert done.exit_code == 2 and "needs the jax backend" in done.output
+    args[args.index("--backend") + 1] = "jax"
+    args[args.index("--batch-size") + 1] = "auto"
+    done = runner.invoke(app, [*args, "--parallel", "model"])
+    assert done.exit_code == 2 and "--batch-size auto does not combine" in done.output
+    done = runner.invoke(app, ["gemma", *tiny_args, "--output", str(tmp_path / "r"), "--mesh", "2x4"])
+    assert done.exit_code == 2 and "needs --parallel" in done.output
+    assert not (tmp_path / "r").exists()
+
+
+# --- real runs on simulated devices (JAX suite) ---
+
+
+def _env(devices: int, **extra) -> dict:
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _train(tmp_path: Path, name: str, *flags: str, devices: int = 8, env_extra=None, cwd=None):
+    out = tmp_path / name
+    args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", "jax", "--max-steps", "3",
+            "--precision", "float32", "--batch-size", "8", "--seq-len", "64", "--set", "train.samples=0",
+            "--output", str(out), *flags]  # fmt: skip
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(devices, **(env_extra or {})),
+        cwd=cwd,
+    )  # fmt: skip
+
+
+def _finish(proc) -> str:
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"run did not finish in {TIMEOUT}s:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def _losses(run: Path) -> list[float]:
+    with open(run / "history.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [float(r[k]) for r in rows for k in ("train_loss", "eval_loss") if r.get(k)]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The reference: the same run on one device."""
+    if BACKEND != "jax":
+        pytest.skip("the distribution API is JAX-only; runs once, in the JAX suite")
+    root = tmp_path_factory.mktemp("one")
+    output = _finish(_train(root, "one", devices=1))
+    assert "distribution" not in output
+    return root / "one"
+
+
+@jax_only
+def test_data_and_model_parallel_train_like_one_device(tmp_path, one_device):
+    runs = {
+        "data": _train(tmp_path, "data", "--parallel", "data"),
+        "model": _train(tmp_path, "model", "--parallel", "model", "--mesh", "2x4"),
+    }
+    output = {name: _finish(proc) for name, proc in runs.items()}
+    assert "mesh 8 batch" in output["data"] and "mesh 2 batch x 4 model" in output["model"]
+    reference = _losses(one_device)
+    assert len(reference) >= 4
+    for name in runs:
+        assert _losses(tmp_path / name) == pytest.approx(reference, rel=1e-4), name
+    metrics = json.loads((tmp_path / "model" / "metrics.json").read_text())
+    assert metrics["distribution"]["mesh_shape"] == [2, 4]
+    assert metrics["distribution"]["axis_names"] == ["batch", "model"]
+    assert (metrics["distribution"]["devices"], metrics["distribution"]["processes"]) == (8, 1)
+    assert metrics["eval_loss"] == pytest.approx(
+        json.loads((one_device / "metrics.json").read_text())["eval_loss"], rel=1e-4
+    )
+
+
+SHARDING_CHECK = """
+import json, sys
+import keras
+from finetune import backend, distribution, layouts, model, presets
+from finetune.config import DistributionConfig
+
+keras.config.set_dtype_policy("float32")
+out = {}
+for mesh in ("1x8", "2x4"):
+    source = presets.resolve("tiny")
+    info = distribution.setup(DistributionConfig(parallel="model", mesh=mesh), presets.dims(source), 8)
+    lm, _ = model.build(source, 64)
+    model.enable_lora(lm, 2, None, ["query", "value", "ffw_linear"])
+    out[mesh] = {v.path: [str(a) for a in v.value.sharding.spec] + [None] * (len(v.shape) - len(v.value.sharding.spec))
+                 for v in lm.backbone.weights}
+    out[mesh + " info"] = info
+    keras.distribution.set_distribution(None)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@jax_only
+def test_weights_are_sharded_as_the_layout_says(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SHARDING_CHECK], capture_output=True, text=True, env=_env(8),
+                          timeout=TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    for mesh in ("1x8", "2x4"):
+        spec = result[mesh]
+        # tiny: vocabulary 811 (prime to 8 and 4) falls back to the hidden axis; 4 heads split over 4, not 8.
+        assert spec["token_embedding/embeddings"] == ["None", "model"]
+        assert spec["decoder_block_0/attention/query/kernel"] == (
+            ["model", "None", "None"] if mesh == "2x4" else ["None", "model", "None"]
+        )
+        assert spec["decoder_block_1/attention/key/kernel"] == ["None", "model", "None"]  # one KV head
+        assert spec["decoder_block_0/ffw_gating/kernel"] == ["None", "model"]
+        assert spec["decoder_block_0/ffw_linear/kernel"] == ["model", "None"]
+        assert spec["decoder_block_0/attention/query/lora_kernel_a"] == ["None", "None", "None"]
+        assert spec["decoder_block_0/ffw_linear/lora_kernel_b"] == ["None", "None"]
+        assert spec["final_normalization/scale"] == ["None"]
+    assert result["2x4 info"]["layouts"]["key"] == [None, "model", None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@jax_only
+def test_two_processes_from_a_vertex_cluster_spec_train_as_one(tmp_path, one_device):
+    """Two workers on 127.0.0.1, two CPU devices each, joined through CLUSTER_SPEC: one data-parallel job."""
+    port = _free_port()
+    for i in range(2):
+        (tmp_path / f"tmp{i}").mkdir()
+    procs = [
+        _train(tmp_path, "job", "--parallel", "data", devices=2, cwd=tmp_path,
+               env_extra={"CLUSTER_SPEC": spec(pool, 0, port=port), "TMPDIR": str(tmp_path / f"tmp{i}")})
+        for i, pool in enumerate(("workerpool0", "workerpool1"))
+    ]  # fmt: skip
+    outputs = [_finish(p) for p in procs]
+    assert "as process 0" in outputs[0] and "as process 1" in outputs[1]
+    assert "4 devices" in outputs[0] and "2 processes" in outputs[0]
+
+    def step_losses(text):
+        return [line.split("loss ")[1].split()[0] for line in text.splitlines() if line.startswith("step ")]
+
+    assert step_losses(outputs[0]) == step_losses(outputs[1]) and len(step_losses(outputs[0])) == 3
+    assert "eval loss" in outputs[0] and "| job" not in outputs[1]  # only process 0 prints the summary
+    metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert metrics["distribution"]["processes"] == 2
+    # Only process 0 wrote: the run directory is its own, and process 1's scratch directory is gone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "tmp0", "tmp1"]
+    assert list((tmp_path / "tmp1").iterdir()) == []
+    # The job trains what one process trains on the same global batches.
+    assert _losses(tmp_path / "job") == pytest.approx(_losses(one_device), rel=1e-4)
