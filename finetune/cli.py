@@ -191,7 +191,9 @@ def gemma(
         f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}", rich_help_panel="Training"
     ),
     output: Optional[str] = _flag(
-        "Run directory. (default: runs/<timestamp>)", rich_help_panel="Output and checkpoints", metavar="DIR"
+        "Run directory. (default: runs/<timestamp>; /kaggle/working/runs/<timestamp> in a Kaggle notebook)",
+        rich_help_panel="Output and checkpoints",
+        metavar="DIR",
     ),
     overwrite: bool = typer.Option(
         False,
