@@ -6,6 +6,7 @@ Pure config and JSON: no keras, no network.
 import json
 
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
 from finetune import config, vertex
@@ -80,3 +81,13 @@ def test_a_job_that_could_not_run_exits_2_with_one_line(args, message):
     assert result.exit_code == 2, result.output
     assert result.stdout == ""  # no spec to submit by mistake
     assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_dockerfile_copies_what_pip_install_needs_and_runs_finetune():
+    """It cannot be built here (no Docker Hub): check that its COPY sources exist and are not ignored."""
+    lines = (REPO / "Dockerfile").read_text().splitlines()
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line[:1] not in "#"}
+    copied = [source for line in lines if line.startswith("COPY ") for source in line.split()[1:-1]]
+    assert {"pyproject.toml", "README.md", "finetune"} <= set(copied)  # the readme: pyproject names it
+    assert all((REPO / source).exists() and source not in ignored for source in copied)
+    assert 'ENTRYPOINT ["finetune"]' in lines and any('pip install ".[jax]"' in line for line in lines)
