@@ -1,6 +1,7 @@
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -61,6 +62,15 @@ def test_a_kaggle_notebook_is_told_by_its_run_type(monkeypatch):
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
     assert platforms.in_kaggle_notebook()
     assert platforms.runs_root() == Path("/kaggle/working/runs")
+
+
+def test_a_kaggle_notebook_stops_before_its_12_hours(kaggle_notebook, monkeypatch):
+    from finetune import train
+
+    assert 11 * 3600 < train._deadline(None) - time.monotonic() < 12 * 3600
+    assert train._deadline("off") is None
+    monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE")
+    assert train._deadline(None) is None
 
 
 def test_runs_without_output_go_to_kaggle_working(kaggle_notebook):
