@@ -111,8 +111,9 @@ def _is_keras_hub_preset(path: Path) -> bool:
 def use_kaggle_secrets() -> bool:
     """In a Kaggle notebook, put the KAGGLE_USERNAME and KAGGLE_KEY secrets into the environment for kagglehub.
 
-    Only when no credentials are set already, and only the names: the values go
-    to os.environ and nowhere else. Returns whether credentials came from there.
+    Only when no credentials are set already. The values go to os.environ and
+    nowhere else: never printed, never written. Returns whether credentials
+    came from the secrets.
     """
     if not in_kaggle_notebook() or kaggle_credentials_present():
         return False
