@@ -6,6 +6,7 @@ and it is chosen here, from the flags, before anything imports keras.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -15,6 +16,7 @@ from typing import Optional
 import typer
 
 from finetune import config as config_module
+from finetune import vertex as vertex_module
 from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.errors import RunStopped, UserError
 from finetune.presets import LEARNING_RATE
@@ -191,7 +193,9 @@ def gemma(
         f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}", rich_help_panel="Training"
     ),
     output: Optional[str] = _flag(
-        "Run directory. (default: runs/<timestamp>)", rich_help_panel="Output and checkpoints", metavar="DIR"
+        "Run directory. (default: runs/<timestamp>; /kaggle/working/runs/<timestamp> in a Kaggle notebook)",
+        rich_help_panel="Output and checkpoints",
+        metavar="DIR",
     ),
     overwrite: bool = typer.Option(
         False,
@@ -453,6 +457,65 @@ def generate(
         backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
+@app.command("vertex-spec")
+def vertex_spec(
+    recipe: str = typer.Option(..., help="A shipped recipe by name, or a YAML file the image holds at that path."),
+    machine_type: str = typer.Option(..., help="Machine type, e.g. g2-standard-8 (one L4) or a2-highgpu-1g."),
+    accelerator_type: Optional[str] = _flag(
+        "Vertex AI accelerator name, e.g. NVIDIA_L4, NVIDIA_TESLA_T4, TPU_V5_LITEPOD. (default: none, a CPU)"
+    ),
+    accelerator_count: Optional[int] = _flag("Accelerators per machine. (default: 1 with --accelerator-type, else 0)"),
+    replicas: int = typer.Option(1, help="Machines; more than 1 needs distribution.parallel data or model."),
+    image: Optional[str] = _flag(
+        f"Training container image URI (the repository's Dockerfile). {_default(vertex_module.DEFAULT_IMAGE)}"
+    ),
+    region: str = typer.Option(vertex_module.DEFAULT_REGION, help="Vertex AI region."),
+    output: Optional[str] = _flag(
+        "Run directory, gs://BUCKET/PATH. (default: none; the run then writes to AIP_MODEL_DIR)", metavar="GS_PATH"
+    ),
+    set_: Optional[list[str]] = typer.Option(
+        None,
+        "--set",
+        help="A config key for the job, e.g. --set train.epochs=2; repeatable.",
+        show_default=False,
+        metavar="KEY=VALUE",
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
+):
+    """Print a Vertex AI custom job spec (JSON) that trains a recipe, and the gcloud command that submits it."""
+    try:
+        _refuse_empty({"--recipe": recipe, "--image": image, "--region": region, "--output": output})
+        settings = list(set_ or [])
+        count = accelerator_count if accelerator_count is not None else (1 if accelerator_type else 0)
+        machine = vertex_module.Machine(machine_type, accelerator_type, count)
+        vertex_module.check(recipe, machine, replicas, output, settings)
+        spec = vertex_module.job_spec(
+            recipe, machine, replicas, image or vertex_module.DEFAULT_IMAGE.format(region=region), output, settings
+        )
+        print(json.dumps(spec, indent=2))
+        if not vertex_module.shipped(recipe):
+            print(
+                f"note: recipe {recipe} is not a shipped one: the image must hold it at that path "
+                "(COPY it in), or use a shipped recipe with --set",
+                file=sys.stderr,
+            )
+        if image is None:
+            print("note: no --image; replace PROJECT in imageUri with your project, or pass --image", file=sys.stderr)
+        if output is None:
+            print(
+                "note: no --output; the run writes to AIP_MODEL_DIR, which Vertex AI sets only for a job with a "
+                "base output directory: pass --output gs://BUCKET/PATH to choose",
+                file=sys.stderr,
+            )
+        command = vertex_module.gcloud_command(region, vertex_module.display_name(recipe))
+        print(f"submit it, saved as spec.json (> spec.json), with:\n  {command}", file=sys.stderr)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
 

@@ -128,7 +128,7 @@ class DistributionConfig:
 @dataclass
 class OutputConfig:
     dir: Optional[str] = None
-    """Where the run's files go; None means runs/<timestamp>/."""
+    """Where the run's files go; None means runs/<timestamp>/ (under /kaggle/working in a Kaggle notebook)."""
     overwrite: bool = False
     """Replace a run already in `dir`."""
 

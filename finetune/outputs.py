@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune import checkpoint, storage
+from finetune import checkpoint, platforms, storage
 from finetune.errors import UserError
 
 ADAPTER = "adapter.lora.h5"
@@ -62,7 +62,8 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Path:
 
 
 def default_dir() -> Path:
-    path = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """runs/<timestamp>, under /kaggle/working in a Kaggle notebook (platforms.runs_root)."""
+    path = platforms.runs_root() / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     _check_writable(path)
     return path
 

@@ -1,14 +1,26 @@
-"""Where a run happens: credentials and reachability of the hubs we download from.
+"""Where a run happens: credentials and reachability of the hubs we download from, and Kaggle notebooks.
 
 Checked up front so that an offline machine gets a clear message in seconds
-instead of a download library's retries.
+instead of a download library's retries. In a Kaggle notebook a run reads a
+model attached under /kaggle/input instead of downloading it, writes under
+/kaggle/working (the part of the disk a notebook keeps), and takes Kaggle
+credentials from the notebook's secrets.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import socket
 from pathlib import Path
+
+# Kaggle mounts attached models read-only at <input>/<model>/<framework>/<variation>/<version>,
+# and keeps what a notebook writes under <working>. The variables move them for tests.
+KAGGLE_INPUT = "/kaggle/input"
+KAGGLE_WORKING = "/kaggle/working"
+# The notebook secrets kagglehub reads, when the notebook's owner has added them (Add-ons > Secrets).
+KAGGLE_SECRETS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
 
 def reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
@@ -42,3 +54,84 @@ def use_hugging_face_cache_only_when_offline() -> None:
     if not os.environ.get("HF_HUB_OFFLINE") and not reachable("huggingface.co"):
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+def in_kaggle_notebook() -> bool:
+    """Kaggle sets KAGGLE_KERNEL_RUN_TYPE (Interactive or Batch) in every notebook session."""
+    return bool(os.environ.get("KAGGLE_KERNEL_RUN_TYPE"))
+
+
+def kaggle_input() -> Path:
+    return Path(os.environ.get("FINETUNE_KAGGLE_INPUT") or KAGGLE_INPUT)
+
+
+def kaggle_working() -> Path:
+    return Path(os.environ.get("FINETUNE_KAGGLE_WORKING") or KAGGLE_WORKING)
+
+
+def runs_root() -> Path:
+    """Where a run without --output goes: /kaggle/working/runs in a Kaggle notebook, else ./runs.
+
+    A notebook's current directory is /kaggle/working already, but a notebook
+    that changed it would otherwise lose its runs when the session ends.
+    """
+    return kaggle_working() / "runs" if in_kaggle_notebook() else Path("runs")
+
+
+def attached_preset(handle: str) -> Path | None:
+    """The keras-hub preset directory attached under /kaggle/input for a preset name or kaggle:// handle.
+
+    A name (gemma_2b_en) is the variation, in any model and framework; a
+    handle (kaggle://keras/gemma/keras/gemma_2b_en/2) also fixes the model and,
+    when it names one, the version. Of several versions the newest wins.
+    """
+    parts = handle.removeprefix("kaggle://").split("/") if handle.startswith("kaggle://") else []
+    if parts and len(parts) < 4:
+        return None  # not owner/model/framework/variation[/version]: nothing to match
+    model, framework, variation = (glob.escape(p) for p in parts[1:4]) if parts else ("*", "*", glob.escape(handle))
+    version = glob.escape(parts[4]) if len(parts) > 4 else "*"
+    found = [c.parent for c in kaggle_input().glob(f"{model}/{framework}/{variation}/{version}/config.json")]
+    found = [path for path in found if _is_keras_hub_preset(path)]
+    return max(found, key=_version_order, default=None)
+
+
+def _version_order(path: Path) -> tuple[int, int | str]:
+    return (1, int(path.name)) if path.name.isdigit() else (0, path.name)
+
+
+def _is_keras_hub_preset(path: Path) -> bool:
+    """keras-hub's config.json names a class; a Transformers or JAX checkpoint's does not."""
+    try:
+        described = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(described, dict) and "class_name" in described
+
+
+def use_kaggle_secrets() -> bool:
+    """In a Kaggle notebook, put the KAGGLE_USERNAME and KAGGLE_KEY secrets into the environment for kagglehub.
+
+    Only when no credentials are set already. The values go to os.environ and
+    nowhere else: never printed, never written. Returns whether credentials
+    came from the secrets.
+    """
+    if not in_kaggle_notebook() or kaggle_credentials_present():
+        return False
+    try:
+        from kaggle_secrets import UserSecretsClient  # only importable inside a Kaggle notebook
+
+        client = UserSecretsClient()
+    except Exception:  # noqa: BLE001 - no secrets service: the credential check that follows explains
+        return False
+    found = {}
+    for name in KAGGLE_SECRETS:
+        if os.environ.get(name):
+            continue
+        try:
+            value = client.get_secret(name)
+        except Exception:  # noqa: BLE001 - a secret not added to this notebook raises; its message is not ours
+            continue
+        if isinstance(value, str) and value.strip():
+            found[name] = value.strip()
+    os.environ.update(found)
+    return bool(found) and kaggle_credentials_present()

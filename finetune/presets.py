@@ -2,7 +2,9 @@
 
 A preset is one of: `tiny` (built here, offline), a local preset directory
 (made by save_to_preset, or attached under /kaggle/input), a `kaggle://`
-handle, or a keras-hub preset name such as gemma_2b_en or gemma3_1b.
+handle, or a keras-hub preset name such as gemma_2b_en or gemma3_1b. In a
+Kaggle notebook, a name or handle whose model is attached is read from
+/kaggle/input instead of being downloaded.
 Kaggle-hosted ones need credentials; without them we stop in seconds with
 instructions instead of waiting on a download that cannot work.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +59,9 @@ def resolve(preset: str) -> Source:
     path = Path(preset).expanduser()
     if path.is_dir():
         return Source("local", str(path), _family_of_directory(path))
+    attached = _attached_in_kaggle_notebook(preset)
+    if attached is not None:
+        return Source("local", str(attached), _family_of_directory(attached))
     if preset.startswith("kaggle://"):
         family = "gemma3" if "gemma3" in preset or "gemma-3" in preset else "gemma"
         source = Source("hub", preset, family)
@@ -68,6 +74,16 @@ def resolve(preset: str) -> Source:
         source = Source("hub", preset, _family_of_name(preset))
     _check_hub_access(source.handle)
     return source
+
+
+def _attached_in_kaggle_notebook(preset: str) -> Path | None:
+    """In a Kaggle notebook, the attached copy of a hub preset, so that nothing is downloaded."""
+    if not platforms.in_kaggle_notebook() or not (preset.startswith("kaggle://") or "/" not in preset):
+        return None
+    attached = platforms.attached_preset(preset)
+    if attached is not None:
+        print(f"note: using {preset} attached at {attached} instead of downloading it", file=sys.stderr)
+    return attached
 
 
 def _family_of_directory(path: Path) -> str:
@@ -111,12 +127,14 @@ def _family_of_name(name: str) -> str:
 def _check_hub_access(handle: str) -> None:
     if platforms.in_kagglehub_cache(handle):
         return
+    if platforms.use_kaggle_secrets():
+        print("note: using the Kaggle credentials from this notebook's secrets", file=sys.stderr)
     if not platforms.kaggle_credentials_present():
         raise UserError(
             f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
             "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
-            "license on kaggle.com;\nin a Kaggle notebook, attach the model and pass its /kaggle/input/... "
-            "directory as --preset; or run offline with --preset tiny"
+            "license on kaggle.com;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
+            "or add KAGGLE_USERNAME and KAGGLE_KEY as notebook secrets; or run offline with --preset tiny"
         )
     if not platforms.reachable("www.kaggle.com"):
         raise UserError(

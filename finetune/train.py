@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -32,6 +31,7 @@ from finetune import (
     model,
     outputs,
     packing,
+    platforms,
     presets,
     scoring,
     templates,
@@ -339,7 +339,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
 def _deadline(time_limit: str | None) -> float | None:
     """The time.monotonic() instant to stop by, from --time-limit (11h30m by default in a Kaggle notebook)."""
-    if time_limit is None and os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+    if time_limit is None and platforms.in_kaggle_notebook():
         time_limit = KAGGLE_TIME_LIMIT
     if time_limit is None or time_limit == "off":
         return None

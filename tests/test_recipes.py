@@ -39,6 +39,18 @@ def test_tiny_recipe_is_the_offline_quickstart():
     assert cfg.data.path == SAMPLE
 
 
+def test_kaggle_recipes_fit_their_accelerators():
+    t4 = config.load("kaggle-2xt4")
+    assert (t4.distribution.parallel, t4.distribution.mesh) == ("data", None)
+    assert t4.model.precision == "float32"  # a T4 has no bf16
+    tpu = config.load("kaggle-tpu")
+    assert (tpu.distribution.parallel, tpu.distribution.mesh) == ("model", "1x8")  # a v3-8's 8 cores
+    assert tpu.model.precision == "mixed_bfloat16"
+    assert config.parse_duration(tpu.train.time_limit) < 9 * 3600  # Kaggle's TPU sessions end at 9 hours
+    for cfg in (t4, tpu):
+        assert cfg.backend == "jax" and cfg.output.dir is None  # /kaggle/working/runs/<timestamp> in a notebook
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_setting_says_why(recipe):
     for number, line in enumerate(recipe.read_text(encoding="utf-8").splitlines(), start=1):
@@ -65,7 +77,7 @@ def test_a_local_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["nope", "recipes/nope.yaml"])
 def test_an_unknown_recipe_lists_the_shipped_ones(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match="gemma-2b-dolly, gemma3-1b, tiny"):
+    with pytest.raises(UserError, match=", ".join(recipe.stem for recipe in RECIPES)):
         config.load(name)
 
 
