@@ -351,6 +351,10 @@ def _build(cls, data: Any, prefix: str):
 def _coerce(key: str, hint, value):
     """Check `value` against the annotation; ints pass where floats are wanted."""
     allowed = typing.get_args(hint) or (hint,)
+    if str in allowed and bool not in allowed and isinstance(value, bool):
+        # YAML 1.1 reads a bare on/off (also yes/no, true/false) as a boolean; our word settings
+        # (packing, time limit) take the words on and off.
+        value = "on" if value else "off"
     if float in allowed and isinstance(value, str):
         # YAML 1.1 reads 5e-5 (no dot) as a string, and people write rates that way.
         try:

@@ -120,3 +120,12 @@ def test_names_that_are_not_paths_stay_as_given(tmp_path, monkeypatch):
         assert config.load(None, {"data.path": data_path}).data.path == data_path
     for preset in ("tiny", "gemma_2b_en", "kaggle://keras/gemma/keras/gemma_2b_en"):
         assert config.load(None, {"model.preset": preset}).model.preset == preset
+
+
+def test_bare_on_and_off_reach_word_settings_as_words(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: --set train.time_limit=off and `packing: off` must still mean off."""
+    cfg = config.load(None, dict([config.parse_set("train.time_limit=off"), config.parse_set("data.packing=on")]))
+    assert (cfg.train.time_limit, cfg.data.packing) == ("off", "on")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  packing: off\n")
+    assert config.load(recipe).data.packing == "off"

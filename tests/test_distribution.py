@@ -332,3 +332,35 @@ def test_two_processes_from_a_vertex_cluster_spec_train_as_one(tmp_path, one_dev
     assert list((tmp_path / "tmp1").iterdir()) == []
     # The job trains what one process trains on the same global batches.
     assert _losses(tmp_path / "job") == pytest.approx(_losses(one_device), rel=1e-4)
+
+
+API_RUN = """
+import sys
+import finetune
+from finetune import config
+
+cfg = config.load("kaggle-2xt4", {"model.preset": "tiny", "data.path": "sample", "model.seq_len": 64,
+                                  "train.max_steps": 2, "train.samples": 0, "train.batch_size": 4,
+                                  "output.dir": sys.argv[1]})
+metrics = finetune.run(cfg)
+print("DISTRIBUTION", metrics["distribution"]["parallel"], metrics["distribution"]["devices"])
+"""
+
+
+@jax_only
+def test_kaggle_recipes_shard_from_the_cli_and_the_python_api(tmp_path):
+    """kaggle-tpu (model parallel, 1x8) from the CLI on 8 devices; kaggle-2xt4 (data parallel) from Python on 2."""
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "gemma", "--recipe", "kaggle-tpu", "--preset", "tiny", "--data", "sample",
+         "--seq-len", "64", "--max-steps", "2", "--set", "train.samples=0", "--set", "train.time_limit=off",
+         "--output", str(tmp_path / "tpu")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(8),
+    )  # fmt: skip
+    api = subprocess.Popen(
+        [sys.executable, "-c", API_RUN, str(tmp_path / "t4")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(2),
+    )  # fmt: skip
+    assert "mesh 1 batch x 8 model" in _finish(cli)
+    assert "DISTRIBUTION data 2" in _finish(api)
+    for run in ("tpu", "t4"):
+        assert (tmp_path / run / "metrics.json").is_file()
