@@ -166,3 +166,11 @@ def test_devices_without_a_mesh_and_kaggle_handles():
         8, **{"model.preset": "kaggle://keras/gemma/keras/gemma_instruct_7b_en/3", "distribution.parallel": "model"}
     )
     assert (planned.data, planned.model_axis, planned.parameters) == (1, 8, PUBLISHED["gemma_7b_en"])
+
+
+def test_int4_packs_the_kernels_but_the_float_base_loads_first():
+    float_plan = make(**{"model.preset": "gemma_7b_en", "model.precision": "bfloat16"})
+    int4 = make(device="t4", **{"model.preset": "gemma_7b_en", "model.precision": "bfloat16", "model.quantize": "int4"})
+    assert int4.memory["weights"] < 0.3 * float_plan.memory["weights"]
+    assert int4.load_peak == pytest.approx(float_plan.memory["weights"])
+    assert not int4.fits and "loads whole before --quantize int4" in int4.verdict
