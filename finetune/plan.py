@@ -435,7 +435,7 @@ _ROWS = {
     "lora_gradients": "LoRA gradients",
     "optimizer": "AdamW moments",
     "activations": "activations",
-    "logits": "logits and their gradient",
+    "logits": "logits, log-softmax, gradient",
 }
 
 
