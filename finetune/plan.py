@@ -106,7 +106,10 @@ def model_of(preset: str) -> Model:
     if path.is_dir():
         family, config = presets.directory_backbone(path)
         vision = config.get("vision_encoder")
-        vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
+        try:
+            vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path / 'config.json'}: its vision_encoder config lacks a usable {e}") from None
         return _model(str(path), family, config, vision_params)
     # kaggle://keras/gemma/keras/gemma_2b_en/3 names the variant in its fourth part.
     parts = preset.removeprefix("kaggle://").split("/") if preset.startswith("kaggle://") else [preset]
