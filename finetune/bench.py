@@ -29,27 +29,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from finetune import archs, presets
 from finetune.errors import UserError
 
 # Gemma architectures in keras_hub.models.GemmaBackbone terms. cpu-small is the
-# shared benchmark workload's; gemma-2b and gemma-7b are the released models' dims.
+# shared benchmark workload's; gemma-2b and gemma-7b are the released models' (archs.py).
+_RELEASED = {"gemma-2b": archs.ARCHS["gemma_2b_en"].config, "gemma-7b": archs.ARCHS["gemma_7b_en"].config}
 ARCHS = {
-    "tiny": dict(
-        num_layers=2, num_query_heads=4, num_key_value_heads=1, hidden_dim=128, intermediate_dim=512, head_dim=32
-    ),
+    "tiny": presets.TINY_CONFIG,
     "cpu-small": dict(
         num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
     ),
-    "gemma-2b": dict(
-        num_layers=18, num_query_heads=8, num_key_value_heads=1, hidden_dim=2048, intermediate_dim=32768, head_dim=256
-    ),
-    "gemma-7b": dict(
-        num_layers=28, num_query_heads=16, num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49152, head_dim=256
-    ),
+    **{name: {k: v for k, v in c.items() if k != "vocabulary_size"} for name, c in _RELEASED.items()},
 }
 # The released models' vocabulary; the small archs take the tokenizer's. Ids of
 # a small tokenizer are valid ids of a larger vocabulary, and the logits cost is the real one.
-VOCAB = {"gemma-2b": 256000, "gemma-7b": 256000}
+VOCAB = {name: c["vocabulary_size"] for name, c in _RELEASED.items()}
 BACKENDS = ("jax", "torch", "tensorflow")
 RECIPES = ("finetune", "tutorial")
 LEVERS = {"packing": "packing off", "precision": "float32", "int8": "int8 base", "int4": "int4 base"}

@@ -19,6 +19,7 @@ from finetune import config as config_module
 from finetune import vertex as vertex_module
 from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.errors import RunStopped, UserError
+from finetune.plan import DEVICES as PLAN_DEVICES
 from finetune.presets import LEARNING_RATE
 
 try:  # recent typer (0.29 here) vendors click: it raises its own copy's exceptions, not the `click` package's
@@ -295,6 +296,12 @@ def gemma(
         rich_help_panel="Recipe and diagnostics",
         metavar="KEY=VALUE",
     ),
+    plan_only: bool = typer.Option(
+        False,
+        "--plan-only",
+        help="Print the run's per-device memory plan (as `finetune plan`) and exit; loads and writes nothing.",
+        rich_help_panel="Recipe and diagnostics",
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Recipe and diagnostics"),
     verbose: bool = typer.Option(
         False,
@@ -354,6 +361,9 @@ def gemma(
 
             base = checkpoint.settings_to_resume(output)
         cfg = config_module.load(recipe, overrides, base=base)
+        if plan_only:  # before finetune.run: no keras, no download, nothing written
+            _print_plan(cfg, None, None)
+            return
         import finetune
 
         finetune.run(cfg, resume=resume)
@@ -361,6 +371,127 @@ def gemma(
         raise
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         _fail(error, debug)
+
+
+@app.command()
+def plan(
+    preset: Optional[str] = _flag(
+        f"gemma_2b_en, gemma_7b_en, gemma2_*, gemma3_* (offline: a table of their shapes), a local preset "
+        f"directory, or `tiny`. {_default(D.model.preset)}",
+        rich_help_panel="Model",
+        metavar="NAME|DIR",
+    ),
+    seq_len: Optional[int] = _flag(
+        f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"
+    ),
+    batch_size: Optional[str] = _flag(
+        "Sequences per step, or `auto` for the largest that fits --device-memory. "
+        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items())),
+        rich_help_panel="Model",
+        metavar="N|auto",
+    ),
+    precision: Optional[str] = _flag(
+        f"auto, float32, mixed_bfloat16 or bfloat16; auto follows the device's bf16 support. "
+        f"{_default(D.model.precision)}",
+        rich_help_panel="Model",
+        metavar="auto|float32|mixed_bfloat16|bfloat16",
+    ),
+    quantize: Optional[str] = _flag(
+        "int4: plan a quantized frozen base. (default: none)", rich_help_panel="Model", metavar="int4"
+    ),
+    backend: Optional[str] = _flag(
+        "Keras backend the run would use. (default: $KERAS_BACKEND if set, else jax)",
+        rich_help_panel="Model",
+        metavar="jax|torch|tensorflow",
+    ),
+    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}", rich_help_panel="LoRA"),
+    target: Optional[list[str]] = _flag(
+        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}",
+        rich_help_panel="LoRA",
+        metavar="LAYER",
+    ),
+    parallel: Optional[str] = _flag(
+        f"none (one device), data or model. {_default(D.distribution.parallel)}",
+        rich_help_panel="Devices",
+        metavar="none|data|model",
+    ),
+    mesh: Optional[str] = _flag(
+        "DATAxMODEL device mesh, e.g. 1x8; its sizes multiply to the device count.",
+        rich_help_panel="Devices",
+        metavar="DxM",
+    ),
+    devices: Optional[int] = _flag(
+        "Devices to plan for, without --mesh: all on the data axis (data) or the model axis (model). "
+        "(default: the mesh's, or 1)",
+        rich_help_panel="Devices",
+    ),
+    device_memory: Optional[str] = _flag(
+        "Memory of one device, to say whether the plan fits: a size (16GB, 16GiB) or a kind: "
+        f"{', '.join(PLAN_DEVICES)}, cpu. (default: no verdict)",
+        rich_help_panel="Devices",
+        metavar="SIZE|KIND",
+    ),
+    json_out: bool = typer.Option(
+        False,
+        "--json",
+        help="Print the plan as JSON (bytes per device) instead of the table.",
+        rich_help_panel="Output",
+    ),
+    recipe: Optional[str] = _flag(
+        "YAML recipe file, or a shipped recipe by name; flags and --set override it.",
+        rich_help_panel="Recipe and diagnostics",
+        metavar="FILE|NAME",
+    ),
+    set_: Optional[list[str]] = typer.Option(
+        None,
+        "--set",
+        help="Any config key, e.g. --set lora.rank=8; repeatable.",
+        show_default=False,
+        rich_help_panel="Recipe and diagnostics",
+        metavar="KEY=VALUE",
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Recipe and diagnostics"),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        help="Accepted for symmetry with the other commands; plan loads no framework.",
+        rich_help_panel="Recipe and diagnostics",
+    ),
+):
+    """Print each device's memory for a run, layout by layout, without loading weights (offline, no keras)."""
+    try:
+        _refuse_empty({"--recipe": recipe, "--mesh": mesh, "--device-memory": device_memory})
+        overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
+        flags = {
+            "backend": backend,
+            "model.preset": preset,
+            "model.seq_len": seq_len,
+            "model.precision": precision,
+            "model.quantize": quantize,
+            "lora.rank": rank,
+            "lora.targets": _split_list(target),
+            "train.batch_size": _batch_size(batch_size),
+            "distribution.parallel": parallel,
+            "distribution.mesh": mesh,
+        }
+        overrides.update({k: v for k, v in flags.items() if v is not None})
+        cfg = config_module.load(recipe, overrides)
+        _print_plan(cfg, devices, device_memory, json_out)
+    except typer.Exit:
+        raise
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
+def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: bool = False) -> None:
+    from finetune import plan as plan_module
+
+    target = plan_module.device(device_memory) if device_memory is not None else None
+    planned = plan_module.make(cfg, devices, target)
+    if json_out:
+        print(json.dumps(plan_module.as_dict(planned), indent=2))
+    else:
+        print(plan_module.table(planned))
 
 
 @app.command()

@@ -107,6 +107,15 @@ def _family_of_directory(path: Path) -> str:
     raise UserError(f"{path} holds a {class_name or 'non-Gemma'} model; finetune trains Gemma presets only")
 
 
+def directory_backbone(path: Path) -> tuple[str, dict]:
+    """The family and backbone config ("config" in config.json) of a local preset directory."""
+    family = _family_of_directory(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8")).get("config")
+    if not isinstance(config, dict):
+        raise UserError(f'{path / "config.json"} has no backbone "config" mapping; re-create it with save_to_preset')
+    return family, config
+
+
 def known_names() -> dict[str, str]:
     import keras_hub
 

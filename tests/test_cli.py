@@ -27,7 +27,7 @@ def help_text(*args) -> str:
 
 def test_help_lists_every_option_with_its_default():
     top = help_text()
-    for command in ("gemma", "bench", "eval", "generate", "runs", "recipes", "vertex-spec"):
+    for command in ("gemma", "plan", "bench", "eval", "generate", "runs", "recipes", "vertex-spec"):
         assert command in top
     # Whole command descriptions and shell completion.
     assert "compare tokens/s, MFU and memory." in top and "--install-completion" in top

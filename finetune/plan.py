@@ -1,0 +1,485 @@
+"""`finetune plan`: what a run would hold in each device's memory, worked out before anything loads.
+
+Pure Python and offline: the architecture comes from archs.py (or a local
+preset's config.json), each kernel's layout from layouts.place, and the
+bytes from the run's config. No keras, no weights, no network, so it answers
+in a fraction of a second and on a laptop for a pod.
+
+The counts are estimates of what the training step keeps alive at its peak.
+Left out, and covered by the headroom: the runtime's workspace, XLA's
+temporaries, and under mixed precision the bfloat16 copies of the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune import archs, layouts, presets
+from finetune.backend import DEFAULT_BATCH_SIZE
+from finetune.config import Config
+from finetune.errors import UserError
+
+GiB = 2**30
+# A plan that needs more than this share of the usable memory is called tight: XLA's and cuDNN's
+# workspaces, and fragmentation, take a few percent that no count here sees.
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Device:
+    memory: int
+    """Bytes of accelerator memory one device (a GPU, a TPU core or chip) offers, as its runtime reports it."""
+    bfloat16: bool
+    """Whether precision `auto` picks mixed_bfloat16 on it."""
+    what: str
+
+
+# Memory as nvidia-smi or the TPU runtime reports it, which is a little under the marketing figure.
+DEVICES = {
+    "t4": Device(15 * GiB, False, "NVIDIA T4, 16 GB (Kaggle, Colab)"),
+    "p100": Device(16 * GiB, False, "NVIDIA P100, 16 GB (Kaggle)"),
+    "v100": Device(16 * GiB, False, "NVIDIA V100, 16 GB"),
+    "l4": Device(22 * GiB + 512 * 2**20, True, "NVIDIA L4, 24 GB"),
+    "a10g": Device(22 * GiB + 512 * 2**20, True, "NVIDIA A10G, 24 GB"),
+    "a100-40g": Device(40 * GiB, True, "NVIDIA A100, 40 GB"),
+    "a100-80g": Device(80 * GiB, True, "NVIDIA A100, 80 GB"),
+    "h100": Device(79 * GiB + 648 * 2**20, True, "NVIDIA H100, 80 GB"),
+    "h200": Device(140 * GiB + 410 * 2**20, True, "NVIDIA H200, 141 GB"),
+    "v3-8": Device(16 * GiB, True, "TPU v3, 16 GiB per core (8 cores in a v3-8)"),
+    "v4": Device(32 * GiB, True, "TPU v4, 32 GiB per chip"),
+    "v5e": Device(16 * GiB, True, "TPU v5e, 16 GiB per chip"),
+    "v5p": Device(95 * GiB, True, "TPU v5p, 95 GiB per chip"),
+    "v6e": Device(32 * GiB, True, "TPU v6e, 32 GiB per chip"),
+}
+ALIASES = {"v3": "v3-8", "a100": "a100-40g", "v4-8": "v4", "v5e-8": "v5e", "v5litepod-8": "v5e", "v6e-8": "v6e"}
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+UNITS["tib"] = 2**40
+
+
+def device(text: str) -> tuple[str, Device]:
+    """--device-memory: a size (16GB, 15.5GiB, 512MiB), a known kind (t4, h100, v3-8), or cpu (this host's RAM)."""
+    key = text.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in DEVICES:
+        return key, DEVICES[key]
+    if key == "cpu":
+        from finetune import backend
+
+        return "cpu", Device(_host_memory(), backend.cpu_has_bfloat16(), "this host's memory")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
+    if match and match.group(2) in UNITS and float(match.group(1)) > 0:
+        size = int(float(match.group(1)) * UNITS[match.group(2)])
+        return text.strip(), Device(size, True, f"{text.strip()} per device")
+    kinds = ", ".join([*DEVICES, "cpu"])
+    raise UserError(
+        f"--device-memory {text!r} is neither a size with a unit (16GB, 16GiB, 512MiB) nor a known device ({kinds})"
+    )
+
+
+def _host_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise UserError("cannot read this host's memory from /proc/meminfo; pass --device-memory SIZE")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    family: str
+    dims: layouts.Dims
+    config: dict = field(hash=False)
+    vision_params: int = 0
+
+
+def model_of(preset: str) -> Model:
+    """The architecture a --preset names, without loading or downloading it."""
+    if preset == "tiny":
+        import sentencepiece
+
+        vocabulary = sentencepiece.SentencePieceProcessor(model_file=str(presets.TINY_TOKENIZER)).get_piece_size()
+        return _model("tiny", "gemma", dict(presets.TINY_CONFIG, vocabulary_size=vocabulary))
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        family, config = presets.directory_backbone(path)
+        vision = config.get("vision_encoder")
+        try:
+            vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path / 'config.json'}: its vision_encoder config lacks a usable {e}") from None
+        return _model(str(path), family, config, vision_params)
+    # kaggle://keras/gemma/keras/gemma_2b_en/3 names the variant in its fourth part.
+    parts = preset.removeprefix("kaggle://").split("/") if preset.startswith("kaggle://") else [preset]
+    name = parts[3] if len(parts) > 3 else parts[0] if len(parts) == 1 else ""
+    arch = archs.lookup(name) if name else None
+    if arch is None:
+        raise UserError(
+            f"no architecture table for preset {preset!r}, and it is not a local directory; `finetune plan` knows "
+            f"{', '.join(archs.ARCHS)} (and their instruct variants), tiny, and preset directories"
+        )
+    return _model(name, arch.family, arch.config, arch.vision_params)
+
+
+def _model(name: str, family: str, config: dict, vision_params: int = 0) -> Model:
+    try:
+        dims = layouts.Dims.from_backbone_config(config, family)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"preset {name}: its backbone config lacks a usable {e}") from None
+    return Model(name, family, dims, config, vision_params)
+
+
+@dataclass
+class Group:
+    name: str
+    shape: tuple[int, ...]
+    copies: int
+    """How many variables of this shape: one per decoder block, or 1."""
+    layout: str
+    bytes_per_device: float
+
+
+@dataclass
+class Plan:
+    model: Model
+    parameters: int
+    data: int
+    model_axis: int
+    precision: str
+    quantize: str | None
+    batch_size: int
+    seq_len: int
+    lora_rank: int
+    lora_targets: list[str]
+    lora_parameters: int
+    groups: list[Group]
+    memory: dict[str, float]
+    """Bytes per device: weights, lora_weights, lora_gradients, optimizer, activations, logits, total."""
+    notes: list[str]
+    load_peak: float = 0.0
+    """With --quantize: bytes per device of the float weights, which load before they are quantized."""
+    device_name: str | None = None
+    usable: float | None = None
+    fits: bool | None = None
+    verdict: str = ""
+
+
+# precision → (bytes of a stored variable, bytes of a computed activation). mixed_bfloat16 keeps every
+# variable, the frozen base included, in float32 and computes in bfloat16 (keras' DTypePolicy).
+_BYTES = {"float32": (4, 4), "mixed_bfloat16": (4, 2), "bfloat16": (2, 2)}
+_DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw"}
+
+
+def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | None = None) -> Plan:
+    """The per-device memory plan of the run `cfg` describes on `devices` devices of kind `target`."""
+    model = model_of(cfg.model.preset)
+    data, model_size = _mesh(cfg, devices)
+    placements = layouts.place(model.dims, model_size)  # a UserError naming the kernel when indivisible
+    notes: list[str] = []
+    precision = cfg.model.precision
+    if precision == "auto":
+        precision = "mixed_bfloat16" if target is None or target[1].bfloat16 else "float32"
+        notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
+    batch = cfg.train.batch_size
+    if batch is None:
+        batch = DEFAULT_BATCH_SIZE[cfg.backend]
+    kernels = [p for p in placements if p.shape]
+    groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
+    lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)
+    variable_bytes = _BYTES[precision][0]
+    memory = {
+        "weights": sum(g.bytes_per_device for g in groups),
+        # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each.
+        "lora_weights": lora * variable_bytes,
+        "lora_gradients": lora * variable_bytes,
+        "optimizer": 2 * lora * variable_bytes,
+    }
+    per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
+    seq_len = cfg.model.seq_len
+    memory["activations"] = per_device * _activations_per_sequence(model, kernels, seq_len, precision, model_size)
+    memory["logits"] = per_device * _logits_per_sequence(model, kernels, seq_len, precision, model_size)
+    memory["total"] = sum(memory.values())
+    plan = Plan(
+        model=model,
+        parameters=archs.parameter_count(model.config, model.family, model.vision_params),
+        data=data,
+        model_axis=model_size,
+        precision=precision,
+        quantize=cfg.model.quantize,
+        batch_size=per_device * data if cfg.train.batch_size == "auto" else batch,
+        seq_len=cfg.model.seq_len,
+        lora_rank=cfg.lora.rank,
+        lora_targets=list(cfg.lora.targets),
+        lora_parameters=lora,
+        groups=groups,
+        memory=memory,
+        notes=notes + [p.rule.group + ": " + p.note for p in kernels if p.note.startswith("dimension")],
+    )
+    if cfg.model.quantize:
+        # model.build quantizes after from_preset has loaded the float base (README: Not yet).
+        plan.load_peak = sum(g.bytes_per_device for g in _weight_groups(model, kernels, precision, None, model_size))
+        plan.notes.append(
+            f"{cfg.model.quantize}: the base loads in float before it is quantized: {_size(plan.load_peak)}"
+        )
+    if target is not None:
+        _judge(plan, target, cfg)
+        if cfg.train.batch_size == "auto":
+            _largest_batch(plan)
+    elif cfg.train.batch_size == "auto":
+        plan.notes.append("batch auto: planned at one sequence per device; --device-memory finds the largest that fits")
+    return plan
+
+
+def _mesh(cfg: Config, devices: int | None) -> tuple[int, int]:
+    parallel, mesh = cfg.distribution.parallel, cfg.distribution.mesh
+    if parallel == "none":
+        if devices not in (None, 1):
+            raise UserError(f"--devices {devices} needs --parallel data or --parallel model; none uses one device")
+        return 1, 1
+    if devices is None:
+        if mesh is None:
+            raise UserError(
+                f"--parallel {parallel} plans over how many devices? pass --mesh DxM (or --devices N to `finetune plan`)"
+            )
+        match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", mesh)
+        devices = int(match.group(1)) * int(match.group(2)) if match else 1  # parse_mesh words a bad mesh
+    if devices < 1:
+        raise UserError(f"--devices must be at least 1, got {devices}")
+    return layouts.parse_mesh(mesh, parallel, devices)
+
+
+def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, model_size: int) -> list[Group]:
+    variable_bytes = _BYTES[precision][0]
+    layers = model.dims.num_layers
+    groups = []
+    for p in kernels:
+        copies = 1 if p.rule.group == "embedding" else layers
+        count = math.prod(p.shape) * copies
+        if quantize == "int4":
+            # Two weights a byte, and a float32 scale per output channel (about one per hidden_dim weights).
+            size = count / 2 + 4 * count / model.dims.hidden_dim
+        else:
+            size = count * variable_bytes
+        sharded = layouts.MODEL_AXIS in p.axes
+        if sharded:
+            size /= model_size
+            dim = p.axes.index(layouts.MODEL_AXIS)
+            layout = f"model on {_DIM_NAMES[p.rule.shape_of.split(',')[dim]]}"
+        else:
+            layout = "replicated"
+        groups.append(Group(p.rule.group, p.shape, copies, layout, size))
+    norms = layers * archs.norm_scales_per_layer(model.config, model.family) + model.dims.hidden_dim
+    groups.append(Group("norm scales", (norms,), 1, "replicated", norms * variable_bytes))
+    if model.vision_params:
+        # keras-hub builds the image encoder in float32 when the model is bfloat16; int4 packs its kernels too.
+        per = 0.5 if quantize == "int4" else max(variable_bytes, 4)
+        groups.append(Group("vision encoder", (model.vision_params,), 1, "replicated", model.vision_params * per))
+    return groups
+
+
+def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
+    """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis)."""
+    adaptable = {p.rule.group: p for p in kernels if p.rule.group != "embedding"}
+    unknown = [t for t in targets if t not in adaptable]
+    if unknown:
+        raise UserError(f"unknown LoRA target {unknown[0]!r}; Gemma's adaptable layers are {', '.join(adaptable)}")
+    total = 0
+    for target in dict.fromkeys(targets):
+        shape = adaptable[target].shape
+        total += model.dims.num_layers * (math.prod(shape[:-1]) * rank + rank * shape[-1])
+    return total
+
+
+def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:
+    if batch == "auto":
+        return 1
+    if batch % data:
+        notes.append(f"batch {batch} does not split evenly over {data} data replicas; the largest share is planned")
+    return math.ceil(batch / data)
+
+
+def _split(kernels, group: str, symbol: str, model_size: int) -> int:
+    """How many ways activations along `symbol` are split: the model axis size when `group`'s kernel is sharded on it."""
+    placement = next(p for p in kernels if p.rule.group == group)
+    names = placement.rule.shape_of.split(",")
+    sharded = layouts.MODEL_AXIS in placement.axes and names[placement.axes.index(layouts.MODEL_AXIS)] == symbol
+    return model_size if sharded else 1
+
+
+def _activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int) -> float:
+    """Bytes the backward pass keeps from one sequence's forward pass.
+
+    Per decoder block and token, in the compute dtype: the block's input, the
+    two pre-norm outputs and the attention residual (4·D, one more each for
+    Gemma 2 and 3's post-norms); q, k and v as projected and q, k again after
+    RoPE ((2H + 3K)·h, counted as 3H·h + 3K·h); the attention result (in the
+    3H·h); and the FFW's gate, up, activated gate and product (4·F). Per block
+    and sequence, H·S² attention scores as computed, masked and normalised, in
+    float32 (keras-hub's softmax is float32: 3 × 4 bytes), and under bfloat16
+    compute their compute-dtype logits and probabilities too (2 × 2 bytes). The
+    embedding output and the final norm add 2·D per token. Heads and FFW width
+    are split over the model axis when their kernels are; the hidden width is
+    whole on every device.
+
+    Checked against XLA's memory analysis of the compiled train step (JAX, CPU,
+    float32, cpu-small dims, LoRA rank 4 on query and value): activations and
+    logits came to 84% of its temporaries at vocabulary 4,096, batch 8 × 512
+    (1,540 of 1,838 MiB), and 103% at vocabulary 65,536, batch 4 × 256 (1,033
+    of 1,002 MiB). Not yet checked on a GPU or TPU, where fused attention
+    would keep far less than H·S².
+    """
+    d = model.dims
+    compute = _BYTES[precision][1]
+    heads = _split(kernels, "query", "H", model_size)
+    kv_heads = _split(kernels, "key", "K", model_size)
+    ffw = _split(kernels, "ffw_gating", "F", model_size)
+    post_norms = sum(1 for k in ("use_post_attention_norm", "use_post_ffw_norm") if model.config.get(k))
+    per_token = (
+        (4 + post_norms) * d.hidden_dim
+        + 3 * d.num_query_heads * d.head_dim / heads
+        + 3 * d.num_key_value_heads * d.head_dim / kv_heads
+        + 4 * d.ffw_dim / ffw
+    ) * compute
+    per_score = 3 * 4 + (2 * compute if compute != 4 else 0)
+    scores = d.num_query_heads * seq_len**2 * per_score / heads
+    return d.num_layers * (seq_len * per_token + scores) + seq_len * 2 * d.hidden_dim * compute
+
+
+def _logits_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int) -> float:
+    """Bytes of one sequence's logits: S × V in float32, their log-softmax for the loss and their gradient
+    (3 × 4 bytes), and under bfloat16 compute the matmul's own output before the cast. Split when the
+    vocabulary is."""
+    compute = _BYTES[precision][1]
+    per_logit = 3 * 4 + (compute if compute != 4 else 0)
+    vocabulary = _split(kernels, "embedding", "V", model_size)
+    return seq_len * model.dims.vocabulary_size * per_logit / vocabulary
+
+
+def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
+    name, found = target
+    usable = found.memory * (cfg.train.xla_mem_fraction if cfg.backend == "jax" else 1.0)
+    total = max(plan.memory["total"], plan.load_peak)
+    plan.device_name, plan.usable = name, usable
+    plan.fits = total <= usable * (1 - HEADROOM)
+    if plan.fits:
+        plan.verdict = f"fits: {_size(usable - total)} spare of {_size(usable)} on each {name}"
+    elif total <= usable:
+        plan.verdict = (
+            f"tight: {_size(total)} of {_size(usable)} on each {name} leaves under {HEADROOM:.0%} for the "
+            f"runtime's workspace; {_advice(plan)}"
+        )
+    else:
+        plan.verdict = f"does not fit: {_size(total)} needed, {_size(usable)} on each {name}; {_advice(plan)}"
+
+
+def _advice(plan: Plan) -> str:
+    m = plan.memory
+    if plan.load_peak > m["total"]:
+        return "the float base loads whole before --quantize int4 applies, so it needs a larger device for now"
+    if m["weights"] > 0.5 * m["total"]:
+        return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
+    return "the activations and logits dominate: lower --batch-size or --seq-len, or spread the batch (--parallel data)"
+
+
+def _largest_batch(plan: Plan) -> None:
+    """For --batch-size auto: the largest batch whose plan fits, in steps of the data axis."""
+    fixed = sum(v for k, v in plan.memory.items() if k not in ("activations", "logits", "total"))
+    per_row = plan.memory["activations"] + plan.memory["logits"]  # planned at one row per device
+    room = plan.usable * (1 - HEADROOM) - fixed
+    rows = int(room // per_row) if per_row > 0 and room > 0 else 0
+    plan.notes.append(
+        f"batch auto: up to {rows * plan.data} sequences per step fit ({rows} per device)"
+        if rows
+        else "batch auto: not even one sequence per device fits"
+    )
+
+
+def _size(count: float) -> str:
+    return f"{count / GiB:.2f} GiB" if count >= GiB / 10 else f"{count / 2**20:.1f} MiB"
+
+
+def as_dict(plan: Plan) -> dict:
+    """The plan for machines (`finetune plan --json`); sizes in bytes per device."""
+    return {
+        "preset": plan.model.name,
+        "family": plan.model.family,
+        "parameters": plan.parameters,
+        "mesh": {"data": plan.data, "model": plan.model_axis, "devices": plan.data * plan.model_axis},
+        "precision": plan.precision,
+        "quantize": plan.quantize,
+        "batch_size": plan.batch_size,
+        "seq_len": plan.seq_len,
+        "lora": {"rank": plan.lora_rank, "targets": plan.lora_targets, "parameters": plan.lora_parameters},
+        "groups": [
+            {
+                "group": g.name,
+                "shape": list(g.shape),
+                "copies": g.copies,
+                "layout": g.layout,
+                "bytes_per_device": round(g.bytes_per_device),
+            }
+            for g in plan.groups
+        ],
+        "bytes_per_device": {k: round(v) for k, v in plan.memory.items()},
+        "load_peak_bytes": round(plan.load_peak),
+        "device": plan.device_name,
+        "usable_bytes": None if plan.usable is None else round(plan.usable),
+        "fits": plan.fits,
+        "verdict": plan.verdict,
+        "notes": plan.notes,
+    }
+
+
+_ROWS = {
+    "weights": "weights (frozen base)",
+    "lora_weights": "LoRA weights",
+    "lora_gradients": "LoRA gradients",
+    "optimizer": "AdamW moments",
+    "activations": "activations",
+    "logits": "logits, log-softmax, gradient",
+}
+
+
+def table(plan: Plan) -> str:
+    """The plan for people: the mesh, each variable group's layout and bytes, the memory per device, the verdict."""
+    variable_bytes, compute_bytes = _BYTES[plan.precision]
+    devices = plan.data * plan.model_axis
+    rows_per_device = math.ceil(plan.batch_size / plan.data)
+    lines = [
+        f"{plan.model.name}: {plan.model.family}, {plan.parameters / 1e9:.2f}B parameters",
+        f"mesh {plan.data}x{plan.model_axis}: {plan.data} data x {plan.model_axis} model, "
+        f"{devices} device{'s' if devices > 1 else ''}",
+        f"precision {plan.precision}: weights stored in {_dtype(variable_bytes)}, computed in {_dtype(compute_bytes)}"
+        + ("; frozen kernels quantized to int4" if plan.quantize else ""),
+        f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; LoRA rank {plan.lora_rank} "
+        f"on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)",
+        "",
+    ]
+    shapes = [_shape(g) for g in plan.groups]
+    width = max(len(s) for s in shapes)
+    lines.append(f"{'group':<18} {'shape':<{width}}  {'layout':<22} {'per device':>11}")
+    for group, shape in zip(plan.groups, shapes):
+        lines.append(f"{group.name:<18} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
+    lines += ["", "memory per device"]
+    for key, label in _ROWS.items():
+        lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
+    lines.append(f"  {'total':<28} {_size(plan.memory['total']):>11}")
+    lines += [f"note: {n}" for n in plan.notes]
+    if plan.verdict:
+        lines.append(plan.verdict)
+    else:
+        lines.append("pass --device-memory (16GB, or a kind: t4, l4, a100-40g, h100, v3-8...) for a verdict")
+    return "\n".join(lines)
+
+
+def _shape(group: Group) -> str:
+    shape = " x ".join(str(n) for n in group.shape)
+    if len(group.shape) == 1 and group.layout == "replicated" and group.copies == 1 and group.name != "embedding":
+        return f"{group.shape[0]:,} weights"
+    return f"{group.copies} x {shape}" if group.copies > 1 else shape
+
+
+def _dtype(size: int) -> str:
+    return "float32" if size == 4 else "bfloat16"

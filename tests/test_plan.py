@@ -1,0 +1,178 @@
+"""`finetune plan` and `--plan-only`: the architecture table, per-device bytes, refusals; offline and without keras."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from finetune import archs, config, plan
+from finetune.cli import app
+
+runner = CliRunner()
+GiB = 2**30
+
+# keras-hub's published `params` for each preset (keras_hub/src/models/gemma*/gemma*_presets.py).
+PUBLISHED = {
+    "gemma_2b_en": 2_506_172_416,
+    "gemma_7b_en": 8_537_680_896,
+    "gemma2_2b_en": 2_614_341_888,
+    "gemma2_9b_en": 9_241_705_984,
+    "gemma2_27b_en": 27_227_128_320,
+    "gemma3_1b": 999_885_952,
+    "gemma3_4b_text": 3_880_099_328,
+    "gemma3_12b_text": 11_765_788_416,
+    "gemma3_27b_text": 27_009_002_240,
+    "gemma3_4b": 4_299_915_632,
+    "gemma3_12b": 12_187_079_280,
+    "gemma3_27b": 27_432_062_576,
+}
+SEVEN_B = ["--preset", "gemma_7b_en", "--parallel", "model", "--mesh", "1x8", "--seq-len", "512", "--batch-size", "8"]
+
+
+def invoke(*args):
+    return runner.invoke(app, ["plan", *[str(a) for a in args]])
+
+
+def make(devices=None, device=None, **settings):
+    overrides = {"backend": "jax", **settings}
+    return plan.make(config.load(None, overrides), devices, plan.device(device) if device else None)
+
+
+def test_table_counts_every_weight_keras_hub_publishes():
+    assert set(PUBLISHED) == set(archs.ARCHS)
+    for name, arch in archs.ARCHS.items():
+        assert archs.parameter_count(arch.config, arch.family, arch.vision_params) == PUBLISHED[name], name
+    assert archs.lookup("gemma_instruct_7b_en") is archs.ARCHS["gemma_7b_en"]
+    assert archs.lookup("gemma3_instruct_1b") is archs.ARCHS["gemma3_1b"]
+
+
+def test_7b_plan_prints_offline_without_importing_keras(tmp_path):
+    code = (
+        "import sys\n"
+        "from finetune.cli import app\n"
+        f"try:\n    app(['plan', '--backend', 'jax', *{SEVEN_B!r}])\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "frameworks = [m for m in sys.modules if m.split('.')[0] in ('keras', 'keras_hub', 'jax', 'torch', 'tensorflow')]\n"
+        "assert not frameworks, frameworks\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAGGLE")}
+    env.update(HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))  # no ~/.kaggle either
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for expected in ("mesh 1x8", "embedding", "query", "ffw_linear", "model on heads", "LoRA weights", "total"):
+        assert expected in proc.stdout, expected
+
+
+def test_weights_are_split_eight_ways_on_1x8_but_the_norms():
+    planned = make(**{"model.preset": "gemma_7b_en", "distribution.parallel": "model", "distribution.mesh": "1x8"})
+    params = PUBLISHED["gemma_7b_en"]
+    norms = next(g for g in planned.groups if g.name == "norm scales").shape[0]
+    assert planned.memory["weights"] == pytest.approx((params - norms) * 4 / 8 + norms * 4)
+    assert all(g.layout.startswith("model on") for g in planned.groups if g.name != "norm scales")
+
+
+def test_a_single_key_value_head_shards_on_the_hidden_axis():
+    planned = make(**{"model.preset": "gemma_2b_en", "distribution.parallel": "model", "distribution.mesh": "1x4"})
+    layouts = {g.name: g.layout for g in planned.groups}
+    assert layouts["query"] == "model on heads"
+    assert layouts["key"] == layouts["value"] == "model on hidden"
+
+
+def test_an_indivisible_model_axis_exits_2_naming_the_kernel():
+    result = invoke("--backend", "jax", "--preset", "gemma_2b_en", "--parallel", "model", "--mesh", "1x3")
+    assert result.exit_code == 2
+    assert "cannot shard embedding" in result.output and "model axis of 3" in result.output
+
+
+def test_the_data_axis_splits_the_batch_not_the_weights():
+    one = make(**{"train.batch_size": 8})
+    four = make(**{"train.batch_size": 8, "distribution.parallel": "data", "distribution.mesh": "4x1"})
+    assert four.memory["weights"] == one.memory["weights"]
+    assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4)
+    assert four.memory["logits"] == pytest.approx(one.memory["logits"] / 4)
+
+
+def test_device_memory_takes_sizes_and_known_kinds():
+    assert plan.device("16GB")[1].memory == 16 * 10**9
+    assert plan.device("16GiB")[1].memory == 16 * GiB
+    assert plan.device("512 MiB")[1].memory == 512 * 2**20
+    assert plan.device("T4") == ("t4", plan.DEVICES["t4"])
+    assert plan.device("v3-8")[1].memory == 16 * GiB
+    assert not plan.device("t4")[1].bfloat16  # so auto plans float32 there, as a run on a T4 does
+    for bad in ("nonsense", "16", "16G", "-1GB"):
+        result = invoke("--device-memory", bad)
+        assert result.exit_code == 2 and "--device-memory" in result.output, bad
+
+
+def test_the_verdict_compares_the_total_with_the_device():
+    small = make(device="h100", **{"model.preset": "gemma_2b_en"})
+    assert small.fits and small.verdict.startswith("fits")
+    large = make(device="t4", **{"model.preset": "gemma_7b_en"})
+    assert large.fits is False and "does not fit" in large.verdict
+    assert make(device="t4").precision == "float32"
+
+
+def test_json_output_for_machines():
+    result = invoke("--backend", "jax", *SEVEN_B, "--device-memory", "a100-80g", "--json")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output)
+    memory = planned["bytes_per_device"]
+    assert memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"), abs=8)
+    assert planned["mesh"] == {"data": 1, "model": 8, "devices": 8}
+    assert planned["fits"] is True and planned["device"] == "a100-80g"
+
+
+def test_local_preset_directories_and_unknown_names(tmp_path):
+    backbone = dict(archs.ARCHS["gemma3_1b"].config)
+    (tmp_path / "config.json").write_text(json.dumps({"class_name": "Gemma3Backbone", "config": backbone}))
+    planned = make(**{"model.preset": str(tmp_path)})
+    assert planned.parameters == PUBLISHED["gemma3_1b"]
+    result = invoke("--preset", "gemma9_1t")
+    assert result.exit_code == 2 and "no architecture table for preset 'gemma9_1t'" in result.output
+
+
+def test_plan_only_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["gemma", "--preset", "tiny", "--output", "run", "--plan-only"])
+    assert result.exit_code == 0, result.output
+    assert "memory per device" in result.output and "total" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lora_counts_follow_the_factor_shapes():
+    # query and value of gemma_7b_en, rank 4: A (16, 3072, 4) and B (4, 256) each, in 28 blocks.
+    planned = make(**{"model.preset": "gemma_7b_en"})
+    assert planned.lora_parameters == 28 * 2 * (16 * 3072 * 4 + 4 * 256)
+    assert planned.memory["optimizer"] == 2 * planned.memory["lora_weights"] == 2 * planned.lora_parameters * 4
+
+
+def test_refusals_exit_2_with_a_message():
+    for args, message in [
+        (["--target", "query,mlp"], "unknown LoRA target 'mlp'"),
+        (["--devices", "2"], "--devices 2 needs --parallel data or --parallel model"),
+        (["--backend", "jax", "--parallel", "model"], "pass --mesh DxM"),
+        (["--backend", "jax", "--parallel", "model", "--devices", "8", "--mesh", "2x2"], "needs 4 devices"),
+        (["--preset", "kaggle://keras/gemma"], "no architecture table"),
+    ]:
+        result = invoke(*args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+
+
+def test_devices_without_a_mesh_and_kaggle_handles():
+    planned = make(
+        8, **{"model.preset": "kaggle://keras/gemma/keras/gemma_instruct_7b_en/3", "distribution.parallel": "model"}
+    )
+    assert (planned.data, planned.model_axis, planned.parameters) == (1, 8, PUBLISHED["gemma_7b_en"])
+
+
+def test_int4_packs_the_kernels_but_the_float_base_loads_first():
+    settings = {"model.preset": "gemma_7b_en", "model.precision": "bfloat16", "train.batch_size": 1}
+    float_plan = make(**settings)
+    int4 = make(device="t4", **settings, **{"model.quantize": "int4"})
+    assert int4.memory["total"] < int4.usable < int4.load_peak
+    assert int4.memory["weights"] < 0.3 * float_plan.memory["weights"]
+    assert int4.load_peak == pytest.approx(float_plan.memory["weights"])
+    assert not int4.fits and "loads whole before --quantize int4" in int4.verdict
