@@ -105,9 +105,16 @@ def initialize(found: Cluster | None) -> None:
         f"coordinator {found.coordinator} ({found.source})",
         flush=True,
     )
-    keras.distribution.initialize(
-        job_addresses=found.coordinator, num_processes=found.num_processes, process_id=found.process_id
-    )
+    try:
+        keras.distribution.initialize(
+            job_addresses=found.coordinator, num_processes=found.num_processes, process_id=found.process_id
+        )
+    except Exception as e:  # noqa: BLE001 - JAX raises a bare RuntimeError/XlaRuntimeError here
+        raise UserError(
+            f"could not join the job through coordinator {found.coordinator} ({found.source}): "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}\nCheck that process 0 runs and that every "
+            "process was given the same coordinator and process count"
+        ) from e
 
 
 def process() -> tuple[int, int]:

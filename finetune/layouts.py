@@ -163,7 +163,7 @@ def parse_mesh(text: str | None, parallel: str, devices: int) -> tuple[int, int]
     data, model = int(match.group(1)), int(match.group(2))
     if data * model != devices:
         raise UserError(
-            f"--mesh {data}x{model} needs {data * model} devices, and {devices} are visible; "
+            f"--mesh {data}x{model} needs {data * model} devices, and this job sees {devices}; "
             f"use a mesh whose sizes multiply to {devices}"
         )
     if parallel == "data" and model != 1:

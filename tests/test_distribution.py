@@ -122,7 +122,7 @@ def test_mesh(text, parallel, devices, expected):
 
 @pytest.mark.parametrize(
     "text, parallel, message",
-    [("2x2", "model", "needs 4 devices, and 8 are visible"), ("2by4", "model", "is not DATAxMODEL"),
+    [("2x2", "model", "needs 4 devices, and this job sees 8"), ("2by4", "model", "is not DATAxMODEL"),
      ("2x4", "data", "replicates the model")],
 )  # fmt: skip
 def test_bad_mesh(text, parallel, message):
