@@ -129,7 +129,7 @@ class TrainOrder:
     counted for a step are those of the batch that step trained.
     """
 
-    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int] = (0, 1)):
+    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1)):
         self.arrays = arrays
         self.batch_size = batch_size
         self.seed = seed
@@ -167,7 +167,7 @@ class Batches(keras.utils.PyDataset):
     compiles once and the weighted metrics ignore the copies.
     """
 
-    def __init__(self, arrays, batch_size: int, part: tuple[int, int] = (0, 1)):
+    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1)):
         super().__init__()
         self.arrays = arrays
         self.batch_size = batch_size
@@ -191,8 +191,8 @@ class Batches(keras.utils.PyDataset):
         return x, a["labels"][rows], weights
 
 
-def local(rows: np.ndarray, part: tuple[int, int]) -> np.ndarray:
-    """Process `index` of `count`'s contiguous share of a global batch's rows (all of them for one process)."""
-    index, count = part
-    share = len(rows) // count
-    return rows[index * share : (index + 1) * share]
+def local(rows: np.ndarray, part: tuple[int, int, int]) -> np.ndarray:
+    """The rows of data shards first..end-1 of n, for part (first, end, n): what this process feeds."""
+    first, end, n = part
+    share = len(rows) // n
+    return rows[first * share : end * share]

@@ -139,13 +139,11 @@ def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:
 
     devices = keras.distribution.list_devices()
     data, model = layouts.parse_mesh(dist.mesh, dist.parallel, len(devices))
-    index, count = process()
+    _, count = process()
     if batch_size % data:
         raise UserError(
             f"--batch-size {batch_size} does not split over a data axis of {data} devices; use a multiple of {data}"
         )
-    if batch_size % count:
-        raise UserError(f"--batch-size {batch_size} does not split over {count} processes; use a multiple of {count}")
     if dist.parallel == "data":
         mesh = keras.distribution.DeviceMesh((data,), (layouts.DATA_AXIS,), devices)
         distribution = keras.distribution.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
@@ -177,6 +175,34 @@ def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:
         flush=True,
     )
     return info
+
+
+def data_part() -> tuple[int, int, int]:
+    """(first, end, n): this process feeds data shards first..end-1 of the n the batch axis has.
+
+    A global batch is split into n equal shards along the mesh's batch axis. A
+    process feeds the rows of the shards its own devices hold, which is the whole
+    batch when the batch axis is not split across processes (model parallel over
+    hosts), and 1/processes of it in a data-parallel job. (0, 1, 1) without a
+    distribution.
+    """
+    import keras
+
+    current = keras.distribution.distribution()
+    if current is None:
+        return 0, 1, 1
+    import jax
+
+    devices = current.device_mesh.backend_mesh.devices
+    axis = current.device_mesh.axis_names.index(current.batch_dim_name)
+    mine = [
+        i
+        for i in range(devices.shape[axis])
+        if any(d.process_index == jax.process_index() for d in devices.take(i, axis=axis).flat)
+    ]
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise UserError(f"this process's devices hold data shards {mine}, which are not contiguous; use another --mesh")
+    return mine[0], mine[-1] + 1, devices.shape[axis]
 
 
 def sharding_of(variable) -> str:

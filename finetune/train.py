@@ -90,7 +90,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     distributed = None
     if cfg.distribution.parallel != "none":
         distributed = distribution.setup(cfg.distribution, presets.dims(source), batch_size)
-    part = distribution.process()
+    part = distribution.data_part()  # the rows of each batch this process feeds
 
     phase(f"loading {cfg.model.preset} on {cfg.backend}")
     lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
