@@ -140,7 +140,12 @@ def place(dims: Dims, model_size: int) -> list[Placement]:
                 f"{model_size}: neither {sizes} is divisible by {model_size}; use a --mesh whose model axis divides it"
             )
         axes = tuple(MODEL_AXIS if d == chosen else None for d in range(len(shape)))
-        note = "" if chosen == rule.candidates[0] else f"dimension {rule.candidates[0]} not divisible; fell back"
+        first = rule.candidates[0]
+        note = (
+            ""
+            if chosen == first
+            else f"dimension {first} ({shape[first]}) is not divisible by {model_size}: sharded on dimension {chosen}"
+        )
         out.append(Placement(rule, shape, axes, note))
     return out
 
