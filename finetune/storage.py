@@ -168,29 +168,26 @@ class Mirror:
         self.sent.pop(name, None)
 
     def pull(self, folder: str, names: tuple[str, ...] = ()) -> None:
-        """Make the local `folder` and files `names` copies of the remote ones (missing remotely: removed locally).
+        """Copy the remote `folder` and files `names` here, for a resume; a name missing remotely is removed here.
 
-        A file whose remote size matches is kept, so pulling twice copies once.
-        Each file is downloaded under a hidden name and renamed into place.
+        Files of `folder` that only exist here are kept: a checkpoint whose copy
+        failed is still one to resume from. A file whose size matches is not
+        copied again, so pulling twice copies once. Each file is downloaded
+        under a hidden name and renamed into place.
         """
         wanted = self.remote_files(folder) + [n for n in names if self.exists(n)]
-        sizes = {name: self.fs.size(self.remote(name)) for name in wanted}
-        local = _files(self.local)
-        stale = [n for n in local if (n.startswith(f"{folder}/") or n in names) and n not in sizes]
-        for name in stale:
-            local[name].unlink()
-        for name, size in sizes.items():
+        for name in names:
+            if name not in wanted:
+                (self.local / name).unlink(missing_ok=True)
+        for name in wanted:
             path = self.local / name
-            if not (path.is_file() and path.stat().st_size == size):
+            if not (path.is_file() and path.stat().st_size == self.fs.size(self.remote(name))):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 partial = path.with_name(f".partial.{path.name}")
                 self.fs.get_file(self.remote(name), str(partial))
                 os.replace(partial, path)
             stat = path.stat()
             self.sent[name] = (stat.st_size, stat.st_mtime_ns)
-        for directory in sorted((self.local / folder).glob("**/"), reverse=True):
-            if directory.is_dir() and not any(directory.iterdir()):
-                directory.rmdir()  # a checkpoint deleted remotely
 
 
 def _local_filesystem(path: str):

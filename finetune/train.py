@@ -217,6 +217,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             trainer.run()  # status.json is written with each checkpoint
         except RunStopped as stop:
             outputs.write_status(run_dir, "stopped", progress.step, str(stop))
+            claim.sync()
             raise
         except BaseException as error:
             failure = error

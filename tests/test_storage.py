@@ -146,20 +146,21 @@ def test_mirror_sends_changes_manifest_and_metrics_last_and_prunes_when_final(bu
     assert not list((bucket / "b" / "run" / "checkpoints" / "old").glob("*"))
 
 
-def test_pull_copies_the_remote_and_drops_what_it_lacks(bucket, tmp_path):
+def test_pull_copies_the_remote_checkpoints_and_keeps_local_ones(bucket, tmp_path):
     remote = bucket / "b" / "run"
     (remote / "checkpoints" / "step-2").mkdir(parents=True)
     (remote / "checkpoints" / "step-2" / "manifest.json").write_text("two")
-    (remote / "metrics.json").write_text("{}")
     local = tmp_path / "staging"
     (local / "checkpoints" / "step-1").mkdir(parents=True)
-    (local / "checkpoints" / "step-1" / "manifest.json").write_text("stale")
+    (local / "checkpoints" / "step-1" / "manifest.json").write_text("one, never copied out")
+    (local / "metrics.json").write_text("published here, not in the bucket")
     mirror = storage.Mirror(local, "gs://b/run")
-    mirror.pull("checkpoints", names=("metrics.json", "config.yaml"))
+    mirror.pull("checkpoints", names=("metrics.json",))
     assert (local / "checkpoints" / "step-2" / "manifest.json").read_text() == "two"
-    assert (local / "metrics.json").exists() and not (local / "checkpoints" / "step-1").exists()
+    assert (local / "checkpoints" / "step-1" / "manifest.json").exists()
+    assert not (local / "metrics.json").exists()  # so a resume publishes to the bucket again
     mirror.push()
-    assert LocalBucket.uploads == []  # what was pulled is not sent back
+    assert [u.split("b/run/")[1] for u in LocalBucket.uploads] == ["checkpoints/step-1/manifest.json"]
 
 
 def test_an_unwritable_bucket_is_refused_before_anything_is_written(bucket, tmp_path, monkeypatch):
