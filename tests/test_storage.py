@@ -187,6 +187,9 @@ def test_a_finished_remote_run_is_refused_without_overwrite(bucket):
 def test_a_gs_run_is_staged_then_copied_with_metrics_last_and_resumes_from_the_bucket(bucket, tmp_path):
     train("--output", "gs://b/runs/a", "--checkpoint-every", "1")
     remote = bucket / "b" / "runs" / "a"
+    sent = [u.split("runs/a/")[1] for u in LocalBucket.uploads]
+    first_checkpoint = next(i for i, name in enumerate(sent) if name.endswith("manifest.json"))
+    assert "step-00000001-" in sent[first_checkpoint] and first_checkpoint < sent.index("adapter.lora.h5")
     assert RESULTS | {"checkpoints", "tensorboard"} == {p.name for p in remote.iterdir()}
     assert LocalBucket.uploads[-1].endswith("runs/a/metrics.json")  # the run is finished remotely only when whole
     assert no_gs_folder(tmp_path)
@@ -246,3 +249,16 @@ def test_a_directory_without_flock_is_still_claimed(tmp_path, monkeypatch, capsy
     held = outputs.claim(tmp_path / "run", default=False, overwrite=False, resume=False)
     held.release()
     assert "cannot be locked" in capsys.readouterr().out and (tmp_path / "run").is_dir()
+
+
+def test_a_failed_copy_during_training_is_a_note(bucket, tmp_path, monkeypatch, capsys):
+    def unreachable(self, lpath, rpath, **kwargs):
+        raise OSError("Cloud Storage is unreachable")
+
+    mirror = storage.Mirror(tmp_path / "run", "gs://b/run")
+    held = outputs.claim(tmp_path / "run", default=False, overwrite=False, resume=False, mirror=mirror)
+    (tmp_path / "run" / "status.json").write_text("{}")
+    monkeypatch.setattr(LocalBucket, "put_file", unreachable)
+    held.sync()  # training goes on; the next checkpoint tries again
+    held.release()
+    assert "could not copy" in capsys.readouterr().out and (tmp_path / "run").is_dir()
