@@ -8,7 +8,7 @@ temporary name, fsynced and renamed, with metrics.json last: its presence marks
 a finished run, and --overwrite replaces the old run's results only once the
 new run has finished training.
 
-A remote --output (gs://) is staged in a local directory (storage.py) and
+A remote --output (gs://, /gcs/) is staged in a local directory (storage.py) and
 copied out by a Mirror: checkpoints as they are saved, and the results once the
 run is published, metrics.json last, so the remote run too is finished only
 when metrics.json is there. On Vertex AI the environment (platforms.py) names
@@ -73,11 +73,11 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target
     if requested is not None and not requested.strip():
         raise UserError("--output is empty (an unset shell variable?); pass the run directory, e.g. --output runs/a")
     for url in [requested, *platforms.vertex_mirror_dirs()]:
-        if storage.is_remote(url):
+        if storage.is_staged(url):
             storage.check_writable(url)  # a bucket we cannot write to is refused now, not after training
     if requested is None:
         return Target(default_dir(), default=True)
-    if storage.is_remote(requested):
+    if storage.is_staged(requested):
         return _check_remote(requested, overwrite, resume)
     path = Path(requested)
     for part in path.parts:
@@ -94,7 +94,7 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target
 
 
 def _check_remote(url: str, overwrite: bool, resume: bool) -> Target:
-    """A remote --output: writable, not holding a run we must not replace; staged in a local directory."""
+    """A gs:// or /gcs/ --output: not holding a run we must not replace; staged in a local directory."""
     staging = storage.staging_dir(url)
     if is_locked(staging):
         raise UserError(f"another finetune run is writing to {url}; wait for it to end or choose another --output")
@@ -302,7 +302,7 @@ def _lock(path: Path):
                 ) from None
             time.sleep(0.05)
         except OSError:
-            # gcsfuse (/gcs/ on Vertex AI) has no flock: run unguarded rather than not at all.
+            # FUSE mounts such as gcsfuse have no flock: run unguarded rather than not at all.
             lock_file.close()
             print(f"note: {path} cannot be locked (a FUSE mount?); a second run writing there would not be stopped")
             return None

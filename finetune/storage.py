@@ -1,11 +1,15 @@
-"""Where bytes land: durable local writes, and remote run directories (gs://) staged locally.
+"""Where bytes land: durable local writes, and remote run directories (gs://, /gcs/) staged locally.
 
 Checkpoints and results are written to a local directory first: h5py cannot
 write to gs://, and a rename is only atomic on a local disk. A remote --output
 (any fsspec URL; gs:// needs gcsfs) gets a local staging directory, and a
 `Mirror` copies it out: checkpoints as they are written, so a preempted job
-keeps them, and the results at the end with metrics.json last. /gcs/<bucket>/
-(Cloud Storage FUSE on Vertex AI) is a local path to us.
+keeps them, and the results at the end with metrics.json last.
+
+/gcs/<bucket>/ (Vertex AI's Cloud Storage FUSE mount) is a local path, but it
+is staged the same way: gcsfuse has no flock, and refuses to rename a directory
+(as a checkpoint save does) unless mounted with --rename-dir-limit; copying
+files into it always works.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from finetune.errors import UserError
 
 GCS_EXTRA = 'pip install "finetune[gcs]"'
+FUSE_MOUNT = Path("/gcs")  # where Vertex AI mounts Cloud Storage
 
 
 def write_synced(path: Path, payload: bytes) -> None:
@@ -55,12 +60,24 @@ def is_remote(path: str | None) -> bool:
     return bool(path) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
 
 
+def is_fuse(path: str | None) -> bool:
+    """Whether `path` is under Vertex AI's Cloud Storage FUSE mount, /gcs/."""
+    return bool(path) and not is_remote(path) and Path(os.path.abspath(path)).is_relative_to(FUSE_MOUNT)
+
+
+def is_staged(path: str | None) -> bool:
+    """Whether a run for `path` is written to a local staging directory and copied there."""
+    return is_remote(path) or is_fuse(path)
+
+
 def filesystem(url: str):
-    """(fsspec file system, path within it) for a remote URL; a UserError when its protocol is not installed."""
+    """(fsspec file system, path within it) for a URL or a local path; a UserError when a protocol is not installed."""
+    import fsspec
+
+    if not is_remote(url):
+        return fsspec.filesystem("file", auto_mkdir=True), os.path.abspath(os.path.expanduser(url))
     protocol = url.split("://", 1)[0]
     try:
-        import fsspec
-
         return fsspec.core.url_to_fs(url)
     except ImportError:
         extra = GCS_EXTRA if protocol in ("gs", "gcs") else f"install the fsspec file system for {protocol}://"
@@ -123,7 +140,7 @@ class Mirror:
         self.url = url.rstrip("/")
         self.last = last
         self.prune = prune
-        self.fs, self.root = filesystem(url) if is_remote(url) else _local_filesystem(url)
+        self.fs, self.root = filesystem(url)
         self.root = self.root.rstrip("/")
         self.sent: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when it was sent
 
@@ -188,12 +205,6 @@ class Mirror:
                 os.replace(partial, path)
             stat = path.stat()
             self.sent[name] = (stat.st_size, stat.st_mtime_ns)
-
-
-def _local_filesystem(path: str):
-    import fsspec
-
-    return fsspec.filesystem("file", auto_mkdir=True), os.path.abspath(os.path.expanduser(path))
 
 
 def remove_staging(path: Path) -> None:

@@ -103,6 +103,28 @@ def test_remote_paths_are_told_from_local_ones():
     assert storage.is_remote("gs://bucket/runs/a") and storage.is_remote("memory://x")
     for local in ("runs/a", "/gcs/bucket/runs/a", "./gs:", "C:/runs", "", None):
         assert not storage.is_remote(local), local
+    assert storage.is_staged("/gcs/bucket/runs/a") and storage.is_staged("gs://bucket/runs/a")
+    assert not storage.is_staged("/gcsx/runs/a") and not storage.is_staged("runs/a")
+
+
+def test_a_cloud_storage_fuse_output_is_staged_and_copied_in(bucket, tmp_path, monkeypatch):
+    mount = tmp_path / "gcs-mount"
+    (mount / "b").mkdir(parents=True)
+    monkeypatch.setattr(storage, "FUSE_MOUNT", mount)
+    out = str(mount / "b" / "runs" / "a")
+    target = outputs.check_target(out, False, False)
+    assert target.mirror.url == out and str(target) == out
+    assert target.path.is_relative_to(tmp_path / "tmp")  # a local disk: locks and renames work
+    held = outputs.claim(target.path, default=False, overwrite=False, resume=False, mirror=target.mirror)
+    outputs.publish(
+        target.path, {"metrics.json": lambda p: p.write_text("{}"), "config.yaml": lambda p: p.write_text("x")}
+    )
+    held.publish_remote()
+    held.release()
+    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == ["config.yaml", "metrics.json"]
+    assert not target.path.exists()
+    with pytest.raises(UserError, match="already holds a run"):
+        outputs.check_target(out, False, False)
 
 
 def test_gs_without_gcsfs_names_the_extra(monkeypatch):
