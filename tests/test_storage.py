@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tensorflow.core.util import event_pb2
 from typer.testing import CliRunner
 
-from finetune import outputs, platforms, storage
+from finetune import outputs, storage
 from finetune.cli import app
 from finetune.errors import UserError
 
@@ -250,17 +250,6 @@ def test_vertex_directories_and_tuning_metric(bucket, tmp_path, monkeypatch):
     metrics = json.loads((job / "model" / "metrics.json").read_text())
     assert reported == [{"hyperparameter_metric_tag": "loss", "metric_value": metrics["eval_loss"], "global_step": 2}]
     assert no_gs_folder(tmp_path) and not (tmp_path / "cwd" / "runs").exists()
-
-
-def test_tuning_without_hypertune_is_a_note(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "hypertune", None)  # import hypertune raises ImportError
-    monkeypatch.delenv("CLOUD_ML_HP_METRIC_TAG", raising=False)
-    monkeypatch.delenv("CLOUD_ML_TRIAL_ID", raising=False)
-    platforms.report_tuning_metric(1.0, 2)
-    assert capsys.readouterr().out == ""  # not a tuning trial: nothing to say
-    monkeypatch.setenv("CLOUD_ML_TRIAL_ID", "1")
-    platforms.report_tuning_metric(1.0, 2)
-    assert 'pip install "finetune[vertex]"' in capsys.readouterr().out
 
 
 def test_a_directory_without_flock_is_still_claimed(tmp_path, monkeypatch, capsys):
