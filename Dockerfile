@@ -26,7 +26,8 @@ COPY finetune ./finetune
 
 # Empty: JAX for the CPU. cuda12 for NVIDIA GPUs, tpu for Cloud TPUs.
 ARG JAX_EXTRA=""
-RUN pip install ".[jax]" \
+# gcs: --output gs://... (gcsfs); vertex: the tuning metric (cloudml-hypertune).
+RUN pip install ".[jax,gcs,vertex]" \
  && if [ -n "$JAX_EXTRA" ]; then pip install "jax[$JAX_EXTRA]"; fi
 
 # Runs without --output land here, inside the container, and are lost with it: give --output gs://BUCKET/PATH

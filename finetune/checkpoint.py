@@ -215,10 +215,13 @@ def newest(run_dir: Path) -> Checkpoint | None:
 
 
 def settings_to_resume(output: str | None) -> dict | None:
-    """The config of the newest checkpoint in `output`; None when it has none. No keras: the CLI reads it first."""
-    if not output:
-        raise UserError("--resume needs --output DIR, the run directory to continue")
-    found = newest(Path(output))
+    """The config of the newest checkpoint in `output`; None when it has none. No keras: the CLI reads it first.
+
+    A gs:// run's checkpoints are copied to its staging directory here, and found there again by the run.
+    """
+    from finetune import outputs  # outputs imports this module
+
+    found = newest(outputs.check_target(output, False, True).path)
     return found.state()["config"] if found else None
 
 

@@ -88,6 +88,9 @@ class Loop:
         checkpoint: steps, evaluations and saves are timed, and the loop stops
         when the next of them might not end in time.
     divergence_advice: str. What to try when the loss is not finite.
+    callbacks: keras Callbacks (callbacks.py) told of each step
+        (on_train_batch_end, with the run's step), evaluation (on_test_end) and
+        the end of training (on_train_end).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Loop:
         eval_seconds: float = 0.0,
         divergence_advice: str = "",
         last_saved: int | None = None,
+        callbacks=(),
         out=None,
     ):
         self.lm = lm
@@ -116,6 +120,7 @@ class Loop:
         self.deadline = deadline
         self.divergence_advice = divergence_advice
         self.last_saved = last_saved
+        self.callbacks = list(callbacks)
         self.out = out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
         self._longest = {"step": 0.0, "eval": eval_seconds, "save": 0.0}
         # tokens/s over this session's steps but its first, which includes compilation.
@@ -148,6 +153,8 @@ class Loop:
                     self._longest["step"] = max(self._longest["step"], seconds)
                 first = False
                 self._report.step(progress.step, loss, self.tokens_per_second())
+                for callback in self.callbacks:
+                    callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})
 
                 evaluate = progress.step % order.steps_per_epoch == 0 or progress.step == self.total_steps
                 if evaluate:
@@ -163,6 +170,8 @@ class Loop:
                 self._evaluate(max(1, -(-progress.step // order.steps_per_epoch)))
                 self._save()
         self._report.close()
+        for callback in self.callbacks:
+            callback.on_train_end()
         return progress
 
     def _evaluated_at(self, step: int) -> bool:
@@ -178,6 +187,8 @@ class Loop:
         if not math.isfinite(result["loss"]):
             raise self._diverged(f"the held-out loss is {result['loss']} after step {self.progress.step}")
         self.progress.evaluations.append(result)
+        for callback in self.callbacks:
+            callback.on_test_end({"step": self.progress.step, **result})
         self.progress.rows.append(
             {
                 "step": self.progress.step,

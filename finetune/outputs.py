@@ -7,6 +7,12 @@ goes (checkpoint.py). The results are written at the end, each file under a
 temporary name, fsynced and renamed, with metrics.json last: its presence marks
 a finished run, and --overwrite replaces the old run's results only once the
 new run has finished training.
+
+A remote --output (gs://, /gcs/) is staged in a local directory (storage.py) and
+copied out by a Mirror: checkpoints as they are saved, and the results once the
+run is published, metrics.json last, so the remote run too is finished only
+when metrics.json is there. On Vertex AI the environment (platforms.py) names
+the output, and further places for checkpoints and TensorBoard logs.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import csv
 import datetime
 import json
 import os
+import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -28,6 +36,7 @@ ADAPTER = "adapter.lora.h5"
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 STATUS = "status.json"
+TENSORBOARD = "tensorboard"
 LOCK = ".lock"
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
@@ -39,14 +48,37 @@ except ImportError:  # Windows: no flock; runs still work, unguarded against a s
     fcntl = None
 
 
-def check_target(requested: str | None, overwrite: bool, resume: bool) -> Path:
-    """The run directory to use; refuses, before any work, one the run could not or must not write to."""
-    if requested is None:
-        if resume:
-            raise UserError("--resume needs --output DIR, the run directory to continue")
-        return default_dir()
-    if not requested.strip():
+@dataclass
+class Target:
+    """Where a run goes: `path` is written locally; for a remote --output, `mirror` copies it there."""
+
+    path: Path
+    mirror: storage.Mirror | None = None
+    default: bool = False
+    """The default runs/<timestamp>: claim() may take the next free name."""
+
+    def __str__(self) -> str:
+        return self.mirror.url if self.mirror else str(self.path)
+
+
+def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target:
+    """The run directory to use; refuses, before any work, one the run could not or must not write to.
+
+    Without --output, a Vertex AI job writes to its AIP_MODEL_DIR. With
+    --resume, a remote run's checkpoints are first copied to its staging directory.
+    """
+    requested = requested if requested is not None else platforms.vertex_model_dir()
+    if requested is None and resume:
+        raise UserError("--resume needs --output DIR, the run directory to continue")
+    if requested is not None and not requested.strip():
         raise UserError("--output is empty (an unset shell variable?); pass the run directory, e.g. --output runs/a")
+    for url in [requested, *platforms.vertex_mirror_dirs()]:
+        if storage.is_staged(url):
+            storage.check_writable(url)  # a bucket we cannot write to is refused now, not after training
+    if requested is None:
+        return Target(default_dir(), default=True)
+    if storage.is_staged(requested):
+        return _check_remote(requested, overwrite, resume)
     path = Path(requested)
     for part in path.parts:
         if len(part.encode("utf-8")) > NAME_MAX - 16:  # room for temporary names beside it
@@ -58,7 +90,50 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Path:
     if not resume and not overwrite:
         refuse_existing_run(path)
     _check_writable(path)
-    return path
+    return Target(path)
+
+
+def _check_remote(url: str, overwrite: bool, resume: bool) -> Target:
+    """A gs:// or /gcs/ --output: not holding a run we must not replace; staged in a local directory."""
+    staging = storage.staging_dir(url)
+    if is_locked(staging):
+        raise UserError(f"another finetune run is writing to {url}; wait for it to end or choose another --output")
+    mirror = run_mirror(staging, url)
+    if not resume and not overwrite:
+        refuse_existing_remote_run(mirror)
+    if resume:
+        pull_checkpoints(mirror)
+    else:
+        storage.remove_staging(staging)  # left by an earlier run to this URL; the bucket has what it kept
+    return Target(staging, mirror)
+
+
+def run_mirror(staging: Path, url: str) -> storage.Mirror:
+    # metrics.json marks a finished run and manifest.json a whole checkpoint: each goes after the rest.
+    return storage.Mirror(staging, url, last=(METRICS, checkpoint.MANIFEST), prune=checkpoint.DIRECTORY)
+
+
+def pull_checkpoints(mirror: storage.Mirror) -> None:
+    """Copy a remote run's checkpoints and metrics.json to its staging directory, for --resume."""
+    try:
+        mirror.pull(checkpoint.DIRECTORY, names=(METRICS,))
+    except OSError as e:
+        raise UserError(f"could not copy the checkpoints of {mirror.url} to {mirror.local}: {e}") from e
+
+
+def refuse_existing_remote_run(mirror: storage.Mirror) -> None:
+    """The remote counterpart of refuse_existing_run."""
+    if any(mirror.exists(name) for name in RUN_MARKERS):
+        raise UserError(
+            f"output {mirror.url} already holds a run; pass --overwrite to replace it or choose another --output"
+        )
+    saved = [n for n in mirror.remote_files(checkpoint.DIRECTORY) if n.endswith(f"/{checkpoint.MANIFEST}")]
+    if saved:
+        step = max(int(re.search(r"step-(\d+)", n).group(1)) for n in saved)
+        raise UserError(
+            f"output {mirror.url} holds an unfinished run, checkpointed at step {step}; "
+            "pass --resume to continue it, --overwrite to start again, or choose another --output"
+        )
 
 
 def default_dir() -> Path:
@@ -111,18 +186,50 @@ def check_free_space(path: Path, needed_bytes: int) -> None:
 
 
 class Claim:
-    """A run directory held by this process: created if needed and locked until release()."""
+    """A run directory held by this process: created if needed and locked until release().
 
-    def __init__(self, path: Path, created: bool, lock_file, had_lock: bool = False):
+    remote: Mirror. The remote --output this directory stages, if any.
+    mirrors: Mirrors of parts of the directory: on Vertex AI, its checkpoints
+        and TensorBoard logs.
+    """
+
+    def __init__(self, path: Path, created: bool, lock_file, had_lock: bool = False, remote=None, mirrors=()):
         self.path = path
         self.created = created
         self.had_lock = had_lock
+        self.remote = remote
+        self.mirrors = [m for m in (remote, *mirrors) if m is not None]
+        self.had_tensorboard = (path / TENSORBOARD).exists()
+        self.published = False
         self._lock_file = lock_file
 
+    def __str__(self) -> str:
+        """Where the run is, for people: the remote URL when there is one."""
+        return self.remote.url if self.remote else str(self.path)
+
+    def sync(self) -> None:
+        """Copy what changed (checkpoints, status, TensorBoard logs) out; a failure is a note, retried next time."""
+        for mirror in self.mirrors:
+            try:
+                mirror.push()
+            except Exception as e:  # noqa: BLE001 - network and auth errors differ by file system
+                print(f"note: could not copy {mirror.local} to {mirror.url} ({e}); retrying at the next checkpoint")
+
+    def publish_remote(self) -> None:
+        """Copy the finished run out: every file, then metrics.json; old checkpoints are pruned after."""
+        if self.remote is not None:
+            self.remote.delete(METRICS)  # old results are never marked finished beside new files
+        for mirror in self.mirrors:
+            mirror.push(final=True)
+        self.published = True
+
     def release(self) -> None:
+        """Let go of the directory; a staging directory goes too once its run is published remotely."""
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
+        if self.published and self.remote is not None:
+            storage.remove_staging(self.path)
 
     def abandon(self) -> None:
         """Undo the claim of a run that wrote nothing worth keeping: remove only what it created.
@@ -138,6 +245,8 @@ class Claim:
                 return
             if not self.had_lock:
                 (self.path / LOCK).unlink(missing_ok=True)
+            if not self.had_tensorboard:
+                shutil.rmtree(self.path / TENSORBOARD, ignore_errors=True)
             empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
             if empty.is_dir() and not any(empty.iterdir()):
                 empty.rmdir()
@@ -145,11 +254,12 @@ class Claim:
             self.release()
 
 
-def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
+def claim(path: Path, *, default: bool, overwrite: bool, resume: bool, mirror: storage.Mirror | None = None) -> Claim:
     """Create and lock the run directory; re-checks under the lock that it is still free.
 
     default: bool. `path` is the default runs/<timestamp>: if another run took
         that name in the same second, use the next free one (-2, -3, ...).
+    mirror: Mirror. The remote --output that `path` stages.
     """
     created = False
     if default:
@@ -165,21 +275,8 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
     elif not path.exists():
         path.mkdir(parents=True, exist_ok=True)
         created = True
-    lock_file, had_lock = None, (path / LOCK).exists()
-    if fcntl is not None:
-        lock_file = open(path / LOCK, "a+")  # noqa: SIM115 - held open until release()
-        for attempt in range(20):  # `finetune runs` probes the lock for an instant: let it pass
-            try:
-                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == 19:
-                    lock_file.close()
-                    raise UserError(
-                        f"another finetune run is writing to {path}; wait for it to end or choose another --output"
-                    ) from None
-                time.sleep(0.05)
-    held = Claim(path, created, lock_file, had_lock)
+    had_lock = (path / LOCK).exists()
+    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=vertex_mirrors(path))
     if not resume and not overwrite:
         try:
             refuse_existing_run(path)  # another run may have finished here since check_target
@@ -187,6 +284,46 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool) -> Claim:
             held.release()
             raise
     return held
+
+
+def _lock(path: Path):
+    """The open lock file of `path`, flocked; None where locks are not offered (Windows, Cloud Storage FUSE)."""
+    if fcntl is None:
+        return None
+    lock_file = open(path / LOCK, "a+")  # noqa: SIM115 - held open until release()
+    for attempt in range(20):  # `finetune runs` probes the lock for an instant: let it pass
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_file
+        except BlockingIOError:
+            if attempt == 19:
+                lock_file.close()
+                raise UserError(
+                    f"another finetune run is writing to {path}; wait for it to end or choose another --output"
+                ) from None
+            time.sleep(0.05)
+        except OSError:
+            # FUSE mounts such as gcsfuse have no flock: run unguarded rather than not at all.
+            lock_file.close()
+            print(f"note: {path} cannot be locked (a FUSE mount?); a second run writing there would not be stopped")
+            return None
+
+
+def vertex_mirrors(run_dir: Path) -> list[storage.Mirror]:
+    """On Vertex AI: the run's checkpoints copied to AIP_CHECKPOINT_DIR, its TensorBoard logs to AIP_TENSORBOARD_LOG_DIR."""
+    found = []
+    if platforms.vertex_checkpoint_dir():
+        found.append(
+            storage.Mirror(
+                run_dir / checkpoint.DIRECTORY,
+                platforms.vertex_checkpoint_dir(),
+                last=(checkpoint.MANIFEST,),
+                prune="",
+            )
+        )
+    if platforms.vertex_tensorboard_dir():
+        found.append(storage.Mirror(run_dir / TENSORBOARD, platforms.vertex_tensorboard_dir()))
+    return found
 
 
 def is_locked(path: Path) -> bool:
@@ -305,7 +442,7 @@ def plot_loss(path: Path, rows: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-def summary_table(metrics: dict, run_dir: Path) -> str:
+def summary_table(metrics: dict, run_dir) -> str:
     rows = [
         ("run", str(run_dir)),
         ("backend", metrics["backend"]),

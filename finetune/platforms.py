@@ -1,10 +1,16 @@
-"""Where a run happens: credentials and reachability of the hubs we download from, and Kaggle notebooks.
+"""Where a run happens: credentials, reachability of the hubs we download from, Kaggle notebooks and Vertex AI.
 
 Checked up front so that an offline machine gets a clear message in seconds
 instead of a download library's retries. In a Kaggle notebook a run reads a
 model attached under /kaggle/input instead of downloading it, writes under
 /kaggle/working (the part of the disk a notebook keeps), and takes Kaggle
 credentials from the notebook's secrets.
+
+Vertex AI custom training tells a job where to write through the environment:
+AIP_MODEL_DIR (the model artifacts), AIP_CHECKPOINT_DIR and
+AIP_TENSORBOARD_LOG_DIR, each a gs:// URL. A hyperparameter tuning trial also
+gets CLOUD_ML_TRIAL_ID and CLOUD_ML_HP_METRIC_TAG, and reports its metric
+through the cloudml-hypertune package.
 """
 
 from __future__ import annotations
@@ -135,3 +141,44 @@ def use_kaggle_secrets() -> bool:
             found[name] = value.strip()
     os.environ.update(found)
     return bool(found) and kaggle_credentials_present()
+
+
+def vertex_model_dir() -> str | None:
+    """AIP_MODEL_DIR: where a Vertex AI job's run goes when --output is not given."""
+    return os.environ.get("AIP_MODEL_DIR") or None
+
+
+def vertex_checkpoint_dir() -> str | None:
+    """AIP_CHECKPOINT_DIR: where Vertex AI wants checkpoints; the run's are copied there too."""
+    return os.environ.get("AIP_CHECKPOINT_DIR") or None
+
+
+def vertex_tensorboard_dir() -> str | None:
+    """AIP_TENSORBOARD_LOG_DIR: where Vertex AI's TensorBoard reads; the run's logs are copied there."""
+    return os.environ.get("AIP_TENSORBOARD_LOG_DIR") or None
+
+
+def vertex_mirror_dirs() -> list[str]:
+    """The Vertex AI directories a run copies parts of itself to."""
+    return [d for d in (vertex_checkpoint_dir(), vertex_tensorboard_dir()) if d]
+
+
+def in_vertex_tuning() -> bool:
+    """Whether this process is a trial of a Vertex AI hyperparameter tuning job."""
+    return bool(os.environ.get("CLOUD_ML_HP_METRIC_TAG") or os.environ.get("CLOUD_ML_TRIAL_ID"))
+
+
+def report_tuning_metric(eval_loss: float, step: int) -> None:
+    """Tell a Vertex AI tuning job this trial's final eval loss; a note, not a crash, without cloudml-hypertune."""
+    if not in_vertex_tuning():
+        return
+    try:
+        import hypertune
+    except ImportError:
+        print('note: not reporting eval_loss to the tuning job: pip install "finetune[vertex]" (cloudml-hypertune)')
+        return
+    tag = os.environ.get("CLOUD_ML_HP_METRIC_TAG") or "eval_loss"
+    hypertune.HyperTune().report_hyperparameter_tuning_metric(
+        hyperparameter_metric_tag=tag, metric_value=eval_loss, global_step=step
+    )
+    print(f"reported {tag}={eval_loss:.4f} to the Vertex AI tuning job")

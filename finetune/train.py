@@ -24,6 +24,7 @@ import numpy as np
 from finetune import (
     backend,
     batching,
+    callbacks,
     checkpoint,
     data,
     distribution,
@@ -66,13 +67,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
     writer = job is None or job.process_id == 0
 
     # Everything a user can get wrong is checked before the first file is written.
+    # A gs:// target is written to a local staging directory, target.path, and copied out.
     if writer:
         target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
     else:  # every process trains and saves alike, but only process 0's files are kept
-        target = Path(tempfile.mkdtemp(prefix=f"finetune-process-{job.process_id}-")) / "run"
-    resume_from = checkpoint.newest(target) if resume else None
+        target = outputs.Target(Path(tempfile.mkdtemp(prefix=f"finetune-process-{job.process_id}-")) / "run")
+    resume_from = checkpoint.newest(target.path) if resume else None
     if resume and resume_from is None:
-        if (target / outputs.METRICS).exists():
+        if (target.path / outputs.METRICS).exists():
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
         print(f"note: no checkpoint in {target} to resume from; starting a new run there")
     source = presets.resolve(cfg.model.preset)
@@ -145,7 +147,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         total_steps = min(total_steps, cfg.train.max_steps)
     if resume_from is not None:
         check_resume_end(resume_from, total_steps, target)
-    outputs.check_free_space(target, checkpoint_bytes(lm) * (cfg.train.keep_checkpoints + 2))
+    outputs.check_free_space(target.path, checkpoint_bytes(lm) * (cfg.train.keep_checkpoints + 2))
 
     resolved = cfg.to_dict()
     resolved["train"]["batch_size"] = batch_size
@@ -179,9 +181,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
         print(f"resuming {target} at step {progress.step}/{total_steps}")
     eval_seconds = time.perf_counter() - eval_started
 
-    claim = outputs.claim(target, default=cfg.output.dir is None, overwrite=cfg.output.overwrite, resume=resume)
+    claim = outputs.claim(
+        target.path, default=target.default, overwrite=cfg.output.overwrite, resume=resume, mirror=target.mirror
+    )
     try:  # every way out lets go of the run directory
         run_dir = claim.path
+        board = callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, lm.optimizer)
+        if saved is None:
+            board.on_test_end({"step": 0, **before})
 
         def save_checkpoint(progress: loop.Progress) -> None:
             weights, optimizer_values, trainable_paths, optimizer_paths = checkpoint.capture(lm)
@@ -212,6 +219,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
                     f"could not write the checkpoint at step {progress.step} to {run_dir}: {e.strerror or e}; "
                     f"{kept}.\nFree space or fix the directory, then rerun with --resume"
                 ) from e
+            claim.sync()  # to gs:// and Vertex AI's directories, so a preempted job keeps it
 
         trainer = loop.Loop(
             lm,
@@ -225,12 +233,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
             eval_seconds=eval_seconds,
             divergence_advice=divergence_advice(cfg, learning_rate),
             last_saved=resume_from.step if resume_from else None,
+            callbacks=[board],
         )
         try:
             phase(f"training steps {progress.step + 1}-{total_steps}")
             trainer.run()  # status.json is written with each checkpoint
         except RunStopped as stop:
             outputs.write_status(run_dir, "stopped", progress.step, str(stop))
+            claim.sync()
             raise
         except BaseException as error:
             failure = error
@@ -295,7 +305,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             "distribution": distributed or {"parallel": "none", "devices": 1, "processes": 1},
         }
         resolved["resolved"] = {
-            "output_dir": str(run_dir.resolve()),
+            "output_dir": str(claim) if claim.remote else str(run_dir.resolve()),
             "run_id": run_id,
             "preset_kind": source.kind,
             "preset_family": source.family,
@@ -309,7 +319,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
         title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
         try:
-            phase(f"saving the adapter and results to {run_dir}")
+            phase(f"saving the adapter and results to {claim}")
             outputs.publish(
                 run_dir,
                 {
@@ -328,8 +338,16 @@ def run(cfg: Config, resume: bool = False) -> dict:
                 f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
                 "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
             ) from e
+        try:
+            claim.publish_remote()  # every file, then metrics.json
+        except Exception as e:  # noqa: BLE001 - network and auth errors differ by file system
+            raise UserError(
+                f"could not copy the run to {claim} ({e}); it is staged in {run_dir}.\n"
+                "Fix the access, then rerun with --resume to copy it"
+            ) from e
         if writer:
-            print(outputs.summary_table(metrics, run_dir))
+            platforms.report_tuning_metric(metrics["eval_loss"], progress.step)
+            print(outputs.summary_table(metrics, claim))
         return metrics
     finally:
         claim.release()
@@ -375,7 +393,7 @@ def check_resume_end(found, total_steps: int, target) -> None:
             f"raise --max-steps or --epochs to at least that"
         )
     try:
-        metrics = json.loads((target / outputs.METRICS).read_text(encoding="utf-8"))
+        metrics = json.loads((target.path / outputs.METRICS).read_text(encoding="utf-8"))
         published = metrics.get("run_id") == found.run_id and metrics.get("steps") == found.step
     except (OSError, ValueError, AttributeError):
         published = False

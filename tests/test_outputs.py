@@ -6,16 +6,16 @@ from finetune.errors import UserError
 
 def test_check_target(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert outputs.check_target(None, False, False).parent.name == "runs"
-    assert outputs.check_target(str(tmp_path / "new"), False, False) == tmp_path / "new"
+    assert outputs.check_target(None, False, False).path.parent.name == "runs"
+    assert outputs.check_target(str(tmp_path / "new"), False, False).path == tmp_path / "new"
     assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()  # checks write nothing
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("x")
-    assert outputs.check_target(str(tmp_path / "notes"), False, False) == tmp_path / "notes"  # no run in it yet
+    assert outputs.check_target(str(tmp_path / "notes"), False, False).path == tmp_path / "notes"  # no run in it yet
     (tmp_path / "notes" / "config.yaml").write_text("x")
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_target(str(tmp_path / "notes"), False, False)
-    assert outputs.check_target(str(tmp_path / "notes"), True, False) == tmp_path / "notes"
+    assert outputs.check_target(str(tmp_path / "notes"), True, False).path == tmp_path / "notes"
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         outputs.check_target(str(tmp_path / "file"), True, False)

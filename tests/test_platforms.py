@@ -164,3 +164,23 @@ def test_a_run_with_kaggle_secrets_never_shows_or_writes_them(kaggle_secrets, mo
         assert secret not in result.output
         leaks = [p for p in working.parent.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
         assert not leaks, f"a secret was written to {leaks}"
+
+
+def test_vertex_directories_come_from_the_environment(monkeypatch):
+    for name in ("AIP_MODEL_DIR", "AIP_CHECKPOINT_DIR", "AIP_TENSORBOARD_LOG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert platforms.vertex_model_dir() is None and platforms.vertex_mirror_dirs() == []
+    monkeypatch.setenv("AIP_MODEL_DIR", "gs://b/model")
+    monkeypatch.setenv("AIP_TENSORBOARD_LOG_DIR", "gs://b/logs")
+    assert platforms.vertex_model_dir() == "gs://b/model" and platforms.vertex_mirror_dirs() == ["gs://b/logs"]
+
+
+def test_tuning_without_hypertune_is_a_note(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hypertune", None)  # import hypertune raises ImportError
+    monkeypatch.delenv("CLOUD_ML_HP_METRIC_TAG", raising=False)
+    monkeypatch.delenv("CLOUD_ML_TRIAL_ID", raising=False)
+    platforms.report_tuning_metric(1.0, 2)
+    assert capsys.readouterr().out == ""  # not a tuning trial: nothing to say
+    monkeypatch.setenv("CLOUD_ML_TRIAL_ID", "1")
+    platforms.report_tuning_metric(1.0, 2)
+    assert 'pip install "finetune[vertex]"' in capsys.readouterr().out

@@ -14,6 +14,7 @@ from finetune.cli import app
 runner = CliRunner()
 RUN_FILES = {"config.yaml", "adapter.lora.h5", "metrics.json", "history.csv", "samples.md", "loss.png"}
 RUN_FILES |= {"checkpoints", "status.json", ".lock"}  # resume state, `finetune runs` state, the writer's lock
+RUN_FILES |= {"tensorboard"}
 METRIC_KEYS = set(
     "backend preset rank train_loss eval_loss_before eval_loss eval_perplexity eval_accuracy "
     "trained_tokens tokens_per_second seconds peak_memory_mb".split()

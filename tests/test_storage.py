@@ -1,0 +1,275 @@
+"""Remote run directories: gs:// through a local stand-in for Cloud Storage, and Vertex AI's directories.
+
+The stand-in is an fsspec file system registered for the gs protocol that
+keeps each "bucket" as a folder under a temporary directory, so no network
+and no gcsfs are needed. Staging directories go to a temporary directory too.
+"""
+
+import importlib
+import json
+import sys
+import tempfile
+import types
+
+import pytest
+import tensorflow as tf
+from conftest import BACKEND
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from tensorflow.core.util import event_pb2
+from typer.testing import CliRunner
+
+from finetune import outputs, storage
+from finetune.cli import app
+from finetune.errors import UserError
+
+runner = CliRunner()
+SHORT = [
+    "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
+    "--max-steps", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
+]  # fmt: skip
+REGISTRY = importlib.import_module("fsspec.registry")._registry  # fsspec.registry is its read-only view
+RESULTS = {"config.yaml", "adapter.lora.h5", "metrics.json", "history.csv", "samples.md", "loss.png", "status.json"}
+
+
+class LocalBucket(DirFileSystem):
+    """gs://<bucket>/<path> kept at <root>/<bucket>/<path>; records what was uploaded, in order."""
+
+    protocol = "gs"
+    cachable = False
+    root = None
+    uploads: list = []
+    read_only = False
+
+    def __init__(self, **options):
+        super().__init__(path=str(self.root), fs=LocalFileSystem(auto_mkdir=True))
+
+    def put_file(self, lpath, rpath, **kwargs):
+        LocalBucket.uploads.append(rpath)
+        return super().put_file(lpath, rpath, **kwargs)
+
+    def pipe_file(self, path, value, **kwargs):
+        if self.read_only:
+            raise PermissionError(403, "caller does not have storage.objects.create access")
+        return super().pipe_file(path, value, **kwargs)
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    """The root of the stand-in Cloud Storage; gs://b is an empty bucket. Staging goes under tmp_path/tmp."""
+    root = tmp_path / "gcs"
+    (root / "b").mkdir(parents=True)
+    monkeypatch.setattr(LocalBucket, "root", root)
+    monkeypatch.setattr(LocalBucket, "uploads", [])
+    monkeypatch.setattr(LocalBucket, "read_only", False)
+    monkeypatch.setitem(REGISTRY, "gs", LocalBucket)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    for name in ("AIP_MODEL_DIR", "AIP_CHECKPOINT_DIR", "AIP_TENSORBOARD_LOG_DIR", "CLOUD_ML_TRIAL_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CLOUD_ML_HP_METRIC_TAG", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return root
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def train(*flags):
+    result = invoke("gemma", *SHORT, *flags)
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    return result
+
+
+def scalars(log_dir) -> dict:
+    """tag -> {step: value} of the event files in `log_dir`."""
+    found = {}
+    for path in log_dir.glob("events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = event_pb2.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
+def no_gs_folder(tmp_path):
+    return not [p for p in tmp_path.rglob("*") if p.name.startswith("gs:")]
+
+
+def test_remote_paths_are_told_from_local_ones():
+    assert storage.is_remote("gs://bucket/runs/a") and storage.is_remote("memory://x")
+    for local in ("runs/a", "/gcs/bucket/runs/a", "./gs:", "C:/runs", "", None):
+        assert not storage.is_remote(local), local
+    assert storage.is_staged("/gcs/bucket/runs/a") and storage.is_staged("gs://bucket/runs/a")
+    assert not storage.is_staged("/gcsx/runs/a") and not storage.is_staged("runs/a")
+
+
+def test_a_cloud_storage_fuse_output_is_staged_and_copied_in(bucket, tmp_path, monkeypatch):
+    mount = tmp_path / "gcs-mount"
+    (mount / "b").mkdir(parents=True)
+    monkeypatch.setattr(storage, "FUSE_MOUNT", mount)
+    out = str(mount / "b" / "runs" / "a")
+    target = outputs.check_target(out, False, False)
+    assert target.mirror.url == out and str(target) == out
+    assert target.path.is_relative_to(tmp_path / "tmp")  # a local disk: locks and renames work
+    held = outputs.claim(target.path, default=False, overwrite=False, resume=False, mirror=target.mirror)
+    outputs.publish(
+        target.path, {"metrics.json": lambda p: p.write_text("{}"), "config.yaml": lambda p: p.write_text("x")}
+    )
+    held.publish_remote()
+    held.release()
+    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == ["config.yaml", "metrics.json"]
+    assert not target.path.exists()
+    with pytest.raises(UserError, match="already holds a run"):
+        outputs.check_target(out, False, False)
+
+
+def test_gs_without_gcsfs_names_the_extra(monkeypatch):
+    try:
+        import gcsfs  # noqa: F401
+
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    monkeypatch.delitem(REGISTRY, "gs", raising=False)
+    with pytest.raises(UserError, match=r'pip install "finetune\[gcs\]"'):
+        storage.filesystem("gs://bucket/runs/a")
+    with pytest.raises(UserError, match="cannot use nope://x"):
+        storage.filesystem("nope://x")
+
+
+def test_mirror_sends_changes_manifest_and_metrics_last_and_prunes_when_final(bucket, tmp_path):
+    local = tmp_path / "run"
+    (local / "checkpoints" / "step-1").mkdir(parents=True)
+    for name in ("checkpoints/step-1/manifest.json", "checkpoints/step-1/weights.npz", "metrics.json", "a.txt"):
+        (local / name).write_text(name)
+    (local / ".lock").write_text("")
+    (bucket / "b" / "run" / "checkpoints" / "old").mkdir(parents=True)
+    (bucket / "b" / "run" / "checkpoints" / "old" / "manifest.json").write_text("a replaced run's")
+    mirror = storage.Mirror(local, "gs://b/run", last=("metrics.json", "manifest.json"), prune="checkpoints")
+    mirror.push()
+    sent = [u.split("b/run/")[1] for u in LocalBucket.uploads]
+    assert sorted(sent[:2]) == ["a.txt", "checkpoints/step-1/weights.npz"]
+    assert sorted(sent[2:]) == ["checkpoints/step-1/manifest.json", "metrics.json"]
+    assert not (bucket / "b" / "run" / ".lock").exists()  # hidden files (locks, partial writes) stay local
+    LocalBucket.uploads.clear()
+    mirror.push()
+    assert LocalBucket.uploads == []  # nothing changed
+    (local / "a.txt").write_text("changed")
+    (local / "checkpoints" / "step-1" / "weights.npz").unlink()
+    mirror.push()
+    assert [u.split("b/run/")[1] for u in LocalBucket.uploads] == ["a.txt"]
+    assert not (bucket / "b" / "run" / "checkpoints" / "step-1" / "weights.npz").exists()
+    assert (bucket / "b" / "run" / "checkpoints" / "old" / "manifest.json").exists()  # until the run is final
+    mirror.push(final=True)
+    assert not list((bucket / "b" / "run" / "checkpoints" / "old").glob("*"))
+
+
+def test_pull_copies_the_remote_checkpoints_and_keeps_local_ones(bucket, tmp_path):
+    remote = bucket / "b" / "run"
+    (remote / "checkpoints" / "step-2").mkdir(parents=True)
+    (remote / "checkpoints" / "step-2" / "manifest.json").write_text("two")
+    local = tmp_path / "staging"
+    (local / "checkpoints" / "step-1").mkdir(parents=True)
+    (local / "checkpoints" / "step-1" / "manifest.json").write_text("one, never copied out")
+    (local / "metrics.json").write_text("published here, not in the bucket")
+    mirror = storage.Mirror(local, "gs://b/run")
+    mirror.pull("checkpoints", names=("metrics.json",))
+    assert (local / "checkpoints" / "step-2" / "manifest.json").read_text() == "two"
+    assert (local / "checkpoints" / "step-1" / "manifest.json").exists()
+    assert not (local / "metrics.json").exists()  # so a resume publishes to the bucket again
+    mirror.push()
+    assert [u.split("b/run/")[1] for u in LocalBucket.uploads] == ["checkpoints/step-1/manifest.json"]
+
+
+def test_an_unwritable_bucket_is_refused_before_anything_is_written(bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr(LocalBucket, "read_only", True)
+    result = invoke("gemma", *SHORT, "--output", "gs://b/runs/a")
+    assert result.exit_code == 2
+    assert "cannot write to gs://b/runs/a" in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+    assert not any(bucket.rglob("*.*")) and not any((tmp_path / "tmp").iterdir()) and not any(tmp_path.glob("cwd/*"))
+    assert "loading" not in result.output  # refused before the model was built
+
+
+def test_a_finished_remote_run_is_refused_without_overwrite(bucket):
+    (bucket / "b" / "runs" / "a").mkdir(parents=True)
+    (bucket / "b" / "runs" / "a" / "metrics.json").write_text("{}")
+    result = invoke("gemma", *SHORT, "--output", "gs://b/runs/a")
+    assert result.exit_code == 2 and "gs://b/runs/a already holds a run" in result.stderr
+    (bucket / "b" / "runs" / "a" / "metrics.json").unlink()
+    (bucket / "b" / "runs" / "a" / "checkpoints" / "step-00000003-abcd").mkdir(parents=True)
+    (bucket / "b" / "runs" / "a" / "checkpoints" / "step-00000003-abcd" / "manifest.json").write_text("{}")
+    result = invoke("gemma", *SHORT, "--output", "gs://b/runs/a")
+    assert result.exit_code == 2 and "checkpointed at step 3" in result.stderr
+
+
+def test_a_gs_run_is_staged_then_copied_with_metrics_last_and_resumes_from_the_bucket(bucket, tmp_path):
+    train("--output", "gs://b/runs/a", "--checkpoint-every", "1")
+    remote = bucket / "b" / "runs" / "a"
+    sent = [u.split("runs/a/")[1] for u in LocalBucket.uploads]
+    first_checkpoint = next(i for i, name in enumerate(sent) if name.endswith("manifest.json"))
+    assert "step-00000001-" in sent[first_checkpoint] and first_checkpoint < sent.index("adapter.lora.h5")
+    assert RESULTS | {"checkpoints", "tensorboard"} == {p.name for p in remote.iterdir()}
+    assert LocalBucket.uploads[-1].endswith("runs/a/metrics.json")  # the run is finished remotely only when whole
+    assert no_gs_folder(tmp_path)
+    assert not any((tmp_path / "tmp" / "finetune-staging").iterdir())  # staging is gone once published
+    metrics = json.loads((remote / "metrics.json").read_text())
+    assert metrics["steps"] == 2
+    assert json.loads((remote / "status.json").read_text())["state"] == "finished"
+    train_log, eval_log = scalars(remote / "tensorboard" / "train"), scalars(remote / "tensorboard" / "eval")
+    assert {"loss", "learning_rate", "tokens_per_second"} <= set(train_log) and set(train_log["loss"]) == {1, 2}
+    assert eval_log["loss"] == pytest.approx({0: metrics["eval_loss_before"], 2: metrics["eval_loss"]})
+
+    train("--output", "gs://b/runs/a", "--resume", "--max-steps", "3")
+    metrics = json.loads((remote / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == 2 and metrics["steps"] == 3  # the checkpoint came from the bucket
+    assert no_gs_folder(tmp_path)
+
+
+def test_vertex_directories_and_tuning_metric(bucket, tmp_path, monkeypatch):
+    reported = []
+
+    class HyperTune:
+        def report_hyperparameter_tuning_metric(self, **kwargs):
+            reported.append(kwargs)
+
+    monkeypatch.setitem(sys.modules, "hypertune", types.SimpleNamespace(HyperTune=HyperTune))
+    monkeypatch.setenv("AIP_MODEL_DIR", "gs://b/job/model")
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", "gs://b/job/checkpoints")
+    monkeypatch.setenv("AIP_TENSORBOARD_LOG_DIR", "gs://b/job/logs")
+    monkeypatch.setenv("CLOUD_ML_TRIAL_ID", "7")
+    monkeypatch.setenv("CLOUD_ML_HP_METRIC_TAG", "loss")
+    train()
+    job = bucket / "b" / "job"
+    assert RESULTS <= {p.name for p in (job / "model").iterdir()}
+    assert list((job / "checkpoints").glob("step-00000002-*/manifest.json"))
+    assert list((job / "logs" / "train").glob("events.out.tfevents.*"))
+    metrics = json.loads((job / "model" / "metrics.json").read_text())
+    assert reported == [{"hyperparameter_metric_tag": "loss", "metric_value": metrics["eval_loss"], "global_step": 2}]
+    assert no_gs_folder(tmp_path) and not (tmp_path / "cwd" / "runs").exists()
+
+
+def test_a_directory_without_flock_is_still_claimed(tmp_path, monkeypatch, capsys):
+    def no_flock(*args):
+        raise OSError(38, "Function not implemented")  # gcsfuse
+
+    monkeypatch.setattr(outputs.fcntl, "flock", no_flock)
+    held = outputs.claim(tmp_path / "run", default=False, overwrite=False, resume=False)
+    held.release()
+    assert "cannot be locked" in capsys.readouterr().out and (tmp_path / "run").is_dir()
+
+
+def test_a_failed_copy_during_training_is_a_note(bucket, tmp_path, monkeypatch, capsys):
+    def unreachable(self, lpath, rpath, **kwargs):
+        raise OSError("Cloud Storage is unreachable")
+
+    mirror = storage.Mirror(tmp_path / "run", "gs://b/run")
+    held = outputs.claim(tmp_path / "run", default=False, overwrite=False, resume=False, mirror=mirror)
+    (tmp_path / "run" / "status.json").write_text("{}")
+    monkeypatch.setattr(LocalBucket, "put_file", unreachable)
+    held.sync()  # training goes on; the next checkpoint tries again
+    held.release()
+    assert "could not copy" in capsys.readouterr().out and (tmp_path / "run").is_dir()
