@@ -198,7 +198,7 @@ def data_part() -> tuple[int, int, int]:
     mine = [
         i
         for i in range(devices.shape[axis])
-        if any(d.process_index == jax.process_index() for d in devices.take(i, axis=axis).flat)
+        if any(d.process_index == jax.process_index() for d in devices.take([i], axis=axis).flat)
     ]
     if mine != list(range(mine[0], mine[-1] + 1)):
         raise UserError(f"this process's devices hold data shards {mine}, which are not contiguous; use another --mesh")

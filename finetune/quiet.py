@@ -20,11 +20,13 @@ import threading
 import warnings
 
 # C++ log lines in glog/absl form ("I0000 00:00:1795325987.734281   15909 port.cc:153] ..."), the
-# absl pre-initialisation banner, and SentencePiece's LOG(INFO) lines.
+# absl pre-initialisation banner, SentencePiece's LOG(INFO) lines, and the connection lines of Gloo
+# (JAX's CPU collectives in a multi-process job).
 NOISE = re.compile(
     rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
     rb"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.\-]+:\d+\]"
-    rb"|[\w.\-]+\.cc\(\d+\) LOG\(INFO\))"
+    rb"|[\w.\-]+\.cc\(\d+\) LOG\(INFO\)"
+    rb"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks)"
 )
 FRAMEWORKS = r"(keras|keras_hub|tensorflow|tf_keras|jax|jaxlib|torch|absl|google\.protobuf)(\.|$)"
 _installed: dict = {}

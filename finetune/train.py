@@ -352,7 +352,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     finally:
         claim.release()
         if not writer:
-            shutil.rmtree(target.parent, ignore_errors=True)
+            shutil.rmtree(target.path.parent, ignore_errors=True)
 
 
 def _deadline(time_limit: str | None) -> float | None:

@@ -14,6 +14,7 @@ NOISE = [
     b"E0000 00:00:1795325992.352479   15909 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)",
     b"W1122 05:40:01.123456    1234 cudart_stub.cc:31] Could not find cuda drivers on your machine",
     b"normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity normalization.",
+    b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
 ]
 OURS = [b"error: LoRA rank must be at least 1, got 0; try --rank 4", b"note: 3 records skipped", b"Traceback (most"]
 
