@@ -25,11 +25,12 @@ from finetune import checkpoint, storage
 from finetune.errors import UserError
 
 ADAPTER = "adapter.lora.h5"
+ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 STATUS = "status.json"
 LOCK = ".lock"
-RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
+RUN_MARKERS = (CONFIG, METRICS, ADAPTER, ADAPTER_JSON)
 # A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
 NAME_MAX = 255
 

@@ -12,7 +12,7 @@ from finetune import backend, model, presets, runs
 from finetune.cli import app
 
 runner = CliRunner()
-RUN_FILES = {"config.yaml", "adapter.lora.h5", "metrics.json", "history.csv", "samples.md", "loss.png"}
+RUN_FILES = {"config.yaml", "adapter.lora.h5", "adapter.json", "metrics.json", "history.csv", "samples.md", "loss.png"}
 RUN_FILES |= {"checkpoints", "status.json", ".lock"}  # resume state, `finetune runs` state, the writer's lock
 METRIC_KEYS = set(
     "backend preset rank train_loss eval_loss_before eval_loss eval_perplexity eval_accuracy "
@@ -52,6 +52,13 @@ def test_a_two_step_run_writes_every_output(two_step_run):
     assert metrics["backend"] == BACKEND and metrics["steps"] == 2 and metrics["rank"] == 2
     assert metrics["trained_tokens"] > 0 and metrics["response_tokens"] <= metrics["trained_tokens"]
     assert config["lora"]["alpha"] == 4.0 and config["train"]["batch_size"] == 2
+    described = json.loads((out / "adapter.json").read_text())
+    assert described["preset"]["name"] == "tiny" and len(described["preset"]["fingerprint"]) == 64
+    assert (described["rank"], described["alpha"], described["targets"]) == (2, 4.0, ["query", "value"])
+    assert described["template"] == "dolly" and described["seq_len"] == 64
+    assert described["dtype"] == config["resolved"]["backend_tweaks"]["dtype_policy"]
+    assert len(described["adapted"]) == metrics["adapted_layers"]
+    assert described["adapted"][0]["lora_kernel_b"][0] == 2
     assert config["resolved"]["backend_tweaks"]["KERAS_BACKEND"] == BACKEND
     expected = "mixed_bfloat16" if backend.cpu_has_bfloat16() else "float32"  # auto, on a CPU
     assert config["resolved"]["backend_tweaks"]["dtype_policy"] == expected
