@@ -167,6 +167,10 @@ def check_transformers_layout(backbone) -> None:
         )
     if kind == "Gemma3Backbone" and getattr(backbone, "vision_encoder", None) is not None:
         raise UserError("this Gemma 3 preset has a vision encoder; finetune exports text-only Gemma to transformers")
+    if kind == "Gemma3Backbone" and not (
+        backbone.use_post_ffw_norm and backbone.use_post_attention_norm and backbone.use_query_key_norm
+    ):  # transformers' Gemma 3 always has these norms; one missing here has no equivalent there
+        raise UserError("this Gemma 3 model lacks the post or query/key norms transformers' Gemma 3 always has")
     if kind not in ("GemmaBackbone", "Gemma3Backbone"):
         raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
 

@@ -240,42 +240,73 @@ def test_an_output_holding_files_is_refused_without_overwrite(trained, tmp_path)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_every_key_value_head_reaches_transformers_and_peft(tmp_path):
-    """Two key/value heads, random LoRA factors: keras-hub's Gemma exporter alone keeps only the first head."""
+def small_backbone(family, vocabulary_size):
+    """Gemma 1, or Gemma 3 as its presets are laid out (post norms, query/key norms, five sliding layers in six)."""
+    import keras_hub
+
+    shape = dict(num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8)
+    if family == "gemma":
+        return keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, num_layers=1, **shape)
+    return keras_hub.models.Gemma3Backbone(
+        vocabulary_size=vocabulary_size, image_size=None, vision_encoder=None, num_layers=6, sliding_window_size=4,
+        use_sliding_window_attention=True, use_post_ffw_norm=True, use_post_attention_norm=True,
+        use_query_key_norm=True, **shape,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
+    """Two key/value heads, random LoRA factors: keras-hub's Gemma 1 exporter alone keeps only the first head."""
     transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
     peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
     import keras_hub
 
     from finetune import adapter
-    from finetune.export import write_peft, write_transformers
+    from finetune.export import check_transformers_layout, write_peft, write_transformers
 
     tokenizer = presets.tiny_tokenizer()
-    shape = dict(num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8)
     rng = np.random.default_rng(0)
     with float32_policy():
-        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tokenizer.vocabulary_size(), **shape)
+        backbone = small_backbone(family, tokenizer.vocabulary_size())
         for weight in backbone.weights:  # norm scales start at zero: make every weight count
             weight.assign(rng.normal(0, 0.2, weight.shape).astype("float32"))
-        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        task = keras_hub.models.GemmaCausalLM if family == "gemma" else keras_hub.models.Gemma3CausalLM
+        lm = task(backbone=backbone, preprocessor=None)
         base = logits(lm)
+        check_transformers_layout(backbone)
         write_transformers(tmp_path, backbone, tokenizer)
         backbone.enable_lora(2, target_layer_names=TARGETS)
         layers = adapter.layers_with_weights(backbone)
         factors = {}
         for index in backbone._lora_enabled_layers:
-            layers[index].lora_alpha = 3.0
-            pair = [
-                rng.normal(0, 0.3, v.shape).astype("float32")
-                for v in (layers[index].lora_kernel_a, layers[index].lora_kernel_b)
-            ]
-            layers[index].lora_kernel_a.assign(pair[0])
-            layers[index].lora_kernel_b.assign(pair[1])
+            layer = layers[index]
+            layer.lora_alpha = 3.0
+            pair = [rng.normal(0, 0.3, v.shape).astype("float32") for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
+            layer.lora_kernel_a.assign(pair[0])
+            layer.lora_kernel_b.assign(pair[1])
             factors[index] = tuple(pair)
         tuned = logits(lm)
     (tmp_path / "peft").mkdir()
     write_peft(tmp_path / "peft", backbone, factors, {"rank": 2, "alpha": 3.0, "preset": {"name": "x"}})
-    model = transformers.GemmaForCausalLM.from_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(model).__name__ == {"gemma": "GemmaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
     np.testing.assert_allclose(hf_logits(model), base, atol=1e-4)
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["rank_pattern"] == {"q_proj": 8, "k_proj": 4, "v_proj": 4}
     np.testing.assert_allclose(hf_logits(peft.PeftModel.from_pretrained(model, tmp_path / "peft")), tuned, atol=1e-4)
+
+
+def test_gemma_2_is_refused_in_transformers_format():
+    import keras_hub
+
+    from finetune.errors import UserError
+    from finetune.export import check_transformers_layout
+
+    with float32_policy():
+        gemma2 = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+            intermediate_dim=32, head_dim=8, use_post_ffw_norm=True, use_post_attention_norm=True,
+            final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+        )  # fmt: skip
+    with pytest.raises(UserError, match="Gemma 2 preset"):
+        check_transformers_layout(gemma2)
