@@ -66,6 +66,8 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool) -> 
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
     parent = target.resolve().parent
+    while not parent.exists():  # missing folders on the way are made
+        parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write {target}: {parent} is not a writable directory; pass another --output")
     if fmt in ("hf", "peft"):
@@ -82,6 +84,8 @@ def _require(package: str, what: str) -> None:
 
 def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
     """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
+    import keras
+
     from finetune import backend, model, outputs, presets, runs
 
     cfg = run.config
@@ -90,11 +94,13 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
         )
-    backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
+    policy = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
     source = presets.resolve(cfg.model.preset)
     if fmt in ("lora", "peft"):
         lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)  # the base it trained on
     else:
+        # Saved under the weights' dtype: keras-hub's from_preset cannot read a mixed_bfloat16 policy back.
+        keras.config.set_dtype_policy(keras.mixed_precision.DTypePolicy(policy).variable_dtype)
         lm, preprocessor = model.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
@@ -124,12 +130,17 @@ def publish(target: Path, write) -> None:
     """write(staging) into a hidden sibling of `target`, then swap it in; a failure leaves `target` as it was."""
     target = target.resolve()
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    made = target.parent  # the outermost folder this export creates, removed again if it fails
+    while not made.parent.exists():
+        made = made.parent
+    made = None if made.exists() else made
+    target.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir()
     try:
         write(staging)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(made or staging, ignore_errors=True)
         raise
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
     if target.exists():
@@ -189,6 +200,10 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
     if type(backbone).__name__ == "Gemma3Backbone":
         hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
         hf_exporter.export_generation_config(backbone, str(directory))
+        # keras-hub writes the dtype policy's name (mixed_bfloat16 is no torch dtype): write the weights' dtype.
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config["torch_dtype"] = backbone.dtype_policy.variable_dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     else:
         config, weights = _gemma_transformers(backbone, tokenizer)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

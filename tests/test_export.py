@@ -85,7 +85,7 @@ def test_lora_loads_onto_the_base_with_plain_keras_hub(trained, tmp_path):
 
 def test_merged_is_a_preset_keras_hub_loads_without_finetune(trained, tmp_path):
     run, tuned, _ = trained
-    out = export(run, "merged", tmp_path / "merged")
+    out = export(run, "merged", tmp_path / "exported" / "merged")  # missing folders on the way are made
     saved = tmp_path / "logits.npy"
     script = (
         "import sys; sys.modules['finetune'] = None\n"  # any import of finetune fails
@@ -100,6 +100,19 @@ def test_merged_is_a_preset_keras_hub_loads_without_finetune(trained, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     np.testing.assert_allclose(np.load(saved), tuned, atol=1e-4)
+
+
+def test_a_mixed_precision_run_merges_into_a_preset_keras_hub_reads(trained, tmp_path):
+    """keras-hub's from_preset cannot read a mixed_bfloat16 policy back, so the preset is saved in float32."""
+    import keras_hub
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    _edit_yaml(run / "config.yaml", "model.precision", "mixed_bfloat16")
+    with float32_policy():
+        finetune.export(run, "merged", tmp_path / "merged")
+        lm = keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged"))
+    assert lm.backbone.dtype_policy.name == "float32"
 
 
 def hf_logits(model, tokens=TOKENS):
@@ -211,11 +224,21 @@ def test_a_mismatched_adapter_is_refused_and_nothing_is_written(trained, tmp_pat
     shutil.copytree(trained[0], run)
     change(run, tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = invoke("--run", run, "--format", fmt, "--output", tmp_path / "out")
+    result = invoke("--run", run, "--format", fmt, "--output", tmp_path / "exported" / "out")
     message = result.stderr.strip()
     assert result.exit_code == 2, result.output
     assert message.startswith("error: ") and expected in message and len(message.splitlines()) <= 2, message
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no staging directory
+
+
+def test_an_export_that_fails_midway_leaves_nothing(trained, tmp_path, monkeypatch):
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["finetune.export"], "write_peft", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        finetune.export(trained[0], "peft", tmp_path / "exported" / "peft")
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
