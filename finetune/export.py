@@ -99,8 +99,10 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
     if fmt in ("lora", "peft"):
         lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)  # the base it trained on
     else:
-        # Saved under the weights' dtype: keras-hub's from_preset cannot read a mixed_bfloat16 policy back.
-        keras.config.set_dtype_policy(keras.mixed_precision.DTypePolicy(policy).variable_dtype)
+        # merged keeps the weights' dtype (keras-hub's from_preset cannot read a mixed_bfloat16 policy back);
+        # hf is float32, which transformers casts to whatever a user loads it as.
+        variables = keras.mixed_precision.DTypePolicy(policy).variable_dtype
+        keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
         lm, preprocessor = model.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
@@ -200,7 +202,7 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
     if type(backbone).__name__ == "Gemma3Backbone":
         hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
         hf_exporter.export_generation_config(backbone, str(directory))
-        # keras-hub writes the dtype policy's name (mixed_bfloat16 is no torch dtype): write the weights' dtype.
+        # keras-hub writes the dtype policy's name, and mixed_bfloat16 is no torch dtype: name the weights'.
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
         config["torch_dtype"] = backbone.dtype_policy.variable_dtype
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

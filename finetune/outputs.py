@@ -30,7 +30,7 @@ METRICS = "metrics.json"
 CONFIG = "config.yaml"
 STATUS = "status.json"
 LOCK = ".lock"
-RUN_MARKERS = (CONFIG, METRICS, ADAPTER, ADAPTER_JSON)
+RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
 NAME_MAX = 255
 

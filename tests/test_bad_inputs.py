@@ -160,7 +160,7 @@ def _nudge(path: Path):
 def _unfinished(w: Where) -> Path:
     """A copy of a trained run as a kill would leave it: checkpoints, no results."""
     copy = w.run_copy()
-    for name in (ADAPTER, "metrics.json", "config.yaml", "history.csv", "samples.md", "loss.png"):
+    for name in (ADAPTER, ADAPTER_JSON, "metrics.json", "config.yaml", "history.csv", "samples.md", "loss.png"):
         (copy / name).unlink(missing_ok=True)
     return copy
 

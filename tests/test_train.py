@@ -206,6 +206,10 @@ def test_an_int4_base_trains_saves_and_reloads_its_adapter(tmp_path):
     assert any(v.path.endswith("kernel_scale") for v in lm.backbone.weights)  # the rebuilt base is quantized
     reported = float(invoke("eval", "--run", out).output.split("eval_loss ")[1].split()[0])
     assert reported == pytest.approx(metrics["eval_loss"], abs=1e-3)
+    # Exported as trained (the factors, onto the int4 base), never merged into the float base it did not train on.
+    invoke("export", "--run", out, "--format", "lora", "--output", tmp_path / "lora")
+    refused = runner.invoke(app, ["export", "--run", str(out), "--format", "merged", "--output", str(tmp_path / "m")])
+    assert refused.exit_code == 2 and "trained on an int4 base" in refused.stderr and not (tmp_path / "m").exists()
 
 
 def test_a_run_trained_on_a_relative_path_evaluates_from_anywhere(tmp_path, monkeypatch):
