@@ -125,10 +125,13 @@ def read(path: Path) -> dict:
         raise UserError(
             f"{path} has format version {description.get('format_version')!r}; this finetune reads {FORMAT_VERSION}"
         )
-    required = ("preset", "rank", "alpha", "targets", "adapted", "weights_sha256")
-    missing = [key for key in required if key not in description]
-    if missing or not isinstance(description["preset"], dict) or not isinstance(description["adapted"], list):
-        raise UserError(f"{path} is incomplete (no {missing[0] if missing else 'valid preset or adapted'} entry)")
+    expected = {"preset": dict, "rank": int, "alpha": (int, float), "targets": list, "adapted": list,
+                "weights_sha256": str}  # fmt: skip
+    for key, kind in expected.items():
+        if not isinstance(description.get(key), kind):
+            raise UserError(f"{path} has no valid {key!r} entry; copy it back from the run that made the adapter")
+    if not all(isinstance(entry, dict) for entry in description["adapted"]):
+        raise UserError(f"{path} has no valid 'adapted' entry; copy it back from the run that made the adapter")
     return description
 
 
@@ -141,12 +144,19 @@ def check_against_config(description: dict, cfg, path: Path) -> None:
         "alpha": (float(description["alpha"]), float(alpha)),
         "targets": (",".join(description["targets"]), ",".join(cfg.lora.targets)),
     }
+    if _local(said["preset"][0]) and _local(said["preset"][1]):
+        del said["preset"]  # a preset directory may move: the base's fingerprint tells whether it is the same model
     for key, (described, configured) in said.items():
         if described != configured:
             raise UserError(
                 f"{path} says {key} {described}, but the run's config.yaml says {configured}: the adapter "
                 "comes from another run;\ncopy adapter.lora.h5 and adapter.json together from the run that made them"
             )
+
+
+def _local(preset) -> bool:
+    """A preset directory: config.yaml records it as an absolute path (config.absolute_paths)."""
+    return isinstance(preset, str) and Path(preset).is_absolute()
 
 
 def check_against_base(description: dict, backbone, rank: int, path: Path) -> list[tuple[int, object]]:

@@ -289,6 +289,12 @@ CASES = [
         "adapter.json is not valid JSON",
     ),
     run_case(
+        "run-adapter-json-wrong-type",
+        "eval",
+        lambda r, w: _describe(r, alpha="lots"),
+        "adapter.json has no valid 'alpha' entry",
+    ),
+    run_case(
         "run-adapter-and-json-of-other-rank",
         "eval",
         lambda r, w: [shutil.copy(w.runs["rank2"] / name, r / name) for name in (ADAPTER, ADAPTER_JSON)],
