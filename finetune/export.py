@@ -115,6 +115,7 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
             return
         if fmt == "peft":
             write_peft(staging, lm.backbone, factors, run.adapter)
+            shutil.copyfile(run.directory / outputs.ADAPTER_JSON, staging / outputs.ADAPTER_JSON)  # which base
             return
         merge(lm.backbone, factors, run.adapter["alpha"] / run.adapter["rank"])
         preprocessor.sequence_length = presets.preset_sequence_length(source)
@@ -166,8 +167,7 @@ def merge(backbone, factors: dict, scale: float) -> None:
     layers = adapter.layers_with_weights(backbone)
     for index, (a, b) in factors.items():
         kernel = layers[index].kernel
-        merged = np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b)
-        kernel.assign(merged.astype(kernel.dtype))
+        kernel.assign(np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b))  # cast on assign
 
 
 def check_transformers_layout(backbone) -> None:
@@ -297,7 +297,7 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": description["preset"]["name"],
+        "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
         "r": rank,
         "lora_alpha": alpha,
         "target_modules": sorted(ranks),

@@ -145,6 +145,7 @@ def test_peft_applies_to_the_base_in_transformers(trained, tmp_path):
     run, tuned, base = trained
     base_dir = export(run, "hf", tmp_path / "base", "--base")
     out = export(run, "peft", tmp_path / "peft")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
     heads = presets.TINY_CONFIG["num_query_heads"]
     assert config["rank_pattern"] == {"q_proj": heads * RANK}  # tiny has one key/value head: k, v stay rank 4
