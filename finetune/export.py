@@ -211,6 +211,47 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _save_safetensors(directory / "model.safetensors", weights)
     hf_exporter.export_tokenizer(tokenizer, str(directory))
+    write_unigram_tokenizer(directory, tokenizer)
+
+
+def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
+    """tokenizer.json for a unigram SentencePiece model, such as tiny's; Gemma's own BPE ones are left as they are.
+
+    transformers' GemmaTokenizer rebuilds a BPE tokenizer from tokenizer.model
+    whatever its type, which splits a unigram vocabulary's text differently.
+    A tokenizers Unigram model with SentencePiece's scores, whitespace
+    handling and digit splitting gives the same ids, and AutoTokenizer reads
+    it as it is when the config names no Gemma class.
+    """
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((directory / "tokenizer.model").read_bytes())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        return
+    spec, vocabulary = proto.trainer_spec, [(piece.piece, piece.score) for piece in proto.pieces]
+    unigram = Tokenizer(models.Unigram(vocabulary, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    prepend = "first" if proto.normalizer_spec.add_dummy_prefix else "never"
+    splits = [pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=spec.split_by_whitespace)]
+    if spec.split_digits:
+        splits.append(pre_tokenizers.Digits(individual_digits=True))
+    unigram.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    unigram.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = sentencepiece_model_pb2.ModelProto.SentencePiece
+    special = [p.piece for p in proto.pieces if p.type in (control.CONTROL, control.USER_DEFINED)]
+    unigram.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    bos = tokenizer.start_token  # keras-hub's Gemma preprocessor starts every sequence with it
+    unigram.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    unigram.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
