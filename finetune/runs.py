@@ -1,8 +1,9 @@
-"""Reopen a finished run: base model plus saved adapter, for eval and generate.
+"""Reopen a finished run: base model plus saved adapter, for eval, generate, load and export.
 
 The run's config.yaml says which preset, template and LoRA layout were used;
 the adapter file holds only the LoRA factors (backbone.save_lora_weights), so
-the base weights come from the same preset as in training.
+the base weights come from the same preset as in training. adapter.json must
+agree with both before a factor is loaded (adapter.py).
 """
 
 from __future__ import annotations
