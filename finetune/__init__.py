@@ -8,6 +8,7 @@ Notebook use:
     finetune.evaluate("runs/first")                     # held-out metrics of the finished run
     finetune.generate("runs/first", ["What is LoRA?"])  # completions with its adapter
     lm = finetune.load("runs/first")                    # the keras-hub model, adapter loaded
+    finetune.export("runs/first", "merged", "exported/first")  # also lora, hf, peft
 
 Nothing here imports keras, so the backend named in the config can still be
 chosen; import keras yourself only after `run`, or with the same backend.
@@ -16,8 +17,9 @@ chosen; import keras yourself only after `run`, or with the same backend.
 from finetune.config import Config
 from finetune.config import load as load_config
 from finetune.errors import RunStopped, UserError
+from finetune.export import export  # the function: it shadows its module's name here, on purpose
 
-__all__ = ["Config", "RunStopped", "UserError", "evaluate", "generate", "load", "load_config", "run"]
+__all__ = ["Config", "RunStopped", "UserError", "evaluate", "export", "generate", "load", "load_config", "run"]
 __version__ = "0.1.0"
 
 

@@ -592,6 +592,36 @@ def generate(
         _fail(error, debug)
 
 
+@app.command("export")
+def export_(
+    run: str = typer.Option(..., "--run", help="A finished run directory."),
+    format: str = typer.Option(
+        ...,
+        "--format",
+        help="lora (the adapter, checked), merged (a keras-hub preset), hf (transformers), peft (a PEFT adapter).",
+        metavar="lora|merged|hf|peft",
+    ),
+    output: str = typer.Option(..., "--output", help="The directory to write.", metavar="DIR"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace what --output already holds."),
+    base: bool = typer.Option(
+        False, "--base", help="With --format hf: the run's base model alone, for the peft adapter to apply to."
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
+):
+    """Export a run's adapter for keras-hub, transformers or PEFT; nothing is written if a check fails."""
+    try:
+        from finetune import export
+
+        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+        target = export(run, format, output, overwrite, base)
+        print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
 @app.command("vertex-spec")
 def vertex_spec(
     recipe: str = typer.Option(..., help="A shipped recipe by name, or a YAML file the image holds at that path."),

@@ -29,14 +29,18 @@ def build(source: presets.Source, seq_len: int, quantize: str | None = None):
     quantize: str. int4: the frozen base weights are quantized here,
         before LoRA is enabled, as QLoRA does; the LoRA factors stay in float.
     """
-    lm, preprocessor = _load(source, seq_len)
+    lm, preprocessor = load_base(source, seq_len)
     attention.enable(lm.backbone)
     if quantize is not None:
         lm.backbone.quantize(quantize)  # the backbone, not lm: quantize() locks the model it is called on
     return lm, preprocessor
 
 
-def _load(source: presets.Source, seq_len: int):
+def load_base(source: presets.Source, seq_len: int):
+    """The preset's causal LM (preprocessor detached) and its preprocessor, as keras-hub builds them.
+
+    No hooks and no quantization: what `finetune export` merges into and saves.
+    """
     policy = keras.config.dtype_policy().name
     if source.kind == "tiny":
         tokenizer = presets.tiny_tokenizer()

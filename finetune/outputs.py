@@ -33,6 +33,7 @@ from finetune import checkpoint, platforms, storage
 from finetune.errors import UserError
 
 ADAPTER = "adapter.lora.h5"
+ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
 STATUS = "status.json"

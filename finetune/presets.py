@@ -152,6 +152,18 @@ def _check_hub_access(handle: str) -> None:
         )
 
 
+def preset_sequence_length(source: Source) -> int:
+    """The sequence length the preset's own preprocessor has, before a run sets its --seq-len."""
+    import inspect
+
+    import keras_hub
+
+    if source.kind == "tiny":  # no preset files: the class default
+        signature = inspect.signature(keras_hub.models.GemmaCausalLMPreprocessor.__init__)
+        return signature.parameters["sequence_length"].default
+    return keras_hub.models.CausalLMPreprocessor.from_preset(source.handle).sequence_length
+
+
 def tiny_tokenizer():
     import keras_hub
 

@@ -1,8 +1,9 @@
-"""Reopen a finished run: base model plus saved adapter, for eval and generate.
+"""Reopen a finished run: base model plus saved adapter, for eval, generate, load and export.
 
 The run's config.yaml says which preset, template and LoRA layout were used;
 the adapter file holds only the LoRA factors (backbone.save_lora_weights), so
-the base weights come from the same preset as in training.
+the base weights come from the same preset as in training. adapter.json must
+agree with both before a factor is loaded (adapter.py).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import adapter, outputs
 from finetune import config as config_module
-from finetune import outputs
 from finetune.errors import UserError
 
 
@@ -19,6 +20,8 @@ from finetune.errors import UserError
 class Run:
     directory: Path
     config: config_module.Config
+    adapter: dict
+    """adapter.json, already checked against config.yaml."""
 
 
 def open_run(directory: str | Path) -> Run:
@@ -29,7 +32,10 @@ def open_run(directory: str | Path) -> Run:
     for name in ("config.yaml", outputs.ADAPTER):
         if not (directory / name).is_file():
             raise UserError(f"{directory} has no {name}, so it is not a finished run; pass --run DIR of a finished run")
-    return Run(directory, config_module.from_dict(config_module.read_recipe(directory / "config.yaml")))
+    cfg = config_module.from_dict(config_module.read_recipe(directory / "config.yaml"))
+    description = adapter.read(directory / outputs.ADAPTER_JSON)
+    adapter.check_against_config(description, cfg, directory / outputs.ADAPTER_JSON)
+    return Run(directory, cfg, description)
 
 
 def load_model(run: Run):
@@ -41,61 +47,18 @@ def load_model(run: Run):
     source = presets.resolve(cfg.model.preset)
     lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-    adapter = run.directory / outputs.ADAPTER
-    check_adapter(adapter, lm.backbone, cfg.lora.rank)
-    lm.backbone.load_lora_weights(str(adapter))
+    checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing
+    lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
     model.compile(lm, cfg.train.learning_rate or source.default_learning_rate, cfg.train.weight_decay)
     return lm, preprocessor
 
 
-def check_adapter(path: Path, backbone, rank: int) -> None:
-    """Refuse an adapter that does not fit the run's LoRA layout, before keras-hub assigns any of it.
-
-    keras-hub's load_lora_weights reads the file without checks: a damaged file
-    ends in a raw OSError, another rank in a ValueError, and NaN weights load
-    silently. Read through Keras' own H5 store, so its layout stays Keras' business.
-    """
-    import numpy as np
-    from keras.src.saving.saving_lib import H5IOStore
-
-    fix = "retrain the run, or copy its adapter back from where it was made"
-    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
-    expected = {index: layers[index] for index in backbone._lora_enabled_layers}
-    try:
-        store = H5IOStore(path, mode="r")
-    except OSError as e:
-        raise UserError(f"{path} is not a readable adapter ({str(e).splitlines()[0]}); {fix}") from None
-    try:
-        if not store.has_path("lora"):
-            raise UserError(f"{path} holds no LoRA weights (no `lora` group); {fix}")
-        stored_rank = int(store.get("lora")["rank"][()])
-        if stored_rank != rank:
-            raise UserError(
-                f"{path} has LoRA rank {stored_rank}, but the run's config.yaml says {rank}; "
-                "use the adapter this run saved"
-            )
-        stored = {int(key) for key in store.h5_file["lora"] if key.isdigit()}
-        if stored != set(expected):
-            raise UserError(
-                f"{path} adapts {len(stored)} layers, but the run's config.yaml (lora.targets) gives "
-                f"{len(expected)}; use the adapter this run saved"
-            )
-        for index, layer in expected.items():
-            entry = store.get(f"lora/{index}")
-            for name in ("lora_kernel_a", "lora_kernel_b"):
-                values = np.asarray(entry[name])
-                want = tuple(getattr(layer, name).shape)
-                if values.shape != want:
-                    raise UserError(
-                        f"{path}: {name} of layer {layer.name} has shape {values.shape}, expected {want}; {fix}"
-                    )
-                if not np.isfinite(values.astype(np.float32)).all():
-                    raise UserError(f"{path}: layer {layer.name} has weights that are not finite (NaN or inf); {fix}")
-    except (OSError, KeyError, ValueError) as e:  # h5py on a damaged file
-        detail = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"{path} is not a readable adapter ({type(e).__name__}: {detail}); {fix}") from None
-    finally:
-        store.close()
+def checked_factors(run: Run, backbone) -> dict:
+    """{layer index: (A, B)} of the run's adapter, once adapter.json fits `backbone` (the run's base, with or
+    without LoRA) and adapter.lora.h5 holds what adapter.json describes."""
+    json_path = run.directory / outputs.ADAPTER_JSON
+    adapted = adapter.check_against_base(run.adapter, backbone, run.config.lora.rank, json_path)
+    return adapter.read_factors(run.directory / outputs.ADAPTER, adapted, run.config.lora.rank, run.adapter)
 
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:

@@ -22,6 +22,8 @@ import keras
 import numpy as np
 
 from finetune import (
+    __version__,
+    adapter,
     backend,
     batching,
     callbacks,
@@ -318,12 +320,18 @@ def run(cfg: Config, resume: bool = False) -> dict:
         ]
         history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
         title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
+        description = adapter.describe(
+            lm.backbone, preset=cfg.model.preset, family=source.family, rank=cfg.lora.rank, alpha=metrics["alpha"],
+            targets=cfg.lora.targets, template=cfg.data.template, seq_len=cfg.model.seq_len,
+            dtype=tweaks["dtype_policy"], quantize=cfg.model.quantize, version=__version__,
+        )  # fmt: skip
         try:
             phase(f"saving the adapter and results to {claim}")
             outputs.publish(
                 run_dir,
                 {
                     outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
+                    outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
                     outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
                     "history.csv": lambda p: outputs.write_history(p, progress.rows),
                     "samples.md": lambda p: outputs.write_samples(p, samples),

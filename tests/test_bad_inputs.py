@@ -136,12 +136,31 @@ def _unreadable(w: Where):
 
 
 ADAPTER = "adapter.lora.h5"
+ADAPTER_JSON = "adapter.json"
+
+
+def _describe(run: Path, **changes):
+    """Rewrite keys of the run's adapter.json, as if it came from another run."""
+    description = json.loads((run / ADAPTER_JSON).read_text())
+    description.update(changes)
+    (run / ADAPTER_JSON).write_text(json.dumps(description))
+
+
+def _nudge(path: Path):
+    """A finite change to one LoRA weight: an adapter of the same layout from another run."""
+    with h5py.File(path, "r+") as f:
+        names = []
+        f.visititems(lambda name, obj: names.append(name) if name.endswith("lora_kernel_a") else None)
+        dataset = f[names[0]]
+        values = dataset[()]
+        values.flat[0] += 1.0
+        dataset[...] = values
 
 
 def _unfinished(w: Where) -> Path:
     """A copy of a trained run as a kill would leave it: checkpoints, no results."""
     copy = w.run_copy()
-    for name in (ADAPTER, "metrics.json", "config.yaml", "history.csv", "samples.md", "loss.png"):
+    for name in (ADAPTER, ADAPTER_JSON, "metrics.json", "config.yaml", "history.csv", "samples.md", "loss.png"):
         (copy / name).unlink(missing_ok=True)
     return copy
 
@@ -262,6 +281,43 @@ CASES = [
         "has LoRA rank 2, but the run's config.yaml says 4",
     ),
     run_case("run-adapter-not-finite", "generate", lambda r, w: _poison(r / ADAPTER), "weights that are not finite"),
+    run_case("run-no-adapter-json", "eval", lambda r, w: (r / ADAPTER_JSON).unlink(), f"has no {ADAPTER_JSON}"),
+    run_case(
+        "run-adapter-json-corrupt",
+        "generate",
+        lambda r, w: _truncate(r / ADAPTER_JSON),
+        "adapter.json is not valid JSON",
+    ),
+    run_case(
+        "run-adapter-json-wrong-type",
+        "eval",
+        lambda r, w: _describe(r, alpha="lots"),
+        "adapter.json has no valid 'alpha' entry",
+    ),
+    run_case(
+        "run-adapter-and-json-of-other-rank",
+        "eval",
+        lambda r, w: [shutil.copy(w.runs["rank2"] / name, r / name) for name in (ADAPTER, ADAPTER_JSON)],
+        "says rank 2, but the run's config.yaml says 4",
+    ),
+    run_case(
+        "run-adapter-of-other-targets",
+        "generate",
+        lambda r, w: _describe(r, targets=["query"]),
+        "says targets query, but the run's config.yaml says query,value",
+    ),
+    run_case(
+        "run-adapter-of-other-preset",
+        "eval",
+        lambda r, w: _describe(r, preset={"name": "gemma_2b_en", "family": "gemma", "fingerprint": "0" * 64}),
+        "says preset gemma_2b_en, but the run's config.yaml says tiny",
+    ),
+    run_case(
+        "run-adapter-of-other-run",
+        "eval",
+        lambda r, w: _nudge(r / ADAPTER),
+        "does not hold the weights its adapter.json describes",
+    ),
     run_case(
         "run-config-not-yaml", "eval", lambda r, w: (r / "config.yaml").write_text("lora: [unclosed\n"), "config.yaml"
     ),

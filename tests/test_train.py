@@ -12,7 +12,7 @@ from finetune import backend, model, presets, runs
 from finetune.cli import app
 
 runner = CliRunner()
-RUN_FILES = {"config.yaml", "adapter.lora.h5", "metrics.json", "history.csv", "samples.md", "loss.png"}
+RUN_FILES = {"config.yaml", "adapter.lora.h5", "adapter.json", "metrics.json", "history.csv", "samples.md", "loss.png"}
 RUN_FILES |= {"checkpoints", "status.json", ".lock"}  # resume state, `finetune runs` state, the writer's lock
 RUN_FILES |= {"tensorboard"}
 METRIC_KEYS = set(
@@ -53,6 +53,13 @@ def test_a_two_step_run_writes_every_output(two_step_run):
     assert metrics["backend"] == BACKEND and metrics["steps"] == 2 and metrics["rank"] == 2
     assert metrics["trained_tokens"] > 0 and metrics["response_tokens"] <= metrics["trained_tokens"]
     assert config["lora"]["alpha"] == 4.0 and config["train"]["batch_size"] == 2
+    described = json.loads((out / "adapter.json").read_text())
+    assert described["preset"]["name"] == "tiny" and len(described["preset"]["fingerprint"]) == 64
+    assert (described["rank"], described["alpha"], described["targets"]) == (2, 4.0, ["query", "value"])
+    assert described["template"] == "dolly" and described["seq_len"] == 64
+    assert described["dtype"] == config["resolved"]["backend_tweaks"]["dtype_policy"]
+    assert len(described["adapted"]) == metrics["adapted_layers"]
+    assert described["adapted"][0]["lora_kernel_b"][0] == 2
     assert config["resolved"]["backend_tweaks"]["KERAS_BACKEND"] == BACKEND
     expected = "mixed_bfloat16" if backend.cpu_has_bfloat16() else "float32"  # auto, on a CPU
     assert config["resolved"]["backend_tweaks"]["dtype_policy"] == expected
@@ -200,6 +207,10 @@ def test_an_int4_base_trains_saves_and_reloads_its_adapter(tmp_path):
     assert any(v.path.endswith("kernel_scale") for v in lm.backbone.weights)  # the rebuilt base is quantized
     reported = float(invoke("eval", "--run", out).output.split("eval_loss ")[1].split()[0])
     assert reported == pytest.approx(metrics["eval_loss"], abs=1e-3)
+    # Exported as trained (the factors, onto the int4 base), never merged into the float base it did not train on.
+    invoke("export", "--run", out, "--format", "lora", "--output", tmp_path / "lora")
+    refused = runner.invoke(app, ["export", "--run", str(out), "--format", "merged", "--output", str(tmp_path / "m")])
+    assert refused.exit_code == 2 and "trained on an int4 base" in refused.stderr and not (tmp_path / "m").exists()
 
 
 def test_a_run_trained_on_a_relative_path_evaluates_from_anywhere(tmp_path, monkeypatch):

@@ -1,0 +1,353 @@
+"""finetune export: a finished run's adapter in a form another library loads.
+
+- lora: adapter.lora.h5 and adapter.json, checked; keras-hub loads them onto the preset.
+- merged: the base weights with the LoRA update added, saved with save_to_preset;
+  keras_hub.models.CausalLM.from_preset loads it, with no finetune installed.
+- hf: the merged model in transformers' format, with its tokenizer (or the base alone, `base`).
+- peft: adapter_model.safetensors and adapter_config.json for PEFT on the transformers model.
+
+Every check runs before anything is written, and the files are written into a
+hidden staging directory that is renamed into place at the end: a refused or
+failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from finetune.errors import UserError
+
+FORMATS = ("lora", "merged", "hf", "peft")
+# keras-hub's Gemma layer names -> transformers' module names.
+HF_MODULES = {
+    "query": "self_attn.q_proj",
+    "key": "self_attn.k_proj",
+    "value": "self_attn.v_proj",
+    "attention_output": "self_attn.o_proj",
+    "ffw_gating": "mlp.gate_proj",
+    "ffw_gating_2": "mlp.up_proj",
+    "ffw_linear": "mlp.down_proj",
+}
+PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
+
+
+def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False) -> Path:
+    """Write a finished run's adapter as `format` into the directory `output`; returns its path.
+
+    format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a
+        keras-hub preset with the update merged in), hf (transformers'
+        format, merged) or peft (a PEFT adapter for the transformers model).
+    overwrite: bool. Replace what `output` holds; without it a non-empty
+        `output` is refused.
+    base: bool. With format hf: the run's base model alone, for the peft adapter.
+    Every check runs first: a refused export raises UserError and writes nothing.
+    """
+    from finetune import backend, runs
+
+    target = check_request(format, output, overwrite, base)
+    run = runs.open_run(run_dir)
+    backend.select(run.config.backend, run.config.train.xla_mem_fraction)
+    return export_run(run, format, target, base)
+
+
+def check_request(fmt: str, output: str | None, overwrite: bool, base: bool) -> Path:
+    """The output directory, once the request makes sense and OUT may be written; pure Python."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if base and fmt != "hf":
+        raise UserError("--base writes the base model in transformers format: use it with --format hf")
+    if output is None or not str(output).strip():
+        raise UserError("--output is empty (an unset shell variable?); pass the directory to export to")
+    target = Path(output)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"output {target} is a file, not a directory; pass another --output")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
+    parent = target.resolve().parent
+    while not parent.exists():  # missing folders on the way are made
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {target}: {parent} is not a writable directory; pass another --output")
+    if fmt in ("hf", "peft"):
+        _require("safetensors", "the hf and peft formats")
+    return target
+
+
+def _require(package: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{what} need the {package} package: pip install 'finetune[hf]'")
+
+
+def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
+    """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
+    import keras
+
+    from finetune import backend, model, outputs, presets, runs
+
+    cfg = run.config
+    if fmt in ("merged", "hf") and cfg.model.quantize:
+        raise UserError(
+            f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
+            "model it trained;\nexport it with --format peft or lora instead"
+        )
+    policy = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
+    source = presets.resolve(cfg.model.preset)
+    if fmt in ("lora", "peft"):
+        lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)  # the base it trained on
+    else:
+        # merged keeps the weights' dtype (keras-hub's from_preset cannot read a mixed_bfloat16 policy back);
+        # hf is float32, which transformers casts to whatever a user loads it as.
+        variables = keras.mixed_precision.DTypePolicy(policy).variable_dtype
+        keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
+        lm, preprocessor = model.load_base(source, cfg.model.seq_len)
+    if fmt == "hf" and not base:
+        check_transformers_layout(lm.backbone)
+    factors = {} if base else runs.checked_factors(run, lm.backbone)
+
+    def write(staging: Path) -> None:
+        if fmt == "lora":
+            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON):
+                shutil.copyfile(run.directory / name, staging / name)
+            return
+        if fmt == "peft":
+            write_peft(staging, lm.backbone, factors, run.adapter)
+            shutil.copyfile(run.directory / outputs.ADAPTER_JSON, staging / outputs.ADAPTER_JSON)  # which base
+            return
+        merge(lm.backbone, factors, run.adapter["alpha"] / run.adapter["rank"])
+        preprocessor.sequence_length = presets.preset_sequence_length(source)
+        lm.preprocessor = preprocessor
+        if fmt == "merged":
+            lm.save_to_preset(str(staging))
+        else:
+            write_transformers(staging, lm.backbone, preprocessor.tokenizer)
+
+    publish(target, write)
+    return target
+
+
+def publish(target: Path, write) -> None:
+    """write(staging) into a hidden sibling of `target`, then swap it in; a failure leaves `target` as it was."""
+    target = target.resolve()
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    made = target.parent  # the outermost folder this export creates, removed again if it fails
+    while not made.parent.exists():
+        made = made.parent
+    made = None if made.exists() else made
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(made or staging, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def merge(backbone, factors: dict, scale: float) -> None:
+    """W += scale * A @ B on each adapted kernel, as Keras' EinsumDense computes its LoRA kernel.
+
+    A is (..., in, rank) and B (rank, out), so A @ B broadcasts over the leading
+    axes to the kernel's shape: (heads, hidden, head_dim) for query, key and
+    value, (heads, head_dim, hidden) for attention_output, (in, out) for the
+    feed-forward kernels. Summed in float32, then cast to the kernel's dtype.
+    """
+    import numpy as np
+
+    from finetune import adapter
+
+    layers = adapter.layers_with_weights(backbone)
+    for index, (a, b) in factors.items():
+        kernel = layers[index].kernel
+        kernel.assign(np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b))  # cast on assign
+
+
+def check_transformers_layout(backbone) -> None:
+    """Refuse what keras-hub's Gemma exporter would write wrong: it knows Gemma 1 and Gemma 3 only."""
+    kind = type(backbone).__name__
+    if kind == "GemmaBackbone" and (backbone.use_post_ffw_norm or backbone.final_logit_soft_cap is not None):
+        raise UserError(
+            "this is a Gemma 2 preset, and finetune exports Gemma 1 and Gemma 3 to transformers format; "
+            "use --format merged or peft"
+        )
+    if kind == "Gemma3Backbone" and getattr(backbone, "vision_encoder", None) is not None:
+        raise UserError("this Gemma 3 preset has a vision encoder; finetune exports text-only Gemma to transformers")
+    if kind == "Gemma3Backbone" and not (
+        backbone.use_post_ffw_norm and backbone.use_post_attention_norm and backbone.use_query_key_norm
+    ):  # transformers' Gemma 3 always has these norms; one missing here has no equivalent there
+        raise UserError("this Gemma 3 model lacks the post or query/key norms transformers' Gemma 3 always has")
+    if kind not in ("GemmaBackbone", "Gemma3Backbone"):
+        raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
+
+
+def write_transformers(directory: Path, backbone, tokenizer) -> None:
+    """config.json, model.safetensors and the tokenizer, for GemmaForCausalLM or Gemma3ForCausalLM.
+
+    keras-hub's exporter writes the weights it reads from each layer's raw
+    kernel, so merging first is what carries the fine-tuning. Its Gemma 1
+    mapping takes only the first key/value head; we write every head.
+    """
+    import json
+
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    if type(backbone).__name__ == "Gemma3Backbone":
+        hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
+        hf_exporter.export_generation_config(backbone, str(directory))
+        # keras-hub writes the dtype policy's name, and mixed_bfloat16 is no torch dtype: name the weights'.
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config["torch_dtype"] = backbone.dtype_policy.variable_dtype
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    else:
+        config, weights = _gemma_transformers(backbone, tokenizer)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        _save_safetensors(directory / "model.safetensors", weights)
+    hf_exporter.export_tokenizer(tokenizer, str(directory))
+    write_unigram_tokenizer(directory, tokenizer)
+
+
+def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
+    """tokenizer.json for a unigram SentencePiece model, such as tiny's; Gemma's own BPE ones are left as they are.
+
+    transformers' GemmaTokenizer rebuilds a BPE tokenizer from tokenizer.model
+    whatever its type, which splits a unigram vocabulary's text differently.
+    A tokenizers Unigram model with SentencePiece's scores, whitespace
+    handling and digit splitting gives the same ids, and AutoTokenizer reads
+    it as it is when the config names no Gemma class.
+    """
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((directory / "tokenizer.model").read_bytes())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        return
+    spec, vocabulary = proto.trainer_spec, [(piece.piece, piece.score) for piece in proto.pieces]
+    unigram = Tokenizer(models.Unigram(vocabulary, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    prepend = "first" if proto.normalizer_spec.add_dummy_prefix else "never"
+    splits = [pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=spec.split_by_whitespace)]
+    if spec.split_digits:
+        splits.append(pre_tokenizers.Digits(individual_digits=True))
+    unigram.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    unigram.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = sentencepiece_model_pb2.ModelProto.SentencePiece
+    special = [p.piece for p in proto.pieces if p.type in (control.CONTROL, control.USER_DEFINED)]
+    unigram.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    bos = tokenizer.start_token  # keras-hub's Gemma preprocessor starts every sequence with it
+    unigram.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    unigram.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
+    """Gemma 1: transformers' config and {name: float32 array} for every weight."""
+    import numpy as np
+    from keras_hub.src.utils.transformers.export import gemma
+
+    config = gemma.get_gemma_config(backbone)
+    config.update(
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",  # keras-hub's Gemma uses gelu(approximate=True)
+        rms_norm_eps=backbone.layer_norm_epsilon,
+        torch_dtype="float32",
+        bos_token_id=tokenizer.token_to_id(tokenizer.start_token),
+        eos_token_id=tokenizer.token_to_id(tokenizer.end_token),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    weights = {name: _numpy(value) for name, value in gemma.get_gemma_weights_map(backbone).items()}
+    for i in range(backbone.num_layers):
+        attention = backbone.get_layer(f"decoder_block_{i}").attention
+        for layer, name in ((attention.key_dense, "k_proj"), (attention.value_dense, "v_proj")):
+            weights[f"model.layers.{i}.self_attn.{name}.weight"] = per_head_rows(_numpy(layer.kernel))
+    return config, {name: np.asarray(value, dtype=np.float32) for name, value in weights.items()}
+
+
+def per_head_rows(kernel):
+    """(heads, hidden, head_dim) -> transformers' (heads * head_dim, hidden): row h * head_dim + j."""
+    heads, hidden, head_dim = kernel.shape
+    return kernel.transpose(0, 2, 1).reshape(heads * head_dim, hidden)
+
+
+def _numpy(value):
+    import keras
+    import numpy as np
+
+    return np.asarray(keras.ops.convert_to_numpy(value.value if hasattr(value, "value") else value))
+
+
+def _save_safetensors(path: Path, tensors: dict) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def write_peft(directory: Path, backbone, factors: dict, description: dict) -> None:
+    """adapter_model.safetensors and adapter_config.json: the same update as Keras', in PEFT's layout.
+
+    PEFT adds (lora_alpha / r) * B_p @ A_p to a (out, in) weight. Keras' LoRA on
+    a per-head kernel (heads, hidden, head_dim) has A (heads, hidden, r), one
+    per head, and one B (r, head_dim) shared by the heads. In transformers'
+    rows (head h, dim j at h * head_dim + j) that update is exactly rank
+    heads * r: A_p stacks the heads' A, B_p is block-diagonal with B on each
+    block. attention_output sums over heads on its input side and the
+    feed-forward kernels are plain matrices, so those stay rank r.
+    The scale alpha / r is kept by giving each module alpha * (its rank / r).
+    """
+    import json
+
+    import numpy as np
+
+    from finetune import adapter
+
+    rank, alpha = description["rank"], float(description["alpha"])
+    layers = adapter.layers_with_weights(backbone)
+    tensors, ranks = {}, {}
+    for index, (a, b) in sorted(factors.items()):
+        layer = layers[index]
+        block = int(layer.path.split("/")[0].rsplit("_", 1)[1])  # decoder_block_<i>/...
+        module = HF_MODULES[layer.name]
+        if layer.name in PER_HEAD:
+            heads = a.shape[0]
+            lora_a = a.transpose(0, 2, 1).reshape(heads * rank, a.shape[1])  # (heads * r, hidden)
+            lora_b = np.kron(np.eye(heads, dtype=np.float32), b.T)  # (heads * head_dim, heads * r)
+        else:
+            lora_a = a.reshape(-1, rank).T  # (r, in): attention_output's in is heads * head_dim
+            lora_b = b.T  # (out, r)
+        ranks[module.split(".")[1]] = lora_a.shape[0]
+        prefix = f"base_model.model.model.layers.{block}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = lora_a.astype(np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = lora_b.astype(np.float32)
+    _save_safetensors(directory / "adapter_model.safetensors", tensors)
+    wider = {name: r for name, r in sorted(ranks.items()) if r != rank}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(ranks),
+        "rank_pattern": wider,
+        "alpha_pattern": {name: alpha * r / rank for name, r in wider.items()},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,351 @@
+"""finetune export: each format gives the fine-tuned model's logits back in the library that loads it.
+
+One tiny run per module (float32, LoRA on all seven kinds of dense layer, two
+steps so that B is no longer zero). Tolerances, on logits of magnitude ~10:
+lora 1e-6 (the same factors, the same computation), merged 1e-4 (W + s·A·B
+summed once instead of per call), hf and peft 1e-4 (another framework's kernels).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from conftest import BACKEND, REPO, float32_policy
+from typer.testing import CliRunner
+
+import finetune
+from finetune import presets
+from finetune.cli import app
+
+TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
+RANK, ALPHA = 4, 8.0
+TOKENS = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 127, 5, 6, 7, 300, 301]], dtype="int32")
+
+
+def logits(lm, tokens=TOKENS):
+    import keras
+
+    return keras.ops.convert_to_numpy(lm({"token_ids": tokens, "padding_mask": np.ones_like(tokens, dtype=bool)}))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run directory, the fine-tuned Keras model's logits on TOKENS, the base model's)."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    settings = {
+        "backend": BACKEND, "output.dir": str(out), "model.seq_len": 64, "model.precision": "float32",
+        "train.batch_size": 2, "train.max_steps": 2, "train.samples": 0, "data.max_records": 40,
+        "lora.rank": RANK, "lora.alpha": ALPHA, "lora.targets": TARGETS,
+    }  # fmt: skip
+    with float32_policy():
+        finetune.run(finetune.load_config("tiny", settings))
+        tuned = logits(finetune.load(out))
+        base = logits(base_model())
+    assert np.abs(tuned - base).max() > 0.1  # two steps moved B off zero: the formats have something to carry
+    return out, tuned, base
+
+
+def base_model():
+    import keras_hub
+
+    backbone = presets.tiny_backbone(presets.tiny_tokenizer().vocabulary_size())
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["export", *[str(a) for a in args]])
+
+
+def export(run, fmt, out, *extra):
+    result = invoke("--run", run, "--format", fmt, "--output", out, *extra)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_lora_loads_onto_the_base_with_plain_keras_hub(trained, tmp_path):
+    run, tuned, _ = trained
+    out = export(run, "lora", tmp_path / "lora")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5"]
+    assert (out / "adapter.lora.h5").read_bytes() == (run / "adapter.lora.h5").read_bytes()
+    described = json.loads((out / "adapter.json").read_text())
+    with float32_policy():
+        lm = base_model()
+        lm.backbone.enable_lora(described["rank"], target_layer_names=described["targets"])
+        for layer in lm.backbone._flatten_layers(include_self=False):
+            if getattr(layer, "lora_enabled", False):
+                layer.lora_alpha = described["alpha"]
+        lm.backbone.load_lora_weights(str(out / "adapter.lora.h5"))
+        np.testing.assert_allclose(logits(lm), tuned, atol=1e-6)
+
+
+def test_merged_is_a_preset_keras_hub_loads_without_finetune(trained, tmp_path):
+    run, tuned, _ = trained
+    out = export(run, "merged", tmp_path / "exported" / "merged")  # missing folders on the way are made
+    saved = tmp_path / "logits.npy"
+    script = (
+        "import sys; sys.modules['finetune'] = None\n"  # any import of finetune fails
+        "import numpy as np, keras, keras_hub\n"
+        f"lm = keras_hub.models.CausalLM.from_preset({str(out)!r})\n"
+        "assert type(lm).__name__ == 'GemmaCausalLM' and lm.preprocessor.sequence_length == 1024\n"
+        f"tokens = np.array({TOKENS.tolist()}, dtype='int32')\n"
+        "x = {'token_ids': tokens, 'padding_mask': np.ones_like(tokens, dtype=bool)}\n"
+        f"np.save({str(saved)!r}, keras.ops.convert_to_numpy(lm(x)))\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    np.testing.assert_allclose(np.load(saved), tuned, atol=1e-4)
+
+
+def test_a_mixed_precision_run_merges_into_a_preset_keras_hub_reads(trained, tmp_path):
+    """keras-hub's from_preset cannot read a mixed_bfloat16 policy back, so the preset is saved in float32."""
+    import keras_hub
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    _edit_yaml(run / "config.yaml", "model.precision", "mixed_bfloat16")
+    with float32_policy():
+        finetune.export(run, "merged", tmp_path / "merged")
+        lm = keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged"))
+    assert lm.backbone.dtype_policy.name == "float32"
+
+
+def hf_logits(model, tokens=TOKENS):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def test_hf_loads_in_transformers_with_the_fine_tuning(trained, tmp_path):
+    transformers = pytest.importorskip(
+        "transformers", reason="the hf format is checked in transformers: pip install 'finetune[hf]'"
+    )
+    run, tuned, _ = trained
+    out = export(run, "hf", tmp_path / "hf")
+    model = transformers.GemmaForCausalLM.from_pretrained(out)
+    np.testing.assert_allclose(hf_logits(model), tuned, atol=1e-4)
+    # The tokenizer gives the ids keras-hub's Gemma preprocessor gives (<bos> first), on the sample's records.
+    tokenizer, ours = transformers.AutoTokenizer.from_pretrained(out), presets.tiny_tokenizer()
+    sample = REPO / "finetune" / "assets" / "dolly-sample.jsonl"
+    records = [json.loads(line) for line in sample.read_text(encoding="utf-8").splitlines()[:40]]
+    texts = [f"Instruction:\n{r['instruction']}\n\nResponse:\n{r['response']} 2 plus 33" for r in records]
+    for text in texts:
+        assert tokenizer(text)["input_ids"] == [ours.start_token_id, *np.asarray(ours(text)).tolist()], text
+    assert tokenizer.decode(tokenizer(texts[0])["input_ids"], skip_special_tokens=True) == texts[0]
+
+
+def test_peft_applies_to_the_base_in_transformers(trained, tmp_path):
+    transformers = pytest.importorskip(
+        "transformers", reason="the peft format is checked in PEFT: pip install 'finetune[hf]'"
+    )
+    peft = pytest.importorskip("peft", reason="the peft format is checked in PEFT: pip install 'finetune[hf]'")
+    run, tuned, base = trained
+    base_dir = export(run, "hf", tmp_path / "base", "--base")
+    out = export(run, "peft", tmp_path / "peft")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    heads = presets.TINY_CONFIG["num_query_heads"]
+    assert config["rank_pattern"] == {"q_proj": heads * RANK}  # tiny has one key/value head: k, v stay rank 4
+    assert config["alpha_pattern"] == {"q_proj": heads * ALPHA}
+    model = transformers.GemmaForCausalLM.from_pretrained(base_dir)
+    np.testing.assert_allclose(hf_logits(model), base, atol=1e-4)  # --base is the base alone
+    adapted = peft.PeftModel.from_pretrained(model, out)
+    np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
+
+
+def test_overwrite_replaces_an_export(trained, tmp_path):
+    run, _, _ = trained
+    out = tmp_path / "again"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    export(run, "lora", out, "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5"]
+
+
+def _edit_yaml(path, key, value):
+    data = yaml.safe_load(path.read_text())
+    section, name = key.split(".")
+    data[section][name] = value
+    path.write_text(yaml.safe_dump(data))
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _other_architecture(run, where):
+    """The run's preset replaced by a one-layer model: the adapter's fingerprint no longer fits."""
+    import keras_hub
+
+    tokenizer = presets.tiny_tokenizer()
+    config = dict(presets.TINY_CONFIG, num_layers=1)
+    with float32_policy():
+        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tokenizer.vocabulary_size(), **config)
+        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer)
+        keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor).save_to_preset(str(where))
+    _edit_yaml(run / "config.yaml", "model.preset", str(where))
+    preset = json.loads((run / "adapter.json").read_text())["preset"]
+    _edit_json(run / "adapter.json", preset=dict(preset, name=str(where)))
+
+
+def _truncate(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+
+
+REFUSALS = {
+    "other-rank": (
+        lambda run, tmp: _edit_yaml(run / "config.yaml", "lora.rank", 2),
+        "says rank 4, but the run's config.yaml says 2",
+    ),
+    "other-preset": (lambda run, tmp: _other_architecture(run, tmp / "one-layer"), "base fingerprint"),
+    "other-targets": (
+        lambda run, tmp: _edit_yaml(run / "config.yaml", "lora.targets", ["query", "value"]),
+        "says targets query,key,value,attention_output,ffw_gating,ffw_gating_2,ffw_linear",
+    ),
+    "truncated-lora-h5": (lambda run, tmp: _truncate(run / "adapter.lora.h5"), "not a readable adapter"),
+    "no-adapter-json": (lambda run, tmp: (run / "adapter.json").unlink(), "has no adapter.json"),
+    "corrupt-adapter-json": (lambda run, tmp: _truncate(run / "adapter.json"), "adapter.json is not valid JSON"),
+}
+
+
+# Each case with merged; those refused only once the base is built, with peft too (it builds the run's base).
+REFUSED = [(case, "merged") for case in REFUSALS] + [("other-preset", "peft"), ("truncated-lora-h5", "peft")]
+
+
+@pytest.mark.parametrize("case, fmt", REFUSED, ids=[f"{c}-{f}" for c, f in REFUSED])
+def test_a_mismatched_adapter_is_refused_and_nothing_is_written(trained, tmp_path, case, fmt):
+    if fmt == "peft":  # without it, the missing package is what the export names first
+        pytest.importorskip("safetensors", reason="the peft format needs safetensors: pip install 'finetune[hf]'")
+    change, expected = REFUSALS[case]
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    change(run, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke("--run", run, "--format", fmt, "--output", tmp_path / "exported" / "out")
+    message = result.stderr.strip()
+    assert result.exit_code == 2, result.output
+    assert message.startswith("error: ") and expected in message and len(message.splitlines()) <= 2, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no staging directory
+
+
+def test_an_export_that_fails_midway_leaves_nothing(trained, tmp_path, monkeypatch):
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["finetune.export"], "merge", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        finetune.export(trained[0], "merged", tmp_path / "exported" / "merged")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--format", "onnx"], "unknown export format 'onnx'"),
+        (["--format", "peft", "--base"], "--base writes the base model in transformers format"),
+    ],
+)
+def test_a_bad_request_is_refused_before_loading_anything(trained, tmp_path, args, expected):
+    result = invoke("--run", trained[0], "--output", tmp_path / "out", *args)
+    assert result.exit_code == 2 and expected in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_holding_files_is_refused_without_overwrite(trained, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = invoke("--run", trained[0], "--format", "lora", "--output", out)
+    assert result.exit_code == 2 and "already holds files; pass --overwrite" in result.stderr, result.output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def small_backbone(family, vocabulary_size):
+    """Gemma 1, or Gemma 3 as its presets are laid out (post norms, query/key norms, five sliding layers in six)."""
+    import keras_hub
+
+    shape = dict(num_query_heads=4, num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8)
+    if family == "gemma":
+        return keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, num_layers=1, **shape)
+    return keras_hub.models.Gemma3Backbone(
+        vocabulary_size=vocabulary_size, image_size=None, vision_encoder=None, num_layers=6, sliding_window_size=4,
+        use_sliding_window_attention=True, use_post_ffw_norm=True, use_post_attention_norm=True,
+        use_query_key_norm=True, **shape,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
+    """Two key/value heads, random LoRA factors: keras-hub's Gemma 1 exporter alone keeps only the first head."""
+    transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
+    peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
+    import keras_hub
+
+    from finetune import adapter
+    from finetune.export import check_transformers_layout, write_peft, write_transformers
+
+    tokenizer = presets.tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    with float32_policy():
+        backbone = small_backbone(family, tokenizer.vocabulary_size())
+        for weight in backbone.weights:  # norm scales start at zero: make every weight count
+            weight.assign(rng.normal(0, 0.2, weight.shape).astype("float32"))
+        task = keras_hub.models.GemmaCausalLM if family == "gemma" else keras_hub.models.Gemma3CausalLM
+        lm = task(backbone=backbone, preprocessor=None)
+        base = logits(lm)
+        check_transformers_layout(backbone)
+        write_transformers(tmp_path, backbone, tokenizer)
+        backbone.enable_lora(2, target_layer_names=TARGETS)
+        layers = adapter.layers_with_weights(backbone)
+        factors = {}
+        for index in backbone._lora_enabled_layers:
+            layer = layers[index]
+            layer.lora_alpha = 3.0
+            pair = [rng.normal(0, 0.3, v.shape).astype("float32") for v in (layer.lora_kernel_a, layer.lora_kernel_b)]
+            layer.lora_kernel_a.assign(pair[0])
+            layer.lora_kernel_b.assign(pair[1])
+            factors[index] = tuple(pair)
+        tuned = logits(lm)
+    (tmp_path / "peft").mkdir()
+    write_peft(tmp_path / "peft", backbone, factors, {"rank": 2, "alpha": 3.0, "preset": {"name": "x"}})
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(model).__name__ == {"gemma": "GemmaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    np.testing.assert_allclose(hf_logits(model), base, atol=1e-4)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {"q_proj": 8, "k_proj": 4, "v_proj": 4}
+    np.testing.assert_allclose(hf_logits(peft.PeftModel.from_pretrained(model, tmp_path / "peft")), tuned, atol=1e-4)
+
+
+def test_gemma_2_is_refused_in_transformers_format():
+    import keras_hub
+
+    from finetune.errors import UserError
+    from finetune.export import check_transformers_layout
+
+    with float32_policy():
+        gemma2 = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+            intermediate_dim=32, head_dim=8, use_post_ffw_norm=True, use_post_attention_norm=True,
+            final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+        )  # fmt: skip
+    with pytest.raises(UserError, match="Gemma 2 preset"):
+        check_transformers_layout(gemma2)
+
+
+def test_hf_and_peft_without_safetensors_name_the_extra(trained, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
+    result = invoke("--run", trained[0], "--format", "peft", "--output", tmp_path / "out")
+    assert result.exit_code == 2 and "pip install 'finetune[hf]'" in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
