@@ -60,6 +60,11 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool) -> 
         raise UserError("--base writes the base model in transformers format: use it with --format hf")
     if output is None or not str(output).strip():
         raise UserError("--output is empty (an unset shell variable?); pass the directory to export to")
+    if "://" in str(output):  # Path("gs://b/x") would be a local folder named gs:
+        raise UserError(
+            f"export writes to a local directory, not {output}; export to one, then copy it "
+            "(gcloud storage cp -r DIR gs://...)"
+        )
     target = Path(output)
     if target.exists() and not target.is_dir():
         raise UserError(f"output {target} is a file, not a directory; pass another --output")
@@ -125,7 +130,13 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
         else:
             write_transformers(staging, lm.backbone, preprocessor.tokenizer)
 
-    publish(target, write)
+    try:
+        publish(target, write)
+    except OSError as e:  # a full or failing disk: nothing was written, and the user can fix it
+        raise UserError(
+            f"could not write the {fmt} export to {target}: {e.strerror or e}; nothing was written.\n"
+            "Free some space or pass another --output"
+        ) from e
     return target
 
 

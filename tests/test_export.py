@@ -242,7 +242,7 @@ def test_an_export_that_fails_midway_leaves_nothing(trained, tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(sys.modules["finetune.export"], "merge", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(finetune.UserError, match="No space left on device; nothing was written"):
         finetune.export(trained[0], "merged", tmp_path / "exported" / "merged")
     assert not list(tmp_path.iterdir())
 
@@ -252,12 +252,14 @@ def test_an_export_that_fails_midway_leaves_nothing(trained, tmp_path, monkeypat
     [
         (["--format", "onnx"], "unknown export format 'onnx'"),
         (["--format", "peft", "--base"], "--base writes the base model in transformers format"),
+        (["--format", "lora", "--output", "gs://bucket/out"], "export writes to a local directory"),
     ],
 )
-def test_a_bad_request_is_refused_before_loading_anything(trained, tmp_path, args, expected):
+def test_a_bad_request_is_refused_before_loading_anything(trained, tmp_path, args, expected, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     result = invoke("--run", trained[0], "--output", tmp_path / "out", *args)
     assert result.exit_code == 2 and expected in result.stderr, result.output
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "gs:").exists()
 
 
 def test_an_output_holding_files_is_refused_without_overwrite(trained, tmp_path):
@@ -349,3 +351,61 @@ def test_hf_and_peft_without_safetensors_name_the_extra(trained, tmp_path, monke
     result = invoke("--run", trained[0], "--format", "peft", "--output", tmp_path / "out")
     assert result.exit_code == 2 and "pip install 'finetune[hf]'" in result.stderr, result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def trained_gemma3(tmp_path_factory):
+    """A tiny Gemma 3 run (from a preset directory, laid out as Gemma 3's presets are): (run, tuned, base logits)."""
+    import keras_hub
+
+    root = tmp_path_factory.mktemp("gemma3")
+    rng = np.random.default_rng(1)
+    with float32_policy():
+        tokenizer = keras_hub.models.Gemma3Tokenizer(proto=str(presets.TINY_TOKENIZER), has_vision_tokens=False)
+        backbone = small_backbone("gemma3", tokenizer.vocabulary_size())
+        for weight in backbone.weights:  # norm scales start at zero: make every weight count
+            weight.assign(rng.normal(0, 0.2, weight.shape).astype("float32"))
+        preprocessor = keras_hub.models.Gemma3CausalLMPreprocessor(tokenizer=tokenizer, image_converter=None)
+        lm = keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
+        base = logits(lm)
+        lm.save_to_preset(str(root / "preset"))
+        settings = {
+            "backend": BACKEND, "output.dir": str(root / "run"), "model.preset": str(root / "preset"),
+            "model.seq_len": 64, "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 2,
+            "train.samples": 0, "train.learning_rate": 0.01, "data.max_records": 40, "lora.rank": RANK,
+            "lora.alpha": ALPHA, "lora.targets": TARGETS,
+        }  # fmt: skip
+        finetune.run(finetune.load_config("tiny", settings))
+        tuned = logits(finetune.load(root / "run"))
+    assert np.abs(tuned - base).max() > 1e-3
+    return root / "run", tuned, base
+
+
+def test_a_gemma3_run_exports_in_every_format(trained_gemma3, tmp_path):
+    """lora, merged (keras-hub), hf (Gemma3ForCausalLM) and peft (on the hf --base export) give the run's logits."""
+    import keras_hub
+
+    run, tuned, base = trained_gemma3
+    for fmt in ("lora", "merged"):
+        export(run, fmt, tmp_path / fmt)
+    with float32_policy():
+        merged = keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged"))
+        assert type(merged).__name__ == "Gemma3CausalLM"
+        np.testing.assert_allclose(logits(merged), tuned, atol=1e-4)
+        described = json.loads((tmp_path / "lora" / "adapter.json").read_text())
+        lm = keras_hub.models.CausalLM.from_preset(described["preset"]["name"], preprocessor=None)
+        lm.backbone.enable_lora(described["rank"], target_layer_names=described["targets"])
+        for layer in lm.backbone._flatten_layers(include_self=False):
+            if getattr(layer, "lora_enabled", False):
+                layer.lora_alpha = described["alpha"]
+        lm.backbone.load_lora_weights(str(tmp_path / "lora" / "adapter.lora.h5"))
+        np.testing.assert_allclose(logits(lm), tuned, atol=1e-6)
+    transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
+    peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export(run, "hf", tmp_path / "hf"))
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    np.testing.assert_allclose(hf_logits(hf), tuned, atol=1e-4)
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(export(run, "hf", tmp_path / "base", "--base"))
+    np.testing.assert_allclose(hf_logits(base_model), base, atol=1e-4)
+    adapted = peft.PeftModel.from_pretrained(base_model, export(run, "peft", tmp_path / "peft"))
+    np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)

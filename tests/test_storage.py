@@ -29,7 +29,10 @@ SHORT = [
     "--max-steps", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
 ]  # fmt: skip
 REGISTRY = importlib.import_module("fsspec.registry")._registry  # fsspec.registry is its read-only view
-RESULTS = {"config.yaml", "adapter.lora.h5", "metrics.json", "history.csv", "samples.md", "loss.png", "status.json"}
+RESULTS = {
+    "config.yaml", "adapter.lora.h5", "adapter.json", "metrics.json", "history.csv", "samples.md", "loss.png",
+    "status.json",
+}  # fmt: skip
 
 
 class LocalBucket(DirFileSystem):
