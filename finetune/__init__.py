@@ -48,38 +48,46 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
             keras.distribution.set_distribution(None)
 
 
-def _open(run_dir):
-    from finetune import backend, runs
+def _open(run_dir, backend: str | None = None):
+    """Read a run and choose the backend to use it on: `backend`, keras' if already loaded, else the run's."""
+    from finetune import runs
 
     saved = runs.open_run(run_dir)
-    backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
+    runs.select_backend(saved, backend)
     return saved
 
 
-def evaluate(run_dir, data: str | None = None) -> dict:
+def evaluate(run_dir, data: str | None = None, backend: str | None = None) -> dict:
     """Per-token loss, perplexity and accuracy over response tokens of a finished run's adapter.
 
     data: str. Evaluate on all records of this file instead of the run's held-out split.
+    backend: str. jax, torch or tensorflow; by default the one keras is loaded with, else the run's.
     """
     from finetune import runs
 
-    return runs.evaluate_run(_open(run_dir), data)
+    return runs.evaluate_run(_open(run_dir, backend), data)
 
 
-def generate(run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False) -> list[str]:
+def generate(
+    run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None
+) -> list[str]:
     """Greedy completions from a finished run's model; each prompt goes in the run's template unless `raw`."""
     from finetune import runs
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise UserError("prompts must be non-empty strings, e.g. finetune.generate(run_dir, ['What is LoRA?'])")
-    return runs.generate(_open(run_dir), prompts, max_new_tokens, raw)
+    return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw)
 
 
-def load(run_dir):
-    """The keras-hub causal LM of a finished run, with its adapter loaded and its preprocessor attached."""
+def load(run_dir, backend: str | None = None):
+    """The keras-hub causal LM of a finished run, with its adapter loaded and its preprocessor attached.
+
+    backend: str. jax, torch or tensorflow; by default the one keras is loaded with, else the run's. An
+        adapter trained on one backend loads on the others.
+    """
     from finetune import runs
 
-    lm, preprocessor = runs.load_model(_open(run_dir))
+    lm, preprocessor = runs.load_model(_open(run_dir, backend))
     lm.preprocessor = preprocessor
     return lm

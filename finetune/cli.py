@@ -542,6 +542,10 @@ def bench(
 def eval_(
     run: str = typer.Option(..., "--run", help="A finished run directory."),
     data: Optional[str] = _flag("Evaluate on all of this JSONL instead of the run's held-out split."),
+    backend: Optional[str] = _flag(
+        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
+        metavar="jax|torch|tensorflow",
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
@@ -549,12 +553,12 @@ def eval_(
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
     try:
-        from finetune import backend, runs
+        from finetune import runs
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         _refuse_empty({"--data": data})
         saved = runs.open_run(run)
-        backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
+        runs.select_backend(saved, backend)
         result = runs.evaluate_run(saved, data)
         print(
             f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
@@ -570,6 +574,10 @@ def generate(
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. (default: the run's)"),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the template."),
+    backend: Optional[str] = _flag(
+        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
+        metavar="jax|torch|tensorflow",
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
@@ -577,7 +585,7 @@ def generate(
 ):
     """Generate from the base model with a saved adapter (greedy)."""
     try:
-        from finetune import backend, runs
+        from finetune import runs
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         if any(not p.strip() for p in prompt):
@@ -585,7 +593,7 @@ def generate(
         if max_new_tokens is not None and max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}; try --max-new-tokens 48")
         saved = runs.open_run(run)
-        backend.select(saved.config.backend, saved.config.train.xla_mem_fraction)
+        runs.select_backend(saved, backend)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
@@ -606,6 +614,10 @@ def export_(
     base: bool = typer.Option(
         False, "--base", help="With --format hf: the run's base model alone, for the peft adapter to apply to."
     ),
+    backend: Optional[str] = _flag(
+        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
+        metavar="jax|torch|tensorflow",
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
@@ -616,7 +628,7 @@ def export_(
         from finetune import export
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-        target = export(run, format, output, overwrite, base)
+        target = export(run, format, output, overwrite, base, backend)
         print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)

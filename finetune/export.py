@@ -33,7 +33,7 @@ HF_MODULES = {
 PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
 
 
-def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False) -> Path:
+def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None) -> Path:
     """Write a finished run's adapter as `format` into the directory `output`; returns its path.
 
     format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a
@@ -42,13 +42,15 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
     overwrite: bool. Replace what `output` holds; without it a non-empty
         `output` is refused.
     base: bool. With format hf: the run's base model alone, for the peft adapter.
+    backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
+        run's.
     Every check runs first: a refused export raises UserError and writes nothing.
     """
-    from finetune import backend, runs
+    from finetune import runs
 
     target = check_request(format, output, overwrite, base)
     run = runs.open_run(run_dir)
-    backend.select(run.config.backend, run.config.train.xla_mem_fraction)
+    runs.select_backend(run, backend)
     return export_run(run, format, target, base)
 
 

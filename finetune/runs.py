@@ -38,8 +38,25 @@ def open_run(directory: str | Path) -> Run:
     return Run(directory, cfg, description)
 
 
+def select_backend(run: Run, chosen: str | None = None) -> str:
+    """The backend to use a run on: `chosen`, else the one keras is already loaded with, else the run's.
+
+    An adapter is plain LoRA factors: one trained on any backend loads on the others.
+    """
+    import sys
+
+    from finetune import backend
+
+    if chosen is None:
+        chosen = sys.modules["keras"].config.backend() if "keras" in sys.modules else run.config.backend
+    if chosen not in config_module.BACKENDS:
+        raise UserError(f"unknown backend {chosen!r}; choose one of {', '.join(config_module.BACKENDS)}")
+    backend.select(chosen, run.config.train.xla_mem_fraction)
+    return chosen
+
+
 def load_model(run: Run):
-    """(causal LM with the run's adapter, preprocessor); keras must already be on the run's backend."""
+    """(causal LM with the run's adapter, preprocessor), on the backend keras is loaded with (select_backend)."""
     from finetune import backend, model, presets
 
     cfg = run.config

@@ -6,10 +6,12 @@ LoRA factors drawn from one numpy generator: every logged loss agrees to 1%.
 """
 
 import csv
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import BACKEND
 
@@ -37,3 +39,38 @@ def test_every_backend_logs_the_same_losses(tmp_path):
     assert len(reference) == 7  # six steps and the held-out loss after them
     for backend in ("torch", "tensorflow"):
         assert losses(runs[backend]) == pytest.approx(reference, rel=0.01), backend
+
+
+LOGITS = """
+import json, sys
+import numpy as np
+import finetune
+
+lm = finetune.load(sys.argv[1], backend=sys.argv[2])
+import keras
+
+tokens = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 5, 6, 7, 300]], dtype="int32")
+x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens, dtype=bool)}
+print("LOGITS " + json.dumps(keras.ops.convert_to_numpy(lm(x)).astype(float).tolist()))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="runs once, from the JAX suite, with the others in subprocesses")
+def test_an_adapter_trained_on_one_backend_gives_the_same_logits_on_the_others(tmp_path):
+    """Trained on torch, loaded on all three: an adapter is plain LoRA factors, and travels between backends."""
+    run = tmp_path / "torch"
+    args = [sys.executable, "-m", "finetune", "gemma", *RUN, "--max-steps", "2", "--backend", "torch",
+            "--output", str(run)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": "torch"},
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = {}
+    for backend in ("torch", "jax", "tensorflow"):
+        done = subprocess.run([sys.executable, "-c", LOGITS, str(run), backend], capture_output=True, text=True,
+                              env={**os.environ, "KERAS_BACKEND": backend}, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("LOGITS "))
+        found[backend] = np.array(json.loads(line[7:]))
+    assert np.abs(found["torch"]).max() > 1
+    for backend in ("jax", "tensorflow"):
+        np.testing.assert_allclose(found[backend], found["torch"], atol=1e-4, err_msg=backend)
