@@ -316,7 +316,20 @@ def test_two_processes_from_a_vertex_cluster_spec_train_as_one(tmp_path, one_dev
                env_extra={"CLUSTER_SPEC": spec(pool, 0, port=port), "TMPDIR": str(tmp_path / f"tmp{i}")})
         for i, pool in enumerate(("workerpool0", "workerpool1"))
     ]  # fmt: skip
+    # Beside it, a model-parallel job over both hosts (mesh 1x4: the batch axis is not split across them, so
+    # each process feeds the whole batch), joined through the flags a hand-made cluster would use.
+    other = tmp_path.parent / f"{tmp_path.name}-model"
+    other.mkdir()
+    model_port = _free_port()
+    model_job = [
+        _train(other, "job", "--parallel", "model", "--mesh", "1x4", "--coordinator", f"127.0.0.1:{model_port}",
+               "--num-processes", "2", "--process-id", str(i), devices=2, cwd=other)
+        for i in range(2)
+    ]  # fmt: skip
     outputs = [_finish(p) for p in procs]
+    model_outputs = [_finish(p) for p in model_job]
+    assert "mesh 1 batch x 4 model, 2 processes" in model_outputs[0]
+    assert _losses(other / "job") == pytest.approx(_losses(one_device), rel=1e-4)
     assert "as process 0" in outputs[0] and "as process 1" in outputs[1]
     assert "4 devices" in outputs[0] and "2 processes" in outputs[0]
 
