@@ -32,6 +32,21 @@ def float32_policy():
         keras.config.set_dtype_policy(before)
 
 
+def tensorboard_scalars(log_dir) -> dict:
+    """tag -> {step: value} of the TensorBoard event files in `log_dir`; each must be a chart TensorBoard draws."""
+    import tensorflow as tf
+    from tensorflow.core.util import event_pb2
+
+    found = {}
+    for path in Path(log_dir).glob("events.out.tfevents.*"):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = event_pb2.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                assert value.metadata.plugin_data.plugin_name == "scalars"  # what TensorBoard charts
+                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path

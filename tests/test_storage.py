@@ -12,11 +12,9 @@ import tempfile
 import types
 
 import pytest
-import tensorflow as tf
-from conftest import BACKEND
+from conftest import BACKEND, tensorboard_scalars
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
-from tensorflow.core.util import event_pb2
 from typer.testing import CliRunner
 
 from finetune import outputs, storage
@@ -85,17 +83,6 @@ def train(*flags):
     result = invoke("gemma", *SHORT, *flags)
     assert result.exit_code == 0, result.output + (result.stderr or "")
     return result
-
-
-def scalars(log_dir) -> dict:
-    """tag -> {step: value} of the event files in `log_dir`."""
-    found = {}
-    for path in log_dir.glob("events.out.tfevents.*"):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = event_pb2.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
-    return found
 
 
 def no_gs_folder(tmp_path):
@@ -222,7 +209,10 @@ def test_a_gs_run_is_staged_then_copied_with_metrics_last_and_resumes_from_the_b
     metrics = json.loads((remote / "metrics.json").read_text())
     assert metrics["steps"] == 2
     assert json.loads((remote / "status.json").read_text())["state"] == "finished"
-    train_log, eval_log = scalars(remote / "tensorboard" / "train"), scalars(remote / "tensorboard" / "eval")
+    train_log, eval_log = (
+        tensorboard_scalars(remote / "tensorboard" / "train"),
+        tensorboard_scalars(remote / "tensorboard" / "eval"),
+    )
     assert {"loss", "learning_rate", "tokens_per_second"} <= set(train_log) and set(train_log["loss"]) == {1, 2}
     assert eval_log["loss"] == pytest.approx({0: metrics["eval_loss_before"], 2: metrics["eval_loss"]})
 
