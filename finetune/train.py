@@ -73,7 +73,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
     if writer:
         target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
     else:  # every process trains and saves alike, but only process 0's files are kept
-        target = outputs.Target(Path(tempfile.mkdtemp(prefix=f"finetune-process-{job.process_id}-")) / "run")
+        scratch = Path(tempfile.gettempdir()) / f"finetune-process-{job.process_id}-{uuid.uuid4().hex[:8]}"
+        target = outputs.Target(scratch / "run")  # made when training starts, as a run directory is
     resume_from = checkpoint.newest(target.path) if resume else None
     if resume and resume_from is None:
         if (target.path / outputs.METRICS).exists():
