@@ -356,6 +356,8 @@ def gemma(
         }
         overrides.update({k: v for k, v in flags.items() if v is not None})
         base = None
+        if resume and plan_only:  # a resume reads (for gs://, downloads) its checkpoints: not a plan's business
+            raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
         if resume:
             from finetune import checkpoint
 
@@ -475,7 +477,13 @@ def plan(
             "distribution.mesh": mesh,
         }
         overrides.update({k: v for k, v in flags.items() if v is not None})
+        # A run refuses --batch-size auto with --parallel (its probe has no mesh); a plan finds that size.
+        auto = overrides.get("train.batch_size") == "auto"
+        if auto:
+            del overrides["train.batch_size"]
         cfg = config_module.load(recipe, overrides)
+        if auto:
+            cfg.train.batch_size = "auto"
         _print_plan(cfg, devices, device_memory, json_out)
     except typer.Exit:
         raise

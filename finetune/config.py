@@ -513,6 +513,11 @@ def validate(cfg: Config) -> None:
         "divides, e.g. --batch-size 8",
     )
     check(
+        dist.parallel != "none" or (dist.num_processes or 1) == 1,
+        f"a job of {dist.num_processes} processes needs --parallel data or --parallel model; with none each "
+        "process would train the whole model alone",
+    )
+    check(
         dist.num_processes is None or dist.num_processes >= 1,
         f"num processes must be at least 1, got {dist.num_processes}",
     )

@@ -66,6 +66,11 @@ def cluster(dist, environ=os.environ) -> Cluster | None:
         return None
     if found.num_processes == 1:
         return None
+    if dist.parallel == "none":
+        raise UserError(
+            f"this is process {found.process_id} of a {found.num_processes}-process job ({found.source}), and "
+            "--parallel is none: each process would train alone; pass --parallel data or --parallel model"
+        )
     if not (0 <= found.process_id < found.num_processes):
         raise UserError(
             f"process id {found.process_id} is out of range for {found.num_processes} processes ({found.source})"
@@ -140,10 +145,7 @@ def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:
     devices = keras.distribution.list_devices()
     data, model = layouts.parse_mesh(dist.mesh, dist.parallel, len(devices))
     _, count = process()
-    if batch_size % data:
-        raise UserError(
-            f"--batch-size {batch_size} does not split over a data axis of {data} devices; use a multiple of {data}"
-        )
+    layouts.check_batch(batch_size, data)
     if dist.parallel == "data":
         mesh = keras.distribution.DeviceMesh((data,), (layouts.DATA_AXIS,), devices)
         distribution = keras.distribution.DataParallel(device_mesh=mesh, auto_shard_dataset=False)
@@ -205,6 +207,6 @@ def data_part() -> tuple[int, int, int]:
     return mine[0], mine[-1] + 1, devices.shape[axis]
 
 
-def sharding_of(variable) -> str:
-    """A variable's sharding as JAX holds it (for tests and the curious)."""
-    return str(getattr(variable.value, "sharding", None))
+def data_replicas() -> int:
+    """How many ways keras' current distribution splits a batch (1 without one)."""
+    return data_part()[2]

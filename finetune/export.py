@@ -110,7 +110,10 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
         # hf is float32, which transformers casts to whatever a user loads it as.
         variables = keras.mixed_precision.DTypePolicy(policy).variable_dtype
         keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
-        lm, preprocessor = model.load_base(source, cfg.model.seq_len)
+        try:
+            lm, preprocessor = model.load_base(source, cfg.model.seq_len)
+        finally:
+            keras.config.set_dtype_policy(policy)  # the run's policy, as for the other formats
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
     factors = {} if base else runs.checked_factors(run, lm.backbone)

@@ -176,3 +176,11 @@ def parse_mesh(text: str | None, parallel: str, devices: int) -> tuple[int, int]
             f"--parallel data replicates the model: its mesh is {devices}x1; use --parallel model for {text}"
         )
     return data, model
+
+
+def check_batch(batch_size: int, data: int) -> None:
+    """A global batch is split evenly over the data axis, or the run stops here (and the plan with it)."""
+    if batch_size % data:
+        raise UserError(
+            f"--batch-size {batch_size} does not split over a data axis of {data} devices; use a multiple of {data}"
+        )

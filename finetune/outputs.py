@@ -128,9 +128,14 @@ def refuse_existing_remote_run(mirror: storage.Mirror) -> None:
         raise UserError(
             f"output {mirror.url} already holds a run; pass --overwrite to replace it or choose another --output"
         )
-    saved = [n for n in mirror.remote_files(checkpoint.DIRECTORY) if n.endswith(f"/{checkpoint.MANIFEST}")]
-    if saved:
-        step = max(int(re.search(r"step-(\d+)", n).group(1)) for n in saved)
+    found = (
+        re.search(r"step-(\d+)", n)
+        for n in mirror.remote_files(checkpoint.DIRECTORY)
+        if n.endswith(f"/{checkpoint.MANIFEST}")
+    )
+    steps = [int(m.group(1)) for m in found if m]  # stray files named otherwise are not checkpoints
+    if steps:
+        step = max(steps)
         raise UserError(
             f"output {mirror.url} holds an unfinished run, checkpointed at step {step}; "
             "pass --resume to continue it, --overwrite to start again, or choose another --output"
@@ -255,12 +260,22 @@ class Claim:
             self.release()
 
 
-def claim(path: Path, *, default: bool, overwrite: bool, resume: bool, mirror: storage.Mirror | None = None) -> Claim:
+def claim(
+    path: Path,
+    *,
+    default: bool,
+    overwrite: bool,
+    resume: bool,
+    mirror: storage.Mirror | None = None,
+    vertex: bool = True,
+) -> Claim:
     """Create and lock the run directory; re-checks under the lock that it is still free.
 
     default: bool. `path` is the default runs/<timestamp>: if another run took
         that name in the same second, use the next free one (-2, -3, ...).
     mirror: Mirror. The remote --output that `path` stages.
+    vertex: bool. Copy checkpoints and TensorBoard logs to Vertex AI's directories when they are set; False
+        for the scratch run of a process other than 0 in a multi-process job, whose files are not kept.
     """
     created = False
     if default:
@@ -277,7 +292,7 @@ def claim(path: Path, *, default: bool, overwrite: bool, resume: bool, mirror: s
         path.mkdir(parents=True, exist_ok=True)
         created = True
     had_lock = (path / LOCK).exists()
-    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=vertex_mirrors(path))
+    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=vertex_mirrors(path) if vertex else [])
     if not resume and not overwrite:
         try:
             refuse_existing_run(path)  # another run may have finished here since check_target

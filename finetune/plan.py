@@ -295,9 +295,8 @@ def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> in
 def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:
     if batch == "auto":
         return 1
-    if batch % data:
-        notes.append(f"batch {batch} does not split evenly over {data} data replicas; the largest share is planned")
-    return math.ceil(batch / data)
+    layouts.check_batch(batch, data)  # the run refuses an uneven split, so the plan does too
+    return batch // data
 
 
 def _split(kernels, group: str, symbol: str, model_size: int) -> int:

@@ -36,7 +36,9 @@ def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tok
     longest = max(len(tokenizer.tokenize(p)) for p in prompts) + 1  # + <bos>
     stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
     # Under a distribution the prompts are split over the data axis, which must divide their count.
-    replicas = _data_replicas()
+    from finetune import distribution
+
+    replicas = distribution.data_replicas()
     padded = prompts + [prompts[-1]] * (-len(prompts) % replicas)
     with preprocessor_attached(lm, preprocessor):
         outputs = lm.generate(padded, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
@@ -44,14 +46,3 @@ def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tok
         outputs = [outputs]
     outputs = outputs[: len(prompts)]
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(prompts, outputs)]
-
-
-def _data_replicas() -> int:
-    """How many ways keras' current distribution splits a batch (1 without one)."""
-    import keras
-
-    current = keras.distribution.distribution()
-    if current is None:
-        return 1
-    mesh = current.device_mesh
-    return mesh.shape[mesh.axis_names.index(current.batch_dim_name)]

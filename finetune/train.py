@@ -185,9 +185,15 @@ def run(cfg: Config, resume: bool = False) -> dict:
     eval_seconds = time.perf_counter() - eval_started
 
     claim = outputs.claim(
-        target.path, default=target.default, overwrite=cfg.output.overwrite, resume=resume, mirror=target.mirror
+        target.path,
+        default=target.default,
+        overwrite=cfg.output.overwrite,
+        resume=resume,
+        mirror=target.mirror,
+        vertex=writer,  # only process 0's checkpoints and logs go to Vertex AI's directories
     )
-    try:  # every way out lets go of the run directory
+    board = None
+    try:  # every way out lets go of the run directory and closes the TensorBoard log
         run_dir = claim.path
         board = callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, lm.optimizer)
         if saved is None:
@@ -359,6 +365,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
             print(outputs.summary_table(metrics, claim))
         return metrics
     finally:
+        if board is not None:
+            board.on_train_end()  # closes its writers, also when the run failed or stopped
         claim.release()
         if not writer:
             shutil.rmtree(target.path.parent, ignore_errors=True)

@@ -7,6 +7,7 @@ one can read, diff and keep beside the recipe.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -61,7 +62,26 @@ def check(recipe: str, machine: Machine, replicas: int, output: Optional[str], s
         raise UserError(
             f"--output {output} would be lost with the job's container; pass a bucket path, gs://BUCKET/PATH"
         )
-    cfg = config.load(recipe, dict(config.parse_set(pair) for pair in settings))
+    # The config as the container reads it: its Dockerfile sets KERAS_BACKEND=jax, whatever this shell has.
+    shell = os.environ.get("KERAS_BACKEND")
+    os.environ["KERAS_BACKEND"] = "jax"
+    try:
+        cfg = config.load(recipe, dict(config.parse_set(pair) for pair in settings))
+    finally:
+        if shell is None:
+            del os.environ["KERAS_BACKEND"]
+        else:
+            os.environ["KERAS_BACKEND"] = shell
+    if cfg.backend != "jax":
+        raise UserError(
+            f"this recipe trains on {cfg.backend}, and the training image (the Dockerfile) has JAX only; "
+            "add --set backend=jax"
+        )
+    kept = output or cfg.output.dir
+    if kept is not None and not kept.startswith(("gs://", "/gcs/")):
+        raise UserError(
+            f"the recipe writes to {kept}, which would be lost with the job's container; pass --output gs://BUCKET/PATH"
+        )
     if replicas > 1 and cfg.distribution.parallel == "none":
         raise UserError(
             f"--replicas {replicas} starts one process per machine, but this recipe trains on one device "

@@ -42,11 +42,13 @@ def spec(task_type: str, index: int, port: int = 2222, workers: int = 1) -> str:
 # --- cluster settings (every backend: pure Python) ---
 
 
+DATA = DistributionConfig(parallel="data")
+
+
 def test_cluster_spec_maps_chief_and_workers_to_processes():
-    none = DistributionConfig()
-    chief = distribution.cluster(none, {"CLUSTER_SPEC": spec("workerpool0", 0, workers=2)})
+    chief = distribution.cluster(DATA, {"CLUSTER_SPEC": spec("workerpool0", 0, workers=2)})
     assert (chief.coordinator, chief.num_processes, chief.process_id) == ("127.0.0.1:2222", 3, 0)
-    second = distribution.cluster(none, {"CLUSTER_SPEC": spec("workerpool1", 1, workers=2)})
+    second = distribution.cluster(DATA, {"CLUSTER_SPEC": spec("workerpool1", 1, workers=2)})
     assert (second.num_processes, second.process_id, second.source) == (3, 2, "CLUSTER_SPEC")
 
 
@@ -57,11 +59,11 @@ def test_single_worker_cluster_spec_is_no_job():
 
 
 def test_flags_win_over_the_environment_and_need_all_three():
-    flags = DistributionConfig(coordinator="h:1234", num_processes=4, process_id=3)
+    flags = DistributionConfig(parallel="model", coordinator="h:1234", num_processes=4, process_id=3)
     found = distribution.cluster(flags, {"CLUSTER_SPEC": spec("workerpool0", 0)})
     assert (found.coordinator, found.num_processes, found.process_id, found.source) == ("h:1234", 4, 3, "flags")
     with pytest.raises(UserError, match="all three"):
-        distribution.cluster(DistributionConfig(coordinator="h:1234"), {})
+        distribution.cluster(DistributionConfig(parallel="data", coordinator="h:1234"), {})
 
 
 def test_keras_distribution_variables():
@@ -70,8 +72,18 @@ def test_keras_distribution_variables():
         "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
         "KERAS_DISTRIBUTION_PROCESS_ID": "1",
     }
-    found = distribution.cluster(DistributionConfig(), env)
+    found = distribution.cluster(DATA, env)
     assert (found.coordinator, found.num_processes, found.process_id) == ("10.0.0.1:1234", 2, 1)
+
+
+def test_a_job_of_several_processes_without_parallel_is_refused():
+    """Each process would train the whole model alone, and all but one would be thrown away."""
+    with pytest.raises(UserError, match="pass --parallel data or --parallel model"):
+        distribution.cluster(DistributionConfig(), {"CLUSTER_SPEC": spec("workerpool0", 0)})
+    from finetune import config
+
+    with pytest.raises(UserError, match="needs --parallel data or --parallel model"):
+        config.load(None, {"backend": "jax", "distribution.num_processes": 2, "distribution.process_id": 0})
 
 
 @pytest.mark.parametrize(
@@ -85,7 +97,7 @@ def test_keras_distribution_variables():
 )
 def test_broken_cluster_settings_are_refused(env, message):
     with pytest.raises(UserError, match=message):
-        distribution.cluster(DistributionConfig(), env)
+        distribution.cluster(DATA, env)
 
 
 # --- layouts (every backend: pure Python) ---
