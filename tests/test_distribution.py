@@ -323,9 +323,11 @@ def test_two_processes_from_a_vertex_cluster_spec_train_as_one(tmp_path, one_dev
     port = _free_port()
     for i in range(2):
         (tmp_path / f"tmp{i}").mkdir()
+    aip = tmp_path.parent / f"{tmp_path.name}-aip"  # Vertex AI gives every worker the same checkpoint directory
     procs = [
         _train(tmp_path, "job", "--parallel", "data", devices=2, cwd=tmp_path,
-               env_extra={"CLUSTER_SPEC": spec(pool, 0, port=port), "TMPDIR": str(tmp_path / f"tmp{i}")})
+               env_extra={"CLUSTER_SPEC": spec(pool, 0, port=port), "TMPDIR": str(tmp_path / f"tmp{i}"),
+                          "AIP_CHECKPOINT_DIR": str(aip)})
         for i, pool in enumerate(("workerpool0", "workerpool1"))
     ]  # fmt: skip
     # Beside it, a model-parallel job over both hosts (mesh 1x4: the batch axis is not split across them, so
@@ -355,6 +357,8 @@ def test_two_processes_from_a_vertex_cluster_spec_train_as_one(tmp_path, one_dev
     # Only process 0 wrote: the run directory is its own, and process 1's scratch directory is gone.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "tmp0", "tmp1"]
     assert list((tmp_path / "tmp1").iterdir()) == []
+    copied = {p.name.split("-")[2] for p in aip.iterdir()}
+    assert copied == {metrics["run_id"]}, copied  # process 1's scratch checkpoints never reach it
     # The job trains what one process trains on the same global batches.
     assert _losses(tmp_path / "job") == pytest.approx(_losses(one_device), rel=1e-4)
 
