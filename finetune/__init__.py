@@ -52,9 +52,7 @@ def _open(run_dir, backend: str | None = None):
     """Read a run and choose the backend to use it on: `backend`, keras' if already loaded, else the run's."""
     from finetune import runs
 
-    saved = runs.open_run(run_dir)
-    runs.select_backend(saved, backend)
-    return saved
+    return runs.open_on(run_dir, backend)
 
 
 def evaluate(run_dir, data: str | None = None, backend: str | None = None) -> dict:

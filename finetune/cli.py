@@ -565,8 +565,7 @@ def eval_(
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         _refuse_empty({"--data": data})
-        saved = runs.open_run(run)
-        runs.select_backend(saved, backend)
+        saved = runs.open_on(run, backend)
         result = runs.evaluate_run(saved, data)
         print(
             f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
@@ -600,8 +599,7 @@ def generate(
             raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
         if max_new_tokens is not None and max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}; try --max-new-tokens 48")
-        saved = runs.open_run(run)
-        runs.select_backend(saved, backend)
+        saved = runs.open_on(run, backend)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001

@@ -122,7 +122,7 @@ def _read_bytes(source: str) -> bytes:
 
 
 def _read_cloud(source: str) -> bytes:
-    """gs:// through tf.io.gfile (installed with keras-hub), else fsspec/gcsfs."""
+    """gs:// through tf.io.gfile (installed with keras-hub), else storage's fsspec file system (gcsfs)."""
     try:
         import tensorflow as tf
 
@@ -134,13 +134,14 @@ def _read_cloud(source: str) -> bytes:
         raise UserError(
             f"could not read {source}: {str(e).splitlines()[0]}; check the path and your GCS credentials"
         ) from e
-    try:
-        import fsspec
+    from finetune import storage
 
-        with fsspec.open(source, "rb") as f:
+    fs, path = storage.filesystem(source)  # names the extra to install when gs:// has no file system
+    try:
+        with fs.open(path, "rb") as f:
             return f.read()
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"could not read {source}: {e}; install gcsfs and check your GCS credentials") from e
+    except Exception as e:  # noqa: BLE001 - each file system raises its own errors
+        raise UserError(f"could not read {source}: {e}; check the path and your GCS credentials") from e
 
 
 def _from_hugging_face(name: str) -> tuple[list[Record], str]:

@@ -49,8 +49,7 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
     from finetune import runs
 
     target = check_request(format, output, overwrite, base)
-    run = runs.open_run(run_dir)
-    runs.select_backend(run, backend)
+    run = runs.open_on(run_dir, backend)
     return export_run(run, format, target, base)
 
 
@@ -93,6 +92,16 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
     """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
     import keras
 
+    before = keras.config.dtype_policy()
+    try:
+        return _export_run(run, fmt, target, base)
+    finally:
+        keras.config.set_dtype_policy(before)  # a notebook's next model is built as it would have been
+
+
+def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
+    import keras
+
     from finetune import backend, model, outputs, presets, runs
 
     cfg = run.config
@@ -110,10 +119,7 @@ def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
         # hf is float32, which transformers casts to whatever a user loads it as.
         variables = keras.mixed_precision.DTypePolicy(policy).variable_dtype
         keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
-        try:
-            lm, preprocessor = model.load_base(source, cfg.model.seq_len)
-        finally:
-            keras.config.set_dtype_policy(policy)  # the run's policy, as for the other formats
+        lm, preprocessor = model.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
     factors = {} if base else runs.checked_factors(run, lm.backbone)

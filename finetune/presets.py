@@ -187,15 +187,27 @@ def tiny_backbone(vocabulary_size: int, dtype=None):
 
 
 def dims(source: Source):
-    """The backbone's sizes, read without building it: the layouts are set before the weights exist."""
-    from finetune import layouts
+    """The backbone's sizes, read without building it: the layouts are set before the weights exist.
+
+    A hub preset's come from the package's table (archs.py) when it has them, else from the preset's
+    config.json, which keras-hub downloads alone.
+    """
+    from finetune import archs, layouts
 
     if source.kind == "tiny":
         config = dict(TINY_CONFIG, vocabulary_size=tiny_tokenizer().vocabulary_size())
     elif source.kind == "local":
-        config = json.loads((Path(source.handle) / "config.json").read_text(encoding="utf-8"))["config"]
+        _, config = directory_backbone(Path(source.handle))
     else:
-        from keras_hub.src.utils.preset_utils import load_json
+        parts = source.handle.removeprefix("kaggle://").split("/")
+        arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
+        if arch is not None:
+            config = arch.config
+        else:
+            from keras_hub.src.utils.preset_utils import load_json
 
-        config = load_json(source.handle)["config"]
-    return layouts.Dims.from_backbone_config(config, source.family)
+            config = load_json(source.handle).get("config", {})
+    try:
+        return layouts.Dims.from_backbone_config(config, source.family)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"preset {source.handle} has no usable backbone size {e} in its config.json") from None

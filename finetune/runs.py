@@ -55,6 +55,13 @@ def select_backend(run: Run, chosen: str | None = None) -> str:
     return chosen
 
 
+def open_on(directory: str | Path, chosen: str | None = None) -> Run:
+    """open_run, then select_backend: a run ready to be loaded, evaluated or exported."""
+    run = open_run(directory)
+    select_backend(run, chosen)
+    return run
+
+
 def load_model(run: Run):
     """(causal LM with the run's adapter, preprocessor), on the backend keras is loaded with (select_backend)."""
     from finetune import backend, model, presets
