@@ -158,22 +158,25 @@ def layout_of(path: str, placements: list[Placement]) -> tuple[str | None, ...] 
     return found[0].axes if found else None
 
 
-def parse_mesh(text: str | None, parallel: str, devices: int) -> tuple[int, int]:
-    """(data, model) axis sizes from --mesh DxM, or the default for `parallel` over `devices` devices."""
+def parse_mesh(text: str | None, parallel: str, devices: int | None) -> tuple[int, int]:
+    """(data, model) axis sizes from --mesh DxM, or the default for `parallel` over `devices` devices.
+
+    devices: int or None. The devices the job sees; None (a plan) takes the mesh's own product.
+    """
     if text is None:
         return (devices, 1) if parallel == "data" else (1, devices)
     match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
     if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
         raise UserError(f"--mesh {text!r} is not DATAxMODEL, e.g. --mesh 2x4 (2 data replicas of 4 model shards)")
     data, model = int(match.group(1)), int(match.group(2))
-    if data * model != devices:
+    if devices is not None and data * model != devices:
         raise UserError(
             f"--mesh {data}x{model} needs {data * model} devices, and this job sees {devices}; "
             f"use a mesh whose sizes multiply to {devices}"
         )
     if parallel == "data" and model != 1:
         raise UserError(
-            f"--parallel data replicates the model: its mesh is {devices}x1; use --parallel model for {text}"
+            f"--parallel data replicates the model: its mesh is {data * model}x1; use --parallel model for {text}"
         )
     return data, model
 

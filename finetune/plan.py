@@ -238,14 +238,11 @@ def _mesh(cfg: Config, devices: int | None) -> tuple[int, int]:
         if devices not in (None, 1):
             raise UserError(f"--devices {devices} needs --parallel data or --parallel model; none uses one device")
         return 1, 1
-    if devices is None:
-        if mesh is None:
-            raise UserError(
-                f"--parallel {parallel} plans over how many devices? pass --mesh DxM (or --devices N to `finetune plan`)"
-            )
-        match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", mesh)
-        devices = int(match.group(1)) * int(match.group(2)) if match else 1  # parse_mesh words a bad mesh
-    if devices < 1:
+    if devices is None and mesh is None:
+        raise UserError(
+            f"--parallel {parallel} plans over how many devices? pass --mesh DxM (or --devices N to `finetune plan`)"
+        )
+    if devices is not None and devices < 1:
         raise UserError(f"--devices must be at least 1, got {devices}")
     return layouts.parse_mesh(mesh, parallel, devices)
 
