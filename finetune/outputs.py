@@ -104,8 +104,14 @@ def _check_remote(url: str, overwrite: bool, resume: bool) -> Target:
         refuse_existing_remote_run(mirror)
     if resume:
         pull_checkpoints(mirror)
-    else:
-        storage.remove_staging(staging)  # left by an earlier run to this URL; the bucket has what it kept
+        return Target(staging, mirror)
+    # A staging directory is removed once its run is copied out: one still here holds work the bucket lacks.
+    if not overwrite and (any((staging / name).exists() for name in RUN_MARKERS) or checkpoint.find(staging)):
+        raise UserError(
+            f"{staging} holds a run for {url} that was never copied there; pass --resume to finish copying it, "
+            "or --overwrite to discard it"
+        )
+    storage.remove_staging(staging)
     return Target(staging, mirror)
 
 

@@ -266,3 +266,15 @@ def test_a_failed_copy_during_training_is_a_note(bucket, tmp_path, monkeypatch, 
     held.sync()  # training goes on; the next checkpoint tries again
     held.release()
     assert "could not copy" in capsys.readouterr().out and (tmp_path / "run").is_dir()
+
+
+def test_a_staged_run_never_copied_out_is_not_discarded_by_a_new_run(bucket):
+    """An upload that failed leaves the run staged; a new run to that URL must not silently delete it."""
+    staging = storage.staging_dir("gs://b/runs/lost")
+    staging.mkdir(parents=True)
+    (staging / outputs.METRICS).write_text("{}")
+    with pytest.raises(UserError, match="never copied there; pass --resume"):
+        outputs.check_target("gs://b/runs/lost", overwrite=False, resume=False)
+    assert (staging / outputs.METRICS).exists()
+    outputs.check_target("gs://b/runs/lost", overwrite=True, resume=False)  # --overwrite discards it
+    assert not staging.exists()
