@@ -26,15 +26,22 @@ def losses(out):
     return [float(r["train_loss"] or r["eval_loss"]) for r in rows]
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="runs once, from the JAX suite, with the others in subprocesses")
-def test_every_backend_logs_the_same_losses(tmp_path):
-    runs = {}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run on each backend, each in its own process: backend -> run directory."""
+    if BACKEND != "jax":
+        pytest.skip("runs once, from the JAX suite, with the others in subprocesses")
+    root, found = tmp_path_factory.mktemp("agree"), {}
     for backend in ("jax", "torch", "tensorflow"):
-        runs[backend] = tmp_path / backend
-        args = [sys.executable, "-m", "finetune", "gemma", *RUN, "--backend", backend, "--output", str(runs[backend])]
+        found[backend] = root / backend
+        args = [sys.executable, "-m", "finetune", "gemma", *RUN, "--backend", backend, "--output", str(found[backend])]
         env = {**os.environ, "KERAS_BACKEND": backend}
         done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+    return found
+
+
+def test_every_backend_logs_the_same_losses(runs):
     reference = losses(runs["jax"])
     assert len(reference) == 7  # six steps and the held-out loss after them
     for backend in ("torch", "tensorflow"):
@@ -55,15 +62,9 @@ print("LOGITS " + json.dumps(keras.ops.convert_to_numpy(lm(x)).astype(float).tol
 """
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="runs once, from the JAX suite, with the others in subprocesses")
-def test_an_adapter_trained_on_one_backend_gives_the_same_logits_on_the_others(tmp_path):
+def test_an_adapter_trained_on_one_backend_gives_the_same_logits_on_the_others(runs):
     """Trained on torch, loaded on all three: an adapter is plain LoRA factors, and travels between backends."""
-    run = tmp_path / "torch"
-    args = [sys.executable, "-m", "finetune", "gemma", *RUN, "--max-steps", "2", "--backend", "torch",
-            "--output", str(run)]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": "torch"},
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    run = runs["torch"]
     found = {}
     for backend in ("torch", "jax", "tensorflow"):
         done = subprocess.run([sys.executable, "-c", LOGITS, str(run), backend], capture_output=True, text=True,

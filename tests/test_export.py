@@ -22,6 +22,9 @@ import finetune
 from finetune import presets
 from finetune.cli import app
 
+# transformers and PEFT compute on PyTorch: their checks run once, in the PyTorch suite, where CI's time goes
+# furthest. The exports themselves (lora, merged) are checked on every backend.
+in_torch_suite = pytest.mark.skipif(BACKEND != "torch", reason="transformers and PEFT are checked in the PyTorch suite")
 TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
 RANK, ALPHA = 4, 8.0
 TOKENS = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 127, 5, 6, 7, 300, 301]], dtype="int32")
@@ -122,6 +125,7 @@ def hf_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+@in_torch_suite
 def test_hf_loads_in_transformers_with_the_fine_tuning(trained, tmp_path):
     transformers = pytest.importorskip(
         "transformers", reason="the hf format is checked in transformers: pip install 'finetune[hf]'"
@@ -140,6 +144,7 @@ def test_hf_loads_in_transformers_with_the_fine_tuning(trained, tmp_path):
     assert tokenizer.decode(tokenizer(texts[0])["input_ids"], skip_special_tokens=True) == texts[0]
 
 
+@in_torch_suite
 def test_peft_applies_to_the_base_in_transformers(trained, tmp_path):
     transformers = pytest.importorskip(
         "transformers", reason="the peft format is checked in PEFT: pip install 'finetune[hf]'"
@@ -285,6 +290,7 @@ def small_backbone(family, vocabulary_size):
     )  # fmt: skip
 
 
+@in_torch_suite
 @pytest.mark.parametrize("family", ["gemma", "gemma3"])
 def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
     """Two key/value heads, random LoRA factors: keras-hub's Gemma 1 exporter alone keeps only the first head."""
@@ -381,8 +387,8 @@ def trained_gemma3(tmp_path_factory):
     return root / "run", tuned, base
 
 
-def test_a_gemma3_run_exports_in_every_format(trained_gemma3, tmp_path):
-    """lora, merged (keras-hub), hf (Gemma3ForCausalLM) and peft (on the hf --base export) give the run's logits."""
+def test_a_gemma3_run_exports_lora_and_merged_for_keras_hub(trained_gemma3, tmp_path):
+    """lora (onto the preset with plain keras-hub) and merged (a preset of its own) give the run's logits."""
     import keras_hub
 
     run, tuned, base = trained_gemma3
@@ -400,8 +406,14 @@ def test_a_gemma3_run_exports_in_every_format(trained_gemma3, tmp_path):
                 layer.lora_alpha = described["alpha"]
         lm.backbone.load_lora_weights(str(tmp_path / "lora" / "adapter.lora.h5"))
         np.testing.assert_allclose(logits(lm), tuned, atol=1e-6)
+
+
+@in_torch_suite
+def test_a_gemma3_run_exports_to_transformers_and_peft(trained_gemma3, tmp_path):
+    """hf loads as Gemma3ForCausalLM with the run's logits; peft on the hf --base export gives them too."""
     transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
     peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
+    run, tuned, base = trained_gemma3
     hf = transformers.AutoModelForCausalLM.from_pretrained(export(run, "hf", tmp_path / "hf"))
     assert type(hf).__name__ == "Gemma3ForCausalLM"
     np.testing.assert_allclose(hf_logits(hf), tuned, atol=1e-4)
