@@ -18,6 +18,32 @@ from finetune.errors import UserError
 # batch 4 under JAX but only 2 under PyTorch; TensorFlow is given the safe 2.
 DEFAULT_BATCH_SIZE = {"jax": 4, "torch": 2, "tensorflow": 2}
 
+# --precision -> (Keras dtype policy of the frozen base, of the layers LoRA adapts). The base is stored in
+# the compute dtype, as PEFT keeps a bfloat16 model: half the bytes of float32, and no cast of every
+# kernel on every step. An adapted layer's policy is mixed, so its LoRA factors (and their gradients
+# and AdamW moments) are float32 while its kernel stays as the base stores it.
+POLICIES = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "mixed_bfloat16"),
+    "float16": ("float16", "mixed_float16"),
+    # Keras' own mixed precision: every weight float32, computed in bfloat16 (twice the base's bytes).
+    "mixed_bfloat16": ("mixed_bfloat16", "mixed_bfloat16"),
+}
+
+
+# objective.py projects the loss positions onto the vocabulary this many bytes of float32 logits at a time:
+# 128 positions of Gemma's 256k vocabulary. A chunk holds about two and a half times this at once (logits,
+# softmax, its compute-dtype copy). On a 2-core CPU a (64 x 2048) x (2048 x 256k) bf16 matmul ran at 367
+# GFLOP/s and its transpose at 272, against 399 and 341 at 128 rows: smaller chunks cost speed.
+LOSS_CHUNK_BYTES = 128 * 2**20
+LOSS_CHUNK_MAX = 256  # positions: small enough that skipping an all-padding chunk saves work at small vocabularies
+
+
+def loss_chunk(vocabulary_size: int) -> int:
+    """Positions projected together: as many as LOSS_CHUNK_BYTES of float32 logits, 16 to 256, a multiple of 16."""
+    fit = LOSS_CHUNK_BYTES // (4 * vocabulary_size)
+    return max(16, min(LOSS_CHUNK_MAX, fit // 16 * 16))
+
 
 def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
     """Set KERAS_BACKEND and the environment tweaks that must precede the import."""
@@ -95,6 +121,13 @@ def supports_bfloat16(device: str) -> bool:
     gpu = tf.config.list_physical_devices("GPU")[0]
     major, _ = tf.config.experimental.get_device_details(gpu).get("compute_capability", (8, 0))
     return major >= 8
+
+
+def auto_precision(device: str) -> str:
+    """--precision auto: bfloat16 where it is fast, float16 on GPUs without bf16 (T4, V100), else float32."""
+    if supports_bfloat16(device):
+        return "bfloat16"
+    return "float16" if device == "gpu" else "float32"
 
 
 def _cpuinfo() -> list[tuple[str, str]]:
@@ -195,10 +228,45 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
         jax.config.update("jax_default_matmul_precision", "tensorfloat32")
         tweaks["jax_default_matmul_precision"] = "tensorfloat32"
     if precision == "auto":
-        precision = "mixed_bfloat16" if supports_bfloat16(device) else "float32"
-    keras.config.set_dtype_policy(precision)
+        precision = auto_precision(device)
+    # The global policy is the adapter's: LoRA factors, and any layer made after the base, get it.
+    keras.config.set_dtype_policy(POLICIES[precision][1])
     tweaks["dtype_policy"] = precision
     return tweaks
+
+
+def host_memory() -> int:
+    """This host's memory in bytes (MemTotal); a UserError where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise UserError("cannot read this host's memory from /proc/meminfo; pass --device-memory SIZE")
+
+
+def device_memory(device: str) -> int | None:
+    """Bytes of memory one device offers: a GPU's or TPU's as its framework reports it, the host's on a CPU;
+    None where the framework does not say (TensorFlow on a GPU)."""
+    import keras
+
+    if device == "cpu":
+        return host_memory()
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        if backend == "torch":
+            import torch
+
+            return torch.cuda.get_device_properties(0).total_memory
+    except (RuntimeError, AttributeError):
+        pass
+    return None
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -119,6 +119,78 @@ def check_fits(examples, dropped: list[int], source: str) -> None:
         )
 
 
+def target_width(arrays, rows_per_shard: int) -> int:
+    """Gathered-target slots per row: room for the weighted positions of any `rows_per_shard` rows of `arrays`.
+
+    One width serves every batch, so each step has one shape (one compile): the
+    rows with the most weighted positions set it. A batch with fewer fills the
+    rest with weight-0 slots, which objective.py skips a chunk at a time.
+    """
+    counts = np.sort((np.asarray(arrays["weights"]) > 0).sum(axis=1))[::-1]
+    most = int(counts[:rows_per_shard].sum())
+    return max(8, -(-most // (8 * rows_per_shard)) * 8)
+
+
+def targets(arrays, rows: np.ndarray, shards: int, width: int) -> dict[str, np.ndarray]:
+    """loss_positions, loss_labels and loss_weights of `rows`: each data shard's weighted positions, in front.
+
+    `rows` are split into `shards` equal groups (a data shard each); a group's
+    weighted positions, as row-in-group * seq_len + position, fill its
+    rows * width slots in order, then weight-0 slots pointing at position 0.
+    Indices stay within their shard, so each device gathers from its own rows.
+    """
+    length = arrays["weights"].shape[1]
+    per_shard = len(rows) // shards
+    positions = np.zeros((shards, per_shard * width), np.int32)
+    labels = np.zeros((shards, per_shard * width), np.int32)
+    weights = np.zeros((shards, per_shard * width), np.float32)
+    for shard in range(shards):
+        group = rows[shard * per_shard : (shard + 1) * per_shard]
+        w = arrays["weights"][group]
+        local_row, position = np.nonzero(w > 0)
+        n = len(position)
+        if n > per_shard * width:
+            raise ValueError(f"{n} weighted positions do not fit {per_shard} rows of {width} target slots")
+        positions[shard, :n] = local_row * length + position
+        labels[shard, :n] = arrays["labels"][group][local_row, position]
+        weights[shard, :n] = w[local_row, position]
+    shape = (len(rows), width)
+    return {
+        "loss_positions": positions.reshape(shape),
+        "loss_labels": labels.reshape(shape),
+        "loss_weights": weights.reshape(shape),
+    }
+
+
+def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None = None):
+    """(x, y, sample_weight) for a TrainingView or ScoringView: the rows' tokens and their gathered targets.
+
+    length: int. Keep the first `length` positions of each row (batch_length); None keeps them all.
+    """
+    if length is not None and length < arrays["token_ids"].shape[1]:
+        arrays = {key: value[:, :length] for key, value in arrays.items()}
+    gathered = targets(arrays, rows, shards, width)
+    # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
+    x = {"token_ids": arrays["token_ids"][rows], "padding_mask": arrays["segment_ids"][rows], **gathered}
+    return x, gathered["loss_labels"], gathered["loss_weights"]
+
+
+def length_step(backend: str, seq_len: int) -> int:
+    """How finely a batch's length is cut to its longest row: each length is a compiled shape.
+
+    JAX compiles a program per shape, so its lengths are few (eighths of seq_len);
+    TensorFlow relaxes the length to a dynamic one after two shapes and PyTorch
+    runs eagerly, so theirs follow the rows to within 16 positions.
+    """
+    return max(16, seq_len // 8) if backend == "jax" else 16
+
+
+def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:
+    """The positions a batch whose rows hold `lengths` tokens needs: the longest, rounded up to `step`."""
+    longest = int(lengths.max()) if len(lengths) else seq_len
+    return min(seq_len, max(step, -(-longest // step) * step))
+
+
 class TrainOrder:
     """The training batch of every global step, a pure function of (seed, step).
 
@@ -129,12 +201,18 @@ class TrainOrder:
     counted for a step are those of the batch that step trained.
     """
 
-    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1)):
+    def __init__(
+        self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1), length_step: int | None = None
+    ):
         self.arrays = arrays
         self.batch_size = batch_size
         self.seed = seed
         self.part = part
         self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
+        self.width = target_width(arrays, batch_size // part[2])
+        self.length_step = length_step
+        """Cut each batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
+        self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
         self._epoch, self._order = None, None
 
     def rows(self, step: int) -> np.ndarray:
@@ -146,13 +224,15 @@ class TrainOrder:
 
     def batch(self, step: int):
         """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
-        rows, a = local(self.rows(step), self.part), self.arrays
-        # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
-        return (
-            {"token_ids": a["token_ids"][rows], "padding_mask": a["segment_ids"][rows]},
-            a["labels"][rows],
-            a["weights"][rows],
-        )
+        first, end, _ = self.part
+        rows = self.rows(step)
+        return inputs(self.arrays, local(rows, self.part), end - first, self.width, self.length(rows))
+
+    def length(self, rows: np.ndarray) -> int | None:
+        """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
+        if self.length_step is None:
+            return None
+        return batch_length(self.lengths[rows], self.length_step, self.arrays["token_ids"].shape[1])
 
     def tokens(self, step: int) -> tuple[int, int]:
         """Non-padding input tokens and weighted (trained) targets of step `step`'s batch."""
@@ -161,34 +241,43 @@ class TrainOrder:
 
 
 class Batches(keras.utils.PyDataset):
-    """Held-out batches for Keras evaluate: every row once, in order, in batches of one shape.
+    """Held-out batches for model.scorer()'s evaluate(): every row once, in order, in batches of one shape.
 
     The ragged last batch is filled with weight-0 copies of other rows, so XLA
-    compiles once and the weighted metrics ignore the copies.
+    compiles once and the weighted averages ignore the copies.
     """
 
-    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1)):
+    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1), length_step: int | None = None):
         super().__init__()
         self.arrays = arrays
         self.batch_size = batch_size
         self.rows = len(arrays["token_ids"])
         self.part = part
+        self.width = target_width(arrays, batch_size // part[2])
+        self.length_step = length_step
+        """As TrainOrder's: held-out rows hold one example each, so most of a row is padding."""
 
     def __len__(self):
         return -(-self.rows // self.batch_size)
 
     def __getitem__(self, index):
         rows = np.arange(index * self.batch_size, min((index + 1) * self.batch_size, self.rows))
-        a = self.arrays
-        weights = a["weights"][rows]
         short = self.batch_size - len(rows)
-        if short:
+        arrays = self.arrays
+        if short:  # filler rows: copies of earlier ones, their weights zeroed
             rows = np.concatenate([rows, np.arange(short) % self.rows])
-            weights = np.concatenate([weights, np.zeros((short, weights.shape[1]), weights.dtype)])
-        mine = local(np.arange(self.batch_size), self.part)
-        rows, weights = rows[mine], weights[mine]
-        x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
-        return x, a["labels"][rows], weights
+            arrays = {k: v[rows] for k, v in arrays.items()}
+            arrays["weights"] = arrays["weights"].copy()
+            arrays["weights"][len(rows) - short :] = 0
+            rows = np.arange(self.batch_size)
+        first, end, _ = self.part
+        length = None
+        if self.length_step is not None:
+            lengths = np.count_nonzero(arrays["padding_mask"][rows], axis=1)
+            length = batch_length(lengths, self.length_step, arrays["token_ids"].shape[1])
+        x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length)
+        # A ScoringView has two outputs, each averaged with the same weights.
+        return x, {"loss": labels, "correct": labels}, {"loss": weights, "correct": weights}
 
 
 def local(rows: np.ndarray, part: tuple[int, int, int]) -> np.ndarray:

@@ -28,6 +28,7 @@ except ImportError:
     from click import exceptions as click_exceptions
 
 D = config_module.Config()  # the built-in defaults, shown in --help
+PRECISION_CHOICES = "|".join(config_module.PRECISIONS)
 
 # Pydantic's error types behind typer's "Input should be a valid integer, unable to parse ...".
 _PARSED_AS = {
@@ -247,15 +248,21 @@ def gemma(
     ),
     max_records: Optional[int] = _flag("Use at most this many records. (default: all)", rich_help_panel="Data"),
     precision: Optional[str] = _flag(
-        "auto, float32, mixed_bfloat16 or bfloat16; auto is bf16 on a TPU, a bf16 GPU (not a T4) or a CPU with "
-        f"bf16 units, else float32. {_default(D.model.precision)}",
+        "The frozen base's dtype (LoRA is float32): auto is bfloat16 on a TPU, a bf16 GPU or a CPU with bf16 "
+        f"units, float16 on a T4 or V100, else float32. {_default(D.model.precision)}",
         rich_help_panel="Model",
-        metavar="auto|float32|mixed_bfloat16|bfloat16",
+        metavar=PRECISION_CHOICES,
     ),
     quantize: Optional[str] = _flag(
-        "int4: quantize the frozen base before LoRA (QLoRA-like), to save memory. (default: none)",
+        "int4 or int8: load the frozen base quantized, layer by layer (QLoRA-like), to save memory. (default: none)",
         rich_help_panel="Model",
-        metavar="int4",
+        metavar="int4|int8",
+    ),
+    remat: Optional[str] = _flag(
+        "Recompute each block's activations in the backward pass: on, off, or auto (on when the plan says the "
+        f"run would not fit without it). {_default(D.model.remat)}",
+        rich_help_panel="Model",
+        metavar="auto|on|off",
     ),
     threads: Optional[int] = _flag(
         "PyTorch on CPU: intra-op threads. (default: the physical cores idle at start)", rich_help_panel="Training"
@@ -343,6 +350,7 @@ def gemma(
             "train.xla_mem_fraction": xla_mem_fraction,
             "train.threads": threads,
             "model.quantize": quantize,
+            "model.remat": remat,
             "output.dir": output,
             "output.overwrite": overwrite or None,
             "train.checkpoint_every": checkpoint_every,
@@ -393,13 +401,12 @@ def plan(
         metavar="N|auto",
     ),
     precision: Optional[str] = _flag(
-        f"auto, float32, mixed_bfloat16 or bfloat16; auto follows the device's bf16 support. "
-        f"{_default(D.model.precision)}",
+        f"The frozen base's dtype; auto follows the device. {_default(D.model.precision)}",
         rich_help_panel="Model",
-        metavar="auto|float32|mixed_bfloat16|bfloat16",
+        metavar=PRECISION_CHOICES,
     ),
     quantize: Optional[str] = _flag(
-        "int4: plan a quantized frozen base. (default: none)", rich_help_panel="Model", metavar="int4"
+        "int4 or int8: plan a quantized frozen base. (default: none)", rich_help_panel="Model", metavar="int4|int8"
     ),
     backend: Optional[str] = _flag(
         "Keras backend the run would use. (default: $KERAS_BACKEND if set, else jax)",
@@ -516,11 +523,14 @@ def bench(
     rank: int = typer.Option(4, help="LoRA rank, on query and value."),
     backends: Optional[str] = _flag("Comma-separated backends. (default: every installed one)"),
     recipes: str = typer.Option(
-        "finetune,tutorial", help="finetune (this tool's settings) and/or tutorial (the Keras tutorial's)."
+        "finetune,tutorial",
+        help="finetune (this tool's settings), tutorial (the Keras tutorial's), hf (the peer: transformers + PEFT, "
+        "packed, bf16 base; needs the hf extra).",
     ),
     levers: str = typer.Option(
-        "", help="Comma-separated levers to measure off, each as one more row: packing, precision."
+        "", help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat."
     ),
+    quantize: str = typer.Option("", help="int4 or int8: the finetune rows' base loaded quantized. (default: none)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -534,7 +544,7 @@ def bench(
 
         workload = bench_module.Workload(
             arch=arch, tokenizer=tokenizer or "", data=data, seq_len=seq_len, batch_size=batch_size,
-            steps=steps, warmup=warmup, rank=rank,
+            steps=steps, warmup=warmup, rank=rank, quantize=quantize,
         )  # fmt: skip
         chosen = _split_list([backends]) if backends else bench_module.installed_backends()
         bench_module.run(

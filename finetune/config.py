@@ -26,12 +26,11 @@ from finetune.errors import UserError
 from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
-PRECISIONS = ("auto", "float32", "mixed_bfloat16", "bfloat16")
+PRECISIONS = ("auto", "bfloat16", "float16", "float32", "mixed_bfloat16")
 PACKING = ("auto", "on", "off")
-# int8 is left out: with Keras 3.15, LoRA on an int8 base trained the tiny model to a held-out loss of 1.64
-# in 10 steps against 0.85 in float and with int4, on all three backends.
-QUANTIZE = ("int4",)
+QUANTIZE = ("int4", "int8")
 PARALLEL = ("none", "data", "model")
+REMAT = ("auto", "on", "off")
 
 
 @dataclass
@@ -41,11 +40,17 @@ class ModelConfig:
     seq_len: int = 256
     """Tokens per training sequence; longer records are cut (the Keras tutorial's 256)."""
     precision: str = "auto"
-    """auto: mixed_bfloat16 on a TPU, a GPU with bf16 (A100, L4, H100; not a T4) and a CPU with bf16 units
-    (AVX512-BF16 or AMX), else float32; or float32, mixed_bfloat16, bfloat16."""
+    """The frozen base's dtype; LoRA factors and their optimizer state are float32 in every case.
+    auto: bfloat16 on a TPU, a GPU with bf16 (A100, L4, H100) and a CPU with bf16 units (AVX512-BF16 or
+    AMX), float16 on other GPUs (T4, V100), else float32. mixed_bfloat16 keeps the base in float32 and
+    computes in bf16 (Keras' mixed precision: twice the memory)."""
     quantize: Optional[str] = None
-    """int4: quantize the frozen base weights before LoRA is enabled (QLoRA-like), to save memory; None keeps
-    them in the precision's dtype."""
+    """int4 or int8: the frozen base's decoder kernels are built quantized and filled layer by layer, so the
+    float base never exists in memory (QLoRA-like); the embedding stays in the precision's dtype and the LoRA
+    factors in float32. None keeps every weight in the precision's dtype."""
+    remat: str = "auto"
+    """Recompute each decoder block's activations in the backward pass instead of keeping them: on, off, or
+    auto (on when the plan says the run would not fit the device's memory without it)."""
 
 
 @dataclass
@@ -436,14 +441,11 @@ def validate(cfg: Config) -> None:
         cfg.data.template in TEMPLATES, f"unknown template {cfg.data.template!r}; choose one of {', '.join(TEMPLATES)}"
     )
     check(
-        cfg.model.quantize != "int8",
-        "--quantize int8 is not offered: LoRA on an int8 base trained worse than float (BENCHMARKS.md); use int4",
-    )
-    check(
         cfg.model.quantize is None or cfg.model.quantize in QUANTIZE,
         f"unknown quantize mode {cfg.model.quantize!r}; choose one of {', '.join(QUANTIZE)}, or leave it out",
     )
     check(cfg.data.packing in PACKING, f"unknown packing {cfg.data.packing!r}; choose one of {', '.join(PACKING)}")
+    check(cfg.model.remat in REMAT, f"unknown remat {cfg.model.remat!r}; choose one of {', '.join(REMAT)}")
     check(cfg.lora.rank >= 1, f"LoRA rank must be at least 1, got {cfg.lora.rank}; try --rank 4")
     check(cfg.lora.alpha is None or cfg.lora.alpha > 0, f"LoRA alpha must be positive, got {cfg.lora.alpha}")
     check(bool(cfg.lora.targets), "LoRA needs at least one target layer, e.g. --target query --target value")
@@ -504,7 +506,7 @@ def validate(cfg: Config) -> None:
     )
     check(
         dist.parallel != "model" or cfg.model.quantize is None,
-        "--quantize int4 with --parallel model is not supported: quantized kernels are not laid out over a mesh; "
+        f"--quantize {cfg.model.quantize} with --parallel model is not supported: quantized kernels are not laid out over a mesh; "
         "drop one of them",
     )
     check(

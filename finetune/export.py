@@ -110,14 +110,14 @@ def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
         )
-    policy = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
+    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
     source = presets.resolve(cfg.model.preset)
     if fmt in ("lora", "peft"):
-        lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)  # the base it trained on
+        lm, preprocessor = model.build(source, cfg.model.seq_len, precision, cfg.model.quantize)  # the trained base
     else:
-        # merged keeps the weights' dtype (keras-hub's from_preset cannot read a mixed_bfloat16 policy back);
+        # merged keeps the base weights' dtype (keras-hub's from_preset cannot read a mixed policy back);
         # hf is float32, which transformers casts to whatever a user loads it as.
-        variables = keras.mixed_precision.DTypePolicy(policy).variable_dtype
+        variables = keras.mixed_precision.DTypePolicy(backend.POLICIES[precision][0]).variable_dtype
         keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
         lm, preprocessor = model.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:

@@ -78,7 +78,7 @@ class StopSignals:
 
 
 class Loop:
-    """Runs steps `progress.step` .. `total_steps` - 1 of `order` on `lm`.
+    """Runs steps `progress.step` .. `total_steps` - 1 of `order` on `trainer` (model.compile's TrainingView).
 
     evaluate_held_out: callable() -> dict with loss and accuracy, run after each
         data epoch and after the last step.
@@ -95,7 +95,7 @@ class Loop:
 
     def __init__(
         self,
-        lm,
+        trainer,
         order,
         total_steps: int,
         progress: Progress,
@@ -110,7 +110,7 @@ class Loop:
         callbacks=(),
         out=None,
     ):
-        self.lm = lm
+        self.trainer = trainer
         self.order = order
         self.total_steps = total_steps
         self.progress = progress
@@ -123,20 +123,20 @@ class Loop:
         self.callbacks = list(callbacks)
         self.out = out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
         self._longest = {"step": 0.0, "eval": eval_seconds, "save": 0.0}
-        # tokens/s over this session's steps but its first, which includes compilation.
+        # tokens/s over this session's steps but the first of each batch shape, which compiles it.
         self.timed_tokens = 0
         self.timed_seconds = 0.0
+        self._shapes = set()
         self._report = Report(total_steps, self.out)
 
     def run(self) -> Progress:
         progress, order = self.progress, self.order
         with StopSignals() as signals:
-            first = True
             while progress.step < self.total_steps:
                 step = progress.step
                 x, y, w = order.batch(step)
                 started = time.perf_counter()
-                loss = float(self.lm.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
+                loss = float(self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
                 seconds = time.perf_counter() - started
                 if not math.isfinite(loss):
                     raise self._diverged(f"the training loss is {loss} at step {step + 1}")
@@ -147,11 +147,12 @@ class Loop:
                 progress.train_seconds += seconds
                 epoch = step // order.steps_per_epoch + 1
                 progress.rows.append({"step": progress.step, "epoch": epoch, "train_loss": loss})
-                if not first:
+                shape = tuple(x["token_ids"].shape)
+                if shape in self._shapes:
                     self.timed_tokens += tokens
                     self.timed_seconds += seconds
                     self._longest["step"] = max(self._longest["step"], seconds)
-                first = False
+                self._shapes.add(shape)
                 self._report.step(progress.step, loss, self.tokens_per_second())
                 for callback in self.callbacks:
                     callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})

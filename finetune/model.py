@@ -14,49 +14,80 @@ import keras
 import keras_hub
 import numpy as np
 
-from finetune import attention, presets
+from finetune import attention, backend, objective, presets, quantized
+from finetune import remat as rematerialization
 from finetune.errors import UserError
 
 CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
 
 
-def build(source: presets.Source, seq_len: int, quantize: str | None = None):
-    """The causal LM (without preprocessor attached) and its preprocessor.
+def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
+          remat: bool = False):  # fmt: skip
+    """The causal LM (without preprocessor attached) and its preprocessor, ready for LoRA.
 
     Its decoder blocks take segment ids where keras-hub takes `padding_mask`
     (attention.py), so packed rows train exactly; one-example rows are unchanged.
 
-    quantize: str. int4: the frozen base weights are quantized here,
-        before LoRA is enabled, as QLoRA does; the LoRA factors stay in float.
+    precision: str. A key of backend.POLICIES: the dtype the frozen base is stored and computed in.
+    quantize: str. int4 (or int8): the decoder kernels are built quantized and
+        filled layer by layer (quantized.py), as QLoRA loads its base; the LoRA
+        factors stay in float.
+    remat: bool. Recompute each decoder block's activations in the backward
+        pass instead of keeping them (remat.py).
     """
-    lm, preprocessor = load_base(source, seq_len)
+    lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize)
     attention.enable(lm.backbone)
-    if quantize is not None:
-        lm.backbone.quantize(quantize)  # the backbone, not lm: quantize() locks the model it is called on
+    if remat:
+        rematerialization.enable(lm.backbone)
+    lm.compile(sampler="greedy")  # for generate(): training goes through compile()'s view, not lm
     return lm, preprocessor
 
 
-def load_base(source: presets.Source, seq_len: int):
+def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, quantize: str | None = None):
     """The preset's causal LM (preprocessor detached) and its preprocessor, as keras-hub builds them.
 
-    No hooks and no quantization: what `finetune export` merges into and saves.
+    No hooks: what `finetune export` merges into and saves.
+    dtype: str. The Keras dtype policy of the weights; None takes the global one.
+    quantize: str. int4 or int8: the decoder kernels are quantized as they load (quantized.py).
     """
-    policy = keras.config.dtype_policy().name
+    policy = dtype or keras.config.dtype_policy().name
+    if quantize is not None:
+        policy = quantized.policies(policy, quantize)
     if source.kind == "tiny":
         tokenizer = presets.tiny_tokenizer()
         backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy)
         preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
         lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        quantized.weights_only(backbone)
         return lm, preprocessor
     cls = getattr(keras_hub.models, CAUSAL_LM[source.family])
     try:
-        lm = cls.from_preset(source.handle, dtype=policy)
+        if quantize is None:
+            lm = cls.from_preset(source.handle, dtype=policy)
+            preprocessor, lm.preprocessor = lm.preprocessor, None
+        else:
+            backbone = cls.backbone_cls.from_preset(source.handle, dtype=policy, load_weights=False)
+            quantized.weights_only(backbone)
+            quantized.load_while_quantizing(backbone)
+            _load_weights(backbone, source.handle)
+            lm = cls(backbone=backbone, preprocessor=None)
+            preprocessor = cls.preprocessor_cls.from_preset(source.handle)
     except (OSError, ValueError) as e:
-        raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from e
-    preprocessor = lm.preprocessor
+        raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from None
     preprocessor.sequence_length = seq_len
-    lm.preprocessor = None
     return lm, preprocessor
+
+
+def _load_weights(backbone, handle: str) -> None:
+    """The preset's weights into `backbone`, as keras-hub's from_preset loads them (one file, or shards)."""
+    from keras_hub.src.utils import preset_utils
+
+    loader = preset_utils.get_preset_loader(handle)
+    load = getattr(loader, "_load_backbone_weights", None)
+    if load is not None:
+        load(backbone)
+    else:  # keras-hub releases without the helper have single-file weights only
+        backbone.load_weights(preset_utils.get_file(handle, preset_utils.MODEL_WEIGHTS_FILE))
 
 
 def adaptable_layer_names(backbone) -> set[str]:
@@ -90,6 +121,7 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
         )
     if missing:
         raise UserError(f"no layer named {missing[0]!r} to adapt in this model; choose from {choices}")
+    _adapter_dtype(backbone, targets)
     backbone.enable_lora(rank, target_layer_names=list(targets))
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
@@ -103,6 +135,27 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
     initialise_lora(adapted, seed)
     return len(adapted)
+
+
+def _adapter_dtype(backbone, targets) -> None:
+    """Give the layers LoRA adapts the global (adapter) policy's variable dtype for their factors.
+
+    keras' enable_lora makes the factors in the layer's variable dtype. A base
+    stored in bfloat16 would make them bfloat16, and AdamW's small updates
+    round away in bf16; with the layer's policy made mixed (same compute dtype)
+    the factors are float32 and the kernel keeps its stored dtype.
+    """
+    adapter = keras.config.dtype_policy()
+    for layer in backbone._flatten_layers(include_self=False):
+        if layer.name not in targets or not hasattr(layer, "enable_lora"):
+            continue
+        current = quantized.policy_of(layer)
+        if current.variable_dtype == adapter.variable_dtype or current.compute_dtype != adapter.compute_dtype:
+            continue
+        if current.quantization_mode is None:
+            layer.dtype_policy = adapter.name
+        else:  # int4/128_from_bfloat16 -> int4/128_from_mixed_bfloat16
+            layer.dtype_policy = f"{current.name.split('_from_')[0]}_from_{adapter.name}"
 
 
 def initialise_lora(layers, seed: int) -> None:
@@ -127,39 +180,46 @@ def _fan_in(shape) -> int:
     return shape[-2] * math.prod(shape[:-2])
 
 
-def compile(lm, learning_rate: float, weight_decay: float) -> None:
-    """AdamW without decay on biases and norm scales, as in the Keras tutorial.
+def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1):
+    """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
-    The loss is averaged over the weighted (response) tokens of each batch:
-    Keras' default reduction would divide by every position, padding included.
-    Training computes nothing else: metrics live on the evaluator below.
+    Its loss is the mean over the weighted (response) tokens of each batch,
+    computed at those positions only (objective.py); Keras' default reduction
+    would divide by every position, padding included. Under a float16 policy
+    Keras wraps the optimizer in loss scaling.
+
+    shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     """
+    view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
     optimizer = keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=weight_decay)
     optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
-    lm.compile(optimizer=optimizer, loss=token_loss(), weighted_metrics=[], sampler="greedy")
+    view.compile(optimizer=optimizer, loss=objective.WeightedMean())
+    return view
 
 
-def evaluator(lm) -> keras.Model:
-    """A view of `lm` (the same layers and weights) compiled with exact per-token metrics.
+def scorer(lm, rows: int, shards: int = 1) -> keras.Model:
+    """A view of `lm` (the same layers and weights) whose evaluate() gives the mean loss and accuracy over every
+    weighted token (scoring.metrics).
 
-    Weighted metrics accumulate sum(weight * value) / sum(weight) over every
-    batch, so evaluate() returns the average over all held-out response
-    tokens. Kept off the training model, where a second log-softmax over the
-    vocabulary cost 6-15% of the step time (cpu-small, vocabulary 4096).
+    rows: int. Rows of each held-out batch (batching.Batches' batch_size).
+
+    Kept off the training step, where a second pass over the logits for
+    accuracy cost 6-15% of the step time (cpu-small, vocabulary 4096).
     """
-    view = keras.Model(lm.inputs, lm.outputs, name="evaluator")
+    view = objective.ScoringView(lm, chunk_for(lm), shards, rows, dtype=keras.config.dtype_policy())
+    mean = keras.metrics.MeanMetricWrapper  # sum(value * weight) / sum(weight), over every batch
     view.compile(
-        loss=token_loss(),
-        weighted_metrics=[
-            keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="token_loss"),
-            keras.metrics.SparseCategoricalAccuracy(name="token_accuracy"),
-        ],
+        loss={"loss": objective.WeightedMean(), "correct": None},  # PyTorch's evaluate() wants a loss
+        weighted_metrics={
+            "loss": [mean(objective.output_itself, name="token_loss")],
+            "correct": [mean(objective.output_itself, name="token_accuracy")],
+        },
     )
     return view
 
 
-def token_loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+def chunk_for(lm) -> int:
+    return backend.loss_chunk(lm.backbone.vocabulary_size)
 
 
 def trainable_parameters(lm) -> int:

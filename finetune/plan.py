@@ -6,12 +6,15 @@ bytes from the run's config. No keras, no weights, no network, so it answers
 in a fraction of a second and on a laptop for a pod.
 
 The counts are estimates of what the training step keeps alive at its peak.
-Left out, and covered by the headroom: the runtime's workspace, XLA's
-temporaries, and under mixed precision the bfloat16 copies of the kernels.
+On a CPU they include the frameworks' own resident memory (measured); on an
+accelerator its runtime's workspace and the CUDA context are left to the
+headroom, as are XLA's temporaries and, under mixed_bfloat16, the bfloat16
+copies of the kernels.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,8 +36,10 @@ class Device:
     memory: int
     """Bytes of accelerator memory one device (a GPU, a TPU core or chip) offers, as its runtime reports it."""
     bfloat16: bool
-    """Whether precision `auto` picks mixed_bfloat16 on it."""
+    """Whether precision `auto` picks bfloat16 on it."""
     what: str
+    kind: str = "gpu"
+    """gpu, tpu or cpu: auto picks float16 on a GPU without bf16, float32 on such a CPU."""
 
 
 # Memory as nvidia-smi or the TPU runtime reports it, which is a little under the marketing figure.
@@ -48,11 +53,11 @@ DEVICES = {
     "a100-80g": Device(80 * GiB, True, "NVIDIA A100, 80 GB"),
     "h100": Device(79 * GiB + 648 * 2**20, True, "NVIDIA H100, 80 GB"),
     "h200": Device(140 * GiB + 410 * 2**20, True, "NVIDIA H200, 141 GB"),
-    "v3-8": Device(16 * GiB, True, "TPU v3, 16 GiB per core (8 cores in a v3-8)"),
-    "v4": Device(32 * GiB, True, "TPU v4, 32 GiB per chip"),
-    "v5e": Device(16 * GiB, True, "TPU v5e, 16 GiB per chip"),
-    "v5p": Device(95 * GiB, True, "TPU v5p, 95 GiB per chip"),
-    "v6e": Device(32 * GiB, True, "TPU v6e, 32 GiB per chip"),
+    "v3-8": Device(16 * GiB, True, "TPU v3, 16 GiB per core (8 cores in a v3-8)", "tpu"),
+    "v4": Device(32 * GiB, True, "TPU v4, 32 GiB per chip", "tpu"),
+    "v5e": Device(16 * GiB, True, "TPU v5e, 16 GiB per chip", "tpu"),
+    "v5p": Device(95 * GiB, True, "TPU v5p, 95 GiB per chip", "tpu"),
+    "v6e": Device(32 * GiB, True, "TPU v6e, 32 GiB per chip", "tpu"),
 }
 ALIASES = {"v3": "v3-8", "a100": "a100-40g", "v4-8": "v4", "v5e-8": "v5e", "v5litepod-8": "v5e", "v6e-8": "v6e"}
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -68,22 +73,15 @@ def device(text: str) -> tuple[str, Device]:
     if key == "cpu":
         from finetune import backend
 
-        return "cpu", Device(_host_memory(), backend.cpu_has_bfloat16(), "this host's memory")
+        return "cpu", Device(backend.host_memory(), backend.cpu_has_bfloat16(), "this host's memory", "cpu")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
     if match and match.group(2) in UNITS and float(match.group(1)) > 0:
         size = int(float(match.group(1)) * UNITS[match.group(2)])
-        return text.strip(), Device(size, True, f"{text.strip()} per device")
+        return text.strip(), Device(size, True, f"{text.strip()} per device", "any")
     kinds = ", ".join([*DEVICES, "cpu"])
     raise UserError(
         f"--device-memory {text!r} is neither a size with a unit (16GB, 16GiB, 512MiB) nor a known device ({kinds})"
     )
-
-
-def _host_memory() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise UserError("cannot read this host's memory from /proc/meminfo; pass --device-memory SIZE")
 
 
 @dataclass(frozen=True)
@@ -158,29 +156,89 @@ class Plan:
     memory: dict[str, float]
     """Bytes per device: weights, lora_weights, lora_gradients, optimizer, activations, logits, total."""
     notes: list[str]
-    load_peak: float = 0.0
-    """With --quantize: bytes per device of the float weights, which load before they are quantized."""
+    remat: bool = False
+    """Whether each decoder block is recomputed in the backward pass (--remat, or auto's choice)."""
     device_name: str | None = None
     usable: float | None = None
     fits: bool | None = None
     verdict: str = ""
 
 
-# precision → (bytes of a stored variable, bytes of a computed activation). mixed_bfloat16 keeps every
-# variable, the frozen base included, in float32 and computes in bfloat16 (keras' DTypePolicy).
-_BYTES = {"float32": (4, 4), "mixed_bfloat16": (4, 2), "bfloat16": (2, 2)}
+# precision → (bytes of a frozen base weight, bytes of a computed activation). bfloat16 and float16 store
+# the base as they compute (backend.POLICIES); mixed_bfloat16 keeps it in float32. LoRA factors, their
+# gradients and AdamW's moments are float32 under every precision.
+_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloat16": (4, 2)}
+_LORA_BYTES = 4
+# What a CPU run's process holds besides the model and the step: the frameworks' libraries (keras-hub
+# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Peak resident
+# memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (BENCHMARKS.md).
+_HOST_RUNTIME = {"tensorflow": 1.55 * GiB, "torch": 1.40 * GiB, "jax": 1.45 * GiB}
 _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw"}
 
 
+def auto_precision(target: tuple[str, Device] | None) -> str:
+    """What precision `auto` becomes on the device (backend.auto_precision's rule, offline)."""
+    if target is None or target[1].bfloat16:
+        return "bfloat16"
+    return "float16" if target[1].kind == "gpu" else "float32"
+
+
 def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | None = None) -> Plan:
-    """The per-device memory plan of the run `cfg` describes on `devices` devices of kind `target`."""
+    """The per-device memory plan of the run `cfg` describes on `devices` devices of kind `target`.
+
+    --remat auto is decided here as a run decides it: on when the plan without it does not fit the device.
+    """
+    if cfg.model.remat != "auto":
+        return _make(cfg, devices, target, remat=cfg.model.remat == "on")
+    without = _make(cfg, devices, target, remat=False)
+    if target is None or without.fits:
+        without.notes.append("remat auto: off" + (f" (fits {target[0]} without it)" if target else ""))
+        return without
+    planned = _make(cfg, devices, target, remat=True)
+    planned.notes.append(f"remat auto: on; without it the run needs {_size(without.memory['total'])}")
+    return planned
+
+
+def remat_for(cfg: Config, precision: str, device: str, memory: int | None) -> tuple[bool, str]:
+    """What a run's --remat becomes, and why: auto asks the plan whether the run fits `memory` without it.
+
+    precision: the run's resolved precision; device: cpu, gpu or tpu; memory: bytes of one device, None
+    where the framework does not say (then auto is off).
+    """
+    if cfg.model.remat != "auto":
+        return cfg.model.remat == "on", f"--remat {cfg.model.remat}"
+    if memory is None:
+        return False, f"auto: off (the {device}'s memory is unknown; pass --remat on if the run runs out of it)"
+    resolved = copy.deepcopy(cfg)
+    resolved.model.precision = precision
+    kind = Device(memory, precision == "bfloat16", f"this {device}", device)
+    devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
+    try:
+        planned = make(resolved, devices, (device, kind))
+    except UserError as e:  # no architecture table for this preset: train as it is
+        return False, f"auto: off (no plan: {e})"
+    return planned.remat, "auto: " + next(n for n in planned.notes if n.startswith("remat auto")).removeprefix(
+        "remat auto: "
+    )
+
+
+def _device_count(cfg: Config) -> int | None:
+    """The devices a distributed run spreads over, when no --mesh names them (keras is loaded by then)."""
+    if cfg.distribution.mesh:
+        return None
+    import keras
+
+    return len(keras.distribution.list_devices())
+
+
+def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, remat: bool) -> Plan:
     model = model_of(cfg.model.preset)
     data, model_size = _mesh(cfg, devices)
     placements = layouts.place(model.dims, model_size)  # a UserError naming the kernel when indivisible
     notes: list[str] = []
     precision = cfg.model.precision
     if precision == "auto":
-        precision = "mixed_bfloat16" if target is None or target[1].bfloat16 else "float32"
+        precision = auto_precision(target)
         notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
     batch = cfg.train.batch_size
     if batch is None:
@@ -188,18 +246,24 @@ def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | N
     kernels = [p for p in placements if p.shape]
     groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
     lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)
-    variable_bytes = _BYTES[precision][0]
     memory = {
         "weights": sum(g.bytes_per_device for g in groups),
         # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each.
-        "lora_weights": lora * variable_bytes,
-        "lora_gradients": lora * variable_bytes,
-        "optimizer": 2 * lora * variable_bytes,
+        "lora_weights": lora * _LORA_BYTES,
+        "lora_gradients": lora * _LORA_BYTES,
+        "optimizer": 2 * lora * _LORA_BYTES,
     }
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len
-    memory["activations"] = per_device * _activations_per_sequence(model, kernels, seq_len, precision, model_size)
-    memory["logits"] = per_device * _logits_per_sequence(model, kernels, seq_len, precision, model_size)
+    per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
+    if remat:  # each block keeps its input; one block's activations exist at a time, in its backward
+        kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
+        per_sequence = kept + per_sequence / model.dims.num_layers
+    memory["activations"] = per_device * per_sequence
+    memory["unpacked_kernels"] = _unpacked_kernels(groups, cfg.model.quantize, model.dims.num_layers, remat)
+    memory["logits"] = _logits(model, kernels, precision, model_size)
+    if target is not None and target[1].kind == "cpu":
+        memory["runtime"] = _HOST_RUNTIME[cfg.backend]
     memory["total"] = sum(memory.values())
     plan = Plan(
         model=model,
@@ -216,13 +280,8 @@ def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | N
         groups=groups,
         memory=memory,
         notes=notes + [p.rule.group + ": " + p.note for p in kernels if p.note.startswith("dimension")],
+        remat=remat,
     )
-    if cfg.model.quantize:
-        # model.build quantizes after from_preset has loaded the float base (README: Not yet).
-        plan.load_peak = sum(g.bytes_per_device for g in _weight_groups(model, kernels, precision, None, model_size))
-        plan.notes.append(
-            f"{cfg.model.quantize}: the base loads in float before it is quantized: {_size(plan.load_peak)}"
-        )
     if target is not None:
         _judge(plan, target, cfg)
         if cfg.train.batch_size == "auto":
@@ -254,11 +313,7 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
     for p in kernels:
         copies = 1 if p.rule.group == "embedding" else layers
         count = math.prod(p.shape) * copies
-        if quantize == "int4":
-            # Two weights a byte, and a float32 scale per output channel (about one per hidden_dim weights).
-            size = count / 2 + 4 * count / model.dims.hidden_dim
-        else:
-            size = count * variable_bytes
+        size = count * (variable_bytes if quantize is None or p.rule.group == "embedding" else _quantized(quantize))
         sharded = layouts.MODEL_AXIS in p.axes
         if sharded:
             size /= model_size
@@ -270,10 +325,26 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
     norms = layers * archs.norm_scales_per_layer(model.config, model.family) + model.dims.hidden_dim
     groups.append(Group("norm scales", (norms,), 1, "replicated", norms * variable_bytes))
     if model.vision_params:
-        # keras-hub builds the image encoder in float32 when the model is bfloat16; int4 packs its kernels too.
-        per = 0.5 if quantize == "int4" else max(variable_bytes, 4)
+        # keras-hub builds the image encoder in float32 when the model is bfloat16; it is not quantized.
+        per = max(variable_bytes, 4)
         groups.append(Group("vision encoder", (model.vision_params,), 1, "replicated", model.vision_params * per))
     return groups
+
+
+def _quantized(mode: str) -> float:
+    """Bytes per weight of a quantized kernel (quantized.py): int4 packs two a byte, with a float32 scale and an
+    int8 zero point per group of 128 input rows and output column; int8 is a byte, with a scale per column."""
+    return 0.5 + 5 / 128 if mode == "int4" else 1.0
+
+
+def _unpacked_kernels(groups: list[Group], quantize: str | None, layers: int, remat: bool) -> float:
+    """keras' int4 layers keep each kernel unpacked to int8 (a byte a weight) for their backward; remat keeps
+    one block's at a time."""
+    if quantize != "int4":
+        return 0.0
+    decoder = [g for g in groups if g.copies == layers and g.name not in ("embedding", "norm scales")]
+    unpacked = sum(g.bytes_per_device / _quantized("int4") for g in decoder)
+    return unpacked / layers if remat else unpacked
 
 
 def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
@@ -343,20 +414,19 @@ def _activations_per_sequence(model: Model, kernels, seq_len: int, precision: st
     return d.num_layers * (seq_len * per_token + scores) + seq_len * 2 * d.hidden_dim * compute
 
 
-def _logits_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int) -> float:
-    """Bytes of one sequence's logits: S × V in float32, their log-softmax for the loss and their gradient
-    (3 × 4 bytes), and under bfloat16 compute the matmul's own output before the cast. Split when the
-    vocabulary is."""
-    compute = _BYTES[precision][1]
-    per_logit = 3 * 4 + (compute if compute != 4 else 0)
-    vocabulary = _split(kernels, "embedding", "V", model_size)
-    return seq_len * model.dims.vocabulary_size * per_logit / vocabulary
+def _logits(model: Model, kernels, precision: str, model_size: int) -> float:
+    """Bytes of the loss's vocabulary projection: one chunk of positions at a time (objective.py), as float32
+    logits, their softmax, and its copy in the compute dtype; split when the vocabulary is."""
+    from finetune.backend import loss_chunk
+
+    vocabulary = model.dims.vocabulary_size / _split(kernels, "embedding", "V", model_size)
+    return loss_chunk(model.dims.vocabulary_size) * vocabulary * (4 + 4 + _BYTES[precision][1])
 
 
 def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
     name, found = target
-    usable = found.memory * (cfg.train.xla_mem_fraction if cfg.backend == "jax" else 1.0)
-    total = max(plan.memory["total"], plan.load_peak)
+    usable = found.memory * (cfg.train.xla_mem_fraction if cfg.backend == "jax" and found.kind != "cpu" else 1.0)
+    total = plan.memory["total"]
     plan.device_name, plan.usable = name, usable
     plan.fits = total <= usable * (1 - HEADROOM)
     if plan.fits:
@@ -372,8 +442,6 @@ def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
 
 def _advice(plan: Plan) -> str:
     m = plan.memory
-    if plan.load_peak > m["total"]:
-        return "the float base loads whole before --quantize int4 applies, so it needs a larger device for now"
     if m["weights"] > 0.5 * m["total"]:
         return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
     return "the activations and logits dominate: lower --batch-size or --seq-len, or spread the batch (--parallel data)"
@@ -419,7 +487,7 @@ def as_dict(plan: Plan) -> dict:
             for g in plan.groups
         ],
         "bytes_per_device": {k: round(v) for k, v in plan.memory.items()},
-        "load_peak_bytes": round(plan.load_peak),
+        "remat": plan.remat,
         "device": plan.device_name,
         "usable_bytes": None if plan.usable is None else round(plan.usable),
         "fits": plan.fits,
@@ -434,7 +502,9 @@ _ROWS = {
     "lora_gradients": "LoRA gradients",
     "optimizer": "AdamW moments",
     "activations": "activations",
-    "logits": "logits, log-softmax, gradient",
+    "unpacked_kernels": "int4 kernels kept unpacked",
+    "logits": "logits, one chunk",
+    "runtime": "framework runtime (host)",
 }
 
 
@@ -447,8 +517,10 @@ def table(plan: Plan) -> str:
         f"{plan.model.name}: {plan.model.family}, {plan.parameters / 1e9:.2f}B parameters",
         f"mesh {plan.data}x{plan.model_axis}: {plan.data} data x {plan.model_axis} model, "
         f"{devices} device{'s' if devices > 1 else ''}",
-        f"precision {plan.precision}: weights stored in {_dtype(variable_bytes)}, computed in {_dtype(compute_bytes)}"
-        + ("; frozen kernels quantized to int4" if plan.quantize else ""),
+        f"precision {plan.precision}: base stored in {_dtype(plan.precision, variable_bytes)}, computed in "
+        f"{_dtype(plan.precision, compute_bytes)}, LoRA in float32"
+        + (f"; decoder kernels quantized to {plan.quantize}" if plan.quantize else "")
+        + ("; blocks recomputed in the backward (remat)" if plan.remat else ""),
         f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; LoRA rank {plan.lora_rank} "
         f"on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)",
         "",
@@ -460,7 +532,8 @@ def table(plan: Plan) -> str:
         lines.append(f"{group.name:<18} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
     lines += ["", "memory per device"]
     for key, label in _ROWS.items():
-        lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
+        if key in plan.memory and (plan.memory[key] or key != "unpacked_kernels"):
+            lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
     lines.append(f"  {'total':<28} {_size(plan.memory['total']):>11}")
     lines += [f"note: {n}" for n in plan.notes]
     if plan.verdict:
@@ -477,5 +550,5 @@ def _shape(group: Group) -> str:
     return f"{group.copies} x {shape}" if group.copies > 1 else shape
 
 
-def _dtype(size: int) -> str:
-    return "float32" if size == 4 else "bfloat16"
+def _dtype(precision: str, size: int) -> str:
+    return "float32" if size == 4 else "float16" if precision == "float16" else "bfloat16"

@@ -175,14 +175,22 @@ def tiny_backbone(vocabulary_size: int, dtype=None):
 
     Loaded from a numpy file rather than initialised, so every backend starts
     from the same base model and an adapter trained on one applies on another.
+    dtype: a policy, or quantized.policies' map: quantized kernels are filled from the float weights.
     """
     import keras_hub
     import numpy as np
 
+    from finetune import quantized
+
     backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, dtype=dtype, **TINY_CONFIG)
     with np.load(TINY_WEIGHTS) as stored:
+        compressed = quantized.quantized_layers(backbone)
+        for layer in compressed:
+            quantized.fill(layer, stored[f"{layer.path}/kernel"].astype(np.float32))
+        done = {id(v) for layer in compressed for v in layer.weights}
         for weight in backbone.weights:
-            weight.assign(stored[weight.path].astype(np.float32))
+            if id(weight) not in done:
+                weight.assign(stored[weight.path].astype(np.float32))
     return backbone
 
 

@@ -67,13 +67,12 @@ def load_model(run: Run):
     from finetune import backend, model, presets
 
     cfg = run.config
-    backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
+    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
     source = presets.resolve(cfg.model.preset)
-    lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
+    lm, preprocessor = model.build(source, cfg.model.seq_len, precision, cfg.model.quantize)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing
     lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
-    model.compile(lm, cfg.train.learning_rate or source.default_learning_rate, cfg.train.weight_decay)
     return lm, preprocessor
 
 
@@ -99,7 +98,7 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
         _, usable = train.split(usable, cfg, cfg.train.batch_size)
     examples = [e for _, e in usable]
     batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
-    result = scoring.metrics(model.evaluator(lm), batches)
+    result = scoring.metrics(model.scorer(lm, cfg.train.batch_size), batches)
     result["examples"] = len(examples)
     return result
 

@@ -1,8 +1,9 @@
 """Held-out metrics over response tokens, and greedy generations.
 
-Loss and accuracy come from the weighted metrics of model.evaluator(): each
-accumulates sum(weight * value) / sum(weight) over every held-out token, so
-padding and prompt positions (weight 0) never enter the average.
+Loss and accuracy come from the weighted metrics of model.scorer(): each
+accumulates sum(weight * value) / sum(weight) over every held-out gathered
+position, so padding and prompt positions (weight 0) never enter the average,
+and a ragged last batch's filler rows neither.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import contextlib
 import math
 
 
-def metrics(evaluator, batches) -> dict:
+def metrics(scorer, batches) -> dict:
     """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`."""
-    logs = evaluator.evaluate(batches, verbose=0, return_dict=True)
-    loss = float(logs["token_loss"])
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": float(logs["token_accuracy"])}
+    logs = scorer.evaluate(batches, verbose=0, return_dict=True)
+    # Keras names each output's metric after the output: loss_token_loss, correct_token_accuracy.
+    loss = float(next(v for k, v in logs.items() if k.endswith("token_loss")))
+    accuracy = float(next(v for k, v in logs.items() if k.endswith("token_accuracy")))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy}
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from finetune import (
     model,
     outputs,
     packing,
+    plan,
     platforms,
     presets,
     scoring,
@@ -97,8 +98,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
         distributed = distribution.setup(cfg.distribution, presets.dims(source), batch_size)
     part = distribution.data_part()  # the rows of each batch this process feeds
 
+    remat, why = plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], backend.device_memory(tweaks["device"]))
+    tweaks["remat"] = why
+    if remat:
+        print(f"remat: {why}")
     phase(f"loading {cfg.model.preset} on {cfg.backend}")
-    lm, preprocessor = model.build(source, cfg.model.seq_len, cfg.model.quantize)
+    lm, preprocessor = model.build(source, cfg.model.seq_len, tweaks["dtype_policy"], cfg.model.quantize, remat)
     tokenizer = preprocessor.tokenizer
     template = templates.get(cfg.data.template)
     overhead = batching.template_overhead(tokenizer, template)
@@ -111,14 +116,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
-    model.compile(lm, learning_rate, cfg.train.weight_decay)
+    trainer = model.compile(lm, learning_rate, cfg.train.weight_decay, shards=part[2])
     if batch_size == "auto":
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
         examples = [e for _, e in usable]
         rows = len(examples)
         if cfg.data.packing != "off":  # packed, the same examples fill fewer rows, hence fewer steps
             rows = len(packing.best_fit_decreasing([len(e.token_ids) - 1 for e in examples], cfg.model.seq_len))
-        batch_size, why = auto_batch_size(lm, probe_rows, rows, tweaks["device"])
+        batch_size, why = auto_batch_size(trainer, probe_rows, rows, tweaks["device"])
         print(f"batch size auto: {batch_size} ({why})")
     train_part, eval_part = split(usable, cfg, batch_size)
     if len(train_part) < batch_size:
@@ -142,8 +147,10 @@ def run(cfg: Config, resume: bool = False) -> dict:
             f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
         )
     # In a multi-process job each process feeds its own slice of every global batch.
-    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part)
-    eval_batches = batching.Batches(batching.pad([e for _, e in eval_part], cfg.model.seq_len), batch_size, part=part)
+    step = batching.length_step(cfg.backend, cfg.model.seq_len)
+    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step)
+    eval_rows = batching.pad([e for _, e in eval_part], cfg.model.seq_len)
+    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=step)
     steps_per_epoch = order.steps_per_epoch
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
@@ -165,11 +172,11 @@ def run(cfg: Config, resume: bool = False) -> dict:
         samples_wanted = 0
     sample_records = eval_records[:samples_wanted]
     sample_prompts = [template.apply(r)[0] for r in sample_records]
-    evaluator = model.evaluator(lm)
+    scorer = model.scorer(lm, batch_size, shards=part[2])
     eval_started = time.perf_counter()
     if saved is None:
         phase(f"evaluating before training ({len(eval_part)} held-out records)")
-        before = scoring.metrics(evaluator, eval_batches)
+        before = scoring.metrics(scorer, eval_batches)
         print(f"eval loss before training: {before['loss']:.4f}")
         if sample_prompts:
             phase(f"generating {len(sample_prompts)} samples before training")
@@ -178,7 +185,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
         progress, run_id = loop.Progress(), uuid.uuid4().hex[:8]
     else:
-        saved = checkpoint.restore(lm, resume_from)
+        saved = checkpoint.restore(trainer, resume_from)
         before, generated_before = saved["eval_before"], saved["generated_before"]
         progress, run_id = loop.Progress.from_state(saved["progress"]), saved["run_id"]
         print(f"resuming {target} at step {progress.step}/{total_steps}")
@@ -195,12 +202,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
     board = None
     try:  # every way out lets go of the run directory and closes the TensorBoard log
         run_dir = claim.path
-        board = callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, lm.optimizer)
+        board = callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, trainer.optimizer)
         if saved is None:
             board.on_test_end({"step": 0, **before})
 
         def save_checkpoint(progress: loop.Progress) -> None:
-            weights, optimizer_values, trainable_paths, optimizer_paths = checkpoint.capture(lm)
+            weights, optimizer_values, trainable_paths, optimizer_paths = checkpoint.capture(trainer)
             if not all(np.isfinite(w).all() for w in weights):
                 raise UserError(
                     f"the LoRA weights are not finite after step {progress.step}: training diverged, so nothing "
@@ -230,12 +237,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
                 ) from e
             claim.sync()  # to gs:// and Vertex AI's directories, so a preempted job keeps it
 
-        trainer = loop.Loop(
-            lm,
+        steps = loop.Loop(
+            trainer,
             order,
             total_steps,
             progress,
-            evaluate_held_out=lambda: scoring.metrics(evaluator, eval_batches),
+            evaluate_held_out=lambda: scoring.metrics(scorer, eval_batches),
             save_checkpoint=save_checkpoint,
             checkpoint_every=cfg.train.checkpoint_every,
             deadline=deadline,
@@ -246,7 +253,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
         try:
             phase(f"training steps {progress.step + 1}-{total_steps}")
-            trainer.run()  # status.json is written with each checkpoint
+            steps.run()  # status.json is written with each checkpoint
         except RunStopped as stop:
             outputs.write_status(run_dir, "stopped", progress.step, str(stop))
             claim.sync()
@@ -257,9 +264,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
                 failure = UserError(
                     f"out of memory at step {progress.step + 1} with batch {batch_size}, seq-len {cfg.model.seq_len}, "
                     f"rank {cfg.lora.rank}; lower --batch-size or --seq-len"
-                    + (f" (the checkpoint at step {trainer.last_saved} is kept)" if trainer.last_saved else "")
+                    + (f" (the checkpoint at step {steps.last_saved} is kept)" if steps.last_saved else "")
                 )
-            if trainer.last_saved is None:
+            if steps.last_saved is None:
                 claim.abandon()  # nothing worth keeping was written
             else:
                 _record_failure(run_dir, progress.step, failure)
@@ -305,7 +312,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             "response_tokens": progress.response_tokens,
             # Non-padding tokens per second of optimizer steps in this session, its first
             # (compiling) step and every evaluation excluded.
-            "tokens_per_second": trainer.tokens_per_second(),
+            "tokens_per_second": steps.tokens_per_second(),
             "train_seconds": progress.train_seconds,
             "seconds": time.perf_counter() - started,
             "peak_memory_mb": backend.peak_memory_mb(),
@@ -463,7 +470,7 @@ AUTO_BATCH_CAP = 64
 AUTO_MIN_STEPS = 8  # an epoch of fewer steps barely trains
 
 
-def auto_batch_size(lm, arrays, rows: int, device: str) -> tuple[int, str]:
+def auto_batch_size(trainer, arrays, rows: int, device: str) -> tuple[int, str]:
     """`--batch-size auto`: (batch size, why), never so large that an epoch has under 8 steps.
 
     On an accelerator: the largest power of two whose trial step fits in memory.
@@ -473,19 +480,19 @@ def auto_batch_size(lm, arrays, rows: int, device: str) -> tuple[int, str]:
     state, so both are put back afterwards: the probe must not leak into the run.
     """
     limit = max(1, min(AUTO_BATCH_CAP, rows // AUTO_MIN_STEPS))
-    lm.optimizer.build(lm.trainable_variables)
-    state = lm.trainable_variables + list(lm.optimizer.variables)
+    trainer.optimizer.build(trainer.trainable_variables)
+    state = trainer.trainable_variables + list(trainer.optimizer.variables)
     saved = [v.numpy() for v in state]
     best, size, speeds = None, 1, {}
     try:
         while size <= limit:
             x, y, w = batching.Batches(arrays, size)[0]
             try:
-                lm.train_on_batch(x, y, sample_weight=w)  # the first step of a shape compiles it
+                trainer.train_on_batch(x, y, sample_weight=w)  # the first step of a shape compiles it
                 if device == "cpu":
                     started = time.perf_counter()
-                    lm.train_on_batch(x, y, sample_weight=w)
-                    speeds[size] = float(np.sum(x["padding_mask"])) / (time.perf_counter() - started)
+                    trainer.train_on_batch(x, y, sample_weight=w)
+                    speeds[size] = np.count_nonzero(x["padding_mask"]) / (time.perf_counter() - started)
             except Exception as e:  # noqa: BLE001 - each backend raises its own OOM type
                 if not backend.is_out_of_memory(e):
                     raise
@@ -496,7 +503,7 @@ def auto_batch_size(lm, arrays, rows: int, device: str) -> tuple[int, str]:
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
-        lm.reset_metrics()
+        trainer.reset_metrics()
     if best is None:
         raise UserError("one sequence does not fit in memory; lower --seq-len or pick a smaller preset")
     cap = f"the cap: {AUTO_BATCH_CAP}, or 1/{AUTO_MIN_STEPS} of the {rows} rows, so an epoch has steps enough"

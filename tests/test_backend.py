@@ -29,9 +29,12 @@ def test_runtime_tweaks_on_a_cpu():
     try:
         tweaks = backend.apply_runtime_tweaks("auto")
         # auto is bf16 on a CPU only where it has bf16 units (AVX512-BF16 or AMX).
-        expected = "mixed_bfloat16" if backend.cpu_has_bfloat16() else "float32"
+        expected = "bfloat16" if backend.cpu_has_bfloat16() else "float32"
         assert tweaks["device"] == "cpu" and tweaks["dtype_policy"] == expected
         assert backend.apply_runtime_tweaks("mixed_bfloat16")["dtype_policy"] == "mixed_bfloat16"
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"
+        # A bf16 base: the global policy is the adapter's, float32 variables computed in bf16.
+        assert backend.apply_runtime_tweaks("bfloat16")["dtype_policy"] == "bfloat16"
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
     finally:
         keras.config.set_dtype_policy(policy)

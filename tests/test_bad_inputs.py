@@ -371,7 +371,7 @@ CASES = [
     data(
         "alpaca-no-output", '{"instruction": "a", "input": "", "output": "b"}\n{"instruction": "c"}\n', "Alpaca format"
     ),
-    gemma("quantize-int8", ["--quantize", "int8"], "--quantize int8 is not offered"),
+    gemma("remat-unknown", ["--remat", "sometimes"], "unknown remat 'sometimes'"),
     gemma("quantize-unknown", ["--quantize", "fp3"], "unknown quantize mode 'fp3'"),
     bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),
     bench("bench-unknown-backend", ["--backends", "mxnet"], "unknown backend 'mxnet'"),

@@ -71,7 +71,7 @@ def test_help_groups_the_options_and_lists_the_allowed_values():
     for values in (
         "jax|torch|tensorflow",
         "dolly|alpaca|gemma-chat",
-        "auto|float32|mixed_bfloat16|bfloat16",
+        "auto|bfloat16|float16|float32|mixed_bfloat16",
         "auto|on|off",
     ):
         assert values in text, values

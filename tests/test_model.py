@@ -12,18 +12,18 @@ def build(rank=2, alpha=None, targets=("query", "value")):
     keras.utils.set_random_seed(0)
     lm, preprocessor = model.build(TINY, seq_len=32)
     model.enable_lora(lm, rank, alpha, list(targets))
-    model.compile(lm, learning_rate=1e-2, weight_decay=0.0)
     return lm, preprocessor
 
 
 def a_batch(preprocessor, n=4):
     pairs = [(f"Instruction:\nSay {i}.\n\nResponse:\n", f"{i} {i} {i}.") for i in range(n)]
     examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=32)
-    return batching.Batches(batching.pad(examples, 32), batch_size=n)[0]
+    return batching.TrainOrder(batching.pad(examples, 32), batch_size=n, seed=0).batch(0)
 
 
 def logits(lm, x):
-    return keras.ops.convert_to_numpy(lm(x, training=False))
+    tokens = {"token_ids": x["token_ids"], "padding_mask": x["padding_mask"]}
+    return keras.ops.convert_to_numpy(lm(tokens, training=False))
 
 
 def test_tiny_base_weights_are_the_same_on_every_build():
@@ -55,9 +55,10 @@ def test_alpha_sets_the_layer_scale_and_targets_are_checked():
 
 def test_adapter_save_then_load_gives_identical_logits(tmp_path):
     lm, preprocessor = build(rank=2, alpha=4.0)
+    trainer = model.compile(lm, learning_rate=1e-2, weight_decay=0.0)
     x, y, w = a_batch(preprocessor)
     for _ in range(3):
-        lm.train_on_batch(x, y, sample_weight=w)
+        trainer.train_on_batch(x, y, sample_weight=w)
     path = str(tmp_path / "adapter.lora.h5")
     lm.backbone.save_lora_weights(path)
 

@@ -42,12 +42,14 @@ def test_tiny_recipe_is_the_offline_quickstart():
 def test_kaggle_recipes_fit_their_accelerators():
     t4 = config.load("kaggle-2xt4")
     assert (t4.distribution.parallel, t4.distribution.mesh) == ("data", None)
-    assert t4.model.precision == "float32"  # a T4 has no bf16
+    assert t4.model.precision == "float16"  # a T4 has fast float16 and no bf16
+    qlora = config.load("kaggle-t4-7b-int4")
+    assert (qlora.model.preset, qlora.model.quantize, qlora.model.precision) == ("gemma_7b_en", "int4", "float16")
     tpu = config.load("kaggle-tpu")
     assert (tpu.distribution.parallel, tpu.distribution.mesh) == ("model", "1x8")  # a v3-8's 8 cores
-    assert tpu.model.precision == "mixed_bfloat16"
+    assert tpu.model.precision == "bfloat16"
     assert config.parse_duration(tpu.train.time_limit) < 9 * 3600  # Kaggle's TPU sessions end at 9 hours
-    for cfg in (t4, tpu):
+    for cfg in (t4, qlora, tpu):
         assert cfg.backend == "jax" and cfg.output.dir is None  # /kaggle/working/runs/<timestamp> in a notebook
 
 

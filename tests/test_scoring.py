@@ -10,13 +10,12 @@ def test_loss_is_averaged_over_response_tokens_only():
     with float32_policy():  # compared with a float64 computation below
         lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
     model.enable_lora(lm, 2, None, ["query", "value"])
-    model.compile(lm, learning_rate=1e-3, weight_decay=0.0)
     pairs = [
         ("Instruction:\nA long prompt about " + "many things " * i + "\n\nResponse:\n", "Short.") for i in range(5)
     ]
     examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=48)
     arrays = batching.pad(examples, 48)
-    result = scoring.metrics(model.evaluator(lm), batching.Batches(arrays, batch_size=2))  # a ragged last batch
+    result = scoring.metrics(model.scorer(lm, 2), batching.Batches(arrays, batch_size=2))  # a ragged last batch
 
     out = keras.ops.convert_to_numpy(lm({"token_ids": arrays["token_ids"], "padding_mask": arrays["padding_mask"]}))
     shifted = out - out.max(-1, keepdims=True)
@@ -39,7 +38,6 @@ def test_generate_returns_continuations_without_the_prompt():
     keras.utils.set_random_seed(0)
     with float32_policy():  # compared with a float64 computation below
         lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
-    model.compile(lm, learning_rate=1e-3, weight_decay=0.0)
     prompts = ["Instruction:\nSay hi.\n\nResponse:\n", "Instruction:\nCount.\n\nResponse:\n"]
     outputs = scoring.generate(lm, preprocessor, prompts, max_new_tokens=5)
     assert len(outputs) == 2

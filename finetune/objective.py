@@ -1,0 +1,204 @@
+"""The training objective: cross-entropy of the weighted (response) tokens, computed only where it counts.
+
+keras-hub's causal LM projects every position of every row onto the whole
+vocabulary, and the loss then reads the response positions alone. At Gemma's
+256k vocabulary that projection is a fifth of a training step's matmuls, and
+its float32 logits (batch x seq x vocabulary, 4 GB at batch 8 x 512) are the
+largest tensor of the step. Here the backbone's hidden states are gathered at
+the positions that carry a loss weight (batching.targets lays them out) and
+projected a chunk of positions at a time, inside one custom-gradient op:
+
+- the forward computes each position's loss (log-sum-exp minus the label's
+  logit) and, while the chunk's logits exist, softmax minus one-hot times the
+  (frozen) embedding: the hidden state's gradient per unit of loss, the only
+  gradient LoRA needs. The backward scales it by the upstream gradient, so no
+  logits are kept for it, and none recomputed;
+- a chunk whose positions all weigh 0 (the padding of the gathered layout) is
+  skipped.
+
+So the vocabulary projection costs what the loss needs, and at most one chunk
+of logits exists at a time. The loss is the same as the full projection's
+(tests/test_objective.py checks both against each other on every backend).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+
+def projection(backbone):
+    """The (vocabulary, hidden) kernel that makes logits: Gemma ties it to the token embedding."""
+    embedding = backbone.token_embedding
+    if not getattr(embedding, "tie_weights", True) or getattr(embedding, "quantization_mode", None):
+        raise NotImplementedError("the chunked loss needs a tied, unquantized token embedding")
+    return embedding.embeddings
+
+
+def _logits(hidden, kernel, soft_cap):
+    logits = ops.cast(ops.matmul(hidden, ops.transpose(kernel)), "float32")
+    if soft_cap is not None:  # Gemma 2's final soft cap: cap * tanh(logits / cap)
+        logits = ops.tanh(logits / soft_cap) * soft_cap
+    return logits
+
+
+def _chunks(total: int, chunk: int):
+    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
+
+    hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
+    The gradient flows to `hidden` only: the kernel is the frozen embedding. Each
+    position's loss is a scalar of its own, so its gradient is the upstream
+    scalar times (softmax - one-hot) @ kernel; that product is made in the
+    forward, while the chunk's logits exist, and kept (N x D), so the backward
+    neither keeps nor recomputes any logits.
+    """
+    spans = _chunks(hidden.shape[0], chunk)
+
+    @ops.custom_gradient
+    def losses(hidden, kernel, labels, weights):
+        loss_parts, grad_parts = [], []
+        for start, end in spans:
+            h, y = hidden[start:end], labels[start:end]
+
+            def chunk_loss(h=h, y=y):
+                logits = _logits(h, kernel, soft_cap)
+                log_total = ops.logsumexp(logits, axis=-1, keepdims=True)
+                picked = ops.take_along_axis(logits, ops.expand_dims(y, -1), axis=-1)
+                softmax = ops.exp(logits - log_total)
+                label_rows = ops.take(kernel, y, axis=0)
+                if soft_cap is not None:  # d capped / d logit = 1 - tanh^2, tanh = capped / cap
+                    softmax = softmax * (1.0 - ops.square(logits / soft_cap))
+                    label_rows = label_rows * ops.cast(1.0 - ops.square(picked / soft_cap), label_rows.dtype)
+                # (softmax - one-hot) @ kernel, without a one-hot: the label's embedding row is subtracted.
+                grad = ops.matmul(ops.cast(softmax, h.dtype), kernel) - label_rows
+                return (log_total - picked)[:, 0], grad
+
+            def nothing(h=h):
+                return ops.zeros((h.shape[0],)), ops.zeros_like(h)
+
+            loss, grad = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
+            loss_parts.append(loss)
+            grad_parts.append(grad)
+        out = ops.concatenate(loss_parts, axis=0) if len(spans) > 1 else loss_parts[0]
+        per_position = ops.concatenate(grad_parts, axis=0) if len(spans) > 1 else grad_parts[0]
+
+        def gradient(*args, upstream=None):
+            if upstream is None:  # jax and tensorflow pass it positionally, torch by name
+                (upstream,) = args
+            scale = ops.cast(ops.expand_dims(upstream, -1), per_position.dtype)
+            return per_position * scale, None, None, None
+
+        return out, gradient
+
+    return losses(hidden, kernel, labels, weights)
+
+
+def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """(loss, correct) per position, without gradients: what evaluation averages over the weighted tokens."""
+    losses, correct = [], []
+    for start, end in _chunks(hidden.shape[0], chunk):
+        h, y = hidden[start:end], labels[start:end]
+
+        def score(h=h, y=y):
+            logits = _logits(h, kernel, soft_cap)
+            picked = ops.take_along_axis(logits, ops.expand_dims(y, -1), axis=-1)[:, 0]
+            hit = ops.cast(ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), ops.cast(y, "int32")), "float32")
+            return ops.logsumexp(logits, axis=-1) - picked, hit
+
+        n = end - start
+        loss, hit = ops.cond(ops.any(weights[start:end] > 0), score, lambda n=n: (ops.zeros((n,)), ops.zeros((n,))))
+        losses.append(loss)
+        correct.append(hit)
+    return ops.concatenate(losses, axis=0), ops.concatenate(correct, axis=0)
+
+
+def _gathered(backbone, inputs, shards: int, rows: int | None = None):
+    """The backbone's hidden states at inputs["loss_positions"], flattened to (batch x width, hidden).
+
+    Positions index within their data shard's rows (batching.targets), so each
+    shard gathers from its own rows only. rows: the batch's rows, when the
+    inputs' shapes leave it unknown (TensorFlow's evaluate() traces a batch of
+    None rows): the chunks of objective's op need a static count of positions.
+    """
+    hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
+    width = hidden.shape[-1]
+    positions = inputs["loss_positions"]
+    per_shard = ops.reshape(hidden, (shards, -1, width))
+    index = ops.reshape(positions, (shards, -1, 1))
+    gathered = ops.take_along_axis(per_shard, ops.cast(index, "int32"), axis=1)
+    count = positions.shape[0] or rows
+    return ops.reshape(gathered, (count * positions.shape[1] if count else -1, width))
+
+
+class TrainingView(keras.Model):
+    """`lm`'s backbone with the response-token loss: call() returns each gathered position's loss.
+
+    It shares every layer and weight with `lm`, so what it trains is what `lm`
+    generates with and saves. Compiled with WeightedMean, train_on_batch
+    minimises the mean loss over the batch's weighted tokens.
+    """
+
+    def __init__(self, lm, chunk: int, shards: int = 1, rows: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.lm = lm
+        self.chunk = chunk
+        self.shards = shards
+        self.rows = rows
+
+    def call(self, inputs):
+        backbone = self.lm.backbone
+        hidden = _gathered(backbone, inputs, self.shards)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        soft_cap = backbone.token_embedding.logit_soft_cap
+        kernel = ops.convert_to_tensor(projection(backbone))
+        losses = token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs["loss_labels"].shape, dtype="float32")
+
+
+class ScoringView(TrainingView):
+    """The same, for evaluation: call() returns {"loss", "correct"}, each gathered position's.
+
+    Compiled by model.scorer() with weighted means of both, so Keras' evaluate()
+    averages them over every weighted token of every batch, and distributes the
+    batches over processes as it does for training.
+    """
+
+    def call(self, inputs):
+        backbone = self.lm.backbone
+        hidden = _gathered(backbone, inputs, self.shards, self.rows)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        soft_cap = backbone.token_embedding.logit_soft_cap
+        kernel = ops.convert_to_tensor(projection(backbone))
+        loss, correct = token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        shape = ops.shape(inputs["loss_labels"])
+        return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}
+
+    def compute_output_spec(self, inputs):
+        shape = inputs["loss_labels"].shape
+        return {name: keras.KerasTensor(shape, dtype="float32") for name in ("loss", "correct")}
+
+
+def output_itself(y_true, y_pred):
+    """A metric function whose value is the model's output: a ScoringView's loss or correctness."""
+    del y_true
+    return y_pred
+
+
+class WeightedMean(keras.losses.Loss):
+    """The loss of a TrainingView, whose output is already each position's loss: their weighted mean."""
+
+    def __init__(self, name: str = "token_loss"):
+        super().__init__(name=name, reduction="mean_with_sample_weight")
+
+    def call(self, y_true, y_pred):
+        del y_true  # the labels went in with the inputs
+        return y_pred

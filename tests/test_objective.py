@@ -1,0 +1,159 @@
+"""The response-token loss at gathered positions (objective.py), the bf16 base, the quantized base and remat.
+
+Each compares what training does now against a reference computed another way:
+the full vocabulary projection with Keras' own weighted cross-entropy, a float32
+base, keras' own quantize(), and the same run without remat.
+"""
+
+import keras
+import numpy as np
+import pytest
+from conftest import float32_policy
+
+from finetune import backend, batching, model, objective, packing, presets, quantized
+
+TINY = presets.Source("tiny", "tiny", "gemma")
+
+
+def packed_rows(tokenizer, seq_len=48, n=12):
+    pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * (i % 5 + 1)) for i in range(n)]
+    examples, _ = batching.tokenize(pairs, tokenizer, seq_len)
+    return packing.pack(examples, seq_len)
+
+
+def lora_model(precision="float32", quantize=None, remat=False):
+    keras.utils.set_random_seed(0)
+    keras.config.set_dtype_policy(backend.POLICIES[precision][1])
+    lm, preprocessor = model.build(TINY, 48, precision, quantize, remat)
+    model.enable_lora(lm, 2, None, ["query", "value"], seed=0)
+    return lm, preprocessor
+
+
+def lora_values(lm):
+    return [keras.ops.convert_to_numpy(v) for v in lm.trainable_variables]
+
+
+def test_the_gathered_loss_and_its_gradient_are_the_full_projection_s():
+    """Chunks of 8 positions (some all padding, so skipped) against every position's logits."""
+    with float32_policy():
+        ours, preprocessor = lora_model()
+        reference, _ = lora_model()
+        rows = packed_rows(preprocessor.tokenizer)
+        view = objective.TrainingView(ours, chunk=8)
+        view.compile(optimizer=keras.optimizers.SGD(0.5), loss=objective.WeightedMean())
+        reference.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+            weighted_metrics=[],
+        )
+        order = batching.TrainOrder(rows, 4, seed=0)
+        assert order.width * 4 > int((rows["weights"][:4] > 0).sum())  # the layout has weight-0 slots to skip
+        for step in range(3):
+            x, y, w = order.batch(step)
+            rows_now = order.rows(step)
+            full_x = {"token_ids": rows["token_ids"][rows_now], "padding_mask": rows["segment_ids"][rows_now]}
+            got = float(view.train_on_batch(x, y, sample_weight=w))
+            expected = reference.train_on_batch(
+                full_x, rows["labels"][rows_now], rows["weights"][rows_now], return_dict=True
+            )
+            expected = float(expected["loss"])
+            assert got == pytest.approx(expected, rel=1e-5)
+        # SGD moves each factor by its gradient: equal factors after 3 steps mean equal gradients.
+        for a, b in zip(lora_values(ours), lora_values(reference)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+class Hidden(keras.layers.Layer):
+    """Hidden states as a weight, so SGD with rate 1 exposes the loss's gradient in any backend."""
+
+    def __init__(self, values, kernel, labels, weights, soft_cap):
+        super().__init__()
+        self.values = self.add_weight(shape=values.shape, initializer=keras.initializers.Constant(values))
+        self.kernel, self.labels, self.w, self.soft_cap = kernel, labels, weights, soft_cap
+
+    def call(self, x):
+        hidden = keras.ops.convert_to_tensor(self.values) * 1.0  # a tensor, as the backbone hands the op
+        kernel, labels, weights = (keras.ops.convert_to_tensor(a) for a in (self.kernel, self.labels, self.w))
+        losses = objective.token_losses(hidden, kernel, labels, weights, 4, self.soft_cap)
+        return keras.ops.expand_dims(losses, 0) + 0.0 * keras.ops.sum(x)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_loss_and_gradient_against_numpy_with_and_without_a_soft_cap(soft_cap):
+    rng = np.random.default_rng(0)
+    hidden, kernel = rng.standard_normal((12, 6)).astype("float32"), rng.standard_normal((20, 6)).astype("float32")
+    labels = rng.integers(0, 20, 12).astype("int32")
+    weights = np.array([1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0], "float32")  # positions 4-7: a chunk that is skipped
+    logits = hidden @ kernel.T
+    if soft_cap:
+        logits = np.tanh(logits / soft_cap) * soft_cap
+    log_total = np.log(np.exp(logits).sum(-1))
+    expected = log_total - logits[np.arange(12), labels]
+    dlogits = np.exp(logits - log_total[:, None])
+    dlogits[np.arange(12), labels] -= 1
+    if soft_cap:
+        dlogits *= 1 - (logits / soft_cap) ** 2
+    expected_grad = (weights / weights.sum())[:, None] * (dlogits @ kernel)
+
+    with float32_policy():
+        layer = Hidden(hidden, kernel, labels, weights, soft_cap)
+        inputs = keras.Input((1,))
+        net = keras.Model(inputs, layer(inputs))
+        net.compile(optimizer=keras.optimizers.SGD(1.0), loss=objective.WeightedMean())
+        losses = keras.ops.convert_to_numpy(net(np.zeros((1, 1), "float32")))[0]
+        net.train_on_batch(np.zeros((1, 1), "float32"), np.zeros((1, 12)), sample_weight=weights[None])
+        grad = hidden - keras.ops.convert_to_numpy(layer.values)
+    np.testing.assert_allclose(losses[weights > 0], expected[weights > 0], rtol=1e-5)
+    assert not losses[4:8].any()  # the skipped chunk's positions
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-7)
+
+
+def train_losses(lm, steps=6, learning_rate=1e-2):
+    trainer = model.compile(lm, learning_rate, 0.0)
+    rows = packed_rows(presets.tiny_tokenizer())
+    order = batching.TrainOrder(rows, 4, seed=0)
+    return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
+
+
+def test_a_bfloat16_base_trains_like_float32_with_float32_factors():
+    """Stated tolerance: each of 6 losses within 2% of the float32 base's (bf16 keeps 8 bits of mantissa)."""
+    before = keras.config.dtype_policy()
+    try:
+        lm, _ = lora_model("bfloat16")
+        assert {v.dtype for v in lm.backbone.weights if not v.trainable} == {"bfloat16"}
+        assert {v.dtype for v in lm.trainable_variables} == {"float32"}  # LoRA factors, and so AdamW's moments
+        bf16 = train_losses(lm)
+        lm, _ = lora_model("float32")
+        f32 = train_losses(lm)
+    finally:
+        keras.config.set_dtype_policy(before)
+    np.testing.assert_allclose(bf16, f32, rtol=2e-2)
+    assert bf16[-1] < bf16[0]
+
+
+def test_remat_changes_no_loss():
+    with float32_policy():
+        plain = train_losses(lora_model()[0], steps=3)
+        recomputed = train_losses(lora_model(remat=True)[0], steps=3)
+    np.testing.assert_allclose(recomputed, plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_base_loaded_quantized_equals_keras_quantize_of_the_float_base(mode):
+    """Built quantized and filled layer by layer, the decoder kernels are bit for bit keras' quantize()."""
+    before = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        vocabulary = presets.tiny_tokenizer().vocabulary_size()
+        reference = presets.tiny_backbone(vocabulary, dtype="bfloat16")
+        reference.quantize(mode)
+        ours = presets.tiny_backbone(vocabulary, dtype=quantized.policies("bfloat16", mode))
+    finally:
+        keras.config.set_dtype_policy(before)
+    expected = {v.path: keras.ops.convert_to_numpy(v) for v in reference.weights}
+    decoder = [v for v in ours.weights if v.path.startswith("decoder_block")]
+    assert {v.path.rsplit("/", 1)[-1] for v in decoder} >= {"kernel", "kernel_scale"}
+    for variable in decoder:
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path])
+    # The embedding is also the output projection: it stays bfloat16 (keras' quantize() makes it int).
+    assert ours.token_embedding.embeddings.dtype == "bfloat16"
