@@ -408,6 +408,12 @@ def plan(
     quantize: Optional[str] = _flag(
         "int4 or int8: plan a quantized frozen base. (default: none)", rich_help_panel="Model", metavar="int4|int8"
     ),
+    remat: Optional[str] = _flag(
+        f"Plan blocks recomputed in the backward: on, off, or auto (on when it would not fit without). "
+        f"{_default(D.model.remat)}",
+        rich_help_panel="Model",
+        metavar="auto|on|off",
+    ),
     backend: Optional[str] = _flag(
         "Keras backend the run would use. (default: $KERAS_BACKEND if set, else jax)",
         rich_help_panel="Model",
@@ -477,6 +483,7 @@ def plan(
             "model.seq_len": seq_len,
             "model.precision": precision,
             "model.quantize": quantize,
+            "model.remat": remat,
             "lora.rank": rank,
             "lora.targets": _split_list(target),
             "train.batch_size": _batch_size(batch_size),

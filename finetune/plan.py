@@ -261,7 +261,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         per_sequence = kept + per_sequence / model.dims.num_layers
     memory["activations"] = per_device * per_sequence
     memory["unpacked_kernels"] = _unpacked_kernels(groups, cfg.model.quantize, model.dims.num_layers, remat)
-    memory["logits"] = _logits(model, kernels, precision, model_size)
+    memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
     memory["total"] = sum(memory.values())
@@ -414,13 +414,18 @@ def _activations_per_sequence(model: Model, kernels, seq_len: int, precision: st
     return d.num_layers * (seq_len * per_token + scores) + seq_len * 2 * d.hidden_dim * compute
 
 
-def _logits(model: Model, kernels, precision: str, model_size: int) -> float:
-    """Bytes of the loss's vocabulary projection: one chunk of positions at a time (objective.py), as float32
-    logits, their softmax, and its copy in the compute dtype; split when the vocabulary is."""
+def _logits(model: Model, kernels, precision: str, model_size: int, backend: str) -> float:
+    """Bytes of the loss's vocabulary projection: one chunk of positions at a time (objective.py).
+
+    XLA fuses the chunk's softmax into its float32 logits, so JAX holds one buffer of them (its compiled
+    train step's temporaries on a CPU: 26 MiB beyond the activations for a 32 MiB chunk); TensorFlow and
+    PyTorch hold the logits, their softmax and its copy in the compute dtype. Split when the vocabulary is.
+    """
     from finetune.backend import loss_chunk
 
     vocabulary = model.dims.vocabulary_size / _split(kernels, "embedding", "V", model_size)
-    return loss_chunk(model.dims.vocabulary_size) * vocabulary * (4 + 4 + _BYTES[precision][1])
+    per_logit = 4 if backend == "jax" else 4 + 4 + _BYTES[precision][1]
+    return loss_chunk(model.dims.vocabulary_size) * vocabulary * per_logit
 
 
 def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:

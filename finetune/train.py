@@ -486,7 +486,7 @@ def auto_batch_size(trainer, arrays, rows: int, device: str) -> tuple[int, str]:
     best, size, speeds = None, 1, {}
     try:
         while size <= limit:
-            x, y, w = batching.Batches(arrays, size)[0]
+            x, y, w = batching.inputs(arrays, np.arange(size), 1, batching.target_width(arrays, size))
             try:
                 trainer.train_on_batch(x, y, sample_weight=w)  # the first step of a shape compiles it
                 if device == "cpu":

@@ -376,7 +376,7 @@ CASES = [
     bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),
     bench("bench-unknown-backend", ["--backends", "mxnet"], "unknown backend 'mxnet'"),
     bench("bench-unknown-lever", ["--levers", "turbo"], "unknown lever 'turbo'"),
-    bench("bench-unknown-recipe", ["--recipes", "hf"], "unknown recipe 'hf'"),
+    bench("bench-unknown-recipe", ["--recipes", "trl"], "unknown recipe 'trl'"),
     bench("bench-no-recipe", ["--recipes", ""], "nothing to run"),
     bench("bench-zero-steps", ["--steps", "0"], "--steps must be at least 1"),
     Case("bench-missing-tokenizer", lambda w: ["--tokenizer", w.tmp / "no.spm"], "no.spm does not exist", "bench"),

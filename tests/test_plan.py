@@ -201,3 +201,52 @@ def test_remat_keeps_each_block_s_input_only():
     recomputed = make(**{"model.preset": "gemma_2b_en", "model.remat": "on", "train.batch_size": 1})
     assert recomputed.remat and recomputed.memory["activations"] < plain.memory["activations"] / 4
     assert make(**{"model.remat": "auto"}).remat is False  # no device named: nothing to fit
+
+
+@pytest.mark.skipif(os.environ.get("KERAS_BACKEND", "jax") != "jax", reason="XLA's memory analysis is JAX's")
+def test_the_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_step(tmp_path):
+    """A small architecture whose weights, activations and loss chunk all count, float32, batch 4 x 128.
+
+    XLA's compiled train step says what it holds: every argument (the weights, LoRA, AdamW, the batch) and its
+    temporaries. The plan, which never loads a model, must come within 15% of it.
+    """
+    import jax
+    import keras
+    import keras_hub
+    import numpy as np
+
+    from finetune import backend, batching, model, packing, presets
+
+    sizes = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=256, intermediate_dim=2048,
+                 head_dim=64, vocabulary_size=32768)  # fmt: skip
+    before = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("float32")
+        backbone = keras_hub.models.GemmaBackbone(**sizes, dtype="float32")
+        backbone.save_to_preset(str(tmp_path / "small"))
+        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        model.enable_lora(lm, 4, None, ["query", "value"])
+        trainer = model.compile(lm, 1e-3, 0.0)
+        pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * 30) for i in range(16)]
+        examples, _ = batching.tokenize(pairs, presets.tiny_tokenizer(), 128)
+        x, y, w = batching.TrainOrder(packing.pack(examples, 128), 4, seed=0).batch(0)
+        trainer.train_on_batch(x, y, sample_weight=w)  # builds AdamW
+        state = tuple(
+            [v.value for v in variables]
+            for variables in (
+                trainer.trainable_variables,
+                trainer.non_trainable_variables,
+                trainer.optimizer.variables,
+                trainer.metrics_variables,
+            )
+        )
+        analysis = jax.jit(trainer.train_step).lower(state, (x, y, w)).compile().memory_analysis()
+    finally:
+        keras.config.set_dtype_policy(before)
+    measured = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+    cfg = config.load(None, {"model.preset": str(tmp_path / "small"), "model.precision": "float32",
+                             "model.seq_len": 128, "train.batch_size": 4, "model.remat": "off"})  # fmt: skip
+    planned = plan.make(cfg).memory["total"]
+    assert backend.loss_chunk(32768) * 32768 * 4 > 0.1 * measured  # the loss chunk is a real share here
+    assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
+    del np
