@@ -18,6 +18,8 @@ import numpy as np
 from finetune.errors import UserError
 
 BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
+# What a batch feeds the model. Gemma 4's backbone also takes position_ids (model.input_names says which).
+INPUTS = ("token_ids", "padding_mask")
 
 
 @dataclass
@@ -129,11 +131,12 @@ class TrainOrder:
     counted for a step are those of the batch that step trained.
     """
 
-    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1)):
+    def __init__(self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1), inputs=INPUTS):
         self.arrays = arrays
         self.batch_size = batch_size
         self.seed = seed
         self.part = part
+        self.inputs = inputs
         self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
         self._epoch, self._order = None, None
 
@@ -148,11 +151,8 @@ class TrainOrder:
         """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
         rows, a = local(self.rows(step), self.part), self.arrays
         # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
-        return (
-            {"token_ids": a["token_ids"][rows], "padding_mask": a["segment_ids"][rows]},
-            a["labels"][rows],
-            a["weights"][rows],
-        )
+        x = model_inputs(a["token_ids"][rows], a["segment_ids"][rows], self.inputs)
+        return x, a["labels"][rows], a["weights"][rows]
 
     def tokens(self, step: int) -> tuple[int, int]:
         """Non-padding input tokens and weighted (trained) targets of step `step`'s batch."""
@@ -167,12 +167,13 @@ class Batches(keras.utils.PyDataset):
     compiles once and the weighted metrics ignore the copies.
     """
 
-    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1)):
+    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1), inputs=INPUTS):
         super().__init__()
         self.arrays = arrays
         self.batch_size = batch_size
         self.rows = len(arrays["token_ids"])
         self.part = part
+        self.inputs = inputs
 
     def __len__(self):
         return -(-self.rows // self.batch_size)
@@ -187,8 +188,29 @@ class Batches(keras.utils.PyDataset):
             weights = np.concatenate([weights, np.zeros((short, weights.shape[1]), weights.dtype)])
         mine = local(np.arange(self.batch_size), self.part)
         rows, weights = rows[mine], weights[mine]
-        x = {"token_ids": a["token_ids"][rows], "padding_mask": a["padding_mask"][rows]}
+        x = model_inputs(a["token_ids"][rows], a["padding_mask"][rows], self.inputs)
         return x, a["labels"][rows], weights
+
+
+def model_inputs(token_ids: np.ndarray, padding_mask: np.ndarray, inputs=INPUTS) -> dict:
+    """The model's inputs for these rows: ids, the padding mask (or segment ids), and positions if it takes them.
+
+    Positions count from 0 in each example of a row, as they would in a row of
+    its own; rotary embeddings see only their differences in any case.
+    """
+    x = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in inputs:
+        x["position_ids"] = example_positions(padding_mask)
+    return x
+
+
+def example_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """(rows, length) int32: each position's index within its example (padding counts on from its start)."""
+    segments = np.asarray(segment_ids).astype(np.int32)
+    index = np.broadcast_to(np.arange(segments.shape[1], dtype=np.int32), segments.shape)
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
 def local(rows: np.ndarray, part: tuple[int, int, int]) -> np.ndarray:

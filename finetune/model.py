@@ -11,13 +11,10 @@ from __future__ import annotations
 import math
 
 import keras
-import keras_hub
 import numpy as np
 
-from finetune import attention, presets
+from finetune import attention, families, presets
 from finetune.errors import UserError
-
-CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
 
 
 def build(source: presets.Source, seq_len: int, quantize: str | None = None):
@@ -42,21 +39,54 @@ def load_base(source: presets.Source, seq_len: int):
     No hooks and no quantization: what `finetune export` merges into and saves.
     """
     policy = keras.config.dtype_policy().name
+    family = families.get(source.family)
+    cls = families.keras_hub_class(family)
     if source.kind == "tiny":
-        tokenizer = presets.tiny_tokenizer()
-        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy)
-        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
-        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        return lm, preprocessor
-    cls = getattr(keras_hub.models, CAUSAL_LM[source.family])
+        tokenizer = presets.tiny_tokenizer(source.handle)
+        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy, name=source.handle)
+        preprocessor = presets.tiny_preprocessor(source.handle, tokenizer, seq_len)
+        return cls(backbone=backbone, preprocessor=None), preprocessor
     try:
-        lm = cls.from_preset(source.handle, dtype=policy)
+        lm = (
+            text_decoder(cls, family, source.handle, policy)
+            if family.encoders
+            else cls.from_preset(source.handle, dtype=policy)
+        )
     except (OSError, ValueError) as e:
         raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from e
     preprocessor = lm.preprocessor
     preprocessor.sequence_length = seq_len
     lm.preprocessor = None
     return lm, preprocessor
+
+
+def text_decoder(cls, family, handle: str, dtype: str):
+    """A multimodal preset's causal LM without its image and audio encoders (Gemma 4, 3n).
+
+    finetune trains on text, and the encoders' inputs would have to be fed to
+    every step: the backbone is built from the preset's config with them left
+    out and takes the preset's weights (the encoders' are not read), and the
+    preprocessor goes without its converters. Its text logits are the full
+    model's (tests/test_families.py).
+    """
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+
+    loader = get_preset_loader(handle)
+    loader.config["config"].update(family.encoders)
+    backbone = loader.load_backbone(cls.backbone_cls, load_weights=True, dtype=dtype)
+    preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(family.converters))
+    return cls(backbone=backbone, preprocessor=preprocessor)
+
+
+def input_names(lm) -> tuple[str, ...]:
+    """What a batch must feed `lm` (batching.model_inputs makes each): token ids, padding mask, maybe positions."""
+    names = tuple(tensor.name for tensor in keras.tree.flatten(lm.inputs))
+    others = [name for name in names if name not in ("token_ids", "padding_mask", "position_ids")]
+    if others:
+        raise UserError(
+            f"this preset's model also takes {', '.join(others)}; finetune trains on text, and needs a text-only model"
+        )
+    return names
 
 
 def adaptable_layer_names(backbone) -> set[str]:
@@ -77,20 +107,15 @@ def adaptable_layer_names(backbone) -> set[str]:
 def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: int = 0) -> int:
     """LoRA on the named layers, everything else frozen; returns the count of adapted layers.
 
+    targets: list of str. LoRA target names (query, value, ...: the same for
+        every family, families.TARGETS) or the family's own layer names.
     seed: int. The LoRA factors start from this numpy seed, not from the
         backend's own generator, so every backend trains the same model.
     """
     backbone = lm.backbone
-    available = adaptable_layer_names(backbone)
-    choices = ", ".join(sorted(available))
-    missing = [t for t in targets if t not in available]
-    if missing and missing[0] in {layer.name for layer in backbone._flatten_layers(include_self=False)}:
-        raise UserError(
-            f"layer {missing[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
-        )
-    if missing:
-        raise UserError(f"no layer named {missing[0]!r} to adapt in this model; choose from {choices}")
-    backbone.enable_lora(rank, target_layer_names=list(targets))
+    names = lora_layer_names(backbone, targets)
+    choices = ", ".join(adaptable_targets(backbone))
+    backbone.enable_lora(rank, target_layer_names=names)
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
     unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
@@ -103,6 +128,36 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
     initialise_lora(adapted, seed)
     return len(adapted)
+
+
+def adaptable_targets(backbone) -> list[str]:
+    """The LoRA target names this backbone has layers for (families.TARGETS, in order)."""
+    family = families.of_backbone(backbone)
+    available = adaptable_layer_names(backbone)
+    return [t for t in families.TARGETS if family.layer_of(t) in available]
+
+
+def lora_layer_names(backbone, targets: list[str]) -> list[str]:
+    """The keras-hub layer names `targets` adapt on this backbone; a UserError for one it cannot."""
+    family = families.of_backbone(backbone)
+    available = adaptable_layer_names(backbone)
+    choices = ", ".join(adaptable_targets(backbone))
+    names = []
+    for target in targets:
+        name = family.layer_of(target)
+        why = family.frozen_reason(name)
+        if why is not None:
+            raise UserError(f"{family.title}'s {target!r} layers stay frozen: {why}; LoRA adapts {choices}")
+        if name not in available:
+            if name in {layer.name for layer in backbone._flatten_layers(include_self=False)}:
+                raise UserError(
+                    f"layer {target!r} cannot be adapted (keras-hub saves LoRA of dense layers only); "
+                    f"choose from {choices}"
+                )
+            raise UserError(f"no layer named {target!r} to adapt in this model; choose from {choices}")
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def initialise_lora(layers, seed: int) -> None:
