@@ -96,6 +96,7 @@ def _segment_aware(block, original):
         return ops.minimum(allowed, same_example(segments))
 
     compute_attention_mask.segment_aware = True
+    compute_attention_mask.keras_hub = original
     return compute_attention_mask
 
 

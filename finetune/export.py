@@ -243,6 +243,9 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
         config["torch_dtype"] = backbone.dtype_policy.variable_dtype
         if kind == "Gemma4Backbone":
             config["architectures"] = ["Gemma4ForCausalLM"]  # keras-hub names a class transformers lacks
+            # keras-hub leaves out that global layers with their own key/value head count reuse K for V
+            # (26b_a4b, 31b): without it, transformers builds them a value projection and K/V heads of their own.
+            config["attention_k_eq_v"] = backbone.num_global_key_value_heads is not None
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     else:
         gemma3n = kind == "Gemma3nBackbone"
@@ -359,7 +362,8 @@ def _gemma3n_transformers(backbone, tokenizer) -> tuple[dict, dict]:
         "layer_types": list(backbone.layer_types),
         "final_logit_softcapping": backbone.final_logit_soft_cap,
         "altup_active_idx": backbone.altup_active_idx,
-        "altup_coef_clip": backbone.altup_coef_clip,
+        # keras-hub never clips; transformers clips the AltUp coefficients to this only while it trains.
+        "altup_coef_clip": 120.0 if backbone.altup_coef_clip is None else backbone.altup_coef_clip,
         "altup_correct_scale": backbone.altup_correct_scale,
         "altup_num_inputs": backbone.altup_num_inputs,
         "num_kv_shared_layers": backbone.num_kv_shared_layers,

@@ -57,8 +57,9 @@ class Tiny:
 # The newer families' tiny presets: decoder blocks of width 32, laid out as the family's presets are (norms,
 # soft caps, sliding windows of 4 tokens, shorter than an example), so that a test runs each family's code
 # paths in seconds. Gemma 3's pattern is fixed at five sliding layers to one global: both of its two slide.
-# tiny-gemma4 is laid out as the 2b: global and sliding layers, per-layer inputs, and a last layer that
-# borrows the first one's keys and values, with a doubled FFW; tiny-gemma4-moe as the 26b_a4b: experts
+# tiny-gemma4 is laid out as the 2b: sliding and global layers, per-layer inputs, and a last (global) layer
+# that borrows the global layer's keys and values before it, with a doubled FFW (transformers' Gemma 4
+# requires a global last layer); tiny-gemma4-moe as the 26b_a4b: experts
 # beside the dense FFW, and a global layer whose values reuse its keys. tiny-gemma3n's last layer borrows
 # keys and values too. Their base weights are random (tiny_backbone).
 TINY_GEMMA3 = dict(
@@ -85,7 +86,7 @@ TINY_GEMMA4 = dict(
     head_dim=8,
     image_size=None,
     sliding_window_size=4,
-    sliding_window_pattern=2,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
     global_head_dim=16,
     final_logit_soft_cap=30.0,
     num_kv_shared_layers=1,
@@ -116,6 +117,7 @@ TINY_GEMMA3N = dict(
     layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
     rope_theta=1_000_000.0, max_position_embeddings=2048, hidden_size_per_layer_input=4, altup_num_inputs=2,
     laurel_rank=4, activation_sparsity_pattern=[0.95, 0.0, 0.0], num_kv_shared_layers=1, final_logit_soft_cap=30.0,
+    altup_coef_clip=120.0,
 )  # fmt: skip
 TINY = {
     "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),

@@ -193,3 +193,41 @@ def test_int4_packs_the_kernels_but_the_float_base_loads_first():
     assert int4.memory["weights"] < 0.3 * float_plan.memory["weights"]
     assert int4.load_peak == pytest.approx(float_plan.memory["weights"])
     assert not int4.fits and "loads whole before --quantize int4" in int4.verdict
+
+
+@pytest.mark.parametrize(
+    "args, preset",
+    [(["--parallel", "model", "--mesh", "1x8"], "gemma4_31b"), ([], "gemma4_26b_a4b"), ([], "gemma3n_e4b")],
+)
+def test_the_newest_gemma_plan_offline_with_keras_hub_s_counts(args, preset):
+    result = invoke("--backend", "jax", "--preset", preset, *args, "--json")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output)
+    arch = archs.ARCHS[preset]
+    assert planned["parameters"] == archs.parameter_count(arch.config, arch.family) + arch.encoder_params
+    published, precision = ROUNDED.get(preset, (PUBLISHED.get(preset), 1))
+    assert round(planned["parameters"] / precision) * precision == published
+    assert any("not loaded" in note for note in planned["notes"])  # the image and audio encoders
+    groups = {g["group"]: g for g in planned["groups"]}
+    if preset == "gemma4_31b":  # global layers: 4 key/value heads, not divisible by 8: on the hidden axis
+        assert groups["query"]["layout"] == groups["query (global)"]["layout"] == "model on heads"
+        assert groups["key"]["layout"] == "model on kv heads" and groups["key (global)"]["layout"] == "model on hidden"
+        assert "value (global)" not in groups  # its values reuse its keys
+    if preset == "gemma4_26b_a4b":
+        assert groups["experts gate"]["shape"] == [128, 2816, 704] and groups["experts gate"]["copies"] == 30
+        assert any("8 of 128 route each token" in note for note in planned["notes"])
+    result = invoke("--backend", "jax", "--preset", preset, *args, "--target", "query,moe_expert_bank")
+    assert result.exit_code == 2, result.output
+    if preset.startswith("gemma4"):
+        assert "Gemma 4's 'moe_expert_bank' layers stay frozen: the experts" in result.output
+    else:
+        assert "unknown LoRA target 'moe_expert_bank'" in result.output
+
+
+def test_moe_activations_count_every_expert_keras_hub_computes():
+    dense = make(**{"model.preset": "gemma4_31b", "train.batch_size": 1})
+    moe = make(**{"model.preset": "gemma4_26b_a4b", "train.batch_size": 1})
+    config = archs.ARCHS["gemma4_26b_a4b"].config
+    experts = 30 * 256 * 128 * (4 * 704 + 3 * 2816) * 2  # layers x tokens x experts x per token, bfloat16
+    assert moe.memory["activations"] > experts > dense.memory["activations"]
+    assert config["num_experts_per_token"] == 8
