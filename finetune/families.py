@@ -49,6 +49,8 @@ class Family:
     """Backbone config keys of the image and audio encoders a text run leaves out (set to None)."""
     converters: tuple = ()
     """The preprocessor's image, audio and video converters, left out with them."""
+    no_int4: str | None = None
+    """Why --quantize int4 would compute wrong on this family; None where it works."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
@@ -84,6 +86,10 @@ FAMILIES = {
         chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",),
         encoders=dict(vision_encoder=None, audio_encoder=None),
         converters=("image_converter", "audio_converter", "video_converter"),
+        no_int4=(
+            "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and an int4 layer's kernel "
+            "comes without its scales"
+        ),
     ),
     "gemma3n": Family(
         "gemma3n", "Gemma 3n", "Gemma3nBackbone", "Gemma3nCausalLM", "Gemma3nTokenizer", "Gemma3nCausalLMPreprocessor",

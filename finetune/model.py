@@ -26,6 +26,9 @@ def build(source: presets.Source, seq_len: int, quantize: str | None = None):
     quantize: str. int4: the frozen base weights are quantized here,
         before LoRA is enabled, as QLoRA does; the LoRA factors stay in float.
     """
+    why = families.get(source.family).no_int4 if quantize is not None else None
+    if why:
+        raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len)
     attention.enable(lm.backbone)
     if quantize is not None:
