@@ -18,6 +18,8 @@ import numpy as np
 from finetune.errors import UserError
 
 BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
+# What a batch feeds the model. Gemma 4's backbone also takes position_ids (model.input_names says which).
+INPUTS = ("token_ids", "padding_mask")
 
 
 @dataclass
@@ -162,17 +164,39 @@ def targets(arrays, rows: np.ndarray, shards: int, width: int) -> dict[str, np.n
     }
 
 
-def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None = None):
-    """(x, y, sample_weight) for a TrainingView or ScoringView: the rows' tokens and their gathered targets.
+def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None = None, names=INPUTS):
+    """(x, y, sample_weight) for a TrainingView or ScoringView: the rows' model inputs and gathered targets.
 
     length: int. Keep the first `length` positions of each row (batch_length); None keeps them all.
+    names: the model's inputs (model.input_names).
     """
     if length is not None and length < arrays["token_ids"].shape[1]:
         arrays = {key: value[:, :length] for key, value in arrays.items()}
     gathered = targets(arrays, rows, shards, width)
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
-    x = {"token_ids": arrays["token_ids"][rows], "padding_mask": arrays["segment_ids"][rows], **gathered}
+    x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
     return x, gathered["loss_labels"], gathered["loss_weights"]
+
+
+def model_inputs(token_ids: np.ndarray, padding_mask: np.ndarray, names=INPUTS) -> dict:
+    """The model's inputs for these rows: ids, the padding mask (or segment ids), and positions if it takes them.
+
+    Positions count from 0 in each example of a row, as they would in a row of
+    its own; rotary embeddings see only their differences in any case.
+    """
+    x = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in names:
+        x["position_ids"] = example_positions(padding_mask)
+    return x
+
+
+def example_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """(rows, length) int32: each position's index within its example (padding counts on from its start)."""
+    segments = np.asarray(segment_ids).astype(np.int32)
+    index = np.broadcast_to(np.arange(segments.shape[1], dtype=np.int32), segments.shape)
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
 def length_step(backend: str, seq_len: int) -> int:
@@ -202,9 +226,17 @@ class TrainOrder:
     """
 
     def __init__(
-        self, arrays, batch_size: int, seed: int, part: tuple[int, int, int] = (0, 1, 1), length_step: int | None = None
+        self,
+        arrays,
+        batch_size: int,
+        seed: int,
+        part: tuple[int, int, int] = (0, 1, 1),
+        length_step: int | None = None,
+        inputs=INPUTS,
     ):
         self.arrays = arrays
+        self.inputs = inputs
+        """The model's input names (model.input_names)."""
         self.batch_size = batch_size
         self.seed = seed
         self.part = part
@@ -226,7 +258,7 @@ class TrainOrder:
         """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
         first, end, _ = self.part
         rows = self.rows(step)
-        return inputs(self.arrays, local(rows, self.part), end - first, self.width, self.length(rows))
+        return inputs(self.arrays, local(rows, self.part), end - first, self.width, self.length(rows), self.inputs)
 
     def length(self, rows: np.ndarray) -> int | None:
         """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
@@ -247,9 +279,17 @@ class Batches(keras.utils.PyDataset):
     compiles once and the weighted averages ignore the copies.
     """
 
-    def __init__(self, arrays, batch_size: int, part: tuple[int, int, int] = (0, 1, 1), length_step: int | None = None):
+    def __init__(
+        self,
+        arrays,
+        batch_size: int,
+        part: tuple[int, int, int] = (0, 1, 1),
+        length_step: int | None = None,
+        inputs=INPUTS,
+    ):
         super().__init__()
         self.arrays = arrays
+        self.inputs = inputs
         self.batch_size = batch_size
         self.rows = len(arrays["token_ids"])
         self.part = part
@@ -275,7 +315,7 @@ class Batches(keras.utils.PyDataset):
         if self.length_step is not None:
             lengths = np.count_nonzero(arrays["padding_mask"][rows], axis=1)
             length = batch_length(lengths, self.length_step, arrays["token_ids"].shape[1])
-        x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length)
+        x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length, self.inputs)
         # A ScoringView has two outputs, each averaged with the same weights.
         return x, {"loss": labels, "correct": labels}, {"loss": weights, "correct": weights}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from finetune.errors import UserError
 
 FORMATS = ("lora", "merged", "hf", "peft")
-# keras-hub's Gemma layer names -> transformers' module names.
+# keras-hub's Gemma layer names -> transformers' module names (Gemma 3n's keras-hub layers have them already).
 HF_MODULES = {
     "query": "self_attn.q_proj",
     "key": "self_attn.k_proj",
@@ -29,6 +29,8 @@ HF_MODULES = {
     "ffw_gating": "mlp.gate_proj",
     "ffw_gating_2": "mlp.up_proj",
     "ffw_linear": "mlp.down_proj",
+    **{name: f"self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{name: f"mlp.{name}" for name in ("gate_proj", "up_proj", "down_proj")},
 }
 PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
 
@@ -138,6 +140,11 @@ def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
         lm.preprocessor = preprocessor
         if fmt == "merged":
             lm.save_to_preset(str(staging))
+            if type(lm.backbone).__name__ == "Gemma3nBackbone":
+                # keras-hub's Gemma3nCausalLM reads its tied output embedding once, when the task is built; with
+                # a task.json, from_preset builds it before loading the weights, and its logits use random ones.
+                # Without it, from_preset builds the task around the loaded backbone (tests/test_families.py).
+                (staging / "task.json").unlink(missing_ok=True)
         else:
             write_transformers(staging, lm.backbone, preprocessor.tokenizer)
 
@@ -193,47 +200,73 @@ def merge(backbone, factors: dict, scale: float) -> None:
 
 
 def check_transformers_layout(backbone) -> None:
-    """Refuse what keras-hub's Gemma exporter would write wrong: it knows Gemma 1 and Gemma 3 only."""
+    """Refuse what transformers' Gemma classes could not load as trained; says what works instead."""
     kind = type(backbone).__name__
     if kind == "GemmaBackbone" and (backbone.use_post_ffw_norm or backbone.final_logit_soft_cap is not None):
         raise UserError(
-            "this is a Gemma 2 preset, and finetune exports Gemma 1 and Gemma 3 to transformers format; "
+            "this is a Gemma 2 preset, and finetune exports Gemma 1, 3, 3n and 4 to transformers format; "
             "use --format merged or peft"
         )
-    if kind == "Gemma3Backbone" and getattr(backbone, "vision_encoder", None) is not None:
-        raise UserError("this Gemma 3 preset has a vision encoder; finetune exports text-only Gemma to transformers")
+    if getattr(backbone, "vision_encoder", None) is not None or getattr(backbone, "audio_encoder", None) is not None:
+        raise UserError(
+            f"this {kind} has an image or audio encoder; finetune exports text-only Gemma to transformers; "
+            "use --format merged"
+        )
     if kind == "Gemma3Backbone" and not (
         backbone.use_post_ffw_norm and backbone.use_post_attention_norm and backbone.use_query_key_norm
     ):  # transformers' Gemma 3 always has these norms; one missing here has no equivalent there
         raise UserError("this Gemma 3 model lacks the post or query/key norms transformers' Gemma 3 always has")
-    if kind not in ("GemmaBackbone", "Gemma3Backbone"):
+    if getattr(backbone, "is_embedding_model", False):
+        raise UserError(f"this {kind} is an embedding model; finetune exports causal LMs; use --format merged")
+    if kind not in ("GemmaBackbone", "Gemma3Backbone", "Gemma4Backbone", "Gemma3nBackbone"):
         raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
 
 
 def write_transformers(directory: Path, backbone, tokenizer) -> None:
-    """config.json, model.safetensors and the tokenizer, for GemmaForCausalLM or Gemma3ForCausalLM.
+    """config.json, model.safetensors and the tokenizer, for transformers' Gemma, Gemma 3, 3n or 4 causal LM.
 
     keras-hub's exporter writes the weights it reads from each layer's raw
     kernel, so merging first is what carries the fine-tuning. Its Gemma 1
-    mapping takes only the first key/value head; we write every head.
+    mapping takes only the first key/value head; we write every head. It has
+    no Gemma 3n mapping: ours is its transformers importer's, reversed.
     """
     import json
 
     from keras_hub.src.utils.transformers.export import hf_exporter
 
-    if type(backbone).__name__ == "Gemma3Backbone":
+    kind = type(backbone).__name__
+    if kind in ("Gemma3Backbone", "Gemma4Backbone"):
         hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
         hf_exporter.export_generation_config(backbone, str(directory))
         # keras-hub writes the dtype policy's name, and mixed_bfloat16 is no torch dtype: name the weights'.
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
         config["torch_dtype"] = backbone.dtype_policy.variable_dtype
+        if kind == "Gemma4Backbone":
+            config["architectures"] = ["Gemma4ForCausalLM"]  # keras-hub names a class transformers lacks
+            # keras-hub leaves out that global layers with their own key/value head count reuse K for V
+            # (26b_a4b, 31b): without it, transformers builds them a value projection and K/V heads of their own.
+            config["attention_k_eq_v"] = backbone.num_global_key_value_heads is not None
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     else:
-        config, weights = _gemma_transformers(backbone, tokenizer)
+        gemma3n = kind == "Gemma3nBackbone"
+        config, weights = (_gemma3n_transformers if gemma3n else _gemma_transformers)(backbone, tokenizer)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _save_safetensors(directory / "model.safetensors", weights)
-    hf_exporter.export_tokenizer(tokenizer, str(directory))
+    if type(tokenizer).__name__ == "Gemma3nTokenizer":
+        _write_sentencepiece_tokenizer(directory, tokenizer)
+    else:
+        hf_exporter.export_tokenizer(tokenizer, str(directory))
     write_unigram_tokenizer(directory, tokenizer)
+
+
+def _write_sentencepiece_tokenizer(directory: Path, tokenizer) -> None:
+    """tokenizer.model and a GemmaTokenizer tokenizer_config.json (keras-hub exports no Gemma 3n tokenizer)."""
+    import json
+
+    (directory / "tokenizer.model").write_bytes(tokenizer.proto)
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False, **special}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
@@ -299,10 +332,122 @@ def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
     return config, {name: np.asarray(value, dtype=np.float32) for name, value in weights.items()}
 
 
+def _gemma3n_transformers(backbone, tokenizer) -> tuple[dict, dict]:
+    """Gemma 3n's text decoder: Gemma3nForCausalLM's config and {name: float32 array} for every weight."""
+    import numpy as np
+
+    text = backbone.language_model
+    theta_local = float(backbone.rope_local_base_freq)
+    config = {
+        "architectures": ["Gemma3nForCausalLM"],
+        "model_type": "gemma3n_text",
+        "vocab_size": backbone.text_vocab_size,
+        "vocab_size_per_layer_input": backbone.vocab_size_per_layer_input,
+        "hidden_size": backbone.text_hidden_size,
+        "hidden_size_per_layer_input": backbone.hidden_size_per_layer_input,
+        "intermediate_size": list(backbone.intermediate_size),
+        "num_hidden_layers": backbone.num_hidden_layers,
+        "num_attention_heads": backbone.num_attention_heads,
+        "num_key_value_heads": backbone.num_key_value_heads,
+        "head_dim": backbone.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",  # keras-hub's gelu_approximate
+        "max_position_embeddings": backbone.max_position_embeddings,
+        "rms_norm_eps": backbone.rms_norm_eps,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": float(backbone.rope_theta)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta_local},
+        },
+        "attention_bias": backbone.attention_bias,
+        "sliding_window": backbone.sliding_window,
+        "layer_types": list(backbone.layer_types),
+        "final_logit_softcapping": backbone.final_logit_soft_cap,
+        "altup_active_idx": backbone.altup_active_idx,
+        # keras-hub never clips; transformers clips the AltUp coefficients to this only while it trains.
+        "altup_coef_clip": 120.0 if backbone.altup_coef_clip is None else backbone.altup_coef_clip,
+        "altup_correct_scale": backbone.altup_correct_scale,
+        "altup_num_inputs": backbone.altup_num_inputs,
+        "num_kv_shared_layers": backbone.num_kv_shared_layers,
+        "laurel_rank": backbone.laurel_rank,
+        "activation_sparsity_pattern": list(text.activation_sparsity_pattern),
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.token_to_id(tokenizer.start_token),
+        "eos_token_id": tokenizer.token_to_id(tokenizer.end_token),
+    }
+    weights = {
+        "model.embed_tokens.weight": text.embed_tokens.embedding.embeddings,
+        "model.norm.weight": text.final_normalization.scale,
+        "model.embed_tokens_per_layer.weight": text.embed_tokens_per_layer.embedding.embeddings,
+        "model.per_layer_model_projection.weight": text.per_layer_model_projection.kernel,
+        "model.per_layer_projection_norm.weight": text.per_layer_projection_norm.scale,
+    }
+    for i, dense in enumerate(text.altup_projections):
+        weights[f"model.altup_projections.{i}.weight"] = dense.kernel
+    for i, dense in enumerate(text.altup_unembed_projections):
+        weights[f"model.altup_unembed_projections.{i}.weight"] = dense.kernel
+    for i, block in enumerate(text.transformer_layers):
+        prefix, attention, altup, laurel = f"model.layers.{i}", block.attention, block.altup, block.laurel
+        named = {
+            "self_attn.q_proj": attention.q_proj.kernel,
+            "self_attn.k_proj": attention.k_proj.kernel,
+            "self_attn.v_proj": attention.v_proj.kernel,
+            "self_attn.o_proj": attention.o_proj.kernel,
+            "self_attn.q_norm": attention.q_norm.scale,
+            "self_attn.k_norm": attention.k_norm.scale,
+            "mlp.gate_proj": block.mlp.gate_proj.kernel,
+            "mlp.up_proj": block.mlp.up_proj.kernel,
+            "mlp.down_proj": block.mlp.down_proj.kernel,
+            "input_layernorm": block.input_layernorm.scale,
+            "post_attention_layernorm": block.post_attention_layernorm.scale,
+            "pre_feedforward_layernorm": block.pre_feedforward_layernorm.scale,
+            "post_feedforward_layernorm": block.post_feedforward_layernorm.scale,
+            "altup.correction_coefs": altup.correction_coefs.kernel,
+            "altup.prediction_coefs": altup.prediction_coefs.kernel,
+            "altup.modality_router": altup.modality_router.kernel,
+            "altup.router_norm": altup.router_norm.scale,
+            "laurel.linear_left": laurel.linear_left.kernel,
+            "laurel.linear_right": laurel.linear_right.kernel,
+            "laurel.post_laurel_norm": laurel.post_laurel_norm.scale,
+            "per_layer_input_gate": block.per_layer_input_gate.kernel,
+            "per_layer_projection": block.per_layer_projection.kernel,
+            "post_per_layer_input_norm": block.post_per_layer_input_norm.scale,
+        }
+        if altup.altup_correct_scale:
+            weights[f"{prefix}.altup.correct_output_scale"] = altup.correct_output_scale
+        weights.update({f"{prefix}.{name}.weight": value for name, value in named.items()})
+    out = {}
+    for name, value in weights.items():
+        array = np.asarray(_numpy(value), dtype=np.float32)
+        # A Dense kernel is (in, out); transformers' Linear weight is (out, in). Embeddings and scales stay.
+        out[name] = array.T if array.ndim == 2 and "embed_tokens" not in name else array
+    return config, out
+
+
 def per_head_rows(kernel):
     """(heads, hidden, head_dim) -> transformers' (heads * head_dim, hidden): row h * head_dim + j."""
     heads, hidden, head_dim = kernel.shape
     return kernel.transpose(0, 2, 1).reshape(heads * head_dim, hidden)
+
+
+def _rank_pattern(ranks: dict, rank: int) -> dict:
+    """PEFT's rank_pattern: by module name (q_proj) when every layer's agrees, else by layer and module.
+
+    Gemma 4's global layers have fewer key/value heads than its sliding ones, so
+    their k_proj ranks differ; PEFT matches a key against a module path's end.
+    """
+    by_kind: dict = {}
+    for path, r in ranks.items():
+        by_kind.setdefault(path.rsplit(".", 1)[1], set()).add(r)
+    pattern = {}
+    for path, r in sorted(ranks.items()):
+        kind = path.rsplit(".", 1)[1]
+        if len(by_kind[kind]) > 1:
+            if r != rank:
+                pattern[path] = r
+        elif r != rank:
+            pattern[kind] = r
+    return pattern
 
 
 def _numpy(value):
@@ -342,7 +487,8 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
     tensors, ranks = {}, {}
     for index, (a, b) in sorted(factors.items()):
         layer = layers[index]
-        block = int(layer.path.split("/")[0].rsplit("_", 1)[1])  # decoder_block_<i>/...
+        # decoder_block_<i>/attention/query, or text_model/decoder_block_<i>/... for Gemma 3n
+        block = int(next(p for p in layer.path.split("/") if p.startswith("decoder_block_")).rsplit("_", 1)[1])
         module = HF_MODULES[layer.name]
         if layer.name in PER_HEAD:
             heads = a.shape[0]
@@ -351,19 +497,19 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
         else:
             lora_a = a.reshape(-1, rank).T  # (r, in): attention_output's in is heads * head_dim
             lora_b = b.T  # (out, r)
-        ranks[module.split(".")[1]] = lora_a.shape[0]
+        ranks[f"layers.{block}.{module}"] = lora_a.shape[0]
         prefix = f"base_model.model.model.layers.{block}.{module}"
         tensors[f"{prefix}.lora_A.weight"] = lora_a.astype(np.float32)
         tensors[f"{prefix}.lora_B.weight"] = lora_b.astype(np.float32)
     _save_safetensors(directory / "adapter_model.safetensors", tensors)
-    wider = {name: r for name, r in sorted(ranks.items()) if r != rank}
+    wider = _rank_pattern(ranks, rank)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": sorted(ranks),
+        "target_modules": sorted({path.rsplit(".", 1)[1] for path in ranks}),
         "rank_pattern": wider,
         "alpha_pattern": {name: alpha * r / rank for name, r in wider.items()},
         "lora_dropout": 0.0,

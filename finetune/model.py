@@ -11,14 +11,11 @@ from __future__ import annotations
 import math
 
 import keras
-import keras_hub
 import numpy as np
 
-from finetune import attention, backend, objective, presets, quantized
+from finetune import attention, backend, families, layouts, objective, presets, quantized
 from finetune import remat as rematerialization
 from finetune.errors import UserError
-
-CAUSAL_LM = {"gemma": "GemmaCausalLM", "gemma3": "Gemma3CausalLM"}
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
@@ -35,6 +32,9 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
     remat: bool. Recompute each decoder block's activations in the backward
         pass instead of keeping them (remat.py).
     """
+    why = families.get(source.family).no_int4 if quantize is not None else None
+    if why:
+        raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize)
     attention.enable(lm.backbone)
     if remat:
@@ -52,42 +52,59 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     """
     policy = dtype or keras.config.dtype_policy().name
     if quantize is not None:
-        policy = quantized.policies(policy, quantize)
+        policy = quantized.policies(policy, quantize, layouts.rules_for(presets.dims(source)))
+    family = families.get(source.family)
+    cls = families.keras_hub_class(family)
     if source.kind == "tiny":
-        tokenizer = presets.tiny_tokenizer()
-        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy)
-        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
-        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        tokenizer = presets.tiny_tokenizer(source.handle)
+        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy, name=source.handle)
         quantized.weights_only(backbone)
-        return lm, preprocessor
-    cls = getattr(keras_hub.models, CAUSAL_LM[source.family])
+        preprocessor = presets.tiny_preprocessor(source.handle, tokenizer, seq_len)
+        return cls(backbone=backbone, preprocessor=None), preprocessor
     try:
-        if quantize is None:
-            lm = cls.from_preset(source.handle, dtype=policy)
-            preprocessor, lm.preprocessor = lm.preprocessor, None
-        else:
-            backbone = cls.backbone_cls.from_preset(source.handle, dtype=policy, load_weights=False)
-            quantized.weights_only(backbone)
-            quantized.load_while_quantizing(backbone)
-            _load_weights(backbone, source.handle)
-            lm = cls(backbone=backbone, preprocessor=None)
-            preprocessor = cls.preprocessor_cls.from_preset(source.handle)
+        lm = _from_preset(cls, family, source.handle, policy, quantize)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from None
+    preprocessor, lm.preprocessor = lm.preprocessor, None
     preprocessor.sequence_length = seq_len
     return lm, preprocessor
 
 
-def _load_weights(backbone, handle: str) -> None:
-    """The preset's weights into `backbone`, as keras-hub's from_preset loads them (one file, or shards)."""
-    from keras_hub.src.utils import preset_utils
+def _from_preset(cls, family, handle: str, dtype, quantize: str | None):
+    """The preset's causal LM as keras-hub's from_preset builds it, text-only, and quantized as it loads.
 
-    loader = preset_utils.get_preset_loader(handle)
-    load = getattr(loader, "_load_backbone_weights", None)
-    if load is not None:
-        load(backbone)
-    else:  # keras-hub releases without the helper have single-file weights only
-        backbone.load_weights(preset_utils.get_file(handle, preset_utils.MODEL_WEIGHTS_FILE))
+    A multimodal preset (Gemma 4, 3n) is built without its image and audio
+    encoders: finetune trains on text, and the encoders' inputs would have to
+    be fed to every step. The backbone is built from the preset's config with
+    them left out and takes the preset's weights (the encoders' are not read),
+    and the preprocessor goes without its converters; its text logits are the
+    full model's (tests/test_families.py). With `quantize`, each decoder kernel
+    is quantized as keras reads it from the weights file (quantized.py).
+    """
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+
+    if not family.encoders and quantize is None:
+        return cls.from_preset(handle, dtype=dtype)
+    loader = get_preset_loader(handle)
+    loader.config["config"].update(family.encoders)
+    backbone = loader.load_backbone(cls.backbone_cls, load_weights=quantize is None, dtype=dtype)
+    if quantize is not None:
+        quantized.weights_only(backbone)
+        quantized.load_while_quantizing(backbone)
+        loader._load_backbone_weights(backbone)  # keras-hub's own: one weights file, or its shards
+    preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(family.converters))
+    return cls(backbone=backbone, preprocessor=preprocessor)
+
+
+def input_names(lm) -> tuple[str, ...]:
+    """What a batch must feed `lm` (batching.model_inputs makes each): token ids, padding mask, maybe positions."""
+    names = tuple(tensor.name for tensor in keras.tree.flatten(lm.inputs))
+    others = [name for name in names if name not in ("token_ids", "padding_mask", "position_ids")]
+    if others:
+        raise UserError(
+            f"this preset's model also takes {', '.join(others)}; finetune trains on text, and needs a text-only model"
+        )
+    return names
 
 
 def adaptable_layer_names(backbone) -> set[str]:
@@ -108,21 +125,16 @@ def adaptable_layer_names(backbone) -> set[str]:
 def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: int = 0) -> int:
     """LoRA on the named layers, everything else frozen; returns the count of adapted layers.
 
+    targets: list of str. LoRA target names (query, value, ...: the same for
+        every family, families.TARGETS) or the family's own layer names.
     seed: int. The LoRA factors start from this numpy seed, not from the
         backend's own generator, so every backend trains the same model.
     """
     backbone = lm.backbone
-    available = adaptable_layer_names(backbone)
-    choices = ", ".join(sorted(available))
-    missing = [t for t in targets if t not in available]
-    if missing and missing[0] in {layer.name for layer in backbone._flatten_layers(include_self=False)}:
-        raise UserError(
-            f"layer {missing[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
-        )
-    if missing:
-        raise UserError(f"no layer named {missing[0]!r} to adapt in this model; choose from {choices}")
-    _adapter_dtype(backbone, targets)
-    backbone.enable_lora(rank, target_layer_names=list(targets))
+    names = lora_layer_names(backbone, targets)
+    choices = ", ".join(adaptable_targets(backbone))
+    _adapter_dtype(backbone, names)
+    backbone.enable_lora(rank, target_layer_names=names)
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
     unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
@@ -135,6 +147,36 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
     initialise_lora(adapted, seed)
     return len(adapted)
+
+
+def adaptable_targets(backbone) -> list[str]:
+    """The LoRA target names this backbone has layers for (families.TARGETS, in order)."""
+    family = families.of_backbone(backbone)
+    available = adaptable_layer_names(backbone)
+    return [t for t in families.TARGETS if family.layer_of(t) in available]
+
+
+def lora_layer_names(backbone, targets: list[str]) -> list[str]:
+    """The keras-hub layer names `targets` adapt on this backbone; a UserError for one it cannot."""
+    family = families.of_backbone(backbone)
+    available = adaptable_layer_names(backbone)
+    choices = ", ".join(adaptable_targets(backbone))
+    names = []
+    for target in targets:
+        name = family.layer_of(target)
+        why = family.frozen_reason(name)
+        if why is not None:
+            raise UserError(f"{family.title}'s {target!r} layers stay frozen: {why}; LoRA adapts {choices}")
+        if name not in available:
+            if name in {layer.name for layer in backbone._flatten_layers(include_self=False)}:
+                raise UserError(
+                    f"layer {target!r} cannot be adapted (keras-hub saves LoRA of dense layers only); "
+                    f"choose from {choices}"
+                )
+            raise UserError(f"no layer named {target!r} to adapt in this model; choose from {choices}")
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def _adapter_dtype(backbone, targets) -> None:
@@ -219,7 +261,9 @@ def scorer(lm, rows: int, shards: int = 1) -> keras.Model:
 
 
 def chunk_for(lm) -> int:
-    return backend.loss_chunk(lm.backbone.vocabulary_size)
+    """Positions the loss projects at once, from the vocabulary size (backend.loss_chunk)."""
+    kernel, _ = objective.logit_projection(lm.backbone)
+    return backend.loss_chunk(int(kernel.shape[0]))
 
 
 def trainable_parameters(lm) -> int:

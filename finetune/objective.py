@@ -27,12 +27,19 @@ import keras
 from keras import ops
 
 
-def projection(backbone):
-    """The (vocabulary, hidden) kernel that makes logits: Gemma ties it to the token embedding."""
-    embedding = backbone.token_embedding
+def logit_projection(backbone):
+    """(kernel, soft cap) of the backbone's output projection: Gemma ties it to the token embedding.
+
+    The kernel is (vocabulary, hidden). Gemma 1 to 4 keep a ReversibleEmbedding
+    on the backbone; Gemma 3n keeps its embedding, and the soft cap, in its text model.
+    """
+    embedding = getattr(backbone, "token_embedding", None)
+    if embedding is None:
+        text = backbone.language_model
+        return text.embed_tokens.embedding.embeddings, text.final_logit_soft_cap
     if not getattr(embedding, "tie_weights", True) or getattr(embedding, "quantization_mode", None):
         raise NotImplementedError("the chunked loss needs a tied, unquantized token embedding")
-    return embedding.embeddings
+    return embedding.embeddings, embedding.logit_soft_cap
 
 
 def _logits(hidden, kernel, soft_cap):
@@ -124,7 +131,7 @@ def _gathered(backbone, inputs, shards: int, rows: int | None = None):
     inputs' shapes leave it unknown (TensorFlow's evaluate() traces a batch of
     None rows): the chunks of objective's op need a static count of positions.
     """
-    hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
+    hidden = backbone({name: value for name, value in inputs.items() if not name.startswith("loss_")})
     width = hidden.shape[-1]
     positions = inputs["loss_positions"]
     per_shard = ops.reshape(hidden, (shards, -1, width))
@@ -154,8 +161,8 @@ class TrainingView(keras.Model):
         hidden = _gathered(backbone, inputs, self.shards)
         labels = ops.reshape(inputs["loss_labels"], (-1,))
         weights = ops.reshape(inputs["loss_weights"], (-1,))
-        soft_cap = backbone.token_embedding.logit_soft_cap
-        kernel = ops.convert_to_tensor(projection(backbone))
+        kernel, soft_cap = logit_projection(backbone)
+        kernel = ops.convert_to_tensor(kernel)
         losses = token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
         return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
 
@@ -176,8 +183,8 @@ class ScoringView(TrainingView):
         hidden = _gathered(backbone, inputs, self.shards, self.rows)
         labels = ops.reshape(inputs["loss_labels"], (-1,))
         weights = ops.reshape(inputs["loss_weights"], (-1,))
-        soft_cap = backbone.token_embedding.logit_soft_cap
-        kernel = ops.convert_to_tensor(projection(backbone))
+        kernel, soft_cap = logit_projection(backbone)
+        kernel = ops.convert_to_tensor(kernel)
         loss, correct = token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
         shape = ops.shape(inputs["loss_labels"])
         return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import archs, layouts, presets
+from finetune import archs, families, layouts, presets
 from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.config import Config
 from finetune.errors import UserError
@@ -91,19 +91,19 @@ class Model:
     dims: layouts.Dims
     config: dict = field(hash=False)
     vision_params: int = 0
+    encoder_params: int = 0
+    """A Gemma 4 or 3n preset's image and audio encoders, which a text run does not load (archs.py)."""
 
 
 def model_of(preset: str) -> Model:
     """The architecture a --preset names, without loading or downloading it."""
-    if preset == "tiny":
-        import sentencepiece
-
-        vocabulary = sentencepiece.SentencePieceProcessor(model_file=str(presets.TINY_TOKENIZER)).get_piece_size()
-        return _model("tiny", "gemma", dict(presets.TINY_CONFIG, vocabulary_size=vocabulary))
+    if preset in presets.TINY:
+        config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
+        return _model(preset, presets.TINY[preset].family, config)
     path = Path(preset).expanduser()
     if path.is_dir():
         family, config = presets.directory_backbone(path)
-        vision = config.get("vision_encoder")
+        vision = config.get("vision_encoder") if family == "gemma3" else None
         try:
             vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
         except (KeyError, TypeError, ValueError) as e:
@@ -118,15 +118,15 @@ def model_of(preset: str) -> Model:
             f"no architecture table for preset {preset!r}, and it is not a local directory; `finetune plan` knows "
             f"{', '.join(archs.ARCHS)} (and their instruct variants), tiny, and preset directories"
         )
-    return _model(name, arch.family, arch.config, arch.vision_params)
+    return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params)
 
 
-def _model(name: str, family: str, config: dict, vision_params: int = 0) -> Model:
+def _model(name: str, family: str, config: dict, vision_params: int = 0, encoder_params: int = 0) -> Model:
     try:
         dims = layouts.Dims.from_backbone_config(config, family)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"preset {name}: its backbone config lacks a usable {e}") from None
-    return Model(name, family, dims, config, vision_params)
+    return Model(name, family, dims, config, vision_params, encoder_params)
 
 
 @dataclass
@@ -173,7 +173,8 @@ _LORA_BYTES = 4
 # imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Peak resident
 # memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (BENCHMARKS.md).
 _HOST_RUNTIME = {"tensorflow": 1.55 * GiB, "torch": 1.40 * GiB, "jax": 1.45 * GiB}
-_DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw"}
+_DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
+              "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
 
 def auto_precision(target: tuple[str, Device] | None) -> str:
@@ -259,7 +260,8 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     if remat:  # each block keeps its input; one block's activations exist at a time, in its backward
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
-    memory["activations"] = per_device * per_sequence
+    experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
+    memory["activations"] = per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
     memory["unpacked_kernels"] = _unpacked_kernels(groups, cfg.model.quantize, model.dims.num_layers, remat)
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
@@ -267,7 +269,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     memory["total"] = sum(memory.values())
     plan = Plan(
         model=model,
-        parameters=archs.parameter_count(model.config, model.family, model.vision_params),
+        parameters=_parameters(model, notes),
         data=data,
         model_axis=model_size,
         precision=precision,
@@ -308,12 +310,11 @@ def _mesh(cfg: Config, devices: int | None) -> tuple[int, int]:
 
 def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, model_size: int) -> list[Group]:
     variable_bytes = _BYTES[precision][0]
-    layers = model.dims.num_layers
     groups = []
     for p in kernels:
-        copies = 1 if p.rule.group == "embedding" else layers
+        copies = p.copies
         count = math.prod(p.shape) * copies
-        size = count * (variable_bytes if quantize is None or p.rule.group == "embedding" else _quantized(quantize))
+        size = count * (_quantized(quantize) if quantize and p.rule.target else variable_bytes)  # quantized.policies
         sharded = layouts.MODEL_AXIS in p.axes
         if sharded:
             size /= model_size
@@ -322,7 +323,7 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
         else:
             layout = "replicated"
         groups.append(Group(p.rule.group, p.shape, copies, layout, size))
-    norms = layers * archs.norm_scales_per_layer(model.config, model.family) + model.dims.hidden_dim
+    norms = archs.small_weights(model.config, model.family)
     groups.append(Group("norm scales", (norms,), 1, "replicated", norms * variable_bytes))
     if model.vision_params:
         # keras-hub builds the image encoder in float32 when the model is bfloat16; it is not quantized.
@@ -349,15 +350,60 @@ def _unpacked_kernels(groups: list[Group], quantize: str | None, layers: int, re
 
 def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
     """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis)."""
-    adaptable = {p.rule.group: p for p in kernels if p.rule.group != "embedding"}
-    unknown = [t for t in targets if t not in adaptable]
-    if unknown:
-        raise UserError(f"unknown LoRA target {unknown[0]!r}; Gemma's adaptable layers are {', '.join(adaptable)}")
+    family = families.get(model.family)
+    own_names = {layer: target for target, layer in family.layers.items()}  # Gemma 3n's q_proj is query
+    adaptable = list(dict.fromkeys(p.rule.target for p in kernels if p.rule.target))
     total = 0
-    for target in dict.fromkeys(targets):
-        shape = adaptable[target].shape
-        total += model.dims.num_layers * (math.prod(shape[:-1]) * rank + rank * shape[-1])
+    for target in dict.fromkeys(own_names.get(t, t) for t in targets):
+        if target not in adaptable:
+            why = family.frozen_reason(family.layer_of(target))
+            raise UserError(
+                f"{family.title}'s {target!r} layers stay frozen: {why}; LoRA adapts {', '.join(adaptable)}"
+                if why
+                else f"unknown LoRA target {target!r}; {family.title}'s adaptable layers are {', '.join(adaptable)}"
+            )
+        for p in kernels:
+            if p.rule.target == target:
+                total += p.copies * (math.prod(p.shape[:-1]) * rank + rank * p.shape[-1])
     return total
+
+
+def _parameters(model: Model, notes: list[str]) -> int:
+    """The preset's weights, as keras-hub counts them; a note when its encoders are left out of the run."""
+    loaded = archs.parameter_count(model.config, model.family, model.vision_params)
+    if model.encoder_params:
+        notes.append(
+            f"its image and audio encoders ({model.encoder_params / 1e9:.2f}B weights) are not loaded: "
+            f"finetune trains the {loaded / 1e9:.2f}B-weight text decoder"
+        )
+    return loaded + model.encoder_params
+
+
+def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int, notes):
+    """Bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's.
+
+    The router picks num_experts_per_token of num_experts for each token, but
+    keras-hub's expert bank (Gemma4MoEBlock) runs every expert on every token
+    as one batched matmul and zeroes the others in the combine, so what the
+    backward pass keeps scales with all the experts: per token and expert the
+    gate, up, activated gate and product (4·I) and the expert's output and its
+    scaled and weighted copies (3·D), plus the router's probabilities (float32)
+    and the MoE path's input norm. Sharded on the experts axis, each device
+    holds its experts' share.
+    """
+    config = model.config
+    if not config.get("enable_moe_block"):
+        return 0.0
+    compute = _BYTES[precision][1]
+    experts, active = int(config["num_experts"]), int(config.get("num_experts_per_token") or 8)
+    inner, hidden = int(config["expert_intermediate_dim"]), model.dims.hidden_dim
+    split = _split(kernels, "experts gate", "E", model_size)
+    per_token = experts * (4 * inner + 3 * hidden) * compute / split + experts * 4 * 2 + 2 * hidden * compute
+    notes.append(
+        f"experts: {active} of {experts} route each token, but keras-hub's expert bank computes all {experts} for "
+        "every token; the activations count what it computes"
+    )
+    return model.dims.num_layers * seq_len * per_token
 
 
 def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:
@@ -532,9 +578,10 @@ def table(plan: Plan) -> str:
     ]
     shapes = [_shape(g) for g in plan.groups]
     width = max(len(s) for s in shapes)
-    lines.append(f"{'group':<18} {'shape':<{width}}  {'layout':<22} {'per device':>11}")
+    names = max(18, *(len(g.name) for g in plan.groups))  # Gemma 4's kinds of block name their groups longer
+    lines.append(f"{'group':<{names}} {'shape':<{width}}  {'layout':<22} {'per device':>11}")
     for group, shape in zip(plan.groups, shapes):
-        lines.append(f"{group.name:<18} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
+        lines.append(f"{group.name:<{names}} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
     lines += ["", "memory per device"]
     for key, label in _ROWS.items():
         if key in plan.memory and (plan.memory[key] or key != "unpacked_kernels"):

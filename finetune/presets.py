@@ -1,10 +1,13 @@
-"""Which model a --preset names, and the embedded tiny Gemma.
+"""Which model a --preset names, and the embedded tiny Gemmas.
 
-A preset is one of: `tiny` (built here, offline), a local preset directory
-(made by save_to_preset, or attached under /kaggle/input), a `kaggle://`
-handle, or a keras-hub preset name such as gemma_2b_en or gemma3_1b. In a
-Kaggle notebook, a name or handle whose model is attached is read from
-/kaggle/input instead of being downloaded.
+A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
+`tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
+newer family), a local preset directory (made by save_to_preset, or attached
+under /kaggle/input), a `kaggle://` handle, or a keras-hub preset name such as
+gemma_2b_en, gemma3_1b or gemma4_2b. In a Kaggle notebook, a name or handle
+whose model is attached is read from /kaggle/input instead of being downloaded.
+The family (families.py) of a directory comes from its config.json, of a name
+from keras-hub's preset lists, of a handle from the preset or model it names.
 Kaggle-hosted ones need credentials; without them we stop in seconds with
 instructions instead of waiting on a download that cannot work.
 """
@@ -14,14 +17,16 @@ from __future__ import annotations
 import difflib
 import json
 import sys
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import platforms
+from finetune import families, platforms
 from finetune.errors import UserError
 
-TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny" / "tokenizer.spm"
-TINY_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny" / "weights.npz"
+ASSETS = Path(__file__).resolve().parent / "assets"
+TINY_TOKENIZER = ASSETS / "tiny" / "tokenizer.spm"
+TINY_WEIGHTS = ASSETS / "tiny" / "weights.npz"
 # A smoke-test model, not an assistant: about 0.4M parameters, Gemma 1 layout,
 # briefly pretrained on text generated like the sample (see tools/).
 TINY_CONFIG = dict(
@@ -39,13 +44,102 @@ LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
 
 
 @dataclass(frozen=True)
+class Tiny:
+    """A tiny offline preset: a family's backbone at toy size, and a small tokenizer of the family's kind."""
+
+    family: str
+    config: dict = field(hash=False)
+    """The backbone's keras-hub arguments, but the vocabulary size, which is the tokenizer's."""
+    tokenizer: Path
+    weights: Path | None = None
+    """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
+
+
+# The newer families' tiny presets: decoder blocks of width 32, laid out as the family's presets are (norms,
+# soft caps, sliding windows of 4 tokens, shorter than an example), so that a test runs each family's code
+# paths in seconds. Gemma 3's pattern is fixed at five sliding layers to one global: both of its two slide.
+# tiny-gemma4 is laid out as the 2b: sliding and global layers, per-layer inputs, and a last (global) layer
+# that borrows the global layer's keys and values before it, with a doubled FFW (transformers' Gemma 4
+# requires a global last layer); tiny-gemma4-moe as the 26b_a4b: experts
+# beside the dense FFW, and a global layer whose values reuse its keys. tiny-gemma3n's last layer borrows
+# keys and values too. Their base weights are random (tiny_backbone).
+TINY_GEMMA3 = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    vision_encoder=None,
+    use_post_ffw_norm=True,
+    use_post_attention_norm=True,
+    use_query_key_norm=True,
+    use_sliding_window_attention=True,
+    sliding_window_size=4,
+)
+TINY_GEMMA4 = dict(
+    num_layers=3,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    sliding_window_size=4,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
+    global_head_dim=16,
+    final_logit_soft_cap=30.0,
+    num_kv_shared_layers=1,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=4,
+)
+TINY_GEMMA4_MOE = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    sliding_window_size=4,
+    sliding_window_pattern=2,
+    global_head_dim=16,
+    final_logit_soft_cap=30.0,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    expert_intermediate_dim=16,
+    num_experts_per_token=2,
+)
+TINY_GEMMA3N = dict(
+    text_hidden_size=32, num_hidden_layers=3, pad_token_id=0, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, intermediate_size=[64, 64, 64], hidden_activation="gelu_approximate",
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
+    rope_theta=1_000_000.0, max_position_embeddings=2048, hidden_size_per_layer_input=4, altup_num_inputs=2,
+    laurel_rank=4, activation_sparsity_pattern=[0.95, 0.0, 0.0], num_kv_shared_layers=1, final_logit_soft_cap=30.0,
+    altup_coef_clip=120.0,
+)  # fmt: skip
+TINY = {
+    "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
+    "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
+    "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
+    "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
+    "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
+}
+WEIGHT_SEED = 15
+# Gemma 3n's vocabulary sizes go by other names than the other families' vocabulary_size.
+_VOCABULARY_KEYS = {"gemma3n": ("text_vocab_size", "vocab_size_per_layer_input")}
+
+
+@dataclass(frozen=True)
 class Source:
     kind: str
     """tiny, local or hub."""
     handle: str
-    """What keras_hub's from_preset is given (or `tiny`)."""
+    """What keras_hub's from_preset is given (or the tiny preset's name)."""
     family: str
-    """gemma (Gemma 1 and 2, GemmaCausalLM) or gemma3 (Gemma3CausalLM)."""
+    """A key of families.FAMILIES: gemma (Gemma 1 and 2), gemma3, gemma4 or gemma3n."""
 
     @property
     def default_learning_rate(self) -> float:
@@ -54,8 +148,8 @@ class Source:
 
 def resolve(preset: str) -> Source:
     """Classify `preset` and check that it can be loaded, without loading it."""
-    if preset == "tiny":
-        return Source("tiny", "tiny", "gemma")
+    if preset in TINY:
+        return Source("tiny", preset, TINY[preset].family)
     path = Path(preset).expanduser()
     if path.is_dir():
         return Source("local", str(path), _family_of_directory(path))
@@ -63,8 +157,7 @@ def resolve(preset: str) -> Source:
     if attached is not None:
         return Source("local", str(attached), _family_of_directory(attached))
     if preset.startswith("kaggle://"):
-        family = "gemma3" if "gemma3" in preset or "gemma-3" in preset else "gemma"
-        source = Source("hub", preset, family)
+        source = Source("hub", preset, _family_of_handle(preset))
     elif "/" in preset or preset.startswith((".", "~")):
         raise UserError(
             f"preset directory {preset} does not exist; pass a directory made by save_to_preset, "
@@ -74,6 +167,18 @@ def resolve(preset: str) -> Source:
         source = Source("hub", preset, _family_of_name(preset))
     _check_hub_access(source.handle)
     return source
+
+
+def family_of(preset: str) -> str:
+    """The family a --preset names, without checking that it can be loaded (resolve does)."""
+    if preset in TINY:
+        return TINY[preset].family
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        return _family_of_directory(path)
+    if preset.startswith("kaggle://"):
+        return _family_of_handle(preset)
+    return _family_of_name(preset)
 
 
 def _attached_in_kaggle_notebook(preset: str) -> Path | None:
@@ -100,10 +205,14 @@ def _family_of_directory(path: Path) -> str:
             "re-create the preset with save_to_preset"
         )
     class_name = str(described.get("class_name") or "")
-    if "Gemma3" in class_name:
-        return "gemma3"
+    family = families.of_class_name(class_name)
+    if family is not None:
+        return family.name
     if "Gemma" in class_name:
-        return "gemma"
+        known = ", ".join(f.backbone for f in families.FAMILIES.values())
+        raise UserError(
+            f"{path} holds a {class_name.split('>')[-1]}, a Gemma finetune does not know; it trains {known}"
+        )
     raise UserError(f"{path} holds a {class_name or 'non-Gemma'} model; finetune trains Gemma presets only")
 
 
@@ -117,20 +226,34 @@ def directory_backbone(path: Path) -> tuple[str, dict]:
 
 
 def known_names() -> dict[str, str]:
-    import keras_hub
-
-    names = {name: "gemma" for name in keras_hub.models.GemmaCausalLM.presets}
-    names.update({name: "gemma3" for name in keras_hub.models.Gemma3CausalLM.presets})
-    return names
+    """keras-hub's preset names -> family, for every family this keras-hub has."""
+    return {name: family.name for name, family in families.preset_names().items()}
 
 
 def _family_of_name(name: str) -> str:
     names = known_names()
+    if name.endswith("_assistant") and name in names:
+        raise UserError(
+            f"{name} is a speculative-decoding draft model, which keras-hub runs only beside its target model; "
+            f"fine-tune {name.removesuffix('_assistant')} instead"
+        )
     if name in names:
         return names[name]
-    close = difflib.get_close_matches(name, names, n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else "e.g. gemma_2b_en, gemma2_2b_en, gemma3_1b, or tiny"
+    known = [*names, *TINY]
+    extended = [known_name for known_name in known if known_name.startswith(name)][:2]  # gemma_2b: gemma_2b_en
+    close = list(dict.fromkeys(extended + difflib.get_close_matches(name, known, n=3)))[:4]
+    hint = f"did you mean {', '.join(close)}?" if close else "e.g. gemma_2b_en, gemma3_1b, gemma4_2b, or tiny"
     raise UserError(f"unknown preset {name!r}; {hint}")
+
+
+def _family_of_handle(handle: str) -> str:
+    family = families.of_kaggle_handle(handle)
+    if family is None:
+        raise UserError(
+            f"cannot tell which Gemma family {handle} is (neither its variant nor its model is one keras-hub names); "
+            "download it and pass its directory as --preset: its config.json says"
+        )
+    return family.name
 
 
 def _check_hub_access(handle: str) -> None:
@@ -159,38 +282,86 @@ def preset_sequence_length(source: Source) -> int:
     import keras_hub
 
     if source.kind == "tiny":  # no preset files: the class default
-        signature = inspect.signature(keras_hub.models.GemmaCausalLMPreprocessor.__init__)
-        return signature.parameters["sequence_length"].default
+        cls = families.keras_hub_class(families.get(source.family), "preprocessor")
+        return inspect.signature(cls.__init__).parameters["sequence_length"].default
     return keras_hub.models.CausalLMPreprocessor.from_preset(source.handle).sequence_length
 
 
-def tiny_tokenizer():
-    import keras_hub
+# Text-only tokenizers and preprocessors: the tiny presets have no image, audio or video encoders.
+_TOKENIZER_ARGS = {"gemma3": dict(has_vision_tokens=False), "gemma4": dict(has_vision_tokens=False,
+                   has_video_tokens=False)}  # fmt: skip
+_PREPROCESSOR_ARGS = {"gemma3": dict(image_converter=None), "gemma3n": dict(image_converter=None,
+                      audio_converter=None), "gemma4": dict(image_converter=None, audio_converter=None,
+                      video_converter=None)}  # fmt: skip
 
-    return keras_hub.models.GemmaTokenizer(proto=str(TINY_TOKENIZER))
+
+def tiny_tokenizer(name: str = "tiny"):
+    """The tiny preset's tokenizer, of its family's keras-hub class."""
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
+    return cls(proto=str(spec.tokenizer), **_TOKENIZER_ARGS.get(spec.family, {}))
 
 
-def tiny_backbone(vocabulary_size: int, dtype=None):
-    """The tiny GemmaBackbone with its shipped base weights (tools/make_tiny_weights.py).
+def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+    return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
 
-    Loaded from a numpy file rather than initialised, so every backend starts
-    from the same base model and an adapter trained on one applies on another.
-    dtype: a policy, or quantized.policies' map: quantized kernels are filled from the float weights.
+
+def tiny_config(name: str, vocabulary_size: int) -> dict:
+    """The tiny preset's whole backbone config, with the tokenizer's vocabulary size."""
+    spec = TINY[name]
+    keys = _VOCABULARY_KEYS.get(spec.family, ("vocabulary_size",))
+    return dict(spec.config, **{key: vocabulary_size for key in keys})
+
+
+def tiny_vocabulary_size(name: str = "tiny") -> int:
+    """The tiny tokenizer's vocabulary size, read with sentencepiece alone (no keras)."""
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=str(TINY[name].tokenizer)).get_piece_size()
+
+
+def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
+    """A tiny preset's backbone with its base weights, the same on every backend.
+
+    `tiny` loads its shipped weights (tools/make_tiny_weights.py). The other
+    tiny presets draw each matrix from numpy's generator seeded by its path
+    (normal, std 0.1) and keep keras' constant start for the vectors and
+    scalars (norm scales, per-expert scales): an adapter trained on one backend
+    applies on another.
+    dtype: a policy, or quantized.policies' map: each quantized kernel is filled from the float weights it
+        would have had.
     """
-    import keras_hub
     import numpy as np
 
     from finetune import quantized
 
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocabulary_size, dtype=dtype, **TINY_CONFIG)
-    with np.load(TINY_WEIGHTS) as stored:
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "backbone")
+    backbone = cls(dtype=dtype, **tiny_config(name, vocabulary_size))
+    stored = np.load(spec.weights) if spec.weights is not None else None
+
+    def value(path: str, shape) -> np.ndarray | None:
+        if stored is not None:
+            return stored[path].astype(np.float32)
+        if len(shape) < 2:
+            return None
+        rng = np.random.default_rng([WEIGHT_SEED, zlib.crc32(path.encode())])
+        return rng.normal(0.0, 0.1, tuple(shape)).astype(np.float32)
+
+    try:
         compressed = quantized.quantized_layers(backbone)
         for layer in compressed:
-            quantized.fill(layer, stored[f"{layer.path}/kernel"].astype(np.float32))
+            quantized.fill(layer, lambda shape, path=f"{layer.path}/kernel": value(path, shape))
         done = {id(v) for layer in compressed for v in layer.weights}
         for weight in backbone.weights:
-            if id(weight) not in done:
-                weight.assign(stored[weight.path].astype(np.float32))
+            start = value(weight.path, tuple(weight.shape)) if id(weight) not in done else None
+            if start is not None:
+                weight.assign(start)
+    finally:
+        if stored is not None:
+            stored.close()
     return backbone
 
 
@@ -200,22 +371,26 @@ def dims(source: Source):
     A hub preset's come from the package's table (archs.py) when it has them, else from the preset's
     config.json, which keras-hub downloads alone.
     """
-    from finetune import archs, layouts
+    from finetune import layouts
 
-    if source.kind == "tiny":
-        config = dict(TINY_CONFIG, vocabulary_size=tiny_tokenizer().vocabulary_size())
-    elif source.kind == "local":
-        _, config = directory_backbone(Path(source.handle))
-    else:
-        parts = source.handle.removeprefix("kaggle://").split("/")
-        arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
-        if arch is not None:
-            config = arch.config
-        else:
-            from keras_hub.src.utils.preset_utils import load_json
-
-            config = load_json(source.handle).get("config", {})
     try:
-        return layouts.Dims.from_backbone_config(config, source.family)
+        return layouts.Dims.from_backbone_config(backbone_config(source), source.family)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"preset {source.handle} has no usable backbone size {e} in its config.json") from None
+
+
+def backbone_config(source: Source) -> dict:
+    """The preset's backbone config (config.json's "config"), read without building the backbone."""
+    from finetune import archs
+
+    if source.kind == "tiny":
+        return tiny_config(source.handle, tiny_vocabulary_size(source.handle))
+    if source.kind == "local":
+        return directory_backbone(Path(source.handle))[1]
+    parts = source.handle.removeprefix("kaggle://").split("/")
+    arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
+    if arch is not None:
+        return arch.config
+    from keras_hub.src.utils.preset_utils import load_json
+
+    return load_json(source.handle).get("config", {})

@@ -28,8 +28,9 @@ MODES = ("int4", "int8")
 INT4_BLOCK = 128
 
 
-def policies(base_policy: str, mode: str) -> keras.dtype_policies.DTypePolicyMap:
-    """The dtype policy of every layer: `mode` for the decoder kernels (layouts.RULES), `base_policy` elsewhere.
+def policies(base_policy: str, mode: str, rules=layouts.RULES) -> keras.dtype_policies.DTypePolicyMap:
+    """The dtype policy of every layer: `mode` for the decoder kernels `rules` name (layouts.rules_for), `base_policy`
+    elsewhere.
 
     The token embedding stays in `base_policy`: it is also the output projection, and QLoRA keeps it in 16
     bits too. Quantizing it is what made LoRA on an int8 base train badly: with `backbone.quantize("int8")`,
@@ -39,8 +40,8 @@ def policies(base_policy: str, mode: str) -> keras.dtype_policies.DTypePolicyMap
     kind = f"int4/{INT4_BLOCK}" if mode == "int4" else mode
     quantized = keras.dtype_policies.get(f"{kind}_from_{base_policy}")
     mapping = keras.dtype_policies.DTypePolicyMap(default_policy=keras.dtype_policies.get(base_policy))
-    for rule in layouts.RULES:
-        if rule.shape_of and rule.group != "embedding" and rule.pattern.endswith("/kernel"):
+    for rule in rules:
+        if rule.target and rule.pattern.endswith("/kernel"):
             mapping[rule.pattern.removesuffix("/kernel")] = quantized
     return mapping
 

@@ -21,11 +21,13 @@ import inspect
 
 import keras
 
+from finetune import families
+
 
 def enable(backbone) -> int:
     """Rematerialise every decoder block of `backbone`; returns how many were wrapped (idempotent)."""
     wrapped = 0
-    for block in backbone.transformer_layers:
+    for block in families.decoder_blocks(backbone):
         if getattr(block.call, "rematerialized", False):
             continue
         block.call = _recomputed(block.call)

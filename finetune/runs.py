@@ -97,7 +97,8 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     if data_path is None:  # the same held-out records as in training
         _, usable = train.split(usable, cfg, cfg.train.batch_size)
     examples = [e for _, e in usable]
-    batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size)
+    inputs = model.input_names(lm)
+    batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size, inputs=inputs)
     result = scoring.metrics(model.scorer(lm, cfg.train.batch_size), batches)
     result["examples"] = len(examples)
     return result

@@ -6,6 +6,10 @@ class with an `apply()` method and pure string logic, easy to test.
 `segments()` gives the same text as (text, trained) pieces: one prompt and one
 response for an instruction, and every turn for a multi-turn chat, whose
 assistant turns are all trained on.
+
+Each Gemma family's instruction-tuned presets speak one turn format:
+gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers).
+for_data() picks it for chat records on an instruction-tuned preset.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ class Template:
 
     def segments(self, record: Record) -> list[tuple[str, bool]]:
         if record.turns:
-            raise UserError(f"chat records (messages) need --template gemma-chat, not {self.name}")
+            raise UserError(f"chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}")
         prompt, response = self.apply(record)
         return [(prompt, False), (response, True)]
 
@@ -93,8 +97,69 @@ class GemmaChat(Template):
         return pieces
 
 
-TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat())}
+class Gemma4Chat(GemmaChat):
+    """Gemma 4's turn format: <|turn>user ... <turn|> then <|turn>model ...; the model's turn ends with <turn|>.
+
+    keras-hub's Gemma4CausalLM stops generating at <turn|> too. The 26b_a4b and
+    31b chat templates open a model turn for generation with an empty thought
+    channel when thinking is off; in a conversation's history (what training
+    sees) a model turn is rendered as here, with no channel.
+    """
+
+    name = "gemma4-chat"
+    stop_tokens = ("<eos>", "<turn|>")
+
+    def segments(self, record: Record) -> list[tuple[str, bool]]:
+        turns = record.turns
+        if not turns:
+            user = record.instruction
+            if record.context:
+                user += f"\n\n{record.context}"
+            turns = (("user", user), ("assistant", record.response))
+        pieces = []
+        for index, (role, text) in enumerate(turns):
+            if role == "user":
+                opening = "\n" if index else ""  # after the previous model turn's <turn|>
+                pieces.append((f"{opening}<|turn>user\n{text}<turn|>\n<|turn>model\n", False))
+            else:
+                pieces.append((text + "<turn|>", True))
+        return pieces
+
+
+TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat())}
+CHAT = ("gemma-chat", "gemma4-chat")
 
 
 def get(name: str):
     return TEMPLATES[name]
+
+
+def for_data(name: str, found: str, family_chat: str, preset: str, path: str) -> tuple[str, str | None]:
+    """(the template a run uses, a note when it was chosen for the user), for data of format `found`.
+
+    Chat records need a chat template. On an instruction-tuned preset they get
+    the family's own turns (family_chat) when the run names a non-chat one, and
+    another family's turns are refused; a base preset learns whichever chat
+    format it is given, but is never given an instruction template for chat.
+    """
+    if found != "chat":
+        return name, None
+    instruct = is_instruct(preset)
+    if name in CHAT:
+        if instruct and name != family_chat:
+            raise UserError(
+                f"{preset} was instruction-tuned in the {family_chat} turn format; train its chat records with "
+                f"--template {family_chat}"
+            )
+        return name, None
+    if instruct:
+        return family_chat, f"note: chat records on the instruction-tuned {preset}: --template {family_chat}, its turns"
+    raise UserError(f"{path} holds chat records (messages); train them with --template {family_chat}")
+
+
+def is_instruct(preset: str) -> bool:
+    """A keras-hub preset name (or kaggle:// handle) of an instruction-tuned model: gemma_instruct_2b_en,
+    gemma4_instruct_4b, gemma3n_e4b_it."""
+    parts = preset.removeprefix("kaggle://").rstrip("/").split("/")
+    name = parts[3] if preset.startswith("kaggle://") and len(parts) > 3 else parts[-1]
+    return "_instruct_" in name or name.endswith("_it")

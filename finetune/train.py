@@ -24,12 +24,14 @@ import numpy as np
 from finetune import (
     __version__,
     adapter,
+    attention,
     backend,
     batching,
     callbacks,
     checkpoint,
     data,
     distribution,
+    families,
     loop,
     model,
     outputs,
@@ -114,6 +116,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
     usable = usable_examples(records, template, tokenizer, cfg, cfg.data.path)
 
+    packed = packs(lm, cfg.data.packing)
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
     trainer = model.compile(lm, learning_rate, cfg.train.weight_decay, shards=part[2])
@@ -121,9 +124,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
         examples = [e for _, e in usable]
         rows = len(examples)
-        if cfg.data.packing != "off":  # packed, the same examples fill fewer rows, hence fewer steps
+        if packed:  # packed, the same examples fill fewer rows, hence fewer steps
             rows = len(packing.best_fit_decreasing([len(e.token_ids) - 1 for e in examples], cfg.model.seq_len))
-        batch_size, why = auto_batch_size(trainer, probe_rows, rows, tweaks["device"])
+        batch_size, why = auto_batch_size(trainer, probe_rows, rows, tweaks["device"], model.input_names(lm))
         print(f"batch size auto: {batch_size} ({why})")
     train_part, eval_part = split(usable, cfg, batch_size)
     if len(train_part) < batch_size:
@@ -134,23 +137,24 @@ def run(cfg: Config, resume: bool = False) -> dict:
     eval_records = [r for r, _ in eval_part]
     train_examples = [e for _, e in train_part]
     padded = batching.pad(train_examples, cfg.model.seq_len)
-    rows = packing.pack(train_examples, cfg.model.seq_len) if cfg.data.packing != "off" else padded
+    rows = packing.pack(train_examples, cfg.model.seq_len) if packed else padded
     if len(rows["token_ids"]) < batch_size:
         raise UserError(
             f"{len(train_examples)} training records fill {len(rows['token_ids'])} rows, fewer than one batch of "
             f"{batch_size}; lower --batch-size, add records, or pass --packing off"
         )
     padding = {"padding_fraction": packing.padding_fraction(rows), "unpacked": packing.padding_fraction(padded)}
-    if cfg.data.packing != "off":
+    if packed:
         print(
             f"packing: {len(train_examples)} examples in {len(rows['token_ids'])} rows of {cfg.model.seq_len} "
             f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
         )
     # In a multi-process job each process feeds its own slice of every global batch.
+    inputs = model.input_names(lm)
     step = batching.length_step(cfg.backend, cfg.model.seq_len)
-    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step)
+    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step, inputs=inputs)
     eval_rows = batching.pad([e for _, e in eval_part], cfg.model.seq_len)
-    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=step)
+    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=step, inputs=inputs)
     steps_per_epoch = order.steps_per_epoch
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
@@ -305,7 +309,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
             "eval_perplexity": after["perplexity"],
             "eval_accuracy_before": before["accuracy"],
             "eval_accuracy": after["accuracy"],
-            "packing": cfg.data.packing != "off",
+            "packing": packed,
             "padding_fraction": padding["padding_fraction"],
             "padding_fraction_unpacked": padding["unpacked"],
             "trained_tokens": progress.trained_tokens,
@@ -428,16 +432,35 @@ def check_resume_end(found, total_steps: int, target) -> None:
         )
 
 
+def packs(lm, setting: str) -> bool:
+    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask."""
+    if setting == "off":
+        return False
+    if attention.packs_exactly(lm.backbone):
+        return True
+    why = f"{type(lm.backbone).__name__}'s decoder blocks cannot take the per-example mask (attention.py)"
+    if setting == "on":
+        raise UserError(f"--packing on: {why}; pass --packing off or auto")
+    print(f"note: packing off: {why}")
+    return False
+
+
 def checkpoint_bytes(lm) -> int:
     """A checkpoint's size: the trainable weights and AdamW's two moments, in float32."""
     return 3 * 4 * model.trainable_parameters(lm) + 2**20
 
 
 def load_records(cfg: Config, path: str) -> list[data.Record]:
-    """The records of `path`, checked and filtered as the config says."""
+    """The records of `path`, checked and filtered as the config says.
+
+    Chat records on an instruction-tuned preset take the family's turn format
+    (templates.for_data): cfg.data.template is set to it, so the run records it.
+    """
     records, found = data.read(path)
-    if found == "chat" and cfg.data.template != "gemma-chat":
-        raise UserError(f"{path} holds chat records (messages); train them with --template gemma-chat")
+    family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
+    cfg.data.template, note = templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path)
+    if note:
+        print(note)
     print(f"read {len(records)} records, {found} format, from {path}")
     return data.filter_records(
         records,
@@ -470,7 +493,7 @@ AUTO_BATCH_CAP = 64
 AUTO_MIN_STEPS = 8  # an epoch of fewer steps barely trains
 
 
-def auto_batch_size(trainer, arrays, rows: int, device: str) -> tuple[int, str]:
+def auto_batch_size(trainer, arrays, rows: int, device: str, names=batching.INPUTS) -> tuple[int, str]:
     """`--batch-size auto`: (batch size, why), never so large that an epoch has under 8 steps.
 
     On an accelerator: the largest power of two whose trial step fits in memory.
@@ -486,7 +509,7 @@ def auto_batch_size(trainer, arrays, rows: int, device: str) -> tuple[int, str]:
     best, size, speeds = None, 1, {}
     try:
         while size <= limit:
-            x, y, w = batching.inputs(arrays, np.arange(size), 1, batching.target_width(arrays, size))
+            x, y, w = batching.inputs(arrays, np.arange(size), 1, batching.target_width(arrays, size), names=names)
             try:
                 trainer.train_on_batch(x, y, sample_weight=w)  # the first step of a shape compiles it
                 if device == "cpu":

@@ -121,10 +121,12 @@ def test_kaggle_preset_without_credentials_fails_fast_and_hides_keys(tmp_path, m
     monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path / "cache"))
     for name in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR"):
         monkeypatch.delenv(name, raising=False)
-    result = invoke("gemma", "--backend", BACKEND, "--preset", "gemma_2b_en", "--output", tmp_path / "run")
-    assert result.exit_code == 2
-    assert "KAGGLE_USERNAME" in result.stderr and "/kaggle/input" in result.stderr and "--preset tiny" in result.stderr
-    assert not (tmp_path / "run").exists()
+    for preset in ("gemma_2b_en", "gemma4_2b"):
+        result = invoke("gemma", "--backend", BACKEND, "--preset", preset, "--output", tmp_path / "run")
+        assert result.exit_code == 2, (preset, result.output)
+        assert f"preset {preset} is downloaded from Kaggle" in result.stderr and "KAGGLE_USERNAME" in result.stderr
+        assert "/kaggle/input" in result.stderr and "--preset tiny" in result.stderr
+        assert not (tmp_path / "run").exists()
 
     monkeypatch.setenv("KAGGLE_USERNAME", "someone")
     monkeypatch.setenv("KAGGLE_KEY", "s3cr3t-key-value")

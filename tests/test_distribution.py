@@ -146,6 +146,23 @@ def _variable_paths(backbone) -> list[str]:
     return [v.path for v in backbone.weights]
 
 
+def _check_rules_against(backbone, config, family):
+    placements = layouts.place(layouts.Dims.from_backbone_config(config, family), 2)
+    matched = {}
+    for variable in backbone.weights:
+        axes = layouts.layout_of(variable.path, placements)  # raises on a path two rules match
+        if axes is not None:
+            assert len(axes) == len(variable.shape), variable.path
+            matched.setdefault(next(p.rule.group for p in placements if p.axes is axes), []).append(variable)
+    assert set(matched) == {p.rule.group for p in placements}
+    # Each sharded kernel's shape is the one the rule computes from the config, and so is the count of them.
+    for placement in placements:
+        if placement.shape:
+            group = matched[placement.rule.group]
+            assert {tuple(v.shape) for v in group} == {placement.shape}, placement.rule.group
+            assert len(group) == placement.copies, placement.rule.group
+
+
 @pytest.mark.parametrize("family", ["gemma", "gemma3"])
 def test_every_rule_matches_real_variables_and_no_path_matches_two(family):
     """The rules are keyed on keras-hub's variable paths: check them against real Gemma 1 and Gemma 3 models."""
@@ -161,18 +178,24 @@ def test_every_rule_matches_real_variables_and_no_path_matches_two(family):
         else:
             backbone = keras_hub.models.Gemma3Backbone(image_size=None, vision_encoder=None, **dims)
         backbone.enable_lora(2, target_layer_names=targets)
-    placements = layouts.place(layouts.Dims.from_backbone_config(dims, family), 2)
-    matched = {}
-    for variable in backbone.weights:
-        axes = layouts.layout_of(variable.path, placements)  # raises on a path two rules match
-        if axes is not None:
-            assert len(axes) == len(variable.shape), variable.path
-            matched.setdefault(next(p.rule.group for p in placements if p.axes is axes), []).append(variable)
-    assert set(matched) == {p.rule.group for p in placements}
-    # Each sharded kernel's shape is the one the rule computes from the config.
-    for placement in placements:
-        if placement.shape:
-            assert {tuple(v.shape) for v in matched[placement.rule.group]} == {placement.shape}
+    _check_rules_against(backbone, dims, family)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"])
+def test_newer_families_rules_match_their_variables_and_count_every_weight(preset):
+    """Gemma 4 and 3n's rules are made from the config, one per kind of block: each matches exactly its
+    variables, with their shapes and count, and the table's count (archs.parameter_count) is the backbone's."""
+    from conftest import float32_policy
+
+    from finetune import archs, families, model, presets
+
+    family = presets.TINY[preset].family
+    config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
+    with float32_policy():
+        backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(preset), name=preset)
+        assert archs.parameter_count(config, family) == backbone.count_params()
+        backbone.enable_lora(2, target_layer_names=model.lora_layer_names(backbone, list(families.TARGETS)))
+    _check_rules_against(backbone, config, family)
 
 
 # --- refusals (every backend) ---
@@ -285,6 +308,14 @@ for mesh in ("1x8", "2x4"):
                  for v in lm.backbone.weights}
     out[mesh + " info"] = info
     keras.distribution.set_distribution(None)
+for name in ("tiny-gemma4-moe",):  # the experts' rules, on a 2x4 mesh
+    source = presets.resolve(name)
+    distribution.setup(DistributionConfig(parallel="model", mesh="2x4"), presets.dims(source), 8)
+    lm, _ = model.build(source, 64)
+    model.enable_lora(lm, 2, None, ["query", "value", "ffw_linear"])
+    out[name] = {v.path: [str(a) for a in v.value.sharding.spec] + [None] * (len(v.shape) - len(v.value.sharding.spec))
+                 for v in lm.backbone.weights}
+    keras.distribution.set_distribution(None)
 print("RESULT " + json.dumps(out))
 """
 
@@ -309,6 +340,11 @@ def test_weights_are_sharded_as_the_layout_says(tmp_path):
         assert spec["decoder_block_0/ffw_linear/lora_kernel_b"] == ["None", "None"]
         assert spec["final_normalization/scale"] == ["None"]
     assert result["2x4 info"]["layouts"]["key"] == [None, "model", None]
+    moe = result["tiny-gemma4-moe"]  # 4 experts over a model axis of 4: on the experts axis
+    assert moe["decoder_block_0/moe_expert_bank/gate_proj"] == ["model", "None", "None"]
+    assert moe["decoder_block_1/moe_expert_bank/down_proj"] == ["model", "None", "None"]
+    assert moe["decoder_block_0/moe_router/proj/kernel"] == ["None", "None"]
+    assert moe["decoder_block_1/attention/query/kernel"] == ["model", "None", "None"]  # the global layer's
 
 
 def _free_port() -> int:

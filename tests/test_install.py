@@ -31,6 +31,8 @@ SHIPPED = [
     "finetune/assets/dolly-sample.jsonl",
     "finetune/assets/tiny/tokenizer.spm",
     "finetune/assets/tiny/weights.npz",
+    "finetune/assets/tiny-gemma4/tokenizer.spm",
+    "finetune/assets/tiny-gemma3n/tokenizer.spm",
     *(f"finetune/recipes/{path.name}" for path in sorted(config.RECIPES_DIR.glob("*.yaml"))),
 ]
 

@@ -1,4 +1,7 @@
-"""Packing is exact: each packed example gets the loss and logits it would get alone, on this backend."""
+"""Packing is exact: each packed example gets the loss and logits it would get alone, on this backend.
+
+For Gemma 1, a Gemma 2 layout, and the tiny presets of Gemma 3, Gemma 4 (dense and MoE) and Gemma 3n.
+"""
 
 import keras
 import keras_hub
@@ -6,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import float32_policy
 
-from finetune import attention, batching, packing, presets
+from finetune import attention, batching, families, model, packing, presets
 from finetune.batching import Example
 
 
@@ -64,29 +67,36 @@ def _gemma2():
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 
 
-def _gemma3():
-    backbone = keras_hub.models.Gemma3Backbone(
-        vocabulary_size=256, image_size=896, num_layers=2, num_query_heads=4, num_key_value_heads=1,
-        hidden_dim=32, intermediate_dim=64, head_dim=8, sliding_window_size=4, vision_encoder=None,
-    )  # fmt: skip
-    return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None)
+def _tiny(name):
+    """A newer family's tiny preset (presets.TINY): sliding and global layers, windows of 4, shorter than the
+    examples; Gemma 4's with per-layer inputs and a layer that borrows keys and values, or with experts;
+    Gemma 3n's with AltUp, Laurel and a layer that borrows keys and values."""
+    return lambda: model.load_base(presets.resolve(name), 32)[0]
 
 
-MODELS = {"gemma": _gemma1, "gemma2-sliding-window": _gemma2, "gemma3": _gemma3}
+MODELS = {
+    "gemma": _gemma1,
+    "gemma2-sliding-window": _gemma2,
+    **{name: _tiny(name) for name in ("tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n")},
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def lm(request):
     keras.utils.set_random_seed(1)
     with float32_policy():  # the 1e-4 exactness is float32's
-        model = MODELS[request.param]()
-    assert attention.enable(model.backbone) == len(model.backbone.transformer_layers)
-    return model
+        built = MODELS[request.param]()
+    assert attention.enable(built.backbone) == len(families.decoder_blocks(built.backbone))
+    assert attention.packs_exactly(built.backbone)
+    return built
 
 
-def logits(lm, arrays):
-    x = {"token_ids": arrays["token_ids"], "padding_mask": arrays["segment_ids"]}
-    return np.asarray(keras.ops.convert_to_numpy(lm(x)), np.float64)
+def logits(lm, *row_sets):
+    """The logits of each set of rows, from one forward pass over all of them (one dispatch of the eager model)."""
+    arrays = {key: np.concatenate([rows[key] for rows in row_sets]) for key in ("token_ids", "segment_ids")}
+    x = batching.model_inputs(arrays["token_ids"], arrays["segment_ids"], model.input_names(lm))
+    out = np.asarray(keras.ops.convert_to_numpy(lm(x)), np.float64)
+    return np.split(out, np.cumsum([len(rows["token_ids"]) for rows in row_sets])[:-1])
 
 
 def token_losses(logits_, labels):
@@ -95,13 +105,19 @@ def token_losses(logits_, labels):
     return -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
 
 
-def test_each_packed_example_gets_the_loss_it_gets_alone(lm):
+def test_each_packed_example_gets_the_loss_it_gets_alone_and_ignores_the_others(lm):
     examples = examples_of([12, 7, 17, 9, 5], seed=3)
-    packed = packing.pack(examples, 32)
+    packed, alone = packing.pack(examples, 32), batching.pad(examples, 32)
     assert packed["segment_ids"].max() >= 3  # several examples share a row
-    packed_losses = token_losses(logits(lm, packed), packed["labels"])
-    alone = batching.pad(examples, 32)
-    alone_losses = token_losses(logits(lm, alone), alone["labels"])
+    one_row = packing.pack(examples_of([9, 5, 8, 6], seed=5), 32)
+    assert one_row["token_ids"].shape[0] == 1  # all four in one row
+    changed = {k: v.copy() for k, v in one_row.items()}
+    target = changed["segment_ids"][0] == 2
+    changed["token_ids"][0, target] = (changed["token_ids"][0, target] + 17) % 200 + 10
+    packed_logits, alone_logits, before, after = logits(lm, packed, alone, one_row, changed)
+
+    packed_losses = token_losses(packed_logits, packed["labels"])
+    alone_losses = token_losses(alone_logits, alone["labels"])
     for index, example in enumerate(examples):
         row, where = _locate(packed, example)
         n = len(example.token_ids) - 1
@@ -109,23 +125,29 @@ def test_each_packed_example_gets_the_loss_it_gets_alone(lm):
         got = (packed_losses[row, where] * weights).sum() / weights.sum()
         want = (alone_losses[index, :n] * weights).sum() / weights.sum()
         assert got == pytest.approx(want, rel=1e-4), index
-
-
-def test_changing_one_example_leaves_the_others_logits_unchanged(lm):
-    examples = examples_of([12, 7, 17, 9], seed=5)
-    packed = packing.pack(examples, 48)
-    assert packed["token_ids"].shape[0] == 1  # all four in one row
-    before = logits(lm, packed)
-    changed = {k: v.copy() for k, v in packed.items()}
-    target = changed["segment_ids"][0] == 2
-    changed["token_ids"][0, target] = (changed["token_ids"][0, target] + 17) % 200 + 10
-    after = logits(lm, changed)
-    others = (packed["segment_ids"][0] != 2) & (packed["segment_ids"][0] > 0)  # padding may look anywhere
+    # Changing one example of a row leaves the others' logits as they were.
+    others = (one_row["segment_ids"][0] != 2) & (one_row["segment_ids"][0] > 0)  # padding may look anywhere
     np.testing.assert_allclose(after[0, others], before[0, others], rtol=1e-6, atol=1e-6)
     assert not np.allclose(after[0, target], before[0, target])
 
 
-def test_one_example_rows_get_keras_hub_s_own_mask(lm):
+def test_one_example_rows_get_keras_hub_s_own_mask_in_every_block(lm):
+    """The wrapped mask method, given one example per row, returns what keras-hub's own returns (windows too)."""
+    import inspect
+
+    arrays = batching.pad(examples_of([9, 14], seed=2), 16)
+    for block in families.decoder_blocks(lm.backbone):
+        wrapped = block._compute_attention_mask
+        names = inspect.signature(wrapped.keras_hub).parameters
+        hidden = np.zeros((2, 16, 8), "float32")
+        args = {"x": hidden, "cache": None, "cache_update_index": 0, "vision_mask": None}
+        args = {name: value for name, value in args.items() if name in names}
+        ours = wrapped(padding_mask=arrays["segment_ids"], **args)
+        theirs = wrapped.keras_hub(padding_mask=arrays["padding_mask"], **args)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs))
+
+
+def test_the_segment_mask_of_one_example_rows_is_causal_onto_tokens():
     from keras_hub.src.layers.modeling.transformer_layer_utils import compute_causal_mask
 
     arrays = batching.pad(examples_of([9, 14], seed=2), 16)

@@ -21,6 +21,7 @@ PUBLISHED = {
     "gemma2_2b_en": 2_614_341_888,
     "gemma2_9b_en": 9_241_705_984,
     "gemma2_27b_en": 27_227_128_320,
+    "gemma3_270m": 268_098_176,
     "gemma3_1b": 999_885_952,
     "gemma3_4b_text": 3_880_099_328,
     "gemma3_12b_text": 11_765_788_416,
@@ -28,6 +29,15 @@ PUBLISHED = {
     "gemma3_4b": 4_299_915_632,
     "gemma3_12b": 12_187_079_280,
     "gemma3_27b": 27_432_062_576,
+    "gemma3n_e2b": 5_439_595_456,
+    "gemma3n_e4b": 7_850_135_376,
+}
+# keras-hub publishes Gemma 4's counts rounded: (params, to the nearest).
+ROUNDED = {
+    "gemma4_2b": (5_100_000_000, 10**8),
+    "gemma4_4b": (7_900_000_000, 10**8),
+    "gemma4_26b_a4b": (26_000_000_000, 10**9),
+    "gemma4_31b": (31_000_000_000, 10**9),
 }
 SEVEN_B = ["--preset", "gemma_7b_en", "--parallel", "model", "--mesh", "1x8", "--seq-len", "512", "--batch-size", "8"]
 
@@ -42,11 +52,18 @@ def make(devices=None, device=None, **settings):
 
 
 def test_table_counts_every_weight_keras_hub_publishes():
-    assert set(PUBLISHED) == set(archs.ARCHS)
+    assert set(PUBLISHED) | set(ROUNDED) == set(archs.ARCHS)
     for name, arch in archs.ARCHS.items():
-        assert archs.parameter_count(arch.config, arch.family, arch.vision_params) == PUBLISHED[name], name
+        total = archs.parameter_count(arch.config, arch.family, arch.vision_params) + arch.encoder_params
+        if name in ROUNDED:
+            published, precision = ROUNDED[name]
+            assert round(total / precision) * precision == published, name
+        else:
+            assert total == PUBLISHED[name], name
     assert archs.lookup("gemma_instruct_7b_en") is archs.ARCHS["gemma_7b_en"]
     assert archs.lookup("gemma3_instruct_1b") is archs.ARCHS["gemma3_1b"]
+    assert archs.lookup("gemma4_instruct_26b_a4b") is archs.ARCHS["gemma4_26b_a4b"]
+    assert archs.lookup("gemma3n_e4b_it") is archs.ARCHS["gemma3n_e4b"]
 
 
 def test_7b_plan_prints_offline_without_importing_keras(tmp_path):
@@ -250,3 +267,41 @@ def test_the_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_step(
     assert backend.loss_chunk(32768) * 32768 * 4 > 0.1 * measured  # the loss chunk is a real share here
     assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
     del np
+
+
+@pytest.mark.parametrize(
+    "args, preset",
+    [(["--parallel", "model", "--mesh", "1x8"], "gemma4_31b"), ([], "gemma4_26b_a4b"), ([], "gemma3n_e4b")],
+)
+def test_the_newest_gemma_plan_offline_with_keras_hub_s_counts(args, preset):
+    result = invoke("--backend", "jax", "--preset", preset, *args, "--json")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output)
+    arch = archs.ARCHS[preset]
+    assert planned["parameters"] == archs.parameter_count(arch.config, arch.family) + arch.encoder_params
+    published, precision = ROUNDED.get(preset, (PUBLISHED.get(preset), 1))
+    assert round(planned["parameters"] / precision) * precision == published
+    assert any("not loaded" in note for note in planned["notes"])  # the image and audio encoders
+    groups = {g["group"]: g for g in planned["groups"]}
+    if preset == "gemma4_31b":  # global layers: 4 key/value heads, not divisible by 8: on the hidden axis
+        assert groups["query"]["layout"] == groups["query (global)"]["layout"] == "model on heads"
+        assert groups["key"]["layout"] == "model on kv heads" and groups["key (global)"]["layout"] == "model on hidden"
+        assert "value (global)" not in groups  # its values reuse its keys
+    if preset == "gemma4_26b_a4b":
+        assert groups["experts gate"]["shape"] == [128, 2816, 704] and groups["experts gate"]["copies"] == 30
+        assert any("8 of 128 route each token" in note for note in planned["notes"])
+    result = invoke("--backend", "jax", "--preset", preset, *args, "--target", "query,moe_expert_bank")
+    assert result.exit_code == 2, result.output
+    if preset.startswith("gemma4"):
+        assert "Gemma 4's 'moe_expert_bank' layers stay frozen: the experts" in result.output
+    else:
+        assert "unknown LoRA target 'moe_expert_bank'" in result.output
+
+
+def test_moe_activations_count_every_expert_keras_hub_computes():
+    dense = make(**{"model.preset": "gemma4_31b", "train.batch_size": 1})
+    moe = make(**{"model.preset": "gemma4_26b_a4b", "train.batch_size": 1})
+    config = archs.ARCHS["gemma4_26b_a4b"].config
+    experts = 30 * 256 * 128 * (4 * 704 + 3 * 2816) * 2  # layers x tokens x experts x per token, bfloat16
+    assert moe.memory["activations"] > experts > dense.memory["activations"]
+    assert config["num_experts_per_token"] == 8

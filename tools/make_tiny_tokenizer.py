@@ -1,15 +1,18 @@
-"""Train the tiny model's SentencePiece tokenizer on finetune/assets/dolly-sample.jsonl.
+"""Train a tiny model's SentencePiece tokenizer on finetune/assets/dolly-sample.jsonl.
 
-The result ships as finetune/assets/tiny/tokenizer.spm. It keeps Gemma's
-special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then
-<start_of_turn> and <end_of_turn>) and Gemma's text handling (no dummy
-prefix, no whitespace folding, byte fallback), so keras_hub's GemmaTokenizer
-treats it exactly like the real one and any UTF-8 text round-trips.
+The result ships as finetune/assets/<preset>/tokenizer.spm: `tiny` (and
+`tiny-gemma3`, which reads the same file through Gemma 3's tokenizer class),
+`tiny-gemma4` (and `tiny-gemma4-moe`) and `tiny-gemma3n`. Each keeps Gemma's
+special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then the family's
+own special tokens: its chat turn markers, and for Gemma 3n the multimodal
+tokens its tokenizer class requires) and Gemma's text handling (no dummy
+prefix, no whitespace folding, byte fallback), so keras_hub's tokenizer of
+the family treats it exactly like the real one and any UTF-8 text round-trips.
 
-The tiny base weights are trained on its ids: after changing it, rerun
+The tiny base weights are trained on its ids: after changing tiny's, rerun
 tools/make_tiny_weights.py.
 
-usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N]
+usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N] [--family gemma|gemma4|gemma3n]
 """
 
 import argparse
@@ -20,14 +23,26 @@ from pathlib import Path
 import sentencepiece as spm
 
 HERE = Path(__file__).resolve().parent.parent
+# Each family's special tokens, after <pad> <eos> <bos> <unk>: what its keras-hub tokenizer looks up.
+SPECIAL = {
+    "gemma": ["<start_of_turn>", "<end_of_turn>"],
+    "gemma4": ["<|turn>", "<turn|>"],
+    "gemma3n": [
+        "<start_of_turn>", "<end_of_turn>", "<image_soft_token>", "<audio_soft_token>", "<start_of_image>",
+        "<end_of_image>", "<start_of_audio>", "<end_of_audio>", "<mask>", "[multimodal]",
+    ],
+}  # fmt: skip
+DEFAULT_OUT = {"gemma": "tiny", "gemma4": "tiny-gemma4", "gemma3n": "tiny-gemma3n"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", nargs="?", default=HERE / "finetune" / "assets" / "dolly-sample.jsonl")
-    parser.add_argument("out", nargs="?", default=HERE / "finetune" / "assets" / "tiny" / "tokenizer.spm")
+    parser.add_argument("out", nargs="?")
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--family", choices=sorted(SPECIAL), default="gemma")
     args = parser.parse_args()
+    args.out = args.out or HERE / "finetune" / "assets" / DEFAULT_OUT[args.family] / "tokenizer.spm"
 
     texts = []
     with open(args.data, encoding="utf-8") as f:
@@ -65,7 +80,7 @@ def main():
         eos_piece="<eos>",
         bos_piece="<bos>",
         unk_piece="<unk>",
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        user_defined_symbols=SPECIAL[args.family],
         hard_vocab_limit=False,
         num_threads=1,
         minloglevel=2,

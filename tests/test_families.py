@@ -1,0 +1,213 @@
+"""The newer families end to end, on their tiny presets: train, resume, export, on this process' backend.
+
+One short run per family (module fixture, packed) serves every check: its
+eval loss falls; a copy of it cut back to what a kill -9 right after its
+step-3 checkpoint leaves on disk (that checkpoint, no results: what
+tests/test_resume.py gets by killing `tiny` for real) resumes to the same
+adapter, bit for bit; the merged export loads in plain keras-hub with the
+run's logits; and, in the PyTorch suite, the hf and peft exports give them
+in transformers and PEFT. Packing is checked on the models directly in
+tests/test_packing.py.
+"""
+
+import json
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+from conftest import BACKEND, float32_policy, write_jsonl
+
+import finetune
+from finetune import checkpoint, families, model, outputs, presets
+
+FAMILIES = ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"]
+TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
+TOKENS = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 127, 5, 6, 7, 300, 301]], dtype="int32")
+in_torch_suite = pytest.mark.skipif(BACKEND != "torch", reason="transformers and PEFT are checked in the PyTorch suite")
+
+
+def settings(preset, out, data, **more):
+    return {
+        "backend": BACKEND, "output.dir": str(out), "model.preset": preset, "model.seq_len": 32,
+        "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
+        "train.samples": 0, "data.path": str(data), "data.max_records": 24,
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": TARGETS, **more,
+    }  # fmt: skip
+
+
+def logits(lm, tokens=TOKENS):
+    import keras
+
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    if "position_ids" in model.input_names(lm):
+        x["position_ids"] = np.arange(tokens.shape[1])[None].astype("int32")
+    return keras.ops.convert_to_numpy(lm(x))
+
+
+def adapter_arrays(path):
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: arrays.__setitem__(name, item[()]) if isinstance(item, h5py.Dataset) else None)
+    return arrays
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    records = [{"instruction": f"What is {i} plus {i + 1}?", "response": f"{2 * i + 1}."} for i in range(24)]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "sums.jsonl", records)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request, data, tmp_path_factory):
+    """(preset, run directory, metrics, the fine-tuned model's logits on TOKENS)."""
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(request.param, out, data)))
+        tuned = logits(finetune.load(out))
+    return request.param, out, metrics, tuned
+
+
+def test_a_tiny_family_preset_trains_and_packs(trained):
+    preset, out, metrics, _ = trained
+    assert metrics["eval_loss"] < metrics["eval_loss_before"]
+    assert metrics["packing"] is True and metrics["steps"] == 6
+    described = json.loads((out / "adapter.json").read_text())
+    assert described["preset"]["family"] == presets.TINY[preset].family
+    assert len(described["adapted"]) > len(TARGETS)  # every kind of block took its adapters
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, data, tmp_path):
+    preset, whole, _, _ = trained
+    out = tmp_path / "killed"
+    shutil.copytree(whole, out)
+    for found in checkpoint.find(out):  # what a kill right after step 3's checkpoint leaves
+        if found.step > 3:
+            shutil.rmtree(found.path)
+    (out / outputs.METRICS).unlink()
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
+    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_merged_and_lora_exports_give_the_run_s_logits(trained, tmp_path):
+    preset, out, _, tuned = trained
+    finetune.export(out, "lora", tmp_path / "lora")
+    finetune.export(out, "merged", tmp_path / "merged")
+    with float32_policy():
+        merged = families.keras_hub_class(families.get(presets.TINY[preset].family)).from_preset(
+            str(tmp_path / "merged")
+        )
+    assert type(merged).__name__ == families.get(presets.TINY[preset].family).causal_lm
+    np.testing.assert_allclose(logits(merged), tuned, atol=1e-4)
+
+
+@in_torch_suite
+def test_hf_and_peft_exports_give_the_run_s_logits_in_transformers(trained, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
+    peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
+    import torch
+
+    preset, out, _, tuned = trained
+    family = families.get(presets.TINY[preset].family)
+
+    def hf_logits(hf_model):
+        with torch.no_grad():
+            return hf_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(finetune.export(out, "hf", tmp_path / "hf"))
+    assert type(hf).__name__ == family.transformers
+    np.testing.assert_allclose(hf_logits(hf), tuned, atol=1e-4)
+    base = transformers.AutoModelForCausalLM.from_pretrained(finetune.export(out, "hf", tmp_path / "base", base=True))
+    adapted = peft.PeftModel.from_pretrained(base, finetune.export(out, "peft", tmp_path / "peft"))
+    np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "preset, frozen",
+    [
+        ("tiny-gemma4-moe", ["moe_expert_bank", "proj"]),
+        ("tiny-gemma4", ["per_layer_input_gate", "per_layer_model_projection"]),
+        ("tiny-gemma3n", ["linear_left", "modality_router", "altup_projection_1", "per_layer_projection"]),
+    ],
+)
+def test_lora_adapts_the_attention_and_ffw_and_refuses_the_rest(preset, frozen):
+    from finetune.errors import UserError
+
+    with float32_policy():
+        lm, _ = model.load_base(presets.resolve(preset), 32)
+    assert model.adaptable_targets(lm.backbone) == list(families.TARGETS)
+    for name in frozen:
+        with pytest.raises(UserError, match=f"'{name}' layers stay frozen: .*; LoRA adapts query, key, value"):
+            model.enable_lora(lm, 2, None, ["query", name])
+    if preset.startswith("tiny-gemma4"):  # its blocks read the FFW kernels directly: int4's come unscaled
+        with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: .* without its scales"):
+            model.build(presets.resolve(preset), 32, quantize="int4")
+    own = ["q_proj", "down_proj"] if preset == "tiny-gemma3n" else ["query", "ffw_linear"]
+    count = model.enable_lora(lm, 2, None, own)
+    trainable = {v.path.split("/")[-1] for v in lm.trainable_weights}
+    assert trainable == {"lora_kernel_a", "lora_kernel_b"} and count == 2 * len(families.decoder_blocks(lm.backbone))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="loading a preset's weights is the same on every backend: torch suite")
+def test_a_multimodal_preset_loads_its_text_decoder_alone(tmp_path):
+    """Gemma 4's and 3n's presets carry image and audio encoders: finetune builds the backbone without them and
+    loads the rest of the preset's weights, which are the full model's, and its text logits."""
+    import keras
+    import keras_hub
+    from keras_hub.src.models.gemma3n.gemma3n_audio_encoder import Gemma3nAudioEncoder
+    from keras_hub.src.models.mobilenetv5.mobilenetv5_backbone import MobileNetV5Backbone
+    from keras_hub.src.models.mobilenetv5.mobilenetv5_builder import convert_arch_def_to_stackwise
+
+    tokens = TOKENS[:, :6]
+    with float32_policy():
+        tokenizer = presets.tiny_tokenizer("tiny-gemma4")
+        vision = keras_hub.models.Gemma4VisionEncoder(
+            image_size=32, patch_size=8, num_heads=2, hidden_dim=16, num_layers=1, intermediate_dim=32, head_dim=8,
+            output_dim=32, pool_size=2, position_embedding_size=16,
+        )  # fmt: skip
+        config = dict(presets.tiny_config("tiny-gemma4", tokenizer.vocabulary_size()), image_size=32)
+        full = keras_hub.models.Gemma4CausalLM(
+            backbone=keras_hub.models.Gemma4Backbone(vision_encoder=vision, **config),
+            preprocessor=presets.tiny_preprocessor("tiny-gemma4", tokenizer, 32),
+        )
+        full.save_to_preset(str(tmp_path / "gemma4"))
+        tokenizer = presets.tiny_tokenizer("tiny-gemma3n")
+        mobilenet = MobileNetV5Backbone(**convert_arch_def_to_stackwise([["er_r1_k3_s1_e1_c16"]]), num_features=4,
+                                        image_shape=(32, 32, 3), use_msfa=False)  # fmt: skip
+        audio = Gemma3nAudioEncoder(
+            hidden_size=8, input_feat_size=32, sscp_conv_channel_size=[4, 8], sscp_conv_kernel_size=[(3, 3), (3, 3)],
+            sscp_conv_stride_size=[(2, 2), (2, 2)], sscp_conv_group_norm_eps=1e-5, num_hidden_layers=1,
+            rms_norm_eps=1e-6, gradient_clipping=1.0, residual_weight=0.5, num_attention_heads=1,
+            attention_chunk_size=4, num_attention_context_right=5, num_attention_context_left=5,
+            attention_logit_cap=50.0, conv_kernel_size=5, reduction_factor=1,
+        )  # fmt: skip
+        vocabulary = tokenizer.vocabulary_size()
+        full_3n = keras_hub.models.Gemma3nCausalLM(
+            backbone=keras_hub.models.Gemma3nBackbone(
+                vision_encoder_config=mobilenet.get_config(), vision_hidden_size=16, vision_vocab_offset=vocabulary,
+                audio_encoder_config=audio.get_config(), audio_hidden_size=8, audio_vocab_offset=vocabulary + 128,
+                **presets.tiny_config("tiny-gemma3n", vocabulary),
+            ),
+            preprocessor=presets.tiny_preprocessor("tiny-gemma3n", tokenizer, 32),
+        )  # fmt: skip
+        full_3n.save_to_preset(str(tmp_path / "gemma3n"))
+        for name, original in (("gemma4", full), ("gemma3n", full_3n)):
+            text, preprocessor = model.build(presets.resolve(str(tmp_path / name)), 32)
+            assert set(model.input_names(text)) <= {"token_ids", "padding_mask", "position_ids"}, name
+            assert preprocessor.image_converter is None and preprocessor.audio_converter is None
+            weights = {w.path: keras.ops.convert_to_numpy(w) for w in original.backbone.weights}
+            for weight in text.backbone.weights:
+                np.testing.assert_array_equal(keras.ops.convert_to_numpy(weight), weights[weight.path])
+        empty_images = {"pixel_values": np.zeros((1, 0, 1, 192), "float32"), "vision_indices": np.zeros((1, 0), "int32"),
+                        "pixel_position_ids": np.zeros((1, 0, 1, 2), "int32"), "vision_mask": np.zeros_like(tokens)}  # fmt: skip
+        text, _ = model.build(presets.resolve(str(tmp_path / "gemma4")), 32)
+        with_images = keras.ops.convert_to_numpy(
+            full({"token_ids": tokens, "padding_mask": np.ones_like(tokens),
+                  "position_ids": np.arange(6)[None].astype("int32"), **empty_images})
+        )  # fmt: skip
+        np.testing.assert_allclose(logits(text, tokens), with_images, atol=1e-5)
