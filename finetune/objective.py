@@ -12,7 +12,8 @@ projected a chunk of positions at a time, inside one custom-gradient op:
   logit) and, while the chunk's logits exist, softmax minus one-hot times the
   (frozen) embedding: the hidden state's gradient per unit of loss, the only
   gradient LoRA needs. The backward scales it by the upstream gradient, so no
-  logits are kept for it, and none recomputed;
+  logits are kept for it, and none recomputed; each chunk waits for the one
+  before it, so one chunk's logits exist at a time;
 - a chunk whose positions all weigh 0 (the padding of the gathered layout) is
   skipped.
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from finetune.errors import UserError
+
 
 def logit_projection(backbone):
     """(kernel, soft cap) of the backbone's output projection: Gemma ties it to the token embedding.
@@ -38,7 +41,10 @@ def logit_projection(backbone):
         text = backbone.language_model
         return text.embed_tokens.embedding.embeddings, text.final_logit_soft_cap
     if not getattr(embedding, "tie_weights", True) or getattr(embedding, "quantization_mode", None):
-        raise NotImplementedError("the chunked loss needs a tied, unquantized token embedding")
+        raise UserError(
+            "this preset's output embedding is untied or quantized; finetune trains presets whose token embedding "
+            "is tied and unquantized (as keras-hub's Gemma presets are)"
+        )
     return embedding.embeddings, embedding.logit_soft_cap
 
 
@@ -69,20 +75,21 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     def losses(hidden, kernel, labels, weights):
         loss_parts, grad_parts = [], []
         for start, end in spans:
-            h, y = hidden[start:end], labels[start:end]
+            h, y = _after(hidden[start:end], loss_parts), labels[start:end]
 
             def chunk_loss(h=h, y=y):
                 logits = _logits(h, kernel, soft_cap)
                 log_total = ops.logsumexp(logits, axis=-1, keepdims=True)
                 picked = ops.take_along_axis(logits, ops.expand_dims(y, -1), axis=-1)
                 softmax = ops.exp(logits - log_total)
-                label_rows = ops.take(kernel, y, axis=0)
+                # softmax - one-hot in float32, before the cast: a confident softmax rounded to bf16 first
+                # (p = 0.99 is 1 - 2^-7) would cancel the one against its own rounding error.
+                is_label = ops.equal(ops.expand_dims(ops.arange(logits.shape[-1], dtype="int32"), 0),
+                                     ops.expand_dims(ops.cast(y, "int32"), -1))  # fmt: skip
+                delta = ops.where(is_label, softmax - 1.0, softmax)
                 if soft_cap is not None:  # d capped / d logit = 1 - tanh^2, tanh = capped / cap
-                    softmax = softmax * (1.0 - ops.square(logits / soft_cap))
-                    label_rows = label_rows * ops.cast(1.0 - ops.square(picked / soft_cap), label_rows.dtype)
-                # (softmax - one-hot) @ kernel, without a one-hot: the label's embedding row is subtracted.
-                grad = ops.matmul(ops.cast(softmax, h.dtype), kernel) - label_rows
-                return (log_total - picked)[:, 0], grad
+                    delta = delta * (1.0 - ops.square(logits / soft_cap))
+                return (log_total - picked)[:, 0], ops.matmul(ops.cast(delta, h.dtype), kernel)
 
             def nothing(h=h):
                 return ops.zeros((h.shape[0],)), ops.zeros_like(h)
@@ -104,11 +111,19 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     return losses(hidden, kernel, labels, weights)
 
 
+def _after(hidden, done: list):
+    """`hidden`, made to depend on the chunks before it: TensorFlow's executor would otherwise run independent
+    chunks at once (two were alive at the memory peak at gemma-2b's size). A NaN still propagates."""
+    if not done:
+        return hidden
+    return hidden + ops.cast(0.0 * ops.sum(done[-1]), hidden.dtype)
+
+
 def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     """(loss, correct) per position, without gradients: what evaluation averages over the weighted tokens."""
     losses, correct = [], []
     for start, end in _chunks(hidden.shape[0], chunk):
-        h, y = hidden[start:end], labels[start:end]
+        h, y = _after(hidden[start:end], losses), labels[start:end]
 
         def score(h=h, y=y):
             logits = _logits(h, kernel, soft_cap)

@@ -6,6 +6,7 @@ base, keras' own quantize(), and the same run without remat.
 """
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import float32_policy
@@ -71,9 +72,13 @@ class Hidden(keras.layers.Layer):
         self.values = self.add_weight(shape=values.shape, initializer=keras.initializers.Constant(values))
         self.kernel, self.labels, self.w, self.soft_cap = kernel, labels, weights, soft_cap
 
+    def compute_output_spec(self, x):
+        return keras.KerasTensor((1, self.values.shape[0]), dtype="float32")
+
     def call(self, x):
         hidden = keras.ops.convert_to_tensor(self.values) * 1.0  # a tensor, as the backbone hands the op
-        kernel, labels, weights = (keras.ops.convert_to_tensor(a) for a in (self.kernel, self.labels, self.w))
+        kernel = keras.ops.cast(keras.ops.convert_to_tensor(self.kernel), hidden.dtype)
+        labels, weights = (keras.ops.convert_to_tensor(a) for a in (self.labels, self.w))
         losses = objective.token_losses(hidden, kernel, labels, weights, 4, self.soft_cap)
         return keras.ops.expand_dims(losses, 0) + 0.0 * keras.ops.sum(x)
 
@@ -157,3 +162,44 @@ def test_a_base_loaded_quantized_equals_keras_quantize_of_the_float_base(mode):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path])
     # The embedding is also the output projection: it stays bfloat16 (keras' quantize() makes it int).
     assert ours.token_embedding.embeddings.dtype == "bfloat16"
+
+
+def test_a_confident_softmax_keeps_its_gradient_in_bfloat16():
+    """p(label) near 0.998: softmax - one-hot is formed in float32 before the bf16 matmul (bf16 alone cancels it)."""
+    rng = np.random.default_rng(1)
+    hidden, kernel = rng.standard_normal((16, 32)).astype("float32"), rng.standard_normal((64, 32)).astype("float32")
+    labels = (hidden @ kernel.T).argmax(-1).astype("int32")
+
+    def softmax(scale):
+        logits = scale * hidden @ kernel.T
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return p / p.sum(-1, keepdims=True)
+
+    scale = 1.0
+    while softmax(scale)[np.arange(16), labels].mean() < 0.998:  # sharpen until the labels hold p about 0.998
+        scale *= 1.25
+    hidden *= scale
+    # The op sees both in bf16: the reference starts from the same rounded values, in float64.
+    hidden = hidden.astype(ml_dtypes.bfloat16).astype("float32")
+    kernel = kernel.astype(ml_dtypes.bfloat16).astype("float32")
+    probabilities = softmax(1.0).astype("float64")
+    assert 0.99 <= probabilities[np.arange(16), labels].mean() < 0.9999
+    probabilities[np.arange(16), labels] -= 1
+    weights = np.ones(16, "float32")
+    expected = (weights / weights.sum())[:, None] * (probabilities @ kernel)
+
+    before = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_bfloat16")  # the hidden states and the kernel reach the op in bf16
+        layer = Hidden(hidden, kernel.astype("float32"), labels, weights, None)
+        inputs = keras.Input((1,))
+        net = keras.Model(inputs, layer(inputs))
+        net.compile(optimizer=keras.optimizers.SGD(1.0), loss=objective.WeightedMean())
+        net.train_on_batch(np.zeros((1, 1), "float32"), np.zeros((1, 16)), sample_weight=weights[None])
+        grad = hidden - keras.ops.convert_to_numpy(layer.values)
+    finally:
+        keras.config.set_dtype_policy(before)
+    error = np.linalg.norm(grad - expected) / np.linalg.norm(expected)
+    # Subtracting the one-hot after the bf16 cast cancelled the gradient here: an error of 100%. What is left
+    # is the bf16 rounding of the logits themselves, which PyTorch keeps (as transformers under autocast does).
+    assert error < 0.5, error
