@@ -184,6 +184,43 @@ class TrainingView(keras.Model):
     def compute_output_spec(self, inputs):
         return keras.KerasTensor(inputs["loss_labels"].shape, dtype="float32")
 
+    def make_train_function(self, force=False):
+        """On TensorFlow, one graph for every batch length, traced on the first step.
+
+        Keras' own step relaxes the length to a dynamic one only after it has
+        seen two lengths, so a run resumed mid-way would train a step in a graph
+        specialised to one length where the uninterrupted run used the relaxed
+        one: the same sums in another order, an adapter off in its last bits.
+        """
+        if keras.config.backend() != "tensorflow" or self.run_eagerly:
+            return super().make_train_function(force)
+        if self.train_function is None or force:
+            self.train_function = _one_graph(self.train_step)
+        return self.train_function
+
+
+def _one_graph(train_step):
+    """train_on_batch's function: `train_step` traced once, with every input's length (axis 1) left dynamic."""
+    import tensorflow as tf
+
+    traced = []
+
+    def function(batches):
+        for x, y, weights in batches:
+            if not traced:
+
+                def spec(name, value):  # the loss_ inputs keep their static width: the loss's chunks need it
+                    shape = tuple(value.shape)
+                    shape = shape if name.startswith("loss_") or len(shape) < 2 else (shape[0], None, *shape[2:])
+                    return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
+
+                signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),
+                             spec("loss_", weights)]  # fmt: skip
+                traced.append(tf.function(lambda x, y, w: train_step((x, y, w)), input_signature=signature))
+            return traced[0](x, y, weights)
+
+    return function
+
 
 class ScoringView(TrainingView):
     """The same, for evaluation: call() returns {"loss", "correct"}, each gathered position's.

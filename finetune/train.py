@@ -154,7 +154,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
     step = batching.length_step(cfg.backend, cfg.model.seq_len)
     order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step, inputs=inputs)
     eval_rows = batching.pad([e for _, e in eval_part], cfg.model.seq_len)
-    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=step, inputs=inputs)
+    # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
+    eval_step = None if cfg.backend == "tensorflow" else step
+    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=eval_step, inputs=inputs)
     steps_per_epoch = order.steps_per_epoch
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps is not None:
