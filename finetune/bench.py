@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -233,15 +234,20 @@ def failure(process: subprocess.CompletedProcess, peak: float) -> str:
     from finetune.quiet import NOISE
 
     resident = f" at {peak / 1e9:.1f} GB resident" if peak else ""
+    lines = [line.strip() for line in (process.stderr or "").splitlines() if line.strip()]
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]  # XLA's and TensorFlow's fatal check
+    lines = [line for line in lines if not NOISE.match(line.encode())]
     if process.returncode < 0:
-        name = signal.Signals(-process.returncode).name
+        try:
+            name = signal.Signals(-process.returncode).name
+        except ValueError:
+            name = f"signal {-process.returncode}"
         if name == "SIGKILL":
             return f"killed by SIGKILL{resident}: the system's out-of-memory killer, most likely"
-        return f"ended by {name}{resident}"
-    lines = [line for line in (process.stderr or "").splitlines() if line.strip()]
-    lines = [line for line in lines if not NOISE.match(line.encode())]
+        why = fatal[-1].split("] ", 1)[-1] if fatal else (lines[-1] if lines else "")
+        return f"ended by {name}{resident}" + (f": {why}" if why else "")
     if lines:
-        return f"{lines[-1].strip()} (exit {process.returncode})"
+        return f"{lines[-1]} (exit {process.returncode})"
     return f"exit {process.returncode} with no message{resident}"
 
 
@@ -287,7 +293,7 @@ def _work(spec: Spec) -> dict:
     else:
         tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
     keras.utils.set_random_seed(0)
-    quantize = spec.lever if spec.lever in ("int8", "int4") else spec.workload.quantize or None
+    quantize = _quantize(spec)
     precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
     lm, tokenizer = _model(spec.workload, precision, quantize, remat=spec.lever == "remat")
     train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
@@ -344,7 +350,7 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
-    quantize = spec.lever if spec.lever in ("int8", "int4") else spec.workload.quantize
+    quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
     if spec.lever == "remat":
@@ -355,6 +361,13 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     return ", ".join(parts)
 
 
+def _quantize(spec: Spec) -> str | None:
+    """The row's quantized base: its lever's, or --quantize's for finetune rows (the tutorial's recipe has none)."""
+    if spec.lever in ("int8", "int4"):
+        return spec.lever
+    return (spec.workload.quantize or None) if spec.recipe == "finetune" else None
+
+
 def _model(workload: Workload, precision: str | None, quantize: str | None, remat: bool = False):
     """The arch's causal LM with random weights, built as `finetune gemma` builds a preset's.
 
@@ -362,7 +375,6 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
     quantize: int4 or int8: decoder kernels built quantized and filled with random values layer by
         layer, so the float base never exists (quantized.py), as when a preset loads quantized.
     """
-    import keras
     import keras_hub
 
     from finetune import attention, backend, presets, quantized
@@ -383,7 +395,6 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
         attention.enable(lm.backbone)
     if remat:
         remat_module.enable(lm.backbone)
-    del keras
     return lm, tokenizer
 
 
@@ -399,7 +410,7 @@ def _examples(workload: Workload, tokenizer):
 def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
-    from finetune import batching, model, packing
+    from finetune import backend, batching, model, packing
 
     w = spec.workload
     model.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
@@ -408,7 +419,9 @@ def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     rows = batching.pad(examples, w.seq_len) if spec.lever == "packing" else packing.pack(examples, w.seq_len)
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
-    order = batching.TrainOrder(rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len))
+    order = batching.TrainOrder(
+        rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator())
+    )
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
     while timed < w.steps and step < w.warmup + w.steps + 16:
@@ -481,6 +494,8 @@ def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:
 
 
 def _measured(losses: list[float], seconds: float, tokens: int, positions: int) -> dict:
+    if not seconds or not positions:  # every step compiled a new shape: nothing was timed
+        raise UserError(f"no step was timed in {len(losses)} steps (each compiled a new batch shape); add --steps")
     return {
         "tokens_per_s": round(tokens / seconds, 1),
         "padding_fraction": round(1 - tokens / positions, 4),

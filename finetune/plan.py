@@ -73,7 +73,10 @@ def device(text: str) -> tuple[str, Device]:
     if key == "cpu":
         from finetune import backend
 
-        return "cpu", Device(backend.host_memory(), backend.cpu_has_bfloat16(), "this host's memory", "cpu")
+        memory = backend.host_memory()
+        if memory is None:
+            raise UserError("cannot read this host's memory (no /proc/meminfo); pass --device-memory SIZE")
+        return "cpu", Device(memory, backend.cpu_has_bfloat16(), "this host's memory", "cpu")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
     if match and match.group(2) in UNITS and float(match.group(1)) > 0:
         size = int(float(match.group(1)) * UNITS[match.group(2)])
@@ -212,6 +215,7 @@ def remat_for(cfg: Config, precision: str, device: str, memory: int | None) -> t
         return False, f"auto: off (the {device}'s memory is unknown; pass --remat on if the run runs out of it)"
     resolved = copy.deepcopy(cfg)
     resolved.model.precision = precision
+    resolved.train.xla_mem_fraction = 1.0  # `memory` is what the framework reports: the fraction is applied
     kind = Device(memory, precision == "bfloat16", f"this {device}", device)
     devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
     try:
