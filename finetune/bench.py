@@ -10,7 +10,8 @@ weights (throughput does not depend on their values); the data is real.
 - Recipe `tutorial` is the Keras Gemma LoRA tutorial's: every example padded
   to seq-len, float32, no tweaks, `fit()` on the preprocessed batches.
 - Recipe `hf` is the peer: Hugging Face transformers + PEFT, packed, its base
-  built in bfloat16 (peer.py), in the torch process.
+  built in the dtype --precision auto picks on the device (peer.py), in the
+  torch process.
 - A lever row is the `finetune` recipe with one setting changed (packing off,
   float32, an int4 or int8 base, remat on), so what each buys is measured in
   the same run.
@@ -315,7 +316,8 @@ def _work(spec: Spec) -> dict:
 
 
 def _work_hf(spec: Spec) -> dict:
-    """The peer's row (peer.py): the same examples, trained with transformers + PEFT, packed, base in bf16."""
+    """The peer's row (peer.py): the same examples, trained with transformers + PEFT, packed, base in the
+    dtype --precision auto picks here."""
     import keras_hub
 
     from finetune import backend, peer
@@ -324,11 +326,14 @@ def _work_hf(spec: Spec) -> dict:
     tokenizer = keras_hub.models.GemmaTokenizer(proto=w.tokenizer or str(presets.TINY_TOKENIZER))
     _, _, examples = _examples(w, tokenizer)
     vocabulary = VOCAB.get(w.arch) or tokenizer.vocabulary_size()
-    model = peer.build(ARCHS[w.arch], vocabulary, w.rank)
+    # The dtype finetune's --precision auto picks on this device: the peer's best here too (bf16 where it is fast,
+    # float16 on a T4, float32 on a CPU without bf16 units, where torch's bf16 matmul is a slow reference loop).
+    dtype = backend.auto_precision("gpu" if peer.device() == "cuda" else "cpu")
+    model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype)
     steps = peer.batches(examples, w.seq_len, w.batch_size)
     if not steps:
         raise UserError(f"the data fills fewer rows than one batch of {w.batch_size}")
-    done = peer.train(model, steps, w.warmup, w.steps)
+    done = peer.train(model, steps, w.warmup, w.steps, dtype)
     positions = sum(int(inputs["input_ids"].numel()) for inputs, _ in steps[w.warmup : w.warmup + w.steps])
     result = _measured(done["losses"], done["seconds"], done["tokens"], max(positions, done["tokens"]))
     result.update(
@@ -337,10 +342,10 @@ def _work_hf(spec: Spec) -> dict:
         lever=None,
         arch=w.arch,
         device="gpu" if peer.device() == "cuda" else "cpu",
-        precision="bfloat16",
-        settings="transformers + PEFT, packed, bfloat16 base, loss on every token",
+        precision=dtype,
+        settings=f"transformers + PEFT, packed, {dtype} base, loss on every token",
         peak_memory_mb=round(backend.peak_memory_mb(), 1),
-        compute_dtype="bfloat16",
+        compute_dtype=dtype,
         vocab=vocabulary,
     )
     return result
@@ -545,13 +550,15 @@ def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
 
 
 def _peak_main() -> int:
-    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and bfloat16, as a ROW line."""
+    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and bfloat16 (and float16 on a
+    GPU, where a T4's rows run), as a ROW line."""
     from finetune import backend
 
     backend.select(os.environ.get("KERAS_BACKEND", "jax"))
     device = backend.accelerator()
     backend.apply_runtime_tweaks("float32")  # PyTorch's CPU threads as the rows have them
-    peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in ("float32", "bfloat16")}
+    dtypes = ("float32", "bfloat16", "float16") if device == "gpu" else ("float32", "bfloat16")
+    peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in dtypes}
     print(ROW + json.dumps(peaks), flush=True)
     return 0
 
