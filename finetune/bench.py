@@ -296,7 +296,9 @@ def _work(spec: Spec) -> dict:
     keras.utils.set_random_seed(0)
     quantize = _quantize(spec)
     precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
-    lm, tokenizer = _model(spec.workload, precision, quantize, remat=spec.lever == "remat")
+    remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))
+    tweaks["remat"] = remat
+    lm, tokenizer = _model(spec.workload, precision, quantize, remat=remat)
     train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
     result = train(spec, lm, tokenizer)
     policy = keras.config.dtype_policy()
@@ -358,12 +360,29 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
-    if spec.lever == "remat":
-        parts.append("remat")
+    if spec.lever == "remat" or tweaks.get("remat"):
+        parts.append("remat" if spec.lever == "remat" else "remat (auto)")
     threads = tweaks.get("torch.intra_op_threads")
     if threads:
         parts.append(f"{threads.split()[0]} threads")
     return ", ".join(parts)
+
+
+def _auto_remat(spec: Spec, tweaks: dict, quantize: str | None) -> bool:
+    """What `finetune gemma --remat auto` picks for the row's released architecture on this device (the plan
+    says whether the step fits without it); off for the small archs, which have no preset to plan."""
+    from finetune import backend, plan
+    from finetune.config import Config
+
+    preset = {"gemma-2b": "gemma_2b_en", "gemma-7b": "gemma_7b_en"}.get(spec.workload.arch)
+    if preset is None:
+        return False
+    cfg = Config()
+    cfg.backend = spec.backend
+    cfg.model.preset, cfg.model.seq_len, cfg.model.quantize = preset, spec.workload.seq_len, quantize
+    cfg.train.batch_size = spec.workload.batch_size
+    memory = backend.device_memory(tweaks["device"])
+    return plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], memory)[0]
 
 
 def _quantize(spec: Spec) -> str | None:

@@ -173,9 +173,10 @@ class Plan:
 _BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloat16": (4, 2)}
 _LORA_BYTES = 4
 # What a CPU run's process holds besides the model and the step: the frameworks' libraries (keras-hub
-# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Peak resident
-# memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (BENCHMARKS.md).
-_HOST_RUNTIME = {"tensorflow": 1.55 * GiB, "torch": 1.40 * GiB, "jax": 1.45 * GiB}
+# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Measured: the peak
+# resident memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (Zen 2),
+# 2026-11-24 (BENCHMARKS.md): 1330, 1497 and 1576 MiB.
+_HOST_RUNTIME = {"tensorflow": 1.30 * GiB, "torch": 1.46 * GiB, "jax": 1.54 * GiB}
 _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
