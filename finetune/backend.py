@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 from finetune.errors import UserError
 
@@ -235,16 +236,24 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
     return tweaks
 
 
-def host_memory() -> int:
-    """This host's memory in bytes (MemTotal); a UserError where /proc/meminfo cannot be read."""
+def host_memory() -> int | None:
+    """The memory this process may use, in bytes: the host's (MemTotal), or its container's limit where that
+    is lower (cgroup v2 memory.max, v1 memory.limit_in_bytes: Kaggle's and Vertex AI's containers); None where
+    neither can be read (not Linux)."""
+    total = None
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            total = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")), None)
+    except (OSError, ValueError):
         pass
-    raise UserError("cannot read this host's memory from /proc/meminfo; pass --device-memory SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        if text.isdigit() and (total is None or 0 < int(text) < total):
+            total = int(text)  # "max", or v1's huge number when unlimited, leaves the host's total
+    return total
 
 
 def device_memory(device: str) -> int | None:

@@ -199,14 +199,16 @@ def example_positions(segment_ids: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
-def length_step(backend: str, seq_len: int) -> int:
+def length_step(backend: str, seq_len: int, device: str = "cpu") -> int:
     """How finely a batch's length is cut to its longest row: each length is a compiled shape.
 
-    JAX compiles a program per shape, so its lengths are few (eighths of seq_len);
-    TensorFlow relaxes the length to a dynamic one after two shapes and PyTorch
-    runs eagerly, so theirs follow the rows to within 16 positions.
+    XLA compiles a program per shape (JAX everywhere, TensorFlow on an accelerator), so
+    there the lengths are few (eighths of seq_len); TensorFlow on a CPU traces one graph
+    with a dynamic length (objective.TrainingView) and PyTorch runs eagerly, so theirs
+    follow the rows to within 16 positions.
     """
-    return max(16, seq_len // 8) if backend == "jax" else 16
+    compiled = backend == "jax" or (backend == "tensorflow" and device != "cpu")
+    return max(16, seq_len // 8) if compiled else 16
 
 
 def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:

@@ -10,7 +10,8 @@ weights (throughput does not depend on their values); the data is real.
 - Recipe `tutorial` is the Keras Gemma LoRA tutorial's: every example padded
   to seq-len, float32, no tweaks, `fit()` on the preprocessed batches.
 - Recipe `hf` is the peer: Hugging Face transformers + PEFT, packed, its base
-  built in bfloat16 (peer.py), in the torch process.
+  built in the dtype --precision auto picks on the device (peer.py), in the
+  torch process.
 - A lever row is the `finetune` recipe with one setting changed (packing off,
   float32, an int4 or int8 base, remat on), so what each buys is measured in
   the same run.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -233,15 +235,20 @@ def failure(process: subprocess.CompletedProcess, peak: float) -> str:
     from finetune.quiet import NOISE
 
     resident = f" at {peak / 1e9:.1f} GB resident" if peak else ""
+    lines = [line.strip() for line in (process.stderr or "").splitlines() if line.strip()]
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]  # XLA's and TensorFlow's fatal check
+    lines = [line for line in lines if not NOISE.match(line.encode())]
     if process.returncode < 0:
-        name = signal.Signals(-process.returncode).name
+        try:
+            name = signal.Signals(-process.returncode).name
+        except ValueError:
+            name = f"signal {-process.returncode}"
         if name == "SIGKILL":
             return f"killed by SIGKILL{resident}: the system's out-of-memory killer, most likely"
-        return f"ended by {name}{resident}"
-    lines = [line for line in (process.stderr or "").splitlines() if line.strip()]
-    lines = [line for line in lines if not NOISE.match(line.encode())]
+        why = fatal[-1].split("] ", 1)[-1] if fatal else (lines[-1] if lines else "")
+        return f"ended by {name}{resident}" + (f": {why}" if why else "")
     if lines:
-        return f"{lines[-1].strip()} (exit {process.returncode})"
+        return f"{lines[-1]} (exit {process.returncode})"
     return f"exit {process.returncode} with no message{resident}"
 
 
@@ -287,9 +294,11 @@ def _work(spec: Spec) -> dict:
     else:
         tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
     keras.utils.set_random_seed(0)
-    quantize = spec.lever if spec.lever in ("int8", "int4") else spec.workload.quantize or None
+    quantize = _quantize(spec)
     precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
-    lm, tokenizer = _model(spec.workload, precision, quantize, remat=spec.lever == "remat")
+    remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))
+    tweaks["remat"] = remat
+    lm, tokenizer = _model(spec.workload, precision, quantize, remat=remat)
     train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
     result = train(spec, lm, tokenizer)
     policy = keras.config.dtype_policy()
@@ -309,7 +318,8 @@ def _work(spec: Spec) -> dict:
 
 
 def _work_hf(spec: Spec) -> dict:
-    """The peer's row (peer.py): the same examples, trained with transformers + PEFT, packed, base in bf16."""
+    """The peer's row (peer.py): the same examples, trained with transformers + PEFT, packed, base in the
+    dtype --precision auto picks here."""
     import keras_hub
 
     from finetune import backend, peer
@@ -318,11 +328,14 @@ def _work_hf(spec: Spec) -> dict:
     tokenizer = keras_hub.models.GemmaTokenizer(proto=w.tokenizer or str(presets.TINY_TOKENIZER))
     _, _, examples = _examples(w, tokenizer)
     vocabulary = VOCAB.get(w.arch) or tokenizer.vocabulary_size()
-    model = peer.build(ARCHS[w.arch], vocabulary, w.rank)
+    # The dtype finetune's --precision auto picks on this device: the peer's best here too (bf16 where it is fast,
+    # float16 on a T4, float32 on a CPU without bf16 units, where torch's bf16 matmul is a slow reference loop).
+    dtype = backend.auto_precision("gpu" if peer.device() == "cuda" else "cpu")
+    model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype)
     steps = peer.batches(examples, w.seq_len, w.batch_size)
     if not steps:
         raise UserError(f"the data fills fewer rows than one batch of {w.batch_size}")
-    done = peer.train(model, steps, w.warmup, w.steps)
+    done = peer.train(model, steps, w.warmup, w.steps, dtype)
     positions = sum(int(inputs["input_ids"].numel()) for inputs, _ in steps[w.warmup : w.warmup + w.steps])
     result = _measured(done["losses"], done["seconds"], done["tokens"], max(positions, done["tokens"]))
     result.update(
@@ -331,10 +344,10 @@ def _work_hf(spec: Spec) -> dict:
         lever=None,
         arch=w.arch,
         device="gpu" if peer.device() == "cuda" else "cpu",
-        precision="bfloat16",
-        settings="transformers + PEFT, packed, bfloat16 base, loss on every token",
+        precision=dtype,
+        settings=f"transformers + PEFT, packed, {dtype} base, loss on every token",
         peak_memory_mb=round(backend.peak_memory_mb(), 1),
-        compute_dtype="bfloat16",
+        compute_dtype=dtype,
         vocab=vocabulary,
     )
     return result
@@ -344,15 +357,39 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
-    quantize = spec.lever if spec.lever in ("int8", "int4") else spec.workload.quantize
+    quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
-    if spec.lever == "remat":
-        parts.append("remat")
+    if spec.lever == "remat" or tweaks.get("remat"):
+        parts.append("remat" if spec.lever == "remat" else "remat (auto)")
     threads = tweaks.get("torch.intra_op_threads")
     if threads:
         parts.append(f"{threads.split()[0]} threads")
     return ", ".join(parts)
+
+
+def _auto_remat(spec: Spec, tweaks: dict, quantize: str | None) -> bool:
+    """What `finetune gemma --remat auto` picks for the row's released architecture on this device (the plan
+    says whether the step fits without it); off for the small archs, which have no preset to plan."""
+    from finetune import backend, plan
+    from finetune.config import Config
+
+    preset = {"gemma-2b": "gemma_2b_en", "gemma-7b": "gemma_7b_en"}.get(spec.workload.arch)
+    if preset is None:
+        return False
+    cfg = Config()
+    cfg.backend = spec.backend
+    cfg.model.preset, cfg.model.seq_len, cfg.model.quantize = preset, spec.workload.seq_len, quantize
+    cfg.train.batch_size = spec.workload.batch_size
+    memory = backend.device_memory(tweaks["device"])
+    return plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], memory)[0]
+
+
+def _quantize(spec: Spec) -> str | None:
+    """The row's quantized base: its lever's, or --quantize's for finetune rows (the tutorial's recipe has none)."""
+    if spec.lever in ("int8", "int4"):
+        return spec.lever
+    return (spec.workload.quantize or None) if spec.recipe == "finetune" else None
 
 
 def _model(workload: Workload, precision: str | None, quantize: str | None, remat: bool = False):
@@ -362,7 +399,6 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
     quantize: int4 or int8: decoder kernels built quantized and filled with random values layer by
         layer, so the float base never exists (quantized.py), as when a preset loads quantized.
     """
-    import keras
     import keras_hub
 
     from finetune import attention, backend, presets, quantized
@@ -383,7 +419,6 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
         attention.enable(lm.backbone)
     if remat:
         remat_module.enable(lm.backbone)
-    del keras
     return lm, tokenizer
 
 
@@ -399,7 +434,7 @@ def _examples(workload: Workload, tokenizer):
 def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
-    from finetune import batching, model, packing
+    from finetune import backend, batching, model, packing
 
     w = spec.workload
     model.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
@@ -408,7 +443,9 @@ def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     rows = batching.pad(examples, w.seq_len) if spec.lever == "packing" else packing.pack(examples, w.seq_len)
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
-    order = batching.TrainOrder(rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len))
+    order = batching.TrainOrder(
+        rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator())
+    )
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
     while timed < w.steps and step < w.warmup + w.steps + 16:
@@ -481,6 +518,8 @@ def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:
 
 
 def _measured(losses: list[float], seconds: float, tokens: int, positions: int) -> dict:
+    if not seconds or not positions:  # every step compiled a new shape: nothing was timed
+        raise UserError(f"no step was timed in {len(losses)} steps (each compiled a new batch shape); add --steps")
     return {
         "tokens_per_s": round(tokens / seconds, 1),
         "padding_fraction": round(1 - tokens / positions, 4),
@@ -530,15 +569,18 @@ def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
 
 
 def _peak_main() -> int:
-    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and bfloat16, as a ROW line."""
+    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and bfloat16 (and float16 on a
+    GPU, where a T4's rows run), as a ROW line."""
     from finetune import backend
 
     backend.select(os.environ.get("KERAS_BACKEND", "jax"))
     device = backend.accelerator()
     backend.apply_runtime_tweaks("float32")  # PyTorch's CPU threads as the rows have them
     # bf16 only where it has units: a CPU without them multiplies bf16 in a slow emulation, whose peak no row
-    # uses (--precision auto trains float32 there) and which takes minutes to time at this size.
+    # uses (--precision auto trains float32 there) and which takes minutes to time at this size. float16 on a
+    # GPU, where a T4's rows run.
     dtypes = ["float32"] + (["bfloat16"] if backend.supports_bfloat16(device) else [])
+    dtypes += ["float16"] if device == "gpu" else []
     peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in dtypes}
     print(ROW + json.dumps(peaks), flush=True)
     return 0

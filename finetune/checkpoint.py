@@ -226,7 +226,8 @@ def settings_to_resume(output: str | None) -> dict | None:
 
 
 def resumed_config(cfg, saved: dict):
-    """`cfg` with the batch size and learning rate the checkpoint resolved, where `cfg` leaves them to be chosen.
+    """`cfg` with the batch size, learning rate and precision the checkpoint resolved, where `cfg` leaves them
+    to be chosen.
 
     A recipe's `batch_size: null` or `auto` must continue at the batch the run used, not at a new default.
     """
@@ -236,7 +237,12 @@ def resumed_config(cfg, saved: dict):
         updates["batch_size"] = train["batch_size"]
     if cfg.train.learning_rate is None:
         updates["learning_rate"] = train["learning_rate"]
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
+    if cfg.model.precision == "auto":  # the dtype auto became when the run started, wherever it resumes
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, precision=saved["config"]["model"]["precision"])
+        )
+    return cfg
 
 
 def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:

@@ -49,8 +49,8 @@ class Family:
     """Backbone config keys of the image and audio encoders a text run leaves out (set to None)."""
     converters: tuple = ()
     """The preprocessor's image, audio and video converters, left out with them."""
-    no_int4: str | None = None
-    """Why --quantize int4 would compute wrong on this family; None where it works."""
+    no_quantize: str | None = None
+    """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
@@ -86,8 +86,8 @@ FAMILIES = {
         chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",),
         encoders=dict(vision_encoder=None, audio_encoder=None),
         converters=("image_converter", "audio_converter", "video_converter"),
-        no_int4=(
-            "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and an int4 layer's kernel "
+        no_quantize=(
+            "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and a quantized layer's kernel "
             "comes without its scales"
         ),
     ),

@@ -32,7 +32,7 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
     remat: bool. Recompute each decoder block's activations in the backward
         pass instead of keeping them (remat.py).
     """
-    why = families.get(source.family).no_int4 if quantize is not None else None
+    why = families.get(source.family).no_quantize if quantize is not None else None
     if why:
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize)

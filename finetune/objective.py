@@ -195,12 +195,14 @@ class TrainingView(keras.Model):
         if keras.config.backend() != "tensorflow" or self.run_eagerly:
             return super().make_train_function(force)
         if self.train_function is None or force:
-            self.train_function = _one_graph(self.train_step)
+            self.train_function = _one_graph(self.train_step, self.jit_compile)
         return self.train_function
 
 
-def _one_graph(train_step):
-    """train_on_batch's function: `train_step` traced once, with every input's length (axis 1) left dynamic."""
+def _one_graph(train_step, jit_compile: bool):
+    """train_on_batch's function: `train_step` traced once, with every input's length (axis 1) left dynamic.
+
+    jit_compile: Keras' choice (XLA on a GPU, where XLA compiles each length on its own, as under JAX)."""
     import tensorflow as tf
 
     traced = []
@@ -216,7 +218,10 @@ def _one_graph(train_step):
 
                 signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),
                              spec("loss_", weights)]  # fmt: skip
-                traced.append(tf.function(lambda x, y, w: train_step((x, y, w)), input_signature=signature))
+                step = tf.function(
+                    lambda x, y, w: train_step((x, y, w)), input_signature=signature, jit_compile=jit_compile
+                )
+                traced.append(step)
             return traced[0](x, y, weights)
 
     return function

@@ -5,9 +5,11 @@ sizes, random weights), the same tokenized examples, the same LoRA (rank r on
 q_proj and v_proj, alpha r) and AdamW, trained the way the strongest common
 Hugging Face setup does it:
 
-- the base built directly in bfloat16 (as `from_pretrained(dtype=bfloat16)`
-  loads it), the LoRA factors in float32 (PEFT's default), the forward under
-  torch.autocast(bfloat16), as TRL's `bf16=True`;
+- the base built directly in the compute dtype (as `from_pretrained(dtype=...)`
+  loads it): bfloat16, or float16 on a GPU without bf16 and float32 on a CPU
+  without bf16 units, as finetune's --precision auto picks; the LoRA factors
+  in float32 (PEFT's default), the forward under torch.autocast in that dtype,
+  as TRL's `bf16=True`/`fp16=True`;
 - examples packed best-fit decreasing into rows of seq_len, each row padded
   only to the longest row of its batch; position ids restart at 0 for each
   example and no attention mask is passed, so transformers builds a
@@ -38,8 +40,8 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build(config: dict, vocabulary: int, rank: int):
-    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in bfloat16, LoRA on q and v."""
+def build(config: dict, vocabulary: int, rank: int, dtype: str = "bfloat16"):
+    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, LoRA on q and v."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import GemmaConfig, GemmaForCausalLM
@@ -59,7 +61,7 @@ def build(config: dict, vocabulary: int, rank: int):
         attn_implementation="sdpa",
     )
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # no float32 copy of the base is ever made
+    torch.set_default_dtype(getattr(torch, dtype))  # no float32 copy of a bf16 base is ever made
     try:
         base = GemmaForCausalLM(hf_config)
     finally:
@@ -96,7 +98,7 @@ def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
     return out
 
 
-def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int) -> dict:
+def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int, dtype: str = "bfloat16") -> dict:
     """Warm-up steps, then `timed` timed steps; the tokens counted are each example's trained targets."""
     import torch
 
@@ -105,7 +107,7 @@ def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int) -> dict
     for step in range(warmup + timed):
         inputs, trained = steps[step % len(steps)]
         started = time.perf_counter()
-        with torch.autocast(kind, dtype=torch.bfloat16):
+        with torch.autocast(kind, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
             loss = model(**inputs, use_cache=False).loss  # use_cache=False: the packed mask needs no cache
         loss.backward()
         optimizer.step()

@@ -73,7 +73,10 @@ def device(text: str) -> tuple[str, Device]:
     if key == "cpu":
         from finetune import backend
 
-        return "cpu", Device(backend.host_memory(), backend.cpu_has_bfloat16(), "this host's memory", "cpu")
+        memory = backend.host_memory()
+        if memory is None:
+            raise UserError("cannot read this host's memory (no /proc/meminfo); pass --device-memory SIZE")
+        return "cpu", Device(memory, backend.cpu_has_bfloat16(), "this host's memory", "cpu")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
     if match and match.group(2) in UNITS and float(match.group(1)) > 0:
         size = int(float(match.group(1)) * UNITS[match.group(2)])
@@ -170,9 +173,10 @@ class Plan:
 _BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloat16": (4, 2)}
 _LORA_BYTES = 4
 # What a CPU run's process holds besides the model and the step: the frameworks' libraries (keras-hub
-# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Peak resident
-# memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (BENCHMARKS.md).
-_HOST_RUNTIME = {"tensorflow": 1.55 * GiB, "torch": 1.40 * GiB, "jax": 1.45 * GiB}
+# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Measured: the peak
+# resident memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (Zen 2),
+# 2026-11-24 (BENCHMARKS.md): 1330, 1497 and 1576 MiB.
+_HOST_RUNTIME = {"tensorflow": 1.30 * GiB, "torch": 1.46 * GiB, "jax": 1.54 * GiB}
 _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
@@ -212,6 +216,7 @@ def remat_for(cfg: Config, precision: str, device: str, memory: int | None) -> t
         return False, f"auto: off (the {device}'s memory is unknown; pass --remat on if the run runs out of it)"
     resolved = copy.deepcopy(cfg)
     resolved.model.precision = precision
+    resolved.train.xla_mem_fraction = 1.0  # `memory` is what the framework reports: the fraction is applied
     kind = Device(memory, precision == "bfloat16", f"this {device}", device)
     devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
     try:

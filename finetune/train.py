@@ -9,6 +9,7 @@ run, and a run directory that records everything the run did.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -92,6 +93,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
         cfg = checkpoint.resumed_config(cfg, saved)
         checkpoint.check_compatible(saved, cfg, fingerprint, target)
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
+    # auto is decided once and saved decided: a run resumed on another machine trains on in the same dtype.
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=tweaks["dtype_policy"]))
     keras.utils.set_random_seed(cfg.train.seed)
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     # Set before the model is built, so that weights are created sharded, never whole on one device.
@@ -151,7 +154,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         )
     # In a multi-process job each process feeds its own slice of every global batch.
     inputs = model.input_names(lm)
-    step = batching.length_step(cfg.backend, cfg.model.seq_len)
+    step = batching.length_step(cfg.backend, cfg.model.seq_len, tweaks["device"])
     order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step, inputs=inputs)
     eval_rows = batching.pad([e for _, e in eval_part], cfg.model.seq_len)
     # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.

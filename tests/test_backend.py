@@ -69,3 +69,32 @@ def test_out_of_memory_errors_are_recognised_on_every_backend():
 def test_default_batch_sizes_follow_the_measured_fit():
     assert backend.DEFAULT_BATCH_SIZE == {"jax": 4, "torch": 2, "tensorflow": 2}
     assert backend.peak_memory_mb() > 0
+
+
+@pytest.mark.parametrize("limit, expected", [("max", None), ("1073741824", 2**30), ("0", None), ("garbage", None)])
+def test_host_memory_is_the_containers_limit_where_that_is_lower(monkeypatch, limit, expected):
+    real = backend.Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if str(path).startswith("/sys/fs/cgroup/"):
+            return limit + "\n"
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(backend.Path, "read_text", read_text)
+    total = backend.host_memory()
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        meminfo = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert total == (expected or meminfo)
+
+
+def test_host_memory_off_linux_is_unknown_and_plan_asks_for_a_size(monkeypatch):
+    from finetune import plan
+
+    def unreadable(*args, **kwargs):
+        raise OSError("no such file")
+
+    monkeypatch.setattr("builtins.open", unreadable)
+    monkeypatch.setattr(backend.Path, "read_text", unreadable)
+    assert backend.host_memory() is None
+    with pytest.raises(UserError, match="--device-memory"):
+        plan.device("cpu")

@@ -79,3 +79,24 @@ def test_local_preset_directory_resolves_and_loads(tmp_path):
     lm.preprocessor = None
     np.testing.assert_allclose(logits(loaded, x), logits(lm, x), rtol=1e-5, atol=1e-5)
     assert loaded_preprocessor.tokenizer.vocabulary_size() == preprocessor.tokenizer.vocabulary_size()
+
+
+def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path):
+    """--quantize int4 on a saved preset: each decoder kernel quantized as it loads, equal to keras' quantize()."""
+    before = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("float32")
+        lm, preprocessor = model.build(TINY, seq_len=32)
+        lm.preprocessor = preprocessor
+        lm.save_to_preset(str(tmp_path / "tiny-preset"))
+        source = presets.resolve(str(tmp_path / "tiny-preset"))
+        loaded, _ = model.load_base(source, 32, "float32", "int4")
+        lm.backbone.quantize("int4")
+    finally:
+        keras.config.set_dtype_policy(before)
+    expected = {v.path: keras.ops.convert_to_numpy(v) for v in lm.backbone.weights}
+    decoder = [v for v in loaded.backbone.weights if v.path.startswith("decoder_block")]
+    assert {v.path.rsplit("/", 1)[-1] for v in decoder} >= {"kernel", "kernel_scale"}
+    for variable in decoder:
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path], variable.path)
+    assert loaded.backbone.token_embedding.embeddings.dtype == "float32"  # the output projection stays float

@@ -203,3 +203,46 @@ def test_a_confident_softmax_keeps_its_gradient_in_bfloat16():
     # Subtracting the one-hot after the bf16 cast cancelled the gradient here: an error of 100%. What is left
     # is the bf16 rounding of the logits themselves, which PyTorch keeps (as transformers under autocast does).
     assert error < 0.5, error
+
+
+def test_targets_of_two_data_shards_gather_from_their_own_rows():
+    """With shards=2 each half of the batch indexes its own rows: the same targets as each half alone."""
+    tokenizer = presets.tiny_tokenizer()
+    rows = packed_rows(tokenizer)
+    chosen = np.arange(4)
+    both = batching.targets(rows, chosen, shards=2, width=48)
+    for shard, half in enumerate((chosen[:2], chosen[2:])):
+        alone = batching.targets(rows, half, shards=1, width=48)
+        for name, value in alone.items():
+            np.testing.assert_array_equal(both[name][shard * 2 : shard * 2 + 2], value, err_msg=name)
+    assert both["loss_positions"].max() < 2 * 48  # an index into its shard's 2 rows, never the other's
+
+
+def test_a_batch_cut_to_its_longest_row_scores_as_the_whole_row():
+    """Trimming a batch to its longest row (batch_length) changes no loss: only padding is cut."""
+    tokenizer = presets.tiny_tokenizer()
+    examples, _ = batching.tokenize([("Instruction:\nSay hi.\n\nResponse:\n", "hi " * (i + 1)) for i in range(4)],
+                                    tokenizer, 48)  # fmt: skip
+    rows = batching.pad(examples, 48)
+    chosen = np.arange(4)
+    length = batching.batch_length(np.count_nonzero(rows["padding_mask"], axis=1), 16, 48)
+    assert length < 48
+    with float32_policy():
+        lm, _ = lora_model()
+        trainer = model.compile(lm, 1e-3, 0.0)
+        whole = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48)[0])
+        cut = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48, length)[0])
+    np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_factors_stay_float32_on_an_int4_bfloat16_base():
+    before = keras.config.dtype_policy()
+    try:
+        lm, _ = lora_model("bfloat16", quantize="int4")
+        assert {v.dtype for v in lm.trainable_variables} == {"float32"}
+        frozen = {v.path.rsplit("/", 1)[-1]: v.dtype for v in lm.backbone.weights if not v.trainable}
+        assert frozen["embeddings"] == "bfloat16" and "int8" in set(frozen.values())  # int4 packed in int8
+        losses = train_losses(lm, steps=4)
+    finally:
+        keras.config.set_dtype_policy(before)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

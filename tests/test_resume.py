@@ -357,3 +357,14 @@ def test_runs_lists_each_state(uninterrupted, tmp_path):
     assert states == {"killed": "checkpointed", "diverged": "failed"}
     result = runner.invoke(app, ["runs", str(uninterrupted)])
     assert "finished" in result.output and "8" in result.output
+
+
+def test_a_resumed_run_keeps_the_precision_auto_became():
+    """auto is decided when a run starts (bf16 on this CPU, float16 on a T4): a resume elsewhere keeps it."""
+    from finetune.config import Config
+
+    saved = {"config": {"train": {"batch_size": 2, "learning_rate": 1e-3}, "model": {"precision": "float16"}}}
+    assert checkpoint.resumed_config(Config(), saved).model.precision == "float16"
+    chosen = Config()
+    chosen.model.precision = "float32"
+    assert checkpoint.resumed_config(chosen, saved).model.precision == "float32"  # then check_compatible refuses
