@@ -11,7 +11,10 @@ tests/test_packing.py.
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -24,6 +27,21 @@ from finetune import checkpoint, families, model, outputs, presets
 FAMILIES = ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"]
 TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
 TOKENS = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 127, 5, 6, 7, 300, 301]], dtype="int32")
+# Each backend's suite also kills one family's run for real (tests/test_resume.py kills `tiny` on each).
+KILLED_FOR_REAL = {"jax": "tiny-gemma4", "torch": "tiny-gemma3n", "tensorflow": "tiny-gemma4-moe"}
+KILL_AFTER_STEP_3 = """
+import json, os, signal, sys
+import finetune
+from finetune import checkpoint
+save = checkpoint.save
+def save_then_die(run_dir, run_id, step, *args, **kwargs):
+    saved = save(run_dir, run_id, step, *args, **kwargs)
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return saved
+checkpoint.save = save_then_die
+finetune.run(finetune.load_config("tiny", json.loads(sys.argv[1])))
+"""
 in_torch_suite = pytest.mark.skipif(BACKEND != "torch", reason="transformers and PEFT are checked in the PyTorch suite")
 
 
@@ -85,6 +103,25 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, da
         if found.step > 3:
             shutil.rmtree(found.path)
     (out / outputs.METRICS).unlink()
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
+    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_a_run_killed_for_real_resumes_to_the_same_adapter(trained, data, tmp_path):
+    """SIGKILL right after step 3's checkpoint, in its own process; then resume: the same adapter, bit for bit."""
+    preset, whole, _, _ = trained
+    if KILLED_FOR_REAL[BACKEND] != preset:
+        pytest.skip(f"the {BACKEND} suite kills {KILLED_FOR_REAL[BACKEND]} for real")
+    out = tmp_path / "killed"
+    args = [sys.executable, "-c", KILL_AFTER_STEP_3, json.dumps(settings(preset, out, data))]
+    killed = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": BACKEND})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [c.step for c in checkpoint.find(out)] == [3] and not (out / outputs.METRICS).exists()
     with float32_policy():
         metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
     assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
