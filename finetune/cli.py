@@ -817,10 +817,11 @@ def _batch_size(value):
 
 def main():
     # Before any framework is imported; commands accept --verbose so that it passes the parser.
-    if "--verbose" not in sys.argv[1:] and not os.environ.get("FINETUNE_VERBOSE"):
-        from finetune import quiet
+    from finetune import quiet
 
-        quiet.install()
+    if "--verbose" in sys.argv[1:]:
+        quiet.keep_verbose()  # the Python API's own install (backend.select) included
+    quiet.install()
     app()
 
 
