@@ -192,8 +192,10 @@ def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtyp
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
     writer.add_name(name)
     writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.ALL_F32))
-    # keras-hub keeps no maximum position; these are the lengths Google's own configs give each family.
-    writer.add_context_length(131072 if arch == "gemma3" else 8192)
+    # keras-hub keeps no maximum position; these are the lengths Google's own configs give: 8k for Gemma 1 and 2,
+    # for Gemma 3 128k where its global RoPE is stretched (4b and up, factor 8), else 32k (270m, 1b).
+    stretched = arch == "gemma3" and backbone.global_rope_scaling_factor > 1.0
+    writer.add_context_length(131072 if stretched else 32768 if arch == "gemma3" else 8192)
     writer.add_embedding_length(backbone.hidden_dim)
     writer.add_block_count(backbone.num_layers)
     writer.add_feed_forward_length(weights["blk.0.ffn_gate.weight"].shape[0])

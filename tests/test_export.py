@@ -577,6 +577,7 @@ def test_a_gemma3_run_exports_gguf_with_its_norms_and_windows(trained_gemma3, tm
     assert set(tensors) == expected_names(6, per_layer)
     assert fields["general.architecture"] == "gemma3" and fields["gemma3.attention.sliding_window"] == 4
     assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.feed_forward_length"] == 64
+    assert fields["gemma3.context_length"] == 32768  # no RoPE scaling: a 32k model, as Gemma 3 1b
     assert tensors["blk.2.attn_k_norm.weight"][0] == (8,)
     _, block = merged_weights(run)
     key_norm = keras.ops.convert_to_numpy(block(2).attention.key_norm.scale)
