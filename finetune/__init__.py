@@ -8,7 +8,7 @@ Notebook use:
     finetune.evaluate("runs/first")                     # held-out metrics of the finished run
     finetune.generate("runs/first", ["What is LoRA?"])  # completions with its adapter
     lm = finetune.load("runs/first")                    # the keras-hub model, adapter loaded
-    finetune.export("runs/first", "merged", "exported/first")  # also lora, hf, peft
+    finetune.export("runs/first", "merged", "exported/first")  # also lora, hf, peft, gguf
 
 Nothing here imports keras, so the backend named in the config can still be
 chosen; import keras yourself only after `run`, or with the same backend.

@@ -47,7 +47,10 @@ def loss_chunk(vocabulary_size: int) -> int:
 
 
 def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
-    """Set KERAS_BACKEND and the environment tweaks that must precede the import."""
+    """Set KERAS_BACKEND and the environment tweaks that must precede the import; quiet the frameworks' logs."""
+    from finetune import quiet
+
+    quiet.install()  # the Python API's way in: a notebook's output then holds no framework log line either
     if "keras" in sys.modules:
         import keras
 
@@ -55,7 +58,8 @@ def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
         if current != backend:
             raise UserError(
                 f"keras is already loaded with the {current} backend in this process, so {backend} "
-                "cannot be chosen; restart the kernel and call finetune before importing keras"
+                f"cannot be chosen; choose {current} instead, or restart the kernel and call finetune before "
+                "importing keras"
             )
     import importlib.util
 

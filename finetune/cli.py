@@ -629,13 +629,18 @@ def export_(
     format: str = typer.Option(
         ...,
         "--format",
-        help="lora (the adapter, checked), merged (a keras-hub preset), hf (transformers), peft (a PEFT adapter).",
-        metavar="lora|merged|hf|peft",
+        help="lora (the adapter, checked), merged (a keras-hub preset), hf (transformers), peft (a PEFT adapter), "
+        "gguf (llama.cpp and Ollama).",
+        metavar="lora|merged|hf|peft|gguf",
     ),
     output: str = typer.Option(..., "--output", help="The directory to write.", metavar="DIR"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace what --output already holds."),
     base: bool = typer.Option(
         False, "--base", help="With --format hf: the run's base model alone, for the peft adapter to apply to."
+    ),
+    dtype: Optional[str] = _flag(
+        "With --format gguf: the weights' type, f16, bf16 or f32 (norms stay f32). (default: f16)",
+        metavar="f16|bf16|f32",
     ),
     backend: Optional[str] = _flag(
         "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
@@ -646,12 +651,12 @@ def export_(
         False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
     ),
 ):
-    """Export a run's adapter for keras-hub, transformers or PEFT; nothing is written if a check fails."""
+    """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
     try:
         from finetune import export
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-        target = export(run, format, output, overwrite, base, backend)
+        target = export(run, format, output, overwrite, base, backend, dtype)
         print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
@@ -812,10 +817,11 @@ def _batch_size(value):
 
 def main():
     # Before any framework is imported; commands accept --verbose so that it passes the parser.
-    if "--verbose" not in sys.argv[1:] and not os.environ.get("FINETUNE_VERBOSE"):
-        from finetune import quiet
+    from finetune import quiet
 
-        quiet.install()
+    if "--verbose" in sys.argv[1:]:
+        quiet.keep_verbose()  # the Python API's own install (backend.select) included
+    quiet.install()
     app()
 
 

@@ -1,7 +1,13 @@
 """The exceptions that end a run with a message for a person instead of a traceback."""
 
 
-class UserError(Exception):
+class _Message(Exception):
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (a Jupyter notebook) shows for it: the message, as the CLI prints it, without a traceback."""
+        return [f"{type(self).__name__}: {self}"]
+
+
+class UserError(_Message):
     """Bad input: a message for a person, printed without a traceback.
 
     The CLI turns it into one or two lines on stderr and exit code 2. Raise it
@@ -9,7 +15,7 @@ class UserError(Exception):
     """
 
 
-class RunStopped(Exception):
+class RunStopped(_Message):
     """Training stopped early on request, with a checkpoint saved to resume from.
 
     exit_code: int. 130 for Ctrl-C, 143 for SIGTERM (128 + the signal), 75

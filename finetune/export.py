@@ -5,6 +5,7 @@
   keras_hub.models.CausalLM.from_preset loads it, with no finetune installed.
 - hf: the merged model in transformers' format, with its tokenizer (or the base alone, `base`).
 - peft: adapter_model.safetensors and adapter_config.json for PEFT on the transformers model.
+- gguf: the merged model as model.gguf for llama.cpp and Ollama, with a Modelfile (llamacpp.py).
 
 Every check runs before anything is written, and the files are written into a
 hidden staging directory that is renamed into place at the end: a refused or
@@ -17,9 +18,10 @@ import os
 import shutil
 from pathlib import Path
 
+from finetune import llamacpp
 from finetune.errors import UserError
 
-FORMATS = ("lora", "merged", "hf", "peft")
+FORMATS = ("lora", "merged", "hf", "peft", "gguf")
 # keras-hub's Gemma layer names -> transformers' module names (Gemma 3n's keras-hub layers have them already).
 HF_MODULES = {
     "query": "self_attn.q_proj",
@@ -35,32 +37,40 @@ HF_MODULES = {
 PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
 
 
-def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None) -> Path:
+def export(
+    run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype: str | None = None
+) -> Path:
     """Write a finished run's adapter as `format` into the directory `output`; returns its path.
 
     format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a
         keras-hub preset with the update merged in), hf (transformers'
-        format, merged) or peft (a PEFT adapter for the transformers model).
+        format, merged), peft (a PEFT adapter for the transformers model) or
+        gguf (the merged model as model.gguf for llama.cpp and Ollama).
     overwrite: bool. Replace what `output` holds; without it a non-empty
         `output` is refused.
     base: bool. With format hf: the run's base model alone, for the peft adapter.
+    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
     backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
         run's.
     Every check runs first: a refused export raises UserError and writes nothing.
     """
     from finetune import runs
 
-    target = check_request(format, output, overwrite, base)
+    target = check_request(format, output, overwrite, base, dtype)
     run = runs.open_on(run_dir, backend)
-    return export_run(run, format, target, base)
+    return export_run(run, format, target, base, dtype)
 
 
-def check_request(fmt: str, output: str | None, overwrite: bool, base: bool) -> Path:
+def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dtype: str | None = None) -> Path:
     """The output directory, once the request makes sense and OUT may be written; pure Python."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if base and fmt != "hf":
         raise UserError("--base writes the base model in transformers format: use it with --format hf")
+    if dtype is not None and fmt != "gguf":
+        raise UserError("--dtype chooses the GGUF file's weight type: use it with --format gguf")
+    if dtype is not None and dtype not in llamacpp.DTYPES:
+        raise UserError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(llamacpp.DTYPES)}")
     if output is None or not str(output).strip():
         raise UserError("--output is empty (an unset shell variable?); pass the directory to export to")
     if "://" in str(output):  # Path("gs://b/x") would be a local folder named gs:
@@ -80,34 +90,36 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool) -> 
         raise UserError(f"cannot write {target}: {parent} is not a writable directory; pass another --output")
     if fmt in ("hf", "peft"):
         _require("safetensors", "the hf and peft formats")
+    if fmt == "gguf":
+        _require("gguf", "the gguf format", extra="gguf")
     return target
 
 
-def _require(package: str, what: str) -> None:
+def _require(package: str, what: str, extra: str = "hf") -> None:
     import importlib.util
 
     if importlib.util.find_spec(package) is None:
-        raise UserError(f"{what} need the {package} package: pip install 'finetune[hf]'")
+        raise UserError(f"{what} need the {package} package: pip install 'finetune[{extra}]'")
 
 
-def export_run(run, fmt: str, target: Path, base: bool = False) -> Path:
+def export_run(run, fmt: str, target: Path, base: bool = False, dtype: str | None = None) -> Path:
     """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
     import keras
 
     before = keras.config.dtype_policy()
     try:
-        return _export_run(run, fmt, target, base)
+        return _export_run(run, fmt, target, base, dtype)
     finally:
         keras.config.set_dtype_policy(before)  # a notebook's next model is built as it would have been
 
 
-def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
+def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> Path:
     import keras
 
     from finetune import backend, model, outputs, presets, runs
 
     cfg = run.config
-    if fmt in ("merged", "hf") and cfg.model.quantize:
+    if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
         raise UserError(
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
@@ -118,12 +130,14 @@ def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
         lm, preprocessor = model.build(source, cfg.model.seq_len, precision, cfg.model.quantize)  # the trained base
     else:
         # merged keeps the base weights' dtype (keras-hub's from_preset cannot read a mixed policy back);
-        # hf is float32, which transformers casts to whatever a user loads it as.
+        # hf and gguf are float32, cast on writing (transformers when a user loads it, gguf to --dtype).
         variables = keras.mixed_precision.DTypePolicy(backend.POLICIES[precision][0]).variable_dtype
         keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
         lm, preprocessor = model.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
+    if fmt == "gguf":
+        llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
     factors = {} if base else runs.checked_factors(run, lm.backbone)
 
     def write(staging: Path) -> None:
@@ -136,6 +150,9 @@ def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
             shutil.copyfile(run.directory / outputs.ADAPTER_JSON, staging / outputs.ADAPTER_JSON)  # which base
             return
         merge(lm.backbone, factors, run.adapter["alpha"] / run.adapter["rank"])
+        if fmt == "gguf":
+            write_gguf(staging, run, lm.backbone, preprocessor.tokenizer, dtype or "f16")
+            return
         preprocessor.sequence_length = presets.preset_sequence_length(source)
         lm.preprocessor = preprocessor
         if fmt == "merged":
@@ -156,6 +173,17 @@ def _export_run(run, fmt: str, target: Path, base: bool) -> Path:
             "Free some space or pass another --output"
         ) from e
     return target
+
+
+def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str) -> None:
+    """model.gguf, and a Modelfile that gives Ollama the run's prompt template and stop tokens."""
+    from finetune import templates
+    from finetune.data import Record
+
+    llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=run.directory.resolve().name)
+    template = templates.get(run.config.data.template)
+    prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
+    (directory / llamacpp.MODELFILE).write_text(llamacpp.modelfile(prompt, template.stop_tokens), encoding="utf-8")
 
 
 def publish(target: Path, write) -> None:

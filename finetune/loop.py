@@ -224,7 +224,7 @@ class Loop:
     def _stopped_message(self, why: str) -> str:
         return (
             f"{why}: stopped at step {self.progress.step}/{self.total_steps} with a checkpoint; "
-            "rerun the same command with --resume to continue"
+            "rerun the same command with --resume to continue (in Python: finetune.run(cfg, resume=True))"
         )
 
     def _diverged(self, what: str) -> UserError:

@@ -7,7 +7,11 @@ CUDA-stub notes, `E0000 ... failed call to cuInit` on a machine without a GPU
 come before absl's logging starts, so TF_CPP_MIN_LOG_LEVEL does not remove
 them. `install()` puts a filter on descriptor 2 before any framework is
 imported: a pipe whose reader thread passes on every line except those, and
-the frameworks' Python warnings are ignored. `--verbose` skips it.
+the frameworks' Python warnings are ignored. The CLI installs it first thing,
+and the Python API when it chooses the backend (backend.select), so a Jupyter
+kernel's output holds no such line either: ipykernel forwards descriptor 2 to
+the notebook, and the filter sits in front of it. `--verbose` (or
+FINETUNE_VERBOSE=1) skips it.
 """
 
 from __future__ import annotations
@@ -29,18 +33,28 @@ NOISE = re.compile(
     rb"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks)"
 )
 FRAMEWORKS = r"(keras|keras_hub|tensorflow|tf_keras|jax|jaxlib|torch|absl|google\.protobuf)(\.|$)"
+# tqdm.auto in a Jupyter kernel without ipywidgets (datasets imports it) warns "IProgress not found. Please update
+# jupyter and ipywidgets", then uses its text bars anyway: advice about a package finetune does not use.
+WIDGET_WARNING = r"IProgress not found"
 _installed: dict = {}
+_verbose: list = []
 
 
 def is_noise(line: bytes) -> bool:
     return bool(NOISE.match(line))
 
 
+def keep_verbose() -> None:
+    """--verbose: install() does nothing for the rest of this process."""
+    _verbose.append(True)
+
+
 def install() -> None:
     """Filter descriptor 2 for the rest of this process (idempotent). Call before importing any framework."""
-    if _installed or not hasattr(os, "pipe"):
+    if _installed or _verbose or os.environ.get("FINETUNE_VERBOSE") or not hasattr(os, "pipe"):
         return
     warnings.filterwarnings("ignore", module=FRAMEWORKS)
+    warnings.filterwarnings("ignore", message=WIDGET_WARNING)
     sys.stderr.flush()
     terminal = os.dup(2)
     read_end, write_end = os.pipe()
@@ -48,8 +62,13 @@ def install() -> None:
     os.close(write_end)
     pump = threading.Thread(target=_pass_on, args=(read_end, terminal), name="finetune-stderr", daemon=True)
     pump.start()
-    _installed.update(terminal=terminal, pump=pump)
+    _installed.update(terminal=terminal, pump=pump, pipe=_identity(2))
     atexit.register(_uninstall)
+
+
+def _identity(fd: int) -> tuple:
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
 
 
 def _pass_on(read_end: int, terminal: int) -> None:
@@ -76,6 +95,13 @@ def _uninstall() -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    os.dup2(_installed["terminal"], 2)  # closes our write end of the pipe: the reader sees its end
-    _installed["pump"].join(timeout=2)
+    try:
+        ours = _identity(2) == _installed["pipe"]
+    except OSError:
+        ours = False
+    if ours:
+        os.dup2(_installed["terminal"], 2)  # closes our write end of the pipe: the reader sees its end
+        _installed["pump"].join(timeout=2)
+    else:  # someone (pytest's capture, a notebook's) has put another file on descriptor 2 since: leave it there
+        os.close(_installed["terminal"])
     _installed.clear()

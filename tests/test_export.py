@@ -421,3 +421,223 @@ def test_a_gemma3_run_exports_to_transformers_and_peft(trained_gemma3, tmp_path)
     np.testing.assert_allclose(hf_logits(base_model), base, atol=1e-4)
     adapted = peft.PeftModel.from_pretrained(base_model, export(run, "peft", tmp_path / "peft"))
     np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
+
+
+# === GGUF (llama.cpp and Ollama) ===
+
+gguf_marks = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("gguf") is None, reason="the gguf format needs pip install 'finetune[gguf]'"
+)
+
+
+def read_gguf(path):
+    """({tensor name: (ggml shape, type name, float32 array in numpy's order)}, {metadata key: value})."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {
+        t.name: (
+            tuple(int(n) for n in t.shape),
+            t.tensor_type.name,
+            np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32),
+        )
+        for t in reader.tensors
+    }
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return tensors, fields
+
+
+def merged_weights(run):
+    """The fine-tuned model's kernels with LoRA merged in (keras' LoRA kernel property), by keras-hub layer."""
+    with float32_policy():
+        backbone = finetune.load(run).backbone
+    return backbone, lambda i: backbone.get_layer(f"decoder_block_{i}")
+
+
+def expected_names(layers, per_layer):
+    return {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{name}.weight" for i in range(layers) for name in per_layer
+    }
+
+
+GEMMA_TENSORS = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+@gguf_marks
+def test_gguf_holds_the_merged_model_in_llama_cpp_layout(trained, tmp_path):
+    import keras
+
+    run, _, _ = trained
+    out = export(run, "gguf", tmp_path / "gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model.gguf"]
+    tensors, fields = read_gguf(out / "model.gguf")
+    config, vocabulary = presets.TINY_CONFIG, presets.tiny_vocabulary_size()
+    hidden, heads, head_dim = config["hidden_dim"], config["num_query_heads"], config["head_dim"]
+    assert set(tensors) == expected_names(config["num_layers"], GEMMA_TENSORS)
+    # ggml shapes are numpy's reversed: (in, out) for a matrix, as llama.cpp's converter writes transformers' (out, in)
+    assert tensors["token_embd.weight"][0] == (hidden, vocabulary)
+    assert tensors["blk.0.attn_q.weight"][0] == (hidden, heads * head_dim)
+    assert tensors["blk.0.attn_k.weight"][0] == (hidden, config["num_key_value_heads"] * head_dim)
+    assert tensors["blk.1.attn_output.weight"][0] == (heads * head_dim, hidden)
+    assert tensors["blk.1.ffn_down.weight"][0] == (config["intermediate_dim"] // 2, hidden)
+    assert tensors["blk.0.attn_q.weight"][1] == "F16" and tensors["blk.0.attn_norm.weight"][1] == "F32"
+    assert fields["general.architecture"] == "gemma" and fields["general.file_type"] == 1  # MOSTLY_F16
+    assert fields["gemma.block_count"] == config["num_layers"] and fields["gemma.embedding_length"] == hidden
+    assert fields["gemma.attention.head_count"] == heads and fields["gemma.attention.head_count_kv"] == 1
+    assert fields["gemma.attention.key_length"] == head_dim and fields["gemma.feed_forward_length"] == 256
+    tokenizer = presets.tiny_tokenizer()
+    assert len(fields["tokenizer.ggml.tokens"]) == vocabulary and fields["tokenizer.ggml.tokens"][2] == "<bos>"
+    assert fields["tokenizer.ggml.bos_token_id"] == tokenizer.token_to_id("<bos>")
+    assert fields["tokenizer.ggml.eos_token_id"] == tokenizer.token_to_id("<eos>")
+    assert fields["tokenizer.ggml.token_type"][6] == 6  # <0x00>: a byte piece
+    # Values: the merged kernels (base + alpha/rank * A @ B), in llama.cpp's layout, to f16's precision.
+    backbone, block = merged_weights(run)
+    query = keras.ops.convert_to_numpy(block(0).attention.query_dense.kernel)  # (heads, hidden, head_dim)
+    down = keras.ops.convert_to_numpy(block(1).ffw_linear.kernel)  # (intermediate, hidden)
+    scale = keras.ops.convert_to_numpy(block(0).pre_attention_norm.scale)
+    expected = {
+        "token_embd.weight": keras.ops.convert_to_numpy(backbone.token_embedding.embeddings),
+        "blk.0.attn_q.weight": query.transpose(0, 2, 1).reshape(heads * head_dim, hidden),
+        "blk.1.ffn_down.weight": down.T,
+        "blk.0.attn_norm.weight": 1.0 + scale,  # Gemma's RMSNorm scales by 1 + weight; llama.cpp by the weight
+    }
+    for name, value in expected.items():
+        np.testing.assert_allclose(tensors[name][2], value, rtol=2e-3, atol=1e-4, err_msg=name)
+    assert np.abs(query - keras.ops.convert_to_numpy(block(0).attention.query_dense._kernel)).max() > 1e-3
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model.gguf\n") and 'TEMPLATE """Instruction:\n{{ .Prompt }}\n\n' in modelfile
+
+
+def llama_cpp_gemma_logits(tensors, fields, tokens):
+    """Logits as llama.cpp's gemma graph computes them from the file, in numpy (float64).
+
+    Embeddings scaled by sqrt(hidden); RMSNorm by the stored weight; NeoX RoPE
+    (rotating the halves of each head); queries scaled by 1/sqrt(head_dim);
+    grouped key/value heads; tanh-GELU gating; output through token_embd.
+    A matrix W read from the file has numpy shape (out, in): ggml's
+    mul_mat(W, x) is x @ W.T.
+    """
+    w = {name: value[2].astype(np.float64) for name, value in tensors.items()}
+    heads, kv_heads = fields["gemma.attention.head_count"], fields["gemma.attention.head_count_kv"]
+    head_dim, eps, base = fields["gemma.attention.key_length"], fields["gemma.attention.layer_norm_rms_epsilon"], 1e4
+    hidden = fields["gemma.embedding_length"]
+
+    def rms(x, weight):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+    def rope(x):  # (n, heads, head_dim)
+        half = head_dim // 2
+        angles = np.arange(len(x))[:, None] * base ** (-np.arange(half) / half)[None, :]
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    n = len(tokens)
+    x = w["token_embd.weight"][tokens] * np.sqrt(hidden)
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    for i in range(fields["gemma.block_count"]):
+        p = f"blk.{i}."
+        h = rms(x, w[p + "attn_norm.weight"])
+        q = rope((h @ w[p + "attn_q.weight"].T).reshape(n, heads, head_dim)) / np.sqrt(head_dim)
+        k = rope((h @ w[p + "attn_k.weight"].T).reshape(n, kv_heads, head_dim))
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, kv_heads, head_dim)
+        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) + causal
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * head_dim) @ w[p + "attn_output.weight"].T
+        h = rms(x, w[p + "ffn_norm.weight"])
+        gate = h @ w[p + "ffn_gate.weight"].T
+        gelu = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+        x = x + (gelu * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    return rms(x, w["output_norm.weight"]) @ w["token_embd.weight"].T
+
+
+@gguf_marks
+@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-4), ("bf16", 0.5)])
+def test_gguf_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(trained, tmp_path, dtype, tolerance):
+    """No llama.cpp binding installs here: llama.cpp's gemma graph, in numpy, reads the file instead."""
+    run, tuned, _ = trained
+    out = export(run, "gguf", tmp_path / "gguf", "--dtype", dtype)
+    tensors, fields = read_gguf(out / "model.gguf")
+    assert tensors["blk.0.ffn_up.weight"][1] == dtype.upper()
+    assert fields["general.file_type"] == {"f32": 0, "bf16": 32}[dtype]
+    got = llama_cpp_gemma_logits(tensors, fields, TOKENS[0])
+    np.testing.assert_allclose(got, tuned[0], atol=tolerance)
+
+
+@gguf_marks
+def test_a_gemma3_run_exports_gguf_with_its_norms_and_windows(trained_gemma3, tmp_path):
+    import keras
+
+    run, _, _ = trained_gemma3
+    out = export(run, "gguf", tmp_path / "gguf")
+    tensors, fields = read_gguf(out / "model.gguf")
+    per_layer = [*GEMMA_TENSORS, "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"]
+    assert set(tensors) == expected_names(6, per_layer)
+    assert fields["general.architecture"] == "gemma3" and fields["gemma3.attention.sliding_window"] == 4
+    assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.feed_forward_length"] == 64
+    assert fields["gemma3.context_length"] == 32768  # no RoPE scaling: a 32k model, as Gemma 3 1b
+    assert tensors["blk.2.attn_k_norm.weight"][0] == (8,)
+    _, block = merged_weights(run)
+    key_norm = keras.ops.convert_to_numpy(block(2).attention.key_norm.scale)
+    np.testing.assert_allclose(tensors["blk.2.attn_k_norm.weight"][2], 1.0 + key_norm, atol=1e-6)
+    post = keras.ops.convert_to_numpy(block(5).post_ffw_norm.scale)
+    np.testing.assert_allclose(tensors["blk.5.post_ffw_norm.weight"][2], 1.0 + post, atol=1e-6)
+    value = keras.ops.convert_to_numpy(block(3).attention.value_dense.kernel)  # merged: value is a LoRA target
+    np.testing.assert_allclose(
+        tensors["blk.3.attn_v.weight"][2], value.transpose(0, 2, 1).reshape(-1, 32), rtol=2e-3, atol=1e-4
+    )
+
+
+def test_gguf_refuses_what_llama_cpp_would_compute_differently():
+    import keras_hub
+
+    from finetune import llamacpp
+
+    shape = dict(vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+                 intermediate_dim=32, head_dim=8)  # fmt: skip
+    with float32_policy():
+        gemma2 = keras_hub.models.GemmaBackbone(
+            **shape, use_post_ffw_norm=True, use_post_attention_norm=True, final_logit_soft_cap=30.0,
+            attention_logit_soft_cap=50.0, use_sliding_window_attention=True,
+        )  # fmt: skip
+        assert llamacpp.architecture(gemma2) == "gemma2"
+        uncapped = keras_hub.models.GemmaBackbone(**shape, use_post_ffw_norm=True, use_post_attention_norm=True)
+        with pytest.raises(finetune.UserError, match="lacks post norms, soft caps or sliding windows"):
+            llamacpp.architecture(uncapped)
+        scaled = keras_hub.models.GemmaBackbone(**dict(shape, head_dim=4), query_head_dim_normalize=False)
+        with pytest.raises(finetune.UserError, match="scales queries by hidden size / heads"):
+            llamacpp.architecture(scaled)
+        embedding = keras_hub.models.Gemma3Backbone(
+            **shape, image_size=None, is_embedding_model=True, pooling_intermediate_dim=8, embedding_dim=8
+        )
+        with pytest.raises(finetune.UserError, match="this Gemma 3 model is an embedding model"):
+            llamacpp.architecture(embedding)
+    # The family is told by the backbone's class, before any of its settings is read (a Gemma 4 takes 12 s to build).
+    gemma4 = type("Gemma4Backbone", (), {})()
+    with pytest.raises(finetune.UserError, match="cannot write a Gemma4Backbone as GGUF: finetune writes GGUF for"):
+        llamacpp.architecture(gemma4)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--format", "lora", "--dtype", "f16"], "--dtype chooses the GGUF file's weight type"),
+        (["--format", "gguf", "--dtype", "q4_0"], "unknown GGUF dtype 'q4_0'; choose one of f16, bf16, f32"),
+    ],
+)
+def test_a_bad_gguf_request_is_refused(trained, tmp_path, args, expected):
+    result = invoke("--run", trained[0], "--output", tmp_path / "out", *args)
+    assert result.exit_code == 2 and expected in result.stderr, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_without_the_gguf_package_names_the_extra(trained, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    result = invoke("--run", trained[0], "--format", "gguf", "--output", tmp_path / "out")
+    assert result.exit_code == 2 and "pip install 'finetune[gguf]'" in result.stderr, result.output
+    assert not (tmp_path / "out").exists()

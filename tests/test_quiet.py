@@ -48,3 +48,37 @@ def test_an_error_still_reaches_stderr_whole():
     done = cli("gemma", "--preset", "tiny", "--rank", "0")
     assert done.returncode == 2
     assert done.stderr == "error: LoRA rank must be at least 1, got 0; try --rank 4\n"
+
+
+def python(code):
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_VERBOSE": ""},
+        timeout=60,
+    )
+
+
+NOISY = "import os; os.write(2, b'E0000 00:00:1795325992.352479   1 cuda_platform.cc:52] failed call to cuInit\\n')\n"
+
+
+def test_the_python_api_filters_when_it_chooses_the_backend_and_verbose_keeps_everything():
+    """finetune.run, evaluate, generate, load and export all choose the backend first (a notebook's way in)."""
+    select = f"from finetune import backend; backend.select({BACKEND!r})\n"
+    done = python(select + NOISY + "os.write(2, b'ours\\n')")
+    assert done.returncode == 0 and done.stderr == "ours\n", done.stderr
+    done = python("from finetune import quiet; quiet.keep_verbose()\n" + select + NOISY)
+    assert done.returncode == 0 and "failed call to cuInit" in done.stderr, done.stderr
+
+
+def test_a_descriptor_put_over_the_filter_is_left_in_place_at_exit(tmp_path):
+    """pytest's or a notebook's capture may replace descriptor 2 after the filter: uninstalling must not undo it."""
+    code = (
+        "import os\nfrom finetune import quiet\nquiet.install()\n"
+        f"f = os.open({str(tmp_path / 'err.txt')!r}, os.O_WRONLY | os.O_CREAT)\nos.dup2(f, 2)\n"
+        "quiet._uninstall()\nos.write(2, b'still here\\n')\n"
+    )
+    done = python(code)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert (tmp_path / "err.txt").read_text() == "still here\n"
