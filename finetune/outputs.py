@@ -39,7 +39,13 @@ CONFIG = "config.yaml"
 STATUS = "status.json"
 TENSORBOARD = "tensorboard"
 LOCK = ".lock"
+MARKER = "finetune-run.json"
+"""Written first into every directory a run claims: what tells finetune's run directory from a user's folder."""
+HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
+# Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
+OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
+             checkpoint.DIRECTORY)  # fmt: skip
 # A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
 NAME_MAX = 255
 
@@ -88,10 +94,56 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target
         raise UserError(f"output {path} is a file, not a directory; pass another --output")
     if is_locked(path):
         raise UserError(f"another finetune run is writing to {path}; wait for it to end or choose another --output")
+    refuse_foreign(path, overwrite, resume)
     if not resume and not overwrite:
         refuse_existing_run(path)
     _check_writable(path)
     return Target(path)
+
+
+def is_run_directory(path: Path) -> bool:
+    """Whether `path` is a directory finetune made: its marker, or (made before the marker) a checkpoint or a
+    finished run's adapter beside its metrics."""
+    if (path / MARKER).exists() or checkpoint.find(path):
+        return True
+    return (path / METRICS).exists() and (path / ADAPTER).exists()
+
+
+def refuse_foreign(path: Path, overwrite: bool, resume: bool) -> None:
+    """A folder of the user's is never written into unasked, and a file of theirs is never replaced.
+
+    An existing, non-empty --output that is not a finetune run is refused; with
+    --overwrite, finetune writes its files beside the user's, unless one of
+    theirs has the name of one of finetune's (samples.md, history.csv, ...):
+    that one would be replaced, so the run is refused still.
+    """
+    if not path.is_dir() or is_run_directory(path):
+        return
+    present = sorted(entry.name for entry in path.iterdir() if entry.name != LOCK)  # a lock alone is a claim's
+    if not present:
+        return
+    if resume:
+        raise UserError(f"--resume: {path} is not a finetune run directory (no {MARKER}); pass the run's --output")
+    clashing = [name for name in present if name in OWN_NAMES]
+    shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+    if not overwrite:
+        raise UserError(
+            f"output directory {path} is not a finetune run and holds files ({shown}); choose a new or empty "
+            "--output, or pass --overwrite to write finetune's files beside them"
+        )
+    if clashing:
+        raise UserError(
+            f"output directory {path} is not a finetune run, and its {', '.join(clashing)} would be replaced by "
+            "the run's; move them or choose another --output (--overwrite replaces only a run's own files)"
+        )
+
+
+def write_marker(path: Path) -> None:
+    """Mark `path` as a finetune run directory (claim() writes it first)."""
+    from finetune import __version__
+
+    body = {"finetune": __version__, "started": _now()}
+    write_atomic(path / MARKER, lambda p: p.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8"))
 
 
 def _check_remote(url: str, overwrite: bool, resume: bool) -> Target:
@@ -299,12 +351,15 @@ def claim(
         created = True
     had_lock = (path / LOCK).exists()
     held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=vertex_mirrors(path) if vertex else [])
-    if not resume and not overwrite:
-        try:
+    try:
+        refuse_foreign(path, overwrite, resume)  # the user may have put files there since check_target
+        if not resume and not overwrite:
             refuse_existing_run(path)  # another run may have finished here since check_target
-        except UserError:
-            held.release()
-            raise
+    except UserError:
+        held.abandon()
+        raise
+    if not (path / MARKER).exists():
+        write_marker(path)
     return held
 
 

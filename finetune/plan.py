@@ -267,7 +267,9 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
     memory["activations"] = per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
-    memory["unpacked_kernels"] = _unpacked_kernels(groups, cfg.model.quantize, model.dims.num_layers, remat)
+    memory["unpacked_kernels"] = _unpacked_kernels(
+        groups, cfg.model.quantize, model.dims.num_layers, remat, _BYTES[precision][1]
+    )
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
@@ -343,13 +345,16 @@ def _quantized(mode: str) -> float:
     return 0.5 + 5 / 128 if mode == "int4" else 1.0
 
 
-def _unpacked_kernels(groups: list[Group], quantize: str | None, layers: int, remat: bool) -> float:
-    """keras' int4 layers keep each kernel unpacked to int8 (a byte a weight) for their backward; remat keeps
-    one block's at a time."""
+def _unpacked_kernels(groups: list[Group], quantize: str | None, layers: int, remat: bool, compute: int) -> float:
+    """What keras' int4 layers keep for their backward: each kernel unpacked and dequantized to the compute
+    dtype (`compute` bytes a weight). Measured: gemma-7b int4 in float32 on JAX asked XLA for one 34.4 GiB
+    buffer (its 7.75B decoder weights at 4 bytes, with the step's activations), and PyTorch passed 24.8 GB
+    resident (BENCHMARKS.md); counting the int8 unpacking alone (a byte a weight) said 19.8 GiB. Remat keeps one
+    block's at a time."""
     if quantize != "int4":
         return 0.0
     decoder = [g for g in groups if g.copies == layers and g.name not in ("embedding", "norm scales")]
-    unpacked = sum(g.bytes_per_device / _quantized("int4") for g in decoder)
+    unpacked = sum(g.bytes_per_device / _quantized("int4") for g in decoder) * compute
     return unpacked / layers if remat else unpacked
 
 

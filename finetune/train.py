@@ -356,9 +356,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
                     outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
                     outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
                     outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
-                    "history.csv": lambda p: outputs.write_history(p, progress.rows),
-                    "samples.md": lambda p: outputs.write_samples(p, samples),
-                    "loss.png": lambda p: outputs.plot_loss(p, history, title),
+                    outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
+                    outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
+                    outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
                     outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
                 },
             )

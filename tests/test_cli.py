@@ -111,9 +111,10 @@ def test_output_holding_a_run_is_refused_unless_overwrite(tmp_path, tiny_args, s
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.json").write_text("{}")
+    (out / "finetune-run.json").write_text("{}")  # a run's directory carries finetune's marker
     result = invoke("gemma", *tiny_args, "--data", small_data, "--output", out)
     assert result.exit_code == 2 and "already holds a run" in result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["finetune-run.json", "metrics.json"]
 
 
 def test_kaggle_preset_without_credentials_fails_fast_and_hides_keys(tmp_path, monkeypatch):

@@ -9,10 +9,17 @@ def test_check_target(tmp_path, monkeypatch):
     assert outputs.check_target(None, False, False).path.parent.name == "runs"
     assert outputs.check_target(str(tmp_path / "new"), False, False).path == tmp_path / "new"
     assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()  # checks write nothing
+    (tmp_path / "empty").mkdir()
+    assert outputs.check_target(str(tmp_path / "empty"), False, False).path == tmp_path / "empty"
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("x")
-    assert outputs.check_target(str(tmp_path / "notes"), False, False).path == tmp_path / "notes"  # no run in it yet
-    (tmp_path / "notes" / "config.yaml").write_text("x")
+    with pytest.raises(UserError, match="not a finetune run and holds files"):  # a user's folder, not a run
+        outputs.check_target(str(tmp_path / "notes"), False, False)
+    assert outputs.check_target(str(tmp_path / "notes"), True, False).path == tmp_path / "notes"  # beside them
+    (tmp_path / "notes" / "config.yaml").write_text("x")  # a user's own config.yaml is not a run either
+    with pytest.raises(UserError, match="its config.yaml would be replaced"):
+        outputs.check_target(str(tmp_path / "notes"), True, False)
+    (tmp_path / "notes" / outputs.MARKER).write_text("{}")  # a run's directory: --overwrite replaces its files
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_target(str(tmp_path / "notes"), False, False)
     assert outputs.check_target(str(tmp_path / "notes"), True, False).path == tmp_path / "notes"
@@ -88,3 +95,28 @@ def test_history_plot_and_summary(tmp_path):
     table = outputs.summary_table(metrics, tmp_path)
     assert "3.0000 -> 2.0000" in table and "jax" in table
     assert "n/a" in table  # one step in this session: nothing timed
+
+
+@pytest.mark.parametrize("name", [n for n in outputs.OWN_NAMES if n not in (outputs.LOCK, outputs.MARKER)])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_users_file_with_a_run_files_name_is_never_replaced(tmp_path, name, overwrite):
+    """Each of finetune's own names, as a user's file in a folder that is not a run: refused, left as it was."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / name).write_bytes(b"the user's own \x00 bytes")
+    with pytest.raises(UserError, match="not a finetune run"):
+        outputs.check_target(str(folder), overwrite, False)
+    with pytest.raises(UserError, match="not a finetune run"):  # and again under the claim's lock
+        outputs.claim(folder, default=False, overwrite=overwrite, resume=False)
+    assert sorted(p.name for p in folder.iterdir()) == [name]  # no lock, no marker left behind
+    assert (folder / name).read_bytes() == b"the user's own \x00 bytes"
+
+
+def test_a_claimed_directory_is_marked_and_resume_needs_the_mark(tmp_path):
+    claim = outputs.claim(tmp_path / "run", default=False, overwrite=False, resume=False)
+    claim.release()
+    assert outputs.is_run_directory(tmp_path / "run")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    with pytest.raises(UserError, match="not a finetune run directory"):
+        outputs.check_target(str(tmp_path / "notes"), False, True)

@@ -111,7 +111,7 @@ def test_a_cloud_storage_fuse_output_is_staged_and_copied_in(bucket, tmp_path, m
     )
     held.publish_remote()
     held.release()
-    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == ["config.yaml", "metrics.json"]
+    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == ["config.yaml", "finetune-run.json", "metrics.json"]
     assert not target.path.exists()
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_target(out, False, False)
@@ -202,7 +202,7 @@ def test_a_gs_run_is_staged_then_copied_with_metrics_last_and_resumes_from_the_b
     sent = [u.split("runs/a/")[1] for u in LocalBucket.uploads]
     first_checkpoint = next(i for i, name in enumerate(sent) if name.endswith("manifest.json"))
     assert "step-00000001-" in sent[first_checkpoint] and first_checkpoint < sent.index("adapter.lora.h5")
-    assert RESULTS | {"checkpoints", "tensorboard"} == {p.name for p in remote.iterdir()}
+    assert RESULTS | {"checkpoints", "tensorboard", "finetune-run.json"} == {p.name for p in remote.iterdir()}
     assert LocalBucket.uploads[-1].endswith("runs/a/metrics.json")  # the run is finished remotely only when whole
     assert no_gs_folder(tmp_path)
     assert not any((tmp_path / "tmp" / "finetune-staging").iterdir())  # staging is gone once published

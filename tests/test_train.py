@@ -14,7 +14,7 @@ from finetune.cli import app
 runner = CliRunner()
 RUN_FILES = {"config.yaml", "adapter.lora.h5", "adapter.json", "metrics.json", "history.csv", "samples.md", "loss.png"}
 RUN_FILES |= {"checkpoints", "status.json", ".lock"}  # resume state, `finetune runs` state, the writer's lock
-RUN_FILES |= {"tensorboard"}
+RUN_FILES |= {"tensorboard", "finetune-run.json"}  # TensorBoard logs; the marker of a run directory
 METRIC_KEYS = set(
     "backend preset rank train_loss eval_loss_before eval_loss eval_perplexity eval_accuracy "
     "trained_tokens tokens_per_second seconds peak_memory_mb".split()
@@ -224,3 +224,18 @@ def test_a_run_trained_on_a_relative_path_evaluates_from_anywhere(tmp_path, monk
     assert read(tmp_path / "run")[1]["data"]["path"] == str(here / "mydata.jsonl")
     monkeypatch.chdir(elsewhere)
     invoke("eval", "--run", tmp_path / "run")
+
+
+def test_a_users_folder_is_refused_and_left_as_it_was(tmp_path):
+    """--output . in a notes folder: its samples.md and history.csv are the user's, with or without --overwrite."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    mine = {"samples.md": b"# my samples\n", "history.csv": b"when,what\n", "todo.txt": b"x"}
+    for name, body in mine.items():
+        (folder / name).write_bytes(body)
+    for flags in ([], ["--overwrite"]):
+        result = runner.invoke(app, ["gemma", "--preset", "tiny", *SHORT.format(b=BACKEND).split(), *flags,
+                                     "--output", str(folder)])  # fmt: skip
+        assert result.exit_code == 2, result.output
+        assert "not a finetune run" in result.stderr and "Traceback" not in result.output
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == mine
