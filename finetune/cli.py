@@ -106,6 +106,22 @@ def _options(
     """Fine-tune Gemma with LoRA on Keras 3 (JAX, PyTorch or TensorFlow)."""
 
 
+def _what_to_type(option, ctx) -> str:
+    """The help's word for what an option takes, where its declaration names none: N, NUMBER or TEXT, and nothing
+    for a switch. typer 0.2x would print the Python type (<int>, <str>, <bool>), which tells a user nothing."""
+    del ctx
+    if getattr(option, "is_flag", False) or getattr(option, "count", False):
+        return ""
+    word = {"int": "N", "float": "NUMBER"}.get(option.bare_type(), "TEXT")
+    return word + ("..." if option.type_descriptor.is_list else "")
+
+
+# Every subcommand's options and arguments, declared here or in any later one, show a word, not a type: one
+# rule for all.
+typer.core.TyperOption.display_type = _what_to_type
+typer.core.TyperArgument.display_type = _what_to_type
+
+
 def _default(value) -> str:
     return f"(default: {value})"
 
@@ -115,8 +131,15 @@ def _flag(help_text: str, rich_help_panel: str | None = None, metavar: str | Non
     return typer.Option(None, help=help_text, show_default=False, rich_help_panel=rich_help_panel, metavar=metavar)
 
 
-def _fail(error: BaseException, debug: bool):
-    """One or two lines and exit 2 for what the user can fix; the traceback only with --debug."""
+TRAINING_OOM = "out of memory; lower --batch-size (or use --batch-size auto) or --seq-len"
+
+
+def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
+    """One or two lines and exit 2 for what the user can fix; the traceback only with --debug.
+
+    out_of_memory: what to say when `error` is the device or host running out of memory: the remedies of the
+        subcommand that failed (generate has no --batch-size).
+    """
     if debug:
         traceback.print_exception(error)
     if isinstance(error, KeyboardInterrupt):
@@ -131,7 +154,7 @@ def _fail(error: BaseException, debug: bool):
     from finetune import backend
 
     if backend.is_out_of_memory(error):
-        print("error: out of memory; lower --batch-size (or use --batch-size auto) or --seq-len", file=sys.stderr)
+        print(f"error: {out_of_memory}", file=sys.stderr)
         raise typer.Exit(2)
     if not debug:
         print(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", file=sys.stderr)
@@ -620,7 +643,7 @@ def generate(
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+        _fail(error, debug, "out of memory while generating; lower --max-new-tokens, or shorten the prompt")
 
 
 @app.command("export")

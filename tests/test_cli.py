@@ -195,3 +195,38 @@ def test_importing_the_cli_and_api_loads_no_framework():
 def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"finetune {finetune.__version__}"
+
+
+def _command_paths(command, path=()):
+    yield path
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_no_help_shows_a_type_placeholder():
+    """Every subcommand's --help names what an option takes (N, TEXT, a metavar) or nothing for a switch."""
+    import re
+
+    import typer
+
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert ("bench",) in paths and ("recipes", "copy") in paths
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], terminal_width=200)
+        assert result.exit_code == 0, (path, result.output)
+        found = re.findall(r"<(?:int|str|bool|float|path|Path|datetime|list\[[^\]]*\]|\w+ range)>", result.output)
+        assert not found, (path, found)
+
+
+def test_generate_out_of_memory_advises_generates_own_remedies(monkeypatch):
+    from finetune import runs
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 107374182400 bytes")
+
+    monkeypatch.setattr(runs, "open_on", lambda run, backend: object())
+    monkeypatch.setattr(runs, "generate", out_of_memory)
+    result = runner.invoke(app, ["generate", "--run", "somewhere", "--prompt", "x" * 100_000])
+    assert result.exit_code == 2, result.output
+    assert "--max-new-tokens" in result.stderr and "shorten the prompt" in result.stderr
+    assert "--batch-size" not in result.stderr and "--seq-len" not in result.stderr

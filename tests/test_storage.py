@@ -111,7 +111,11 @@ def test_a_cloud_storage_fuse_output_is_staged_and_copied_in(bucket, tmp_path, m
     )
     held.publish_remote()
     held.release()
-    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == ["config.yaml", "finetune-run.json", "metrics.json"]
+    assert sorted(p.name for p in (mount / "b" / "runs" / "a").iterdir()) == [
+        "config.yaml",
+        "finetune-run.json",
+        "metrics.json",
+    ]
     assert not target.path.exists()
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_target(out, False, False)
