@@ -133,6 +133,23 @@ def process() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def fit_to_data_axis(dist, batch_size: int) -> tuple[int, str | None]:
+    """A default batch size the user did not choose, made to split over the mesh's data axis: the next multiple
+    of its devices. Returns (batch size, a note saying so, or None when it already split)."""
+    if dist.parallel == "none":
+        return batch_size, None
+    import keras
+
+    data, _ = layouts.parse_mesh(dist.mesh, dist.parallel, len(keras.distribution.list_devices()))
+    if batch_size % data == 0:
+        return batch_size, None
+    fitted = -(-batch_size // data) * data
+    return fitted, (
+        f"batch size {fitted}: the default {batch_size} does not split over the data axis of {data} devices "
+        "(pass --batch-size to choose another multiple)"
+    )
+
+
 def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:
     """Set keras' global distribution for `dist` (before the model is built); returns what the run records.
 

@@ -97,6 +97,10 @@ def run(cfg: Config, resume: bool = False) -> dict:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=tweaks["dtype_policy"]))
     keras.utils.set_random_seed(cfg.train.seed)
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
+    if cfg.train.batch_size is None:  # the user chose none: pick one the mesh's data axis splits
+        batch_size, fitted = distribution.fit_to_data_axis(cfg.distribution, batch_size)
+        if fitted:
+            print(f"note: {fitted}")
     # Set before the model is built, so that weights are created sharded, never whole on one device.
     distributed = None
     if cfg.distribution.parallel != "none":

@@ -321,6 +321,17 @@ print("RESULT " + json.dumps(out))
 
 
 @jax_only
+def test_data_parallel_without_a_batch_size_picks_one_that_splits(tmp_path):
+    """The default batch (4 on JAX) does not split over 8 devices: the run picks 8 and says so."""
+    args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--parallel", "data", "--max-steps", "1",
+            "--seq-len", "32", "--max-records", "60", "--set", "train.samples=0", "--output", str(tmp_path / "r")]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, env=_env(8), timeout=TIMEOUT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "batch size 8: the default 4 does not split over the data axis of 8 devices" in done.stdout
+    assert json.loads((tmp_path / "r" / "metrics.json").read_text())["batch_size"] == 8
+
+
+@jax_only
 def test_weights_are_sharded_as_the_layout_says(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SHARDING_CHECK], capture_output=True, text=True, env=_env(8),
                           timeout=TIMEOUT)  # fmt: skip
