@@ -244,8 +244,12 @@ def read_recipe(recipe: str | Path) -> dict:
     path = find_recipe(recipe)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: an int past 4300 digits
+        raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0][:160]}") from None
+    except RecursionError:
+        raise UserError(f"recipe {path} is nested too deeply to read; a recipe is a few levels of keys") from None
+    except OSError as e:
+        raise UserError(f"cannot read recipe {path} ({e.strerror or e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -300,7 +304,7 @@ def parse_set(pair: str) -> tuple[str, Any]:
         raise UserError(f"--set {pair!r} must look like key=value, e.g. --set train.epochs=2")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, an int past 4300 digits, too deep: as typed
         value = raw
     return key.strip(), value
 

@@ -85,22 +85,37 @@ def read(source: str) -> tuple[list[Record], str]:
         line = line.removesuffix("\r")
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{source}:{number}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        obj = _json(line, f"{source}:{number}", "each line must be one JSON object")
         fmt = fmt or detect_format(obj)
         records.append(_record(obj, f"{source}:{number}", fmt))
     return records, fmt or "dolly"
 
 
-def _from_array(text: str, source: str) -> tuple[list[Record], str]:
+def _whole_number(digits: str):
+    """JSON integers of any length: past Python's 4300-digit limit for int() they stay text (no field reads
+    them as numbers; an ignored key may hold one)."""
     try:
-        items = json.loads(text)
+        return int(digits)
+    except ValueError:
+        return digits
+
+
+def _json(text: str, where: str, shape: str):
+    """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
+    it raises is a UserError naming `where` (file:line)."""
+    try:
+        return json.loads(text, parse_int=_whole_number)
     except json.JSONDecodeError as e:
-        raise UserError(
-            f"{source}: not valid JSON ({e.msg} at line {e.lineno}); a file starting with [ must be one JSON array"
-        ) from None
+        at = f" at line {e.lineno}" if "\n" in text else ""
+        raise UserError(f"{where}: not valid JSON ({e.msg}{at}); {shape}") from None
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested too deeply to read (thousands of levels); flatten that record") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise UserError(f"{where}: cannot read this JSON ({str(e).splitlines()[0][:120]}); {shape}") from None
+
+
+def _from_array(text: str, source: str) -> tuple[list[Record], str]:
+    items = _json(text, source, "a file starting with [ must be one JSON array")
     if not isinstance(items, list) or not items:
         raise UserError(f"{source}: the JSON array is empty; it needs records with instruction and response")
     fmt = detect_format(items[0])

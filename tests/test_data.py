@@ -109,3 +109,45 @@ def test_the_sample_is_exactly_what_its_generator_writes(tmp_path):
         [sys.executable, str(REPO / "tools" / "make_sample_data.py"), str(out)], check=True, capture_output=True
     )
     assert out.read_bytes() == data.SAMPLE_PATH.read_bytes()
+
+
+GOOD = '{"instruction": "Say hi.", "response": "Hi."'
+PATHOLOGICAL = {  # valid JSON a user's file may hold, in a key finetune ignores
+    "deep nesting": GOOD + ', "meta": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "a 5000-digit integer": GOOD + ', "id": ' + "9" * 5000 + "}",
+    "a huge string": GOOD + ', "blob": "' + "x" * 5_000_000 + '"}',
+    "a NUL escape": GOOD + ', "note": "a\\u0000b"}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(PATHOLOGICAL))
+@pytest.mark.parametrize("shape", ["jsonl", "array"])
+def test_pathological_valid_json_is_read_or_refused_with_its_line(tmp_path, case, shape):
+    record = PATHOLOGICAL[case]
+    text = f"{GOOD}}}\n{record}\n" if shape == "jsonl" else f"[{GOOD}}},\n{record}]"
+    path = tmp_path / f"data.{shape}"
+    path.write_text(text, encoding="utf-8")
+    try:
+        records = data.load_records(str(path))
+    except UserError as e:  # refused: one line naming the file and where
+        assert case == "deep nesting" and str(path) in str(e) and "\n" not in str(e)
+        assert ":2:" in str(e) if shape == "jsonl" else "nested too deeply" in str(e)
+    else:
+        assert len(records) == 2 and records[1].response == "Hi."
+
+
+def test_invalid_utf8_in_the_middle_of_a_file_names_the_byte(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(('{"instruction": "a", "response": "b"}\n' * 3).encode() + b'{"instruction": "\xff"}\n')
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        data.load_records(str(path))
+
+
+@pytest.mark.parametrize("body", ["a: " + "[" * 50_000 + "]" * 50_000, "seed: " + "7" * 5000])
+def test_a_pathological_recipe_is_a_user_error(tmp_path, body):
+    from finetune import config
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(body + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="recipe"):
+        config.read_recipe(str(path))
