@@ -190,9 +190,10 @@ def gemma(
         metavar="FILE|sample|hf:NAME",
     ),
     template: Optional[str] = _flag(
-        f"Prompt template: dolly, alpaca or gemma-chat. {_default(D.data.template)}",
+        "Prompt template: auto follows the data (Dolly, Alpaca, or the family's chat turns for chat records); "
+        f"or dolly, alpaca, gemma-chat, gemma4-chat. {_default(D.data.template)}",
         rich_help_panel="Data",
-        metavar="dolly|alpaca|gemma-chat",
+        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat",
     ),
     seq_len: Optional[int] = _flag(
         f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"

@@ -67,8 +67,9 @@ class LoraConfig:
 class DataConfig:
     path: str = SAMPLE
     """Dolly-style JSONL path (local or gs://), hf:NAME for a Hugging Face dataset, or `sample`."""
-    template: str = "dolly"
-    """Instruction template: dolly (the Keras tutorial's), alpaca, or gemma-chat."""
+    template: str = "auto"
+    """Prompt template: auto (the data's own: dolly for Dolly records, alpaca for Alpaca ones, the family's chat
+    turns for chat records), dolly (the Keras tutorial's), alpaca, gemma-chat or gemma4-chat."""
     drop_context: bool = False
     """Drop records that carry a context (the Keras tutorial does, to keep sequences short)."""
     categories: list[str] = field(default_factory=list)
@@ -442,7 +443,8 @@ def validate(cfg: Config) -> None:
         f"unknown precision {cfg.model.precision!r}; choose one of {', '.join(PRECISIONS)}",
     )
     check(
-        cfg.data.template in TEMPLATES, f"unknown template {cfg.data.template!r}; choose one of {', '.join(TEMPLATES)}"
+        cfg.data.template == "auto" or cfg.data.template in TEMPLATES,
+        f"unknown template {cfg.data.template!r}; choose auto or one of {', '.join(TEMPLATES)}",
     )
     check(
         cfg.model.quantize is None or cfg.model.quantize in QUANTIZE,

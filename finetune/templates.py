@@ -142,6 +142,9 @@ def for_data(name: str, found: str, family_chat: str, preset: str, path: str) ->
     another family's turns are refused; a base preset learns whichever chat
     format it is given, but is never given an instruction template for chat.
     """
+    if name == "auto":  # the data's own format; the run records what it became
+        chosen = family_chat if found == "chat" else ("alpaca" if found == "alpaca" else "dolly")
+        return chosen, f"template: {chosen}, for {found} records (--template names another)"
     if found != "chat":
         return name, None
     instruct = is_instruct(preset)

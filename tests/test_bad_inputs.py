@@ -359,11 +359,19 @@ CASES = [
         setup=None,
     ),
     gemma("threads-zero", ["--threads", "0"], "threads must be at least 1"),
-    data(
-        "chat-with-dolly-template",
-        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+    Case(
+        "chat-with-dolly-template",  # a template the user gave that cannot render the data (auto would pick chat)
+        lambda w: [
+            "--template",
+            "dolly",
+            "--data",
+            w.file(
+                "chat.jsonl",
+                '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+            ),
+        ],
         "holds chat records (messages); train them with --template gemma-chat",
-    ),
+    ),  # fmt: skip
     data("json-array-empty", "[]", "the JSON array is empty"),
     data(
         "json-array-broken", '[{"instruction": "a", "response": "b"},', "a file starting with [ must be one JSON array"

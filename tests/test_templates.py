@@ -79,3 +79,8 @@ def test_chat_records_take_the_family_s_own_turns_on_an_instruction_tuned_preset
         choose("gemma-chat", "chat", "gemma4-chat", "gemma4_instruct_2b", "d.jsonl")
     with pytest.raises(UserError, match="d.jsonl holds chat records .*--template gemma4-chat"):
         choose("dolly", "chat", "gemma4-chat", "tiny-gemma4", "d.jsonl")
+    # No --template: the data's own format picks it, and the run says so.
+    for found, family_chat, expected in [("chat", "gemma4-chat", "gemma4-chat"), ("chat", "gemma-chat", "gemma-chat"),
+                                         ("alpaca", "gemma-chat", "alpaca"), ("dolly", "gemma-chat", "dolly")]:  # fmt: skip
+        chosen, note = choose("auto", found, family_chat, "tiny", "d.jsonl")
+        assert chosen == expected and f"for {found} records" in note

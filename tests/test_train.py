@@ -239,3 +239,15 @@ def test_a_users_folder_is_refused_and_left_as_it_was(tmp_path):
         assert result.exit_code == 2, result.output
         assert "not a finetune run" in result.stderr and "Traceback" not in result.output
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == mine
+
+
+def test_chat_records_train_with_no_template_given(tmp_path):
+    from conftest import write_jsonl
+
+    records = [{"messages": [{"role": "user", "content": f"Count to {i}."},
+                             {"role": "assistant", "content": " ".join(str(n) for n in range(1, i + 2))}]}
+               for i in range(24)]  # fmt: skip
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    result = train(tmp_path / "run", "--data", path)
+    assert "chat format" in result.output and "template: gemma-chat, for chat records" in result.output
+    assert read(tmp_path / "run")[1]["data"]["template"] == "gemma-chat"  # recorded as it was chosen
