@@ -239,7 +239,7 @@ def resumed_config(cfg, saved: dict):
         updates["learning_rate"] = train["learning_rate"]
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
     if cfg.data.template == "auto":  # the template auto chose for the data when the run started
-        saved_template = saved["config"]["data"].get("template", "dolly")
+        saved_template = saved["config"].get("data", {}).get("template", "dolly")
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, template=saved_template))
     if cfg.model.precision == "auto":  # the dtype auto became when the run started, wherever it resumes
         cfg = dataclasses.replace(

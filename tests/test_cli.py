@@ -36,7 +36,7 @@ def test_help_lists_every_option_with_its_default():
         ("--backend", "$KERAS_BACKEND if set, else jax"),
         ("--preset", "gemma_2b_en"),
         ("--rank", "4"),
-        ("--template", "dolly"),
+        ("--template", "auto"),
         ("--seq-len", "256"),
         ("--eval-fraction", "0.05"),
         ("--epochs", "1"),
