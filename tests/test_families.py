@@ -70,6 +70,17 @@ def adapter_arrays(path):
     return arrays
 
 
+def resumes_to_the_same_adapter(preset, out, whole, data):
+    """Resume the run cut at step 3 in `out`: it trains steps 4-6 and ends at `whole`'s adapter, bit for bit."""
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
+    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     records = [{"instruction": f"What is {i} plus {i + 1}?", "response": f"{2 * i + 1}."} for i in range(24)]
@@ -103,13 +114,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, da
         if found.step > 3:
             shutil.rmtree(found.path)
     (out / outputs.METRICS).unlink()
-    with float32_policy():
-        metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
-    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
-    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    assert expected.keys() == got.keys()
-    for name in expected:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    resumes_to_the_same_adapter(preset, out, whole, data)
 
 
 def test_a_run_killed_for_real_resumes_to_the_same_adapter(trained, data, tmp_path):
@@ -122,13 +127,7 @@ def test_a_run_killed_for_real_resumes_to_the_same_adapter(trained, data, tmp_pa
     killed = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": BACKEND})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert [c.step for c in checkpoint.find(out)] == [3] and not (out / outputs.METRICS).exists()
-    with float32_policy():
-        metrics = finetune.run(finetune.load_config("tiny", settings(preset, out, data)), resume=True)
-    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
-    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    assert expected.keys() == got.keys()
-    for name in expected:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    resumes_to_the_same_adapter(preset, out, whole, data)
 
 
 def test_merged_and_lora_exports_give_the_run_s_logits(trained, tmp_path):
