@@ -184,16 +184,18 @@ def gemma(
         metavar="LAYER",
     ),
     data: Optional[str] = _flag(
-        "Records: JSONL or a JSON array in Dolly, Alpaca or chat format (a path or gs://), hf:NAME, or `sample` "
-        f"(the shipped finetune/assets/dolly-sample.jsonl). {_default(D.data.path)}",
+        "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME, or `sample` (the shipped "
+        "finetune/assets/dolly-sample.jsonl); Dolly, Alpaca, chat, ShareGPT, prompt/completion or text records, "
+        f"detected. Check a file with `finetune data FILE`. {_default(D.data.path)}",
         rich_help_panel="Data",
         metavar="FILE|sample|hf:NAME",
     ),
     template: Optional[str] = _flag(
-        "Prompt template: auto follows the data (Dolly, Alpaca, or the family's chat turns for chat records); "
-        f"or dolly, alpaca, gemma-chat, gemma4-chat. {_default(D.data.template)}",
+        "Prompt template: auto follows the data (Dolly, Alpaca, the family's chat turns for chat and ShareGPT "
+        f"records, none for prompt/completion and text); or dolly, alpaca, gemma-chat, gemma4-chat, none. "
+        f"{_default(D.data.template)}",
         rich_help_panel="Data",
-        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat",
+        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat|none",
     ),
     seq_len: Optional[int] = _flag(
         f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"
@@ -612,6 +614,44 @@ def eval_(
             f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
             f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
         )
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
+        _fail(error, debug)
+
+
+@app.command("data")
+def data_(
+    file: str = typer.Argument(..., help="A data file (JSONL, JSON array, CSV, Parquet; a path or gs://), or hf:NAME."),
+    preset: Optional[str] = _flag(
+        f"The preset whose tokenizer counts the tokens and whose chat turns chat records take. "
+        f"{_default(D.model.preset)}",
+        metavar="NAME|DIR",
+    ),
+    template: Optional[str] = _flag(
+        f"Prompt template, as for `finetune gemma`. {_default(D.data.template)}",
+        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat|none",
+    ),
+    seq_len: Optional[int] = _flag(f"Tokens per training sequence. {_default(D.model.seq_len)}"),
+    example: int = typer.Option(1, "--example", help="Which record to render, from 1.", metavar="N"),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
+    ),
+):
+    """Check a data file before training: its format, records, token lengths, what packing saves, and one
+    example with the text the loss is taken on marked."""
+    try:
+        from finetune import datacheck
+        from finetune.templates import TEMPLATES
+
+        _refuse_empty({"FILE": file, "--preset": preset, "--template": template})
+        template = template or D.data.template
+        if template != "auto" and template not in TEMPLATES:
+            raise UserError(f"unknown template {template!r}; choose auto or one of {', '.join(TEMPLATES)}")
+        seq_len = D.model.seq_len if seq_len is None else seq_len
+        if seq_len < 8:
+            raise UserError(f"--seq-len must be at least 8, got {seq_len}")
+        for line in datacheck.report(file, preset or D.model.preset, template, seq_len, example=example):
+            print(line)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
 

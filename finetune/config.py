@@ -66,10 +66,12 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     path: str = SAMPLE
-    """Dolly-style JSONL path (local or gs://), hf:NAME for a Hugging Face dataset, or `sample`."""
+    """Records as JSONL, a JSON array, CSV or Parquet (local or gs://), hf:NAME for a Hugging Face dataset, or
+    `sample`; Dolly, Alpaca, chat, ShareGPT, prompt/completion or text records (data.FORMATS)."""
     template: str = "auto"
     """Prompt template: auto (the data's own: dolly for Dolly records, alpaca for Alpaca ones, the family's chat
-    turns for chat records), dolly (the Keras tutorial's), alpaca, gemma-chat or gemma4-chat."""
+    turns for chat and ShareGPT records, none for prompt/completion and text), dolly (the Keras tutorial's),
+    alpaca, gemma-chat, gemma4-chat or none."""
     drop_context: bool = False
     """Drop records that carry a context (the Keras tutorial does, to keep sequences short)."""
     categories: list[str] = field(default_factory=list)

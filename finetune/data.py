@@ -1,21 +1,29 @@
-"""Read, check, filter and split instruction records. Knows nothing of prompts.
+"""Read, check, filter and split training records. Knows nothing of prompts.
 
-A file holds one JSON object per line (JSON Lines) or one JSON array of them,
-in one of three formats, told apart by the first record's keys:
+A file holds its records as JSON Lines, one JSON array, CSV (a header row, one
+record per row; .csv, or .tsv with tabs) or Parquet. Its format is told apart
+by the first record's keys (FORMATS):
 
 - dolly: `instruction` and `response` strings, optional `context` and `category`;
 - alpaca: `instruction` and `output`, optional `input` (read as the context);
 - chat: `messages`, a list of `{role, content}` turns (system, user, assistant),
-  ending with the assistant's; a system turn is put before the first user turn.
+  ending with the assistant's; a system turn is put before the first user turn;
+- sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
+  read as chat; an optional top-level `system` string is its system turn;
+- completion: `prompt` and `completion` strings, trained on the completion;
+- text: `text`, trained on every token.
 
-null reads as empty and other keys are ignored. Sources: a local path, a gs://
+null reads as empty and other keys are ignored. Chat and ShareGPT records are
+lists, so they come in JSON or Parquet, not CSV. Sources: a local path, a gs://
 path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
 sample, shipped in finetune/assets/ so that installs outside a checkout find it too.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import random
 from dataclasses import dataclass
@@ -30,8 +38,21 @@ TEXT_FIELDS = ("instruction", "context", "response", "category")
 REQUIRED = ("instruction", "response")
 
 
-FORMATS = ("dolly", "alpaca", "chat")
+# Each format's keys, as the messages that name them print them.
+FORMATS = {
+    "dolly": "instruction, response",
+    "alpaca": "instruction, output",
+    "chat": "messages",
+    "sharegpt": "conversations",
+    "completion": "prompt, completion",
+    "text": "text",
+}
+TITLES = {"dolly": "Dolly", "alpaca": "Alpaca", "sharegpt": "ShareGPT", "completion": "prompt/completion"}
+CHAT_FORMATS = ("chat", "sharegpt")  # records of turns, rendered by a chat template
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
+# ShareGPT's speakers, as community sets name them.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
+PARQUET_MAGIC = b"PAR1"
 
 
 @dataclass(frozen=True)
@@ -45,13 +66,32 @@ class Record:
     those, instruction is the first user turn and response the last assistant turn."""
 
 
-def detect_format(obj) -> str:
-    """dolly, alpaca or chat, from one record's keys."""
-    if isinstance(obj, dict) and "messages" in obj:
+def detect_format(obj) -> str | None:
+    """The format (a key of FORMATS) one record's keys show, or None."""
+    if not isinstance(obj, dict):
+        return None
+    if "messages" in obj:
         return "chat"
-    if isinstance(obj, dict) and "output" in obj and "response" not in obj:
-        return "alpaca"
-    return "dolly"
+    if "conversations" in obj:
+        return "sharegpt"
+    if "instruction" in obj:
+        return "alpaca" if "output" in obj and "response" not in obj else "dolly"
+    if "prompt" in obj and "completion" in obj:
+        return "completion"
+    if "text" in obj:
+        return "text"
+    return None
+
+
+def _first_format(obj, where: str) -> str:
+    found = detect_format(obj)
+    if found is not None:
+        return found
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object (a record), got {type(obj).__name__}")
+    keys = ", ".join(repr(k) for k in list(obj)[:6]) or "no keys"
+    read = "; ".join(f"{name} ({keys_})" for name, keys_ in FORMATS.items())
+    raise UserError(f"{where}: a record with {keys} is in no format finetune reads.\nIt reads: {read}")
 
 
 def load_records(source: str) -> list[Record]:
@@ -66,29 +106,108 @@ def read(source: str) -> tuple[list[Record], str]:
     if source.startswith("hf:"):
         return _from_hugging_face(source[3:])
     raw = _read_bytes(source)
+    if raw.startswith(PARQUET_MAGIC):
+        return _records(_parquet_rows(raw, source), source)
+    if source.lower().endswith(".parquet"):
+        raise UserError(f"{source} is not a Parquet file (it does not start with PAR1); check how it was written")
+    text = _text(raw, source)
+    if source.lower().endswith((".csv", ".tsv")):
+        return _records(_csv_rows(text, source, "\t" if source.lower().endswith(".tsv") else ","), source, "CSV")
+    if text.lstrip().startswith("["):
+        return _records(_array_items(text, source), source)
+    return _records(_json_lines(text, source), source)
+
+
+def _text(raw: bytes, source: str) -> str:
     try:
         # utf-8-sig: a byte-order mark from Windows editors is valid input.
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
         raise UserError(
-            f"{source} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); re-save it as UTF-8"
+            f"{source}:{line} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); re-save the file as UTF-8"
         ) from None
     if not text.strip():
-        raise UserError(f"{source} is empty; it needs one JSON record per line with instruction and response")
-    if text.lstrip().startswith("["):
-        return _from_array(text, source)
+        raise UserError(f"{source} is empty; it needs records, one JSON object per line with instruction and response")
+    return text
+
+
+def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]:
+    """Records from (where, object) pairs, all in the format of the first."""
     records, fmt = [], None
+    for where, obj in rows:
+        if fmt is None:
+            fmt = _first_format(obj, where)
+            if container and fmt in CHAT_FORMATS:
+                raise UserError(
+                    f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
+                    "give them as JSON Lines, a JSON array or Parquet"
+                )
+        records.append(_record(obj, where, fmt))
+    if fmt is None:
+        raise UserError(f"{source} holds no records; it needs one record per line or row")
+    return records, fmt
+
+
+def _json_lines(text: str, source: str):
     # JSON Lines ends lines at \n only: str.splitlines() would also split inside a
     # record at U+2028, U+2029 or U+0085, which JSON strings may hold raw. CRLF files
     # read the same as LF ones.
     for number, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
-        if not line.strip():
-            continue
-        obj = _json(line, f"{source}:{number}", "each line must be one JSON object")
-        fmt = fmt or detect_format(obj)
-        records.append(_record(obj, f"{source}:{number}", fmt))
-    return records, fmt or "dolly"
+        if line.strip():
+            where = f"{source}:{number}"
+            yield where, _json(line, where, "each line must be one JSON object")
+
+
+def _array_items(text: str, source: str):
+    items = _json(text, source, "a file starting with [ must be one JSON array")
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{source}: the JSON array is empty; it needs records with instruction and response")
+    for i, obj in enumerate(items, start=1):
+        yield f"{source} item {i}", obj
+
+
+def _csv_rows(text: str, source: str, delimiter: str):
+    """Each row of a CSV file with a header, as a dict; empty cells read as empty text.
+
+    Strict: a quote left open would otherwise swallow the rest of the file into one cell without a word.
+    """
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # a cell may hold a whole document; the default stops at 128 KiB
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+        start = 2  # the line the next row starts on
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                raise UserError(f"{source}:{start}: not valid CSV ({e}); check the quotes from this line") from None
+            where = f"{source}:{start}"
+            if None in row:
+                raise UserError(f"{where}: this row has more cells than the header has names")
+            yield where, {k: v for k, v in row.items() if v is not None}
+            start = reader.line_num + 1
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _parquet_rows(raw: bytes, source: str):
+    """Each row of a Parquet file, as a dict (pyarrow comes with `datasets`)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{source} is Parquet, which needs pyarrow: pip install pyarrow") from None
+    try:
+        rows = pq.read_table(pa.BufferReader(raw)).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types, and MemoryError on bad sizes
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise UserError(f"{source}: cannot read this Parquet file ({first})") from None
+    for i, obj in enumerate(rows, start=1):
+        yield f"{source} row {i}", obj
 
 
 def _whole_number(digits: str):
@@ -112,14 +231,6 @@ def _json(text: str, where: str, shape: str):
         raise UserError(f"{where}: JSON nested too deeply to read (thousands of levels); flatten that record") from None
     except (ValueError, TypeError, OverflowError) as e:
         raise UserError(f"{where}: cannot read this JSON ({str(e).splitlines()[0][:120]}); {shape}") from None
-
-
-def _from_array(text: str, source: str) -> tuple[list[Record], str]:
-    items = _json(text, source, "a file starting with [ must be one JSON array")
-    if not isinstance(items, list) or not items:
-        raise UserError(f"{source}: the JSON array is empty; it needs records with instruction and response")
-    fmt = detect_format(items[0])
-    return [_record(obj, f"{source} item {i}", fmt) for i, obj in enumerate(items, start=1)], fmt
 
 
 def _read_bytes(source: str) -> bytes:
@@ -172,75 +283,94 @@ def _from_hugging_face(name: str) -> tuple[list[Record], str]:
             f"could not load Hugging Face dataset {name!r} ({type(e).__name__}); without network, "
             "export it to JSONL elsewhere and pass --data FILE.jsonl"
         ) from e
-    fmt = detect_format(dict(rows[0])) if len(rows) else "dolly"
-    return [_record(dict(row), f"hf:{name} row {i}", fmt) for i, row in enumerate(rows)], fmt
+    return _records(((f"hf:{name} row {i}", dict(row)) for i, row in enumerate(rows)), f"hf:{name}")
 
 
 def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object with instruction and response, got {type(obj).__name__}")
-    if fmt == "chat":
-        return _chat_record(obj, where)
-    if fmt == "alpaca":
-        for name in ("instruction", "output"):
-            if name not in obj:
-                raise UserError(
-                    f"{where}: record has no {name!r} field; this file is in Alpaca format (instruction, input, "
-                    "output), as its first record is"
-                )
-        obj = {"instruction": obj["instruction"], "context": obj.get("input"), "response": obj["output"]}
-    for name in REQUIRED:
+        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {type(obj).__name__}")
+    for name in FORMATS[fmt].split(", "):
         if name not in obj:
-            raise UserError(f"{where}: record has no {name!r} field; every record needs instruction and response")
-    fields = {}
-    for name in TEXT_FIELDS:
-        value = obj.get(name)
-        if value is None and name not in REQUIRED:
-            value = ""
-        if not isinstance(value, str):
-            raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            # JSON allows an escaped lone surrogate such as "\ud800"; it is not text, and the tokenizer fails on it.
             raise UserError(
-                f"{where}: field {name!r} holds a lone surrogate escape (\\ud800-\\udfff), which is not text; "
-                "fix or remove the record"
-            ) from None
-        fields[name] = value
-    for name in REQUIRED:
-        if not fields[name].strip():
-            raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
+                f"{where}: record has no {name!r} field; this file is in {TITLES.get(fmt, fmt)} format "
+                f"({FORMATS[fmt]}), "
+                "as its first record is"
+            )
+    if fmt == "chat":
+        return _chat_record(obj["messages"], where, "messages", ("role", "content"), ROLES)
+    if fmt == "sharegpt":
+        system = _field(obj, "system", where, required=False)
+        return _chat_record(obj["conversations"], where, "conversations", ("from", "value"), SHAREGPT_ROLES, system)
+    if fmt == "completion":
+        if isinstance(obj["prompt"], list) or isinstance(obj["completion"], list):
+            raise UserError(
+                f"{where}: prompt and completion as lists of turns are not read; give the conversation as "
+                "`messages` (chat format), whose assistant turns are trained"
+            )
+        prompt = _field(obj, "prompt", where, required=False)
+        return Record(instruction=prompt, response=_field(obj, "completion", where))
+    if fmt == "text":
+        return Record(instruction="", response=_field(obj, "text", where))
+    if fmt == "alpaca":
+        obj = {"instruction": obj["instruction"], "context": obj.get("input"), "response": obj["output"]}
+    fields = {name: _field(obj, name, where, required=name in REQUIRED) for name in TEXT_FIELDS}
     return Record(**fields)
 
 
-def _chat_record(obj: dict, where: str) -> Record:
-    messages = obj["messages"]
+def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
+    """obj[name] as text: null or missing reads as empty where not required; a required one must hold text."""
+    value = obj.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    _check_text(value, where, f"field {name!r}")
+    if required and not value.strip():
+        raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
+    return value
+
+
+def _check_text(value: str, where: str, what: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON allows an escaped lone surrogate such as "\ud800"; it is not text, and the tokenizer fails on it.
+        raise UserError(
+            f"{where}: {what} holds a lone surrogate escape (\\ud800-\\udfff), which is not text; "
+            "fix or remove the record"
+        ) from None
+
+
+def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, system: str = "") -> Record:
+    """Turns alternating user and assistant, ending with the assistant's: a chat record's `messages`
+    ({role, content}) or a ShareGPT record's `conversations` ({from, value})."""
+    role_key, text_key = names
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} turns")
-    system, turns = "", []
+        raise UserError(f"{where}: `{key}` must be a non-empty list of {{{role_key}, {text_key}}} turns")
+    turns = []
     for number, message in enumerate(messages, start=1):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise UserError(f"{where}: message {number} must be an object with a `role` and a string `content`")
-        role, content = message.get("role"), message["content"]
+        if not isinstance(message, dict) or not isinstance(message.get(text_key), str):
+            raise UserError(
+                f"{where}: message {number} must be an object with a `{role_key}` and a string `{text_key}`"
+            )
+        role, content = message.get(role_key), message[text_key]
         if role == "system" and number == 1:
             system = content
             continue
-        if role not in ROLES:
-            raise UserError(f"{where}: message {number} has role {role!r}; use system (first only), user or assistant")
+        if role not in roles:
+            speakers = ", ".join(roles)
+            raise UserError(f"{where}: message {number} has {role_key} {role!r}; use system (first only), {speakers}")
         expected = "user" if len(turns) % 2 == 0 else "assistant"
-        if ROLES[role] != expected:
+        if roles[role] != expected:
             raise UserError(f"{where}: message {number} should be the {expected}'s: turns must alternate, user first")
         if not content.strip():
             raise UserError(f"{where}: message {number} is empty; remove the record or fill it in")
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UserError(f"{where}: message {number} holds a lone surrogate escape, which is not text") from None
+        _check_text(content, where, f"message {number}")
         turns.append((expected, content))
     if not turns or turns[-1][0] != "assistant":
         raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
     if system:
+        _check_text(system, where, "the system turn")
         turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 

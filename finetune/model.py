@@ -70,6 +70,17 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     return lm, preprocessor
 
 
+def load_tokenizer(source: presets.Source):
+    """The preset's tokenizer alone: what `finetune data` counts tokens with, without building the model."""
+    if source.kind == "tiny":
+        return presets.tiny_tokenizer(source.handle)
+    cls = families.keras_hub_class(families.get(source.family), "tokenizer")
+    try:
+        return cls.from_preset(source.handle)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load the tokenizer of {source.handle}: {str(e).splitlines()[0]}") from None
+
+
 def _from_preset(cls, family, handle: str, dtype, quantize: str | None):
     """The preset's causal LM as keras-hub's from_preset builds it, text-only, and quantized as it loads.
 

@@ -7,14 +7,20 @@ class with an `apply()` method and pure string logic, easy to test.
 response for an instruction, and every turn for a multi-turn chat, whose
 assistant turns are all trained on.
 
+`none` is no template: a completion record's prompt and completion as they
+are written, and a text record's text, all of it trained on.
+
 Each Gemma family's instruction-tuned presets speak one turn format:
 gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers).
-for_data() picks it for chat records on an instruction-tuned preset.
+for_data() picks the template for the data's format, and refuses one that
+cannot render it.
 """
 
 from __future__ import annotations
 
-from finetune.data import Record
+import re
+
+from finetune.data import CHAT_FORMATS, Record
 from finetune.errors import UserError
 
 
@@ -29,6 +35,10 @@ class Template:
             raise UserError(f"chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}")
         prompt, response = self.apply(record)
         return [(prompt, False), (response, True)]
+
+    def sample_prompt(self, record: Record) -> str:
+        """What a sample generation before and after training is given for `record`."""
+        return self.apply(record)[0]
 
 
 class Dolly(Template):
@@ -126,8 +136,32 @@ class Gemma4Chat(GemmaChat):
         return pieces
 
 
-TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat())}
+class NoTemplate(Template):
+    """No template: the prompt as written, then the completion, trained on; a text record is all completion.
+
+    TRL's prompt-completion format without a chat template: nothing is added
+    between the two, so the data's own spacing is what the model sees.
+    """
+
+    name = "none"
+    stop_tokens = ("<eos>",)
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        return record.instruction, record.response
+
+    def sample_prompt(self, record: Record) -> str:
+        """A text record's sample continues its opening words (a quarter of them, at most 16); an empty
+        prompt would give every sample the same greedy text."""
+        if record.instruction:
+            return record.instruction
+        words = re.findall(r"\S+\s*", record.response)
+        return "".join(words[: max(1, min(16, len(words) // 4))]).rstrip()
+
+
+TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat(), NoTemplate())}
 CHAT = ("gemma-chat", "gemma4-chat")
+# The template --template auto gives each format that is not chat.
+OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none"}
 
 
 def get(name: str):
@@ -137,15 +171,23 @@ def get(name: str):
 def for_data(name: str, found: str, family_chat: str, preset: str, path: str) -> tuple[str, str | None]:
     """(the template a run uses, a note when it was chosen for the user), for data of format `found`.
 
-    Chat records need a chat template. On an instruction-tuned preset they get
-    the family's own turns (family_chat) when the run names a non-chat one, and
-    another family's turns are refused; a base preset learns whichever chat
-    format it is given, but is never given an instruction template for chat.
+    auto follows the data: its own template, or for chat and ShareGPT records
+    the family's chat turns. A named template must render the data: chat
+    records need a chat template (another family's turns are refused on an
+    instruction-tuned preset), text records only go without one, and `none`
+    has no place for an instruction's parts.
     """
     if name == "auto":  # the data's own format; the run records what it became
-        chosen = family_chat if found == "chat" else ("alpaca" if found == "alpaca" else "dolly")
+        chosen = family_chat if found in CHAT_FORMATS else OWN[found]
         return chosen, f"template: {chosen}, for {found} records (--template names another)"
-    if found != "chat":
+    if found == "text" and name != "none":
+        raise UserError(f"{path} holds text records, with no prompt for the {name} template; use --template none")
+    if name == "none" and found in ("dolly", "alpaca"):
+        raise UserError(
+            f"{path} holds {found} records, whose instruction and context need a template; "
+            f"use --template {found} (or auto)"
+        )
+    if found not in CHAT_FORMATS:
         return name, None
     instruct = is_instruct(preset)
     if name in CHAT:
@@ -157,7 +199,7 @@ def for_data(name: str, found: str, family_chat: str, preset: str, path: str) ->
         return name, None
     if instruct:
         return family_chat, f"note: chat records on the instruction-tuned {preset}: --template {family_chat}, its turns"
-    raise UserError(f"{path} holds chat records (messages); train them with --template {family_chat}")
+    raise UserError(f"{path} holds {found} records (turns); train them with --template {family_chat} (or auto)")
 
 
 def is_instruct(preset: str) -> bool:

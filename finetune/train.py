@@ -184,7 +184,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
         samples_wanted = 0
     sample_records = eval_records[:samples_wanted]
-    sample_prompts = [template.apply(r)[0] for r in sample_records]
+    sample_prompts = [template.sample_prompt(r) for r in sample_records]
     scorer = model.scorer(lm, batch_size, shards=part[2])
     eval_started = time.perf_counter()
     if saved is None:

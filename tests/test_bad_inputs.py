@@ -370,7 +370,7 @@ CASES = [
                 '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
             ),
         ],
-        "holds chat records (messages); train them with --template gemma-chat",
+        "holds chat records (turns); train them with --template gemma-chat",
     ),  # fmt: skip
     data("json-array-empty", "[]", "the JSON array is empty"),
     data(
@@ -381,6 +381,27 @@ CASES = [
     ),
     gemma("remat-unknown", ["--remat", "sometimes"], "unknown remat 'sometimes'"),
     gemma("quantize-unknown", ["--quantize", "fp3"], "unknown quantize mode 'fp3'"),
+    Case(
+        "data-missing-file", lambda w: [w.tmp / "none.jsonl", "--preset", "tiny"], "none.jsonl does not exist", "data"
+    ),
+    Case("data-unknown-template", lambda w: [w.good, "--template", "chatml"], "unknown template 'chatml'", "data"),
+    Case(
+        "data-example-out-of-range", lambda w: [w.good, "--preset", "tiny", "--example", "13"], "--example 13", "data"
+    ),
+    Case("data-seq-len-tiny", lambda w: [w.good, "--seq-len", "2"], "--seq-len must be at least 8", "data"),
+    Case(
+        "data-text-with-dolly",
+        lambda w: [w.file("t.jsonl", '{"text": "a"}\n'), "--template", "dolly"],
+        "use --template none",
+        "data",
+    ),
+    Case(
+        "csv-open-quote",
+        lambda w: ["--data", w.file("open.csv", 'instruction,response\na,b\n"c,d\n')],
+        "open.csv:3: not valid CSV",
+    ),
+    Case("parquet-damaged", lambda w: ["--data", w.file("bad.parquet", "PAR1xx")], "cannot read this Parquet file"),
+    data("no-known-format", '{"question": "a", "answer": "b"}\n', "is in no format finetune reads"),
     bench("bench-unknown-arch", ["--arch", "gemma-70b"], "unknown arch 'gemma-70b'"),
     bench("bench-unknown-backend", ["--backends", "mxnet"], "unknown backend 'mxnet'"),
     bench("bench-unknown-lever", ["--levers", "turbo"], "unknown lever 'turbo'"),

@@ -34,7 +34,7 @@ def test_the_sample_loads():
         (b"\n  \n", "is empty"),
         (b'{"instruction": "a", "response": "b"}\n{not json}\n', r":2: not valid JSON"),
         (b'{"instruction": "a"}\n', r":1: record has no 'response' field"),
-        (b'{"response": "a"}\n', r":1: record has no 'instruction' field"),
+        (b'{"response": "a"}\n', r":1: a record with 'response' is in no format finetune reads"),
         (b'{"instruction": "a", "response": 3}\n', r":1: field 'response' must be a string, got int"),
         (b'{"instruction": "a", "response": "b", "context": ["x"]}\n', r"field 'context' must be a string"),
         (b'["a", "b"]\n', "expected a JSON object"),
