@@ -201,6 +201,29 @@ def torch_threads(requested: int | None) -> tuple[int, str]:
     return idle, f"{idle} of {cores} physical cores idle at start"
 
 
+def set_seed(seed: int) -> None:
+    """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends.
+
+    Setting TensorFlow's seed clears its kernel caches, and tensorflow-text
+    (2.21.1) keeps each SentencePiece model in a kernel-owned resource: every
+    tokenizer made before then fails with NotFoundError. On JAX and PyTorch,
+    TensorFlow only tokenizes, and finetune draws no TensorFlow random numbers.
+    """
+    import keras
+
+    if keras.config.backend() == "tensorflow" or "tensorflow" not in sys.modules:
+        keras.utils.set_random_seed(seed)
+        return
+    import tensorflow as tf
+
+    original = tf.random.set_seed
+    tf.random.set_seed = lambda _: None
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        tf.random.set_seed = original
+
+
 def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
     """TF32 matmuls, PyTorch's CPU threads and the dtype policy; returns the tweaks applied.
 

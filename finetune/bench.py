@@ -293,7 +293,7 @@ def _work(spec: Spec) -> dict:
         tweaks = {"device": backend.accelerator(), "dtype_policy": "float32"}
     else:
         tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
-    keras.utils.set_random_seed(0)
+    backend.set_seed(0)
     quantize = _quantize(spec)
     precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
     remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))

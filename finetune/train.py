@@ -19,7 +19,6 @@ import time
 import uuid
 from pathlib import Path
 
-import keras
 import numpy as np
 
 from finetune import (
@@ -95,7 +94,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
     # auto is decided once and saved decided: a run resumed on another machine trains on in the same dtype.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=tweaks["dtype_policy"]))
-    keras.utils.set_random_seed(cfg.train.seed)
+    backend.set_seed(cfg.train.seed)
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     if cfg.train.batch_size is None:  # the user chose none: pick one the mesh's data axis splits
         batch_size, fitted = distribution.fit_to_data_axis(cfg.distribution, batch_size)

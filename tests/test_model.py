@@ -2,14 +2,14 @@ import keras
 import numpy as np
 import pytest
 
-from finetune import batching, model, presets
+from finetune import backend, batching, model, presets
 from finetune.errors import UserError
 
 TINY = presets.Source("tiny", "tiny", "gemma")
 
 
 def build(rank=2, alpha=None, targets=("query", "value")):
-    keras.utils.set_random_seed(0)
+    backend.set_seed(0)
     lm, preprocessor = model.build(TINY, seq_len=32)
     model.enable_lora(lm, rank, alpha, list(targets))
     return lm, preprocessor

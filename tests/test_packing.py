@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import float32_policy
 
-from finetune import attention, batching, families, model, packing, presets
+from finetune import attention, backend, batching, families, model, packing, presets
 from finetune.batching import Example
 
 
@@ -83,7 +83,7 @@ MODELS = {
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def lm(request):
-    keras.utils.set_random_seed(1)
+    backend.set_seed(1)
     with float32_policy():  # the 1e-4 exactness is float32's
         built = MODELS[request.param]()
     assert attention.enable(built.backbone) == len(families.decoder_blocks(built.backbone))

@@ -2,11 +2,11 @@ import keras
 import numpy as np
 from conftest import float32_policy
 
-from finetune import batching, model, presets, scoring
+from finetune import backend, batching, model, presets, scoring
 
 
 def test_loss_is_averaged_over_response_tokens_only():
-    keras.utils.set_random_seed(0)
+    backend.set_seed(0)
     with float32_policy():  # compared with a float64 computation below
         lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
     model.enable_lora(lm, 2, None, ["query", "value"])
@@ -35,7 +35,7 @@ def test_loss_is_averaged_over_response_tokens_only():
 
 
 def test_generate_returns_continuations_without_the_prompt():
-    keras.utils.set_random_seed(0)
+    backend.set_seed(0)
     with float32_policy():  # compared with a float64 computation below
         lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
     prompts = ["Instruction:\nSay hi.\n\nResponse:\n", "Instruction:\nCount.\n\nResponse:\n"]
