@@ -79,17 +79,21 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
 
             def chunk_loss(h=h, y=y):
                 logits = _logits(h, kernel, soft_cap)
-                log_total = ops.logsumexp(logits, axis=-1, keepdims=True)
-                picked = ops.take_along_axis(logits, ops.expand_dims(y, -1), axis=-1)
-                softmax = ops.exp(logits - log_total)
+                log_probs = ops.log_softmax(logits, axis=-1)  # one fused pass, where logsumexp takes four
+                if soft_cap is None:
+                    del logits  # run eagerly (PyTorch), each (chunk x vocabulary) array is freed when done with
+                picked = ops.take_along_axis(log_probs, ops.expand_dims(y, -1), axis=-1)[:, 0]
+                probs = ops.exp(log_probs)
+                del log_probs
                 # softmax - one-hot in float32, before the cast: a confident softmax rounded to bf16 first
-                # (p = 0.99 is 1 - 2^-7) would cancel the one against its own rounding error.
-                is_label = ops.equal(ops.expand_dims(ops.arange(logits.shape[-1], dtype="int32"), 0),
-                                     ops.expand_dims(ops.cast(y, "int32"), -1))  # fmt: skip
-                delta = ops.where(is_label, softmax - 1.0, softmax)
+                # (p = 0.99 is 1 - 2^-7) would cancel the one against its own rounding error. The one-hot
+                # is subtracted where it is, at each row's label, not compared against every vocabulary entry.
+                at_labels = ops.stack([ops.arange(y.shape[0], dtype="int32"), ops.cast(y, "int32")], axis=-1)
+                delta = ops.scatter_update(probs, at_labels, ops.exp(picked) - 1.0)
+                del probs
                 if soft_cap is not None:  # d capped / d logit = 1 - tanh^2, tanh = capped / cap
                     delta = delta * (1.0 - ops.square(logits / soft_cap))
-                return (log_total - picked)[:, 0], ops.matmul(ops.cast(delta, h.dtype), kernel)
+                return -picked, ops.matmul(ops.cast(delta, h.dtype), kernel)
 
             def nothing(h=h):
                 return ops.zeros((h.shape[0],)), ops.zeros_like(h)
