@@ -12,6 +12,7 @@ import math
 
 import keras
 import numpy as np
+from keras import ops
 
 from finetune import attention, backend, families, layouts, objective, presets, quantized
 from finetune import remat as rematerialization
@@ -157,7 +158,59 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
         for layer in adapted:
             layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
     initialise_lora(adapted, seed)
+    for layer in adapted:
+        beside_the_kernel(layer)
     return len(adapted)
+
+
+def beside_the_kernel(layer) -> bool:
+    """Apply `layer`'s LoRA beside its frozen kernel, x W + s (x A) B, not merged into it on every call.
+
+    Keras merges the factors into the kernel each call, W + s A B: a kernel-sized
+    float32 sum and cast per layer and step, and in the backward a kernel-sized
+    gradient (x^T dy, one full matmul per adapted layer) that only A and B need
+    in their rank-r form. Beside the kernel, the factors take two thin matmuls
+    in the compute dtype, as PEFT does under autocast; the layer's weights, what
+    it saves and what export merges are unchanged. Returns False, leaving
+    Keras' call, for a quantized layer (its own call) or an equation whose
+    kernel's last axis is not the output's last.
+    """
+    from keras.layers import Dense, EinsumDense
+
+    if getattr(layer, "quantization_mode", None) is not None:
+        return False
+    if isinstance(layer, EinsumDense):
+        operands, out = layer.equation.split("->")
+        _, kernel = operands.split(",")
+        if kernel[-1] != out[-1] or "." in layer.equation:
+            return False
+        rank_axis = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in layer.equation)
+        down = f"{operands[: operands.index(',')]},{kernel[:-1]}{rank_axis}->{out[:-1]}{rank_axis}"
+
+        def project(x, w, equation=layer.equation):
+            return ops.einsum(equation, x, w)
+
+        def project_down(x, a, equation=down):
+            return ops.einsum(equation, x, a)
+    elif isinstance(layer, Dense):
+        project = project_down = ops.matmul
+    else:
+        return False
+
+    def call(inputs, training=None):
+        compute = layer.compute_dtype
+        x = project(inputs, layer._kernel)
+        low = project_down(inputs, ops.cast(layer.lora_kernel_a, compute))
+        update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
+        x = ops.add(x, ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update)
+        if layer.bias is not None:
+            x = ops.add(x, layer.bias)
+        if layer.activation is not None:
+            x = layer.activation(x)
+        return x
+
+    layer.call = call
+    return True
 
 
 def adaptable_targets(backbone) -> list[str]:

@@ -100,3 +100,27 @@ def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path):
     for variable in decoder:
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path], variable.path)
     assert loaded.backbone.token_embedding.embeddings.dtype == "float32"  # the output projection stays float
+
+
+@pytest.mark.parametrize(
+    "targets", [("query", "value"), ("query", "key", "value", "attention_output", "ffw_gating", "ffw_linear")]
+)
+def test_lora_beside_the_kernel_gives_keras_merged_output(targets):
+    """The adapted layers' own call (x W + s (x A) B) against Keras' merged kernel (x (W + s A B)), with B
+    nonzero, float32: the same logits to rounding."""
+    from conftest import float32_policy
+
+    with float32_policy():
+        lm, preprocessor = build(rank=2, alpha=3.0, targets=targets)
+        adapted = [layer for layer in lm.backbone._flatten_layers() if getattr(layer, "lora_enabled", False)]
+        rng = np.random.default_rng(0)
+        for layer in adapted:
+            b = layer.lora_kernel_b
+            b.assign(rng.normal(0, 0.5, tuple(b.shape)).astype("float32"))
+        assert adapted and all("call" in vars(layer) for layer in adapted)  # every one is applied beside
+        x, _, _ = a_batch(preprocessor)
+        beside = logits(lm, x)
+        for layer in adapted:
+            del layer.call  # back to Keras' own call, which merges
+        merged = logits(lm, x)
+    np.testing.assert_allclose(beside, merged, rtol=1e-4, atol=1e-4)
