@@ -214,17 +214,6 @@ def newest(run_dir: Path) -> Checkpoint | None:
     return found
 
 
-def settings_to_resume(output: str | None) -> dict | None:
-    """The config of the newest checkpoint in `output`; None when it has none. No keras: the CLI reads it first.
-
-    A gs:// run's checkpoints are copied to its staging directory here, and found there again by the run.
-    """
-    from finetune import outputs  # outputs imports this module
-
-    found = newest(outputs.check_target(output, False, True).path)
-    return found.state()["config"] if found else None
-
-
 def resumed_config(cfg, saved: dict):
     """`cfg` with the batch size, learning rate and precision the checkpoint resolved, where `cfg` leaves them
     to be chosen.

@@ -393,9 +393,9 @@ def gemma(
         if resume and plan_only:  # a resume reads (for gs://, downloads) its checkpoints: not a plan's business
             raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
         if resume:
-            from finetune import checkpoint
+            from finetune import outputs
 
-            base = checkpoint.settings_to_resume(output)
+            base = outputs.settings_to_resume(output)
         cfg = config_module.load(recipe, overrides, base=base)
         if plan_only:  # before finetune.run: no keras, no download, nothing written
             _print_plan(cfg, None, None)

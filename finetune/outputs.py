@@ -548,3 +548,12 @@ def _padding(metrics: dict) -> str:
     if metrics.get("packing"):
         return f"{metrics['padding_fraction_unpacked']:.0%} -> {metrics['padding_fraction']:.0%} (packed)"
     return f"{metrics['padding_fraction']:.0%} (not packed)"
+
+
+def settings_to_resume(output: str | None) -> dict | None:
+    """The config of the newest checkpoint in `output`; None when it has none. No keras: the CLI reads it first.
+
+    A gs:// run's checkpoints are copied to its staging directory here, and found there again by the run.
+    """
+    found = checkpoint.newest(check_target(output, False, True).path)
+    return found.state()["config"] if found else None
