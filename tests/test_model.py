@@ -117,6 +117,9 @@ def test_lora_beside_the_kernel_gives_keras_merged_output(targets):
         for layer in adapted:
             b = layer.lora_kernel_b
             b.assign(rng.normal(0, 0.5, tuple(b.shape)).astype("float32"))
+        if keras.config.backend() == "jax":
+            assert adapted and not any("call" in vars(layer) for layer in adapted)  # Keras' own call on JAX
+            return
         assert adapted and all("call" in vars(layer) for layer in adapted)  # every one is applied beside
         x, _, _ = a_batch(preprocessor)
         beside = logits(lm, x)
