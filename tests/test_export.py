@@ -83,7 +83,9 @@ def test_lora_loads_onto_the_base_with_plain_keras_hub(trained, tmp_path):
             if getattr(layer, "lora_enabled", False):
                 layer.lora_alpha = described["alpha"]
         lm.backbone.load_lora_weights(str(out / "adapter.lora.h5"))
-        np.testing.assert_allclose(logits(lm), tuned, atol=1e-6)
+        # keras-hub merges the factors into the kernel, the run applied them beside it (model.beside_the_kernel):
+        # the same function, float32 sums in another order.
+        np.testing.assert_allclose(logits(lm), tuned, atol=2e-5)
 
 
 def test_merged_is_a_preset_keras_hub_loads_without_finetune(trained, tmp_path):
@@ -405,7 +407,7 @@ def test_a_gemma3_run_exports_lora_and_merged_for_keras_hub(trained_gemma3, tmp_
             if getattr(layer, "lora_enabled", False):
                 layer.lora_alpha = described["alpha"]
         lm.backbone.load_lora_weights(str(tmp_path / "lora" / "adapter.lora.h5"))
-        np.testing.assert_allclose(logits(lm), tuned, atol=1e-6)
+        np.testing.assert_allclose(logits(lm), tuned, atol=2e-5)  # merged by keras-hub, beside in the run
 
 
 @in_torch_suite
