@@ -98,18 +98,20 @@ def accelerator() -> str:
 
 
 def supports_bfloat16(device: str) -> bool:
-    """bf16 pays on a TPU, a GPU of compute capability 8.0 or newer (not a T4), and a CPU with bf16 units.
+    """bf16 pays on a TPU, a GPU of compute capability 8.0 or newer (not a T4), and a CPU with bf16 units
+    under PyTorch or TensorFlow (bfloat16_pays_on_cpu).
 
     On a 2-core AMD EPYC with AVX512-BF16, mixed_bfloat16 trained cpu-small 1.37x faster on TensorFlow,
     1.67x on PyTorch and 1.1x on JAX than float32 (BENCHMARKS.md).
     """
+    import keras
+
     if device == "tpu":
         return True
     if device == "cpu":
-        return cpu_has_bfloat16()
+        return bfloat16_pays_on_cpu(keras.config.backend())
     if device != "gpu":
         return False
-    import keras
 
     backend = keras.config.backend()
     if backend == "torch":
@@ -126,6 +128,18 @@ def supports_bfloat16(device: str) -> bool:
     gpu = tf.config.list_physical_devices("GPU")[0]
     major, _ = tf.config.experimental.get_device_details(gpu).get("compute_capability", (8, 0))
     return major >= 8
+
+
+def bfloat16_pays_on_cpu(framework: str) -> bool:
+    """Whether a bf16 base trains better than float32 on this CPU under `framework`.
+
+    Only with bf16 units (AVX512-BF16 or AMX), and not under JAX: XLA's CPU
+    backend has no fast bf16 matmul (258-284 GFLOP/s against 277-308 in
+    float32 on an Intel Xeon with AMX, where PyTorch's reaches 2,149) and keeps
+    float32 copies of bf16 weights. At gemma-2b dims there, JAX trained at 19
+    tokens/s in 13.0 GB in float32 and 16 tokens/s in 16.8 GB with a bf16 base.
+    """
+    return cpu_has_bfloat16() and framework != "jax"
 
 
 def auto_precision(device: str) -> str:

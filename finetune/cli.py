@@ -343,7 +343,7 @@ def gemma(
         rich_help_panel="Recipe and diagnostics",
     ),
 ):
-    """Fine-tune a Gemma preset with LoRA on Dolly-style data, evaluate it and save the adapter.
+    """Fine-tune a Gemma preset with LoRA on instruction, chat or text data, evaluate it and save the adapter.
 
     Precedence: built-in defaults < --recipe < --set < named flags.
     """

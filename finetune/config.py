@@ -435,7 +435,7 @@ def validate(cfg: Config) -> None:
     check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}{source}; choose one of {', '.join(BACKENDS)}")
     # An empty string, as from an unset shell variable, would mean the current directory.
     check(bool(cfg.model.preset.strip()), "--preset is empty; pass a preset name such as gemma_2b_en, or tiny")
-    check(bool(cfg.data.path.strip()), "--data is empty; pass a Dolly-style JSONL file, hf:NAME or sample")
+    check(bool(cfg.data.path.strip()), "--data is empty; pass a data file, hf:NAME or sample")
     check(
         cfg.output.dir is None or bool(cfg.output.dir.strip()),
         "--output is empty; pass a run directory, or leave it out for runs/<timestamp>",

@@ -128,7 +128,7 @@ def _text(raw: bytes, source: str) -> str:
             f"{source}:{line} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); re-save the file as UTF-8"
         ) from None
     if not text.strip():
-        raise UserError(f"{source} is empty; it needs records, one JSON object per line with instruction and response")
+        raise UserError(f"{source} is empty; it needs records: JSON Lines, a JSON array, CSV rows or Parquet")
     return text
 
 
@@ -163,7 +163,7 @@ def _json_lines(text: str, source: str):
 def _array_items(text: str, source: str):
     items = _json(text, source, "a file starting with [ must be one JSON array")
     if not isinstance(items, list) or not items:
-        raise UserError(f"{source}: the JSON array is empty; it needs records with instruction and response")
+        raise UserError(f"{source}: the JSON array is empty; it needs records, such as instruction and response")
     for i, obj in enumerate(items, start=1):
         yield f"{source} item {i}", obj
 
@@ -238,9 +238,13 @@ def _read_bytes(source: str) -> bytes:
         return _read_cloud(source)
     path = Path(source)
     if not path.exists():
-        raise UserError(f"data file {source} does not exist; pass --data PATH to a Dolly-style JSONL file")
+        raise UserError(
+            f"data file {source} does not exist; pass --data PATH to a data file (JSONL, JSON, CSV or Parquet)"
+        )
     if not path.is_file():
-        raise UserError(f"data path {source} is not a file; pass --data PATH to a Dolly-style JSONL file")
+        raise UserError(
+            f"data path {source} is not a file; pass --data PATH to a data file (JSONL, JSON, CSV or Parquet)"
+        )
     try:
         return path.read_bytes()
     except OSError as e:

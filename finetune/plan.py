@@ -181,8 +181,10 @@ _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
 
-def auto_precision(target: tuple[str, Device] | None) -> str:
-    """What precision `auto` becomes on the device (backend.auto_precision's rule, offline)."""
+def auto_precision(target: tuple[str, Device] | None, framework: str = "") -> str:
+    """What precision `auto` becomes on the device under `framework` (backend.auto_precision's rule, offline)."""
+    if target is not None and target[1].kind == "cpu" and framework == "jax":
+        return "float32"  # backend.bfloat16_pays_on_cpu
     if target is None or target[1].bfloat16:
         return "bfloat16"
     return "float16" if target[1].kind == "gpu" else "float32"
@@ -244,7 +246,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     notes: list[str] = []
     precision = cfg.model.precision
     if precision == "auto":
-        precision = auto_precision(target)
+        precision = auto_precision(target, cfg.backend)
         notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
     batch = cfg.train.batch_size
     if batch is None:
