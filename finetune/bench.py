@@ -403,7 +403,7 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
     """
     import keras_hub
 
-    from finetune import attention, backend, presets, quantized
+    from finetune import attention, backend, model, presets, quantized
     from finetune import remat as remat_module
 
     tokenizer_file = workload.tokenizer or str(presets.TINY_TOKENIZER)
@@ -419,6 +419,8 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
     lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     if precision:
         attention.enable(lm.backbone)
+    for layer in quantized.quantized_layers(backbone):
+        model.beside_the_kernel(layer)  # as model.build: each kernel dequantized only when its input arrives
     if remat:
         remat_module.enable(lm.backbone)
     return lm, tokenizer

@@ -8,6 +8,7 @@ under it have it, so we set it on each adapted layer after enabling.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -38,6 +39,8 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize)
     attention.enable(lm.backbone)
+    for layer in quantized.quantized_layers(lm.backbone):
+        beside_the_kernel(layer)  # its kernel dequantized only when its input arrives
     if remat:
         rematerialization.enable(lm.backbone)
     lm.compile(sampler="greedy")  # for generate(): training goes through compile()'s view, not lm
@@ -164,7 +167,7 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
 
 
 def beside_the_kernel(layer) -> bool:
-    """Apply `layer`'s LoRA beside its frozen kernel, x W + s (x A) B, not merged into it on every call.
+    """Give `layer` our own call: its kernel's projection, then its LoRA beside it, x W + s (x A) B.
 
     Keras merges the factors into the kernel each call, W + s A B: a kernel-sized
     float32 sum and cast per layer and step, and in the backward a kernel-sized
@@ -173,38 +176,43 @@ def beside_the_kernel(layer) -> bool:
     in the compute dtype, as PEFT does under autocast; the layer's weights, what
     it saves and what export merges are unchanged. Measured at gemma-2b dims
     on an Intel Xeon with AMX: PyTorch 96 to 106 tokens/s, TensorFlow 68 to 76.
-    Returns False, leaving Keras' call, on JAX (not measured to pay there: its
-    one run with this also had a slower loss), for a quantized layer (its own
-    call) or an equation whose kernel's last axis is not the output's last.
+
+    A quantized layer's projection dequantizes its kernel only when its input
+    (or gradient) arrives (quantized.lean_projection), on every backend and
+    whether or not LoRA adapts it. A float layer keeps Keras' call on JAX (not
+    measured to pay there: its one run with this also had a slower loss) and
+    where the equation's kernel's last axis is not the output's last. Returns
+    whether the call was replaced. The LoRA part follows the layer's
+    `lora_enabled` when it is called, so this can come before enable_lora.
     """
     from keras.layers import Dense, EinsumDense
 
-    if keras.config.backend() == "jax" or getattr(layer, "quantization_mode", None) is not None:
-        return False
+    project = quantized.lean_projection(layer)
+    down = None
     if isinstance(layer, EinsumDense):
         operands, out = layer.equation.split("->")
         _, kernel = operands.split(",")
-        if kernel[-1] != out[-1] or "." in layer.equation:
-            return False
-        rank_axis = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in layer.equation)
-        down = f"{operands[: operands.index(',')]},{kernel[:-1]}{rank_axis}->{out[:-1]}{rank_axis}"
-
-        def project(x, w, equation=layer.equation):
-            return ops.einsum(equation, x, w)
-
-        def project_down(x, a, equation=down):
-            return ops.einsum(equation, x, a)
-    elif isinstance(layer, Dense):
-        project = project_down = ops.matmul
-    else:
+        if kernel[-1] == out[-1] and "." not in layer.equation:
+            rank_axis = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in layer.equation)
+            down = f"{operands[: operands.index(',')]},{kernel[:-1]}{rank_axis}->{out[:-1]}{rank_axis}"
+        if project is None and down is not None and keras.config.backend() != "jax":
+            project = functools.partial(_einsum, layer.equation, weight=lambda: layer._kernel)
+    elif isinstance(layer, Dense) and getattr(layer, "quantization_mode", None) is None:
+        down = "matmul"
+        if keras.config.backend() != "jax":
+            project = functools.partial(_einsum, "matmul", weight=lambda: layer._kernel)
+    if project is None:
         return False
 
     def call(inputs, training=None):
         compute = layer.compute_dtype
-        x = project(inputs, layer._kernel)
-        low = project_down(inputs, ops.cast(layer.lora_kernel_a, compute))
-        update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
-        x = ops.add(x, ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update)
+        x = project(inputs)
+        if layer.lora_enabled:
+            if down is None:
+                raise ValueError(f"{layer.name}: LoRA beside a kernel of equation {layer.equation} is not built")
+            low = _einsum(down, inputs, weight=lambda: ops.cast(layer.lora_kernel_a, compute))
+            update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
+            x = ops.add(x, ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update)
         if layer.bias is not None:
             x = ops.add(x, layer.bias)
         if layer.activation is not None:
@@ -212,7 +220,16 @@ def beside_the_kernel(layer) -> bool:
         return x
 
     layer.call = call
+    if getattr(layer, "quantization_mode", None) is not None:
+        layer.quantized_call = call  # what keras' Layer.__call__ calls on a quantized layer
     return True
+
+
+def _einsum(equation: str, inputs, weight):
+    """inputs times weight(): an einsum, or a matmul where `equation` says so."""
+    if equation == "matmul":
+        return ops.matmul(inputs, weight())
+    return ops.einsum(equation, inputs, weight())
 
 
 def adaptable_targets(backbone) -> list[str]:

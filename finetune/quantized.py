@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+from keras import ops
 
 from finetune import layouts
 
@@ -105,7 +106,12 @@ def weights_only(backbone) -> None:
     for the float base (JAX, float32).
     """
     for layer in quantized_layers(backbone):
-        layer.inputs_quantizer = None
+        weights_only_layer(layer)
+
+
+def weights_only_layer(layer) -> None:
+    """One layer's part of weights_only."""
+    layer.inputs_quantizer = None
 
 
 def load_while_quantizing(backbone) -> None:
@@ -138,3 +144,110 @@ def fill_random(backbone, seed: int = 0) -> None:
             return rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(fan_in))
 
         fill(layer, kernel)
+
+
+def lean_projection(layer):
+    """`inputs -> einsum(inputs, kernel)` for a weight-only int4 or int8 EinsumDense, None for any other layer.
+
+    keras' quantized calls dequantize the kernel in the forward and keep the
+    result for the backward (its int4 unpacked, a byte a weight) while the
+    whole step runs, and XLA, seeing dequantizations that depend on nothing
+    but the weights, computes them all up front: gemma-7b in int4 asked for one
+    34.4 GiB buffer on JAX, the float32 kernels of every layer at once. Here
+    the kernel is dequantized when the layer's input arrives, used and let
+    go, and dequantized again when the gradient arrives, so one layer's float
+    kernel exists at a time and the step keeps only the packed weights. The
+    arithmetic is keras' own, so the outputs are the same to the bit.
+    """
+    from keras.layers import EinsumDense
+
+    mode = getattr(layer, "quantization_mode", None)
+    if not isinstance(layer, EinsumDense) or mode not in MODES or layer.inputs_quantizer is not None:
+        return None
+    weights = _int4_weights(layer) if mode == "int4" else (layer._kernel, layer.kernel_scale)
+    dequantize = _int4_kernel(layer) if mode == "int4" else _int8_kernel(layer)
+
+    @ops.custom_gradient
+    def project(inputs, *stored):
+        kernel = dequantize(*_after_all(stored, inputs))
+        outputs = ops.einsum(layer.equation, inputs, kernel)
+
+        def gradient(*args, upstream=None):
+            if upstream is None:  # jax and tensorflow pass it positionally, torch by name
+                (upstream,) = args
+            kernel = dequantize(*_after_all(stored, upstream))
+            return (ops.einsum(layer._custom_gradient_equation, upstream, kernel),) + (None,) * len(stored)
+
+        return outputs, gradient
+
+    return lambda inputs: project(inputs, *(ops.convert_to_tensor(w) for w in weights))
+
+
+def _int4_weights(layer) -> tuple:
+    if getattr(layer, "_int4_block_size", None) in (None, -1):
+        return layer._kernel, layer.kernel_scale
+    return layer._kernel, layer.kernel_scale, layer.kernel_zero
+
+
+def _int4_kernel(layer):
+    """The float kernel from int4 storage (rows x columns, two a byte): keras' unpack and dequantize, with each
+    group's scale and zero point broadcast over its rows rather than gathered for every row."""
+    from keras import quantizers
+
+    block = getattr(layer, "_int4_block_size", None)
+    rows, columns = layer._int4_rows, layer._int4_unpacked_column_size
+
+    def kernel(packed, scale, zero=None):
+        unpacked = quantizers.unpack_int4(packed, columns, axis=-1, dtype="int8")
+        if zero is None:  # one scale per output column
+            floats = ops.divide(ops.cast(unpacked, layer.compute_dtype), scale)
+        elif rows % block == 0:  # (groups, block, columns) - (groups, 1, columns), times the same
+            grouped = ops.reshape(unpacked, (rows // block, block, columns))
+            zeros = ops.cast(ops.expand_dims(zero, 1), scale.dtype)
+            floats = ops.cast(
+                ops.multiply(ops.subtract(grouped, zeros), ops.expand_dims(scale, 1)), layer.compute_dtype
+            )
+        else:
+            groups = ops.cast(ops.floor_divide(ops.arange(rows), block), "int32")
+            mapped_scale, mapped_zero = ops.take(scale, groups, axis=0), ops.take(zero, groups, axis=0)
+            floats = ops.multiply(ops.subtract(unpacked, ops.cast(mapped_zero, scale.dtype)), mapped_scale)
+            floats = ops.cast(floats, layer.compute_dtype)
+        return ops.reshape(floats, layer.original_kernel_shape)
+
+    return kernel
+
+
+def _int8_kernel(layer):
+    """The float kernel from int8 storage: keras' weight-only dequantization (kernel / its scale)."""
+
+    def kernel(stored, scale):
+        return ops.divide(ops.cast(stored, layer.compute_dtype), layer._adjust_scale_for_dequant(scale))
+
+    return kernel
+
+
+def _after_all(values: tuple, anchor) -> tuple:
+    """`values` (a layer's stored weights, its kernel first), made to wait for `anchor` (its input or gradient).
+
+    Without the wait, XLA (JAX) and TensorFlow's executor are free to dequantize
+    every layer's kernel at the start of the step, since the weights are there
+    from the start, and XLA would merge the forward's dequantization with the
+    backward's and keep it between them. On TensorFlow a control dependency
+    orders it. XLA's CPU compiler drops optimisation barriers before it
+    schedules, so there the kernel is made to depend on the input's value:
+    plus zero times one of its elements (XLA does not fold 0 * x for floats).
+    PyTorch runs eagerly, in order, and needs neither.
+    """
+    backend = keras.config.backend()
+    if backend == "jax":
+        import jax
+
+        first = ops.cast(ops.reshape(anchor, (-1,))[0], "float32")
+        kernel = values[0] + ops.cast(first * 0.0, values[0].dtype)
+        return jax.lax.optimization_barrier((kernel, *values[1:], anchor))[:-1]
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.control_dependencies([anchor]):
+            return tuple(tf.identity(v) for v in values)
+    return values
