@@ -46,6 +46,29 @@ def loss_chunk(vocabulary_size: int) -> int:
     return max(16, min(LOSS_CHUNK_MAX, fit // 16 * 16))
 
 
+# Set by the processes finetune owns (the CLI, a bench row), never by the Python API: a notebook that goes on to
+# import TensorFlow for its own work must be able to.
+LEAVE_OUT_TENSORFLOW = False
+
+
+def leave_out_tensorflow(backend: str) -> bool:
+    """Keep TensorFlow out of a JAX or PyTorch process; returns whether it is kept out.
+
+    keras-hub imports it whenever it is installed, and tokenizes without it
+    (the sentencepiece package): in a process that trains on another backend
+    it is 590 MiB of resident memory and nothing else (1,146 MiB after `import
+    keras, keras_hub` against 560 without it). The TensorBoard log is written
+    without it (events.py), and gs:// is read through fsspec. Only before
+    TensorFlow is first imported; `import tensorflow` then raises ImportError,
+    which keras, keras-hub and datasets all take as "not installed".
+    """
+    if backend == "tensorflow" or "tensorflow" in sys.modules:
+        return False
+    for name in ("tensorflow", "tensorflow_text"):
+        sys.modules[name] = None
+    return True
+
+
 def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
     """Set KERAS_BACKEND and the environment tweaks that must precede the import; quiet the frameworks' logs."""
     from finetune import quiet
@@ -66,6 +89,8 @@ def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
     if importlib.util.find_spec(backend) is None:
         raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
     os.environ["KERAS_BACKEND"] = backend
+    if LEAVE_OUT_TENSORFLOW:
+        leave_out_tensorflow(backend)
     # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     tweaks = {"KERAS_BACKEND": backend}
@@ -225,7 +250,7 @@ def set_seed(seed: int) -> None:
     """
     import keras
 
-    if keras.config.backend() == "tensorflow" or "tensorflow" not in sys.modules:
+    if keras.config.backend() == "tensorflow" or sys.modules.get("tensorflow") is None:
         keras.utils.set_random_seed(seed)
         return
     import tensorflow as tf

@@ -746,6 +746,9 @@ def plot(rows: list[dict], path: str, workload: Workload) -> None:
 
 
 def _worker_main(payload: str) -> int:
+    from finetune import backend
+
+    backend.LEAVE_OUT_TENSORFLOW = True  # as `finetune gemma` trains: no TensorFlow beside JAX or PyTorch
     if payload == "--peak":
         return _peak_main()
     spec_dict = json.loads(payload)

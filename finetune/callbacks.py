@@ -13,15 +13,16 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from finetune import events
+
 
 class TensorBoardLog(keras.callbacks.Callback):
     """Scalars for TensorBoard: per step the train loss, learning rate and tokens/s; per evaluation the held-out loss.
 
-    Written with tf.summary's file writers (TensorFlow comes with keras-hub),
-    whatever the Keras backend, into two runs under `log_dir`: train/ and eval/, so that
-    TensorBoard draws both losses in one `loss` chart. Every write is flushed:
-    a checkpoint copies the logs out (to gs:// or AIP_TENSORBOARD_LOG_DIR) as
-    they stand. All writes go through `_write`, the one place to gate them.
+    Written by events.py, without TensorFlow, whatever the Keras backend, into
+    two runs under `log_dir`: train/ and eval/, so that TensorBoard draws both
+    losses in one `loss` chart. Every write is flushed: a checkpoint copies the
+    logs out (to gs:// or AIP_TENSORBOARD_LOG_DIR) as they stand.
 
     Args:
         log_dir: Path. The TensorBoard log directory (`<run>/tensorboard`).
@@ -31,19 +32,11 @@ class TensorBoardLog(keras.callbacks.Callback):
 
     def __init__(self, log_dir: Path, optimizer):
         super().__init__()
-        import tensorflow as tf
-
         # === Config ===
         self.log_dir = Path(log_dir)
         self.optimizer = optimizer
         # === Writers ===
-        self._tf = tf
-        # tf.summary.scalar lives in the tensorboard package, which TensorFlow no longer
-        # brings; tf.summary.write with the scalars plugin's metadata is what it does.
-        self._scalar = tf.compat.v1.SummaryMetadata(
-            plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
-        )
-        self._writers = {run: tf.summary.create_file_writer(str(self.log_dir / run)) for run in ("train", "eval")}
+        self._files = {run: events.EventFile(self.log_dir / run) for run in ("train", "eval")}
         self._step = 0
 
     def on_train_batch_end(self, batch, logs=None):
@@ -53,20 +46,13 @@ class TensorBoardLog(keras.callbacks.Callback):
         scalars = {"loss": logs["loss"], "learning_rate": learning_rate}
         if logs.get("seconds"):
             scalars["tokens_per_second"] = logs["tokens"] / logs["seconds"]
-        self._write("train", batch, scalars)
+        self._files["train"].scalars(batch, scalars)
 
     def on_test_end(self, logs=None):
         """logs: the held-out metrics (loss, accuracy, perplexity); `step` when not the last step trained."""
         names = ("loss", "accuracy", "perplexity")
-        self._write("eval", logs.get("step", self._step), {k: logs[k] for k in names if k in logs})
+        self._files["eval"].scalars(logs.get("step", self._step), {k: logs[k] for k in names if k in logs})
 
     def on_train_end(self, logs=None):
-        for writer in self._writers.values():
-            writer.close()
-
-    def _write(self, run: str, step: int, scalars: dict) -> None:
-        writer = self._writers[run]
-        with writer.as_default(step=step), self._tf.device("/cpu:0"):
-            for name, value in scalars.items():
-                self._tf.summary.write(name, self._tf.constant(float(value), self._tf.float32), metadata=self._scalar)
-        writer.flush()
+        for file in self._files.values():
+            file.close()

@@ -881,11 +881,12 @@ def _batch_size(value):
 
 def main():
     # Before any framework is imported; commands accept --verbose so that it passes the parser.
-    from finetune import quiet
+    from finetune import backend, quiet
 
     if "--verbose" in sys.argv[1:]:
         quiet.keep_verbose()  # the Python API's own install (backend.select) included
     quiet.install()
+    backend.LEAVE_OUT_TENSORFLOW = True  # a process of our own: no TensorFlow beside JAX or PyTorch
     app()
 
 

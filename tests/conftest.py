@@ -33,17 +33,19 @@ def float32_policy():
 
 
 def tensorboard_scalars(log_dir) -> dict:
-    """tag -> {step: value} of the TensorBoard event files in `log_dir`; each must be a chart TensorBoard draws."""
-    import tensorflow as tf
-    from tensorflow.core.util import event_pb2
+    """tag -> {step: value} of the TensorBoard event files in `log_dir`, read by TensorBoard's own loader (the
+    tensorboard package, which reads them without TensorFlow); each must be a chart TensorBoard draws."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
 
     found = {}
     for path in Path(log_dir).glob("events.out.tfevents.*"):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = event_pb2.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                assert value.metadata.plugin_data.plugin_name == "scalars"  # what TensorBoard charts
-                found.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+        events = event_accumulator.EventAccumulator(str(path), size_guidance={event_accumulator.TENSORS: 0})
+        events.Reload()
+        for tag in events.Tags()["tensors"]:
+            assert events.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"  # what TensorBoard charts
+            for event in events.Tensors(tag):
+                found.setdefault(tag, {})[event.step] = float(tensor_util.make_ndarray(event.tensor_proto))
     return found
 
 

@@ -19,3 +19,43 @@ def test_tensorboard_log_writes_train_and_eval_tensorboard_scalars(tmp_path):
     assert train["loss"] == {1: 2.5, 2: 2.0} and train["learning_rate"] == {1: 0.5, 2: 0.5}
     assert train["tokens_per_second"] == {1: pytest.approx(200.0), 2: pytest.approx(200.0)}
     assert held_out == {"loss": {0: 3.0, 2: 1.5}, "accuracy": {0: 0.25, 2: 0.5}, "perplexity": {0: 20.0, 2: 4.5}}
+
+
+def test_event_records_carry_crc32c_and_tensorflow_s_layout(tmp_path):
+    """CRC-32C's published check value, and a record as TFRecord frames it (length, its masked CRC, data, CRC)."""
+    import struct
+
+    from finetune import events
+
+    assert events.crc32c(b"123456789") == 0xE3069283
+    framed = events.record(b"abc")
+    assert struct.unpack("<Q", framed[:8])[0] == 3 and framed[12:15] == b"abc" and len(framed) == 19
+
+
+def test_a_run_on_jax_or_torch_never_imports_tensorflow(tmp_path, small_data, tiny_args, backend_name):
+    """The CLI's run, from start to saved adapter, in its own process: TensorFlow's 590 MiB stay out of it."""
+    import subprocess
+    import sys
+
+    if backend_name == "tensorflow":
+        pytest.skip("TensorFlow is the backend here")
+    code = (
+        "import sys, runpy; sys.argv = sys.argv[1:]; "
+        "import atexit; atexit.register(lambda: print('TENSORFLOW', sys.modules.get('tensorflow') is not None)); "
+        "runpy.run_module('finetune', run_name='__main__')"
+    )
+    args = [
+        "finetune",
+        "gemma",
+        *tiny_args,
+        "--data",
+        str(small_data),
+        "--max-steps",
+        "2",
+        "--output",
+        str(tmp_path / "r"),
+    ]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TENSORFLOW False" in done.stdout
+    assert tensorboard_scalars(tmp_path / "r" / "tensorboard" / "train")["loss"]
