@@ -269,8 +269,8 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
     memory["activations"] = per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
-    memory["unpacked_kernels"] = _unpacked_kernels(
-        groups, cfg.model.quantize, model.dims.num_layers, remat, _BYTES[precision][1]
+    memory["dequantized_kernel"] = _dequantized_kernel(
+        groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
     )
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
@@ -347,17 +347,17 @@ def _quantized(mode: str) -> float:
     return 0.5 + 5 / 128 if mode == "int4" else 1.0
 
 
-def _unpacked_kernels(groups: list[Group], quantize: str | None, layers: int, remat: bool, compute: int) -> float:
-    """What keras' int4 layers keep for their backward: each kernel unpacked and dequantized to the compute
-    dtype (`compute` bytes a weight). Measured: gemma-7b int4 in float32 on JAX asked XLA for one 34.4 GiB
-    buffer (its 7.75B decoder weights at 4 bytes, with the step's activations), and PyTorch passed 24.8 GB
-    resident (BENCHMARKS.md); counting the int8 unpacking alone (a byte a weight) said 19.8 GiB. Remat keeps one
-    block's at a time."""
-    if quantize != "int4":
+def _dequantized_kernel(groups: list[Group], quantize: str | None, layers: int, compute: int) -> float:
+    """A quantized base's dequantization at its largest: one decoder kernel's, unpacked (a byte a weight, int4),
+    its float steps and the cast to the compute dtype (`compute` bytes a weight), about 1 + 3 x compute bytes a
+    weight. One kernel at a time: each layer dequantizes when its input arrives and lets go
+    (quantized.lean_projection). keras' own call kept every kernel dequantized for the backward: gemma-7b int4
+    asked XLA for one 34.4 GiB buffer so."""
+    if quantize is None:
         return 0.0
     decoder = [g for g in groups if g.copies == layers and g.name not in ("embedding", "norm scales")]
-    unpacked = sum(g.bytes_per_device / _quantized("int4") for g in decoder) * compute
-    return unpacked / layers if remat else unpacked
+    weights = max((g.bytes_per_device / g.copies / _quantized(quantize) for g in decoder), default=0.0)
+    return weights * ((1 if quantize == "int4" else 0) + 3 * compute)
 
 
 def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
@@ -565,7 +565,7 @@ _ROWS = {
     "lora_gradients": "LoRA gradients",
     "optimizer": "AdamW moments",
     "activations": "activations",
-    "unpacked_kernels": "int4 kernels kept unpacked",
+    "dequantized_kernel": "one kernel dequantized",
     "logits": "logits, one chunk",
     "runtime": "framework runtime (host)",
 }
@@ -596,7 +596,7 @@ def table(plan: Plan) -> str:
         lines.append(f"{group.name:<{names}} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
     lines += ["", "memory per device"]
     for key, label in _ROWS.items():
-        if key in plan.memory and (plan.memory[key] or key != "unpacked_kernels"):
+        if key in plan.memory and (plan.memory[key] or key != "dequantized_kernel"):
             lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
     lines.append(f"  {'total':<28} {_size(plan.memory['total']):>11}")
     lines += [f"note: {n}" for n in plan.notes]

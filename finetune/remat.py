@@ -1,8 +1,7 @@
 """--remat: recompute each decoder block's activations in the backward pass instead of keeping them.
 
 A block's backward needs what its forward made (the FFW's gate and up
-projections, the attention scores, the int4 kernels unpacked by keras'
-quantized layers); kept for every block at once they are most of a step's
+projections, the attention scores); kept for every block at once they are most of a step's
 memory above the weights. Rematerialised, only each block's input is kept,
 and one block's activations exist at a time, recomputed during the backward:
 one more forward pass. With the base frozen the backward costs about one forward
