@@ -22,10 +22,12 @@ sample, shipped in finetune/assets/ so that installs outside a checkout find it 
 from __future__ import annotations
 
 import csv
+import decimal
 import hashlib
 import io
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,7 @@ ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 # ShareGPT's speakers, as community sets name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 PARQUET_MAGIC = b"PAR1"
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,24 @@ def _first_format(obj, where: str) -> str:
     if found is not None:
         return found
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object (a record), got {type(obj).__name__}")
+        raise UserError(f"{where}: expected a JSON object (a record), got {_kind(obj)}")
+    under = _records_key(obj)
+    if under is not None:
+        raise UserError(
+            f"{where}: the records are in a list under {under!r}; give them as JSON Lines, one object per line, "
+            "or as a JSON array"
+        )
     keys = ", ".join(repr(k) for k in list(obj)[:6]) or "no keys"
     read = "; ".join(f"{name} ({keys_})" for name, keys_ in FORMATS.items())
     raise UserError(f"{where}: a record with {keys} is in no format finetune reads.\nIt reads: {read}")
+
+
+def _records_key(obj: dict) -> str | None:
+    """The key of an object that holds the records in a list ({"data": [...]}, as some exports write), or None."""
+    for key, value in obj.items():
+        if isinstance(value, list) and value and detect_format(value[0]) is not None:
+            return key
+    return None
 
 
 def load_records(source: str) -> list[Record]:
@@ -101,6 +118,8 @@ def load_records(source: str) -> list[Record]:
 
 def read(source: str) -> tuple[list[Record], str]:
     """(records, format) of `source`: the format is detected from its first record."""
+    if not source.strip():
+        raise UserError("the data path is empty; give a data file (JSONL, JSON, CSV or Parquet), hf:NAME or sample")
     if source == SAMPLE:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
@@ -153,15 +172,40 @@ def _json_lines(text: str, source: str):
     # JSON Lines ends lines at \n only: str.splitlines() would also split inside a
     # record at U+2028, U+2029 or U+0085, which JSON strings may hold raw. CRLF files
     # read the same as LF ones.
+    first = True
     for number, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if line.strip():
             where = f"{source}:{number}"
-            yield where, _json(line, where, "each line must be one JSON object")
+            try:
+                obj = _json(line, where, "each line must be one JSON object")
+            except UserError:
+                if first:
+                    _refuse_one_object(text, source)
+                raise
+            first = False
+            yield where, obj
+
+
+def _refuse_one_object(text: str, source: str) -> None:
+    """A file that is one JSON object over many lines (pretty-printed, or records under a key such as `data`)
+    is told apart from broken JSON Lines."""
+    try:
+        obj = json.loads(text, parse_int=_whole_number)
+    except (ValueError, RecursionError):
+        return
+    if not isinstance(obj, dict):
+        return
+    under = _records_key(obj)
+    held = f"records under {under!r}" if under is not None else "a single object"
+    raise UserError(
+        f"{source} is one JSON object over many lines ({held}); give the records as JSON Lines, one object per "
+        "line, or as a JSON array"
+    )
 
 
 def _array_items(text: str, source: str):
-    items = _json(text, source, "a file starting with [ must be one JSON array")
+    items = _json(text, source, "a file starting with [ must be one JSON array", whole_file=True)
     if not isinstance(items, list) or not items:
         raise UserError(f"{source}: the JSON array is empty; it needs records, such as instruction and response")
     for i, obj in enumerate(items, start=1):
@@ -177,6 +221,10 @@ def _csv_rows(text: str, source: str, delimiter: str):
     csv.field_size_limit(2**31 - 1)  # a cell may hold a whole document; the default stops at 128 KiB
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+        try:
+            reader.fieldnames = _header(reader.fieldnames or [], source, delimiter)
+        except csv.Error as e:
+            raise UserError(f"{source}:1: not valid CSV ({e}); check the quotes of the header row") from None
         start = 2  # the line the next row starts on
         while True:
             try:
@@ -194,6 +242,23 @@ def _csv_rows(text: str, source: str, delimiter: str):
         csv.field_size_limit(limit)
 
 
+def _header(names: list, source: str, delimiter: str) -> list:
+    """A CSV header's names without the spaces around them ("instruction, response" as typed by hand); a name
+    given twice is refused, as its second column would silently replace the first."""
+    names = [name.strip() for name in names]
+    if len(names) == 1 and any(mark in names[0] for mark in ",;\t|".replace(delimiter, "")):
+        raise UserError(
+            f"{source}:1: the header is one column, {names[0][:60]!r}; a .csv is read with commas between cells "
+            "and a .tsv with tabs: re-save it so"
+        )
+    repeated = sorted({name for name in names if name and names.count(name) > 1})
+    if repeated:
+        raise UserError(
+            f"{source}:1: the header names {', '.join(map(repr, repeated))} more than once; give each column its own name"
+        )
+    return names
+
+
 def _parquet_rows(raw: bytes, source: str):
     """Each row of a Parquet file, as a dict (pyarrow comes with `datasets`)."""
     try:
@@ -202,7 +267,7 @@ def _parquet_rows(raw: bytes, source: str):
     except ImportError:
         raise UserError(f"{source} is Parquet, which needs pyarrow: pip install pyarrow") from None
     try:
-        rows = pq.read_table(pa.BufferReader(raw)).to_pylist()
+        rows = _binary_as_text(pq.read_table(pa.BufferReader(raw))).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types, and MemoryError on bad sizes
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise UserError(f"{source}: cannot read this Parquet file ({first})") from None
@@ -210,27 +275,79 @@ def _parquet_rows(raw: bytes, source: str):
         yield f"{source} row {i}", obj
 
 
+def _binary_as_text(table):
+    """Parquet from older Spark and Hive keeps strings as plain binary: a binary column that is UTF-8 reads as
+    text; one that is not stays binary, which a text field refuses by its row."""
+    import pyarrow as pa
+
+    for index, column in enumerate(table.schema):
+        if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            text = pa.large_string() if pa.types.is_large_binary(column.type) else pa.string()
+            try:
+                table = table.set_column(index, column.name, table.column(index).cast(text))
+            except pa.ArrowInvalid:
+                pass
+    return table
+
+
 def _whole_number(digits: str):
-    """JSON integers of any length: past Python's 4300-digit limit for int() they stay text (no field reads
-    them as numbers; an ignored key may hold one)."""
+    """JSON integers of any length: past Python's 4300-digit limit for int() they are read as Decimal, which has
+    none (an ignored key may hold one; a text field refuses it as it refuses any number)."""
     try:
         return int(digits)
     except ValueError:
-        return digits
+        return decimal.Decimal(digits)
 
 
-def _json(text: str, where: str, shape: str):
+def _kind(value) -> str:
+    """What a parsed value is, in JSON's words, for messages: a user wrote JSON, not Python."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, decimal.Decimal)):
+        return "a number"
+    if isinstance(value, (bytes, bytearray)):
+        return "binary data"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "text" if isinstance(value, str) else type(value).__name__
+
+
+def _json(text: str, where: str, shape: str, whole_file: bool = False):
     """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
-    it raises is a UserError naming `where` (file:line)."""
+    it raises is a UserError naming `where`, file:line (whole_file: `text` is all of the file `where` names,
+    and the line is found in it)."""
     try:
         return json.loads(text, parse_int=_whole_number)
     except json.JSONDecodeError as e:
-        at = f" at line {e.lineno}" if "\n" in text else ""
-        raise UserError(f"{where}: not valid JSON ({e.msg}{at}); {shape}") from None
+        where = f"{where}:{e.lineno}" if whole_file else where
+        raise UserError(f"{where}: not valid JSON ({e.msg}); {shape}") from None
     except RecursionError:
+        where = f"{where}:{_deepest_line(text)}" if whole_file else where
         raise UserError(f"{where}: JSON nested too deeply to read (thousands of levels); flatten that record") from None
     except (ValueError, TypeError, OverflowError) as e:
         raise UserError(f"{where}: cannot read this JSON ({str(e).splitlines()[0][:120]}); {shape}") from None
+
+
+# A JSON string (whose brackets are text) or a bracket.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def _deepest_line(text: str) -> int:
+    """The line where `text`'s JSON is nested deepest: in the record too deep for Python's parser to read."""
+    depth = deepest = at = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        bracket = match.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, at = depth, match.start()
+        elif bracket in "]}":
+            depth -= 1
+    return text.count("\n", 0, at) + 1
 
 
 def _read_bytes(source: str) -> bytes:
@@ -239,12 +356,17 @@ def _read_bytes(source: str) -> bytes:
     path = Path(source)
     if not path.exists():
         raise UserError(
-            f"data file {source} does not exist; pass --data PATH to a data file (JSONL, JSON, CSV or Parquet)"
+            f"data file {source} does not exist; give the path of a data file (JSONL, JSON, CSV or Parquet)"
         )
+    if path.is_dir():
+        try:
+            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES and p.is_file())
+        except OSError:  # a folder we may not list
+            found = []
+        such = f", such as {path / found[0]}" if found else " (JSONL, JSON, CSV or Parquet)"
+        raise UserError(f"data path {source} is a folder; give the path of one data file{such}")
     if not path.is_file():
-        raise UserError(
-            f"data path {source} is not a file; pass --data PATH to a data file (JSONL, JSON, CSV or Parquet)"
-        )
+        raise UserError(f"data path {source} is not a file; give the path of a data file (JSONL, JSON, CSV or Parquet)")
     try:
         return path.read_bytes()
     except OSError as e:
@@ -275,6 +397,10 @@ def _read_cloud(source: str) -> bytes:
 
 
 def _from_hugging_face(name: str) -> tuple[list[Record], str]:
+    if not name.strip():
+        raise UserError(
+            "hf: names no dataset; give its name on the Hugging Face Hub, e.g. hf:databricks/databricks-dolly-15k"
+        )
     platforms.use_hugging_face_cache_only_when_offline()
     try:
         import datasets
@@ -292,7 +418,7 @@ def _from_hugging_face(name: str) -> tuple[list[Record], str]:
 
 def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {type(obj).__name__}")
+        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {_kind(obj)}")
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -327,7 +453,7 @@ def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+        raise UserError(f"{where}: field {name!r} must be a string, got {_kind(value)}")
     _check_text(value, where, f"field {name!r}")
     if required and not value.strip():
         raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
@@ -361,7 +487,7 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
         if role == "system" and number == 1:
             system = content
             continue
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:  # a list or an object is no role, and not hashable
             speakers = ", ".join(roles)
             raise UserError(f"{where}: message {number} has {role_key} {role!r}; use system (first only), {speakers}")
         expected = "user" if len(turns) % 2 == 0 else "assistant"

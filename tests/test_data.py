@@ -35,7 +35,8 @@ def test_the_sample_loads():
         (b'{"instruction": "a", "response": "b"}\n{not json}\n', r":2: not valid JSON"),
         (b'{"instruction": "a"}\n', r":1: record has no 'response' field"),
         (b'{"response": "a"}\n', r":1: a record with 'response' is in no format finetune reads"),
-        (b'{"instruction": "a", "response": 3}\n', r":1: field 'response' must be a string, got int"),
+        (b'{"instruction": "a", "response": 3}\n', r":1: field 'response' must be a string, got a number"),
+        (b'{"instruction": "a", "response": null}\n', r":1: field 'response' must be a string, got null"),
         (b'{"instruction": "a", "response": "b", "context": ["x"]}\n', r"field 'context' must be a string"),
         (b'["a", "b"]\n', "expected a JSON object"),
         (b'{"instruction": "a", "response": "  "}\n', "field 'response' is empty"),
@@ -52,6 +53,82 @@ def test_bad_files_name_the_problem(tmp_path, content, message):
 def test_missing_file(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         data.load_records(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_folder_or_an_empty_path_is_refused_naming_a_data_file_to_give(tmp_path):
+    write_jsonl(tmp_path / "mine.jsonl", make_records(2))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=f"data path {tmp_path} is a folder; give the path of one data file, such as "):
+        data.load_records(str(tmp_path))
+    with pytest.raises(UserError, match="the data path is empty"):
+        data.load_records(" ")
+    with pytest.raises(UserError, match="hf: names no dataset"):
+        data.load_records("hf:")
+
+
+GOOD_RECORD = {"instruction": "Say hi.", "response": "Hi."}
+# What a careless user hands over, each refused with its file and line and the way out.
+CARELESS = {
+    "a role that is a list": (
+        "c.jsonl",
+        json.dumps({"messages": [{"role": ["user"], "content": "a"}, {"role": "assistant", "content": "b"}]}),
+        "c.jsonl:1: message 1 has role ['user']; use system (first only), user, assistant, model",
+    ),
+    "a role that is an object": (
+        "c.jsonl",
+        json.dumps({"conversations": [{"from": {"who": "human"}, "value": "a"}]}),
+        "c.jsonl:1: message 1 has from {'who': 'human'}",
+    ),
+    "a column named twice": ("d.csv", "instruction,instruction,response\na,b,c\n", "d.csv:1: the header names 'instruction' more than once"),
+    "semicolons in a .csv": ("d.csv", "instruction;response\na;b\n", "d.csv:1: the header is one column, 'instruction;response'"),
+    "records under a key": ("d.json", json.dumps({"data": [GOOD_RECORD]}), "d.json:1: the records are in a list under 'data'"),
+    "a pretty-printed object": ("d.json", json.dumps(GOOD_RECORD, indent=2), "d.json is one JSON object over many lines (a single object)"),
+    "pretty-printed records under a key": ("d.json", json.dumps({"rows": [GOOD_RECORD]}, indent=2), "(records under 'rows')"),
+    "an array broken on its third line": ("d.json", "[\n" + json.dumps(GOOD_RECORD) + ",\n{oops}\n]", "d.json:3: not valid JSON"),
+    "an array nested too deep on its third line": (
+        "d.json",
+        "[\n" + json.dumps(GOOD_RECORD) + ',\n{"x": ' + "[" * 100_000 + "]" * 100_000 + "}\n]",
+        "d.json:3: JSON nested too deeply",
+    ),
+    "a 5000-digit number as text": ("d.jsonl", '{"instruction": ' + "9" * 5000 + ', "response": "b"}', "d.jsonl:1: field 'instruction' must be a string, got a number"),
+    "a 5000-digit number as a record": ("d.jsonl", "9" * 5000, "d.jsonl:1: expected a JSON object (a record), got a number"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CARELESS))
+def test_careless_files_are_refused_with_file_line_and_fix(tmp_path, case):
+    name, content, message = CARELESS[case]
+    (tmp_path / name).write_text(content + "\n", encoding="utf-8")
+    with pytest.raises(UserError) as refused:
+        data.read(str(tmp_path / name))
+    assert message in str(refused.value) and str(tmp_path / name) in str(refused.value)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "header, row",
+    [
+        ("instruction, response", "Say hi., Hi."),  # spaces after the commas of a hand-typed header
+        ("instruction,response,", "Say hi.,Hi.,"),  # a spreadsheet's empty last column
+    ],
+)
+def test_csv_headers_as_spreadsheets_and_people_write_them_are_read(tmp_path, header, row):
+    (tmp_path / "d.csv").write_text(f"{header}\n{row}\n", encoding="utf-8")
+    (record,), found = data.read(str(tmp_path / "d.csv"))
+    assert found == "dolly" and record.instruction == "Say hi." and record.response.strip() == "Hi."
+
+
+def test_parquet_strings_stored_as_binary_are_read_as_text(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = {"instruction": [b"Say hi.", b"Say bye."], "response": [b"Hi.", b"Bye."], "raw": [b"\xff", b"\x00"]}
+    pq.write_table(pa.table(rows), tmp_path / "spark.parquet")  # older Spark and Hive write strings as binary
+    records, found = data.read(str(tmp_path / "spark.parquet"))
+    assert found == "dolly" and [r.response for r in records] == ["Hi.", "Bye."]
+    pq.write_table(pa.table({"instruction": [b"\xff"], "response": [b"Hi."]}), tmp_path / "latin.parquet")
+    with pytest.raises(UserError, match=r"latin.parquet row 1: field 'instruction' must be a string, got binary data"):
+        data.read(str(tmp_path / "latin.parquet"))
 
 
 def test_filters():
@@ -93,6 +170,11 @@ def test_hugging_face_datasets_are_read_and_checked_row_by_row(monkeypatch):
     def offline(name, split):
         raise ConnectionError("no route")
 
+    chat = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: chat)
+    (record,), found = data.read("hf:chat/set")  # every format is detected from the Hub's rows too
+    assert found == "chat" and record.turns == (("user", "a"), ("assistant", "b"))
+
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match="could not load Hugging Face dataset 'x/y'.*--data FILE.jsonl"):
         data.load_records("hf:x/y")
@@ -129,9 +211,8 @@ def test_pathological_valid_json_is_read_or_refused_with_its_line(tmp_path, case
     path.write_text(text, encoding="utf-8")
     try:
         records = data.load_records(str(path))
-    except UserError as e:  # refused: one line naming the file and where
-        assert case == "deep nesting" and str(path) in str(e) and "\n" not in str(e)
-        assert ":2:" in str(e) if shape == "jsonl" else "nested too deeply" in str(e)
+    except UserError as e:  # refused: one line naming the file and the line of the record
+        assert case == "deep nesting" and f"{path}:2: JSON nested too deeply" in str(e) and "\n" not in str(e)
     else:
         assert len(records) == 2 and records[1].response == "Hi."
 
