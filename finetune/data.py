@@ -374,26 +374,37 @@ def _read_bytes(source: str) -> bytes:
 
 
 def _read_cloud(source: str) -> bytes:
-    """gs:// through tf.io.gfile (installed with keras-hub), else storage's fsspec file system (gcsfs)."""
-    try:
-        import tensorflow as tf
-
-        with tf.io.gfile.GFile(source, "rb") as f:
-            return f.read()
-    except ImportError:
-        pass
-    except Exception as e:  # noqa: BLE001 - gfile raises framework-specific errors
-        raise UserError(
-            f"could not read {source}: {str(e).splitlines()[0]}; check the path and your GCS credentials"
-        ) from e
+    """gs:// through storage's fsspec file system (gcsfs, the gcs extra), as run directories go there; without
+    gcsfs, through tf.io.gfile (TensorFlow comes with keras-hub)."""
     from finetune import storage
 
-    fs, path = storage.filesystem(source)  # names the extra to install when gs:// has no file system
+    try:
+        fs, path = storage.filesystem(source)
+    except UserError:
+        return _read_with_gfile(source)
     try:
         with fs.open(path, "rb") as f:
             return f.read()
     except Exception as e:  # noqa: BLE001 - each file system raises its own errors
-        raise UserError(f"could not read {source}: {e}; check the path and your GCS credentials") from e
+        raise UserError(f"could not read {source}: {_first_line(e)}; check the path and your GCS credentials") from None
+
+
+def _read_with_gfile(source: str) -> bytes:
+    from finetune import storage
+
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise UserError(f"reading {source} needs gcsfs: {storage.GCS_EXTRA}") from None
+    try:
+        with tf.io.gfile.GFile(source, "rb") as f:
+            return f.read()
+    except Exception as e:  # noqa: BLE001 - gfile raises framework-specific errors
+        raise UserError(f"could not read {source}: {_first_line(e)}; check the path and your GCS credentials") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
 
 
 def _from_hugging_face(name: str) -> tuple[list[Record], str]:

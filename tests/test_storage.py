@@ -17,7 +17,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from typer.testing import CliRunner
 
-from finetune import outputs, storage
+from finetune import data, outputs, storage
 from finetune.cli import app
 from finetune.errors import UserError
 
@@ -133,6 +133,31 @@ def test_gs_without_gcsfs_names_the_extra(monkeypatch):
         storage.filesystem("gs://bucket/runs/a")
     with pytest.raises(UserError, match="cannot use nope://x"):
         storage.filesystem("nope://x")
+
+
+def test_data_in_a_bucket_is_read_in_every_container(bucket, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}."} for i in range(3)]
+    (bucket / "b" / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bucket / "b" / "d.json").write_text(json.dumps(rows))
+    (bucket / "b" / "d.csv").write_text(
+        "prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in rows)
+    )
+    pq.write_table(pa.Table.from_pylist(rows), bucket / "b" / "d.parquet")
+    local = data.read(str(bucket / "b" / "d.jsonl"))
+    assert local[1] == "completion"
+    for name in ("d.jsonl", "d.json", "d.csv", "d.parquet"):
+        assert data.read(f"gs://b/{name}") == local, name
+    with pytest.raises(
+        UserError, match="could not read gs://b/none.jsonl: .*; check the path and your GCS credentials"
+    ):
+        data.read("gs://b/none.jsonl")
+    result = invoke("data", "gs://b/d.parquet", "--preset", "tiny", "--seq-len", "32")
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    assert "format: completion (prompt, completion), 3 records" in result.output
+    assert result.output.rstrip().endswith("0 plus 1 is« 1.<eos>»")
 
 
 def test_mirror_sends_changes_manifest_and_metrics_last_and_prunes_when_final(bucket, tmp_path):
