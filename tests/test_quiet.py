@@ -15,6 +15,8 @@ NOISE = [
     b"W1122 05:40:01.123456    1234 cudart_stub.cc:31] Could not find cuda drivers on your machine",
     b"normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity normalization.",
     b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+    b"To enable the following instructions: AVX2 AVX512F AVX512_VNNI FMA, in other operations, rebuild TensorFlow "
+    b"with the appropriate compiler flags.",
 ]
 OURS = [b"error: LoRA rank must be at least 1, got 0; try --rank 4", b"note: 3 records skipped", b"Traceback (most"]
 
@@ -42,6 +44,17 @@ def test_a_tiny_run_prints_nothing_on_stderr(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert "training steps 1-1" in done.stdout
+
+
+def test_finetune_data_prints_nothing_on_stderr():
+    """`finetune data` chooses no backend: with a shell that sets neither KERAS_BACKEND nor TF_CPP_MIN_LOG_LEVEL
+    (conftest sets both for the tests), Keras starts TensorFlow, which notes the CPU features it was built without."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL")}
+    args = [sys.executable, "-m", "finetune", "data", "sample", "--preset", "tiny", "--seq-len", "64"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "format: dolly (instruction, response)" in done.stdout
 
 
 def test_an_error_still_reaches_stderr_whole():
