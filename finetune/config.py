@@ -248,7 +248,7 @@ def read_recipe(recipe: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: an int past 4300 digits
-        raise UserError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0][:160]}") from None
+        raise UserError(_yaml_error(e, path)) from None
     except RecursionError:
         raise UserError(f"recipe {path} is nested too deeply to read; a recipe is a few levels of keys") from None
     except OSError as e:
@@ -258,6 +258,24 @@ def read_recipe(recipe: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a mapping of keys such as `train:` and `lora:`")
     return data
+
+
+def _yaml_error(error: Exception, path: Path) -> str:
+    """'recipe FILE:LINE is not valid YAML: what', for what yaml.safe_load or the UTF-8 decoder raised."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    what = getattr(error, "problem", None) or getattr(error, "context", None) or str(error).splitlines()[0]
+    if what.startswith("but ") and getattr(error, "context", None):  # "expected a single document ..., but found"
+        what = f"{error.context}, {what}"
+    line = mark.line + 1 if mark is not None else None
+    if isinstance(getattr(error, "position", None), int):  # a character YAML does not allow, such as NUL
+        line = path.read_text(encoding="utf-8")[: error.position].count("\n") + 1
+    if isinstance(error, UnicodeDecodeError):
+        line, what = error.object[: error.start].count(b"\n") + 1, "not UTF-8 text; re-save it as UTF-8"
+    elif "4300" in what:  # int() refused the digits; the line is the one holding them
+        text = path.read_text(encoding="utf-8")
+        found = re.search(r"\d{4301}", text)
+        line, what = text.count("\n", 0, found.start()) + 1 if found else None, "an integer of over 4300 digits"
+    return f"recipe {path}{f':{line}' if line else ''} is not valid YAML: {what[:160]}"
 
 
 def find_recipe(recipe: str | Path) -> Path:

@@ -129,3 +129,22 @@ def test_bare_on_and_off_reach_word_settings_as_words(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("data:\n  packing: off\n")
     assert config.load(recipe).data.packing == "off"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"train:\n  epochs: 1\n lora: 2\n", "r.yaml:3 is not valid YAML: expected <block end>"),
+        (b"train:\n\tepochs: 1\n", "r.yaml:2 is not valid YAML: found character '\\t'"),
+        (b"seed: 1\ntrain:\n  epochs: " + b"7" * 5000 + b"\n", "r.yaml:3 is not valid YAML: an integer of over 4300"),
+        (b"seed: 1\nnote: a\x00b\n", "r.yaml:2 is not valid YAML: unacceptable character #x0000"),
+        (b"seed: 1\n---\nseed: 2\n", "r.yaml:2 is not valid YAML: expected a single document in the stream, but"),
+        (b"seed: 1\nnote: caf\xe9\n", "r.yaml:2 is not valid YAML: not UTF-8 text"),
+        (b"a: !!python/object:os.system x\n", "r.yaml:1 is not valid YAML: could not determine a constructor"),
+    ],
+)
+def test_a_broken_recipe_names_its_file_and_line(tmp_path, body, message):
+    (tmp_path / "r.yaml").write_bytes(body)
+    with pytest.raises(UserError) as refused:
+        config.read_recipe(tmp_path / "r.yaml")
+    assert f"recipe {tmp_path / message}" in str(refused.value) and "\n" not in str(refused.value)
