@@ -141,13 +141,7 @@ def fit_to_data_axis(dist, batch_size: int) -> tuple[int, str | None]:
     import keras
 
     data, _ = layouts.parse_mesh(dist.mesh, dist.parallel, len(keras.distribution.list_devices()))
-    if batch_size % data == 0:
-        return batch_size, None
-    fitted = -(-batch_size // data) * data
-    return fitted, (
-        f"batch size {fitted}: the default {batch_size} does not split over the data axis of {data} devices "
-        "(pass --batch-size to choose another multiple)"
-    )
+    return layouts.fit_default_batch(batch_size, data)
 
 
 def setup(dist, dims: layouts.Dims, batch_size: int) -> dict | None:

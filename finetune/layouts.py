@@ -377,6 +377,19 @@ def parse_mesh(text: str | None, parallel: str, devices: int | None) -> tuple[in
     return data, model
 
 
+def fit_default_batch(batch_size: int, data: int) -> tuple[int, str | None]:
+    """A default batch size the user did not choose, made to split over a data axis of `data` devices: the next
+    multiple of it. Returns (batch size, a note saying so, or None when it already split). The run and the plan
+    both ask here, so the plan describes the batch the run will use (issue 16)."""
+    if batch_size % data == 0:
+        return batch_size, None
+    fitted = -(-batch_size // data) * data
+    return fitted, (
+        f"batch size {fitted}: the default {batch_size} does not split over the data axis of {data} devices "
+        "(pass --batch-size to choose another multiple)"
+    )
+
+
 def check_batch(batch_size: int, data: int) -> None:
     """A global batch is split evenly over the data axis, or the run stops here (and the plan with it)."""
     if batch_size % data:

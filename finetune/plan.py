@@ -249,8 +249,9 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         precision = auto_precision(target, cfg.backend)
         notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
     batch = cfg.train.batch_size
-    if batch is None:
-        batch = DEFAULT_BATCH_SIZE[cfg.backend]
+    if batch is None:  # the run's own choice, made to split over the data axis as the run makes it
+        batch, fitted = layouts.fit_default_batch(DEFAULT_BATCH_SIZE[cfg.backend], data)
+        notes += [fitted] if fitted else []
     kernels = [p for p in placements if p.shape]
     groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
     lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)

@@ -113,6 +113,16 @@ def test_the_data_axis_splits_the_batch_not_the_weights():
     assert four.memory["logits"] == one.memory["logits"]  # one chunk of positions at a time, whatever the batch
 
 
+def test_a_default_batch_is_planned_as_the_run_fits_it_to_the_data_axis():
+    """The run makes its default batch (4 on JAX) split over 8 devices; the plan plans that batch, not a refusal."""
+    result = invoke("--preset", "tiny", "--backend", "jax", "--parallel", "data", "--devices", "8")
+    assert result.exit_code == 0, result.output
+    assert "batch 8 (1 per device)" in result.output
+    assert "batch size 8: the default 4 does not split over the data axis of 8 devices" in result.output
+    chosen = invoke("--preset", "tiny", "--backend", "jax", "--parallel", "data", "--devices", "8", "--batch-size", 4)
+    assert chosen.exit_code == 2 and "--batch-size 4 does not split over a data axis of 8 devices" in chosen.output
+
+
 def test_device_memory_takes_sizes_and_known_kinds():
     assert plan.device("16GB")[1].memory == 16 * 10**9
     assert plan.device("16GiB")[1].memory == 16 * GiB
