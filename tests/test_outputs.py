@@ -1,6 +1,8 @@
 import pytest
+from typer.testing import CliRunner
 
 from finetune import outputs
+from finetune.cli import app
 from finetune.errors import UserError
 
 
@@ -120,3 +122,27 @@ def test_a_claimed_directory_is_marked_and_resume_needs_the_mark(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("x")
     with pytest.raises(UserError, match="not a finetune run directory"):
         outputs.check_target(str(tmp_path / "notes"), False, True)
+
+
+def test_a_users_samples_and_history_are_left_as_they_were(tmp_path, tiny_args, small_data):
+    """finetune gemma --output on a user's folder: refused, with or without --overwrite, while it holds files with
+    a run file's name; a folder of other files takes the run beside them with --overwrite, theirs untouched."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    theirs = {"samples.md": b"# my own samples\n", "history.csv": b"date,weight\n2026-01-01,70\n"}
+    for name, body in theirs.items():
+        (notes / name).write_bytes(body)
+    train = ["gemma", *tiny_args, "--data", str(small_data), "--max-steps", "1"]
+    for overwrite in ([], ["--overwrite"]):
+        result = CliRunner().invoke(app, [*train, "--output", str(notes), *overwrite])
+        assert result.exit_code == 2, result.output
+        assert "is not a finetune run" in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+        assert {p.name: p.read_bytes() for p in notes.iterdir()} == theirs
+    (notes / "samples.md").rename(notes / "my-samples.md")
+    (notes / "history.csv").rename(notes / "my-history.csv")
+    result = CliRunner().invoke(app, [*train, "--output", str(notes), "--overwrite"])
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    assert (notes / "my-samples.md").read_bytes() == theirs["samples.md"]
+    assert (notes / "my-history.csv").read_bytes() == theirs["history.csv"]
+    added = {p.name for p in notes.iterdir()} - {"my-samples.md", "my-history.csv"}
+    assert {"samples.md", "history.csv", outputs.MARKER} <= added <= set(outputs.OWN_NAMES), added
