@@ -9,11 +9,14 @@
 
 Every check runs before anything is written, and the files are written into a
 hidden staging directory that is renamed into place at the end: a refused or
-failed export leaves nothing behind.
+failed export leaves nothing behind. Each export lists what it wrote in
+MARKER, and --overwrite replaces only such a directory, holding nothing else:
+never a folder of the user's (`--output .` in their project), nor a run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +25,8 @@ from finetune import llamacpp
 from finetune.errors import UserError
 
 FORMATS = ("lora", "merged", "hf", "peft", "gguf")
+MARKER = "finetune-export.json"
+"""Written into every export: its format, the run, and the names it holds; what --overwrite may replace."""
 # keras-hub's Gemma layer names -> transformers' module names (Gemma 3n's keras-hub layers have them already).
 HF_MODULES = {
     "query": "self_attn.q_proj",
@@ -81,8 +86,10 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dty
     target = Path(output)
     if target.exists() and not target.is_dir():
         raise UserError(f"output {target} is a file, not a directory; pass another --output")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
+        refuse_foreign(target)
     parent = target.resolve().parent
     while not parent.exists():  # missing folders on the way are made
         parent = parent.parent
@@ -93,6 +100,27 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dty
     if fmt == "gguf":
         _require("gguf", "the gguf format", extra="gguf")
     return target
+
+
+def refuse_foreign(target: Path) -> None:
+    """--overwrite swaps the whole directory: only an earlier export holding nothing but its own files may go."""
+    present = sorted(entry.name for entry in target.iterdir())
+    try:
+        written = json.loads((target / MARKER).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    if not isinstance(written, list):
+        shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+        raise UserError(
+            f"output {target} is not a finetune export and holds files ({shown}); choose a new or empty --output "
+            "(--overwrite replaces only an earlier export)"
+        )
+    added = [name for name in present if name not in written]
+    if added:
+        raise UserError(
+            f"output {target} is an earlier export, but {', '.join(added[:3])} in it is not the export's own; "
+            "move it out or choose another --output"
+        )
 
 
 def _require(package: str, what: str, extra: str = "hf") -> None:
@@ -165,8 +193,16 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
         else:
             write_transformers(staging, lm.backbone, preprocessor.tokenizer)
 
+    def write_marked(staging: Path) -> None:
+        from finetune import __version__
+
+        write(staging)
+        files = sorted([*(entry.name for entry in staging.iterdir()), MARKER])
+        about = {"finetune": __version__, "format": fmt, "run": str(run.directory.resolve()), "files": files}
+        (staging / MARKER).write_text(json.dumps(about, indent=1) + "\n", encoding="utf-8")
+
     try:
-        publish(target, write)
+        publish(target, write_marked)
     except OSError as e:  # a full or failing disk: nothing was written, and the user can fix it
         raise UserError(
             f"could not write the {fmt} export to {target}: {e.strerror or e}; nothing was written.\n"

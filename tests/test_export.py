@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import finetune
 from finetune import presets
 from finetune.cli import app
+from finetune.export import MARKER
 
 # transformers and PEFT compute on PyTorch: their checks run once, in the PyTorch suite, where CI's time goes
 # furthest. The exports themselves (lora, merged) are checked on every backend.
@@ -73,7 +74,7 @@ def export(run, fmt, out, *extra):
 def test_lora_loads_onto_the_base_with_plain_keras_hub(trained, tmp_path):
     run, tuned, _ = trained
     out = export(run, "lora", tmp_path / "lora")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5", MARKER]
     assert (out / "adapter.lora.h5").read_bytes() == (run / "adapter.lora.h5").read_bytes()
     described = json.loads((out / "adapter.json").read_text())
     with float32_policy():
@@ -155,7 +156,9 @@ def test_peft_applies_to_the_base_in_transformers(trained, tmp_path):
     run, tuned, base = trained
     base_dir = export(run, "hf", tmp_path / "base", "--base")
     out = export(run, "peft", tmp_path / "peft")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter.json", "adapter_config.json", "adapter_model.safetensors", MARKER
+    ]  # fmt: skip
     config = json.loads((out / "adapter_config.json").read_text())
     heads = presets.TINY_CONFIG["num_query_heads"]
     assert config["rank_pattern"] == {"q_proj": heads * RANK}  # tiny has one key/value head: k, v stay rank 4
@@ -166,13 +169,36 @@ def test_peft_applies_to_the_base_in_transformers(trained, tmp_path):
     np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
 
 
-def test_overwrite_replaces_an_export(trained, tmp_path):
+def test_overwrite_replaces_an_export_and_nothing_of_the_users(trained, tmp_path):
     run, _, _ = trained
-    out = tmp_path / "again"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    export(run, "lora", out, "--overwrite")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5"]
+    out = export(run, "gguf", tmp_path / "again")
+    export(run, "lora", out, "--overwrite")  # an earlier export, holding only its own files: replaced
+    assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5", MARKER]
+    assert json.loads((out / MARKER).read_text())["format"] == "lora"
+    (out / "notes.txt").write_text("mine")  # a file of the user's put into the export: the swap would lose it
+    result = invoke("--run", run, "--format", "lora", "--output", out, "--overwrite")
+    assert result.exit_code == 2 and "notes.txt in it is not the export's own" in result.stderr, result.output
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["folder", "current directory", "the run"])
+def test_overwrite_never_replaces_a_folder_that_is_not_an_export(trained, tmp_path, monkeypatch, where):
+    """`--output . --overwrite` in a user's project, or the run's own directory: refused, every file kept."""
+    run, _, _ = trained
+    if where == "the run":
+        folder = tmp_path / "run-copy"
+        shutil.copytree(run, folder)
+    else:
+        folder = tmp_path / "project"
+        folder.mkdir()
+        (folder / "train.py").write_text("mine")
+        (folder / "data").mkdir()
+    before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    monkeypatch.chdir(folder if where == "current directory" else tmp_path)
+    output = "." if where == "current directory" else folder
+    result = invoke("--run", run, "--format", "lora", "--output", output, "--overwrite")
+    assert result.exit_code == 2 and "is not a finetune export and holds files" in result.stderr, result.output
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 
 
 def _edit_yaml(path, key, value):
@@ -471,7 +497,7 @@ def test_gguf_holds_the_merged_model_in_llama_cpp_layout(trained, tmp_path):
 
     run, _, _ = trained
     out = export(run, "gguf", tmp_path / "gguf")
-    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model.gguf"]
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", MARKER, "model.gguf"]
     tensors, fields = read_gguf(out / "model.gguf")
     config, vocabulary = presets.TINY_CONFIG, presets.tiny_vocabulary_size()
     hidden, heads, head_dim = config["hidden_dim"], config["num_query_heads"], config["head_dim"]
