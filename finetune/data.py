@@ -353,7 +353,7 @@ def _deepest_line(text: str) -> int:
 def _read_bytes(source: str) -> bytes:
     if source.startswith("gs://"):
         return _read_cloud(source)
-    path = Path(source)
+    path = Path(source).expanduser()  # a quoted ~, or one from the Python API, is the home folder too
     if not path.exists():
         raise UserError(
             f"data file {source} does not exist; give the path of a data file (JSONL, JSON, CSV or Parquet)"

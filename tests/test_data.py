@@ -55,6 +55,12 @@ def test_missing_file(tmp_path):
         data.load_records(str(tmp_path / "nope.jsonl"))
 
 
+def test_a_path_from_home_is_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "mine.jsonl", make_records(2))
+    assert len(data.load_records("~/mine.jsonl")) == 2
+
+
 def test_a_folder_or_an_empty_path_is_refused_naming_a_data_file_to_give(tmp_path):
     write_jsonl(tmp_path / "mine.jsonl", make_records(2))
     (tmp_path / "notes.txt").write_text("x")
