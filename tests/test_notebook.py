@@ -55,6 +55,7 @@ def executed(tmp_path_factory):
     notebook.cells = [nbformat.v4.new_code_cell(source, metadata={"tags": tags}) for source, tags in CELLS]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("FINETUNE_VERBOSE", None)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # conftest's, which would hide the very lines checked for; a kernel lacks it
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(where)}}
     )
