@@ -7,7 +7,7 @@ run in order in a directory of their own that starts with a copy of `runs/first`
 generate, export and resume without training again. A `finetune` command runs in this process through Typer's
 CliRunner, so keras is imported once; anything else, or a command with shell syntax (`>`, `|`, `$`, an
 environment assignment), runs in bash with this environment's `finetune` on PATH. A command that names a
-backend (`--backend X`, `KERAS_BACKEND=X`) runs in X's suite only. Every command must exit 0.
+backend (`--backend X`, `KERAS_BACKEND=X`, or a recipe's `backend: X`) runs in X's suite only. Every command must exit 0.
 
 The markers. A command that must not run here says why in its trailing comment, as `# MARKER: VALUE`, with
 markers separated by `;` from each other and from any note:
@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 from conftest import BACKEND, REPO
 
+from finetune.errors import UserError
+
 README = REPO / "README.md"
 GUIDES = sorted((REPO / "docs").glob("*.md"))
 README_LIMIT = 12 * 1024
@@ -61,12 +63,26 @@ class Command:
 
     @property
     def runs_here(self) -> bool:
-        return not self.needs and self.slow is None and self.backend in (None, BACKEND)
+        return not self.needs and self.slow is None
 
-    @property
-    def backend(self) -> str | None:
+    def backend(self, workdir: Path) -> str | None:
+        """The backend the command names: by flag, by variable, or through its recipe's `backend:` key."""
         found = re.search(r"(?:--backend[ =]|KERAS_BACKEND=)(\w+)", self.text)
-        return found.group(1) if found else None
+        if found:
+            return found.group(1)
+        recipe = re.search(r"--recipe[ =](\S+)", self.text)
+        if recipe is None:
+            return None
+        from finetune import config
+
+        before = os.getcwd()
+        os.chdir(workdir)  # a recipe file the guide made is relative to its directory
+        try:
+            return config.read_recipe(recipe.group(1)).get("backend")
+        except UserError:  # no such recipe: the command runs, and says so
+            return None
+        finally:
+            os.chdir(before)
 
 
 def blocks(path: Path):
@@ -202,7 +218,11 @@ def _run_in_bash(text: str, workdir: Path) -> tuple[int, str]:
 
 
 def run_all(path: Path, workdir: Path) -> list[str]:
-    return [problem for c in commands(path) if c.runs_here and (problem := run(c, workdir)) is not None]
+    problems = []
+    for command in commands(path):
+        if command.runs_here and command.backend(workdir) in (None, BACKEND):
+            problems += [problem] if (problem := run(command, workdir)) else []
+    return problems
 
 
 @pytest.fixture(scope="session")
