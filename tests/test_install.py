@@ -3,7 +3,7 @@
 The sample and the recipes once lived at the repository's top level, so a
 wheel installed into site-packages looked for them in site-packages/data/ and
 failed. This builds the wheel, installs it into a fresh virtual environment,
-and runs its `finetune` command and the README's Python example from an
+and runs its `finetune` command and docs/python-api.md's example from an
 unrelated directory. The environment's dependencies (4 GB) are this one's,
 seen through a .pth line: only finetune itself comes from the wheel.
 """
@@ -118,13 +118,13 @@ def test_installed_quickstart_runs_outside_the_checkout(installed):
     assert json.loads((out / "metrics.json").read_text())
 
 
-def test_the_readme_python_example_runs_from_the_installed_package(installed):
+def test_the_python_api_guide_example_runs_from_the_installed_package(installed):
     venv, elsewhere = installed
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Python API") :]
-    example = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    guide = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
+    example = guide[guide.index("```python\n") + len("```python\n") :]
+    example = example[: example.index("```\n")]
     assert "finetune.run(" in example and "finetune.load(" in example
-    workdir = elsewhere / "readme-example"
+    workdir = elsewhere / "api-example"
     workdir.mkdir()
     checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
     _run([venv / "bin" / "python", "-c", example + checks], timeout=600, cwd=workdir, env=_env())
