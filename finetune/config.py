@@ -123,9 +123,10 @@ class Setting:
         return str(self.default)
 
     def problem(self, value, name: str | None = None) -> str | None:
-        """What is wrong with `value` for this setting, as a message for people; None when nothing is.
+        """What is wrong with `value` for this setting, as a message for people; None when nothing is (None, the
+        value of a setting left unset, passes every check).
 
-        name: what the message calls the setting; by default its label. None passes every check.
+        name: what the message calls the setting; by default its label.
         """
         if value is None:
             return None
