@@ -516,8 +516,7 @@ def generate(
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         if any(not p.strip() for p in prompt):
             raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}; try --max-new-tokens 48")
+        config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
         saved = runs.open_on(run, backend)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)

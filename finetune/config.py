@@ -389,7 +389,7 @@ class TrainConfig:
     samples: int = setting(
         3, "Held-out prompts to generate from before and after training, into samples.md.", range=Range(0)
     )
-    max_new_tokens: int = setting(48, "Tokens generated for each sample.", range=Range(1))
+    max_new_tokens: int = setting(48, "Tokens generated for each sample.", range=Range(1), hint="try 48")
     checkpoint_every: int = setting(
         100,
         "Save a resumable checkpoint every this many steps, and at each epoch's end.",
