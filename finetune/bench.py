@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from finetune import archs, presets
+from finetune.config import setting
 from finetune.errors import UserError
 
 # Gemma architectures in keras_hub.models.GemmaBackbone terms. cpu-small is the
@@ -67,18 +68,20 @@ ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 
 @dataclass
 class Workload:
-    arch: str = "cpu-small"
-    tokenizer: str = ""
-    """A SentencePiece .spm file; empty takes the tiny model's."""
-    data: str = "sample"
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 10
-    """Timed steps, after the warm-up ones."""
-    warmup: int = 2
-    rank: int = 4
-    quantize: str = ""
-    """int4 or int8: the finetune rows' base built quantized (gemma-7b fits a 24 GB host so); empty: not."""
+    """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
+
+    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b.",
+                        flag="--arch", metavar="NAME")  # fmt: skip
+    tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
+                             default_text="the tiny model's")  # fmt: skip
+    data: str = setting("sample", "Dolly-style JSONL to train on, or `sample`.", flag="--data", metavar="FILE")
+    seq_len: int = setting(512, "Tokens per row.", flag="--seq-len")
+    batch_size: int = setting(8, "Rows per step.", flag="--batch-size")
+    steps: int = setting(10, "Timed steps per row of the table, after the warm-up ones.", flag="--steps")
+    warmup: int = setting(2, "Steps run before timing (the first compiles).", flag="--warmup")
+    rank: int = setting(4, "LoRA rank, on query and value.", flag="--rank")
+    quantize: str = setting("", "int4 or int8: the finetune rows' base built quantized (gemma-7b fits a 24 GB host "
+                            "so).", flag="--quantize", metavar="int4|int8", default_text="none")  # fmt: skip
 
 
 @dataclass

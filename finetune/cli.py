@@ -1,34 +1,39 @@
 """The `finetune` command. Flags become a Config; the backend is chosen; run.
 
+The flags of the run's settings are not declared here: `with_settings` derives
+them from the config's fields (and `bench`'s from bench.Workload's), so a flag,
+its recipe key, its --help entry and its check come from one declaration.
+
 No keras import at module level: the backend is fixed at keras' first import,
 and it is chosen here, from the flags, before anything imports keras.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
 import traceback
+import typing
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
+from finetune import bench as bench_module
 from finetune import config as config_module
 from finetune import vertex as vertex_module
-from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.errors import RunStopped, UserError
 from finetune.plan import DEVICES as PLAN_DEVICES
-from finetune.presets import LEARNING_RATE
 
 try:  # recent typer (0.29 here) vendors click: it raises its own copy's exceptions, not the `click` package's
     from typer._click import exceptions as click_exceptions
 except ImportError:
     from click import exceptions as click_exceptions
 
-D = config_module.Config()  # the built-in defaults, shown in --help
-PRECISION_CHOICES = "|".join(config_module.PRECISIONS)
+D = config_module.Config()  # the built-in defaults
 
 # Pydantic's error types behind typer's "Input should be a valid integer, unable to parse ...".
 _PARSED_AS = {
@@ -122,8 +127,139 @@ typer.core.TyperOption.display_type = _what_to_type
 typer.core.TyperArgument.display_type = _what_to_type
 
 
-def _default(value) -> str:
-    return f"(default: {value})"
+# === Flags derived from the config ===
+#
+# A setting's field in config.py (or bench.Workload) declares its option once; `with_settings` turns each into
+# a Typer option, as HfArgumentParser turns dataclass fields into argparse arguments for `trl sft`.
+
+
+def with_settings(schema, *under: str):
+    """Give a command one flag for each setting of dataclass `schema` that declares a flag, built from its field.
+
+    under: dotted prefixes (`model`, `lora.rank`) that pick the settings; none picks them all.
+    The command takes the flags as `settings`: dotted key to what the user typed, None where a flag was left out
+    (`_typed` reads them). They come first in --help, in the order of the fields and their panels.
+    """
+    chosen = [s for s in config_module.settings(schema) if s.flag and _is_under(s.key, under)]
+
+    def decorate(command):
+        by_name = {item.key.replace(".", "__"): item for item in chosen}
+        own = inspect.signature(command, eval_str=True)
+
+        @functools.wraps(command)
+        def with_flags(**kwargs):
+            return command(settings={item.key: kwargs.pop(name) for name, item in by_name.items()}, **kwargs)
+
+        flags = [_parameter(name, item) for name, item in by_name.items()]
+        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own.parameters.values() if p.name != "settings"]
+        with_flags.__signature__ = own.replace(parameters=flags + rest)
+        return with_flags
+
+    return decorate
+
+
+def _is_under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return not prefixes or any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _parameter(name: str, item: config_module.Setting) -> inspect.Parameter:
+    """The Typer option for a setting: defaulting to None (or off), so only flags the user typed override a recipe."""
+    kind = _flag_type(item.type)
+    help_text = item.help + (" Repeat it or comma-separate." if kind == list[str] else "")
+    if item.default_words():
+        help_text += f" (default: {item.default_words()})"
+    option = typer.Option(
+        item.flag,
+        help=help_text,
+        rich_help_panel=item.panel,
+        metavar=item.metavar or ("|".join(item.choices) if item.choices else None),
+        show_default=False,
+    )
+    annotation = Annotated[bool, option] if kind is bool else Annotated[Optional[kind], option]
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=False if kind is bool else None, annotation=annotation
+    )
+
+
+def _flag_type(hint):
+    """What a setting's flag parses: its type without None, and text where it takes a number or a word."""
+    if typing.get_origin(hint) is list:
+        return hint
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return kinds[0] if len(kinds) == 1 else str
+
+
+def _typed(schema, settings: dict) -> dict:
+    """The flags the user typed, by dotted key, as their settings take them: lists split at commas, and an integer
+    where a setting takes a number or a word (`--batch-size 8`, `--batch-size auto`). A flag left out, or a switch
+    left off, is not there, so it does not override a recipe."""
+    typed = {}
+    for item in config_module.settings(schema):
+        value = settings.get(item.key)
+        if isinstance(value, list):
+            value = _split_list(value)
+        elif value is not None and {int, str} <= set(typing.get_args(item.type)):
+            value = _number_or_word(item, value)
+        if value is not None and value is not False:
+            typed[item.key] = value
+    return typed
+
+
+def _number_or_word(item: config_module.Setting, text: str):
+    try:
+        return int(text)
+    except ValueError:
+        message = item.problem(text, name=item.flag)  # named by the flag: it is the text typed that is wrong
+        if message:
+            raise UserError(message) from None
+        return text
+
+
+def _overrides(pairs: list[str] | None, settings: dict) -> dict:
+    """--set pairs, then the named flags typed: dotted keys for config.load, where later keys win."""
+    overrides = dict(config_module.parse_set(pair) for pair in pairs or [])
+    overrides.update(_typed(config_module.Config, settings))
+    return overrides
+
+
+# === Options that are not settings, declared once for every command that takes them ===
+
+RECIPE_PANEL = "Recipe and diagnostics"
+Recipe = Annotated[
+    Optional[str],
+    typer.Option(
+        "--recipe",
+        help="YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set "
+        "override it.",
+        rich_help_panel=RECIPE_PANEL,
+        metavar="FILE|NAME",
+        show_default=False,
+    ),
+]
+SetPairs = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--set",
+        help="Any config key, e.g. --set train.epochs=2; repeatable.",
+        rich_help_panel=RECIPE_PANEL,
+        metavar="KEY=VALUE",
+        show_default=False,
+    ),
+]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+Verbose = Annotated[
+    bool, typer.Option("--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece).")
+]
+RunDir = Annotated[str, typer.Option("--run", help="A finished run directory.")]
+RunBackend = Annotated[
+    Optional[str],
+    typer.Option(
+        "--backend",
+        help="jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
+        metavar="|".join(config_module.BACKENDS),
+        show_default=False,
+    ),
+]
 
 
 def _flag(help_text: str, rich_help_panel: str | None = None, metavar: str | None = None):
@@ -163,239 +299,43 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
 
 
 @app.command()
+@with_settings(config_module.Config)
 def gemma(
-    backend: Optional[str] = _flag(
-        "Keras backend: jax, torch or tensorflow. (default: $KERAS_BACKEND if set, else jax)",
-        rich_help_panel="Model",
-        metavar="jax|torch|tensorflow",
-    ),
-    preset: Optional[str] = _flag(
-        f"keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, or `tiny` (offline). {_default(D.model.preset)}",
-        rich_help_panel="Model",
-        metavar="NAME|DIR",
-    ),
-    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}", rich_help_panel="LoRA"),
-    alpha: Optional[float] = _flag(
-        "LoRA alpha; the update is scaled by alpha/rank. (default: rank)", rich_help_panel="LoRA"
-    ),
-    target: Optional[list[str]] = _flag(
-        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}",
-        rich_help_panel="LoRA",
-        metavar="LAYER",
-    ),
-    data: Optional[str] = _flag(
-        "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME, or `sample` (the shipped "
-        "finetune/assets/dolly-sample.jsonl); Dolly, Alpaca, chat, ShareGPT, prompt/completion or text records, "
-        f"detected. Check a file with `finetune data FILE`. {_default(D.data.path)}",
-        rich_help_panel="Data",
-        metavar="FILE|sample|hf:NAME",
-    ),
-    template: Optional[str] = _flag(
-        "Prompt template: auto follows the data (Dolly, Alpaca, the family's chat turns for chat and ShareGPT "
-        f"records, none for prompt/completion and text); or dolly, alpaca, gemma-chat, gemma4-chat, none. "
-        f"{_default(D.data.template)}",
-        rich_help_panel="Data",
-        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat|none",
-    ),
-    seq_len: Optional[int] = _flag(
-        f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"
-    ),
-    batch_size: Optional[str] = _flag(
-        "Sequences per step, or `auto` to probe the largest that fits. "
-        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items())),
-        rich_help_panel="Training",
-        metavar="N|auto",
-    ),
-    epochs: Optional[int] = _flag(
-        f"Passes over the training split. {_default(D.train.epochs)}", rich_help_panel="Training"
-    ),
-    max_steps: Optional[int] = _flag("Stop after this many steps. (default: no limit)", rich_help_panel="Training"),
-    lr: Optional[float] = _flag(
-        "AdamW learning rate. " + _default(f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny"),
-        rich_help_panel="Training",
-    ),
-    eval_fraction: Optional[float] = _flag(
-        f"Share of records held out for evaluation. {_default(D.data.eval_fraction)}", rich_help_panel="Data"
-    ),
-    seed: Optional[int] = _flag(
-        f"Seed for the split, shuffling and LoRA init. {_default(D.train.seed)}", rich_help_panel="Training"
-    ),
-    output: Optional[str] = _flag(
-        "Run directory. (default: runs/<timestamp>; /kaggle/working/runs/<timestamp> in a Kaggle notebook)",
-        rich_help_panel="Output and checkpoints",
-        metavar="DIR",
-    ),
-    overwrite: bool = typer.Option(
-        False,
-        "--overwrite",
-        help="Replace a run already in --output (the old one stays until the new one finishes).",
-        rich_help_panel="Output and checkpoints",
-    ),
+    settings: dict,
     resume: bool = typer.Option(
         False,
         "--resume",
         help="Continue the run in --output from its newest checkpoint, with its settings; "
         "start it there if it has none. --epochs and --max-steps may grow.",
-        rich_help_panel="Output and checkpoints",
+        rich_help_panel=config_module.OUTPUT,
     ),
-    checkpoint_every: Optional[int] = _flag(
-        f"Save a checkpoint every N steps, and at each epoch's end. {_default(D.train.checkpoint_every)}",
-        rich_help_panel="Output and checkpoints",
-    ),
-    keep_checkpoints: Optional[int] = _flag(
-        f"Keep the newest N checkpoints. {_default(D.train.keep_checkpoints)}", rich_help_panel="Output and checkpoints"
-    ),
-    time_limit: Optional[str] = _flag(
-        "Stop with a checkpoint before this much time, e.g. 11h30m, 90m, or `off`. "
-        "(default: 11h30m in a Kaggle notebook, else off)",
-        rich_help_panel="Output and checkpoints",
-        metavar="DURATION",
-    ),
-    train_on_prompt: bool = typer.Option(
-        False,
-        "--train-on-prompt",
-        help="Also train on prompt tokens (default: response tokens only).",
-        rich_help_panel="Data",
-    ),
-    drop_context: bool = typer.Option(
-        False,
-        "--drop-context",
-        help="Drop records that have a context, as the Keras tutorial does.",
-        rich_help_panel="Data",
-    ),
-    packing: Optional[str] = _flag(
-        "auto, on or off: several examples per row, each attending only to itself (exact); off pads one "
-        f"example per row, as the Keras tutorial does. {_default(D.data.packing)}",
-        rich_help_panel="Data",
-        metavar="auto|on|off",
-    ),
-    category: Optional[list[str]] = _flag(
-        "Keep only this Dolly category; repeatable. (default: all)", rich_help_panel="Data", metavar="NAME"
-    ),
-    max_records: Optional[int] = _flag("Use at most this many records. (default: all)", rich_help_panel="Data"),
-    precision: Optional[str] = _flag(
-        "The frozen base's dtype (LoRA is float32): auto is bfloat16 on a TPU, a bf16 GPU or a CPU with bf16 "
-        f"units, float16 on a T4 or V100, else float32. {_default(D.model.precision)}",
-        rich_help_panel="Model",
-        metavar=PRECISION_CHOICES,
-    ),
-    quantize: Optional[str] = _flag(
-        "int4 or int8: load the frozen base quantized, layer by layer (QLoRA-like), to save memory. (default: none)",
-        rich_help_panel="Model",
-        metavar="int4|int8",
-    ),
-    remat: Optional[str] = _flag(
-        "Recompute each block's activations in the backward pass: on, off, or auto (on when the plan says the "
-        f"run would not fit without it). {_default(D.model.remat)}",
-        rich_help_panel="Model",
-        metavar="auto|on|off",
-    ),
-    threads: Optional[int] = _flag(
-        "PyTorch on CPU: intra-op threads. (default: the physical cores idle at start)", rich_help_panel="Training"
-    ),
-    xla_mem_fraction: Optional[float] = _flag(
-        f"JAX: share of GPU memory XLA may take. {_default(D.train.xla_mem_fraction)}", rich_help_panel="Training"
-    ),
-    parallel: Optional[str] = _flag(
-        "none; data: the model replicated, each batch split over the devices; model: the kernels sharded over "
-        f"the mesh's model axis. JAX only. {_default(D.distribution.parallel)}",
-        rich_help_panel="Scale out",
-        metavar="none|data|model",
-    ),
-    mesh: Optional[str] = _flag(
-        "DATAxMODEL device mesh, e.g. 2x4. (default: all devices on the data axis for data, the model axis for model)",
-        rich_help_panel="Scale out",
-        metavar="DxM",
-    ),
-    coordinator: Optional[str] = _flag(
-        "Multi-host: host:port of process 0. (default: from CLUSTER_SPEC on Vertex AI, or KERAS_DISTRIBUTION_*)",
-        rich_help_panel="Scale out",
-        metavar="HOST:PORT",
-    ),
-    num_processes: Optional[int] = _flag("Multi-host: processes in the job.", rich_help_panel="Scale out"),
-    process_id: Optional[int] = _flag(
-        "Multi-host: this process's index (0 writes the outputs).", rich_help_panel="Scale out"
-    ),
-    recipe: Optional[str] = _flag(
-        "YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set override it.",
-        rich_help_panel="Recipe and diagnostics",
-        metavar="FILE|NAME",
-    ),
-    set_: Optional[list[str]] = typer.Option(
-        None,
-        "--set",
-        help="Any config key, e.g. --set train.epochs=2; repeatable.",
-        show_default=False,
-        rich_help_panel="Recipe and diagnostics",
-        metavar="KEY=VALUE",
-    ),
+    recipe: Recipe = None,
+    set_: SetPairs = None,
     plan_only: bool = typer.Option(
         False,
         "--plan-only",
         help="Print the run's per-device memory plan (as `finetune plan`) and exit; loads and writes nothing.",
-        rich_help_panel="Recipe and diagnostics",
+        rich_help_panel=RECIPE_PANEL,
     ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Recipe and diagnostics"),
-    verbose: bool = typer.Option(
-        False,
-        "--verbose",
-        help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece).",
-        rich_help_panel="Recipe and diagnostics",
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Fine-tune a Gemma preset with LoRA on instruction, chat or text data, evaluate it and save the adapter.
 
     Precedence: built-in defaults < --recipe < --set < named flags.
     """
     try:
-        # --output, --data and --preset are checked with the rest of the config (config.validate).
-        _refuse_empty({"--recipe": recipe, "--mesh": mesh, "--coordinator": coordinator})
-        _note_keras_backend(backend)
-        overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
-        flags = {
-            "backend": backend,
-            "model.preset": preset,
-            "model.seq_len": seq_len,
-            "model.precision": precision,
-            "lora.rank": rank,
-            "lora.alpha": alpha,
-            "lora.targets": _split_list(target),
-            "data.path": data,
-            "data.template": template,
-            "data.eval_fraction": eval_fraction,
-            "data.max_records": max_records,
-            "data.categories": _split_list(category),
-            "data.drop_context": drop_context or None,
-            "data.train_on_prompt": train_on_prompt or None,
-            "data.packing": packing,
-            "train.batch_size": _batch_size(batch_size),
-            "train.epochs": epochs,
-            "train.max_steps": max_steps,
-            "train.learning_rate": lr,
-            "train.seed": seed,
-            "train.xla_mem_fraction": xla_mem_fraction,
-            "train.threads": threads,
-            "model.quantize": quantize,
-            "model.remat": remat,
-            "output.dir": output,
-            "output.overwrite": overwrite or None,
-            "train.checkpoint_every": checkpoint_every,
-            "train.keep_checkpoints": keep_checkpoints,
-            "train.time_limit": time_limit,
-            "distribution.parallel": parallel,
-            "distribution.mesh": mesh,
-            "distribution.coordinator": coordinator,
-            "distribution.num_processes": num_processes,
-            "distribution.process_id": process_id,
-        }
-        overrides.update({k: v for k, v in flags.items() if v is not None})
-        base = None
+        # The settings' own flags (--output, --data, --mesh, ...) are checked with the rest of the config.
+        _refuse_empty({"--recipe": recipe})
+        _note_keras_backend(settings["backend"])
+        overrides = _overrides(set_, settings)
         if resume and plan_only:  # a resume reads (for gs://, downloads) its checkpoints: not a plan's business
             raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
+        base = None
         if resume:
             from finetune import outputs
 
-            base = outputs.settings_to_resume(output)
+            base = outputs.settings_to_resume(settings["output.dir"])
         cfg = config_module.load(recipe, overrides, base=base)
         if plan_only:  # before finetune.run: no keras, no download, nothing written
             _print_plan(cfg, None, None)
@@ -409,67 +349,24 @@ def gemma(
         _fail(error, debug)
 
 
+# What `finetune plan` takes of a run's settings: those that change the memory a device needs.
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "distribution.parallel",
+           "distribution.mesh")  # fmt: skip
+
+
 @app.command()
+@with_settings(config_module.Config, *PLANNED)
 def plan(
-    preset: Optional[str] = _flag(
-        f"gemma_2b_en, gemma_7b_en, gemma2_*, gemma3_* (offline: a table of their shapes), a local preset "
-        f"directory, or `tiny`. {_default(D.model.preset)}",
-        rich_help_panel="Model",
-        metavar="NAME|DIR",
-    ),
-    seq_len: Optional[int] = _flag(
-        f"Tokens per training sequence. {_default(D.model.seq_len)}", rich_help_panel="Model"
-    ),
-    batch_size: Optional[str] = _flag(
-        "Sequences per step, or `auto` for the largest that fits --device-memory. "
-        + _default(", ".join(f"{b} {n}" for b, n in DEFAULT_BATCH_SIZE.items())),
-        rich_help_panel="Model",
-        metavar="N|auto",
-    ),
-    precision: Optional[str] = _flag(
-        f"The frozen base's dtype; auto follows the device. {_default(D.model.precision)}",
-        rich_help_panel="Model",
-        metavar=PRECISION_CHOICES,
-    ),
-    quantize: Optional[str] = _flag(
-        "int4 or int8: plan a quantized frozen base. (default: none)", rich_help_panel="Model", metavar="int4|int8"
-    ),
-    remat: Optional[str] = _flag(
-        f"Plan blocks recomputed in the backward: on, off, or auto (on when it would not fit without). "
-        f"{_default(D.model.remat)}",
-        rich_help_panel="Model",
-        metavar="auto|on|off",
-    ),
-    backend: Optional[str] = _flag(
-        "Keras backend the run would use. (default: $KERAS_BACKEND if set, else jax)",
-        rich_help_panel="Model",
-        metavar="jax|torch|tensorflow",
-    ),
-    rank: Optional[int] = _flag(f"LoRA rank. {_default(D.lora.rank)}", rich_help_panel="LoRA"),
-    target: Optional[list[str]] = _flag(
-        f"Layer name to adapt; repeat or comma-separate. {_default(','.join(D.lora.targets))}",
-        rich_help_panel="LoRA",
-        metavar="LAYER",
-    ),
-    parallel: Optional[str] = _flag(
-        f"none (one device), data or model. {_default(D.distribution.parallel)}",
-        rich_help_panel="Devices",
-        metavar="none|data|model",
-    ),
-    mesh: Optional[str] = _flag(
-        "DATAxMODEL device mesh, e.g. 1x8; its sizes multiply to the device count.",
-        rich_help_panel="Devices",
-        metavar="DxM",
-    ),
+    settings: dict,
     devices: Optional[int] = _flag(
         "Devices to plan for, without --mesh: all on the data axis (data) or the model axis (model). "
         "(default: the mesh's, or 1)",
-        rich_help_panel="Devices",
+        config_module.SCALE_OUT,
     ),
     device_memory: Optional[str] = _flag(
         "Memory of one device, to say whether the plan fits: a size (16GB, 16GiB) or a kind: "
         f"{', '.join(PLAN_DEVICES)}, cpu. (default: no verdict)",
-        rich_help_panel="Devices",
+        config_module.SCALE_OUT,
         metavar="SIZE|KIND",
     ),
     json_out: bool = typer.Option(
@@ -478,45 +375,19 @@ def plan(
         help="Print the plan as JSON (bytes per device) instead of the table.",
         rich_help_panel="Output",
     ),
-    recipe: Optional[str] = _flag(
-        "YAML recipe file, or a shipped recipe by name; flags and --set override it.",
-        rich_help_panel="Recipe and diagnostics",
-        metavar="FILE|NAME",
-    ),
-    set_: Optional[list[str]] = typer.Option(
-        None,
-        "--set",
-        help="Any config key, e.g. --set lora.rank=8; repeatable.",
-        show_default=False,
-        rich_help_panel="Recipe and diagnostics",
-        metavar="KEY=VALUE",
-    ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Recipe and diagnostics"),
-    verbose: bool = typer.Option(
-        False,
-        "--verbose",
-        help="Accepted for symmetry with the other commands; plan loads no framework.",
-        rich_help_panel="Recipe and diagnostics",
-    ),
+    recipe: Recipe = None,
+    set_: SetPairs = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
-    """Print each device's memory for a run, layout by layout, without loading weights (offline, no keras)."""
+    """Print each device's memory for a run, layout by layout, without loading weights (offline, no keras).
+
+    The gemma_*, gemma2_* and gemma3_* presets are planned from a table of their shapes, offline; --batch-size
+    auto finds the largest batch that fits --device-memory.
+    """
     try:
-        _refuse_empty({"--recipe": recipe, "--mesh": mesh, "--device-memory": device_memory})
-        overrides = dict(config_module.parse_set(pair) for pair in set_ or [])
-        flags = {
-            "backend": backend,
-            "model.preset": preset,
-            "model.seq_len": seq_len,
-            "model.precision": precision,
-            "model.quantize": quantize,
-            "model.remat": remat,
-            "lora.rank": rank,
-            "lora.targets": _split_list(target),
-            "train.batch_size": _batch_size(batch_size),
-            "distribution.parallel": parallel,
-            "distribution.mesh": mesh,
-        }
-        overrides.update({k: v for k, v in flags.items() if v is not None})
+        _refuse_empty({"--recipe": recipe, "--device-memory": device_memory})
+        overrides = _overrides(set_, settings)
         # A run refuses --batch-size auto with --parallel (its probe has no mesh); a plan finds that size.
         auto = overrides.get("train.batch_size") == "auto"
         if auto:
@@ -543,17 +414,9 @@ def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: b
 
 
 @app.command()
+@with_settings(bench_module.Workload)
 def bench(
-    arch: str = typer.Option(
-        "cpu-small", help="Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b."
-    ),
-    tokenizer: Optional[str] = _flag("SentencePiece .spm tokenizer file. (default: the tiny model's)"),
-    data: str = typer.Option("sample", help="Dolly-style JSONL to train on, or `sample`."),
-    seq_len: int = typer.Option(512, help="Tokens per row."),
-    batch_size: int = typer.Option(8, help="Rows per step."),
-    steps: int = typer.Option(10, help="Timed steps per row of the table."),
-    warmup: int = typer.Option(2, help="Steps run before timing (the first compiles)."),
-    rank: int = typer.Option(4, help="LoRA rank, on query and value."),
+    settings: dict,
     backends: Optional[str] = _flag("Comma-separated backends. (default: every installed one)"),
     recipes: str = typer.Option(
         "finetune,tutorial",
@@ -563,22 +426,14 @@ def bench(
     levers: str = typer.Option(
         "", help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat."
     ),
-    quantize: str = typer.Option("", help="int4 or int8: the finetune rows' base loaded quantized. (default: none)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
     try:
-        from finetune import bench as bench_module
-
-        workload = bench_module.Workload(
-            arch=arch, tokenizer=tokenizer or "", data=data, seq_len=seq_len, batch_size=batch_size,
-            steps=steps, warmup=warmup, rank=rank, quantize=quantize,
-        )  # fmt: skip
+        workload = bench_module.Workload(**_typed(bench_module.Workload, settings))
         chosen = _split_list([backends]) if backends else bench_module.installed_backends()
         bench_module.run(
             workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path
@@ -591,16 +446,11 @@ def bench(
 
 @app.command("eval")
 def eval_(
-    run: str = typer.Option(..., "--run", help="A finished run directory."),
+    run: RunDir,
     data: Optional[str] = _flag("Evaluate on all of this JSONL instead of the run's held-out split."),
-    backend: Optional[str] = _flag(
-        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
-        metavar="jax|torch|tensorflow",
-    ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    backend: RunBackend = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
     try:
@@ -619,38 +469,31 @@ def eval_(
 
 
 @app.command("data")
+@with_settings(config_module.Config, "model.preset", "data.template", "model.seq_len")
 def data_(
+    settings: dict,
     file: str = typer.Argument(..., help="A data file (JSONL, JSON array, CSV, Parquet; a path or gs://), or hf:NAME."),
-    preset: Optional[str] = _flag(
-        f"The preset whose tokenizer counts the tokens and whose chat turns chat records take. "
-        f"{_default(D.model.preset)}",
-        metavar="NAME|DIR",
-    ),
-    template: Optional[str] = _flag(
-        f"Prompt template, as for `finetune gemma`. {_default(D.data.template)}",
-        metavar="auto|dolly|alpaca|gemma-chat|gemma4-chat|none",
-    ),
-    seq_len: Optional[int] = _flag(f"Tokens per training sequence. {_default(D.model.seq_len)}"),
     example: int = typer.Option(1, "--example", help="Which record to render, from 1.", metavar="N"),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Check a data file before training: its format, records, token lengths, what packing saves, and one
-    example with the text the loss is taken on marked."""
+    example with the text the loss is taken on marked.
+
+    The preset's tokenizer counts the tokens, and chat records take its family's turns.
+    """
     try:
         from finetune import datacheck
-        from finetune.templates import TEMPLATES
 
-        _refuse_empty({"FILE": file, "--preset": preset, "--template": template})
-        template = template or D.data.template
-        if template != "auto" and template not in TEMPLATES:
-            raise UserError(f"unknown template {template!r}; choose auto or one of {', '.join(TEMPLATES)}")
-        seq_len = D.model.seq_len if seq_len is None else seq_len
-        if seq_len < 8:
-            raise UserError(f"--seq-len must be at least 8, got {seq_len}")
-        for line in datacheck.report(file, preset or D.model.preset, template, seq_len, example=example):
+        _refuse_empty({"FILE": file})
+        typed = _typed(config_module.Config, settings)
+        preset = typed.get("model.preset", D.model.preset)
+        template = typed.get("data.template", D.data.template)
+        seq_len = typed.get("model.seq_len", D.model.seq_len)
+        config_module.check("model.preset", preset)
+        config_module.check("data.template", template)
+        config_module.check("model.seq_len", seq_len, name="--seq-len")
+        for line in datacheck.report(file, preset, template, seq_len, example=example):
             print(line)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
         _fail(error, debug)
@@ -658,18 +501,13 @@ def data_(
 
 @app.command()
 def generate(
-    run: str = typer.Option(..., "--run", help="A finished run directory."),
+    run: RunDir,
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. (default: the run's)"),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the template."),
-    backend: Optional[str] = _flag(
-        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
-        metavar="jax|torch|tensorflow",
-    ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    backend: RunBackend = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Generate from the base model with a saved adapter (greedy)."""
     try:
@@ -678,8 +516,7 @@ def generate(
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         if any(not p.strip() for p in prompt):
             raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}; try --max-new-tokens 48")
+        config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
         saved = runs.open_on(run, backend)
         for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
             print(text)
@@ -689,7 +526,7 @@ def generate(
 
 @app.command("export")
 def export_(
-    run: str = typer.Option(..., "--run", help="A finished run directory."),
+    run: RunDir,
     format: str = typer.Option(
         ...,
         "--format",
@@ -706,14 +543,9 @@ def export_(
         "With --format gguf: the weights' type, f16, bf16 or f32 (norms stay f32). (default: f16)",
         metavar="f16|bf16|f32",
     ),
-    backend: Optional[str] = _flag(
-        "jax, torch or tensorflow: an adapter trained on one loads on the others. (default: the run's backend)",
-        metavar="jax|torch|tensorflow",
-    ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    backend: RunBackend = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
     try:
@@ -736,7 +568,7 @@ def vertex_spec(
     accelerator_count: Optional[int] = _flag("Accelerators per machine. (default: 1 with --accelerator-type, else 0)"),
     replicas: int = typer.Option(1, help="Machines; more than 1 needs distribution.parallel data or model."),
     image: Optional[str] = _flag(
-        f"Training container image URI (the repository's Dockerfile). {_default(vertex_module.DEFAULT_IMAGE)}"
+        f"Training container image URI (the repository's Dockerfile). (default: {vertex_module.DEFAULT_IMAGE})"
     ),
     region: str = typer.Option(vertex_module.DEFAULT_REGION, help="Vertex AI region."),
     output: Optional[str] = _flag(
@@ -749,10 +581,8 @@ def vertex_spec(
         show_default=False,
         metavar="KEY=VALUE",
     ),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Print a Vertex AI custom job spec (JSON) that trains a recipe, and the gcloud command that submits it."""
     try:
@@ -807,10 +637,8 @@ def recipes(ctx: typer.Context):
 def recipes_copy(
     name: str = typer.Argument(..., help="A shipped recipe, e.g. tiny."),
     dest: str = typer.Argument(..., help="The file to write, or a directory to put NAME.yaml in."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
     try:
@@ -832,10 +660,8 @@ def recipes_copy(
 @app.command("runs")
 def runs_(
     directory: str = typer.Argument("runs", help="A run directory, or a directory of runs."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece)."
-    ),
+    debug: Debug = False,
+    verbose: Verbose = False,
 ):
     """List runs and their state: finished, running, checkpointed at step N, stopped or failed."""
     try:
@@ -868,15 +694,6 @@ def _split_list(values):
     if not values:
         return None
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
-
-
-def _batch_size(value):
-    if value is None or value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"--batch-size must be a positive integer or `auto`, got {value!r}") from None
 
 
 def main():

@@ -3,6 +3,12 @@
 Pure Python and YAML, no keras: the config is read before the backend is
 chosen. `load()` refuses unknown keys and wrong types with a message that
 names the key, so a typo in a recipe never silently falls back to a default.
+
+Each option is declared once, as a field made by `setting()`: its type,
+default, help, flag, help panel, choices and range. The recipe key is the
+field's dotted path; cli.py derives the flags and their --help from the same
+declarations, `validate` runs the checks they name, and `documented` writes
+each section's `Args:` docstring from them. Adding an option is one field.
 """
 
 from __future__ import annotations
@@ -13,16 +19,20 @@ import difflib
 import math
 import os
 import re
+import textwrap
 import types
 import typing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
 
+from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.data import SAMPLE
 from finetune.errors import UserError
+from finetune.presets import LEARNING_RATE
 from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
@@ -32,113 +42,452 @@ QUANTIZE = ("int4", "int8")
 PARALLEL = ("none", "data", "model")
 REMAT = ("auto", "on", "off")
 
+# The panels of `finetune gemma --help`, in the order the fields below first name them.
+MODEL, LORA, DATA, TRAINING, OUTPUT, SCALE_OUT = (
+    "Model", "LoRA", "Data", "Training", "Output and checkpoints", "Scale out"
+)  # fmt: skip
 
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a setting may take: from `low` to `high` (None: unbounded), each end excluded when open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def rule(self) -> str:
+        """In words, for messages: must be at least 1, must be positive, must be in (0, 1], ..."""
+        if self.high is None:
+            if self.low == 0:
+                return "must be positive" if self.low_open else "must not be negative"
+            return f"must be {'more than' if self.low_open else 'at least'} {self.low}"
+        if self.low_open == self.high_open:
+            return f"must be between {self.low} and {self.high}{' (exclusive)' if self.low_open else ''}"
+        return f"must be in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option as its field declares it (see `setting`), found at its dotted key.
+
+    key: str. The recipe key: `lora.rank`; `--set` takes the same.
+    type: the field's annotation, which `load` checks values against.
+    default: the field's default (its factory's value for lists and the backend).
+    help: str. One text for the flag's --help and the section's docstring.
+    flag: str or None. The command-line flag (`--rank`); None: a recipe key and --set only.
+    panel: str or None. The --help panel the flag is listed under.
+    metavar: str or None. What --help shows the flag takes; choices show as `a|b|c` without one.
+    choices: tuple. The values allowed, checked and shown.
+    range: Range or None. The numbers allowed, checked.
+    check: a function (value, name) -> a message, or None when the value is fine; for rules a range cannot say.
+    hint: str. Added to any refusal of this setting: how to fix it (`try --rank 4`).
+    label: str or None. What messages call the setting; by default its name, in words.
+    default_text: str or None. The default in words, where the value alone would mislead (None, computed).
+    env: str or None. The environment variable the default comes from, which messages name.
+    """
+
+    key: str
+    type: Any
+    default: Any
+    help: str
+    flag: Optional[str] = None
+    panel: Optional[str] = None
+    metavar: Optional[str] = None
+    choices: tuple = ()
+    range: Optional[Range] = None
+    check: Optional[Callable[[Any, str], Optional[str]]] = None
+    hint: str = ""
+    label: Optional[str] = None
+    default_text: Optional[str] = None
+    env: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit(".", 1)[-1]
+
+    def default_words(self) -> str | None:
+        """The default as --help and the docstrings state it; None where there is nothing to say (a switch)."""
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None or isinstance(self.default, bool):
+            return None
+        if isinstance(self.default, list):
+            return ",".join(map(str, self.default)) or "none"
+        return str(self.default)
+
+    def problem(self, value, name: str | None = None) -> str | None:
+        """What is wrong with `value` for this setting, as a message for people; None when nothing is (None, the
+        value of a setting left unset, passes every check).
+
+        name: what the message calls the setting; by default its label.
+        """
+        if value is None:
+            return None
+        name = name or self.label or self.name.replace("_", " ")
+        if isinstance(value, str) and not value.strip():
+            # An empty string, as from an unset shell variable, would mean the current directory for a path.
+            return f"{self.flag or self.key} is empty; {self.hint or 'give it a value, or leave it out'}"
+        if isinstance(value, float) and not math.isfinite(value):
+            # NaN passes no range check's `not` and inf passes `> 0`: refuse both first.
+            return f"config key {self.key!r} must be a finite number, got {value}"
+        message = None
+        if self.choices and value not in self.choices:
+            source = f" (from {self.env})" if self.env and value == os.environ.get(self.env) else ""
+            message = f"unknown {name} {value!r}{source}; choose one of {', '.join(self.choices)}"
+        elif self.range is not None and value not in self.range:
+            message = f"{name} {self.range.rule()}, got {value}"
+        elif self.check is not None:
+            message = self.check(value, name)
+        return f"{message}; {self.hint}" if message and self.hint else message
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", **declared) -> Any:
+    """A config field that declares its option once: `rank: int = setting(4, "LoRA rank.", flag="--rank")`.
+
+    declared: the rest of `Setting` (flag, panel, metavar, choices, range, check, hint, label,
+        default_text, env). A list default is copied for each instance; a callable one is a factory.
+    """
+    metadata = {"setting": dict(help=help, **declared)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def settings(cls, prefix: str = "") -> Iterator[Setting]:
+    """Every setting of dataclass `cls` and of its sections, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from settings(hint, f"{prefix}{f.name}.")
+        elif "setting" in f.metadata:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            yield Setting(key=prefix + f.name, type=hint, default=default, **f.metadata["setting"])
+
+
+def documented(cls):
+    """`cls` with an `Args:` section in its docstring (keras-hub's style), written from its fields' settings."""
+    hints = typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            summary = (hints[f.name].__doc__ or "").strip().splitlines()[0]
+            entry = f"{f.name}: {hints[f.name].__name__}. {summary}"
+        else:
+            (item,) = (s for s in settings(cls) if s.key == f.name)
+            entry = f"{f.name}: {_type_words(item.type)}. {item.help}"
+            entry += "".join(
+                f" {what}: {words}."
+                for what, words in (("Default", item.default_words()), ("Flag", item.flag))
+                if words
+            )
+        lines += textwrap.wrap(entry, 100, initial_indent="    ", subsequent_indent="        ")
+    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\nArgs:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+def _type_words(hint) -> str:
+    """An annotation as an `Args:` entry starts: int, float or None, list of str."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in typing.get_args(hint))
+    if origin is list:
+        return f"list of {_type_words(typing.get_args(hint)[0])}"
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+# Checks that a range or a list of choices cannot say; each returns what is wrong, or None.
+
+
+def _not_empty(value: list, name: str) -> str | None:
+    return None if value else f"{name} must not be empty"
+
+
+def _positive_or_auto(value, name: str) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return f"{name} must be a positive integer or `auto`, got {value!r}"
+
+
+def _duration_or_off(value: str, name: str) -> str | None:
+    if value == "off":
+        return None
+    try:
+        if parse_duration(value) > 0:
+            return None
+    except ValueError:
+        pass
+    return f"{name} {value!r} is not a duration; write it like 11h30m, 90m or 3600s (or `off`)"
+
+
+@documented
 @dataclass
 class ModelConfig:
-    preset: str = "gemma_2b_en"
-    """keras-hub preset name, `kaggle://` handle, local preset directory, or `tiny`."""
-    seq_len: int = 256
-    """Tokens per training sequence; longer records are cut (the Keras tutorial's 256)."""
-    precision: str = "auto"
-    """The frozen base's dtype; LoRA factors and their optimizer state are float32 in every case.
-    auto: bfloat16 on a TPU, a GPU with bf16 (A100, L4, H100) and a CPU with bf16 units (AVX512-BF16 or
-    AMX), float16 on other GPUs (T4, V100), else float32. mixed_bfloat16 keeps the base in float32 and
-    computes in bf16 (Keras' mixed precision: twice the memory)."""
-    quantize: Optional[str] = None
-    """int4 or int8: the frozen base's decoder kernels are built quantized and filled layer by layer, so the
-    float base never exists in memory (QLoRA-like); the embedding stays in the precision's dtype and the LoRA
-    factors in float32. None keeps every weight in the precision's dtype."""
-    remat: str = "auto"
-    """Recompute each decoder block's activations in the backward pass instead of keeping them: on, off, or
-    auto (on when the plan says the run would not fit the device's memory without it)."""
+    """The model: the preset, the sequence length and how the frozen base is stored."""
+
+    preset: str = setting(
+        "gemma_2b_en",
+        "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, "
+        "or `tiny` (offline).",
+        flag="--preset", panel=MODEL, metavar="NAME|DIR", hint="pass a preset name such as gemma_2b_en, or tiny",
+    )  # fmt: skip
+    seq_len: int = setting(
+        256,
+        "Tokens per training sequence; longer records are cut (the Keras tutorial's 256).",
+        flag="--seq-len", panel=MODEL, range=Range(8), label="seq-len", hint="256 is typical",
+    )  # fmt: skip
+    precision: str = setting(
+        "auto",
+        "The frozen base's dtype; LoRA factors and their optimizer state are float32 in every case. auto is "
+        "bfloat16 on a TPU, a bf16 GPU (A100, L4, H100) or a CPU with bf16 units (AVX512-BF16 or AMX), float16 on "
+        "other GPUs (T4, V100), else float32; mixed_bfloat16 keeps the base in float32 and computes in bf16 "
+        "(Keras' mixed precision: twice the memory).",
+        flag="--precision", panel=MODEL, choices=PRECISIONS,
+    )  # fmt: skip
+    quantize: Optional[str] = setting(
+        None,
+        "int4 or int8: the frozen base's decoder kernels are built quantized and filled layer by layer, so the "
+        "float base never exists in memory (QLoRA-like); the embedding keeps the precision's dtype and LoRA "
+        "float32.",
+        flag="--quantize", panel=MODEL, choices=QUANTIZE, default_text="none", label="quantize mode",
+        hint="leave it out for none",
+    )  # fmt: skip
+    remat: str = setting(
+        "auto",
+        "Recompute each decoder block's activations in the backward pass instead of keeping them: on, off, or "
+        "auto (on when the plan says the run would not fit the device's memory without it).",
+        flag="--remat", panel=MODEL, choices=REMAT,
+    )  # fmt: skip
 
 
+@documented
 @dataclass
 class LoraConfig:
-    rank: int = 4
-    """Rank of the LoRA factors: higher adapts more and costs more memory."""
-    alpha: Optional[float] = None
-    """LoRA scale is alpha / rank; None means alpha = rank (scale 1, keras-hub's default)."""
-    targets: list[str] = field(default_factory=lambda: ["query", "value"])
-    """Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*)."""
+    """LoRA: which layers adapt, and at what rank and scale."""
+
+    rank: int = setting(
+        4,
+        "Rank of the LoRA factors: higher adapts more and costs more memory.",
+        flag="--rank", panel=LORA, range=Range(1), label="LoRA rank", hint="try --rank 4",
+    )  # fmt: skip
+    alpha: Optional[float] = setting(
+        None,
+        "LoRA alpha: the update is scaled by alpha / rank.",
+        flag="--alpha", panel=LORA, range=Range(0, low_open=True), label="LoRA alpha",
+        default_text="rank: a scale of 1, keras-hub's",
+    )  # fmt: skip
+    targets: list[str] = setting(
+        ["query", "value"],
+        "Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*).",
+        flag="--target", panel=LORA, metavar="LAYER", check=_not_empty, label="LoRA targets",
+        hint="name a layer to adapt, e.g. --target query --target value",
+    )  # fmt: skip
 
 
+@documented
 @dataclass
 class DataConfig:
-    path: str = SAMPLE
-    """Records as JSONL, a JSON array, CSV or Parquet (local or gs://), hf:NAME for a Hugging Face dataset, or
-    `sample`; Dolly, Alpaca, chat, ShareGPT, prompt/completion or text records (data.FORMATS)."""
-    template: str = "auto"
-    """Prompt template: auto (the data's own: dolly for Dolly records, alpaca for Alpaca ones, the family's chat
-    turns for chat and ShareGPT records, none for prompt/completion and text), dolly (the Keras tutorial's),
-    alpaca, gemma-chat, gemma4-chat or none."""
-    drop_context: bool = False
-    """Drop records that carry a context (the Keras tutorial does, to keep sequences short)."""
-    categories: list[str] = field(default_factory=list)
-    """Keep only these Dolly categories; empty keeps all."""
-    max_records: Optional[int] = None
-    """Use at most this many records (after filters); None uses all."""
-    eval_fraction: float = 0.05
-    """Share of records held out for evaluation (at least one batch)."""
-    train_on_prompt: bool = False
-    """Also compute the loss on prompt tokens; by default only response tokens count."""
-    packing: str = "auto"
-    """Several examples per training row, each attending only to itself (exact): auto (on for Gemma 1, 2
-    and 3), on, or off (one example per row, padded, as in the Keras tutorial)."""
+    """The data: where the records are, how they become prompts, and what is held out."""
+
+    path: str = setting(
+        SAMPLE,
+        "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME for a Hugging Face dataset, or "
+        "`sample` (the shipped finetune/assets/dolly-sample.jsonl); Dolly, Alpaca, chat, ShareGPT, "
+        "prompt/completion or text records, detected. Check a file with `finetune data FILE`.",
+        flag="--data", panel=DATA, metavar="FILE|sample|hf:NAME", hint="pass a data file, hf:NAME or sample",
+    )  # fmt: skip
+    template: str = setting(
+        "auto",
+        "Prompt template: auto follows the data (dolly for Dolly records, alpaca for Alpaca ones, the family's "
+        "chat turns for chat and ShareGPT records, none for prompt/completion and text); or dolly (the Keras "
+        "tutorial's), alpaca, gemma-chat, gemma4-chat, none.",
+        flag="--template", panel=DATA, choices=("auto", *TEMPLATES),
+    )  # fmt: skip
+    drop_context: bool = setting(
+        False,
+        "Drop records that carry a context, as the Keras tutorial does to keep sequences short.",
+        flag="--drop-context", panel=DATA,
+    )  # fmt: skip
+    categories: list[str] = setting(
+        [], "Keep only these Dolly categories.", flag="--category", panel=DATA, metavar="NAME", default_text="all"
+    )
+    max_records: Optional[int] = setting(
+        None,
+        "Use at most this many records (after filters).",
+        flag="--max-records", panel=DATA, range=Range(2), default_text="all", hint="one to train, one to evaluate",
+    )  # fmt: skip
+    eval_fraction: float = setting(
+        0.05,
+        "Share of records held out for evaluation (at least one batch).",
+        flag="--eval-fraction", panel=DATA, range=Range(0, 1, low_open=True, high_open=True), hint="try 0.05",
+    )  # fmt: skip
+    train_on_prompt: bool = setting(
+        False,
+        "Also train on prompt tokens.",
+        flag="--train-on-prompt", panel=DATA, default_text="response tokens only",
+    )  # fmt: skip
+    packing: str = setting(
+        "auto",
+        "Several examples per training row, each attending only to itself (exact): auto (on for Gemma 1, 2 and 3), "
+        "on, or off (one example per row, padded, as the Keras tutorial does).",
+        flag="--packing", panel=DATA, choices=PACKING,
+    )  # fmt: skip
 
 
+@documented
 @dataclass
 class TrainConfig:
-    epochs: int = 1
-    """Passes over the training split."""
-    max_steps: Optional[int] = None
-    """Stop after this many optimizer steps, whatever `epochs` says."""
-    batch_size: Union[int, str, None] = None
-    """Sequences per step; None picks the backend's default, `auto` probes the largest that fits."""
-    learning_rate: Optional[float] = None
-    """AdamW rate; None takes the preset's (5e-5 for Gemma checkpoints, as the tutorial)."""
-    weight_decay: float = 0.01
-    """AdamW decay, not applied to biases and norm scales (the tutorial's recipe)."""
-    seed: int = 0
-    """Seeds the split, the shuffling and the LoRA initialisation."""
-    xla_mem_fraction: float = 1.00
-    """JAX only: share of GPU memory XLA may take (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
-    threads: Optional[int] = None
-    """PyTorch on a CPU: intra-op threads; None takes the physical cores idle when the run starts."""
-    samples: int = 3
-    """Held-out prompts to generate from before and after training, into samples.md."""
-    max_new_tokens: int = 48
-    """Tokens generated for each sample."""
-    checkpoint_every: int = 100
-    """Save a resumable checkpoint every this many steps (and always at the end of an epoch)."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep; older ones are deleted."""
-    time_limit: Optional[str] = None
-    """Stop with a checkpoint before this much time has passed (`11h30m`, `90m`, `3600s`); None is
-    11h30m in a Kaggle notebook (its sessions end at 12 hours) and no limit elsewhere; `off` disables."""
+    """Training: how long, how large a step, the optimizer, and the checkpoints."""
+
+    epochs: int = setting(1, "Passes over the training split.", flag="--epochs", panel=TRAINING, range=Range(1))
+    max_steps: Optional[int] = setting(
+        None,
+        "Stop after this many optimizer steps, whatever --epochs says.",
+        flag="--max-steps", panel=TRAINING, range=Range(1), default_text="no limit",
+    )  # fmt: skip
+    batch_size: Union[int, str, None] = setting(
+        None,
+        "Sequences per step, or `auto` to probe the largest that fits.",
+        flag="--batch-size", panel=TRAINING, metavar="N|auto", check=_positive_or_auto,
+        default_text=", ".join(f"{backend} {size}" for backend, size in DEFAULT_BATCH_SIZE.items()),
+    )  # fmt: skip
+    learning_rate: Optional[float] = setting(
+        None,
+        "AdamW learning rate.",
+        flag="--lr", panel=TRAINING, range=Range(0, low_open=True),
+        default_text=f"{LEARNING_RATE['pretrained']:g}, the Keras tutorial's; {LEARNING_RATE['tiny']:g} for tiny",
+    )  # fmt: skip
+    weight_decay: float = setting(
+        0.01, "AdamW decay, not applied to biases and norm scales (the tutorial's recipe).", range=Range(0)
+    )
+    # The seeds of numpy and keras.utils.set_random_seed are 32-bit unsigned.
+    seed: int = setting(
+        0,
+        "Seeds the split, the shuffling and the LoRA initialisation.",
+        flag="--seed", panel=TRAINING, range=Range(0, 2**32 - 1), hint="try --seed 0",
+    )  # fmt: skip
+    xla_mem_fraction: float = setting(
+        1.00,
+        "JAX only: share of GPU memory XLA may take (XLA_PYTHON_CLIENT_MEM_FRACTION).",
+        flag="--xla-mem-fraction", panel=TRAINING, range=Range(0, 1, low_open=True), label="XLA memory fraction",
+    )  # fmt: skip
+    threads: Optional[int] = setting(
+        None,
+        "PyTorch on a CPU: intra-op threads.",
+        flag="--threads", panel=TRAINING, range=Range(1), default_text="the physical cores idle when the run starts",
+        hint="leave it out to use the idle cores",
+    )  # fmt: skip
+    samples: int = setting(
+        3, "Held-out prompts to generate from before and after training, into samples.md.", range=Range(0)
+    )
+    max_new_tokens: int = setting(48, "Tokens generated for each sample.", range=Range(1), hint="try 48")
+    checkpoint_every: int = setting(
+        100,
+        "Save a resumable checkpoint every this many steps, and at each epoch's end.",
+        flag="--checkpoint-every", panel=OUTPUT, range=Range(1), hint="try --checkpoint-every 100",
+    )  # fmt: skip
+    keep_checkpoints: int = setting(
+        2,
+        "How many of the newest checkpoints to keep; older ones are deleted.",
+        flag="--keep-checkpoints", panel=OUTPUT, range=Range(1), hint="try --keep-checkpoints 2",
+    )  # fmt: skip
+    time_limit: Optional[str] = setting(
+        None,
+        "Stop with a checkpoint before this much time has passed: 11h30m, 90m, 3600s, or `off`.",
+        flag="--time-limit", panel=OUTPUT, metavar="DURATION", check=_duration_or_off, label="time limit",
+        default_text="11h30m in a Kaggle notebook, whose sessions end at 12 hours; else off",
+    )  # fmt: skip
 
 
+@documented
 @dataclass
 class DistributionConfig:
-    parallel: str = "none"
-    """none: one device; data: keras DataParallel, the model replicated and each batch split over the devices;
-    model: keras ModelParallel, the kernels sharded over the mesh's model axis (JAX only)."""
-    mesh: Optional[str] = None
-    """DATAxMODEL axis sizes, e.g. 2x4; None puts every device on the data axis (data) or the model axis (model)."""
-    coordinator: Optional[str] = None
-    """Multi-host: host:port of process 0; None reads CLUSTER_SPEC (Vertex AI) or KERAS_DISTRIBUTION_* when set."""
-    num_processes: Optional[int] = None
-    """Multi-host: how many processes join the job."""
-    process_id: Optional[int] = None
-    """Multi-host: this process's index, 0 to num_processes - 1; process 0 writes the outputs."""
+    """Scale out: the devices one run spans, and the processes of a multi-host job."""
+
+    parallel: str = setting(
+        "none",
+        "none: one device; data: keras DataParallel, the model replicated and each batch split over the devices; "
+        "model: keras ModelParallel, the kernels sharded over the mesh's model axis. JAX only.",
+        flag="--parallel", panel=SCALE_OUT, choices=PARALLEL, label="parallel mode",
+    )  # fmt: skip
+    mesh: Optional[str] = setting(
+        None,
+        "DATAxMODEL device mesh axis sizes, e.g. 2x4.",
+        flag="--mesh", panel=SCALE_OUT, metavar="DxM",
+        default_text="every device on the data axis for data, on the model axis for model",
+    )  # fmt: skip
+    coordinator: Optional[str] = setting(
+        None,
+        "Multi-host: host:port of process 0.",
+        flag="--coordinator", panel=SCALE_OUT, metavar="HOST:PORT",
+        default_text="from CLUSTER_SPEC on Vertex AI, or KERAS_DISTRIBUTION_*",
+    )  # fmt: skip
+    num_processes: Optional[int] = setting(
+        None, "Multi-host: how many processes join the job.", flag="--num-processes", panel=SCALE_OUT, range=Range(1)
+    )
+    process_id: Optional[int] = setting(
+        None,
+        "Multi-host: this process's index, 0 to num_processes - 1; process 0 writes the outputs.",
+        flag="--process-id", panel=SCALE_OUT, range=Range(0),
+    )  # fmt: skip
+
+    def conflicts(self, cfg: Config) -> Iterator[str]:
+        """What these settings rule out together, and with the backend, quantization and batch size."""
+        if self.parallel != "none" and cfg.backend != "jax":
+            yield (
+                f"--parallel {self.parallel} needs the jax backend: the installed Keras's distribution API is "
+                "JAX-only; pass --backend jax, or --parallel none"
+            )
+        if self.mesh is not None and self.parallel == "none":
+            yield f"--mesh {self.mesh} needs --parallel data or --parallel model"
+        if self.parallel == "model" and cfg.model.quantize is not None:
+            yield (
+                f"--quantize {cfg.model.quantize} with --parallel model is not supported: quantized kernels are not "
+                "laid out over a mesh; drop one of them"
+            )
+        if self.parallel != "none" and cfg.train.batch_size == "auto":
+            yield (
+                f"--batch-size auto does not combine with --parallel {self.parallel}; pass a batch size that the "
+                "data axis divides, e.g. --batch-size 8"
+            )
+        if self.parallel == "none" and (self.num_processes or 1) != 1:
+            yield (
+                f"a job of {self.num_processes} processes needs --parallel data or --parallel model; with none each "
+                "process would train the whole model alone"
+            )
+        if None not in (self.process_id, self.num_processes) and self.process_id >= self.num_processes:
+            yield (
+                f"process id {self.process_id} is out of range for {self.num_processes} processes "
+                f"(0 to {self.num_processes - 1})"
+            )
 
 
+@documented
 @dataclass
 class OutputConfig:
-    dir: Optional[str] = None
-    """Where the run's files go; None means runs/<timestamp>/ (under /kaggle/working in a Kaggle notebook)."""
-    overwrite: bool = False
-    """Replace a run already in `dir`."""
+    """The output: where the run's files go."""
+
+    dir: Optional[str] = setting(
+        None,
+        "Where the run's files go.",
+        flag="--output", panel=OUTPUT, metavar="DIR",
+        default_text="runs/<timestamp>; /kaggle/working/runs/<timestamp> in a Kaggle notebook",
+        hint="pass a run directory, or leave it out for runs/<timestamp>",
+    )  # fmt: skip
+    overwrite: bool = setting(
+        False,
+        "Replace a run already in --output (the old one stays until the new one finishes).",
+        flag="--overwrite", panel=OUTPUT,
+    )  # fmt: skip
 
 
 def _default_backend() -> str:
@@ -146,10 +495,17 @@ def _default_backend() -> str:
     return os.environ.get("KERAS_BACKEND") or "jax"
 
 
+@documented
 @dataclass
 class Config:
-    backend: str = field(default_factory=_default_backend)
-    """Keras backend: jax, torch or tensorflow; by default KERAS_BACKEND, else jax."""
+    """A run's settings: the backend, then one section each for the model, LoRA, data, training, devices and output."""
+
+    backend: str = setting(
+        _default_backend,
+        "Keras backend: jax, torch or tensorflow.",
+        flag="--backend", panel=MODEL, choices=BACKENDS, env="KERAS_BACKEND",
+        default_text="$KERAS_BACKEND if set, else jax",
+    )  # fmt: skip
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -343,13 +699,15 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
 
 def keys() -> list[str]:
     """Every dotted config key, for messages and help."""
-    out = []
-    for name, hint in typing.get_type_hints(Config).items():
-        if dataclasses.is_dataclass(hint):
-            out += [f"{name}.{f.name}" for f in dataclasses.fields(hint)]
-        else:
-            out.append(name)
-    return out
+    return [item.key for item in settings(Config)]
+
+
+def check(key: str, value, name: str | None = None) -> None:
+    """Refuse `value` for the setting at dotted `key` as `validate` would; `name` is what the message calls it."""
+    (item,) = (s for s in settings(Config) if s.key == key)
+    message = item.problem(value, name)
+    if message:
+        raise UserError(message)
 
 
 def _build(cls, data: Any, prefix: str):
@@ -427,144 +785,17 @@ def _describe(hint) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
-def _settings(cfg: Config):
-    """(dotted key, value) for every setting."""
-    for section in dataclasses.fields(cfg):
-        value = getattr(cfg, section.name)
-        if dataclasses.is_dataclass(value):
-            for f in dataclasses.fields(value):
-                yield f"{section.name}.{f.name}", getattr(value, f.name)
-        else:
-            yield section.name, value
-
-
 def validate(cfg: Config) -> None:
-    """Range checks that need no keras and no files."""
+    """Each setting's own checks, declared with its field, then what the distribution settings rule out together.
 
-    def check(ok: bool, message: str):
-        if not ok:
+    Needs no keras and no files: it runs on every load, before the backend is chosen.
+    """
+    for item in settings(type(cfg)):
+        value = cfg
+        for part in item.key.split("."):
+            value = getattr(value, part)
+        message = item.problem(value)
+        if message:
             raise UserError(message)
-
-    # NaN passes no range check's `not` and inf passes `> 0`: refuse both in every float setting first.
-    for key, value in _settings(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"config key {key!r} must be a finite number, got {value}")
-    source = " (from KERAS_BACKEND)" if cfg.backend == os.environ.get("KERAS_BACKEND") else ""
-    check(cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r}{source}; choose one of {', '.join(BACKENDS)}")
-    # An empty string, as from an unset shell variable, would mean the current directory.
-    check(bool(cfg.model.preset.strip()), "--preset is empty; pass a preset name such as gemma_2b_en, or tiny")
-    check(bool(cfg.data.path.strip()), "--data is empty; pass a data file, hf:NAME or sample")
-    check(
-        cfg.output.dir is None or bool(cfg.output.dir.strip()),
-        "--output is empty; pass a run directory, or leave it out for runs/<timestamp>",
-    )
-    check(
-        cfg.model.precision in PRECISIONS,
-        f"unknown precision {cfg.model.precision!r}; choose one of {', '.join(PRECISIONS)}",
-    )
-    check(
-        cfg.data.template == "auto" or cfg.data.template in TEMPLATES,
-        f"unknown template {cfg.data.template!r}; choose auto or one of {', '.join(TEMPLATES)}",
-    )
-    check(
-        cfg.model.quantize is None or cfg.model.quantize in QUANTIZE,
-        f"unknown quantize mode {cfg.model.quantize!r}; choose one of {', '.join(QUANTIZE)}, or leave it out",
-    )
-    check(cfg.data.packing in PACKING, f"unknown packing {cfg.data.packing!r}; choose one of {', '.join(PACKING)}")
-    check(cfg.model.remat in REMAT, f"unknown remat {cfg.model.remat!r}; choose one of {', '.join(REMAT)}")
-    check(cfg.lora.rank >= 1, f"LoRA rank must be at least 1, got {cfg.lora.rank}; try --rank 4")
-    check(cfg.lora.alpha is None or cfg.lora.alpha > 0, f"LoRA alpha must be positive, got {cfg.lora.alpha}")
-    check(bool(cfg.lora.targets), "LoRA needs at least one target layer, e.g. --target query --target value")
-    check(cfg.model.seq_len >= 8, f"seq-len {cfg.model.seq_len} is too small; use at least 64 (256 is typical)")
-    check(
-        0 < cfg.data.eval_fraction < 1,
-        f"eval fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}; try 0.05",
-    )
-    check(
-        cfg.data.max_records is None or cfg.data.max_records >= 2,
-        f"max records must be at least 2 (one to train, one to evaluate), got {cfg.data.max_records}",
-    )
-    bs = cfg.train.batch_size
-    check(
-        bs is None or bs == "auto" or (isinstance(bs, int) and bs >= 1),
-        f"batch size must be a positive integer or `auto`, got {bs!r}",
-    )
-    check(cfg.train.epochs >= 1, f"epochs must be at least 1, got {cfg.train.epochs}")
-    check(
-        cfg.train.max_steps is None or cfg.train.max_steps >= 1,
-        f"max steps must be at least 1, got {cfg.train.max_steps}",
-    )
-    lr = cfg.train.learning_rate
-    check(lr is None or lr > 0, f"learning rate must be positive, got {lr}")
-    # The seeds of numpy and keras.utils.set_random_seed are 32-bit unsigned.
-    check(0 <= cfg.train.seed < 2**32, f"seed must be between 0 and {2**32 - 1}, got {cfg.train.seed}; try --seed 0")
-    check(cfg.train.weight_decay >= 0, f"weight decay must not be negative, got {cfg.train.weight_decay}")
-    check(
-        0 < cfg.train.xla_mem_fraction <= 1, f"XLA memory fraction must be in (0, 1], got {cfg.train.xla_mem_fraction}"
-    )
-    check(
-        cfg.train.threads is None or cfg.train.threads >= 1,
-        f"threads must be at least 1, got {cfg.train.threads}; leave it out to use the idle cores",
-    )
-    check(cfg.train.samples >= 0, f"samples must not be negative, got {cfg.train.samples}")
-    check(cfg.train.max_new_tokens >= 1, f"max new tokens must be at least 1, got {cfg.train.max_new_tokens}")
-    check(
-        cfg.train.checkpoint_every >= 1,
-        f"checkpoint every must be at least 1 step, got {cfg.train.checkpoint_every}; try --checkpoint-every 100",
-    )
-    check(
-        cfg.train.keep_checkpoints >= 1,
-        f"keep checkpoints must be at least 1, got {cfg.train.keep_checkpoints}; try --keep-checkpoints 2",
-    )
-    dist = cfg.distribution
-    check(
-        dist.parallel in PARALLEL,
-        f"unknown parallel mode {dist.parallel!r}; choose one of {', '.join(PARALLEL)}",
-    )
-    check(
-        dist.parallel == "none" or cfg.backend == "jax",
-        f"--parallel {dist.parallel} needs the jax backend: the installed Keras's distribution API is JAX-only; "
-        "pass --backend jax, or --parallel none",
-    )
-    check(
-        dist.mesh is None or dist.parallel != "none",
-        f"--mesh {dist.mesh} needs --parallel data or --parallel model",
-    )
-    check(
-        dist.parallel != "model" or cfg.model.quantize is None,
-        f"--quantize {cfg.model.quantize} with --parallel model is not supported: quantized kernels are not laid out over a mesh; "
-        "drop one of them",
-    )
-    check(
-        dist.parallel == "none" or bs != "auto",
-        f"--batch-size auto does not combine with --parallel {dist.parallel}; pass a batch size that the data axis "
-        "divides, e.g. --batch-size 8",
-    )
-    check(
-        dist.parallel != "none" or (dist.num_processes or 1) == 1,
-        f"a job of {dist.num_processes} processes needs --parallel data or --parallel model; with none each "
-        "process would train the whole model alone",
-    )
-    check(
-        dist.num_processes is None or dist.num_processes >= 1,
-        f"num processes must be at least 1, got {dist.num_processes}",
-    )
-    check(
-        dist.process_id is None or dist.process_id >= 0,
-        f"process id must not be negative, got {dist.process_id}",
-    )
-    check(
-        dist.process_id is None or dist.num_processes is None or dist.process_id < dist.num_processes,
-        f"process id {dist.process_id} is out of range for {dist.num_processes} processes (0 to "
-        f"{(dist.num_processes or 1) - 1})",
-    )
-    limit = cfg.train.time_limit
-    if limit is not None and limit != "off":
-        try:
-            seconds = parse_duration(limit)
-        except ValueError:
-            seconds = -1.0
-        check(
-            seconds > 0,
-            f"time limit {limit!r} is not a duration; write it like 11h30m, 90m or 3600s (or `off`)",
-        )
+    for message in cfg.distribution.conflicts(cfg):
+        raise UserError(message)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import BACKEND
 from typer.testing import CliRunner
 
@@ -230,3 +231,93 @@ def test_generate_out_of_memory_advises_generates_own_remedies(monkeypatch):
     assert result.exit_code == 2, result.output
     assert "--max-new-tokens" in result.stderr and "shorten the prompt" in result.stderr
     assert "--batch-size" not in result.stderr and "--seq-len" not in result.stderr
+
+
+def _panels(*args) -> dict[str, str]:
+    """--help's panels by title, each as one line of words."""
+    result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert result.exit_code == 0, result.output
+    panels, title = {}, None
+    for line in result.output.splitlines():
+        if line.startswith("╭─"):
+            title = line.strip("╭─╮ ")
+        elif title and line.startswith("│"):
+            panels[title] = panels.get(title, "") + " " + " ".join(line.strip("│ ").split())
+    return panels
+
+
+def test_every_setting_with_a_flag_is_listed_under_its_panel():
+    from finetune import config
+
+    gemma = _panels("gemma")
+    for item in config.settings(config.Config):
+        if item.flag:
+            assert f" {item.flag} " in gemma[item.panel], (item.key, item.panel)
+            assert item.help.split(".")[0] in gemma[item.panel], item.key
+    plan = _panels("plan")
+    assert {"--backend", "--preset", "--precision", "--rank", "--batch-size", "--mesh"} <= set(
+        " ".join(plan.values()).split()
+    )
+
+
+def test_an_option_declared_once_is_a_flag_a_recipe_key_a_help_entry_and_documented(tmp_path, monkeypatch):
+    """Adding an option is one field: here a throwaway one, added the way every real option is."""
+    import dataclasses
+
+    import typer
+
+    from finetune import cli, config
+
+    @config.documented
+    @dataclasses.dataclass
+    class Extra:
+        """Settings this test adds."""
+
+        warmup_steps: int = config.setting(
+            0, "Steps of learning-rate warm-up.", flag="--warmup-steps", panel=config.TRAINING, range=config.Range(0)
+        )
+
+    @dataclasses.dataclass
+    class Extended(config.Config):
+        extra: Extra = dataclasses.field(default_factory=Extra)
+
+    monkeypatch.setattr(config, "Config", Extended)  # the schema load() builds and the CLI reads flags against
+    seen = []
+    extended = typer.Typer()
+
+    @extended.command()
+    @cli.with_settings(Extended)
+    def train(settings: dict, recipe: cli.Recipe = None, set_: cli.SetPairs = None):
+        seen.append(config.load(recipe, cli._overrides(set_, settings)).extra.warmup_steps)
+
+    # The flag, under its panel, with its default.
+    result = runner.invoke(extended, ["--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    training = result.output[result.output.index("╭─ Training") :].split("╰")[0]
+    assert "--warmup-steps" in training and "Steps of learning-rate warm-up. (default: 0)" in training
+    # The recipe key and --set, with the precedence of every other setting.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("extra:\n  warmup_steps: 5\n")
+    for args, steps in [([], 0), (["--recipe", recipe], 5), (["--set", "extra.warmup_steps=6"], 6)]:
+        assert runner.invoke(extended, [str(a) for a in args]).exit_code == 0
+        assert seen.pop() == steps
+    assert runner.invoke(extended, ["--recipe", str(recipe), "--warmup-steps", "7"]).exit_code == 0
+    assert seen.pop() == 7
+    # Its check, its place among the keys, and its section's docstring.
+    with pytest.raises(finetune.UserError, match="warmup steps must not be negative, got -1"):
+        config.load(None, {"extra.warmup_steps": -1})
+    with pytest.raises(finetune.UserError, match="did you mean 'extra.warmup_steps'"):
+        config.load(None, {"extra.warmup_step": 1})
+    assert "warmup_steps: int. Steps of learning-rate warm-up. Default: 0. Flag: --warmup-steps." in Extra.__doc__
+
+
+def test_no_function_in_the_cli_or_the_config_is_over_100_lines():
+    import ast
+    from pathlib import Path
+
+    from finetune import cli, config
+
+    for module in (cli, config):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        long = {f.name: f.end_lineno - f.lineno + 1 for f in functions if f.end_lineno - f.lineno >= 100}
+        assert not long, (module.__name__, long)

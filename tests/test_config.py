@@ -1,3 +1,5 @@
+import typing
+
 import pytest
 
 from finetune import config
@@ -148,3 +150,41 @@ def test_a_broken_recipe_names_its_file_and_line(tmp_path, body, message):
     with pytest.raises(UserError) as refused:
         config.read_recipe(tmp_path / "r.yaml")
     assert f"recipe {tmp_path / message}" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_every_setting_is_declared_with_help_and_documented_in_its_section():
+    """One declaration per option: its section's `Args:` docstring is written from it."""
+    sections = typing.get_type_hints(config.Config)
+    for item in config.settings(config.Config):
+        assert item.help.endswith((".", ")")), item.key
+        assert not item.flag or item.panel, f"{item.key}: a flag needs a help panel"
+        section, _, name = item.key.rpartition(".")
+        doc = sections[section].__doc__ if section else config.Config.__doc__
+        assert f"    {name}: " in doc and item.help.split()[0] in doc, item.key
+        assert not item.flag or f"Flag: {item.flag}." in " ".join(doc.split()), item.key
+
+
+@pytest.mark.parametrize(
+    "bounds, inside, outside, rule",
+    [
+        (config.Range(1), [1, 7], [0, -1], "must be at least 1"),
+        (config.Range(0, low_open=True), [1e-9, 5], [0, -1], "must be positive"),
+        (config.Range(0), [0, 3], [-1], "must not be negative"),
+        (config.Range(0, 1, low_open=True, high_open=True), [0.5], [0, 1], "must be between 0 and 1 (exclusive)"),
+        (config.Range(0, 1, low_open=True), [1, 0.5], [0, 1.5], "must be in (0, 1]"),
+        (config.Range(0, 2**32 - 1), [0, 2**32 - 1], [-1, 2**32], "must be between 0 and 4294967295"),
+    ],
+)
+def test_a_range_checks_and_says_its_bounds(bounds, inside, outside, rule):
+    assert all(v in bounds for v in inside) and not any(v in bounds for v in outside)
+    assert bounds.rule() == rule
+
+
+def test_each_check_sits_with_its_field_and_names_it():
+    rank = next(s for s in config.settings(config.Config) if s.key == "lora.rank")
+    assert rank.problem(0) == "LoRA rank must be at least 1, got 0; try --rank 4"
+    assert rank.problem(None) is None and rank.problem(4) is None
+    with pytest.raises(UserError, match="^--seq-len must be at least 8, got 2"):
+        config.check("model.seq_len", 2, name="--seq-len")
+    with pytest.raises(UserError, match="^--mesh is empty"):
+        config.load(None, {"distribution.parallel": "data", "distribution.mesh": " "})
