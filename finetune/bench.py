@@ -756,6 +756,8 @@ def _worker_main(payload: str) -> int:
         return _peak_main()
     spec_dict = json.loads(payload)
     spec = Spec(**{**spec_dict, "workload": Workload(**spec_dict["workload"])})
+    # The tutorial's recipe keeps it: keras-hub's preprocessor, fed whole batches of text there, needs TensorFlow.
+    backend.LEAVE_OUT_TENSORFLOW = spec.recipe != "tutorial"
     try:
         row = _work(spec)
     except Exception as error:  # noqa: BLE001 - the parent shows it as the row's failure
