@@ -47,26 +47,34 @@ def loss_chunk(vocabulary_size: int) -> int:
 
 
 # Set by the processes finetune owns (the CLI, a bench row), never by the Python API: a notebook that goes on to
-# import TensorFlow for its own work must be able to.
-LEAVE_OUT_TENSORFLOW = False
+# import another framework for its own work must be able to.
+LEAVE_OUT_OTHER_FRAMEWORKS = False
+
+# The modules of each framework that another backend's process would import for nothing.
+_FRAMEWORK_MODULES = {"tensorflow": ("tensorflow", "tensorflow_text"), "jax": ("jax", "jaxlib")}
 
 
-def leave_out_tensorflow(backend: str) -> bool:
-    """Keep TensorFlow out of a JAX or PyTorch process; returns whether it is kept out.
+def leave_out_other_frameworks(backend: str) -> list[str]:
+    """Keep the frameworks that are not `backend` out of this process; returns those kept out.
 
-    keras-hub imports it whenever it is installed, and tokenizes without it
-    (the sentencepiece package): in a process that trains on another backend
-    it is 590 MiB of resident memory and nothing else (1,146 MiB after `import
-    keras, keras_hub` against 560 without it). The TensorBoard log is written
-    without it (events.py), and gs:// is read through fsspec. Only before
-    TensorFlow is first imported; `import tensorflow` then raises ImportError,
-    which keras, keras-hub and datasets all take as "not installed".
+    keras-hub imports TensorFlow whenever it is installed, and tokenizes without
+    it (the sentencepiece package); keras imports JAX for its Orbax callback. In
+    a process that trains on another backend they are resident memory and nothing
+    else: after `import keras, keras_hub` on PyTorch, 562 MiB with both, 457
+    without JAX, and about 590 MiB more with TensorFlow; on TensorFlow, 898 MiB
+    with JAX and 792 without. The TensorBoard log is written without TensorFlow
+    (events.py), and gs:// is read through fsspec. Only a framework not yet
+    imported is kept out; `import` of it then raises ImportError, which keras,
+    keras-hub and datasets all take as "not installed".
     """
-    if backend == "tensorflow" or "tensorflow" in sys.modules:
-        return False
-    for name in ("tensorflow", "tensorflow_text"):
-        sys.modules[name] = None
-    return True
+    left_out = []
+    for framework, modules in _FRAMEWORK_MODULES.items():
+        if framework == backend or any(sys.modules.get(m) is not None for m in modules):
+            continue
+        for name in modules:
+            sys.modules[name] = None
+        left_out.append(framework)
+    return left_out
 
 
 def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
@@ -89,8 +97,8 @@ def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
     if importlib.util.find_spec(backend) is None:
         raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
     os.environ["KERAS_BACKEND"] = backend
-    if LEAVE_OUT_TENSORFLOW:
-        leave_out_tensorflow(backend)
+    if LEAVE_OUT_OTHER_FRAMEWORKS:
+        leave_out_other_frameworks(backend)
     # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     tweaks = {"KERAS_BACKEND": backend}
@@ -123,18 +131,14 @@ def accelerator() -> str:
 
 
 def supports_bfloat16(device: str) -> bool:
-    """bf16 pays on a TPU, a GPU of compute capability 8.0 or newer (not a T4), and a CPU with bf16 units
-    under PyTorch or TensorFlow (bfloat16_pays_on_cpu).
-
-    On a 2-core AMD EPYC with AVX512-BF16, mixed_bfloat16 trained cpu-small 1.37x faster on TensorFlow,
-    1.67x on PyTorch and 1.1x on JAX than float32 (BENCHMARKS.md).
-    """
+    """bf16 pays on a TPU, a GPU of compute capability 8.0 or newer (not a T4), and a CPU where cpu_precision
+    picks it."""
     import keras
 
     if device == "tpu":
         return True
     if device == "cpu":
-        return bfloat16_pays_on_cpu(keras.config.backend())
+        return cpu_precision(keras.config.backend()) == "bfloat16"
     if device != "gpu":
         return False
 
@@ -155,20 +159,40 @@ def supports_bfloat16(device: str) -> bool:
     return major >= 8
 
 
-def bfloat16_pays_on_cpu(framework: str) -> bool:
-    """Whether a bf16 base trains better than float32 on this CPU under `framework`.
+def cpu_precision(framework: str) -> str:
+    """The dtype --precision auto gives the base on this CPU under `framework`: its fastest matmul's.
 
-    Only with bf16 units (AVX512-BF16 or AMX), and not under JAX: XLA's CPU
-    backend has no fast bf16 matmul (258-284 GFLOP/s against 277-308 in
-    float32 on an Intel Xeon with AMX, where PyTorch's reaches 2,149) and keeps
-    float32 copies of bf16 weights. At gemma-2b dims there, JAX trained at 19
-    tokens/s in 13.0 GB in float32 and 16 tokens/s in 16.8 GB with a bf16 base.
+    - JAX: float32. XLA's CPU backend has no fast 16-bit matmul (bf16 161, float16
+      158 against float32 253 GFLOP/s on 2 cores of an Intel Xeon with AVX512-FP16)
+      and keeps float32 copies of bf16 weights: at gemma-2b dims on a Xeon with AMX,
+      JAX trained at 19 tokens/s in 13.0 GB in float32, 16 in 16.8 GB in bf16.
+    - AMX: bfloat16 (PyTorch's bf16 matmul peaked at 2,149 GFLOP/s on a Xeon with AMX).
+    - AVX512-FP16 without AMX: float16. There bf16 goes through AVX512-BF16 at
+      about half float32's rate (PyTorch 173, TensorFlow 160 GFLOP/s against 258
+      and 280) while float16 matches or passes float32 (313 and 293): float16
+      trains at float32's speed in bf16's memory. The T4's dtype too.
+    - AVX512-BF16 (AMD Zen 4): bfloat16 (cpu-small trained 1.37x faster on
+      TensorFlow and 1.67x on PyTorch than float32, BENCHMARKS.md).
+    - Otherwise float32: without 16-bit units the 16-bit matmuls are emulated.
     """
-    return cpu_has_bfloat16() and framework != "jax"
+    if framework == "jax":
+        return "float32"
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    if "avx512_fp16" in flags:
+        return "float16"
+    if "avx512_bf16" in flags:
+        return "bfloat16"
+    return "float32"
 
 
 def auto_precision(device: str) -> str:
-    """--precision auto: bfloat16 where it is fast, float16 on GPUs without bf16 (T4, V100), else float32."""
+    """--precision auto: bfloat16 where it is fast, float16 on GPUs without bf16 (T4, V100), this CPU's fastest."""
+    if device == "cpu":
+        import keras
+
+        return cpu_precision(keras.config.backend())
     if supports_bfloat16(device):
         return "bfloat16"
     return "float16" if device == "gpu" else "float32"
@@ -183,10 +207,9 @@ def _cpuinfo() -> list[tuple[str, str]]:
         return []
 
 
-def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); Linux only, else False."""
-    flags = next((value.split() for key, value in _cpuinfo() if key == "flags"), [])
-    return bool(set(flags) & {"avx512_bf16", "amx_bf16"})
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty off Linux."""
+    return set(next((value.split() for key, value in _cpuinfo() if key == "flags"), []))
 
 
 def physical_cores() -> int:

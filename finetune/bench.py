@@ -576,18 +576,22 @@ def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
 
 
 def _peak_main() -> int:
-    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and bfloat16 (and float16 on a
-    GPU, where a T4's rows run), as a ROW line."""
+    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and each 16-bit dtype the device
+    has units for, as a ROW line."""
     from finetune import backend
 
     backend.select(os.environ.get("KERAS_BACKEND", "jax"))
     device = backend.accelerator()
     backend.apply_runtime_tweaks("float32")  # PyTorch's CPU threads as the rows have them
-    # bf16 only where it has units: a CPU without them multiplies bf16 in a slow emulation, whose peak no row
-    # uses (--precision auto trains float32 there) and which takes minutes to time at this size. float16 on a
-    # GPU, where a T4's rows run.
-    dtypes = ["float32"] + (["bfloat16"] if backend.supports_bfloat16(device) else [])
-    dtypes += ["float16"] if device == "gpu" else []
+    # On a CPU, a 16-bit dtype only where it has units: without them it is a slow emulation, whose peak no row
+    # uses (--precision auto trains float32 there) and which takes minutes to time at this size. On a GPU, bf16
+    # where it is supported and float16, where a T4's rows run.
+    if device == "cpu":
+        flags = backend.cpu_flags()
+        dtypes = ["float32"] + ["bfloat16"] * bool(flags & {"avx512_bf16", "amx_bf16"})
+        dtypes += ["float16"] * ("avx512_fp16" in flags)
+    else:
+        dtypes = ["float32"] + ["bfloat16"] * backend.supports_bfloat16(device) + ["float16"] * (device == "gpu")
     peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in dtypes}
     print(ROW + json.dumps(peaks), flush=True)
     return 0
@@ -751,13 +755,13 @@ def plot(rows: list[dict], path: str, workload: Workload) -> None:
 def _worker_main(payload: str) -> int:
     from finetune import backend
 
-    backend.LEAVE_OUT_TENSORFLOW = True  # as `finetune gemma` trains: no TensorFlow beside JAX or PyTorch
+    backend.LEAVE_OUT_OTHER_FRAMEWORKS = True  # as `finetune gemma` trains: only the backend's framework
     if payload == "--peak":
         return _peak_main()
     spec_dict = json.loads(payload)
     spec = Spec(**{**spec_dict, "workload": Workload(**spec_dict["workload"])})
     # The tutorial's recipe keeps it: keras-hub's preprocessor, fed whole batches of text there, needs TensorFlow.
-    backend.LEAVE_OUT_TENSORFLOW = spec.recipe != "tutorial"
+    backend.LEAVE_OUT_OTHER_FRAMEWORKS = spec.recipe != "tutorial"
     try:
         row = _work(spec)
     except Exception as error:  # noqa: BLE001 - the parent shows it as the row's failure

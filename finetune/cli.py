@@ -703,7 +703,7 @@ def main():
     if "--verbose" in sys.argv[1:]:
         quiet.keep_verbose()  # the Python API's own install (backend.select) included
     quiet.install()
-    backend.LEAVE_OUT_TENSORFLOW = True  # a process of our own: no TensorFlow beside JAX or PyTorch
+    backend.LEAVE_OUT_OTHER_FRAMEWORKS = True  # a process of our own: only its backend's framework
     app()
 
 

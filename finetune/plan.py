@@ -36,7 +36,7 @@ class Device:
     memory: int
     """Bytes of accelerator memory one device (a GPU, a TPU core or chip) offers, as its runtime reports it."""
     bfloat16: bool
-    """Whether precision `auto` picks bfloat16 on it."""
+    """Whether precision `auto` picks bfloat16 on it (on a GPU or TPU; a CPU's is backend.cpu_precision's)."""
     what: str
     kind: str = "gpu"
     """gpu, tpu or cpu: auto picks float16 on a GPU without bf16, float32 on such a CPU."""
@@ -76,7 +76,8 @@ def device(text: str) -> tuple[str, Device]:
         memory = backend.host_memory()
         if memory is None:
             raise UserError("cannot read this host's memory (no /proc/meminfo); pass --device-memory SIZE")
-        return "cpu", Device(memory, backend.cpu_has_bfloat16(), "this host's memory", "cpu")
+        # bfloat16 unused: auto_precision asks backend.cpu_precision, whose answer depends on the framework too.
+        return "cpu", Device(memory, False, "this host's memory", "cpu")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
     if match and match.group(2) in UNITS and float(match.group(1)) > 0:
         size = int(float(match.group(1)) * UNITS[match.group(2)])
@@ -183,8 +184,10 @@ _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "
 
 def auto_precision(target: tuple[str, Device] | None, framework: str = "") -> str:
     """What precision `auto` becomes on the device under `framework` (backend.auto_precision's rule, offline)."""
-    if target is not None and target[1].kind == "cpu" and framework == "jax":
-        return "float32"  # backend.bfloat16_pays_on_cpu
+    if target is not None and target[1].kind == "cpu":
+        from finetune import backend
+
+        return backend.cpu_precision(framework)  # this host's CPU
     if target is None or target[1].bfloat16:
         return "bfloat16"
     return "float16" if target[1].kind == "gpu" else "float32"

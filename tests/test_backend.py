@@ -24,13 +24,26 @@ def test_another_backend_after_keras_is_loaded_is_a_user_error():
         backend.select(other)
 
 
+@pytest.mark.parametrize(
+    "flags, framework, expected",
+    [
+        ({"avx2", "fma"}, "torch", "float32"),  # no 16-bit units: emulated
+        ({"avx512f", "avx512_bf16"}, "torch", "bfloat16"),  # AMD Zen 4
+        ({"avx512f", "avx512_bf16", "avx512_fp16"}, "tensorflow", "float16"),  # Intel without AMX: bf16 at half rate
+        ({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}, "torch", "bfloat16"),  # AMX
+        ({"avx512_bf16", "avx512_fp16", "amx_bf16"}, "jax", "float32"),  # XLA's CPU backend: float32 everywhere
+    ],
+)
+def test_auto_takes_the_cpu_s_fastest_dtype(monkeypatch, flags, framework, expected):
+    monkeypatch.setattr(backend, "cpu_flags", lambda: flags)
+    assert backend.cpu_precision(framework) == expected
+
+
 def test_runtime_tweaks_on_a_cpu():
     policy = keras.config.dtype_policy().name
     try:
         tweaks = backend.apply_runtime_tweaks("auto")
-        # auto is bf16 on a CPU only where it has bf16 units (AVX512-BF16 or AMX), and not under JAX.
-        expected = "bfloat16" if backend.cpu_has_bfloat16() and keras.config.backend() != "jax" else "float32"
-        assert tweaks["device"] == "cpu" and tweaks["dtype_policy"] == expected
+        assert tweaks["device"] == "cpu" and tweaks["dtype_policy"] == backend.cpu_precision(keras.config.backend())
         assert backend.apply_runtime_tweaks("mixed_bfloat16")["dtype_policy"] == "mixed_bfloat16"
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
         # A bf16 base: the global policy is the adapter's, float32 variables computed in bf16.

@@ -120,20 +120,22 @@ def train_losses(lm, steps=6, learning_rate=1e-2):
     return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
 
 
-def test_a_bfloat16_base_trains_like_float32_with_float32_factors():
-    """Stated tolerance: each of 6 losses within 2% of the float32 base's (bf16 keeps 8 bits of mantissa)."""
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_16_bit_base_trains_like_float32_with_float32_factors(precision):
+    """Stated tolerance: each of 6 losses within 2% of the float32 base's (bf16 keeps 8 bits of mantissa, float16
+    11; float16 trains under Keras' loss scaling)."""
     before = keras.config.dtype_policy()
     try:
-        lm, _ = lora_model("bfloat16")
-        assert {v.dtype for v in lm.backbone.weights if not v.trainable} == {"bfloat16"}
+        lm, _ = lora_model(precision)
+        assert {v.dtype for v in lm.backbone.weights if not v.trainable} == {precision}
         assert {v.dtype for v in lm.trainable_variables} == {"float32"}  # LoRA factors, and so AdamW's moments
-        bf16 = train_losses(lm)
+        narrow = train_losses(lm)
         lm, _ = lora_model("float32")
         f32 = train_losses(lm)
     finally:
         keras.config.set_dtype_policy(before)
-    np.testing.assert_allclose(bf16, f32, rtol=2e-2)
-    assert bf16[-1] < bf16[0]
+    np.testing.assert_allclose(narrow, f32, rtol=2e-2)
+    assert narrow[-1] < narrow[0]
 
 
 def test_remat_changes_no_loss():
@@ -170,6 +172,11 @@ def test_a_quantized_base_s_own_call_trains_as_keras_quantized_call(mode):
     keras' quantized call on the same weights: the same losses over steps, so the same outputs and gradients."""
     with float32_policy():
         ours = train_losses(lora_model(quantize=mode)[0], steps=3)
+        if mode == "int8" and keras.config.backend() == "torch":
+            # keras' own int8 call fails to train on PyTorch (its backward adjusts the scale's axes a second
+            # time, einsum_dense.py, keras 3.15), which ours does not inherit: JAX and TensorFlow compare.
+            assert np.isfinite(ours).all() and ours[-1] < ours[0]
+            return
         lm, _ = lora_model(quantize=mode)
         layers = quantized.quantized_layers(lm.backbone)
         assert layers and all("quantized_call" in vars(layer) for layer in layers)

@@ -61,7 +61,7 @@ def test_a_two_step_run_writes_every_output(two_step_run):
     assert len(described["adapted"]) == metrics["adapted_layers"]
     assert described["adapted"][0]["lora_kernel_b"][0] == 2
     assert config["resolved"]["backend_tweaks"]["KERAS_BACKEND"] == BACKEND
-    expected = "bfloat16" if backend.bfloat16_pays_on_cpu(BACKEND) else "float32"  # auto, on a CPU
+    expected = backend.cpu_precision(BACKEND)  # auto, on a CPU
     assert config["resolved"]["backend_tweaks"]["dtype_policy"] == expected
     rows = list(csv.DictReader((out / "history.csv").open()))
     assert [r["step"] for r in rows if r["train_loss"]] == ["1", "2"]
