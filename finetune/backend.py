@@ -286,43 +286,6 @@ def set_seed(seed: int) -> None:
         tf.random.set_seed = original
 
 
-def keep_freed_memory() -> str | None:
-    """On a CPU with glibc: large allocations come from the heap and freed memory is kept for the next one.
-
-    glibc maps each allocation over 32 MiB afresh and unmaps it when freed, so
-    every one of a step's large temporaries (a loss chunk's float32 logits at a
-    256k vocabulary are 128 MiB) is paid again in page faults: at gemma-2b's
-    size, seq 256, PyTorch's step took 4.3 s with them and 3.0 s without them
-    (Intel Xeon with AMX, 2 cores). Call it once the model is built: set before,
-    the build's own temporaries stayed resident (9.2 GB against 6.2 after the
-    build). Measured to help PyTorch only (torch_after_build); XLA and
-    TensorFlow keep their own buffers. Returns what was set, or None where this
-    is not glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return None  # musl and others: no mallopt
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    if mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, 2**30):
-        return "heap only, freed memory kept (glibc mallopt)"
-    return None
-
-
-def torch_after_build(tweaks: dict) -> None:
-    """What a PyTorch run on a CPU sets once its model is built (keep_freed_memory), noted in `tweaks`."""
-    import keras
-
-    if keras.config.backend() == "torch" and tweaks.get("device") == "cpu":
-        kept = keep_freed_memory()
-        if kept:
-            tweaks["malloc"] = kept
-
-
 def keep_float16_matmuls() -> bool:
     """Keras' PyTorch matmul computes float16 in float32 on a CPU; make it multiply float16 as PyTorch can.
 

@@ -302,8 +302,6 @@ def _work(spec: Spec) -> dict:
     remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))
     tweaks["remat"] = remat
     lm, tokenizer = _model(spec.workload, precision, quantize, remat=remat)
-    if spec.recipe == "finetune":
-        backend.torch_after_build(tweaks)
     train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
     result = train(spec, lm, tokenizer)
     policy = keras.config.dtype_policy()

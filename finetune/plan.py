@@ -480,13 +480,14 @@ def _logits(model: Model, kernels, precision: str, model_size: int, backend: str
     """Bytes of the loss's vocabulary projection: one chunk of positions at a time (objective.py).
 
     XLA fuses the chunk's softmax into its float32 logits, so JAX holds one buffer of them (its compiled
-    train step's temporaries on a CPU: 26 MiB beyond the activations for a 32 MiB chunk); TensorFlow and
-    PyTorch hold the logits, their softmax and its copy in the compute dtype. Split when the vocabulary is.
+    train step's temporaries on a CPU: 26 MiB beyond the activations for a 32 MiB chunk); PyTorch makes the
+    softmax and its gradient in the logits' buffer and holds a copy in the compute dtype; TensorFlow holds the
+    logits, their softmax and that copy. Split when the vocabulary is.
     """
     from finetune.backend import loss_chunk
 
     vocabulary = model.dims.vocabulary_size / _split(kernels, "embedding", "V", model_size)
-    per_logit = 4 if backend == "jax" else 4 + 4 + _BYTES[precision][1]
+    per_logit = {"jax": 4, "torch": 4 + _BYTES[precision][1]}.get(backend, 4 + 4 + _BYTES[precision][1])
     return loss_chunk(model.dims.vocabulary_size) * vocabulary * per_logit
 
 

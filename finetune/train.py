@@ -126,7 +126,6 @@ def run(cfg: Config, resume: bool = False) -> dict:
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
     learning_rate = cfg.train.learning_rate or source.default_learning_rate
     trainer = model.compile(lm, learning_rate, cfg.train.weight_decay, shards=part[2])
-    backend.torch_after_build(tweaks)
     if batch_size == "auto":
         probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
         examples = [e for _, e in usable]
