@@ -428,24 +428,25 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
 
 
 def _examples(workload: Workload, tokenizer):
-    from finetune import batching, data, templates
+    """(records, template, examples): the workload's data, tokenized as a run tokenizes it (prepare.py)."""
+    from finetune import data, prepare, templates
 
     template = templates.get("dolly")
     records = data.load_records(workload.data)
-    examples, _ = batching.tokenize([template.segments(r) for r in records], tokenizer, workload.seq_len)
-    return records, template, examples
+    usable = prepare.examples(records, template, tokenizer, workload.seq_len, source=workload.data)
+    return records, template, [e for _, e in usable]
 
 
 def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
-    from finetune import backend, batching, model, packing
+    from finetune import backend, batching, model, prepare
 
     w = spec.workload
     model.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
     trainer = model.compile(lm, 1e-4, 0.01)
     _, _, examples = _examples(w, tokenizer)
-    rows = batching.pad(examples, w.seq_len) if spec.lever == "packing" else packing.pack(examples, w.seq_len)
+    rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
     order = batching.TrainOrder(

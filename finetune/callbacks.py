@@ -56,3 +56,9 @@ class TensorBoardLog(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         for file in self._files.values():
             file.close()
+
+    def __enter__(self) -> TensorBoardLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.on_train_end()  # closes its writers, also when the run failed or stopped

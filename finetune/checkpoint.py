@@ -31,13 +31,52 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune import storage
+from finetune import loop, storage
 from finetune.errors import UserError
 
 DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
 FILES = ("weights.npz", "optimizer.npz", "state.json")
 FORMAT = 1
+
+
+@dataclass
+class RunState:
+    """What a checkpoint keeps of a run beside its weights (state.json), and what a resume takes up again.
+
+    Args:
+        run_id: str. Names the run's checkpoints, so that a replaced run's are told apart.
+        progress: loop.Progress. Where training is; the loop advances it.
+        eval_before: dict. The held-out metrics before training.
+        generated_before: list of str. The samples' generations before training.
+        config: dict. The run's settings (outputs.run_config): a resume checks its own against them.
+        data_fingerprint: str. The records' (data.fingerprint): a resume refuses data that changed.
+    """
+
+    run_id: str
+    progress: loop.Progress
+    eval_before: dict
+    generated_before: list
+    config: dict
+    data_fingerprint: str
+
+    @classmethod
+    def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
+        """A checkpoint's state, taken up with this session's config (it may train further) and records."""
+        progress = loop.Progress.from_state(state["progress"])
+        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint)
+
+    def to_state(self, progress: loop.Progress) -> dict:
+        """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths."""
+        return {
+            "run_id": self.run_id,
+            "step": progress.step,
+            "config": self.config,
+            "data_fingerprint": self.data_fingerprint,
+            "eval_before": self.eval_before,
+            "generated_before": self.generated_before,
+            "progress": progress.to_state(),
+        }
 
 
 class CheckpointError(Exception):
@@ -201,6 +240,60 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
+def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None:
+    """The checkpoint a run continues from: with --resume, the newest valid one in `target`.
+
+    Without one the run starts afresh in `target`, with a note, unless a finished
+    run is there: that one has nothing to resume, and is refused.
+
+    Args:
+        target: outputs.Target. The run directory.
+        published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
+    """
+    if not resume:
+        return None
+    found = newest(target.path)
+    if found is None:
+        if published is not None:
+            raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
+        print(f"note: no checkpoint in {target} to resume from; starting a new run there")
+    return found
+
+
+def resumed(found: Checkpoint | None, cfg, fingerprint: str, target):
+    """`cfg` with what the checkpoint `found` resolved (resumed_config), once it continues the same training on
+    the same records (check_compatible); `cfg` itself when there is no checkpoint."""
+    if found is None:
+        return cfg
+    saved = found.state()
+    cfg = resumed_config(cfg, saved)
+    check_compatible(saved, cfg, fingerprint, target)
+    return cfg
+
+
+def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
+    """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
+
+    A run whose last checkpoint is its final step but has no results of that
+    checkpoint (killed while publishing) is resumed: it only publishes.
+
+    published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
+    """
+    if found is None:
+        return
+    if found.step > total_steps:
+        raise UserError(
+            f"{target} has trained {found.step} steps, more than the {total_steps} this run asks for; "
+            f"raise --max-steps or --epochs to at least that"
+        )
+    published = published or {}
+    if found.step == total_steps and published.get("run_id") == found.run_id and published.get("steps") == found.step:
+        raise UserError(
+            f"{target} has already trained {found.step} of {total_steps} steps; "
+            "raise --epochs or --max-steps to train further"
+        )
+
+
 def newest(run_dir: Path) -> Checkpoint | None:
     """The checkpoint a --resume continues from; None if `run_dir` has none; refuses if none can be loaded."""
     found = latest(run_dir)
@@ -261,6 +354,22 @@ def capture(lm) -> tuple[list[np.ndarray], list[np.ndarray], list[str], list[str
     weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
     optimizer = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
     return weights, optimizer, [v.path for v in lm.trainable_variables], [v.path for v in lm.optimizer.variables]
+
+
+def save_trainer(run_dir: Path, trainer, state: dict, divergence_advice: str = "") -> Checkpoint:
+    """Checkpoint the trainer's LoRA weights and optimizer state beside `state` (with its run_id and step).
+
+    Weights that are not finite are refused: training diverged, and a checkpoint
+    of them would resume nothing. Raises OSError as save() does.
+    """
+    weights, optimizer, trainable_paths, optimizer_paths = capture(trainer)
+    if not all(np.isfinite(w).all() for w in weights):
+        raise UserError(
+            f"the LoRA weights are not finite after step {state['step']}: training diverged, so nothing "
+            f"was published.\n{divergence_advice}"
+        )
+    state = {**state, "trainable_paths": trainable_paths, "optimizer_paths": optimizer_paths}
+    return save(run_dir, state["run_id"], state["step"], weights, optimizer, state)
 
 
 def restore(lm, found: Checkpoint) -> dict:

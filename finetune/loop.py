@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from finetune import backend
 from finetune.errors import RunStopped, UserError
 
 
@@ -88,6 +89,7 @@ class Loop:
         checkpoint: steps, evaluations and saves are timed, and the loop stops
         when the next of them might not end in time.
     divergence_advice: str. What to try when the loss is not finite.
+    settings: str. The batch size, seq-len and rank, named when a step runs out of memory.
     callbacks: keras Callbacks (callbacks.py) told of each step
         (on_train_batch_end, with the run's step), evaluation (on_test_end) and
         the end of training (on_train_end).
@@ -106,6 +108,7 @@ class Loop:
         deadline: float | None = None,
         eval_seconds: float = 0.0,
         divergence_advice: str = "",
+        settings: str = "",
         last_saved: int | None = None,
         callbacks=(),
         out=None,
@@ -119,6 +122,7 @@ class Loop:
         self.checkpoint_every = checkpoint_every
         self.deadline = deadline
         self.divergence_advice = divergence_advice
+        self.settings = settings
         self.last_saved = last_saved
         self.callbacks = list(callbacks)
         self.out = out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
@@ -130,6 +134,19 @@ class Loop:
         self._report = Report(total_steps, self.out)
 
     def run(self) -> Progress:
+        """Train to `total_steps`; running out of memory is a UserError that names the settings to lower."""
+        try:
+            return self._run()
+        except BaseException as error:
+            if not backend.is_out_of_memory(error):
+                raise
+            kept = f" (the checkpoint at step {self.last_saved} is kept)" if self.last_saved else ""
+            raise UserError(
+                f"out of memory at step {self.progress.step + 1} with {self.settings}; "
+                f"lower --batch-size or --seq-len{kept}"
+            ) from error
+
+    def _run(self) -> Progress:
         progress, order = self.progress, self.order
         with StopSignals() as signals:
             while progress.step < self.total_steps:
@@ -276,6 +293,19 @@ class Report:
         if self._open:
             print(file=self.out, flush=True)
             self._open = False
+
+
+class Phases:
+    """A line per phase of a run, with the time since it started: logs without a terminal show where the run is."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{clock(self.seconds())}] {text}", flush=True)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
 
 
 def _is_interactive(out) -> bool:

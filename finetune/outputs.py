@@ -17,20 +17,23 @@ the output, and further places for checkpoints and TensorBoard logs.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from finetune import checkpoint, platforms, storage
-from finetune.errors import UserError
+from finetune.errors import RunStopped, UserError
 
 ADAPTER = "adapter.lora.h5"
 ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
@@ -63,9 +66,27 @@ class Target:
     mirror: storage.Mirror | None = None
     default: bool = False
     """The default runs/<timestamp>: claim() may take the next free name."""
+    scratch: bool = False
+    """A process other than 0 of a multi-process job: its files are not kept (check_run_target)."""
 
     def __str__(self) -> str:
         return self.mirror.url if self.mirror else str(self.path)
+
+
+def check_run_target(output, resume: bool, process: int = 0) -> Target:
+    """check_target for the process that keeps the run: the only one, or process 0 of a multi-process job.
+
+    Every other process trains and saves alike, into a scratch directory that
+    goes when it lets go of its claim: only process 0's files are kept.
+
+    Args:
+        output: config.OutputConfig. The --output and --overwrite asked for.
+        process: int. This process' index in a multi-process job; 0 alone.
+    """
+    if process == 0:
+        return check_target(output.dir, output.overwrite, resume)
+    scratch = Path(tempfile.gettempdir()) / f"finetune-process-{process}-{uuid.uuid4().hex[:8]}"
+    return Target(scratch / "run", scratch=True)  # made when training starts, as a run directory is
 
 
 def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target:
@@ -257,8 +278,11 @@ class Claim:
         and TensorBoard logs.
     """
 
-    def __init__(self, path: Path, created: bool, lock_file, had_lock: bool = False, remote=None, mirrors=()):
+    def __init__(
+        self, path: Path, created: bool, lock_file, had_lock: bool = False, remote=None, mirrors=(), scratch=False
+    ):
         self.path = path
+        self.scratch = scratch
         self.created = created
         self.had_lock = had_lock
         self.remote = remote
@@ -294,6 +318,85 @@ class Claim:
             self._lock_file = None
         if self.published and self.remote is not None:
             storage.remove_staging(self.path)
+        if self.scratch:
+            shutil.rmtree(self.path.parent, ignore_errors=True)
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def checkpoint(self, trainer, run, keep: int, divergence_advice: str, progress) -> None:
+        """Checkpoint `trainer` with the run's state, keep this run's newest `keep`, mark it running in
+        status.json, and copy it all out. A disk that is full or will not be written is a UserError that names
+        the checkpoint still kept.
+
+        Args:
+            run: checkpoint.RunState. The run's state, saved beside the weights.
+            divergence_advice: str. What to try when the weights are not finite.
+            progress: loop.Progress. Where training is, as the loop passes it.
+        """
+        try:
+            checkpoint.save_trainer(self.path, trainer, run.to_state(progress), divergence_advice)
+            checkpoint.prune(self.path, run.run_id, keep)
+            write_status(self.path, "running", progress.step)
+        except OSError as e:
+            last = checkpoint.latest(self.path)
+            kept = f"the checkpoint at step {last.step} is intact" if last else "no earlier checkpoint exists"
+            raise UserError(
+                f"could not write the checkpoint at step {progress.step} to {self.path}: {e.strerror or e}; "
+                f"{kept}.\nFree space or fix the directory, then rerun with --resume"
+            ) from e
+        self.sync()  # to gs:// and Vertex AI's directories, so a preempted job keeps it
+
+    @contextlib.contextmanager
+    def training(self, steps):
+        """Around the training loop `steps` (loop.Loop): how it ended goes into status.json.
+
+        A stop (a signal, the time limit) is recorded and copied out. Any other
+        failure is recorded too; before the first checkpoint, nothing worth
+        keeping was written, and the claim is abandoned instead.
+        """
+        try:
+            yield
+        except RunStopped as stop:
+            write_status(self.path, "stopped", steps.progress.step, str(stop))
+            self.sync()
+            raise
+        except BaseException as error:
+            if steps.last_saved is None:
+                self.abandon()  # nothing worth keeping was written
+            else:
+                record_failure(self.path, steps.progress.step, error)
+            raise
+
+    def publish_results(self, files: dict, metrics: dict) -> None:
+        """Write the results (publish()), drop the checkpoints of the runs this one replaced, mark it finished,
+        copy it out to a remote --output, and report it.
+
+        files: dict. A name to write(path), as publish() takes them.
+        """
+        step = metrics["steps"]
+        try:
+            publish(self.path, files)
+            checkpoint.remove_others(self.path, metrics["run_id"])
+            write_status(self.path, "finished", step)
+        except OSError as e:
+            raise UserError(
+                f"could not write the results to {self.path}: {e.strerror or e}; the checkpoint at step {step} "
+                "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
+            ) from e
+        try:
+            self.publish_remote()  # every file, then metrics.json
+        except Exception as e:  # noqa: BLE001 - network and auth errors differ by file system
+            raise UserError(
+                f"could not copy the run to {self} ({e}); it is staged in {self.path}.\n"
+                "Fix the access, then rerun with --resume to copy it"
+            ) from e
+        if not self.scratch:
+            platforms.report_tuning_metric(metrics["eval_loss"], step)
+            print(summary_table(metrics, self))
 
     def abandon(self) -> None:
         """Undo the claim of a run that wrote nothing worth keeping: remove only what it created.
@@ -318,6 +421,19 @@ class Claim:
             self.release()
 
 
+def claim_run(target: Target, overwrite: bool, resume: bool) -> Claim:
+    """claim() the target's directory; a scratch run's checkpoints and logs are not copied to Vertex AI's."""
+    return claim(
+        target.path,
+        default=target.default,
+        overwrite=overwrite,
+        resume=resume,
+        mirror=target.mirror,
+        vertex=not target.scratch,
+        scratch=target.scratch,
+    )
+
+
 def claim(
     path: Path,
     *,
@@ -326,6 +442,7 @@ def claim(
     resume: bool,
     mirror: storage.Mirror | None = None,
     vertex: bool = True,
+    scratch: bool = False,
 ) -> Claim:
     """Create and lock the run directory; re-checks under the lock that it is still free.
 
@@ -334,6 +451,7 @@ def claim(
     mirror: Mirror. The remote --output that `path` stages.
     vertex: bool. Copy checkpoints and TensorBoard logs to Vertex AI's directories when they are set; False
         for the scratch run of a process other than 0 in a multi-process job, whose files are not kept.
+    scratch: bool. `path` is such a scratch run: its parent, made for it, goes on release().
     """
     created = False
     if default:
@@ -350,7 +468,8 @@ def claim(
         path.mkdir(parents=True, exist_ok=True)
         created = True
     had_lock = (path / LOCK).exists()
-    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=vertex_mirrors(path) if vertex else [])
+    mirrors = vertex_mirrors(path) if vertex else []
+    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=mirrors, scratch=scratch)
     try:
         refuse_foreign(path, overwrite, resume)  # the user may have put files there since check_target
         if not resume and not overwrite:
@@ -437,12 +556,43 @@ def write_status(run_dir: Path, state: str, step: int, message: str = "") -> Non
     write_atomic(run_dir / STATUS, lambda p: p.write_text(json.dumps(status, indent=1) + "\n", encoding="utf-8"))
 
 
+def record_failure(run_dir: Path, step: int, error: BaseException) -> None:
+    """status.json of a run that failed (or was interrupted) after its first checkpoint."""
+    if isinstance(error, KeyboardInterrupt):
+        state, message = "stopped", "interrupted"
+    else:
+        state, message = "failed", str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    try:
+        write_status(run_dir, state, step, message)
+    except OSError:
+        pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
+
+
 def read_status(run_dir: Path) -> dict:
     try:
         status = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
         return status if isinstance(status, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def read_metrics(run_dir: Path) -> dict | None:
+    """The metrics.json of a finished run in `run_dir`: None when there is none, {} when it cannot be read."""
+    if not (run_dir / METRICS).exists():
+        return None
+    try:
+        metrics = json.loads((run_dir / METRICS).read_text(encoding="utf-8"))
+        return metrics if isinstance(metrics, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_config(cfg) -> dict:
+    """config.yaml's settings: the run's config as resolved, a recipe for a new run."""
+    config = cfg.to_dict()
+    # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it.
+    config["output"] = {"dir": None, "overwrite": False}
+    return config
 
 
 def publish(run_dir: Path, files: dict) -> None:

@@ -86,21 +86,18 @@ def checked_factors(run: Run, backbone) -> dict:
 
 def evaluate_run(run: Run, data_path: str | None = None) -> dict:
     """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
-    from finetune import batching, model, scoring, templates, train
+    from finetune import batching, model, prepare, scoring
 
     cfg = run.config
     path = data_path or cfg.data.path
-    records = train.load_records(cfg, path)
+    records = prepare.read(cfg, path)
     lm, preprocessor = load_model(run)
-    template = templates.get(cfg.data.template)
-    usable = train.usable_examples(records, template, preprocessor.tokenizer, cfg, path)
-    if data_path is None:  # the same held-out records as in training
-        _, usable = train.split(usable, cfg, cfg.train.batch_size)
-    examples = [e for _, e in usable]
+    # The records training held out, prepared as training prepared them; or every record of another file.
+    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, source=path, split=data_path is None)
     inputs = model.input_names(lm)
-    batches = batching.Batches(batching.pad(examples, cfg.model.seq_len), cfg.train.batch_size, inputs=inputs)
+    batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, inputs=inputs)
     result = scoring.metrics(model.scorer(lm, cfg.train.batch_size), batches)
-    result["examples"] = len(examples)
+    result["examples"] = len(prepared.held_out)
     return result
 
 

@@ -49,3 +49,42 @@ def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tok
         outputs = [outputs]
     outputs = outputs[: len(prompts)]
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(prompts, outputs)]
+
+
+class HeldOut:
+    """The records a run holds out: metrics over them, and generations on the first few's prompts (samples.md).
+
+    Args:
+        scorer: keras.Model. model.scorer() of the run's model.
+        batches: batching.Batches. The held-out rows, one record each.
+        samples: list of data.Record. The held-out records to generate for; their responses are the references.
+        template: templates.Template. Puts each sample's prompt in the run's format.
+        max_new_tokens: int. The longest generation.
+    """
+
+    def __init__(self, scorer, batches, lm, preprocessor, samples, template, max_new_tokens: int):
+        self.scorer = scorer
+        self.batches = batches
+        self.lm = lm
+        self.preprocessor = preprocessor
+        self.samples = samples
+        self.prompts = [template.sample_prompt(r) for r in samples]
+        self.stop_tokens = template.stop_tokens
+        self.max_new_tokens = max_new_tokens
+
+    def metrics(self) -> dict:
+        """Per-token loss, perplexity and accuracy over the held-out records, as the model stands."""
+        return metrics(self.scorer, self.batches)
+
+    def generate(self, when: str, phase=print) -> list[str]:
+        """The samples' generations as the model stands; `when` (before, after) names the phase in the log."""
+        if self.prompts:
+            phase(f"generating {len(self.prompts)} samples {when} training")
+        return generate(self.lm, self.preprocessor, self.prompts, self.max_new_tokens, self.stop_tokens)
+
+    def sample_rows(self, before: list[str], after: list[str]) -> list[dict]:
+        """samples.md's rows (outputs.write_samples)."""
+        return [
+            {"prompt": p, "reference": r.response, "before": b, "after": a}
+            for p, r, b, a in zip(self.prompts, self.samples, before, after)
+        ]

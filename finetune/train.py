@@ -4,20 +4,21 @@ It follows the Keras Gemma LoRA tutorial: load a preset, enable LoRA, compile
 AdamW, train, then save the adapter. What it adds: response-only loss on
 pre-tokenized batches, evaluation before and after on a held-out split,
 checkpoints to resume from after a kill, guards that never publish a broken
-run, and a run directory that records everything the run did.
+run, and a run directory that records everything the run did. Each step is a
+call into the module that owns it: prepare.py makes the rows, checkpoint.py
+resumes, loop.py trains, outputs.py keeps the run directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib.metadata
-import json
 import math
-import shutil
-import tempfile
 import time
 import uuid
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,19 +32,17 @@ from finetune import (
     checkpoint,
     data,
     distribution,
-    families,
     loop,
     model,
     outputs,
-    packing,
     plan,
     platforms,
+    prepare,
     presets,
     scoring,
-    templates,
 )
 from finetune.config import Config, parse_duration
-from finetune.errors import RunStopped, UserError
+from finetune.errors import UserError
 
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 
@@ -54,13 +53,72 @@ def run(cfg: Config, resume: bool = False) -> dict:
     resume: bool. Continue from the newest valid checkpoint in cfg.output.dir;
         without one, start there afresh.
     """
-    started = time.perf_counter()
+    phase, deadline = loop.Phases(), _deadline(cfg.train.time_limit)
+    tweaks, job = _join(cfg, resume)
 
-    def phase(text: str) -> None:
-        """A line per phase, with the time since the start: logs without a terminal show where the run is."""
-        print(f"[{loop.clock(time.perf_counter() - started)}] {text}", flush=True)
+    # Check the run: everything a user can get wrong, before the first file is written.
+    target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
+    found = checkpoint.to_resume(target, resume, outputs.read_metrics(target.path))
+    source = presets.resolve(cfg.model.preset)
+    records = prepare.read(cfg, cfg.data.path)
+    fingerprint = data.fingerprint(records)
+    cfg = checkpoint.resumed(found, cfg, fingerprint, target)
 
-    deadline = _deadline(cfg.train.time_limit)
+    # Set up the devices, then build the model on them: the preset, LoRA, AdamW.
+    cfg, distributed, remat = _devices(cfg, tweaks, source)
+    built = _build(cfg, source, tweaks, remat, phase)
+
+    # Prepare the data: records -> template -> tokens -> split -> rows, the split `finetune eval` scores again.
+    prepared = prepare.prepare(records, built.tokenizer, cfg, packed=built.packed, probe=built.probe_batch_size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=prepared.batch_size))
+    order, total_steps = _train_order(cfg, prepared, built)
+    checkpoint.check_resume_end(found, total_steps, target, outputs.read_metrics(target.path))
+    outputs.check_free_space(target.path, checkpoint_bytes(built.lm) * (cfg.train.keep_checkpoints + 2))
+
+    # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
+    held_out = _held_out(cfg, job, built, prepared)
+    config, advice = outputs.run_config(cfg), divergence_advice(cfg, cfg.train.learning_rate)
+    start, eval_seconds = _start(found, built.trainer, held_out, phase, config, fingerprint)
+    if found is not None:
+        print(f"resuming {target} at step {start.progress.step}/{total_steps}")
+
+    # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
+    with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
+        board = stack.enter_context(callbacks.TensorBoardLog(claim.path / outputs.TENSORBOARD, built.trainer.optimizer))
+        if found is None:
+            board.on_test_end({"step": 0, **start.eval_before})
+        save = functools.partial(claim.checkpoint, built.trainer, start, cfg.train.keep_checkpoints, advice)
+        steps = loop.Loop(
+            built.trainer, order, total_steps, start.progress, evaluate_held_out=held_out.metrics, deadline=deadline,
+            save_checkpoint=save, checkpoint_every=cfg.train.checkpoint_every, last_saved=found.step if found else None,
+            eval_seconds=eval_seconds, divergence_advice=advice, callbacks=[board],
+            settings=f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}",
+        )  # fmt: skip
+        with claim.training(steps):
+            phase(f"training steps {start.progress.step + 1}-{total_steps}")
+            steps.run()  # status.json is written with each checkpoint
+
+        # Evaluate after training (the loop scored the held-out split at its last step), then publish.
+        generated_after = held_out.generate("after", phase)
+        metrics = _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, phase.seconds())
+        config["resolved"] = _resolved(claim, start.run_id, source, tweaks)
+        phase(f"saving the adapter and results to {claim}")
+        samples = held_out.sample_rows(start.generated_before, generated_after)
+        claim.publish_results(_files(built, cfg, source, config, metrics, steps.progress, samples), metrics)
+        return metrics
+
+
+def _deadline(time_limit: str | None) -> float | None:
+    """The time.monotonic() instant to stop by, from --time-limit (11h30m by default in a Kaggle notebook)."""
+    if time_limit is None and platforms.in_kaggle_notebook():
+        time_limit = KAGGLE_TIME_LIMIT
+    if time_limit is None or time_limit == "off":
+        return None
+    return time.monotonic() + parse_duration(time_limit)
+
+
+def _join(cfg: Config, resume: bool) -> tuple[dict, distribution.Cluster | None]:
+    """(the backend's tweaks, the multi-process job this process is part of, joined; None alone)."""
     # finetune.run() and the CLI select the backend before importing this
     # module; selecting again records the tweaks and catches a mismatch.
     tweaks = backend.select(cfg.backend, cfg.train.xla_mem_fraction)
@@ -69,28 +127,15 @@ def run(cfg: Config, resume: bool = False) -> dict:
     if job is not None and resume:
         raise UserError("--resume is not supported in a multi-process job yet; resume on a single host")
     distribution.initialize(job)
-    writer = job is None or job.process_id == 0
+    return tweaks, job
 
-    # Everything a user can get wrong is checked before the first file is written.
-    # A gs:// target is written to a local staging directory, target.path, and copied out.
-    if writer:
-        target = outputs.check_target(cfg.output.dir, cfg.output.overwrite, resume)
-    else:  # every process trains and saves alike, but only process 0's files are kept
-        scratch = Path(tempfile.gettempdir()) / f"finetune-process-{job.process_id}-{uuid.uuid4().hex[:8]}"
-        target = outputs.Target(scratch / "run")  # made when training starts, as a run directory is
-    resume_from = checkpoint.newest(target.path) if resume else None
-    if resume and resume_from is None:
-        if (target.path / outputs.METRICS).exists():
-            raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
-        print(f"note: no checkpoint in {target} to resume from; starting a new run there")
-    source = presets.resolve(cfg.model.preset)
-    records = load_records(cfg, cfg.data.path)
-    fingerprint = data.fingerprint(records)
-    saved = None
-    if resume_from is not None:
-        saved = resume_from.state()
-        cfg = checkpoint.resumed_config(cfg, saved)
-        checkpoint.check_compatible(saved, cfg, fingerprint, target)
+
+def _devices(cfg: Config, tweaks: dict, source: presets.Source) -> tuple[Config, dict | None, bool]:
+    """Set up the devices: runtime tweaks, seed, mesh.
+
+    Returns (cfg with its precision, batch size and learning rate decided, the
+    distribution as metrics.json records it or None, whether to recompute activations).
+    """
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
     # auto is decided once and saved decided: a run resumed on another machine trains on in the same dtype.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=tweaks["dtype_policy"]))
@@ -104,340 +149,182 @@ def run(cfg: Config, resume: bool = False) -> dict:
     distributed = None
     if cfg.distribution.parallel != "none":
         distributed = distribution.setup(cfg.distribution, presets.dims(source), batch_size)
-    part = distribution.data_part()  # the rows of each batch this process feeds
-
     remat, why = plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], backend.device_memory(tweaks["device"]))
     tweaks["remat"] = why
     if remat:
         print(f"remat: {why}")
+    learning_rate = cfg.train.learning_rate or source.default_learning_rate
+    train = dataclasses.replace(cfg.train, batch_size=batch_size, learning_rate=learning_rate)
+    return dataclasses.replace(cfg, train=train), distributed, remat
+
+
+@dataclass
+class Built:
+    """The model a run trains, as _build() made it."""
+
+    lm: object
+    preprocessor: object
+    trainer: object
+    """model.compile's training view of `lm`."""
+    adapted: int
+    """The layers LoRA adapted."""
+    packed: bool
+    """Whether the training rows are packed (packs())."""
+    part: tuple
+    """The rows of each batch this process feeds (distribution.data_part)."""
+    device: str
+    """cpu, gpu or tpu."""
+
+    @property
+    def tokenizer(self):
+        return self.preprocessor.tokenizer
+
+    def probe_batch_size(self, arrays: dict, rows: int) -> int:
+        """`--batch-size auto` (auto_batch_size), for prepare.prepare: trial steps on `arrays`, for data of `rows`."""
+        batch_size, why = auto_batch_size(self.trainer, arrays, rows, self.device, model.input_names(self.lm))
+        print(f"batch size auto: {batch_size} ({why})")
+        return batch_size
+
+
+def _build(cfg: Config, source: presets.Source, tweaks: dict, remat: bool, phase) -> Built:
+    """The preset's causal LM, LoRA enabled on it, compiled with AdamW."""
+    part = distribution.data_part()
     phase(f"loading {cfg.model.preset} on {cfg.backend}")
     lm, preprocessor = model.build(source, cfg.model.seq_len, tweaks["dtype_policy"], cfg.model.quantize, remat)
-    tokenizer = preprocessor.tokenizer
-    template = templates.get(cfg.data.template)
-    overhead = batching.template_overhead(tokenizer, template)
-    if cfg.model.seq_len < overhead + 8:
-        raise UserError(
-            f"seq-len {cfg.model.seq_len} is too small for the {template.name} template, whose fixed text "
-            f"takes {overhead} tokens; use --seq-len {max(64, overhead + 8)} or more"
-        )
-    usable = usable_examples(records, template, tokenizer, cfg, cfg.data.path)
-
     packed = packs(lm, cfg.data.packing)
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
-    learning_rate = cfg.train.learning_rate or source.default_learning_rate
-    trainer = model.compile(lm, learning_rate, cfg.train.weight_decay, shards=part[2])
-    if batch_size == "auto":
-        probe_rows = batching.pad([e for _, e in usable[:64]], cfg.model.seq_len)
-        examples = [e for _, e in usable]
-        rows = len(examples)
-        if packed:  # packed, the same examples fill fewer rows, hence fewer steps
-            rows = len(packing.best_fit_decreasing([len(e.token_ids) - 1 for e in examples], cfg.model.seq_len))
-        batch_size, why = auto_batch_size(trainer, probe_rows, rows, tweaks["device"], model.input_names(lm))
-        print(f"batch size auto: {batch_size} ({why})")
-    train_part, eval_part = split(usable, cfg, batch_size)
-    if len(train_part) < batch_size:
-        raise UserError(
-            f"{len(train_part)} training records are fewer than one batch of {batch_size}; "
-            "lower --batch-size or add records"
-        )
-    eval_records = [r for r, _ in eval_part]
-    train_examples = [e for _, e in train_part]
-    padded = batching.pad(train_examples, cfg.model.seq_len)
-    rows = packing.pack(train_examples, cfg.model.seq_len) if packed else padded
-    if len(rows["token_ids"]) < batch_size:
-        raise UserError(
-            f"{len(train_examples)} training records fill {len(rows['token_ids'])} rows, fewer than one batch of "
-            f"{batch_size}; lower --batch-size, add records, or pass --packing off"
-        )
-    padding = {"padding_fraction": packing.padding_fraction(rows), "unpacked": packing.padding_fraction(padded)}
-    if packed:
-        print(
-            f"packing: {len(train_examples)} examples in {len(rows['token_ids'])} rows of {cfg.model.seq_len} "
-            f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
-        )
-    # In a multi-process job each process feeds its own slice of every global batch.
-    inputs = model.input_names(lm)
-    step = batching.length_step(cfg.backend, cfg.model.seq_len, tweaks["device"])
-    order = batching.TrainOrder(rows, batch_size, cfg.train.seed, part=part, length_step=step, inputs=inputs)
-    eval_rows = batching.pad([e for _, e in eval_part], cfg.model.seq_len)
-    # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
-    eval_step = None if cfg.backend == "tensorflow" else step
-    eval_batches = batching.Batches(eval_rows, batch_size, part=part, length_step=eval_step, inputs=inputs)
-    steps_per_epoch = order.steps_per_epoch
-    total_steps = steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps is not None:
-        total_steps = min(total_steps, cfg.train.max_steps)
-    if resume_from is not None:
-        check_resume_end(resume_from, total_steps, target)
-    outputs.check_free_space(target.path, checkpoint_bytes(lm) * (cfg.train.keep_checkpoints + 2))
+    trainer = model.compile(lm, cfg.train.learning_rate, cfg.train.weight_decay, shards=part[2])
+    return Built(lm, preprocessor, trainer, adapted, packed, part, tweaks["device"])
 
-    resolved = cfg.to_dict()
-    resolved["train"]["batch_size"] = batch_size
-    resolved["train"]["learning_rate"] = learning_rate
-    # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it.
-    resolved["output"] = {"dir": None, "overwrite": False}
 
-    samples_wanted = cfg.train.samples
-    if job is not None and samples_wanted:
+def _train_order(cfg: Config, prepared: prepare.Prepared, built: Built) -> tuple:
+    """(the order the training rows are fed in, batching.TrainOrder; how many steps the run trains).
+
+    In a multi-process job each process feeds its own slice of every global batch.
+    """
+    step = batching.length_step(cfg.backend, cfg.model.seq_len, built.device)
+    inputs = model.input_names(built.lm)
+    order = batching.TrainOrder(
+        prepared.rows, prepared.batch_size, cfg.train.seed, part=built.part, length_step=step, inputs=inputs
+    )
+    return order, min(order.steps_per_epoch * cfg.train.epochs, cfg.train.max_steps or math.inf)
+
+
+def _held_out(cfg: Config, job, built: Built, prepared: prepare.Prepared) -> scoring.HeldOut:
+    """What the run is scored on: the held-out batches, and the first train.samples records to generate for."""
+    samples = [r for r, _ in prepared.held_out[: cfg.train.samples]]
+    if job is not None and cfg.train.samples:
         # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
         print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
-        samples_wanted = 0
-    sample_records = eval_records[:samples_wanted]
-    sample_prompts = [template.sample_prompt(r) for r in sample_records]
-    scorer = model.scorer(lm, batch_size, shards=part[2])
-    eval_started = time.perf_counter()
-    if saved is None:
-        phase(f"evaluating before training ({len(eval_part)} held-out records)")
-        before = scoring.metrics(scorer, eval_batches)
+        samples = []
+    # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
+    step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, built.device)
+    batches = batching.Batches(prepared.held_out_rows, prepared.batch_size, part=built.part, length_step=step,
+                               inputs=model.input_names(built.lm))  # fmt: skip
+    scorer = model.scorer(built.lm, prepared.batch_size, shards=built.part[2])
+    return scoring.HeldOut(scorer, batches, built.lm, built.preprocessor, samples, prepared.template,
+                           cfg.train.max_new_tokens)  # fmt: skip
+
+
+def _start(found, trainer, held_out: scoring.HeldOut, phase, config: dict, fingerprint: str) -> tuple:
+    """(where training starts, checkpoint.RunState; the seconds it took to get there).
+
+    A new run scores the held-out records and generates its samples at step 0;
+    a resumed run restores what its checkpoint `found` kept.
+    """
+    started = time.perf_counter()
+    if found is None:
+        phase(f"evaluating before training ({held_out.batches.rows} held-out records)")
+        before = held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
-        if sample_prompts:
-            phase(f"generating {len(sample_prompts)} samples before training")
-        generated_before = scoring.generate(
-            lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
-        )
-        progress, run_id = loop.Progress(), uuid.uuid4().hex[:8]
+        generated = held_out.generate("before", phase)
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprint)
     else:
-        saved = checkpoint.restore(trainer, resume_from)
-        before, generated_before = saved["eval_before"], saved["generated_before"]
-        progress, run_id = loop.Progress.from_state(saved["progress"]), saved["run_id"]
-        print(f"resuming {target} at step {progress.step}/{total_steps}")
-    eval_seconds = time.perf_counter() - eval_started
-
-    claim = outputs.claim(
-        target.path,
-        default=target.default,
-        overwrite=cfg.output.overwrite,
-        resume=resume,
-        mirror=target.mirror,
-        vertex=writer,  # only process 0's checkpoints and logs go to Vertex AI's directories
-    )
-    board = None
-    try:  # every way out lets go of the run directory and closes the TensorBoard log
-        run_dir = claim.path
-        board = callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, trainer.optimizer)
-        if saved is None:
-            board.on_test_end({"step": 0, **before})
-
-        def save_checkpoint(progress: loop.Progress) -> None:
-            weights, optimizer_values, trainable_paths, optimizer_paths = checkpoint.capture(trainer)
-            if not all(np.isfinite(w).all() for w in weights):
-                raise UserError(
-                    f"the LoRA weights are not finite after step {progress.step}: training diverged, so nothing "
-                    f"was published.\n{divergence_advice(cfg, learning_rate)}"
-                )
-            state = {
-                "run_id": run_id,
-                "step": progress.step,
-                "config": resolved,
-                "data_fingerprint": fingerprint,
-                "eval_before": before,
-                "generated_before": generated_before,
-                "progress": progress.to_state(),
-                "trainable_paths": trainable_paths,
-                "optimizer_paths": optimizer_paths,
-            }
-            try:
-                checkpoint.save(run_dir, run_id, progress.step, weights, optimizer_values, state)
-                checkpoint.prune(run_dir, run_id, cfg.train.keep_checkpoints)
-                outputs.write_status(run_dir, "running", progress.step)
-            except OSError as e:
-                last = checkpoint.latest(run_dir)
-                kept = f"the checkpoint at step {last.step} is intact" if last else "no earlier checkpoint exists"
-                raise UserError(
-                    f"could not write the checkpoint at step {progress.step} to {run_dir}: {e.strerror or e}; "
-                    f"{kept}.\nFree space or fix the directory, then rerun with --resume"
-                ) from e
-            claim.sync()  # to gs:// and Vertex AI's directories, so a preempted job keeps it
-
-        steps = loop.Loop(
-            trainer,
-            order,
-            total_steps,
-            progress,
-            evaluate_held_out=lambda: scoring.metrics(scorer, eval_batches),
-            save_checkpoint=save_checkpoint,
-            checkpoint_every=cfg.train.checkpoint_every,
-            deadline=deadline,
-            eval_seconds=eval_seconds,
-            divergence_advice=divergence_advice(cfg, learning_rate),
-            last_saved=resume_from.step if resume_from else None,
-            callbacks=[board],
-        )
-        try:
-            phase(f"training steps {progress.step + 1}-{total_steps}")
-            steps.run()  # status.json is written with each checkpoint
-        except RunStopped as stop:
-            outputs.write_status(run_dir, "stopped", progress.step, str(stop))
-            claim.sync()
-            raise
-        except BaseException as error:
-            failure = error
-            if backend.is_out_of_memory(error):
-                failure = UserError(
-                    f"out of memory at step {progress.step + 1} with batch {batch_size}, seq-len {cfg.model.seq_len}, "
-                    f"rank {cfg.lora.rank}; lower --batch-size or --seq-len"
-                    + (f" (the checkpoint at step {steps.last_saved} is kept)" if steps.last_saved else "")
-                )
-            if steps.last_saved is None:
-                claim.abandon()  # nothing worth keeping was written
-            else:
-                _record_failure(run_dir, progress.step, failure)
-            if failure is error:
-                raise
-            raise failure from error
-
-        after = progress.evaluations[-1]  # the held-out split is evaluated after every epoch and the last step
-        if sample_prompts:
-            phase(f"generating {len(sample_prompts)} samples after training")
-        generated_after = scoring.generate(
-            lm, preprocessor, sample_prompts, cfg.train.max_new_tokens, template.stop_tokens
-        )
-        train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
-        metrics = {
-            "backend": cfg.backend,
-            "preset": cfg.model.preset,
-            "rank": cfg.lora.rank,
-            "alpha": cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank,
-            "targets": list(cfg.lora.targets),
-            "adapted_layers": adapted,
-            "trainable_parameters": model.trainable_parameters(lm),
-            "train_examples": len(train_part),
-            "eval_examples": len(eval_part),
-            "batch_size": batch_size,
-            "seq_len": cfg.model.seq_len,
-            "learning_rate": learning_rate,
-            "run_id": run_id,
-            "steps": progress.step,
-            "epochs": math.ceil(progress.step / steps_per_epoch),
-            "resumed_from_step": resume_from.step if resume_from else None,
-            "train_loss": train_losses[-1],
-            "eval_loss_before": before["loss"],
-            "eval_loss": after["loss"],
-            "eval_perplexity_before": before["perplexity"],
-            "eval_perplexity": after["perplexity"],
-            "eval_accuracy_before": before["accuracy"],
-            "eval_accuracy": after["accuracy"],
-            "packing": packed,
-            "padding_fraction": padding["padding_fraction"],
-            "padding_fraction_unpacked": padding["unpacked"],
-            "trained_tokens": progress.trained_tokens,
-            "response_tokens": progress.response_tokens,
-            # Non-padding tokens per second of optimizer steps in this session, its first
-            # (compiling) step and every evaluation excluded.
-            "tokens_per_second": steps.tokens_per_second(),
-            "train_seconds": progress.train_seconds,
-            "seconds": time.perf_counter() - started,
-            "peak_memory_mb": backend.peak_memory_mb(),
-            "dtype_policy": tweaks["dtype_policy"],
-            "device": tweaks["device"],
-            "distribution": distributed or {"parallel": "none", "devices": 1, "processes": 1},
-        }
-        resolved["resolved"] = {
-            "output_dir": str(claim) if claim.remote else str(run_dir.resolve()),
-            "run_id": run_id,
-            "preset_kind": source.kind,
-            "preset_family": source.family,
-            "backend_tweaks": tweaks,
-            "versions": _versions(),
-        }
-        samples = [
-            {"prompt": p, "reference": r.response, "before": b, "after": a}
-            for p, r, b, a in zip(sample_prompts, sample_records, generated_before, generated_after)
-        ]
-        history = [{"step": 0, "eval_loss": before["loss"]}] + progress.rows
-        title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
-        description = adapter.describe(
-            lm.backbone, preset=cfg.model.preset, family=source.family, rank=cfg.lora.rank, alpha=metrics["alpha"],
-            targets=cfg.lora.targets, template=cfg.data.template, seq_len=cfg.model.seq_len,
-            dtype=tweaks["dtype_policy"], quantize=cfg.model.quantize, version=__version__,
-        )  # fmt: skip
-        try:
-            phase(f"saving the adapter and results to {claim}")
-            outputs.publish(
-                run_dir,
-                {
-                    outputs.ADAPTER: lambda p: lm.backbone.save_lora_weights(str(p)),
-                    outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
-                    outputs.CONFIG: lambda p: outputs.write_config(p, resolved),
-                    outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
-                    outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
-                    outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
-                    outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
-                },
-            )
-            checkpoint.remove_others(run_dir, run_id)
-            outputs.write_status(run_dir, "finished", progress.step)
-        except OSError as e:
-            raise UserError(
-                f"could not write the results to {run_dir}: {e.strerror or e}; the checkpoint at step {progress.step} "
-                "is kept.\nFree space or fix the directory, then rerun with --resume to write them"
-            ) from e
-        try:
-            claim.publish_remote()  # every file, then metrics.json
-        except Exception as e:  # noqa: BLE001 - network and auth errors differ by file system
-            raise UserError(
-                f"could not copy the run to {claim} ({e}); it is staged in {run_dir}.\n"
-                "Fix the access, then rerun with --resume to copy it"
-            ) from e
-        if writer:
-            platforms.report_tuning_metric(metrics["eval_loss"], progress.step)
-            print(outputs.summary_table(metrics, claim))
-        return metrics
-    finally:
-        if board is not None:
-            board.on_train_end()  # closes its writers, also when the run failed or stopped
-        claim.release()
-        if not writer:
-            shutil.rmtree(target.path.parent, ignore_errors=True)
+        start = checkpoint.RunState.resumed(checkpoint.restore(trainer, found), config, fingerprint)
+    return start, time.perf_counter() - started
 
 
-def _deadline(time_limit: str | None) -> float | None:
-    """The time.monotonic() instant to stop by, from --time-limit (11h30m by default in a Kaggle notebook)."""
-    if time_limit is None and platforms.in_kaggle_notebook():
-        time_limit = KAGGLE_TIME_LIMIT
-    if time_limit is None or time_limit == "off":
-        return None
-    return time.monotonic() + parse_duration(time_limit)
+def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, seconds) -> dict:
+    """metrics.json: what the run trained, on what, how well and how fast."""
+    progress, before, after = steps.progress, start.eval_before, steps.progress.evaluations[-1]
+    train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
+    return {
+        "backend": cfg.backend,
+        "preset": cfg.model.preset,
+        "rank": cfg.lora.rank,
+        "alpha": cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank,
+        "targets": list(cfg.lora.targets),
+        "adapted_layers": built.adapted,
+        "trainable_parameters": model.trainable_parameters(built.lm),
+        "train_examples": len(prepared.train),
+        "eval_examples": len(prepared.held_out),
+        "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.model.seq_len,
+        "learning_rate": cfg.train.learning_rate,
+        "run_id": start.run_id,
+        "steps": progress.step,
+        "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
+        "resumed_from_step": found.step if found else None,
+        "train_loss": train_losses[-1],
+        "eval_loss_before": before["loss"],
+        "eval_loss": after["loss"],  # the held-out split is evaluated after every epoch and the last step
+        "eval_perplexity_before": before["perplexity"],
+        "eval_perplexity": after["perplexity"],
+        "eval_accuracy_before": before["accuracy"],
+        "eval_accuracy": after["accuracy"],
+        "packing": prepared.packed,
+        "padding_fraction": prepared.padding["padding_fraction"],
+        "padding_fraction_unpacked": prepared.padding["unpacked"],
+        "trained_tokens": progress.trained_tokens,
+        "response_tokens": progress.response_tokens,
+        # Non-padding tokens per second of optimizer steps in this session, its first
+        # (compiling) step and every evaluation excluded.
+        "tokens_per_second": steps.tokens_per_second(),
+        "train_seconds": progress.train_seconds,
+        "seconds": seconds,
+        "peak_memory_mb": backend.peak_memory_mb(),
+        "dtype_policy": tweaks["dtype_policy"],
+        "device": tweaks["device"],
+        "distribution": distributed or {"parallel": "none", "devices": 1, "processes": 1},
+    }
+
+
+def _resolved(claim: outputs.Claim, run_id: str, source: presets.Source, tweaks: dict) -> dict:
+    """config.yaml's `resolved`: where the run went, and what it ran on."""
+    return {
+        "output_dir": str(claim) if claim.remote else str(claim.path.resolve()),
+        "run_id": run_id,
+        "preset_kind": source.kind,
+        "preset_family": source.family,
+        "backend_tweaks": tweaks,
+        "versions": _versions(),
+    }
+
+
+def _files(built: Built, cfg: Config, source, config: dict, metrics: dict, progress, samples: list) -> dict:
+    """What a finished run writes: a file name to write(path), for outputs.publish."""
+    history = [{"step": 0, "eval_loss": metrics["eval_loss_before"]}] + progress.rows
+    title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
+    description = adapter.describe(
+        built.lm.backbone, preset=cfg.model.preset, family=source.family, rank=cfg.lora.rank, alpha=metrics["alpha"],
+        targets=cfg.lora.targets, template=cfg.data.template, seq_len=cfg.model.seq_len,
+        dtype=metrics["dtype_policy"], quantize=cfg.model.quantize, version=__version__,
+    )  # fmt: skip
+    return {
+        outputs.ADAPTER: lambda p: built.lm.backbone.save_lora_weights(str(p)),
+        outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
+        outputs.CONFIG: lambda p: outputs.write_config(p, config),
+        outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
+        outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
+        outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
+        outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
+    }
 
 
 def divergence_advice(cfg: Config, learning_rate: float) -> str:
     lower = f"{learning_rate / 10:g}"
     precision = "" if cfg.model.precision == "float32" else " or --precision float32"
     return f"Try a lower learning rate (--lr {lower}; this run used {learning_rate:g}){precision}."
-
-
-def _record_failure(run_dir, step: int, error: BaseException) -> None:
-    if isinstance(error, KeyboardInterrupt):
-        state, message = "stopped", "interrupted"
-    else:
-        state, message = "failed", str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-    try:
-        outputs.write_status(run_dir, state, step, message)
-    except OSError:
-        pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
-
-
-def check_resume_end(found, total_steps: int, target) -> None:
-    """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
-
-    A run whose last checkpoint is its final step but has no results of that
-    checkpoint (killed while publishing) is resumed: it only publishes.
-    """
-    if found.step > total_steps:
-        raise UserError(
-            f"{target} has trained {found.step} steps, more than the {total_steps} this run asks for; "
-            f"raise --max-steps or --epochs to at least that"
-        )
-    try:
-        metrics = json.loads((target.path / outputs.METRICS).read_text(encoding="utf-8"))
-        published = metrics.get("run_id") == found.run_id and metrics.get("steps") == found.step
-    except (OSError, ValueError, AttributeError):
-        published = False
-    if found.step == total_steps and published:
-        raise UserError(
-            f"{target} has already trained {found.step} of {total_steps} steps; "
-            "raise --epochs or --max-steps to train further"
-        )
 
 
 def packs(lm, setting: str) -> bool:
@@ -456,45 +343,6 @@ def packs(lm, setting: str) -> bool:
 def checkpoint_bytes(lm) -> int:
     """A checkpoint's size: the trainable weights and AdamW's two moments, in float32."""
     return 3 * 4 * model.trainable_parameters(lm) + 2**20
-
-
-def load_records(cfg: Config, path: str) -> list[data.Record]:
-    """The records of `path`, checked and filtered as the config says.
-
-    Chat records on an instruction-tuned preset take the family's turn format
-    (templates.for_data): cfg.data.template is set to it, so the run records it.
-    """
-    records, found = data.read(path)
-    family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
-    cfg.data.template, note = templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path)
-    if note:
-        print(note)
-    print(f"read {len(records)} records, {found} format, from {path}")
-    return data.filter_records(
-        records,
-        drop_context=cfg.data.drop_context,
-        categories=cfg.data.categories,
-        max_records=cfg.data.max_records,
-        source=path,
-    )
-
-
-def split(usable, cfg: Config, batch_size: int):
-    """(training, held out) examples: the split a run trains on, and the one `finetune eval` scores again."""
-    return data.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
-
-
-def usable_examples(records, template, tokenizer, cfg: Config, source: str) -> list[tuple]:
-    """(record, Example) for each record that leaves a response token within seq_len."""
-    examples, dropped = batching.tokenize(
-        [template.segments(r) for r in records], tokenizer, cfg.model.seq_len, cfg.data.train_on_prompt
-    )
-    batching.check_fits(examples, dropped, source)
-    if dropped:
-        print(f"note: {len(dropped)} records skipped: their prompt fills all {cfg.model.seq_len} tokens")
-    skipped = set(dropped)
-    kept = [r for i, r in enumerate(records) if i not in skipped]
-    return list(zip(kept, examples))
 
 
 AUTO_BATCH_CAP = 64

@@ -1,0 +1,54 @@
+"""prepare.prepare: one way from records to rows, for training, `finetune eval` and the bench."""
+
+import pytest
+from conftest import make_records
+
+from finetune import prepare, presets
+from finetune.config import Config
+from finetune.data import Record
+from finetune.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return presets.tiny_tokenizer()
+
+
+def config(**train) -> Config:
+    cfg = Config()
+    cfg.model.seq_len, cfg.data.template, cfg.data.eval_fraction = 64, "dolly", 0.25
+    for key, value in {"batch_size": 2, "seed": 3, **train}.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def records(n: int) -> list[Record]:
+    return [Record(**r) for r in make_records(n)]
+
+
+def test_eval_scores_exactly_the_records_training_held_out(tokenizer):
+    cfg = config()
+    trained = prepare.prepare(records(24), tokenizer, cfg, packed=True)
+    scored = prepare.prepare(records(24), tokenizer, cfg)  # as `finetune eval` calls it
+    assert [r for r, _ in scored.held_out] == [r for r, _ in trained.held_out] and len(trained.held_out) == 6
+    assert not {r.instruction for r, _ in trained.train} & {r.instruction for r, _ in trained.held_out}
+    assert (scored.held_out_rows["token_ids"] == trained.held_out_rows["token_ids"]).all()
+    assert scored.rows is None and trained.rows["token_ids"].shape[1] == 64
+    assert len(prepare.prepare(records(24), tokenizer, cfg, split=False).held_out) == 24  # another file: all of it
+
+
+def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
+    seen = {}
+
+    def probe(arrays, rows):
+        seen.update(trial=len(arrays["token_ids"]), rows=rows)
+        return 4
+
+    prepared = prepare.prepare(records(80), tokenizer, config(batch_size="auto"), packed=False, probe=probe)
+    assert seen == {"trial": 64, "rows": 80} and prepared.batch_size == 4  # unpacked: a row per example
+    assert len(prepared.held_out) == 20 and not prepared.packed
+
+
+def test_too_few_training_records_for_a_batch_are_refused(tokenizer):
+    with pytest.raises(UserError, match="fewer than one batch of 8"):
+        prepare.prepare(records(10), tokenizer, config(batch_size=8), packed=False)
