@@ -246,7 +246,7 @@ CASES = [
     data("data-not-utf8", '{"instruction": "\u00e9t\u00e9", "response": "b"}\n'.encode("cp1252"), "is not UTF-8"),
     data("data-lone-surrogate", '{"instruction": "\\ud800", "response": "x"}\n', ":1: field 'instruction'"),
     Case("data-missing", lambda w: ["--data", w.tmp / "missing.jsonl"], "missing.jsonl does not exist"),
-    Case("data-directory", lambda w: ["--data", w.tmp], "is not a file"),
+    Case("data-directory", lambda w: ["--data", w.tmp], "is a folder; give the path of one data file"),
     Case(
         "data-unreadable",
         lambda w: ["--data", w.tmp / "unreadable.jsonl"],
