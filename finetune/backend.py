@@ -334,6 +334,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
             count, why = torch_threads(threads)
             torch.set_num_threads(count)
             tweaks["torch.intra_op_threads"] = f"{count} ({why})"
+            tweaks["threads"] = count
             # Left at torch's default: one inter-op thread against two measured no faster (tiny, 2 cores).
             tweaks["torch.inter_op_threads"] = torch.get_num_interop_threads()
             if keep_float16_matmuls():

@@ -308,8 +308,8 @@ def newest(run_dir: Path) -> Checkpoint | None:
 
 
 def resumed_config(cfg, saved: dict):
-    """`cfg` with the batch size, learning rate and precision the checkpoint resolved, where `cfg` leaves them
-    to be chosen.
+    """`cfg` with the batch size, learning rate, precision and CPU threads the checkpoint resolved, where `cfg`
+    leaves them to be chosen.
 
     A recipe's `batch_size: null` or `auto` must continue at the batch the run used, not at a new default.
     """
@@ -319,6 +319,8 @@ def resumed_config(cfg, saved: dict):
         updates["batch_size"] = train["batch_size"]
     if cfg.train.learning_rate is None:
         updates["learning_rate"] = train["learning_rate"]
+    if cfg.train.threads is None:  # PyTorch's CPU threads: the count sets the order of its sums
+        updates["threads"] = train.get("threads")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
     if cfg.data.template == "auto":  # the template auto chose for the data when the run started
         saved_template = saved["config"].get("data", {}).get("template", "dolly")

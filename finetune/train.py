@@ -137,8 +137,11 @@ def _devices(cfg: Config, tweaks: dict, source: presets.Source) -> tuple[Config,
     distribution as metrics.json records it or None, whether to recompute activations).
     """
     tweaks.update(backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads))
-    # auto is decided once and saved decided: a run resumed on another machine trains on in the same dtype.
+    # auto is decided once and saved decided: a run resumed on another machine trains on in the same dtype, and
+    # with PyTorch's CPU threads as many as before (its reductions' order, so the last bits, follow the count).
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=tweaks["dtype_policy"]))
+    if cfg.train.threads is None and "threads" in tweaks:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=tweaks["threads"]))
     backend.set_seed(cfg.train.seed)
     batch_size = cfg.train.batch_size or backend.DEFAULT_BATCH_SIZE[cfg.backend]
     if cfg.train.batch_size is None:  # the user chose none: pick one the mesh's data axis splits

@@ -368,3 +368,17 @@ def test_a_resumed_run_keeps_the_precision_auto_became():
     chosen = Config()
     chosen.model.precision = "float32"
     assert checkpoint.resumed_config(chosen, saved).model.precision == "float32"  # then check_compatible refuses
+
+
+def test_a_resumed_run_keeps_its_cpu_thread_count():
+    """PyTorch's CPU sums follow its thread count: picked from the idle cores when a run starts, it is kept for the
+    resume (one worker of a busy machine picked 1 where the run had 2, and the adapter differed in its last bits)."""
+    from finetune.config import Config
+
+    saved = {"config": {"train": {"batch_size": 2, "learning_rate": 1e-3, "threads": 2}, "model": {}}}
+    assert checkpoint.resumed_config(Config(), saved).train.threads == 2
+    chosen = Config()
+    chosen.train.threads = 1
+    assert checkpoint.resumed_config(chosen, saved).train.threads == 1  # the user's own count wins
+    del saved["config"]["train"]["threads"]  # a checkpoint from before: still chosen afresh
+    assert checkpoint.resumed_config(Config(), saved).train.threads is None
