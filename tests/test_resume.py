@@ -375,7 +375,9 @@ def test_a_resumed_run_keeps_its_cpu_thread_count():
     resume (one worker of a busy machine picked 1 where the run had 2, and the adapter differed in its last bits)."""
     from finetune.config import Config
 
-    saved = {"config": {"train": {"batch_size": 2, "learning_rate": 1e-3, "threads": 2}, "model": {}}}
+    saved = {
+        "config": {"train": {"batch_size": 2, "learning_rate": 1e-3, "threads": 2}, "model": {"precision": "float32"}}
+    }
     assert checkpoint.resumed_config(Config(), saved).train.threads == 2
     chosen = Config()
     chosen.train.threads = 1
