@@ -3,9 +3,12 @@
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -95,3 +98,53 @@ def tiny_args():
         "--set",
         "train.max_new_tokens=4",
     ]
+
+
+# === Runs trained, killed and resumed through the CLI (test_checkpoint, test_loop, test_outputs, test_runs) ===
+
+runner = CliRunner()
+TESTS = Path(__file__).resolve().parent
+# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps.
+SHORT = [
+    "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
+    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
+]  # fmt: skip
+
+
+def invoke(*args):
+    from finetune.cli import app  # imported once KERAS_BACKEND is set, above
+
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def train(out, *flags):
+    result = invoke("gemma", *SHORT, *flags, "--output", out)
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    return result
+
+
+def run_with_fault(out, fault: str, step: int, *flags, mark=None):
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "FAULT": fault, "FAULT_STEP": str(step)}
+    if mark:
+        env["FAULT_MARK"] = str(mark)
+    args = [sys.executable, str(TESTS / "fault_run.py"), "gemma", *SHORT, *flags, "--output", str(out)]
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+
+
+def train_losses(out):
+    return [r["train_loss"] for r in _history(out) if r["train_loss"]]
+
+
+def _history(out):
+    import csv
+
+    return list(csv.DictReader((out / "history.csv").open()))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """An 8-step run, never stopped, that killed and resumed runs are compared against; they only read it, so one
+    per worker serves every file."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(out)
+    return out
