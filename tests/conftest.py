@@ -71,6 +71,78 @@ def make_records(n: int, with_context_every: int = 3):
     return out
 
 
+# === Records in every format finetune reads: one builder per format (test_data, test_templates, test_datacheck,
+# test_train), and a writer for every container that can hold them ===
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 plus 3?"},
+        {"role": "assistant", "content": "6."},
+    ]
+}
+
+
+def alpaca(i):
+    return {"instruction": f"Add {i} and 1.", "input": "" if i % 2 else f"{i} + 1", "output": f"{i + 1}."}
+
+
+def chat(i):
+    return {"messages": [{"role": "user", "content": f"Add {i} and 1."}, {"role": "assistant", "content": f"{i + 1}."}]}
+
+
+def sharegpt(i):
+    turns = [{"from": "human", "value": f"Add {i} and 1."}, {"from": "gpt", "value": f"{i + 1}."}]
+    return {"conversations": turns} if i % 2 else {"system": "Be brief.", "conversations": turns}
+
+
+def completion(i):
+    return {"prompt": f"{i} plus 1 is", "completion": f" {i + 1}."}
+
+
+def text(i):
+    return {"text": f"The number after {i} is {i + 1}, and the one after that is {i + 2}."}
+
+
+def dolly(i):
+    return make_records(i + 1)[i]
+
+
+BUILDERS = {
+    "dolly": dolly,
+    "alpaca": alpaca,
+    "chat": chat,
+    "sharegpt": sharegpt,
+    "completion": completion,
+    "text": text,
+}
+FLAT = ("dolly", "alpaca", "completion", "text")
+CONTAINERS = ("jsonl", "json", "csv", "parquet")
+
+
+def write(path, rows):
+    """rows as the file its suffix names."""
+    if path.suffix == ".jsonl":
+        write_jsonl(path, rows)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    elif path.suffix == ".csv":
+        import csv
+
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 @pytest.fixture
 def backend_name():
     return BACKEND
