@@ -143,6 +143,22 @@ def write(path, rows):
     return path
 
 
+def examples_of(lengths, seed=0, vocabulary=200):
+    """Tokenized examples of these lengths: random ids between BOS and EOS, the loss on the last two thirds."""
+    import numpy as np
+
+    from finetune import batching
+    from finetune.batching import Example
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = [batching.BOS, *(int(t) for t in rng.integers(10, vocabulary, size=n - 2)), batching.EOS]
+        prompt = n // 3
+        out.append(Example(ids, [0.0] * (prompt + 1) + [1.0] * (n - prompt - 1)))
+    return out
+
+
 @pytest.fixture
 def backend_name():
     return BACKEND

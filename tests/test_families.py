@@ -7,7 +7,7 @@ tests/test_checkpoint.py gets by killing `tiny` for real) resumes to the same
 adapter, bit for bit; the merged export loads in plain keras-hub with the
 run's logits; and, in the PyTorch suite, the hf and peft exports give them
 in transformers and PEFT. Packing is checked on the models directly in
-tests/test_packing.py.
+tests/test_attention.py.
 """
 
 import json
