@@ -159,6 +159,37 @@ def examples_of(lengths, seed=0, vocabulary=200):
     return out
 
 
+# === Parameter counts, for test_archs and test_plan ===
+
+# keras-hub's published `params` for each preset (keras_hub/src/models/gemma*/gemma*_presets.py).
+PUBLISHED = {
+    "gemma_2b_en": 2_506_172_416,
+    "gemma_7b_en": 8_537_680_896,
+    "gemma2_2b_en": 2_614_341_888,
+    "gemma2_9b_en": 9_241_705_984,
+    "gemma2_27b_en": 27_227_128_320,
+    "gemma3_270m": 268_098_176,
+    "gemma3_1b": 999_885_952,
+    "gemma3_4b_text": 3_880_099_328,
+    "gemma3_12b_text": 11_765_788_416,
+    "gemma3_27b_text": 27_009_002_240,
+    "gemma3_4b": 4_299_915_632,
+    "gemma3_12b": 12_187_079_280,
+    "gemma3_27b": 27_432_062_576,
+    "gemma3n_e2b": 5_439_595_456,
+    "gemma3n_e4b": 7_850_135_376,
+}
+
+
+# keras-hub publishes Gemma 4's counts rounded: (params, to the nearest).
+ROUNDED = {
+    "gemma4_2b": (5_100_000_000, 10**8),
+    "gemma4_4b": (7_900_000_000, 10**8),
+    "gemma4_26b_a4b": (26_000_000_000, 10**9),
+    "gemma4_31b": (31_000_000_000, 10**9),
+}
+
+
 @pytest.fixture
 def backend_name():
     return BACKEND
