@@ -267,3 +267,38 @@ def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole") / "run"
     train(out)
     return out
+
+
+# === The tiny Gemma with LoRA, trained on packed rows (test_objective, test_quantized, test_remat) ===
+
+
+def packed_rows(tokenizer, seq_len=48, n=12):
+    from finetune import batching, packing
+
+    pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * (i % 5 + 1)) for i in range(n)]
+    examples, _ = batching.tokenize(pairs, tokenizer, seq_len)
+    return packing.pack(examples, seq_len)
+
+
+def lora_model(precision="float32", quantize=None, remat=False):
+    """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value."""
+    import keras
+
+    from finetune import backend, model, presets
+
+    backend.set_seed(0)
+    keras.config.set_dtype_policy(backend.POLICIES[precision][1])
+    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
+    model.enable_lora(lm, 2, None, ["query", "value"], seed=0)
+    return lm, preprocessor
+
+
+def lora_train_losses(lm, steps=6, learning_rate=1e-2):
+    """The loss of each of `steps` steps of `lm` on packed_rows, 4 rows a batch. The files import it as
+    `train_losses`, the name it had before these files shared it; a run's train_losses above reads history.csv."""
+    from finetune import batching, model, presets
+
+    trainer = model.compile(lm, learning_rate, 0.0)
+    rows = packed_rows(presets.tiny_tokenizer())
+    order = batching.TrainOrder(rows, 4, seed=0)
+    return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
