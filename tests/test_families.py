@@ -8,6 +8,8 @@ adapter, bit for bit; the merged export loads in plain keras-hub with the
 run's logits; and, in the PyTorch suite, the hf and peft exports give them
 in transformers and PEFT. Packing is checked on the models directly in
 tests/test_attention.py.
+
+End to end: families.py's knowledge of each family is checked through every module a run passes.
 """
 
 import json
