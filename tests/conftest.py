@@ -1,4 +1,7 @@
-"""Shared fixtures. The Keras backend comes from KERAS_BACKEND (one pytest process per backend)."""
+"""Shared fixtures, and the helpers that two or more test files use, each section naming its files.
+
+The Keras backend comes from KERAS_BACKEND (one pytest process per backend).
+"""
 
 import contextlib
 import json
@@ -141,6 +144,9 @@ def write(path, rows):
 
         pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+# === Tokenized examples, for packing rows (test_attention, test_packing) ===
 
 
 def examples_of(lengths, seed=0, vocabulary=200):
