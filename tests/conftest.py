@@ -1,11 +1,17 @@
-"""Shared fixtures. The Keras backend comes from KERAS_BACKEND (one pytest process per backend)."""
+"""Shared fixtures, and the helpers that two or more test files use, each section naming its files.
+
+The Keras backend comes from KERAS_BACKEND (one pytest process per backend).
+"""
 
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -68,6 +74,128 @@ def make_records(n: int, with_context_every: int = 3):
     return out
 
 
+# === Records in every format finetune reads: one builder per format (test_data, test_templates, test_datacheck,
+# test_train), and a writer for every container that can hold them ===
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 plus 3?"},
+        {"role": "assistant", "content": "6."},
+    ]
+}
+
+
+def alpaca(i):
+    return {"instruction": f"Add {i} and 1.", "input": "" if i % 2 else f"{i} + 1", "output": f"{i + 1}."}
+
+
+def chat(i):
+    return {"messages": [{"role": "user", "content": f"Add {i} and 1."}, {"role": "assistant", "content": f"{i + 1}."}]}
+
+
+def sharegpt(i):
+    turns = [{"from": "human", "value": f"Add {i} and 1."}, {"from": "gpt", "value": f"{i + 1}."}]
+    return {"conversations": turns} if i % 2 else {"system": "Be brief.", "conversations": turns}
+
+
+def completion(i):
+    return {"prompt": f"{i} plus 1 is", "completion": f" {i + 1}."}
+
+
+def text(i):
+    return {"text": f"The number after {i} is {i + 1}, and the one after that is {i + 2}."}
+
+
+def dolly(i):
+    return make_records(i + 1)[i]
+
+
+BUILDERS = {
+    "dolly": dolly,
+    "alpaca": alpaca,
+    "chat": chat,
+    "sharegpt": sharegpt,
+    "completion": completion,
+    "text": text,
+}
+FLAT = ("dolly", "alpaca", "completion", "text")
+CONTAINERS = ("jsonl", "json", "csv", "parquet")
+
+
+def write(path, rows):
+    """rows as the file its suffix names."""
+    if path.suffix == ".jsonl":
+        write_jsonl(path, rows)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    elif path.suffix == ".csv":
+        import csv
+
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# === Tokenized examples, for packing rows (test_attention, test_packing) ===
+
+
+def examples_of(lengths, seed=0, vocabulary=200):
+    """Tokenized examples of these lengths: random ids between BOS and EOS, the loss on the last two thirds."""
+    import numpy as np
+
+    from finetune import batching
+    from finetune.batching import Example
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = [batching.BOS, *(int(t) for t in rng.integers(10, vocabulary, size=n - 2)), batching.EOS]
+        prompt = n // 3
+        out.append(Example(ids, [0.0] * (prompt + 1) + [1.0] * (n - prompt - 1)))
+    return out
+
+
+# === Parameter counts, for test_archs and test_plan ===
+
+# keras-hub's published `params` for each preset (keras_hub/src/models/gemma*/gemma*_presets.py).
+PUBLISHED = {
+    "gemma_2b_en": 2_506_172_416,
+    "gemma_7b_en": 8_537_680_896,
+    "gemma2_2b_en": 2_614_341_888,
+    "gemma2_9b_en": 9_241_705_984,
+    "gemma2_27b_en": 27_227_128_320,
+    "gemma3_270m": 268_098_176,
+    "gemma3_1b": 999_885_952,
+    "gemma3_4b_text": 3_880_099_328,
+    "gemma3_12b_text": 11_765_788_416,
+    "gemma3_27b_text": 27_009_002_240,
+    "gemma3_4b": 4_299_915_632,
+    "gemma3_12b": 12_187_079_280,
+    "gemma3_27b": 27_432_062_576,
+    "gemma3n_e2b": 5_439_595_456,
+    "gemma3n_e4b": 7_850_135_376,
+}
+
+
+# keras-hub publishes Gemma 4's counts rounded: (params, to the nearest).
+ROUNDED = {
+    "gemma4_2b": (5_100_000_000, 10**8),
+    "gemma4_4b": (7_900_000_000, 10**8),
+    "gemma4_26b_a4b": (26_000_000_000, 10**9),
+    "gemma4_31b": (31_000_000_000, 10**9),
+}
+
+
 @pytest.fixture
 def backend_name():
     return BACKEND
@@ -95,3 +223,88 @@ def tiny_args():
         "--set",
         "train.max_new_tokens=4",
     ]
+
+
+# === Runs trained, killed and resumed through the CLI (test_checkpoint, test_loop, test_outputs, test_runs) ===
+
+runner = CliRunner()
+TESTS = Path(__file__).resolve().parent
+# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps.
+SHORT = [
+    "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
+    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
+]  # fmt: skip
+
+
+def invoke(*args):
+    from finetune.cli import app  # imported once KERAS_BACKEND is set, above
+
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def train(out, *flags):
+    result = invoke("gemma", *SHORT, *flags, "--output", out)
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    return result
+
+
+def run_with_fault(out, fault: str, step: int, *flags, mark=None):
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "FAULT": fault, "FAULT_STEP": str(step)}
+    if mark:
+        env["FAULT_MARK"] = str(mark)
+    args = [sys.executable, str(TESTS / "fault_run.py"), "gemma", *SHORT, *flags, "--output", str(out)]
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+
+
+def train_losses(out):
+    return [r["train_loss"] for r in _history(out) if r["train_loss"]]
+
+
+def _history(out):
+    import csv
+
+    return list(csv.DictReader((out / "history.csv").open()))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """An 8-step run, never stopped, that killed and resumed runs are compared against; they only read it, so one
+    per worker serves every file."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(out)
+    return out
+
+
+# === The tiny Gemma with LoRA, trained on packed rows (test_objective, test_quantized, test_remat) ===
+
+
+def packed_rows(tokenizer, seq_len=48, n=12):
+    from finetune import batching, packing
+
+    pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * (i % 5 + 1)) for i in range(n)]
+    examples, _ = batching.tokenize(pairs, tokenizer, seq_len)
+    return packing.pack(examples, seq_len)
+
+
+def lora_model(precision="float32", quantize=None, remat=False):
+    """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value."""
+    import keras
+
+    from finetune import backend, model, presets
+
+    backend.set_seed(0)
+    keras.config.set_dtype_policy(backend.POLICIES[precision][1])
+    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
+    model.enable_lora(lm, 2, None, ["query", "value"], seed=0)
+    return lm, preprocessor
+
+
+def lora_train_losses(lm, steps=6, learning_rate=1e-2):
+    """The loss of each of `steps` steps of `lm` on packed_rows, 4 rows a batch. The files import it as
+    `train_losses`, the name it had before these files shared it; a run's train_losses above reads history.csv."""
+    from finetune import batching, model, presets
+
+    trainer = model.compile(lm, learning_rate, 0.0)
+    rows = packed_rows(presets.tiny_tokenizer())
+    order = batching.TrainOrder(rows, 4, seed=0)
+    return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]

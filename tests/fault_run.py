@@ -1,6 +1,6 @@
 """Run the finetune CLI with a fault injected right after the checkpoint of a given step.
 
-Used by test_resume.py in a subprocess: FAULT names a signal (SIGKILL, SIGTERM,
+Used by conftest.run_with_fault in a subprocess: FAULT names a signal (SIGKILL, SIGTERM,
 SIGINT) that the process sends itself after saving the checkpoint of step
 FAULT_STEP; FAULT_MARK, if set, is a file that receives the time of sending.
 """

@@ -1,4 +1,7 @@
-"""The Python API a notebook uses: run, evaluate, generate and load, with the CLI's checks and messages."""
+"""The Python API a notebook uses: run, evaluate, generate and load, with the CLI's checks and messages.
+
+End to end: whole tiny runs through finetune/__init__.py, which has no test file of its own but this one.
+"""
 
 import keras_hub
 import pytest

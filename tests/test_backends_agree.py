@@ -3,6 +3,8 @@
 Runs once, from the JAX suite: the other two backends run as subprocesses,
 since Keras fixes its backend at its first import. Same seed, same batches,
 LoRA factors drawn from one numpy generator: every logged loss agrees to 1%.
+
+End to end, across the three backends: it mirrors no one module.
 """
 
 import csv

@@ -4,6 +4,8 @@ Each case runs the CLI in-process and must exit 2 with one or two lines on
 stderr that start with `error: ` and name the file, line, flag or key at
 fault, with no traceback and no run directory (nor `.run*` staging sibling)
 left behind. A second table holds odd but valid data, which must load.
+
+End to end: a refusal may come from any module, so the corpus mirrors none and runs the whole CLI.
 """
 
 import json

@@ -1,4 +1,7 @@
-"""The CLI: help, flag precedence, refusals and exit codes; the bad-input corpus is test_bad_inputs.py."""
+"""The CLI: help, flag precedence, refusals and exit codes; the bad-input corpus is test_bad_inputs.py.
+
+End to end: the `finetune` command runs in-process, as a user types it, down through every module it calls.
+"""
 
 import json
 import os

@@ -1,7 +1,20 @@
 import json
+import re
 
 import pytest
-from conftest import make_records, write_jsonl
+from conftest import (
+    BUILDERS,
+    CHAT,
+    CONTAINERS,
+    FLAT,
+    alpaca,
+    completion,
+    make_records,
+    sharegpt,
+    text,
+    write,
+    write_jsonl,
+)
 
 from finetune import data
 from finetune.errors import UserError
@@ -238,3 +251,150 @@ def test_a_pathological_recipe_is_a_user_error(tmp_path, body):
     path.write_text(body + "\n", encoding="utf-8")
     with pytest.raises(UserError, match="recipe"):
         config.read_recipe(str(path))
+
+
+def test_alpaca_records_read_with_input_as_context(tmp_path):
+    records, found = data.read(str(write_jsonl(tmp_path / "a.jsonl", [alpaca(0), alpaca(1)])))
+    assert found == "alpaca"
+    assert records[0] == data.Record(instruction="Add 0 and 1.", response="1.", context="0 + 1")
+    assert records[1].context == ""
+
+
+def test_a_json_array_reads_like_json_lines(tmp_path):
+    rows = make_records(3)
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=2))
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    assert data.read(str(tmp_path / "d.json")) == data.read(str(tmp_path / "d.jsonl"))
+
+
+def test_chat_records_keep_every_turn_and_put_the_system_turn_first(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps([CHAT]))
+    (record,), found = data.read(str(tmp_path / "c.json"))
+    assert found == "chat"
+    assert record.turns == (
+        ("user", "Answer briefly.\n\nWhat is 2 plus 2?"),
+        ("assistant", "4."),
+        ("user", "And 3 plus 3?"),
+        ("assistant", "6."),
+    )
+    assert record.response == "6."
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            [alpaca(0), {"instruction": "x", "input": "y"}],
+            "item 2: record has no 'output' field; this file is in Alpaca",
+        ),
+        ([{"messages": []}], "item 1: `messages` must be a non-empty list"),
+        ([{"messages": [{"role": "assistant", "content": "hi"}]}], "message 1 should be the user's"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "the last message must be the assistant's"),
+        ([{"messages": [{"role": "robot", "content": "hi"}]}], "message 1 has role 'robot'"),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}],
+            "message 2 is empty",
+        ),
+        ([{"messages": [{"role": "user", "content": 3}]}], "message 1 must be an object with a `role` and a string"),
+        ([], "the JSON array is empty"),
+    ],
+)
+def test_bad_records_name_the_item_and_the_fix(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(UserError, match=re.escape(message)):
+        data.read(str(path))
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+@pytest.mark.parametrize("fmt", sorted(BUILDERS))
+def test_every_container_reads_every_format_the_same(tmp_path, fmt, container):
+    rows = [BUILDERS[fmt](i) for i in range(5)]
+    path = write(tmp_path / f"d.{container}", rows)
+    if container == "csv" and fmt not in FLAT:
+        with pytest.raises(UserError, match=f"{fmt} records hold lists of turns, which a CSV cell cannot"):
+            data.read(str(path))
+        return
+    records, found = data.read(str(path))
+    assert found == fmt
+    assert (records, found) == data.read(str(write(tmp_path / "same.jsonl", rows)))
+
+
+def test_sharegpt_reads_as_chat_with_its_system_turn_first(tmp_path):
+    (record,), found = data.read(str(write(tmp_path / "s.json", [sharegpt(0)])))
+    assert found == "sharegpt"
+    assert record.turns == (("user", "Be brief.\n\nAdd 0 and 1."), ("assistant", "1."))
+
+
+def test_completion_and_text_records():
+    assert data._record(completion(3), "x", "completion") == data.Record(instruction="3 plus 1 is", response=" 4.")
+    assert data._record(text(1), "x", "text") == data.Record(instruction="", response=text(1)["text"])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ([{"question": "a", "answer": "b"}], "a record with 'question', 'answer' is in no format finetune reads"),
+        ([{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}], "as lists of turns are not read"),
+        (
+            [completion(0), {"prompt": "a"}],
+            "item 2: record has no 'completion' field; this file is in prompt/completion",
+        ),
+        ([text(0), {"text": ""}], "item 2: field 'text' is empty"),
+        ([{"conversations": [{"from": "robot", "value": "a"}]}], "message 1 has from 'robot'"),
+        ([{"conversations": [{"from": "gpt", "value": "a"}]}], "message 1 should be the user's"),
+        ([{"conversations": [{"from": "human", "text": "a"}]}], "an object with a `from` and a string `value`"),
+        ([{"conversations": "hi"}], "`conversations` must be a non-empty list of {from, value} turns"),
+    ],
+)
+def test_bad_records_of_the_newer_formats_name_the_item_and_the_fix(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(UserError, match=re.escape(message)):
+        data.read(str(path))
+
+
+def test_the_unknown_format_message_lists_every_format(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "a"}])
+    with pytest.raises(UserError) as e:
+        data.read(str(path))
+    assert all(name in str(e.value) for name in data.FORMATS) and len(str(e.value).splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("rows.csv", 'instruction,response\na,b\n"c,d\ne,f\n', "rows.csv:3: not valid CSV (unexpected end of data)"),
+        ("rows.csv", 'instruction,response\na,"b"c\n', "rows.csv:2: not valid CSV"),
+        ("rows.csv", "instruction,response\na,b,c\n", "rows.csv:2: this row has more cells than the header"),
+        ("rows.csv", "instruction,response\n", "holds no records"),
+        ("rows.parquet", "PAR1 but nothing else", "cannot read this Parquet file"),
+        ("rows.parquet", '{"instruction": "a", "response": "b"}', "is not a Parquet file"),
+        ("rows.csv", b"instruction,response\na,b\n\xff,c\n", "rows.csv:3 is not UTF-8 text"),
+    ],
+)
+def test_bad_csv_and_parquet_files_name_the_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UserError, match=re.escape(message)):
+        data.read(str(path))
+
+
+@pytest.mark.parametrize("container", ["csv", "parquet"])
+def test_pathological_cells_are_read(tmp_path, container):
+    rows = [
+        {"instruction": "Say hi.", "response": "Hi.", "blob": "x" * 5_000_000},  # past csv's 128 KiB field limit
+        {"instruction": "NUL\x00inside", "response": "ok", "blob": "9" * 5000},
+        {"instruction": 'quote " and, comma\nnewline', "response": "fine", "blob": ""},
+    ]
+    records, found = data.read(str(write(tmp_path / f"odd.{container}", rows)))
+    assert found == "dolly" and [r.instruction for r in records] == [r["instruction"] for r in rows]
+
+
+def test_deeply_nested_parquet_columns_are_ignored(tmp_path):
+    deep = "x"
+    for _ in range(40):
+        deep = [deep]
+    rows = [{"instruction": "a", "response": "b", "meta": deep}]
+    (record,), _ = data.read(str(write(tmp_path / "deep.parquet", rows)))
+    assert record.response == "b"

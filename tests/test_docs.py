@@ -24,6 +24,8 @@ no command escapes it.
 
 Runtime: the quickstart (one epoch of the tiny model) and one more epoch in docs/resume.md are the bulk; every
 other training command is `--max-steps 2` or none at all.
+
+End to end: the guides' commands, as a reader runs them; it mirrors no one module.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
 One short run per family (module fixture, packed) serves every check: its
 eval loss falls; a copy of it cut back to what a kill -9 right after its
 step-3 checkpoint leaves on disk (that checkpoint, no results: what
-tests/test_resume.py gets by killing `tiny` for real) resumes to the same
+tests/test_checkpoint.py gets by killing `tiny` for real) resumes to the same
 adapter, bit for bit; the merged export loads in plain keras-hub with the
 run's logits; and, in the PyTorch suite, the hf and peft exports give them
 in transformers and PEFT. Packing is checked on the models directly in
-tests/test_packing.py.
+tests/test_attention.py.
+
+End to end: families.py's knowledge of each family is checked through every module a run passes.
 """
 
 import json
@@ -27,7 +29,7 @@ from finetune import checkpoint, families, model, outputs, presets
 FAMILIES = ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"]
 TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
 TOKENS = np.array([[2, 50, 61, 72, 83, 94, 105, 116, 127, 5, 6, 7, 300, 301]], dtype="int32")
-# Each backend's suite also kills one family's run for real (tests/test_resume.py kills `tiny` on each).
+# Each backend's suite also kills one family's run for real (tests/test_checkpoint.py kills `tiny` on each).
 KILLED_FOR_REAL = {"jax": "tiny-gemma4", "torch": "tiny-gemma3n", "tensorflow": "tiny-gemma4-moe"}
 KILL_AFTER_STEP_3 = """
 import json, os, signal, sys

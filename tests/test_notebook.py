@@ -7,6 +7,8 @@ log lines and no ipywidgets warning, the progress must be one updating line,
 and the interrupt must stop training with a checkpoint. One backend runs it
 (a kernel costs a few seconds, the notebook ~30 s); the API's backends are
 checked everywhere else.
+
+End to end, in a real kernel: it mirrors no one module.
 """
 
 import os

@@ -1,33 +1,19 @@
-"""The response-token loss at gathered positions (objective.py), the bf16 base, the quantized base and remat.
+"""The response-token loss at gathered positions (objective.py), the 16-bit base, and the rows a batch gathers from.
 
 Each compares what training does now against a reference computed another way:
 the full vocabulary projection with Keras' own weighted cross-entropy, a float32
-base, keras' own quantize(), and the same run without remat.
+base, each data shard alone, the whole row. The quantized base is checked so in
+test_quantized.py, and remat in test_remat.py.
 """
 
 import keras
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import float32_policy
+from conftest import float32_policy, lora_model, packed_rows
+from conftest import lora_train_losses as train_losses
 
-from finetune import backend, batching, model, objective, packing, presets, quantized
-
-TINY = presets.Source("tiny", "tiny", "gemma")
-
-
-def packed_rows(tokenizer, seq_len=48, n=12):
-    pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * (i % 5 + 1)) for i in range(n)]
-    examples, _ = batching.tokenize(pairs, tokenizer, seq_len)
-    return packing.pack(examples, seq_len)
-
-
-def lora_model(precision="float32", quantize=None, remat=False):
-    backend.set_seed(0)
-    keras.config.set_dtype_policy(backend.POLICIES[precision][1])
-    lm, preprocessor = model.build(TINY, 48, precision, quantize, remat)
-    model.enable_lora(lm, 2, None, ["query", "value"], seed=0)
-    return lm, preprocessor
+from finetune import batching, model, objective, presets
 
 
 def lora_values(lm):
@@ -113,13 +99,6 @@ def test_loss_and_gradient_against_numpy_with_and_without_a_soft_cap(soft_cap):
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-7)
 
 
-def train_losses(lm, steps=6, learning_rate=1e-2):
-    trainer = model.compile(lm, learning_rate, 0.0)
-    rows = packed_rows(presets.tiny_tokenizer())
-    order = batching.TrainOrder(rows, 4, seed=0)
-    return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
-
-
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_a_16_bit_base_trains_like_float32_with_float32_factors(precision):
     """Stated tolerance: each of 6 losses within 2% of the float32 base's (bf16 keeps 8 bits of mantissa, float16
@@ -136,87 +115,6 @@ def test_a_16_bit_base_trains_like_float32_with_float32_factors(precision):
         keras.config.set_dtype_policy(before)
     np.testing.assert_allclose(narrow, f32, rtol=2e-2)
     assert narrow[-1] < narrow[0]
-
-
-def test_remat_changes_no_loss():
-    with float32_policy():
-        plain = train_losses(lora_model()[0], steps=3)
-        recomputed = train_losses(lora_model(remat=True)[0], steps=3)
-    np.testing.assert_allclose(recomputed, plain, rtol=1e-5)
-
-
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_a_base_loaded_quantized_equals_keras_quantize_of_the_float_base(mode):
-    """Built quantized and filled layer by layer, the decoder kernels are bit for bit keras' quantize()."""
-    before = keras.config.dtype_policy()
-    try:
-        keras.config.set_dtype_policy("mixed_bfloat16")
-        vocabulary = presets.tiny_tokenizer().vocabulary_size()
-        reference = presets.tiny_backbone(vocabulary, dtype="bfloat16")
-        reference.quantize(mode)
-        ours = presets.tiny_backbone(vocabulary, dtype=quantized.policies("bfloat16", mode))
-    finally:
-        keras.config.set_dtype_policy(before)
-    expected = {v.path: keras.ops.convert_to_numpy(v) for v in reference.weights}
-    decoder = [v for v in ours.weights if v.path.startswith("decoder_block")]
-    assert {v.path.rsplit("/", 1)[-1] for v in decoder} >= {"kernel", "kernel_scale"}
-    for variable in decoder:
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path])
-    # The embedding is also the output projection: it stays bfloat16 (keras' quantize() makes it int).
-    assert ours.token_embedding.embeddings.dtype == "bfloat16"
-
-
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_a_quantized_base_s_own_call_trains_as_keras_quantized_call(mode):
-    """Each quantized layer's own call (its kernel dequantized when its input arrives, LoRA beside it) against
-    keras' quantized call on the same weights: the same losses over steps, so the same outputs and gradients."""
-    with float32_policy():
-        ours = train_losses(lora_model(quantize=mode)[0], steps=3)
-        if mode == "int8" and keras.config.backend() == "torch":
-            # keras' own int8 call fails to train on PyTorch (its backward adjusts the scale's axes a second
-            # time, einsum_dense.py, keras 3.15), which ours does not inherit: JAX and TensorFlow compare.
-            assert np.isfinite(ours).all() and ours[-1] < ours[0]
-            return
-        lm, _ = lora_model(quantize=mode)
-        layers = quantized.quantized_layers(lm.backbone)
-        assert layers and all("quantized_call" in vars(layer) for layer in layers)
-        for layer in layers:
-            del layer.call, layer.quantized_call  # keras' own again
-        theirs = train_losses(lm, steps=3)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
-    assert ours[-1] < ours[0]
-
-
-@pytest.mark.skipif(keras.config.backend() != "jax", reason="XLA's compiled memory: JAX only")
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_xla_keeps_one_dequantized_kernel_at_a_time(mode):
-    """Eight quantized layers' input gradient, compiled: its scratch memory holds about one layer's float kernel.
-
-    keras' own call let XLA dequantize every kernel up front and keep them all to
-    the backward (8 float32 kernels, 32 MiB here; gemma-7b asked 34.4 GiB so)."""
-    import jax
-    from keras.src.backend.jax.core import StatelessScope
-
-    with float32_policy():
-        layers = []
-        for _ in range(8):
-            layer = keras.layers.EinsumDense("btd,df->btf", output_shape=(None, 1024))
-            layer.build((1, 4, 1024))
-            layer.quantize(mode)
-            quantized.weights_only_layer(layer)
-            assert model.beside_the_kernel(layer)
-            layers.append(layer)
-    variables = [v for layer in layers for v in layer.variables]
-
-    def loss(x, values):
-        with StatelessScope(state_mapping=list(zip(variables, values))):
-            for layer in layers:
-                x = keras.ops.tanh(layer(x))
-        return keras.ops.sum(x)
-
-    compiled = jax.jit(jax.grad(loss)).lower(np.ones((1, 4, 1024), "float32"), [v.value for v in variables]).compile()
-    kernel_bytes = 1024 * 1024 * 4
-    assert compiled.memory_analysis().temp_size_in_bytes < 2 * kernel_bytes
 
 
 def test_a_confident_softmax_keeps_its_gradient_in_bfloat16():
@@ -289,16 +187,3 @@ def test_a_batch_cut_to_its_longest_row_scores_as_the_whole_row():
         whole = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48)[0])
         cut = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48, length)[0])
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-6)
-
-
-def test_lora_factors_stay_float32_on_an_int4_bfloat16_base():
-    before = keras.config.dtype_policy()
-    try:
-        lm, _ = lora_model("bfloat16", quantize="int4")
-        assert {v.dtype for v in lm.trainable_variables} == {"float32"}
-        frozen = {v.path.rsplit("/", 1)[-1]: v.dtype for v in lm.backbone.weights if not v.trainable}
-        assert frozen["embeddings"] == "bfloat16" and "int8" in set(frozen.values())  # int4 packed in int8
-        losses = train_losses(lm, steps=4)
-    finally:
-        keras.config.set_dtype_policy(before)
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -1,7 +1,12 @@
+"""The run directory (outputs.py): checked before any work, claimed, published file by file, never lost to a
+failed overwrite or taken by a second run."""
+
 import pytest
+import yaml
+from conftest import SHORT, invoke, run_with_fault, train
 from typer.testing import CliRunner
 
-from finetune import outputs
+from finetune import checkpoint, outputs, runs
 from finetune.cli import app
 from finetune.errors import UserError
 
@@ -146,3 +151,48 @@ def test_a_users_samples_and_history_are_left_as_they_were(tmp_path, tiny_args, 
     assert (notes / "my-history.csv").read_bytes() == theirs["history.csv"]
     added = {p.name for p in notes.iterdir()} - {"my-samples.md", "my-history.csv"}
     assert {"samples.md", "history.csv", outputs.MARKER} <= added <= set(outputs.OWN_NAMES), added
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tmp_path):
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    before = (out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--overwrite", "--output", out)
+    assert result.exit_code == 2 and "diverged" in result.stderr
+    assert ((out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()) == before
+    train(out, "--overwrite", "--seed", "3")
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
+    assert {c.run_id for c in checkpoint.find(out)} == {metrics_run_id(out)}  # the old run's are gone
+
+
+def metrics_run_id(out):
+    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]["run_id"]
+
+
+def test_a_run_config_used_as_a_recipe_never_replaces_the_run(uninterrupted, tmp_path):
+    config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
+    assert config["output"] == {"dir": None, "overwrite": False}
+    result = invoke("gemma", "--recipe", uninterrupted / "config.yaml", "--output", uninterrupted)
+    assert result.exit_code == 2 and "already holds a run" in result.stderr
+
+
+def test_an_unfinished_run_is_not_restarted_by_accident(tmp_path):
+    out = tmp_path / "run"
+    assert run_with_fault(out, "SIGKILL", 2).returncode == -9
+    result = invoke("gemma", *SHORT, "--output", out)
+    assert result.exit_code == 2 and "checkpointed at step 2" in result.stderr and "--resume" in result.stderr
+
+
+def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = outputs.default_dir()
+    first = outputs.claim(path, default=True, overwrite=False, resume=False)
+    second = outputs.claim(path, default=True, overwrite=False, resume=False)  # the same second
+    assert first.path != second.path and second.path.name == f"{path.name}-2"
+    with pytest.raises(UserError, match="another finetune run is writing"):
+        outputs.claim(first.path, default=False, overwrite=True, resume=False)
+    busy = invoke("gemma", *SHORT, "--resume", "--output", first.path)  # refused before any model is built
+    assert busy.exit_code == 2 and "another finetune run is writing" in busy.stderr
+    assert runs.describe(first.path) is None  # a claim alone is not a run
+    first.release()
+    outputs.claim(first.path, default=False, overwrite=True, resume=False).release()

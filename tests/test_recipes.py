@@ -3,6 +3,9 @@
 A recipe that names a key the code no longer has, or a wrong type, fails here
 rather than in a user's first run. Pure config and the `recipes` command: no
 keras, so no backend.
+
+End to end over the shipped recipes (finetune/recipes/*.yaml, data rather than a module): each goes through
+config.py and the `recipes` command.
 """
 
 import pytest

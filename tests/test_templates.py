@@ -1,6 +1,9 @@
-import pytest
+import re
 
-from finetune import templates
+import pytest
+from conftest import BUILDERS, text
+
+from finetune import batching, data, presets, templates
 from finetune.data import Record
 from finetune.errors import UserError
 
@@ -84,3 +87,83 @@ def test_chat_records_take_the_family_s_own_turns_on_an_instruction_tuned_preset
                                          ("alpaca", "gemma-chat", "alpaca"), ("dolly", "gemma-chat", "dolly")]:  # fmt: skip
         chosen, note = choose("auto", found, family_chat, "tiny", "d.jsonl")
         assert chosen == expected and f"for {found} records" in note
+
+
+def test_gemma_chat_trains_on_every_assistant_turn_and_nothing_else():
+    record = data.Record(
+        instruction="",
+        response="",
+        turns=(("user", "Hi."), ("assistant", "Hello."), ("user", "Bye."), ("assistant", "Bye!")),
+    )
+    template = templates.get("gemma-chat")
+    pieces = template.segments(record)
+    assert [trained for _, trained in pieces] == [False, True, False, True]
+    prompt, response = template.apply(record)
+    assert prompt.endswith("Bye.<end_of_turn>\n<start_of_turn>model\n") and response == "Bye!<end_of_turn>"
+    assert prompt + response == "".join(text for text, _ in pieces)
+    tokenizer = presets.tiny_tokenizer()
+    (example,), _ = batching.tokenize([pieces], tokenizer, seq_len=256)
+    trained = [i for i, w in zip(example.token_ids, example.weights) if w]
+    expected = [int(t) for text in ("Hello.<end_of_turn>", "Bye!<end_of_turn>") for t in tokenizer.tokenize(text)]
+    assert trained == expected + [batching.EOS]
+
+
+def test_chat_records_with_an_instruction_template_are_refused():
+    record = data.Record(instruction="a", response="b", turns=(("user", "a"), ("assistant", "b")))
+    with pytest.raises(UserError, match="need --template gemma-chat"):
+        templates.get("dolly").segments(record)
+
+
+def test_a_text_records_sample_starts_from_its_opening_words():
+    record = data.Record(instruction="", response=text(5)["text"])
+    assert templates.get("none").sample_prompt(record) == "The number after"
+    assert templates.get("none").sample_prompt(data.Record(instruction="", response="One")) == "One"
+
+
+def trained_and_not(fmt, i=0):
+    """(ids that carry loss, ids that do not) of one record of `fmt`, rendered by the template auto picks."""
+    tokenizer = presets.tiny_tokenizer()
+    (record,), _ = data._records([("x", BUILDERS[fmt](i))], "x")
+    name, _ = templates.for_data("auto", fmt, "gemma-chat", "tiny", "x")
+    (example,), _ = batching.tokenize([templates.get(name).segments(record)], tokenizer, seq_len=256)
+    trained = [t for t, w in zip(example.token_ids, example.weights) if w]
+    untrained = [t for t, w in zip(example.token_ids, example.weights) if not w]
+    return trained, untrained, lambda s: [int(t) for t in tokenizer.tokenize(s)]
+
+
+@pytest.mark.parametrize(
+    "fmt, loss_on, no_loss_on",
+    [
+        ("dolly", ["0 plus 1 is 1."], ["Instruction:\nWhat is 0 plus 1?\n\nContext:\nNumbers 0 and 1.\n\nResponse:\n"]),
+        ("alpaca", ["1."], [templates.get("alpaca").apply(data.Record("Add 0 and 1.", "1.", "0 + 1"))[0]]),
+        ("chat", ["1.<end_of_turn>"], ["<start_of_turn>user\nAdd 0 and 1.<end_of_turn>\n<start_of_turn>model\n"]),
+        (
+            "sharegpt",
+            ["1.<end_of_turn>"],
+            ["<start_of_turn>user\nBe brief.\n\nAdd 0 and 1.<end_of_turn>\n<start_of_turn>model\n"],
+        ),
+        ("completion", [" 1."], ["0 plus 1 is"]),
+        ("text", ["The number after 0 is 1, and the one after that is 2."], []),
+    ],
+)
+def test_which_tokens_carry_the_loss_in_each_format(fmt, loss_on, no_loss_on):
+    trained, untrained, ids = trained_and_not(fmt)
+    assert trained == [i for s in loss_on for i in ids(s)] + [batching.EOS]
+    assert untrained == [batching.BOS] + [i for s in no_loss_on for i in ids(s)]
+
+
+@pytest.mark.parametrize(
+    "fmt, template, message",
+    [
+        ("text", "dolly", "holds text records, with no prompt for the dolly template; use --template none"),
+        ("dolly", "none", "holds dolly records, whose instruction and context need a template; use --template dolly"),
+        ("sharegpt", "alpaca", "holds sharegpt records (turns); train them with --template gemma-chat"),
+    ],
+)
+def test_a_template_that_cannot_render_the_data_is_refused(fmt, template, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        templates.for_data(template, fmt, "gemma-chat", "gemma_2b_en", "d.jsonl")
+
+
+def test_completion_records_take_an_instruction_template_when_asked():
+    assert templates.for_data("dolly", "completion", "gemma-chat", "tiny", "d") == ("dolly", None)

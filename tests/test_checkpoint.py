@@ -1,53 +1,21 @@
-"""Never lose a run: kill and resume, signals, the time limit, torn checkpoints, NaN, a full disk.
+"""Never lose a run: kill and resume, torn checkpoints, a full disk (checkpoint.py).
 
 Each test runs the tiny model on this process' backend. Runs that must die are
 subprocesses (tests/fault_run.py sends the signal right after a checkpoint);
-the rest run in-process through the CLI.
+the rest run in-process through the CLI. What stops a run (signals, the time
+limit, NaN, out of memory) is test_loop.py's; what guards its directory is
+test_outputs.py's.
 """
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import BACKEND
-from typer.testing import CliRunner
+from conftest import SHORT, _history, invoke, run_with_fault, train, train_losses
 
 from finetune import checkpoint, outputs, runs
-from finetune.cli import app
-from finetune.errors import UserError
-
-runner = CliRunner()
-TESTS = Path(__file__).resolve().parent
-# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps.
-SHORT = [
-    "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
-    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
-]  # fmt: skip
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def train(out, *flags):
-    result = invoke("gemma", *SHORT, *flags, "--output", out)
-    assert result.exit_code == 0, result.output + (result.stderr or "")
-    return result
-
-
-def run_with_fault(out, fault: str, step: int, *flags, mark=None):
-    env = {**os.environ, "KERAS_BACKEND": BACKEND, "FAULT": fault, "FAULT_STEP": str(step)}
-    if mark:
-        env["FAULT_MARK"] = str(mark)
-    args = [sys.executable, str(TESTS / "fault_run.py"), "gemma", *SHORT, *flags, "--output", str(out)]
-    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
 
 
 def adapter_arrays(path):
@@ -59,23 +27,6 @@ def adapter_arrays(path):
 
 def metrics(out):
     return json.loads((out / "metrics.json").read_text())
-
-
-def train_losses(out):
-    return [r["train_loss"] for r in _history(out) if r["train_loss"]]
-
-
-def _history(out):
-    import csv
-
-    return list(csv.DictReader((out / "history.csv").open()))
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("whole") / "run"
-    train(out)
-    return out
 
 
 def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
@@ -99,35 +50,6 @@ def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
     assert metrics(out)["eval_loss_before"] == metrics(uninterrupted)["eval_loss_before"]
     assert metrics(out)["resumed_from_step"] == 4 and metrics(out)["steps"] == 8
     assert runs.describe(out)["state"] == "finished"
-
-
-def test_sigterm_saves_a_checkpoint_and_exits_within_the_bound(tmp_path):
-    out, mark = tmp_path / "term", tmp_path / "sent"
-    result = run_with_fault(out, "SIGTERM", 2, mark=mark)
-    ended = time.time()
-    assert result.returncode == 143, result.stderr[-2000:]
-    assert "SIGTERM" in result.stderr and "--resume" in result.stderr and "Traceback" not in result.stderr
-    # It finishes the step under way, saves, and exits: the README promises one step plus a save.
-    assert ended - float(mark.read_text()) < 30
-    assert checkpoint.latest(out).step == 3 and not (out / "metrics.json").exists()
-    assert outputs.read_status(out)["state"] == "stopped"
-
-
-def test_ctrl_c_saves_a_checkpoint_and_exits_130_then_resumes(uninterrupted, tmp_path):
-    out = tmp_path / "interrupted"
-    result = run_with_fault(out, "SIGINT", 2)
-    assert result.returncode == 130, result.stderr[-2000:]
-    assert checkpoint.latest(out).step == 3 and not (out / "metrics.json").exists()
-    train(out, "--resume")
-    assert train_losses(out) == train_losses(uninterrupted)
-
-
-def test_the_time_limit_stops_with_a_checkpoint(tmp_path):
-    out = tmp_path / "limited"
-    result = invoke("gemma", *SHORT, "--time-limit", "1s", "--output", out)
-    assert result.exit_code == 75, result.output
-    assert "time limit" in result.stderr and "--resume" in result.stderr
-    assert checkpoint.latest(out) is not None and not (out / "metrics.json").exists()
 
 
 def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_path):
@@ -223,29 +145,6 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert [c.step for c in checkpoint.find(out)] == [8]
 
 
-def test_a_nan_run_is_never_published(tmp_path):
-    out = tmp_path / "nan"
-    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--output", out)
-    assert result.exit_code == 2, result.output
-    assert "diverged" in result.stderr and "--lr" in result.stderr and "Traceback" not in result.output
-    assert not (out / "metrics.json").exists() and not (out / "adapter.lora.h5").exists()
-    assert outputs.read_status(out)["state"] == "failed"
-    good = checkpoint.latest(out)
-    assert good is not None and all(np.isfinite(w).all() for w in checkpoint.load(good)[0])
-    assert runs.describe(out)["state"] == "failed"
-
-
-def test_a_nan_run_before_any_checkpoint_leaves_nothing(tmp_path):
-    out = tmp_path / "nan"
-    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
-    assert result.exit_code == 2 and "diverged" in result.stderr
-    assert not out.exists()
-    out.mkdir()  # the user's own directory: only what the run created goes
-    (out / "notes.txt").write_text("mine")
-    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
-    assert result.exit_code == 2 and [p.name for p in out.iterdir()] == ["notes.txt"]
-
-
 def test_a_run_that_fails_while_writing_its_results_is_published_by_resume(uninterrupted, tmp_path, monkeypatch):
     out = tmp_path / "late"
 
@@ -278,85 +177,6 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "No space left on device" in result.stderr and "step 2 is intact" in result.stderr
     assert checkpoint.latest(out).step == 2 and not (out / "metrics.json").exists()
-
-
-def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    import keras
-
-    out, calls = tmp_path / "oom", []
-    train_on_batch = keras.Model.train_on_batch
-
-    def out_of_memory_at_step_3(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 bytes.")
-        return train_on_batch(self, *args, **kwargs)
-
-    monkeypatch.setattr(keras.Model, "train_on_batch", out_of_memory_at_step_3)
-    result = invoke("gemma", *SHORT, "--output", out)
-    assert result.exit_code == 2, result.output
-    message = result.stderr
-    assert "out of memory at step 3 with batch 2, seq-len 64, rank 4" in message and "--batch-size" in message
-    assert "checkpoint at step 2 is kept" in message and "Traceback" not in result.output
-    assert checkpoint.latest(out).step == 2 and outputs.read_status(out)["state"] == "failed"
-
-
-def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tmp_path):
-    out = tmp_path / "run"
-    train(out, "--max-steps", "2")
-    before = (out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()
-    result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--overwrite", "--output", out)
-    assert result.exit_code == 2 and "diverged" in result.stderr
-    assert ((out / "adapter.lora.h5").read_bytes(), (out / "metrics.json").read_text()) == before
-    train(out, "--overwrite", "--seed", "3")
-    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
-    assert {c.run_id for c in checkpoint.find(out)} == {metrics_run_id(out)}  # the old run's are gone
-
-
-def metrics_run_id(out):
-    return yaml.safe_load((out / "config.yaml").read_text())["resolved"]["run_id"]
-
-
-def test_a_run_config_used_as_a_recipe_never_replaces_the_run(uninterrupted, tmp_path):
-    config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
-    assert config["output"] == {"dir": None, "overwrite": False}
-    result = invoke("gemma", "--recipe", uninterrupted / "config.yaml", "--output", uninterrupted)
-    assert result.exit_code == 2 and "already holds a run" in result.stderr
-
-
-def test_an_unfinished_run_is_not_restarted_by_accident(tmp_path):
-    out = tmp_path / "run"
-    assert run_with_fault(out, "SIGKILL", 2).returncode == -9
-    result = invoke("gemma", *SHORT, "--output", out)
-    assert result.exit_code == 2 and "checkpointed at step 2" in result.stderr and "--resume" in result.stderr
-
-
-def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    path = outputs.default_dir()
-    first = outputs.claim(path, default=True, overwrite=False, resume=False)
-    second = outputs.claim(path, default=True, overwrite=False, resume=False)  # the same second
-    assert first.path != second.path and second.path.name == f"{path.name}-2"
-    with pytest.raises(UserError, match="another finetune run is writing"):
-        outputs.claim(first.path, default=False, overwrite=True, resume=False)
-    busy = invoke("gemma", *SHORT, "--resume", "--output", first.path)  # refused before any model is built
-    assert busy.exit_code == 2 and "another finetune run is writing" in busy.stderr
-    assert runs.describe(first.path) is None  # a claim alone is not a run
-    first.release()
-    outputs.claim(first.path, default=False, overwrite=True, resume=False).release()
-
-
-def test_runs_lists_each_state(uninterrupted, tmp_path):
-    parent = tmp_path / "all"
-    parent.mkdir()
-    assert run_with_fault(parent / "killed", "SIGKILL", 2).returncode == -9
-    invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "1", "--output", parent / "diverged")
-    result = runner.invoke(app, ["runs", str(parent)])
-    assert result.exit_code == 0
-    states = {line.split()[0].rsplit("/", 1)[-1]: line.split()[1] for line in result.output.splitlines()[1:]}
-    assert states == {"killed": "checkpointed", "diverged": "failed"}
-    result = runner.invoke(app, ["runs", str(uninterrupted)])
-    assert "finished" in result.output and "8" in result.output
 
 
 def test_a_resumed_run_keeps_the_precision_auto_became():

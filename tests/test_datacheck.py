@@ -1,0 +1,41 @@
+"""`finetune data FILE` (datacheck.py): the format, the template, the tokens and packing, and an example with the
+trained text marked.
+
+How each format is read is test_data.py's; how each is rendered and weighted is test_templates.py's.
+"""
+
+from conftest import CHAT, completion, text, write
+from typer.testing import CliRunner
+
+from finetune import data, datacheck, templates
+from finetune.cli import app
+
+
+def test_finetune_data_reports_the_format_tokens_packing_and_a_marked_example(tmp_path):
+    path = write(tmp_path / "c.csv", [completion(i) for i in range(30)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--seq-len", "64", "--example", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "format: completion (prompt, completion), 30 records" in lines
+    assert "template: none (auto, for this format)" in lines
+    assert any(line.startswith("tokens (tiny's tokenizer") for line in lines)
+    assert any(line.startswith("packing at seq-len 64: 30 rows -> ") for line in lines)
+    assert lines[-1] == "  1 plus 1 is« 2.<eos>»"
+
+
+def test_finetune_data_without_a_tokenizer_still_reports_the_rest(tmp_path, monkeypatch):
+    for name in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kaggle/kaggle.json
+    path = write(tmp_path / "t.jsonl", [text(0)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "gemma_2b_en"])
+    assert result.exit_code == 0, result.output
+    assert "tokens: not counted (" in result.output
+    assert result.output.rstrip().endswith("«The number after 0 is 1, and the one after that is 2.<eos>»")
+
+
+def test_render_marks_every_trained_turn():
+    pieces = templates.get("gemma-chat").segments(data._record(CHAT, "x", "chat"))
+    rendered = datacheck.render(pieces)
+    assert rendered.count("«") == 2 and rendered.endswith("«6.<end_of_turn><eos>»")
+    assert datacheck.render([("a", False), ("b", True)], train_on_prompt=True) == "«ab<eos>»"
