@@ -86,11 +86,15 @@ class GemmaChat(Template):
     name = "gemma-chat"
     stop_tokens = ("<eos>", "<end_of_turn>")
 
+    # A user turn opens and ends with these, then the model's turn opens; the model's turn ends with END.
+    USER, END, MODEL = "<start_of_turn>user\n", "<end_of_turn>", "<start_of_turn>model\n"
+
     def apply(self, record: Record) -> tuple[str, str]:
         pieces = self.segments(record)
         return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
 
     def segments(self, record: Record) -> list[tuple[str, bool]]:
+        """The record's text in pieces, each with whether it carries loss (the model's turns do)."""
         turns = record.turns
         if not turns:
             user = record.instruction
@@ -100,10 +104,10 @@ class GemmaChat(Template):
         pieces = []
         for index, (role, text) in enumerate(turns):
             if role == "user":
-                opening = "\n" if index else ""  # after the previous model turn's <end_of_turn>
-                pieces.append((f"{opening}<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n", False))
+                opening = "\n" if index else ""  # after the previous model turn's END
+                pieces.append((f"{opening}{self.USER}{text}{self.END}\n{self.MODEL}", False))
             else:
-                pieces.append((text + "<end_of_turn>", True))
+                pieces.append((text + self.END, True))
         return pieces
 
 
@@ -119,21 +123,7 @@ class Gemma4Chat(GemmaChat):
     name = "gemma4-chat"
     stop_tokens = ("<eos>", "<turn|>")
 
-    def segments(self, record: Record) -> list[tuple[str, bool]]:
-        turns = record.turns
-        if not turns:
-            user = record.instruction
-            if record.context:
-                user += f"\n\n{record.context}"
-            turns = (("user", user), ("assistant", record.response))
-        pieces = []
-        for index, (role, text) in enumerate(turns):
-            if role == "user":
-                opening = "\n" if index else ""  # after the previous model turn's <turn|>
-                pieces.append((f"{opening}<|turn>user\n{text}<turn|>\n<|turn>model\n", False))
-            else:
-                pieces.append((text + "<turn|>", True))
-        return pieces
+    USER, END, MODEL = "<|turn>user\n", "<turn|>", "<|turn>model\n"
 
 
 class NoTemplate(Template):
