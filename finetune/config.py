@@ -236,7 +236,8 @@ class ModelConfig:
 
     preset: str = setting(
         "gemma_2b_en",
-        "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b), kaggle:// handle, local preset directory, "
+        "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), kaggle:// handle, "
+        "local preset directory, "
         "or `tiny` (offline).",
         flag="--preset", panel=MODEL, metavar="NAME|DIR", hint="pass a preset name such as gemma_2b_en, or tiny",
     )  # fmt: skip
@@ -337,7 +338,7 @@ class DataConfig:
     )  # fmt: skip
     packing: str = setting(
         "auto",
-        "Several examples per training row, each attending only to itself (exact): auto (on for Gemma 1, 2 and 3), "
+        "Several examples per training row, each attending only to itself (exact): auto (on: every Gemma family finetune builds, Gemma 4 and 3n included, takes it), "
         "on, or off (one example per row, padded, as the Keras tutorial does).",
         flag="--packing", panel=DATA, choices=PACKING,
     )  # fmt: skip

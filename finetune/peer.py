@@ -6,8 +6,8 @@ q_proj and v_proj, alpha r) and AdamW, trained the way the strongest common
 Hugging Face setup does it:
 
 - the base built directly in the compute dtype (as `from_pretrained(dtype=...)`
-  loads it): bfloat16, or float16 on a GPU without bf16 and float32 on a CPU
-  without bf16 units, as finetune's --precision auto picks; the LoRA factors
+  loads it): the one finetune's --precision auto picks on the device, so both
+  sides train in the same dtype (on a CPU, `backend.cpu_precision`); the LoRA factors
   in float32 (PEFT's default), the forward under torch.autocast in that dtype,
   as TRL's `bf16=True`/`fp16=True`;
 - examples packed best-fit decreasing into rows of seq_len, each row padded
