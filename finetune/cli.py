@@ -447,7 +447,9 @@ def bench(
 @app.command("eval")
 def eval_(
     run: RunDir,
-    data: Optional[str] = _flag("Evaluate on all of this data file (any format `finetune gemma --data` takes) instead of the run's held-out split."),
+    data: Optional[str] = _flag(
+        "Evaluate on all of this data file (any format --data takes) instead of the run's held-out split."
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,

@@ -68,7 +68,12 @@ def test_adapter_save_then_load_gives_identical_logits(tmp_path):
     np.testing.assert_allclose(logits(base, x), logits(lm, x), rtol=1e-5, atol=1e-5)
 
 
-def test_local_preset_directory_resolves_and_loads(tmp_path):
+@pytest.mark.parametrize("zeros_from", [None, 1], ids=["large-floats-zeroed", "every-float-zeroed"])
+def test_local_preset_directory_resolves_and_loads(tmp_path, monkeypatch, zeros_from):
+    """every-float-zeroed: each float variable starts as zeros (model.initial_values), so one the preset's weights
+    missed would show in the logits."""
+    if zeros_from is not None:
+        monkeypatch.setattr(model, "_LARGE", zeros_from)
     lm, preprocessor = model.build(TINY, seq_len=32)
     lm.preprocessor = preprocessor
     lm.save_to_preset(str(tmp_path / "tiny-preset"))
@@ -127,3 +132,24 @@ def test_lora_beside_the_kernel_gives_keras_merged_output(targets):
             del layer.call  # back to Keras' own call, which merges
         merged = logits(lm, x)
     np.testing.assert_allclose(beside, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_initial_values_are_zeros_or_numpy_draws_for_large_floats_alone():
+    """A base built to be overwritten: large float variables start as zeros, or as N(0, 0.02); the rest as keras
+    makes them, and every variable made after the build as keras makes it."""
+    with model.initial_values():
+        big = keras.layers.Dense(512, dtype="float32")
+        big.build((None, 256))  # 131,072 kernel values: large
+        norm = keras.layers.LayerNormalization(dtype="float32")
+        norm.build((None, 256))
+    assert not np.any(keras.ops.convert_to_numpy(big.kernel))
+    assert np.all(keras.ops.convert_to_numpy(norm.gamma) == 1)  # small: its own initializer
+    with model.initial_values(seed=3):
+        drawn = keras.layers.Embedding(1024, 128, dtype="bfloat16")
+        drawn.build((None,))
+    values = keras.ops.convert_to_numpy(keras.ops.cast(drawn.embeddings, "float32"))
+    assert keras.backend.standardize_dtype(drawn.embeddings.dtype) == "bfloat16"
+    assert values.std() == pytest.approx(0.02, rel=0.05) and abs(values.mean()) < 1e-3
+    after = keras.layers.Dense(512, dtype="float32")
+    after.build((None, 256))
+    assert np.any(keras.ops.convert_to_numpy(after.kernel))  # keras' own initializer again
