@@ -173,11 +173,11 @@ class Plan:
 # gradients and AdamW's moments are float32 under every precision.
 _BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloat16": (4, 2)}
 _LORA_BYTES = 4
-# What a CPU run's process holds besides the model and the step: the frameworks' libraries (keras-hub
-# imports TensorFlow on every backend), the traced train step, the tokenizer and the data. Measured: the peak
-# resident memory of `finetune bench --arch tiny`, whose model is a few MB, on a 2-core AMD EPYC (Zen 2),
-# 2026-11-24 (BENCHMARKS.md): 1330, 1497 and 1576 MiB.
-_HOST_RUNTIME = {"tensorflow": 1.30 * GiB, "torch": 1.46 * GiB, "jax": 1.54 * GiB}
+# What a CPU run's process holds besides the model and the step: its backend's framework (a process of ours
+# imports no other: backend.leave_out_other_frameworks), Keras and keras-hub, the traced train step, the
+# tokenizer and the data. Measured: the peak resident memory of `finetune bench --arch tiny`, whose model is a
+# few MB, on 2 cores of an Intel Xeon (family 6, model 207), 2026-11-25 (BENCHMARKS.md): 1,189, 788 and 999 MiB.
+_HOST_RUNTIME = {"tensorflow": 1.16 * GiB, "torch": 0.77 * GiB, "jax": 0.98 * GiB}
 _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
