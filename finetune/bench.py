@@ -413,11 +413,7 @@ def _model(workload: Workload, precision: str | None, quantize: str | None, rema
     dtype = backend.POLICIES[precision][0] if precision else "float32"
     if quantize:
         dtype = quantized.policies(dtype, quantize)
-    if not precision:  # the tutorial's: keras' own initial values, as its notebook has them
-        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocab, dtype=dtype, **ARCHS[workload.arch])
-    else:
-        with model.initial_values(seed=0):  # numpy's draws, in no more memory than the weights hold
-            backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocab, dtype=dtype, **ARCHS[workload.arch])
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocab, dtype=dtype, **ARCHS[workload.arch])
     if quantize:
         quantized.weights_only(backbone)
         quantized.fill_random(backbone)

@@ -67,7 +67,7 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
         preprocessor = presets.tiny_preprocessor(source.handle, tokenizer, seq_len)
         return cls(backbone=backbone, preprocessor=None), preprocessor
     try:
-        with initial_values():  # zeros: the preset's weights replace them
+        with zeros_until_loaded():
             lm = _from_preset(cls, family, source.handle, policy, quantize)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from None
@@ -76,35 +76,22 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     return lm, preprocessor
 
 
-# A variable of at least this many float values takes initial_values()' values: the decoder's kernels and the
-# embedding, not the norm scales or a random seed's state.
+# A variable of at least this many float values starts as zeros in zeros_until_loaded(): the decoder's kernels
+# and the embedding, not the norm scales or a random seed's state.
 _LARGE = 1 << 16
 
 
 @contextlib.contextmanager
-def initial_values(seed: int | None = None):
-    """Build a base whose large float variables start as zeros (seed None) or as numpy's N(0, 0.02) draws.
+def zeros_until_loaded():
+    """Build a base whose large float variables start as zeros, because a preset's weights replace them next.
 
-    Zeros where a preset's weights replace them right after; the draws for the
-    bench's random base, whose throughput depends on no value, only that it
-    stays finite. Either costs the variable's own bytes. keras' own initial
-    values cost more: on TensorFlow a (256,000 x 2,048) float16 embedding drawn
-    by keras' RandomNormal raised the process's resident memory by 3.1 GB for
-    good (a float32 draw, then a cast, in memory TensorFlow keeps) where zeros
-    raise it by the 1.0 GB the variable holds; JAX drew it in 4x its bytes.
+    keras draws each variable's initial values first, and the draw costs memory
+    the weights never needed: on TensorFlow a (256,000 x 2,048) float16
+    embedding drawn by keras' RandomNormal raised the process's resident memory
+    by 3.1 GB for good (a float32 draw, then a cast, in memory TensorFlow keeps),
+    where zeros raise it by the 1.0 GB the variable holds. (The bench's random
+    base keeps keras' draws: it has no weights to load.)
     """
-    import ml_dtypes
-
-    rng = np.random.default_rng(seed)
-
-    def draw(shape, dtype):
-        values = np.empty(shape, ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-        flat = values.reshape(-1)
-        for start in range(0, flat.size, 1 << 22):  # a float32 slice at a time, never a whole float32 copy
-            part = flat[start : start + (1 << 22)]
-            part[...] = rng.standard_normal(part.size, dtype=np.float32) * np.float32(0.02)
-        return values
-
     cls = keras.Variable
     own = cls.__dict__.get("_initialize_with_initializer")
     original = cls._initialize_with_initializer
@@ -112,10 +99,7 @@ def initial_values(seed: int | None = None):
     def initialize(variable, initializer):
         dtype = keras.backend.standardize_dtype(variable._dtype)
         if "float" in dtype and math.prod(variable._shape) >= _LARGE:
-            if seed is None:
-                initializer = keras.initializers.Zeros()
-            else:
-                initializer = lambda shape, dtype=None, kind=dtype: draw(tuple(shape), kind)  # noqa: E731
+            initializer = keras.initializers.Zeros()
         original(variable, initializer)
 
     cls._initialize_with_initializer = initialize

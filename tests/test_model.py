@@ -70,7 +70,7 @@ def test_adapter_save_then_load_gives_identical_logits(tmp_path):
 
 @pytest.mark.parametrize("zeros_from", [None, 1], ids=["large-floats-zeroed", "every-float-zeroed"])
 def test_local_preset_directory_resolves_and_loads(tmp_path, monkeypatch, zeros_from):
-    """every-float-zeroed: each float variable starts as zeros (model.initial_values), so one the preset's weights
+    """every-float-zeroed: each float variable starts as zeros (model.zeros_until_loaded), so one the preset's weights
     missed would show in the logits."""
     if zeros_from is not None:
         monkeypatch.setattr(model, "_LARGE", zeros_from)
@@ -86,8 +86,12 @@ def test_local_preset_directory_resolves_and_loads(tmp_path, monkeypatch, zeros_
     assert loaded_preprocessor.tokenizer.vocabulary_size() == preprocessor.tokenizer.vocabulary_size()
 
 
-def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path):
-    """--quantize int4 on a saved preset: each decoder kernel quantized as it loads, equal to keras' quantize()."""
+def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path, monkeypatch):
+    """--quantize int4 on a saved preset: each decoder kernel quantized as it loads, equal to keras' quantize().
+
+    Every float variable of the loaded base starts as zeros (model.zeros_until_loaded), so one the load missed
+    would show."""
+    monkeypatch.setattr(model, "_LARGE", 1)
     before = keras.config.dtype_policy()
     try:
         keras.config.set_dtype_policy("float32")
@@ -96,6 +100,7 @@ def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path):
         lm.save_to_preset(str(tmp_path / "tiny-preset"))
         source = presets.resolve(str(tmp_path / "tiny-preset"))
         loaded, _ = model.load_base(source, 32, "float32", "int4")
+        embedding = keras.ops.convert_to_numpy(lm.backbone.token_embedding.embeddings)
         lm.backbone.quantize("int4")
     finally:
         keras.config.set_dtype_policy(before)
@@ -105,6 +110,7 @@ def test_a_local_preset_loads_quantized_as_keras_quantizes_it(tmp_path):
     for variable in decoder:
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), expected[variable.path], variable.path)
     assert loaded.backbone.token_embedding.embeddings.dtype == "float32"  # the output projection stays float
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(loaded.backbone.token_embedding.embeddings), embedding)
 
 
 @pytest.mark.parametrize(
@@ -134,22 +140,14 @@ def test_lora_beside_the_kernel_gives_keras_merged_output(targets):
     np.testing.assert_allclose(beside, merged, rtol=1e-4, atol=1e-4)
 
 
-def test_initial_values_are_zeros_or_numpy_draws_for_large_floats_alone():
-    """A base built to be overwritten: large float variables start as zeros, or as N(0, 0.02); the rest as keras
-    makes them, and every variable made after the build as keras makes it."""
-    with model.initial_values():
-        big = keras.layers.Dense(512, dtype="float32")
+def test_a_base_to_be_loaded_starts_its_large_floats_as_zeros_and_keras_draws_again_after():
+    with model.zeros_until_loaded():
+        big = keras.layers.Dense(512, dtype="float16")
         big.build((None, 256))  # 131,072 kernel values: large
         norm = keras.layers.LayerNormalization(dtype="float32")
         norm.build((None, 256))
     assert not np.any(keras.ops.convert_to_numpy(big.kernel))
     assert np.all(keras.ops.convert_to_numpy(norm.gamma) == 1)  # small: its own initializer
-    with model.initial_values(seed=3):
-        drawn = keras.layers.Embedding(1024, 128, dtype="bfloat16")
-        drawn.build((None,))
-    values = keras.ops.convert_to_numpy(keras.ops.cast(drawn.embeddings, "float32"))
-    assert keras.backend.standardize_dtype(drawn.embeddings.dtype) == "bfloat16"
-    assert values.std() == pytest.approx(0.02, rel=0.05) and abs(values.mean()) < 1e-3
     after = keras.layers.Dense(512, dtype="float32")
     after.build((None, 256))
     assert np.any(keras.ops.convert_to_numpy(after.kernel))  # keras' own initializer again
