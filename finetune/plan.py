@@ -279,6 +279,11 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
+        # Measured, cause not yet found: TensorFlow's step on a CPU peaks about one token embedding's bytes
+        # above what the rest counts (gemma-2b dims 1.0 GiB, gemma-7b int4 1.9 GiB; BENCHMARKS.md). Neither a
+        # transposed copy for the logits nor the embedding lookup makes it.
+        if cfg.backend == "tensorflow":
+            memory["tensorflow_step"] = sum(g.bytes_per_device for g in groups if g.name == "embedding")
     memory["total"] = sum(memory.values())
     plan = Plan(
         model=model,
@@ -573,6 +578,7 @@ _ROWS = {
     "dequantized_kernel": "one kernel dequantized",
     "logits": "logits, one chunk",
     "runtime": "framework runtime (host)",
+    "tensorflow_step": "TensorFlow's step, measured",
 }
 
 

@@ -185,6 +185,14 @@ def test_a_cpu_plan_counts_the_frameworks_resident_memory():
     assert "runtime" not in make(device="h100", **{"model.preset": "gemma_2b_en"}).memory
 
 
+def test_tensorflow_on_a_cpu_counts_its_measured_step_beside_the_rest():
+    settings = {"model.preset": "gemma_2b_en", "model.precision": "float16"}
+    tensorflow = make(device="cpu", **settings, backend="tensorflow")
+    assert tensorflow.memory["tensorflow_step"] == 256000 * 2048 * 2  # one float16 token embedding
+    assert "tensorflow_step" not in make(device="cpu", **settings, backend="torch").memory
+    assert "tensorflow_step" not in make(device="t4", **settings, backend="tensorflow").memory
+
+
 def test_remat_keeps_each_block_s_input_only():
     plain = make(**{"model.preset": "gemma_2b_en", "model.remat": "off", "train.batch_size": 1})
     recomputed = make(**{"model.preset": "gemma_2b_en", "model.remat": "on", "train.batch_size": 1})
