@@ -236,9 +236,8 @@ class ModelConfig:
 
     preset: str = setting(
         "gemma_2b_en",
-        "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), kaggle:// handle, "
-        "local preset directory, "
-        "or `tiny` (offline).",
+        "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), "
+        "kaggle:// handle, local preset directory, or `tiny` (offline).",
         flag="--preset", panel=MODEL, metavar="NAME|DIR", hint="pass a preset name such as gemma_2b_en, or tiny",
     )  # fmt: skip
     seq_len: int = setting(
@@ -338,8 +337,9 @@ class DataConfig:
     )  # fmt: skip
     packing: str = setting(
         "auto",
-        "Several examples per training row, each attending only to itself (exact): auto (on: every Gemma family finetune builds, Gemma 4 and 3n included, takes it), "
-        "on, or off (one example per row, padded, as the Keras tutorial does).",
+        "Several examples per training row, each attending only to itself (exact): auto (on: every Gemma family "
+        "finetune builds takes it, Gemma 4 and 3n included), on, or off (one example per row, padded, as the Keras "
+        "tutorial does).",
         flag="--packing", panel=DATA, choices=PACKING,
     )  # fmt: skip
 
