@@ -31,12 +31,12 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
         limit stops training early, after saving a checkpoint.
     """
-    from finetune import backend, config
+    from finetune import backend, config, presets
 
     # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
     cfg = config.from_dict(cfg if isinstance(cfg, dict) else (cfg or Config()).to_dict())
     cfg = config.absolute_paths(cfg)  # config.yaml then names the same files from any directory
-    backend.select(cfg.backend, cfg.train.xla_mem_fraction)
+    backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
     from finetune import train
 
     try:

@@ -54,8 +54,8 @@ LEAVE_OUT_OTHER_FRAMEWORKS = False
 _FRAMEWORK_MODULES = {"tensorflow": ("tensorflow", "tensorflow_text"), "jax": ("jax", "jaxlib")}
 
 
-def leave_out_other_frameworks(backend: str) -> list[str]:
-    """Keep the frameworks that are not `backend` out of this process; returns those kept out.
+def leave_out_other_frameworks(backend: str, needed: tuple[str, ...] = ()) -> list[str]:
+    """Keep the frameworks that are neither `backend` nor `needed` out of this process; returns those kept out.
 
     keras-hub imports TensorFlow whenever it is installed, and tokenizes without
     it (the sentencepiece package); keras imports JAX for its Orbax callback. In
@@ -66,10 +66,13 @@ def leave_out_other_frameworks(backend: str) -> list[str]:
     (events.py), and gs:// is read through fsspec. Only a framework not yet
     imported is kept out; `import` of it then raises ImportError, which keras,
     keras-hub and datasets all take as "not installed".
+
+    needed: frameworks the run's model needs whatever its backend (TensorFlow for
+    keras-hub's Gemma 3, 3n and 4 preprocessors: presets.needs_tensorflow).
     """
     left_out = []
     for framework, modules in _FRAMEWORK_MODULES.items():
-        if framework == backend or any(sys.modules.get(m) is not None for m in modules):
+        if framework in (backend, *needed) or any(sys.modules.get(m) is not None for m in modules):
             continue
         for name in modules:
             sys.modules[name] = None
@@ -77,8 +80,11 @@ def leave_out_other_frameworks(backend: str) -> list[str]:
     return left_out
 
 
-def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
-    """Set KERAS_BACKEND and the environment tweaks that must precede the import; quiet the frameworks' logs."""
+def select(backend: str, xla_mem_fraction: float = 1.0, needed: tuple[str, ...] = ()) -> dict:
+    """Set KERAS_BACKEND and the environment tweaks that must precede the import; quiet the frameworks' logs.
+
+    needed: frameworks the run needs besides its backend's, kept in a process that leaves the others out.
+    """
     from finetune import quiet
 
     quiet.install()  # the Python API's way in: a notebook's output then holds no framework log line either
@@ -97,11 +103,13 @@ def select(backend: str, xla_mem_fraction: float = 1.0) -> dict:
     if importlib.util.find_spec(backend) is None:
         raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
     os.environ["KERAS_BACKEND"] = backend
+    tweaks = {"KERAS_BACKEND": backend}
     if LEAVE_OUT_OTHER_FRAMEWORKS:
-        leave_out_other_frameworks(backend)
+        left_out = leave_out_other_frameworks(backend, needed)
+        if left_out:
+            tweaks["frameworks_left_out"] = ", ".join(left_out)
     # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    tweaks = {"KERAS_BACKEND": backend}
     if backend == "jax":
         # The tutorial's 1.00 lets XLA take the whole card rather than its 75% default.
         fraction = f"{xla_mem_fraction:.2f}"
@@ -128,6 +136,36 @@ def accelerator() -> str:
     if tf.config.list_logical_devices("TPU"):
         return "tpu"
     return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+
+
+def device_name(device: str) -> str:
+    """What the run computes on, as the console and metrics.json name it: `cpu (AMD EPYC 7B13, 2 cores)`,
+    `gpu (NVIDIA H100 80GB HBM3)`, `tpu (TPU v5 lite)`; the kind alone where the framework does not say."""
+    import keras
+
+    if device == "cpu":
+        model = next((value for key, value in _cpuinfo() if key == "model name"), "")
+        cores = physical_cores()
+        return f"cpu ({model + ', ' if model else ''}{cores} core{'s' if cores != 1 else ''})"
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            kind = jax.devices()[0].device_kind
+        elif backend == "torch":
+            import torch
+
+            kind = torch.cuda.get_device_name(0)
+        else:
+            import tensorflow as tf
+
+            kind = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0]).get(
+                "device_name", ""
+            )
+    except (RuntimeError, IndexError, AttributeError):
+        kind = ""
+    return f"{device} ({kind})" if kind else device
 
 
 def supports_bfloat16(device: str) -> bool:
@@ -324,7 +362,9 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
 
     backend = keras.config.backend()
     device = accelerator()
-    tweaks: dict = {"device": device}
+    tweaks: dict = {"device": device, "device_name": device_name(device)}
+    if backend != "tensorflow" and sys.modules.get("tensorflow") is not None:
+        tweaks["tensorflow"] = _tensorflow_off_accelerators()
     if backend == "torch":
         import torch
 
@@ -355,6 +395,18 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
     keras.config.set_dtype_policy(POLICIES[precision][1])
     tweaks["dtype_policy"] = precision
     return tweaks
+
+
+def _tensorflow_off_accelerators() -> str:
+    """On JAX or PyTorch, TensorFlow only prepares text for keras-hub (families.Family.needs_tensorflow): keep
+    it off the GPUs, where its first op would reserve most of each card's memory beside the backend's."""
+    import tensorflow as tf
+
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:  # its devices were set up already: by the user's own code, in a notebook
+        return "kept for keras-hub's preprocessor; its devices were already set up"
+    return "kept for keras-hub's preprocessor, on the CPU only"
 
 
 def host_memory() -> int | None:

@@ -51,6 +51,11 @@ class Family:
     """The preprocessor's image, audio and video converters, left out with them."""
     no_quantize: str | None = None
     """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
+    needs_tensorflow: bool = True
+    """Whether keras-hub's preprocessor of this family needs TensorFlow on every backend. keras-hub 0.32's Gemma 3,
+    3n and 4 preprocessors assert it when they are made, and prepare text and images with tf ops; Gemma 1 and 2's
+    tokenize through the sentencepiece package alone. A process on JAX or PyTorch keeps TensorFlow for them only
+    (backend.leave_out_other_frameworks)."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
@@ -68,6 +73,7 @@ FAMILIES = {
     "gemma": Family(
         "gemma", "Gemma 1 and 2", "GemmaBackbone", "GemmaCausalLM", "GemmaTokenizer", "GemmaCausalLMPreprocessor",
         _SAME, transformers="GemmaForCausalLM", kaggle_models=("gemma", "gemma2", "codegemma"),
+        needs_tensorflow=False,
     ),
     "gemma3": Family(
         "gemma3", "Gemma 3", "Gemma3Backbone", "Gemma3CausalLM", "Gemma3Tokenizer", "Gemma3CausalLMPreprocessor",

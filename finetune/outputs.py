@@ -673,6 +673,7 @@ def summary_table(metrics: dict, run_dir) -> str:
     rows = [
         ("run", str(run_dir)),
         ("backend", metrics["backend"]),
+        ("device", f"{metrics['device_name']}, {metrics['dtype_policy']}"),
         ("preset", metrics["preset"]),
         ("LoRA rank", str(metrics["rank"])),
         ("train steps", str(metrics["steps"])),

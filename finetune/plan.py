@@ -175,9 +175,13 @@ _BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloa
 _LORA_BYTES = 4
 # What a CPU run's process holds besides the model and the step: its backend's framework (a process of ours
 # imports no other: backend.leave_out_other_frameworks), Keras and keras-hub, the traced train step, the
-# tokenizer and the data. Measured: the peak resident memory of `finetune bench --arch tiny`, whose model is a
-# few MB, on 2 cores of an Intel Xeon (family 6, model 207), 2026-11-25 (BENCHMARKS.md): 1,189, 788 and 999 MiB.
-_HOST_RUNTIME = {"tensorflow": 1.16 * GiB, "torch": 0.77 * GiB, "jax": 0.98 * GiB}
+# tokenizer and the data. Measured as a user runs it: the peak resident memory of `finetune gemma --preset tiny
+# --max-steps 2`, whose model is a few MB, on 2 cores of an AMD EPYC (family 25, model 1), 2026-11-25: 999, 521
+# and 706 MiB. (`finetune bench --arch tiny` rows hold about 0.2-0.3 GiB more there: 1.2, 0.8 and 1.0 GB.)
+_HOST_RUNTIME = {"tensorflow": 0.98 * GiB, "torch": 0.51 * GiB, "jax": 0.69 * GiB}
+# TensorFlow, kept on JAX and PyTorch for keras-hub's Gemma 3, 3n and 4 preprocessors (presets.frameworks_needed):
+# tiny-gemma3 peaked 581 MiB above tiny on JAX and 588 on PyTorch, the same run otherwise (same machine and day).
+_TENSORFLOW_FOR_PREPROCESSING = 0.57 * GiB
 _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
@@ -279,6 +283,8 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
+        if cfg.backend != "tensorflow" and "tensorflow" in presets.frameworks_needed(cfg.model.preset):
+            memory["tensorflow_preprocessing"] = _TENSORFLOW_FOR_PREPROCESSING
         # Measured, cause not yet found: TensorFlow's step on a CPU peaks about one token embedding's bytes
         # above what the rest counts (gemma-2b dims 1.0 GiB, gemma-7b int4 1.9 GiB; BENCHMARKS.md). Neither a
         # transposed copy for the logits nor the embedding lookup makes it.
@@ -579,6 +585,7 @@ _ROWS = {
     "logits": "logits, one chunk",
     "runtime": "framework runtime (host)",
     "tensorflow_step": "TensorFlow's step, measured",
+    "tensorflow_preprocessing": "TensorFlow, for keras-hub's preprocessor (host)",
 }
 
 

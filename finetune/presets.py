@@ -21,7 +21,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import families, platforms
+from finetune import archs, families, platforms
 from finetune.errors import UserError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -179,6 +179,28 @@ def family_of(preset: str) -> str:
     if preset.startswith("kaggle://"):
         return _family_of_handle(preset)
     return _family_of_name(preset)
+
+
+def frameworks_needed(preset: str) -> tuple[str, ...]:
+    """The frameworks a run of `preset` needs on every backend: ("tensorflow",) where its family's preprocessor
+    needs it (families.Family.needs_tensorflow), else none. Told
+    offline, before keras is imported: from the tiny table, a directory's config.json, or the plan's table of
+    keras-hub names. Where the family cannot be told without keras-hub's preset lists (another name, a
+    kaggle:// handle, a broken directory that resolve() will refuse), TensorFlow is kept: it costs memory, and
+    leaving it out would stop the run."""
+    path = Path(preset).expanduser()
+    if preset in TINY:
+        family = TINY[preset].family
+    elif path.is_dir():
+        try:
+            family = _family_of_directory(path)
+        except UserError:
+            return ("tensorflow",)
+    elif (arch := archs.lookup(preset)) is not None:
+        family = arch.family
+    else:
+        return ("tensorflow",)
+    return ("tensorflow",) if families.get(family).needs_tensorflow else ()
 
 
 def _attached_in_kaggle_notebook(preset: str) -> Path | None:

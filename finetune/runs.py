@@ -8,6 +8,7 @@ agree with both before a factor is loaded (adapter.py).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,15 +44,13 @@ def select_backend(run: Run, chosen: str | None = None) -> str:
 
     An adapter is plain LoRA factors: one trained on any backend loads on the others.
     """
-    import sys
-
-    from finetune import backend
+    from finetune import backend, presets
 
     if chosen is None:
         chosen = sys.modules["keras"].config.backend() if "keras" in sys.modules else run.config.backend
     if chosen not in config_module.BACKENDS:
         raise UserError(f"unknown backend {chosen!r}; choose one of {', '.join(config_module.BACKENDS)}")
-    backend.select(chosen, run.config.train.xla_mem_fraction)
+    backend.select(chosen, run.config.train.xla_mem_fraction, presets.frameworks_needed(run.config.model.preset))
     return chosen
 
 
@@ -67,8 +66,11 @@ def load_model(run: Run):
     from finetune import backend, model, presets
 
     cfg = run.config
-    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
+    tweaks = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
+    precision = tweaks["dtype_policy"]
     source = presets.resolve(cfg.model.preset)
+    on = sys.modules["keras"].config.backend()
+    print(f"loading {run.directory} on {on}: {tweaks['device_name']}, {precision}", file=sys.stderr)
     lm, preprocessor = model.build(source, cfg.model.seq_len, precision, cfg.model.quantize)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing

@@ -121,7 +121,7 @@ def _join(cfg: Config, resume: bool) -> tuple[dict, distribution.Cluster | None]
     """(the backend's tweaks, the multi-process job this process is part of, joined; None alone)."""
     # finetune.run() and the CLI select the backend before importing this
     # module; selecting again records the tweaks and catches a mismatch.
-    tweaks = backend.select(cfg.backend, cfg.train.xla_mem_fraction)
+    tweaks = backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
     # A multi-process job is joined before anything touches the devices.
     job = distribution.cluster(cfg.distribution)
     if job is not None and resume:
@@ -192,7 +192,7 @@ class Built:
 def _build(cfg: Config, source: presets.Source, tweaks: dict, remat: bool, phase) -> Built:
     """The preset's causal LM, LoRA enabled on it, compiled with AdamW."""
     part = distribution.data_part()
-    phase(f"loading {cfg.model.preset} on {cfg.backend}")
+    phase(f"loading {cfg.model.preset} on {cfg.backend}: {tweaks['device_name']}, {tweaks['dtype_policy']}")
     lm, preprocessor = model.build(source, cfg.model.seq_len, tweaks["dtype_policy"], cfg.model.quantize, remat)
     packed = packs(lm, cfg.data.packing)
     adapted = model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
@@ -288,6 +288,7 @@ def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, sec
         "peak_memory_mb": backend.peak_memory_mb(),
         "dtype_policy": tweaks["dtype_policy"],
         "device": tweaks["device"],
+        "device_name": tweaks["device_name"],
         "distribution": distributed or {"parallel": "none", "devices": 1, "processes": 1},
     }
 

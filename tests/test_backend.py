@@ -111,3 +111,18 @@ def test_host_memory_off_linux_is_unknown_and_plan_asks_for_a_size(monkeypatch):
     assert backend.host_memory() is None
     with pytest.raises(UserError, match="--device-memory"):
         plan.device("cpu")
+
+
+@pytest.mark.parametrize("needed, left_out", [((), ["tensorflow"]), (("tensorflow",), [])])
+def test_a_process_of_ours_keeps_only_the_frameworks_its_run_needs(needed, left_out):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from finetune import backend\n"
+        f"print(backend.leave_out_other_frameworks('jax', {needed!r}), 'tensorflow' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # A framework left out is a None in sys.modules, which `import` takes as not installed.
+    assert done.stdout.split() == [str(left_out), str(bool(left_out))], done.stdout + done.stderr

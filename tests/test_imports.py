@@ -59,7 +59,7 @@ NO_TEST_FILE = {
     "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
-    "test_api", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
+    "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_recipes",
 }  # fmt: skip
 

@@ -87,6 +87,8 @@ def test_history_plot_and_summary(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     metrics = dict(
         backend="jax",
+        device_name="gpu (NVIDIA L4)",
+        dtype_policy="bfloat16",
         preset="tiny",
         rank=4,
         steps=1,
@@ -101,6 +103,7 @@ def test_history_plot_and_summary(tmp_path):
     )
     table = outputs.summary_table(metrics, tmp_path)
     assert "3.0000 -> 2.0000" in table and "jax" in table
+    assert "| gpu (NVIDIA L4), bfloat16" in table  # where it trained, and in what
     assert "n/a" in table  # one step in this session: nothing timed
 
 

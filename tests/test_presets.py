@@ -74,3 +74,17 @@ def test_tiny_presets_of_each_family_and_assistants_refused():
         presets.resolve("gemma4_instruct_2b_assistant")
     with pytest.raises(UserError, match="unknown preset 'tiny-gemma5'; did you mean tiny-gemma"):
         presets.resolve("tiny-gemma5")
+
+
+def test_the_frameworks_a_preset_needs_are_told_offline(tmp_path):
+    # keras-hub's Gemma 3, 3n and 4 preprocessors need TensorFlow on every backend; Gemma 1 and 2's do not.
+    assert presets.frameworks_needed("tiny") == ()
+    assert presets.frameworks_needed("gemma_2b_en") == ()
+    for preset in ("tiny-gemma3", "tiny-gemma3n", "tiny-gemma4", "tiny-gemma4-moe", "gemma3_1b", "gemma4_2b"):
+        assert presets.frameworks_needed(preset) == ("tensorflow",), preset
+    # A name the offline table lacks, or a directory resolve() will refuse, keeps it: leaving it out would stop
+    # the run, keeping it costs memory.
+    assert presets.frameworks_needed("kaggle://keras/gemma/keras/gemma_2b_en/2") == ("tensorflow",)
+    assert presets.frameworks_needed(str(tmp_path)) == ("tensorflow",)
+    (tmp_path / "config.json").write_text(json.dumps({"class_name": "keras_hub>GemmaBackbone", "config": {}}))
+    assert presets.frameworks_needed(str(tmp_path)) == ()
