@@ -342,7 +342,7 @@ def gemma(
             return
         import finetune
 
-        finetune.run(cfg, resume=resume)
+        finetune.run_as_command(cfg, resume=resume)
     except typer.Exit:
         raise
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
@@ -551,7 +551,7 @@ def export_(
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
     try:
-        from finetune import export
+        from finetune.export import export  # the module's: its refusals name the flags, the API's its arguments
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         target = export(run, format, output, overwrite, base, backend, dtype)

@@ -83,7 +83,7 @@ def test_help_groups_the_options_and_lists_the_allowed_values():
 
 def test_flag_precedence(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(finetune, "run_as_command", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("lora:\n  rank: 8\n  alpha: 16\ntrain:\n  epochs: 3\n  seed: 5\n")
     result = invoke(
@@ -117,7 +117,7 @@ def test_output_holding_a_run_is_refused_unless_overwrite(tmp_path, tiny_args, s
     (out / "metrics.json").write_text("{}")
     (out / "finetune-run.json").write_text("{}")  # a run's directory carries finetune's marker
     result = invoke("gemma", *tiny_args, "--data", small_data, "--output", out)
-    assert result.exit_code == 2 and "already holds a run" in result.stderr
+    assert result.exit_code == 2 and "already holds a run; pass --overwrite to replace it" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["finetune-run.json", "metrics.json"]
 
 
@@ -180,7 +180,7 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
     def interrupted(cfg, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(finetune, "run", interrupted)
+    monkeypatch.setattr(finetune, "run_as_command", interrupted)
     result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
     assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.output
 

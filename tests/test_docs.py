@@ -27,6 +27,9 @@ markers separated by `;` from each other and from any note. An HTML comment on t
 Unknown `needs:` values fail the test, and so does a fence in another shell language (bash, console, ...), so
 no command escapes it.
 
+The first ```python example of docs/python-api.md runs too, in a copy of what the README's commands left, in the
+suite of its recipe's backend.
+
 Runtime: the quickstart (one epoch of the tiny model) and one more epoch in docs/resume.md are the bulk; every
 other training command is `--max-steps 2` or none at all.
 
@@ -295,6 +298,36 @@ def test_the_guide_commands_run(guide, readme_dir, tmp_path):
     shutil.copytree(readme_dir / "runs" / "first", tmp_path / "runs" / "first")
     problems = run_all(guide, tmp_path)
     assert not problems, "\n\n".join(problems)
+
+
+def python_examples(path: Path) -> list[str]:
+    return ["\n".join(body) + "\n" for _, language, body, _ in blocks(path) if language == "python"]
+
+
+def test_the_python_api_example_runs_where_the_readme_ran(readme_dir, tmp_path):
+    """docs/python-api.md's first example, in a directory that holds what the README's commands left (runs/first,
+    exported/first): a reader who tries the quickstart, then the API, meets no refusal."""
+    example = python_examples(REPO / "docs" / "python-api.md")[0]
+    recipe = re.search(r"load_config\(\"([\w-]+)\"", example).group(1)
+    backend = config_backend(recipe)
+    if backend != BACKEND:
+        pytest.skip(f"the example's recipe {recipe} trains on {backend}: that suite runs it")
+    for name in ("runs", "exported"):
+        shutil.copytree(readme_dir / name, tmp_path / name)
+    checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
+    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+    proc = subprocess.run(
+        [sys.executable, "-c", example + checks], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "api-first" / "adapter.lora.h5").is_file()
+    assert (tmp_path / "exported" / "first").is_dir()  # the README's export, untouched
+
+
+def config_backend(recipe: str) -> str | None:
+    from finetune import config
+
+    return config.read_recipe(recipe).get("backend")
 
 
 def test_the_readme_is_a_front_door():

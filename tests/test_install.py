@@ -133,7 +133,7 @@ def test_the_python_api_guide_example_runs_from_the_installed_package(installed)
     workdir.mkdir()
     checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
     _run([venv / "bin" / "python", "-c", example + checks], timeout=600, cwd=workdir, env=_env())
-    assert (workdir / "runs" / "first" / "adapter.lora.h5").is_file()
+    assert (workdir / "runs" / "api-first" / "adapter.lora.h5").is_file()
 
 
 # `.[all,hf]`, `finetune[torch]`: the extras an install line or a sentence of the guides names.
