@@ -32,7 +32,7 @@ import yaml
 from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.data import SAMPLE
 from finetune.errors import UserError
-from finetune.presets import LEARNING_RATE
+from finetune.presets import LEARNING_RATE, TINY_NAMES
 from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
@@ -237,8 +237,8 @@ class ModelConfig:
     preset: str = setting(
         "gemma_2b_en",
         "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), "
-        "kaggle:// handle, local preset directory, or `tiny` (offline).",
-        flag="--preset", panel=MODEL, metavar="NAME|DIR", hint="pass a preset name such as gemma_2b_en, or tiny",
+        f"kaggle:// handle, local preset directory, or {TINY_NAMES}.",
+        flag="--preset", panel=MODEL, metavar="NAME|DIR", hint=f"pass a preset name such as gemma_2b_en, or {TINY_NAMES}",
     )  # fmt: skip
     seq_len: int = setting(
         256,
@@ -301,7 +301,7 @@ class DataConfig:
     path: str = setting(
         SAMPLE,
         "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME for a Hugging Face dataset, or "
-        "`sample` (the shipped finetune/assets/dolly-sample.jsonl); Dolly, Alpaca, chat, ShareGPT, "
+        "`sample` (400 Dolly records shipped with finetune); Dolly, Alpaca, chat, ShareGPT, "
         "prompt/completion or text records, detected. Check a file with `finetune data FILE`.",
         flag="--data", panel=DATA, metavar="FILE|sample|hf:NAME", hint="pass a data file, hf:NAME or sample",
     )  # fmt: skip
