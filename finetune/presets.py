@@ -270,7 +270,7 @@ def _check_hub_access(handle: str) -> None:
         raise UserError(
             f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
             "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
-            "license on kaggle.com;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
+            "license at kaggle.com/models/google/gemma;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
             "or add KAGGLE_USERNAME and KAGGLE_KEY as notebook secrets; or run offline with --preset tiny"
         )
     if not platforms.reachable("www.kaggle.com"):

@@ -345,6 +345,21 @@ def test_the_readme_is_a_front_door():
         assert line in text
 
 
+GEMMA_TERMS = "https://ai.google.dev/gemma/terms"
+KAGGLE_GEMMA = "https://www.kaggle.com/models/google/gemma"
+
+
+def test_the_gemma_license_is_linked_where_it_is_named():
+    """A reader told to accept the license is given the terms and the page to accept them on."""
+    naming = []
+    for path in [README, *GUIDES]:
+        for paragraph in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
+            if re.search(r"Gemma licen[cs]e", paragraph):
+                naming.append(path.name)
+                assert f"]({GEMMA_TERMS})" in paragraph and f"]({KAGGLE_GEMMA})" in paragraph, (path.name, paragraph)
+    assert {"README.md", "kaggle.md", "troubleshooting.md"} <= set(naming)
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
