@@ -14,13 +14,37 @@ Nothing here imports keras, so the backend named in the config can still be
 chosen; import keras yourself only after `run`, or with the same backend.
 """
 
+import contextlib
+import functools
+
+from finetune import config as _config
 from finetune.config import Config
 from finetune.config import load as load_config
 from finetune.errors import RunStopped, UserError
-from finetune.export import export  # the function: it shadows its module's name here, on purpose
+from finetune.export import export as _export
 
 __all__ = ["Config", "RunStopped", "UserError", "evaluate", "export", "generate", "load", "load_config", "run"]
 __version__ = "0.1.0"
+
+
+def _argument(name: str, flag: str, kind=str, **declared) -> _config.Setting:
+    """An argument of these functions, where the command line has the flag `flag`."""
+    return _config.Setting(key=name, type=kind, default=None, help="", flag=flag, **declared)
+
+
+_RUN_DIR = _argument("run_dir", "--run", metavar="DIR")
+_BACKEND = _argument("backend", "--backend", choices=_config.BACKENDS)
+
+
+@contextlib.contextmanager
+def _in_python_words(*arguments: _config.Setting, with_settings: bool = False):
+    """A refusal raised to a Python caller names the argument or config key to change where the command line's
+    names a flag: `pass output.overwrite=True`, not `pass --overwrite`."""
+    try:
+        yield
+    except UserError as error:
+        error.args = (_config.in_python_words(str(error), arguments, with_settings),)
+        raise
 
 
 def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
@@ -31,6 +55,12 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
         limit stops training early, after saving a checkpoint.
     """
+    with _in_python_words(_argument("resume", "--resume", bool), with_settings=True):
+        return run_as_command(cfg, resume)
+
+
+def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> dict:
+    """`run` as `finetune gemma` calls it: its refusals name the command line's flags."""
     from finetune import backend, config, presets
 
     # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
@@ -63,7 +93,8 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None) -> di
     """
     from finetune import runs
 
-    return runs.evaluate_run(_open(run_dir, backend), data)
+    with _in_python_words(_RUN_DIR, _BACKEND, _argument("data", "--data", metavar="FILE")):
+        return runs.evaluate_run(_open(run_dir, backend), data)
 
 
 def generate(
@@ -75,7 +106,9 @@ def generate(
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise UserError("prompts must be non-empty strings, e.g. finetune.generate(run_dir, ['What is LoRA?'])")
-    return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw)
+    tokens = _argument("max_new_tokens", "--max-new-tokens", int)
+    with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool)):
+        return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw)
 
 
 def load(run_dir, backend: str | None = None):
@@ -86,6 +119,20 @@ def load(run_dir, backend: str | None = None):
     """
     from finetune import runs
 
-    lm, preprocessor = runs.load_model(_open(run_dir, backend))
+    with _in_python_words(_RUN_DIR, _BACKEND):
+        lm, preprocessor = runs.load_model(_open(run_dir, backend))
     lm.preprocessor = preprocessor
     return lm
+
+
+@functools.wraps(_export)
+def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype=None):
+    from finetune.export import FORMATS
+
+    arguments = (
+        _RUN_DIR, _BACKEND, _argument("format", "--format", choices=FORMATS), _argument("output", "--output",
+        metavar="DIR"), _argument("overwrite", "--overwrite", bool), _argument("base", "--base", bool),
+        _argument("dtype", "--dtype"),
+    )  # fmt: skip
+    with _in_python_words(*arguments):
+        return _export(run_dir, format, output, overwrite, base, backend, dtype)

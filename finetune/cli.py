@@ -22,6 +22,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from finetune import archs
 from finetune import bench as bench_module
 from finetune import config as config_module
 from finetune import vertex as vertex_module
@@ -342,19 +343,27 @@ def gemma(
             return
         import finetune
 
-        finetune.run(cfg, resume=resume)
+        finetune.run_as_command(cfg, resume=resume)
     except typer.Exit:
         raise
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         _fail(error, debug)
 
 
+# The families `finetune plan` has shapes for, as preset name patterns: gemma_*, gemma2_*, ...
+_PLANNED = list(dict.fromkeys(name.split("_")[0] + "_*" for name in archs.ARCHS))
+PLAN_HELP = (
+    "Print each device's memory for a run, layout by layout, without loading weights (offline, no keras).\n\n"
+    f"The {', '.join(_PLANNED[:-1])} and {_PLANNED[-1]} presets, the tiny ones and preset directories are planned "
+    "from their shapes, offline; --batch-size auto finds the largest batch that fits --device-memory."
+)
+
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
 PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "distribution.parallel",
            "distribution.mesh")  # fmt: skip
 
 
-@app.command()
+@app.command(help=PLAN_HELP)
 @with_settings(config_module.Config, *PLANNED)
 def plan(
     settings: dict,
@@ -380,11 +389,7 @@ def plan(
     debug: Debug = False,
     verbose: Verbose = False,
 ):
-    """Print each device's memory for a run, layout by layout, without loading weights (offline, no keras).
-
-    The gemma_*, gemma2_* and gemma3_* presets are planned from a table of their shapes, offline; --batch-size
-    auto finds the largest batch that fits --device-memory.
-    """
+    """`finetune plan` (its help is PLAN_HELP, which names the families archs.py has shapes for)."""
     try:
         _refuse_empty({"--recipe": recipe, "--device-memory": device_memory})
         overrides = _overrides(set_, settings)
@@ -421,7 +426,8 @@ def bench(
     recipes: str = typer.Option(
         "finetune,tutorial",
         help="finetune (this tool's settings), tutorial (the Keras tutorial's), hf (the peer: transformers + PEFT, "
-        "packed, bf16 base; needs the hf extra).",
+        "packed, bf16 base; needs the hf extra). (default: finetune,tutorial)",
+        show_default=False,
     ),
     levers: str = typer.Option(
         "", help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat."
@@ -475,7 +481,9 @@ def eval_(
 def data_(
     settings: dict,
     file: str = typer.Argument(..., help="A data file (JSONL, JSON array, CSV, Parquet; a path or gs://), or hf:NAME."),
-    example: int = typer.Option(1, "--example", help="Which record to render, from 1.", metavar="N"),
+    example: int = typer.Option(
+        1, "--example", help="Which record to render, from 1. (default: 1)", metavar="N", show_default=False
+    ),
     debug: Debug = False,
     verbose: Verbose = False,
 ):
@@ -551,7 +559,7 @@ def export_(
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
     try:
-        from finetune import export
+        from finetune.export import export  # the module's: its refusals name the flags, the API's its arguments
 
         _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
         target = export(run, format, output, overwrite, base, backend, dtype)
@@ -568,11 +576,18 @@ def vertex_spec(
         "Vertex AI accelerator name, e.g. NVIDIA_L4, NVIDIA_TESLA_T4, TPU_V5_LITEPOD. (default: none, a CPU)"
     ),
     accelerator_count: Optional[int] = _flag("Accelerators per machine. (default: 1 with --accelerator-type, else 0)"),
-    replicas: int = typer.Option(1, help="Machines; more than 1 needs distribution.parallel data or model."),
-    image: Optional[str] = _flag(
-        f"Training container image URI (the repository's Dockerfile). (default: {vertex_module.DEFAULT_IMAGE})"
+    replicas: int = typer.Option(
+        1, help="Machines; more than 1 needs distribution.parallel data or model. (default: 1)", show_default=False
     ),
-    region: str = typer.Option(vertex_module.DEFAULT_REGION, help="Vertex AI region."),
+    image: Optional[str] = _flag(
+        "Training container image URI: the repository's Dockerfile, built and pushed. (default: "
+        "finetune/finetune:latest in project PROJECT's Artifact Registry in --region; replace PROJECT in the spec)"
+    ),
+    region: str = typer.Option(
+        vertex_module.DEFAULT_REGION,
+        help=f"Vertex AI region. (default: {vertex_module.DEFAULT_REGION})",
+        show_default=False,
+    ),
     output: Optional[str] = _flag(
         "Run directory, gs://BUCKET/PATH. (default: none; the run then writes to AIP_MODEL_DIR)", metavar="GS_PATH"
     ),
@@ -661,7 +676,9 @@ def recipes_copy(
 
 @app.command("runs")
 def runs_(
-    directory: str = typer.Argument("runs", help="A run directory, or a directory of runs."),
+    directory: str = typer.Argument(
+        "runs", help="A run directory, or a directory of runs. (default: runs)", show_default=False
+    ),
     debug: Debug = False,
     verbose: Verbose = False,
 ):
@@ -696,6 +713,19 @@ def _split_list(values):
     if not values:
         return None
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _one_line_paragraphs(typer_app: typer.Typer) -> None:
+    """Each paragraph of every command's help on one line, for rich to wrap to the terminal: rich keeps a
+    docstring's line breaks, so one wrapped at 120 columns in the source broke mid-sentence in --help."""
+    for info in typer_app.registered_commands:
+        text = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(paragraph.split()) for paragraph in text.split("\n\n"))
+    for group in typer_app.registered_groups:
+        _one_line_paragraphs(group.typer_instance)
+
+
+_one_line_paragraphs(app)
 
 
 def main():

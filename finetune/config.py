@@ -32,7 +32,7 @@ import yaml
 from finetune.backend import DEFAULT_BATCH_SIZE
 from finetune.data import SAMPLE
 from finetune.errors import UserError
-from finetune.presets import LEARNING_RATE
+from finetune.presets import LEARNING_RATE, TINY_NAMES
 from finetune.templates import TEMPLATES
 
 BACKENDS = ("jax", "torch", "tensorflow")
@@ -237,8 +237,8 @@ class ModelConfig:
     preset: str = setting(
         "gemma_2b_en",
         "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), "
-        "kaggle:// handle, local preset directory, or `tiny` (offline).",
-        flag="--preset", panel=MODEL, metavar="NAME|DIR", hint="pass a preset name such as gemma_2b_en, or tiny",
+        f"kaggle:// handle, local preset directory, or {TINY_NAMES}.",
+        flag="--preset", panel=MODEL, metavar="NAME|DIR", hint=f"pass a preset name such as gemma_2b_en, or {TINY_NAMES}",
     )  # fmt: skip
     seq_len: int = setting(
         256,
@@ -301,7 +301,7 @@ class DataConfig:
     path: str = setting(
         SAMPLE,
         "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME for a Hugging Face dataset, or "
-        "`sample` (the shipped finetune/assets/dolly-sample.jsonl); Dolly, Alpaca, chat, ShareGPT, "
+        "`sample` (400 Dolly records shipped with finetune); Dolly, Alpaca, chat, ShareGPT, "
         "prompt/completion or text records, detected. Check a file with `finetune data FILE`.",
         flag="--data", panel=DATA, metavar="FILE|sample|hf:NAME", hint="pass a data file, hf:NAME or sample",
     )  # fmt: skip
@@ -696,6 +696,52 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
             raise UserError(f"config key {key!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+# A flag in a message, and the word after it: `--overwrite to`, `--parallel data`, `--output gs://BUCKET/PATH.`
+_FLAG_AND_WORD = re.compile(r"--([a-z][a-z0-9-]*)(?: (\S+))?")
+
+
+def in_python_words(message: str, arguments: tuple[Setting, ...] = (), with_settings: bool = True) -> str:
+    """`message`, a refusal worded for the command line, as a Python caller needs it: each flag becomes the config
+    key or argument it sets, and a value given with it stays: `pass --overwrite` -> `pass output.overwrite=True`,
+    `--parallel data` -> `distribution.parallel="data"`, `--epochs` -> `train.epochs`.
+
+    arguments: the calling function's own arguments, as settings whose key is the argument's name and whose flag
+        is the command line's (`resume`, `--resume`); they come before the config's.
+    with_settings: also the config's settings (finetune.run); off for a function that takes no config.
+    """
+    every = (*(settings(Config) if with_settings else ()), *arguments)  # an argument wins a flag both name
+    by_flag = {item.flag: item for item in every if item.flag}
+
+    def reworded(found: re.Match) -> str:
+        item = by_flag.get(f"--{found.group(1)}")
+        if item is None:
+            return found.group(0)  # a flag of the command line alone (--set, --recipe): as it is
+        word = found.group(2) or ""
+        value, tail = re.fullmatch(r"(.*?)([.,;:)]*)", word).groups()
+        if item.type is bool:
+            return f"{item.key}=True" + (f" {word}" if word else "")
+        if not word or not _is_value(item, value):
+            return item.key + (f" {word}" if word else "")
+        placeholder = re.fullmatch(r"[A-Z][A-Za-z0-9_]*(\.\w+)?|-?\d+(\.\d+)?", value) is not None
+        return f"{item.key}={value if placeholder else repr(value).replace(chr(39), chr(34))}{tail}"
+
+    return _FLAG_AND_WORD.sub(reworded, message)
+
+
+def _is_value(item: Setting, word: str) -> bool:
+    """Whether `word`, after the flag of `item` in a message, is a value given to it rather than the sentence's."""
+    if not word:
+        return False
+    if word in item.choices or word == item.metavar or re.fullmatch(r"[A-Z][A-Za-z0-9_]*(\.\w+)?", word):
+        return True
+    if re.search(r"\d", word) or "/" in word:
+        return True
+    try:
+        return item.check is not None and item.problem(word) is None
+    except (TypeError, ValueError):  # a check for numbers, given a word
+        return False
 
 
 def keys() -> list[str]:

@@ -118,10 +118,14 @@ def model_of(preset: str) -> Model:
     name = parts[3] if len(parts) > 3 else parts[0] if len(parts) == 1 else ""
     arch = archs.lookup(name) if name else None
     if arch is None:
-        raise UserError(
-            f"no architecture table for preset {preset!r}, and it is not a local directory; `finetune plan` knows "
-            f"{', '.join(archs.ARCHS)} (and their instruct variants), tiny, and preset directories"
+        close = presets.near_misses(name or preset, [*archs.ARCHS, *presets.TINY])
+        known = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"`finetune plan` knows {', '.join(archs.ARCHS)} (and their instruct variants), "
+            f"{', '.join(presets.TINY)}, and preset directories"
         )
+        raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
     return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params)
 
 

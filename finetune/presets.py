@@ -127,6 +127,7 @@ TINY = {
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
 }
+TINY_NAMES = "a tiny offline preset (" + ", ".join(TINY) + ")"
 WEIGHT_SEED = 15
 # Gemma 3n's vocabulary sizes go by other names than the other families' vocabulary_size.
 _VOCABULARY_KEYS = {"gemma3n": ("text_vocab_size", "vocab_size_per_layer_input")}
@@ -161,7 +162,7 @@ def resolve(preset: str) -> Source:
     elif "/" in preset or preset.startswith((".", "~")):
         raise UserError(
             f"preset directory {preset} does not exist; pass a directory made by save_to_preset, "
-            "a preset name such as gemma_2b_en, or `tiny`"
+            f"a preset name such as gemma_2b_en, or {TINY_NAMES}"
         )
     else:
         source = Source("hub", preset, _family_of_name(preset))
@@ -261,11 +262,15 @@ def _family_of_name(name: str) -> str:
         )
     if name in names:
         return names[name]
-    known = [*names, *TINY]
-    extended = [known_name for known_name in known if known_name.startswith(name)][:2]  # gemma_2b: gemma_2b_en
-    close = list(dict.fromkeys(extended + difflib.get_close_matches(name, known, n=3)))[:4]
-    hint = f"did you mean {', '.join(close)}?" if close else "e.g. gemma_2b_en, gemma3_1b, gemma4_2b, or tiny"
+    close = near_misses(name, [*names, *TINY])
+    hint = f"did you mean {', '.join(close)}?" if close else f"e.g. gemma_2b_en, gemma3_1b, gemma4_2b, or {TINY_NAMES}"
     raise UserError(f"unknown preset {name!r}; {hint}")
+
+
+def near_misses(name: str, known: list[str]) -> list[str]:
+    """The known preset names `name` may have meant: those it begins (gemma_2b: gemma_2b_en), then the closest."""
+    extended = [known_name for known_name in known if known_name.startswith(name)][:2]
+    return list(dict.fromkeys(extended + difflib.get_close_matches(name, known, n=3)))[:4]
 
 
 def _family_of_handle(handle: str) -> str:
@@ -287,7 +292,7 @@ def _check_hub_access(handle: str) -> None:
         raise UserError(
             f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
             "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
-            "license on kaggle.com;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
+            "license at kaggle.com/models/google/gemma;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
             "or add KAGGLE_USERNAME and KAGGLE_KEY as notebook secrets; or run offline with --preset tiny"
         )
     if not platforms.reachable("www.kaggle.com"):

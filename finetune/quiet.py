@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import select
 import sys
 import threading
 import warnings
@@ -39,6 +40,11 @@ FRAMEWORKS = r"(keras|keras_hub|tensorflow|tf_keras|jax|jaxlib|torch|absl|google
 # tqdm.auto in a Jupyter kernel without ipywidgets (datasets imports it) warns "IProgress not found. Please update
 # jupyter and ipywidgets", then uses its text bars anyway: advice about a package finetune does not use.
 WIDGET_WARNING = r"IProgress not found"
+# A line whose end has not come within this many seconds is passed on as it stands. `python -i` writes its `>>> `
+# prompt to stderr and waits for input: held back, the prompt did not show, and the next line written, absl's
+# banner when a second finetune.run imported TensorFlow, was read as the prompt's tail and let through. The
+# frameworks write each log line whole, in one write, so none is split this way.
+PARTIAL_LINE_WAIT = 0.05
 _installed: dict = {}
 _verbose: list = []
 
@@ -77,7 +83,13 @@ def _identity(fd: int) -> tuple:
 def _pass_on(read_end: int, terminal: int) -> None:
     with os.fdopen(read_end, "rb", buffering=0) as pipe:
         pending = b""
-        while chunk := pipe.read(65536):
+        while True:
+            if pending and not is_noise(pending) and not _readable_within(pipe, PARTIAL_LINE_WAIT):
+                os.write(terminal, pending)  # a prompt, waiting for its reader: shown now, and the next line is
+                pending = b""  # judged on its own
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -88,6 +100,13 @@ def _pass_on(read_end: int, terminal: int) -> None:
                 pending = b""
         if pending and not is_noise(pending):
             os.write(terminal, pending)
+
+
+def _readable_within(pipe, seconds: float) -> bool:
+    try:
+        return bool(select.select([pipe], [], [], seconds)[0])
+    except (OSError, ValueError):  # where select takes no pipes (Windows): wait for the line's end, as before
+        return True
 
 
 def _uninstall() -> None:

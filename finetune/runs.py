@@ -8,6 +8,7 @@ agree with both before a factor is loaded (adapter.py).
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,7 @@ def describe(path: Path) -> dict | None:
         row["state"] = "running"
     elif status.get("state") in ("failed", "stopped"):
         row["state"] = status["state"]
-        row["note"] = str(status.get("message", "")).splitlines()[0][:100] if status.get("message") else ""
+        row["note"] = short_note(str(status.get("message") or ""))
     elif found:
         row["state"] = "checkpointed"
         row["note"] = "killed or lost; --resume continues it" if status.get("state") == "running" else ""
@@ -167,6 +168,17 @@ def describe(path: Path) -> dict | None:
     if found and row["state"] != "running":
         row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
     return row
+
+
+def short_note(message: str, limit: int = 100) -> str:
+    """The first line of a run's last message, as the table's note: asides in parentheses go first, then words
+    from the end, so that a long one never stops mid-parenthesis ("to continue (; last checkpoint ...")."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    while len(line) > limit and (shorter := re.sub(r" ?\([^()]*\)", "", line)) != line:
+        line = shorter  # the innermost asides first: finetune.run(cfg, resume=True), then (in Python: ...)
+    if len(line) > limit:
+        line = line[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+    return line
 
 
 def format_table(rows: list[dict]) -> str:

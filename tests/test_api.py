@@ -46,6 +46,21 @@ def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished
     assert isinstance(lm.generate("Instruction:\nSay hi.\n\nResponse:\n", max_length=40), str)
 
 
+def test_a_refusal_in_python_names_the_setting_or_argument_not_the_flag(finished, tmp_path):
+    """A notebook has no --overwrite to pass: the refusal names what the caller sets instead."""
+    out, _ = finished
+    with pytest.raises(UserError, match="") as refused:
+        finetune.run(finetune.load_config("tiny", {"backend": BACKEND, "output.dir": str(out)}))
+    assert str(refused.value).endswith("already holds a run; pass output.overwrite=True to replace it or choose "
+                                       "another output.dir")  # fmt: skip
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="already holds files; pass overwrite=True to replace them"):
+        finetune.export(out, "lora", tmp_path / "taken")
+    with pytest.raises(UserError, match="pass run_dir=DIR of a finished run"):
+        finetune.evaluate(tmp_path / "taken")
+
+
 def test_a_wrong_type_set_in_python_names_the_key():
     cfg = finetune.Config()
     cfg.lora.rank = "4"

@@ -542,7 +542,7 @@ def test_out_of_memory_is_recognised_on_every_backend(text):
 
 def test_backend_flag_beats_keras_backend_with_a_note(monkeypatch):
     seen = {}
-    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(finetune, "run_as_command", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
     other = next(b for b in ("jax", "torch", "tensorflow") if b != BACKEND)
     monkeypatch.setenv("KERAS_BACKEND", other)
     result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
@@ -577,7 +577,7 @@ def test_finite_checks_cover_every_float_key():
 
 
 def test_no_keras_backend_note_without_a_conflict(monkeypatch):
-    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: None)
+    monkeypatch.setattr(finetune, "run_as_command", lambda cfg, **kwargs: None)
     monkeypatch.setenv("KERAS_BACKEND", BACKEND)
     result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
     assert result.exit_code == 0 and "note:" not in result.output

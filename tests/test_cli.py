@@ -83,7 +83,7 @@ def test_help_groups_the_options_and_lists_the_allowed_values():
 
 def test_flag_precedence(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(finetune, "run", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(finetune, "run_as_command", lambda cfg, **kwargs: seen.setdefault("cfg", cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("lora:\n  rank: 8\n  alpha: 16\ntrain:\n  epochs: 3\n  seed: 5\n")
     result = invoke(
@@ -117,7 +117,7 @@ def test_output_holding_a_run_is_refused_unless_overwrite(tmp_path, tiny_args, s
     (out / "metrics.json").write_text("{}")
     (out / "finetune-run.json").write_text("{}")  # a run's directory carries finetune's marker
     result = invoke("gemma", *tiny_args, "--data", small_data, "--output", out)
-    assert result.exit_code == 2 and "already holds a run" in result.stderr
+    assert result.exit_code == 2 and "already holds a run; pass --overwrite to replace it" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["finetune-run.json", "metrics.json"]
 
 
@@ -180,7 +180,7 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch):
     def interrupted(cfg, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(finetune, "run", interrupted)
+    monkeypatch.setattr(finetune, "run_as_command", interrupted)
     result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND)
     assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.output
 
@@ -324,3 +324,73 @@ def test_no_function_in_the_cli_or_the_config_is_over_100_lines():
         functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         long = {f.name: f.end_lineno - f.lineno + 1 for f in functions if f.end_lineno - f.lineno >= 100}
         assert not long, (module.__name__, long)
+
+
+def _every_help(width: int, monkeypatch) -> dict:
+    """Each command's --help as rendered at `width` columns, by command path."""
+    import typer
+    import typer.rich_utils
+
+    # typer reads TERMINAL_WIDTH once, at its first help: an earlier test's width would stay.
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", width)
+    rendered = {}
+    for path in _command_paths(typer.main.get_command(app)):
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(width), "TERMINAL_WIDTH": str(width)})
+        assert result.exit_code == 0, (path, result.output)
+        assert max(map(len, result.output.splitlines())) == width, (path, "rendered at another width")
+        rendered[" ".join(path) or "finetune"] = result.output
+    return rendered
+
+
+def test_help_text_breaks_lines_only_where_the_terminal_ends(monkeypatch):
+    """Wide enough, each paragraph of a description, and each command's row in a list, is one line: `data`'s ran
+    over two, broken mid-sentence, and so did a paragraph of `plan`'s."""
+    for path, text in _every_help(400, monkeypatch).items():
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+        description = lines[start : next(i for i, line in enumerate(lines) if line.startswith("╭"))]
+        assert not [a for a, b in zip(description, description[1:]) if a.strip() and b.strip()], (path, description)
+        if "╭─ Commands" in text:
+            rows = lines[next(i for i, line in enumerate(lines) if line.startswith("╭─ Commands")) + 1 :]
+            rows = rows[: next(i for i, line in enumerate(rows) if line.startswith("╰"))]
+            assert not [row for row in rows if row.startswith("│  ")], (path, rows)  # a row's second line
+
+
+def test_plan_help_names_every_family_plan_has_shapes_for():
+    from finetune import archs, presets
+
+    text = help_text("plan")
+    for name in archs.ARCHS:
+        assert f"{name.split('_')[0]}_*" in text, name
+    assert "the tiny ones" in text and all(f.startswith("tiny") for f in presets.TINY)
+
+
+def test_no_help_is_cut_short_on_an_80_column_terminal(monkeypatch):
+    cut = {
+        path: line for path, text in _every_help(80, monkeypatch).items() for line in text.splitlines() if "…" in line
+    }
+    assert not cut
+
+
+def test_help_writes_every_default_one_way(monkeypatch):
+    rendered = {path: " ".join(text.translate(str.maketrans("│╭╮╰╯─", "      ")).split())
+                for path, text in _every_help(250, monkeypatch).items()}  # fmt: skip
+    assert not [path for path, text in rendered.items() if "[default:" in text]
+    for path, default in [("vertex-spec", "(default: 1)"), ("vertex-spec", "(default: us-central1)"),
+                          ("runs", "(default: runs)"), ("bench", "(default: finetune,tutorial)"),
+                          ("data", "from 1. (default: 1)")]:  # fmt: skip
+        assert default in rendered[path], (path, default)
+
+
+def test_preset_help_and_refusals_name_the_tiny_presets_and_near_misses():
+    from finetune import presets
+
+    text = help_text("gemma")
+    assert all(name in text for name in presets.TINY)
+    for command in ("gemma", "plan"):
+        result = invoke(command, "--preset", "gemma_2b")
+        assert result.exit_code == 2 and "did you mean gemma_2b_en" in result.stderr, (command, result.stderr)
+        result = invoke(command, "--preset", "tiny_gemma4")
+        assert result.exit_code == 2 and "did you mean tiny-gemma4" in result.stderr, (command, result.stderr)
+        result = invoke(command, "--preset", "qwerty")
+        assert result.exit_code == 2 and all(name in result.stderr for name in presets.TINY), result.stderr

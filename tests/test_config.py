@@ -188,3 +188,23 @@ def test_each_check_sits_with_its_field_and_names_it():
         config.check("model.seq_len", 2, name="--seq-len")
     with pytest.raises(UserError, match="^--mesh is empty"):
         config.load(None, {"distribution.parallel": "data", "distribution.mesh": " "})
+
+
+def test_a_message_for_the_command_line_is_reworded_for_python():
+    resume = config.Setting("resume", bool, False, "", flag="--resume")
+    for cli, python in [
+        ("pass --overwrite to replace it or choose another --output", "pass output.overwrite=True to replace it or "
+         "choose another output.dir"),
+        ("lower --batch-size (or use --batch-size auto) or --seq-len", 'lower train.batch_size (or use '
+         'train.batch_size="auto") or model.seq_len'),
+        ("JAX-only; pass --backend jax, or --parallel none", 'JAX-only; pass backend="jax", or '
+         'distribution.parallel="none"'),
+        ("must be at least 1, got 0; try --rank 4", "must be at least 1, got 0; try lora.rank=4"),
+        ("--resume needs --output DIR, the run directory", "resume=True needs output.dir=DIR, the run directory"),
+        ("pass --output gs://BUCKET/PATH.", 'pass output.dir="gs://BUCKET/PATH".'),
+        ("raise --epochs or --max-steps to train further", "raise train.epochs or train.max_steps to train further"),
+        ("--output is empty", "output.dir is empty"),
+        ("use --set train.epochs=2 or --recipe tiny", "use --set train.epochs=2 or --recipe tiny"),  # no such setting
+    ]:  # fmt: skip
+        assert config.in_python_words(cli, (resume,)) == python
+    assert config.in_python_words("pass --overwrite", with_settings=False) == "pass --overwrite"

@@ -9,8 +9,13 @@ CliRunner, so keras is imported once; anything else, or a command with shell syn
 environment assignment), runs in bash with this environment's `finetune` on PATH. A command that names a
 backend (`--backend X`, `KERAS_BACKEND=X`, or a recipe's `backend: X`) runs in X's suite only. Every command must exit 0.
 
+A `pip install` line runs as a dry run, offline, against this environment (`--dry-run --no-index
+--no-build-isolation`), in a copy of the repository's package files: it checks that everything the line asks
+for, the extras included, is installed here, and changes nothing.
+
 The markers. A command that must not run here says why in its trailing comment, as `# MARKER: VALUE`, with
-markers separated by `;` from each other and from any note:
+markers separated by `;` from each other and from any note. An HTML comment on the line before a block,
+`<!-- MARKER: VALUE -->`, marks every command of the block and stays out of a reader's sight:
 - `needs: network`: a download (Kaggle, Hugging Face, pip), a cloud service or other hosts.
 - `needs: gpu`, `needs: tpu`: an accelerator (several GPUs for `--parallel`).
 - `needs: llama.cpp`, `needs: ollama`: a program finetune does not install.
@@ -22,6 +27,9 @@ markers separated by `;` from each other and from any note:
 Unknown `needs:` values fail the test, and so does a fence in another shell language (bash, console, ...), so
 no command escapes it.
 
+The first ```python example of docs/python-api.md runs too, in a copy of what the README's commands left, in the
+suite of its recipe's backend.
+
 Runtime: the quickstart (one epoch of the tiny model) and one more epoch in docs/resume.md are the bulk; every
 other training command is `--max-steps 2` or none at all.
 
@@ -30,7 +38,9 @@ End to end: the guides' commands, as a reader runs them; it mirrors no one modul
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -38,6 +48,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,6 +62,7 @@ README_LIMIT = 12 * 1024
 NEEDS = {"network", "gpu", "tpu", "llama.cpp", "ollama"}
 OTHER_SHELLS = {"bash", "shell", "console", "zsh", "shell-session", "sh-session"}
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+BLOCK_MARKERS = re.compile(r"^\s*<!--(.*)-->\s*$")
 # Characters that make a command bash's business: redirections, pipes, lists, expansions and globs.
 SHELL_SYNTAX = set("|&;<>$`*?[(){}")
 
@@ -88,7 +100,8 @@ class Command:
 
 
 def blocks(path: Path):
-    """(line number, language, body lines) of each fenced block, indentation removed."""
+    """(line number, language, body lines, markers) of each fenced block, indentation removed; markers: the text
+    of an HTML comment on the line before the fence, else ""."""
     lines = path.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
@@ -96,11 +109,12 @@ def blocks(path: Path):
         if not opening:
             i += 1
             continue
+        before = BLOCK_MARKERS.match(lines[i - 1]) if i else None
         indent, language, start = len(opening.group(1)), opening.group(2), i + 1
         i += 1
         while i < len(lines) and lines[i].strip() != "```":
             i += 1
-        yield start, language, [line[indent:] for line in lines[start:i]]
+        yield start, language, [line[indent:] for line in lines[start:i]], before.group(1).strip() if before else ""
         i += 1
 
 
@@ -133,10 +147,11 @@ def unquoted(text: str) -> str:
     return "".join(out)
 
 
-def parse(source: str, line: str) -> Command:
+def parse(source: str, line: str, block_markers: str = "") -> Command:
+    """The command on `line`, with the markers of its trailing comment and of its block's HTML comment."""
     text, comment = split_comment(line)
     needs, slow, exits = set(), None, 0
-    for part in (p.strip() for p in comment.split(";")):
+    for part in (p.strip() for p in f"{block_markers};{comment}".split(";")):
         key, _, value = part.partition(":")
         if key == "needs":
             needs |= {v.strip() for v in value.split(",")}
@@ -149,7 +164,7 @@ def parse(source: str, line: str) -> Command:
 
 def commands(path: Path) -> list[Command]:
     found = []
-    for start, language, body in blocks(path):
+    for start, language, body, block_markers in blocks(path):
         assert language not in OTHER_SHELLS, f"{path.name}:{start}: write shell commands in ```sh blocks"
         if language != "sh":
             continue
@@ -162,7 +177,7 @@ def commands(path: Path) -> list[Command]:
                 continue
             logical, pending = pending + line, ""
             if logical.strip() and not logical.strip().startswith("#"):
-                found.append(parse(f"{path.relative_to(REPO)}:{first}", logical.strip()))
+                found.append(parse(f"{path.relative_to(REPO)}:{first}", logical.strip(), block_markers))
     return found
 
 
@@ -171,9 +186,15 @@ def in_process(command: Command) -> bool:
     return words[0] == "finetune" and "=" not in words[0] and not SHELL_SYNTAX & set(unquoted(command.text))
 
 
+def is_pip_install(command: Command) -> bool:
+    return command.text.startswith("pip install ")
+
+
 def run(command: Command, workdir: Path) -> str | None:
     """None when `command` exits as its marker says, else a message with its output."""
-    if in_process(command):
+    if is_pip_install(command):
+        code, output = _run_pip_dry(command.text)
+    elif in_process(command):
         code, output = _run_in_process(shlex.split(command.text)[1:], workdir)
     else:
         code, output = _run_in_bash(command.text, workdir)
@@ -208,6 +229,27 @@ def _dtype_policy():
     import keras
 
     return keras.config.dtype_policy()
+
+
+@functools.cache
+def _package_copy() -> Path:
+    """The files pip installs the project from, copied: `pip install .` reads the repository root, and a build
+    in the checkout itself could leave build/ or finetune.egg-info/ behind."""
+    root = Path(tempfile.mkdtemp(prefix="finetune-pip-"))
+    atexit.register(shutil.rmtree, root, True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, root / name)
+    shutil.copytree(REPO / "finetune", root / "finetune", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root
+
+
+def _run_pip_dry(text: str) -> tuple[int, str]:
+    """A `pip install` line as a dry run from the repository root, offline: it resolves against what this
+    environment holds (an `--index-url` the line names is not asked), and installs nothing."""
+    offline = ["--dry-run", "--no-index", "--no-build-isolation", "--disable-pip-version-check"]
+    args = [sys.executable, "-m", "pip", "install", *offline, *shlex.split(text)[2:]]
+    proc = subprocess.run(args, cwd=_package_copy(), capture_output=True, text=True, timeout=600, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _run_in_bash(text: str, workdir: Path) -> tuple[int, str]:
@@ -258,6 +300,36 @@ def test_the_guide_commands_run(guide, readme_dir, tmp_path):
     assert not problems, "\n\n".join(problems)
 
 
+def python_examples(path: Path) -> list[str]:
+    return ["\n".join(body) + "\n" for _, language, body, _ in blocks(path) if language == "python"]
+
+
+def test_the_python_api_example_runs_where_the_readme_ran(readme_dir, tmp_path):
+    """docs/python-api.md's first example, in a directory that holds what the README's commands left (runs/first,
+    exported/first): a reader who tries the quickstart, then the API, meets no refusal."""
+    example = python_examples(REPO / "docs" / "python-api.md")[0]
+    recipe = re.search(r"load_config\(\"([\w-]+)\"", example).group(1)
+    backend = config_backend(recipe)
+    if backend != BACKEND:
+        pytest.skip(f"the example's recipe {recipe} trains on {backend}: that suite runs it")
+    for name in ("runs", "exported"):
+        shutil.copytree(readme_dir / name, tmp_path / name)
+    checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
+    env = {**os.environ, "KERAS_BACKEND": BACKEND}
+    proc = subprocess.run(
+        [sys.executable, "-c", example + checks], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "api-first" / "adapter.lora.h5").is_file()
+    assert (tmp_path / "exported" / "first").is_dir()  # the README's export, untouched
+
+
+def config_backend(recipe: str) -> str | None:
+    from finetune import config
+
+    return config.read_recipe(recipe).get("backend")
+
+
 def test_the_readme_is_a_front_door():
     text = README.read_text(encoding="utf-8")
     assert len(text.encode("utf-8")) <= README_LIMIT, f"README.md is {len(text.encode())} bytes; move some to docs/"
@@ -271,6 +343,21 @@ def test_the_readme_is_a_front_door():
         "KERAS_BACKEND=jax python -m pytest -q -n 2",
     ):
         assert line in text
+
+
+GEMMA_TERMS = "https://ai.google.dev/gemma/terms"
+KAGGLE_GEMMA = "https://www.kaggle.com/models/google/gemma"
+
+
+def test_the_gemma_license_is_linked_where_it_is_named():
+    """A reader told to accept the license is given the terms and the page to accept them on."""
+    naming = []
+    for path in [README, *GUIDES]:
+        for paragraph in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
+            if re.search(r"Gemma licen[cs]e", paragraph):
+                naming.append(path.name)
+                assert f"]({GEMMA_TERMS})" in paragraph and f"]({KAGGLE_GEMMA})" in paragraph, (path.name, paragraph)
+    assert {"README.md", "kaggle.md", "troubleshooting.md"} <= set(naming)
 
 
 def _slug(heading: str) -> str:

@@ -1,4 +1,5 @@
-"""A non-editable install runs the quickstart from any directory.
+"""A non-editable install runs the quickstart from any directory; the install lines in the guides ask for extras
+that exist.
 
 The sample and the recipes once lived at the repository's top level, so a
 wheel installed into site-packages looked for them in site-packages/data/ and
@@ -12,11 +13,13 @@ End to end, from the built wheel: it mirrors no one module.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -130,4 +133,57 @@ def test_the_python_api_guide_example_runs_from_the_installed_package(installed)
     workdir.mkdir()
     checks = "\nassert metrics['eval_loss'] < metrics['eval_loss_before'] and lm.preprocessor is not None\n"
     _run([venv / "bin" / "python", "-c", example + checks], timeout=600, cwd=workdir, env=_env())
-    assert (workdir / "runs" / "first" / "adapter.lora.h5").is_file()
+    assert (workdir / "runs" / "api-first" / "adapter.lora.h5").is_file()
+
+
+# `.[all,hf]`, `finetune[torch]`: the extras an install line or a sentence of the guides names.
+EXTRAS_NAMED = re.compile(r"(?:\.|finetune)\[([\w,-]+)\]")
+
+
+def _extras() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml takes Python 3.11's tomllib")
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+
+
+def test_every_extra_the_guides_name_is_declared():
+    declared = set(_extras())
+    named = {}
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "Dockerfile"]:
+        for group in EXTRAS_NAMED.findall(path.read_text(encoding="utf-8")):
+            for extra in group.split(","):
+                named.setdefault(extra, path.name)
+    assert {"jax-cuda", "tensorflow-cuda", "tpu", "all", "dev", "hf"} <= set(named)  # the lines the guides give
+    unknown = {extra: where for extra, where in named.items() if extra not in declared}
+    assert not unknown, f"extras named but not in pyproject.toml: {unknown}"
+
+
+def test_the_accelerator_extras_name_extras_their_packages_have():
+    """jax[cuda12], jax[tpu], tensorflow[and-cuda]: a misspelt extra of another package is only a warning to pip,
+    which then installs the CPU build without a word. Checked against the installed packages' metadata."""
+    checked = []
+    for requirements in _extras().values():
+        for requirement in requirements:
+            found = re.match(r"([\w.-]+)\[([\w,-]+)\]", requirement)
+            if not found or found.group(1) == "finetune":
+                continue
+            package, wanted = found.group(1), set(found.group(2).split(","))
+            try:
+                provided = set(metadata.metadata(package).get_all("Provides-Extra") or [])
+            except metadata.PackageNotFoundError:
+                continue
+            assert wanted <= provided, f"{requirement}: {package} {metadata.version(package)} has {sorted(provided)}"
+            checked.append(requirement)
+    assert any(r.startswith("jax[cuda12]") for r in checked) and any(r.startswith("jax[tpu]") for r in checked)
+
+
+def test_the_readme_install_lines_are_the_ci_lines_and_the_docs_test_runs_them():
+    """.ci/run installs as the README says; tests/test_docs.py dry-runs each README pip line offline, so none may
+    be marked out of its reach."""
+    from test_docs import commands, is_pip_install
+
+    readme = [c for c in commands(REPO / "README.md") if is_pip_install(c)]
+    assert len(readme) == 2 and all(c.runs_here for c in readme), readme
+    ci = [line.split("||")[0].strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    ci = [line.replace(" -q ", " ") for line in ci if line.startswith("pip install ")]
+    assert ci == ["pip install torch==2.13.0", 'pip install -e ".[all,dev,hf]"']
+    assert all(c.text.startswith(line) for c, line in zip(readme, ci)), (readme, ci)

@@ -1,6 +1,7 @@
 """Quiet by default: a run's stderr holds the tool's lines only, and the frameworks' log lines are dropped."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -95,3 +96,40 @@ def test_a_descriptor_put_over_the_filter_is_left_in_place_at_exit(tmp_path):
     done = python(code)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert (tmp_path / "err.txt").read_text() == "still here\n"
+
+
+def test_a_run_after_a_refused_one_in_python_i_prints_no_framework_line(tmp_path):
+    """`python -i` writes its `>>> ` prompt to stderr and waits: the filter, installed by the refused first run,
+    held the prompt back as a line without its end, and absl's banner, printed when the second run imported
+    TensorFlow, arrived as that line's tail and was let through."""
+    settings = {"backend": BACKEND, "train.max_steps": 1, "train.samples": 0, "data.max_records": 20,
+                "model.seq_len": 64, "train.batch_size": 2}  # fmt: skip
+    session = (
+        "import finetune\n"
+        f"finetune.run(finetune.load_config('tiny', {{**{settings!r}, 'output.dir': 'a', 'data.path': 'no.jsonl'}}))\n"
+        f"finetune.run(finetune.load_config('tiny', {{**{settings!r}, 'output.dir': 'b'}}))['steps']\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-i"],
+        input=session,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_VERBOSE": ""},
+        timeout=300,
+    )
+    assert "UserError: data file" in done.stderr and "no.jsonl does not exist" in done.stderr, done.stderr
+    assert (tmp_path / "b" / "metrics.json").is_file(), done.stderr[-3000:]
+    noise = [line for line in done.stderr.splitlines() if quiet.is_noise(re.sub(r"^(>>> )+", "", line).encode())]
+    assert not noise, noise
+    assert done.stderr.rstrip().endswith(">>>")  # the prompts still show
+
+
+def test_a_line_without_its_end_is_passed_on_once_nothing_more_comes():
+    code = (
+        "import os, time\nfrom finetune import quiet\nquiet.install()\nos.write(2, b'>>> ')\ntime.sleep(0.5)\n"
+        "os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
+        "os.write(2, b'ours\\n')\n"
+    )
+    done = python(code)
+    assert done.returncode == 0 and done.stderr == ">>> ours\n", done.stderr

@@ -4,8 +4,11 @@
 its two-step run, and through the Python API in test_api.py.
 """
 
+import types
+
 from conftest import SHORT, invoke, run_with_fault, runner
 
+from finetune import checkpoint, loop, outputs, runs
 from finetune.cli import app
 
 
@@ -20,3 +23,22 @@ def test_runs_lists_each_state(uninterrupted, tmp_path):
     assert states == {"killed": "checkpointed", "diverged": "failed"}
     result = runner.invoke(app, ["runs", str(uninterrupted)])
     assert "finished" in result.output and "8" in result.output
+
+
+def test_a_stopped_run_s_note_ends_whole(tmp_path, monkeypatch):
+    """The stop message runs past the note's 100 characters: it was cut mid-parenthesis, "to continue (; last
+    checkpoint step 5"."""
+    where = types.SimpleNamespace(progress=types.SimpleNamespace(step=5), total_steps=28)
+    message = loop.Loop._stopped_message(where, "Ctrl-C")
+    assert len(message) > 100
+    run = tmp_path / "stopped"
+    run.mkdir()
+    outputs.write_status(run, "stopped", 5, message)
+    monkeypatch.setattr(checkpoint, "find", lambda path, verify=False: [types.SimpleNamespace(step=5)])
+    row = runs.describe(run)
+    assert row["state"] == "stopped" and row["note"] == (
+        "Ctrl-C: stopped at step 5/28 with a checkpoint; rerun the same command with --resume to continue; "
+        "last checkpoint step 5"
+    )
+    assert runs.short_note("word " * 40) == ("word " * 19).strip() + "…"
+    assert runs.short_note("first line\nsecond") == "first line"
