@@ -32,7 +32,7 @@ import inspect
 
 from keras import ops
 
-from finetune import families
+from finetune import families, keras_compat
 
 
 def enable(backbone) -> int:
@@ -48,7 +48,7 @@ def enable(backbone) -> int:
         original = block._compute_attention_mask
         if getattr(original, "segment_aware", False):
             continue
-        block._compute_attention_mask = _segment_aware(block, original)
+        keras_compat.replace_attention_mask(block, _segment_aware(block, original))
         wrapped += 1
     return wrapped
 
@@ -71,11 +71,12 @@ def _take_segment_ids(backbone) -> bool:
     import keras
 
     for tensor in keras.tree.flatten(backbone.inputs):
-        if tensor.name != "padding_mask" or tensor.dtype != "bool":
-            continue
-        if not hasattr(tensor, "_dtype"):
+        if (
+            tensor.name == "padding_mask"
+            and tensor.dtype == "bool"
+            and not keras_compat.widen_input_dtype(tensor, "int32")
+        ):
             return False  # another Keras: leave it, and packing with it
-        tensor._dtype = "int32"
     return True
 
 

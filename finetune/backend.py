@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune import keras_compat
 from finetune.errors import UserError
 
 # The seed article's measurement: gemma_2b at seq_len 512 on a 24 GB card fits
@@ -302,55 +303,8 @@ def torch_threads(requested: int | None) -> tuple[int, str]:
 
 
 def set_seed(seed: int) -> None:
-    """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends.
-
-    Setting TensorFlow's seed clears its kernel caches, and tensorflow-text
-    (2.21.1) keeps each SentencePiece model in a kernel-owned resource: every
-    tokenizer made before then fails with NotFoundError. On JAX and PyTorch,
-    TensorFlow only tokenizes, and finetune draws no TensorFlow random numbers.
-    """
-    import keras
-
-    if keras.config.backend() == "tensorflow" or sys.modules.get("tensorflow") is None:
-        keras.utils.set_random_seed(seed)
-        return
-    import tensorflow as tf
-
-    original = tf.random.set_seed
-    tf.random.set_seed = lambda _: None
-    try:
-        keras.utils.set_random_seed(seed)
-    finally:
-        tf.random.set_seed = original
-
-
-def keep_float16_matmuls() -> bool:
-    """Keras' PyTorch matmul computes float16 in float32 on a CPU; make it multiply float16 as PyTorch can.
-
-    keras (3.15) casts both operands to float32 first, from the days when
-    PyTorch had no float16 matmul on a CPU: at gemma-2b's size the loss's
-    projection onto the tied 256k x 2048 embedding then made a 2 GiB float32
-    copy of it, in each chunk forward and backward, and a step peaked at 10.2
-    GiB against 6.9 with a bf16 base. PyTorch 2 multiplies float16 on a CPU
-    natively (313 GFLOP/s against 258 in float32 on 2 cores with AVX512-FP16).
-    Returns whether Keras' function was replaced (once per process).
-    """
-    import torch
-    from keras.src.backend.torch import numpy as torch_numpy
-
-    original = torch_numpy.matmul
-    if getattr(original, "keeps_float16", False):
-        return False
-
-    def matmul(x1, x2):
-        x1, x2 = torch_numpy.convert_to_tensor(x1), torch_numpy.convert_to_tensor(x2)
-        if x1.dtype == x2.dtype == torch.float16 and x1.device.type == "cpu":
-            return torch.matmul(x1, x2)
-        return original(x1, x2)
-
-    matmul.keeps_float16 = True
-    torch_numpy.matmul = matmul
-    return True
+    """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends (keras_compat)."""
+    keras_compat.set_seed_leaving_tensorflow_alone(seed)
 
 
 def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
@@ -377,7 +331,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
             tweaks["threads"] = count
             # Left at torch's default: one inter-op thread against two measured no faster (tiny, 2 cores).
             tweaks["torch.inter_op_threads"] = torch.get_num_interop_threads()
-            if keep_float16_matmuls():
+            if keras_compat.keep_float16_matmuls():
                 tweaks["keras.ops.matmul"] = "float16 kept float16 on the CPU"
     elif backend == "tensorflow":
         import tensorflow as tf

@@ -8,7 +8,6 @@ under it have it, so we set it on each adapted layer after enabling.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -16,7 +15,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune import attention, backend, families, layouts, objective, presets, quantized
+from finetune import attention, backend, families, keras_compat, layouts, objective, presets, quantized
 from finetune import remat as rematerialization
 from finetune.errors import UserError
 
@@ -81,35 +80,11 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
 _LARGE = 1 << 16
 
 
-@contextlib.contextmanager
 def zeros_until_loaded():
-    """Build a base whose large float variables start as zeros, because a preset's weights replace them next.
-
-    keras draws each variable's initial values first, and the draw costs memory
-    the weights never needed: on TensorFlow a (256,000 x 2,048) float16
-    embedding drawn by keras' RandomNormal raised the process's resident memory
-    by 3.1 GB for good (a float32 draw, then a cast, in memory TensorFlow keeps),
-    where zeros raise it by the 1.0 GB the variable holds. (The bench's random
-    base keeps keras' draws: it has no weights to load.)
-    """
-    cls = keras.Variable
-    own = cls.__dict__.get("_initialize_with_initializer")
-    original = cls._initialize_with_initializer
-
-    def initialize(variable, initializer):
-        dtype = keras.backend.standardize_dtype(variable._dtype)
-        if "float" in dtype and math.prod(variable._shape) >= _LARGE:
-            initializer = keras.initializers.Zeros()
-        original(variable, initializer)
-
-    cls._initialize_with_initializer = initialize
-    try:
-        yield
-    finally:
-        if own is None:
-            del cls._initialize_with_initializer
-        else:
-            cls._initialize_with_initializer = own
+    """Build a base whose large float variables start as zeros, because a preset's weights replace them next
+    (keras_compat.large_variables_start_as_zeros says what keras' draw cost). The bench's random base keeps
+    keras' draws: it has no weights to load."""
+    return keras_compat.large_variables_start_as_zeros(_LARGE)
 
 
 def load_tokenizer(source: presets.Source):
@@ -134,17 +109,15 @@ def _from_preset(cls, family, handle: str, dtype, quantize: str | None):
     full model's (tests/test_families.py). With `quantize`, each decoder kernel
     is quantized as keras reads it from the weights file (quantized.py).
     """
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-
     if not family.encoders and quantize is None:
         return cls.from_preset(handle, dtype=dtype)
-    loader = get_preset_loader(handle)
+    loader = keras_compat.preset_loader(handle)
     loader.config["config"].update(family.encoders)
     backbone = loader.load_backbone(cls.backbone_cls, load_weights=quantize is None, dtype=dtype)
     if quantize is not None:
         quantized.weights_only(backbone)
         quantized.load_while_quantizing(backbone)
-        loader._load_backbone_weights(backbone)  # keras-hub's own: one weights file, or its shards
+        keras_compat.load_backbone_weights(loader, backbone)
     preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(family.converters))
     return cls(backbone=backbone, preprocessor=preprocessor)
 
@@ -257,9 +230,7 @@ def beside_the_kernel(layer) -> bool:
             x = layer.activation(x)
         return x
 
-    layer.call = call
-    if getattr(layer, "quantization_mode", None) is not None:
-        layer.quantized_call = call  # what keras' Layer.__call__ calls on a quantized layer
+    keras_compat.replace_call(layer, call)
     return True
 
 

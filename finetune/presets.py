@@ -21,7 +21,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import archs, families, platforms
+from finetune import archs, families, keras_compat, platforms
 from finetune.errors import UserError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -418,6 +418,4 @@ def backbone_config(source: Source) -> dict:
     arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
     if arch is not None:
         return arch.config
-    from keras_hub.src.utils.preset_utils import load_json
-
-    return load_json(source.handle).get("config", {})
+    return keras_compat.preset_config(source.handle).get("config", {})

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune import layouts
+from finetune import keras_compat, layouts
 
 MODES = ("int4", "int8")
 # int4 in groups of 128 input rows, each with its own scale and zero point: keras' default for quantize("int4")
@@ -111,7 +111,7 @@ def weights_only(backbone) -> None:
 
 def weights_only_layer(layer) -> None:
     """One layer's part of weights_only."""
-    layer.inputs_quantizer = None
+    keras_compat.drop_inputs_quantizer(layer)
 
 
 def load_while_quantizing(backbone) -> None:
@@ -126,7 +126,7 @@ def load_while_quantizing(backbone) -> None:
         def load_own_variables(store, layer=layer):
             fill(layer, np.asarray(store["0"]))
 
-        layer.load_own_variables = load_own_variables
+        keras_compat.replace_loading(layer, load_own_variables)
 
 
 def fill_random(backbone, seed: int = 0) -> None:

@@ -23,7 +23,7 @@ import inspect
 
 import keras
 
-from finetune import families
+from finetune import families, keras_compat
 
 
 def enable(backbone) -> int:
@@ -32,7 +32,7 @@ def enable(backbone) -> int:
     for block in families.decoder_blocks(backbone):
         if getattr(block.call, "rematerialized", False):
             continue
-        block.call = _recomputed(block.call)
+        keras_compat.replace_call(block, _recomputed(block.call))
         wrapped += 1
     return wrapped
 

@@ -42,7 +42,7 @@ LAYERS = {  # top to bottom
     "model": {"model", "presets", "archs", "families", "quantized", "remat", "attention", "objective", "layouts",
               "distribution"},
     "data": {"data", "templates", "batching", "packing"},
-    "platform": {"backend", "storage", "platforms", "quiet", "errors"},
+    "platform": {"backend", "keras_compat", "storage", "platforms", "quiet", "errors"},
 }  # fmt: skip
 UPWARD = {
     # --remat auto asks the plan whether the run fits the device without it (plan.remat_for): the plan's memory

@@ -1,0 +1,206 @@
+"""Every keras and keras-hub internal finetune touches, in one place: private imports and patches.
+
+Written against keras 3.15.1 and keras-hub 0.32.0 (WRITTEN_AGAINST). Each entry says what public API lacks and
+what was measured; tests/test_keras_compat.py checks each against the installed versions, so an upgrade that
+moves or changes one fails there, by name, not deep inside a run. Modules elsewhere decide *what* to compute
+(the lean projection, segment masks, remat, quantized loading); they reach keras' insides only through here.
+
+No keras import at module level: backend.py, below everything, uses this before the backend is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+
+WRITTEN_AGAINST = {"keras": "3.15.1", "keras-hub": "0.32.0"}
+
+
+# === Private modules ===
+
+
+def h5_store(path, mode: str = "r"):
+    """keras' own H5 weights store (keras.src.saving.saving_lib.H5IOStore).
+
+    keras-hub's load_lora_weights reads a .lora.h5 without checks (a damaged file ends in a raw OSError, NaN
+    weights load silently); adapter.read_factors checks it first, through the store that wrote it, so that
+    the file's layout stays keras' business. keras has no public reader for it.
+    """
+    from keras.src.saving.saving_lib import H5IOStore
+
+    return H5IOStore(path, mode=mode)
+
+
+def preset_loader(handle: str):
+    """keras-hub's loader of a preset (keras_hub.src.utils.preset_utils.get_preset_loader).
+
+    from_preset builds every encoder a multimodal preset names, and quantizes only after loading the float
+    weights: model._from_preset edits the loader's config to leave the encoders out, and loads the weights
+    into a base quantized as it reads them (load_backbone_weights).
+    """
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+
+    return get_preset_loader(handle)
+
+
+def load_backbone_weights(loader, backbone) -> None:
+    """The loader's own weight reading (one file, or its shards), into a backbone built without weights."""
+    loader._load_backbone_weights(backbone)
+
+
+def preset_config(handle: str) -> dict:
+    """A hub preset's config.json (preset_utils.load_json), read without building anything: the plan and the
+    mesh need its dims before the weights download."""
+    from keras_hub.src.utils.preset_utils import load_json
+
+    return load_json(handle)
+
+
+def transformers_exporter():
+    """keras-hub's transformers exporter (keras_hub.src.utils.transformers.export.hf_exporter), for Gemma 3 and 4:
+    CausalLM.export_to_transformers writes the task as it is, and finetune writes a merged backbone."""
+    from keras_hub.src.utils.transformers.export import hf_exporter
+
+    return hf_exporter
+
+
+def transformers_gemma_config(backbone) -> dict:
+    """transformers' config of a Gemma 1 backbone, as keras-hub's exporter computes it (export.gemma)."""
+    from keras_hub.src.utils.transformers.export import gemma
+
+    return gemma.get_gemma_config(backbone)
+
+
+# === Patches of keras classes ===
+
+
+def keep_float16_matmuls() -> bool:
+    """Keras' PyTorch matmul computes float16 in float32 on a CPU; make it multiply float16 as PyTorch can.
+
+    keras (3.15) casts both operands to float32 first, from the days when
+    PyTorch had no float16 matmul on a CPU: at gemma-2b's size the loss's
+    projection onto the tied 256k x 2048 embedding then made a 2 GiB float32
+    copy of it, in each chunk forward and backward, and a step peaked at 10.2
+    GiB against 6.9 with a bf16 base. PyTorch 2 multiplies float16 on a CPU
+    natively (313 GFLOP/s against 258 in float32 on 2 cores with AVX512-FP16).
+    Returns whether Keras' function was replaced (once per process).
+    """
+    import torch
+    from keras.src.backend.torch import numpy as torch_numpy
+
+    original = torch_numpy.matmul
+    if getattr(original, "keeps_float16", False):
+        return False
+
+    def matmul(x1, x2):
+        x1, x2 = torch_numpy.convert_to_tensor(x1), torch_numpy.convert_to_tensor(x2)
+        if x1.dtype == x2.dtype == torch.float16 and x1.device.type == "cpu":
+            return torch.matmul(x1, x2)
+        return original(x1, x2)
+
+    matmul.keeps_float16 = True
+    torch_numpy.matmul = matmul
+    return True
+
+
+def set_seed_leaving_tensorflow_alone(seed: int) -> None:
+    """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends.
+
+    Setting TensorFlow's seed clears its kernel caches, and tensorflow-text
+    (2.21.1) keeps each SentencePiece model in a kernel-owned resource: every
+    tokenizer made before then fails with NotFoundError. On JAX and PyTorch,
+    TensorFlow only tokenizes, and finetune draws no TensorFlow random numbers.
+    keras' function takes no option to skip it, so tf.random.set_seed is stood
+    aside while it runs.
+    """
+    import keras
+
+    if keras.config.backend() == "tensorflow" or sys.modules.get("tensorflow") is None:
+        keras.utils.set_random_seed(seed)
+        return
+    import tensorflow as tf
+
+    original = tf.random.set_seed
+    tf.random.set_seed = lambda _: None
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        tf.random.set_seed = original
+
+
+@contextlib.contextmanager
+def large_variables_start_as_zeros(at_least: int):
+    """Variables made inside start as zeros where they are float and hold `at_least` values or more.
+
+    keras draws each variable's initial values first (Variable._initialize_with_initializer), and the draw
+    costs memory the weights never needed when a preset's weights replace them next: on TensorFlow a
+    (256,000 x 2,048) float16 embedding drawn by keras' RandomNormal raised the process's resident memory by
+    3.1 GB for good (a float32 draw, then a cast, in memory TensorFlow keeps), where zeros raise it by the 1.0
+    GB the variable holds. keras has no public way to choose a layer's initializers from outside it.
+    """
+    import keras
+
+    cls = keras.Variable
+    own = cls.__dict__.get("_initialize_with_initializer")
+    original = cls._initialize_with_initializer
+
+    def initialize(variable, initializer):
+        dtype = keras.backend.standardize_dtype(variable._dtype)
+        if "float" in dtype and math.prod(variable._shape) >= at_least:
+            initializer = keras.initializers.Zeros()
+        original(variable, initializer)
+
+    cls._initialize_with_initializer = initialize
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls._initialize_with_initializer
+        else:
+            cls._initialize_with_initializer = own
+
+
+# === Patches of keras and keras-hub instances ===
+#
+# Each replaces one method of one layer object (never its class), so another model in the process is untouched.
+
+
+def replace_call(layer, call) -> None:
+    """Make `layer` compute with `call`: its `call`, and on a quantized layer the `quantized_call` that keras'
+    Layer.__call__ runs instead. Used by the lean projection (model.lean_call) and remat (remat.enable): keras
+    takes no custom call from outside a layer's class."""
+    layer.call = call
+    if getattr(layer, "quantization_mode", None) is not None:
+        layer.quantized_call = call
+
+
+def replace_attention_mask(block, compute_attention_mask) -> None:
+    """A keras-hub decoder block's `_compute_attention_mask`, which builds its causal and sliding-window mask
+    from `padding_mask`: attention.enable gives it segment ids, so packed rows attend within their example."""
+    block._compute_attention_mask = compute_attention_mask
+
+
+def widen_input_dtype(tensor, dtype: str) -> bool:
+    """Declare a symbolic input tensor `dtype`; False where this keras has no such field (nothing changed).
+
+    keras-hub declares Gemma 3n's padding mask boolean, and keras casts every input to its declared dtype,
+    which would fold segment ids 2, 3... into 1; a symbolic tensor's dtype has no public setter.
+    """
+    if not hasattr(tensor, "_dtype"):
+        return False
+    tensor._dtype = dtype
+    return True
+
+
+def replace_loading(layer, load_own_variables) -> None:
+    """What `layer` does with its entry of a weights file: keras' load_weights calls its `load_own_variables`.
+    quantized.load_while_quantizing reads the float kernel and quantizes it as it loads, so the float base never
+    exists whole in memory."""
+    layer.load_own_variables = load_own_variables
+
+
+def drop_inputs_quantizer(layer) -> None:
+    """Quantize `layer`'s kernel only: keras' int8 layers also round their inputs to int8 (an `inputs_quantizer`,
+    set by its dtype policy, with no option to leave it out); quantized.weights_only says what that costs."""
+    layer.inputs_quantizer = None

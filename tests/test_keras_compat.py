@@ -1,0 +1,140 @@
+"""Guards for keras_compat: each keras or keras-hub internal it uses is still there and still does what it relies on.
+
+When one fails after an upgrade, the test's name says which internal moved; keras_compat.WRITTEN_AGAINST says
+which versions the module was written for.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+from finetune import families, keras_compat, presets
+
+
+def test_the_versions_it_was_written_against_are_named():
+    assert set(keras_compat.WRITTEN_AGAINST) == {"keras", "keras-hub"}
+    # A newer major version is a rewrite of the internals, not an upgrade: re-check every entry by hand.
+    assert keras.__version__.split(".")[0] == keras_compat.WRITTEN_AGAINST["keras"].split(".")[0]
+
+
+def test_h5_store_reads_what_keras_hub_saves_a_lora_adapter_as(tmp_path):
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size())
+    backbone.enable_lora(2)
+    path = tmp_path / "a.lora.h5"
+    backbone.save_lora_weights(str(path))
+    store = keras_compat.h5_store(path)
+    try:
+        assert store.has_path("lora") and int(store.get("lora")["rank"][()]) == 2
+    finally:
+        store.close()
+
+
+def test_the_preset_loader_builds_a_backbone_without_weights_and_loads_them_after(tmp_path):
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size())
+    backbone.save_to_preset(str(tmp_path))
+    loader = keras_compat.preset_loader(str(tmp_path))
+    assert loader.config["config"]["num_layers"] == backbone.num_layers  # editable before the build
+    assert "load_weights" in inspect.signature(loader.load_backbone).parameters
+    empty = loader.load_backbone(type(backbone), load_weights=False, dtype=None)
+    keras_compat.load_backbone_weights(loader, empty)
+    for ours, theirs in zip(empty.weights, backbone.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs))
+    assert keras_compat.preset_config(str(tmp_path))["config"]["hidden_dim"] == backbone.hidden_dim
+
+
+def test_the_transformers_exporters_are_where_export_reads_them():
+    exporter = keras_compat.transformers_exporter()
+    assert callable(exporter.export_backbone) and callable(exporter.export_generation_config)
+    config = keras_compat.transformers_gemma_config(presets.tiny_backbone(presets.tiny_vocabulary_size()))
+    assert config["num_hidden_layers"] == presets.TINY_CONFIG["num_layers"]
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch matmul only")
+def test_float16_matmuls_stay_float16_on_a_cpu():
+    import torch
+
+    keras_compat.keep_float16_matmuls()
+    assert keras_compat.keep_float16_matmuls() is False  # once per process
+    x = torch.ones((2, 3), dtype=torch.float16)
+    assert keras.ops.matmul(x, torch.ones((3, 2), dtype=torch.float16)).dtype == torch.float16
+
+
+def test_the_seed_is_set_without_touching_tensorflows_on_another_backend(monkeypatch):
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if BACKEND == "tensorflow" or tf is None:
+        pytest.skip("TensorFlow's own backend sets its seed; this process has no TensorFlow")
+    calls = []
+    monkeypatch.setattr(tf.random, "set_seed", lambda seed: calls.append(seed))
+    keras_compat.set_seed_leaving_tensorflow_alone(3)
+    assert calls == [] and tf.random.set_seed is not None
+    assert np.random.get_state()[1][0] == np.random.RandomState(3).get_state()[1][0]  # keras' own seeding ran
+
+
+def test_large_variables_start_as_zeros_and_the_class_is_restored_after():
+    before = keras.Variable.__dict__.get("_initialize_with_initializer")
+    with keras_compat.large_variables_start_as_zeros(at_least=100):
+        large = keras.Variable(keras.initializers.RandomNormal()((20, 10)))
+        drawn = keras.layers.Dense(200)
+        drawn.build((None, 10))
+        small = keras.layers.Dense(2)
+        small.build((None, 3))
+    assert keras.Variable.__dict__.get("_initialize_with_initializer") is before
+    assert np.any(keras.ops.convert_to_numpy(large) != 0)  # a value given is kept: only initializers are replaced
+    assert not np.any(keras.ops.convert_to_numpy(drawn.kernel))
+    assert np.any(keras.ops.convert_to_numpy(small.kernel))
+
+
+def test_a_replaced_call_is_what_keras_calls_on_a_float_and_a_quantized_layer():
+    for quantize in (None, "int8"):
+        layer = keras.layers.Dense(4)
+        layer.build((None, 3))
+        if quantize:
+            layer.quantize(quantize)
+        keras_compat.replace_call(layer, lambda inputs, training=None: keras.ops.zeros((1, 7)))
+        assert tuple(layer(np.ones((1, 3), "float32")).shape) == (1, 7), quantize
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma3n", "tiny-gemma4"])
+def test_every_familys_decoder_blocks_compute_their_mask_where_attention_replaces_it(preset):
+    family = presets.TINY[preset].family
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(preset), name=preset)
+    for block in families.decoder_blocks(backbone):
+        assert "padding_mask" in inspect.signature(block._compute_attention_mask).parameters, family
+    seen = []
+    for block in families.decoder_blocks(backbone):
+        original = block._compute_attention_mask
+        keras_compat.replace_attention_mask(block, lambda *a, o=original, **k: seen.append(1) or o(*a, **k))
+    inputs = {t.name: np.ones((1, 6), "int32") for t in keras.tree.flatten(backbone.inputs)}
+    inputs["position_ids"] = np.arange(6, dtype="int32")[None]
+    backbone({k: v for k, v in inputs.items() if k in {t.name for t in keras.tree.flatten(backbone.inputs)}})
+    assert len(seen) >= len(families.decoder_blocks(backbone)), f"{preset}: keras-hub no longer calls the mask"
+
+
+def test_a_symbolic_inputs_dtype_can_be_widened():
+    tensor = keras.Input((4,), dtype="bool", name="padding_mask")
+    assert keras_compat.widen_input_dtype(tensor, "int32") and tensor.dtype == "int32"
+
+
+def test_a_layers_loading_can_be_replaced_and_keras_load_weights_calls_it(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(str(path))
+    seen = []
+    keras_compat.replace_loading(model.layers[0], lambda store: seen.append(np.asarray(store["0"]).shape))
+    model.load_weights(str(path))
+    assert seen == [(3, 2)]
+
+
+def test_keras_int8_layers_quantize_inputs_through_the_attribute_weights_only_drops():
+    layer = keras.layers.Dense(4)
+    layer.build((None, 3))
+    layer.quantize("int8")
+    assert getattr(layer, "inputs_quantizer", None) is not None
+    keras_compat.drop_inputs_quantizer(layer)
+    assert layer.inputs_quantizer is None
+    layer(np.ones((1, 3), "float32"))  # still computes
