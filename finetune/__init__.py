@@ -22,9 +22,9 @@ from finetune.config import Config
 from finetune.config import load as load_config
 from finetune.errors import RunStopped, UserError
 from finetune.export import export as _export
+from finetune.version import __version__ as __version__
 
 __all__ = ["Config", "RunStopped", "UserError", "evaluate", "export", "generate", "load", "load_config", "run"]
-__version__ = "0.1.0"
 
 
 def _argument(name: str, flag: str, kind=str, **declared) -> _config.Setting:

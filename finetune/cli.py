@@ -97,7 +97,7 @@ app = typer.Typer(
 
 def _print_version(value: bool):
     if value:
-        from finetune import __version__
+        from finetune.version import __version__
 
         print(f"finetune {__version__}")
         raise typer.Exit()

@@ -194,7 +194,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             write_transformers(staging, lm.backbone, preprocessor.tokenizer)
 
     def write_marked(staging: Path) -> None:
-        from finetune import __version__
+        from finetune.version import __version__
 
         write(staging)
         files = sorted([*(entry.name for entry in staging.iterdir()), MARKER])

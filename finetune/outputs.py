@@ -161,7 +161,7 @@ def refuse_foreign(path: Path, overwrite: bool, resume: bool) -> None:
 
 def write_marker(path: Path) -> None:
     """Mark `path` as a finetune run directory (claim() writes it first)."""
-    from finetune import __version__
+    from finetune.version import __version__
 
     body = {"finetune": __version__, "started": _now()}
     write_atomic(path / MARKER, lambda p: p.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8"))

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from finetune import (
-    __version__,
     adapter,
     attention,
     backend,
@@ -43,6 +42,7 @@ from finetune import (
 )
 from finetune.config import Config, parse_duration
 from finetune.errors import UserError
+from finetune.version import __version__
 
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 

@@ -42,7 +42,7 @@ LAYERS = {  # top to bottom
     "model": {"model", "presets", "archs", "families", "quantized", "remat", "attention", "objective", "layouts",
               "distribution"},
     "data": {"data", "templates", "batching", "packing"},
-    "platform": {"backend", "keras_compat", "storage", "platforms", "quiet", "errors"},
+    "platform": {"backend", "keras_compat", "storage", "platforms", "quiet", "errors", "version"},
 }  # fmt: skip
 UPWARD = {
     # --remat auto asks the plan whether the run fits the device without it (plan.remat_for): the plan's memory
@@ -55,6 +55,7 @@ NO_TEST_FILE = {
     "__init__": "the Python API: test_api.py runs it as a notebook does",
     "__main__": "one line, `python -m finetune`, that runs cli.main",
     "errors": "the exception classes, with no logic: every refusal in the suite raises one",
+    "version": "one constant: test_cli.py checks `finetune --version` prints it, and the install test installs it",
     "adapter": "adapter.json's checks refuse edited runs end to end: test_bad_inputs.py and test_export.py",
     "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
 }
