@@ -49,8 +49,8 @@ RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
 OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
              checkpoint.DIRECTORY)  # fmt: skip
-# A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
-NAME_MAX = 255
+# The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
+INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32
 
 try:
     import fcntl
@@ -107,18 +107,13 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target
         return Target(default_dir(), default=True)
     if storage.is_staged(requested):
         return _check_remote(requested, overwrite, resume)
+    storage.check_output(requested, "--output", directory=True, inside=INSIDE)
     path = Path(requested)
-    for part in path.parts:
-        if len(part.encode("utf-8")) > NAME_MAX - 16:  # room for temporary names beside it
-            raise UserError(f"output name {part[:40]}... is {len(part)} characters, too long; use a shorter --output")
-    if path.exists() and not path.is_dir():
-        raise UserError(f"output {path} is a file, not a directory; pass another --output")
     if is_locked(path):
         raise UserError(f"another finetune run is writing to {path}; wait for it to end or choose another --output")
     refuse_foreign(path, overwrite, resume)
     if not resume and not overwrite:
         refuse_existing_run(path)
-    _check_writable(path)
     return Target(path)
 
 
@@ -224,7 +219,7 @@ def refuse_existing_remote_run(mirror: storage.Mirror) -> None:
 def default_dir() -> Path:
     """runs/<timestamp>, under /kaggle/working in a Kaggle notebook (platforms.runs_root)."""
     path = platforms.runs_root() / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    _check_writable(path)
+    storage.check_output(str(path), "the run directory", directory=True, beside=4, inside=INSIDE)  # runs/<time>-2
     return path
 
 
@@ -242,26 +237,9 @@ def refuse_existing_run(path: Path) -> None:
         )
 
 
-def _check_writable(path: Path) -> None:
-    """Refuse now, not after hours of training, a place the run could not be written to."""
-    existing = _nearest_existing(path)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"cannot write the run to {path}: {existing} is not a writable directory; pass another --output"
-        )
-
-
-def _nearest_existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists: where the run's directory would be made."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    return existing
-
-
 def check_free_space(path: Path, needed_bytes: int) -> None:
     """Refuse a run whose checkpoints and adapter would not fit on the disk."""
-    existing = _nearest_existing(path)
+    existing = storage.nearest_existing(path.resolve())
     free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise UserError(

@@ -333,7 +333,7 @@ CASES = [
     gemma("keep-checkpoints-zero", ["--keep-checkpoints", "0"], "keep checkpoints must be at least 1"),
     gemma("time-limit-garbage", ["--time-limit", "soon"], "time limit 'soon' is not a duration"),
     gemma("time-limit-zero", ["--time-limit", "0m"], "time limit '0m' is not a duration"),
-    Case("output-name-too-long", lambda w: ["--output", w.tmp / ("r" * 250)], "too long"),
+    Case("output-name-too-long", lambda w: ["--output", w.tmp / ("r" * 256)], "too long"),
     resume("resume-torn-checkpoint", _break_checkpoints("torn"), "no checkpoint there can be loaded"),
     resume("resume-corrupt-checkpoint", _break_checkpoints("corrupt"), "does not match its checksum"),
     resume("resume-other-rank", lambda w: ["--resume", "--rank", "8", "--output", _unfinished(w)], "lora.rank=4"),

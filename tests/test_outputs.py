@@ -38,7 +38,7 @@ def test_check_target(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--output is empty"):
         outputs.check_target("", False, False)
     with pytest.raises(UserError, match="too long"):
-        outputs.check_target(str(tmp_path / ("x" * 250)), False, False)
+        outputs.check_target(str(tmp_path / ("x" * 256)), False, False)
     with pytest.raises(UserError, match="--resume needs --output"):
         outputs.check_target(None, False, True)
 
