@@ -24,6 +24,7 @@ import typer
 
 from finetune import bench as bench_module
 from finetune import config as config_module
+from finetune import storage
 from finetune import vertex as vertex_module
 from finetune.errors import RunStopped, UserError
 from finetune.plan import DEVICES as PLAN_DEVICES
@@ -645,9 +646,13 @@ def recipes_copy(
     """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
     try:
         source = config_module.shipped_recipe(name)
-        target = Path(dest) / source.name if Path(dest).is_dir() else Path(dest)
-        if not target.parent.is_dir():
-            raise UserError(f"directory {target.parent} does not exist; create it or pick another DEST")
+        _refuse_empty({"DEST": dest}, fix="pass the file to write, or a directory to put it in")
+        try:
+            into = Path(dest).is_dir()
+        except OSError:  # a name too long for the file system, which check_output names
+            into = False
+        target = Path(dest) / source.name if into else Path(dest)
+        storage.check_output(str(target), "DEST")
         try:
             # "x" refuses an existing file at open time, so a file made meanwhile is not clobbered either.
             with open(target, "xb") as f:
