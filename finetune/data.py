@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import platforms
+from finetune import documents, platforms
 from finetune.errors import UserError
 
 SAMPLE = "sample"  # the name that stands for SAMPLE_PATH
@@ -91,7 +91,7 @@ def _first_format(obj, where: str) -> str:
     if found is not None:
         return found
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object (a record), got {_kind(obj)}")
+        raise UserError(f"{where}: expected a JSON object (a record), got {documents.kind_of(obj)}")
     under = _records_key(obj)
     if under is not None:
         raise UserError(
@@ -299,23 +299,6 @@ def _whole_number(digits: str):
         return decimal.Decimal(digits)
 
 
-def _kind(value) -> str:
-    """What a parsed value is, in JSON's words, for messages: a user wrote JSON, not Python."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, decimal.Decimal)):
-        return "a number"
-    if isinstance(value, (bytes, bytearray)):
-        return "binary data"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return "text" if isinstance(value, str) else type(value).__name__
-
-
 def _json(text: str, where: str, shape: str, whole_file: bool = False):
     """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
     it raises is a UserError naming `where`, file:line (whole_file: `text` is all of the file `where` names,
@@ -429,7 +412,7 @@ def _from_hugging_face(name: str) -> tuple[list[Record], str]:
 
 def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {_kind(obj)}")
+        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {documents.kind_of(obj)}")
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -464,7 +447,7 @@ def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {name!r} must be a string, got {_kind(value)}")
+        raise UserError(f"{where}: field {name!r} must be a string, got {documents.kind_of(value)}")
     _check_text(value, where, f"field {name!r}")
     if required and not value.strip():
         raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
