@@ -48,6 +48,8 @@ def kind_of(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity"
     if isinstance(value, (int, float, decimal.Decimal)):
         return "a number"
     if isinstance(value, (bytes, bytearray)):
@@ -137,7 +139,7 @@ class Document:
             self.fail(f"{where} must be {words(kind)}, got {kind_of(value)}")
         problem = check(value) if check else None
         if problem:
-            self.fail(f"{where} {problem}, got {_short(value)}")
+            self.fail(f"{where} {problem}, got {shown(value)}")
         return value
 
     def section(self, key: str, required: bool = True) -> Document | None:
@@ -156,12 +158,13 @@ class Document:
                 self.fail(f"{where} must be {words(kind)}, got {kind_of(item)}")
             problem = check(item) if check else None
             if problem:
-                self.fail(f"{where} {problem}, got {_short(item)}")
+                self.fail(f"{where} {problem}, got {shown(item)}")
             out.append(Document(item, self.name, self.fix, where) if kind is dict else item)
         return out
 
 
-def _short(value) -> str:
+def shown(value) -> str:
+    """`value` as a message shows it: its repr, cut at 40 characters."""
     try:
         text = repr(value)
     except ValueError:  # an integer past Python's 4300 digits, as YAML reads one

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune import checkpoint, platforms, storage
+from finetune import checkpoint, documents, platforms, storage
 from finetune.errors import RunStopped, UserError
 
 ADAPTER = "adapter.lora.h5"
@@ -546,11 +546,14 @@ def record_failure(run_dir: Path, step: int, error: BaseException) -> None:
         pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
 
 
+STATES = ("running", "stopped", "failed", "finished")
+
+
 def read_status(run_dir: Path) -> dict:
+    """status.json, checked (checked_status); {} when there is none or it is broken."""
     try:
-        status = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
-        return status if isinstance(status, dict) else {}
-    except (OSError, ValueError):
+        return checked_status(run_dir) or {}
+    except documents.DocumentError:
         return {}
 
 
@@ -559,10 +562,51 @@ def read_metrics(run_dir: Path) -> dict | None:
     if not (run_dir / METRICS).exists():
         return None
     try:
-        metrics = json.loads((run_dir / METRICS).read_text(encoding="utf-8"))
-        return metrics if isinstance(metrics, dict) else {}
-    except (OSError, ValueError):
+        return _document(run_dir / METRICS).value
+    except documents.DocumentError:
         return {}
+
+
+def checked_status(run_dir: Path) -> dict | None:
+    """status.json as write_status writes it; None when there is none. A DocumentError names a broken field."""
+    found = _document(run_dir / STATUS)
+    if found is None:
+        return None
+    found.field("state", str, check=documents.one_of(*STATES))
+    found.field("step", int, check=documents.at_least(0))
+    found.field("message", str, required=False)
+    return found.value
+
+
+def checked_metrics(run_dir: Path) -> dict | None:
+    """metrics.json, with the fields `finetune runs` shows checked; None when there is none."""
+    found = _document(run_dir / METRICS)
+    if found is None:
+        return None
+    found.field("steps", int, check=documents.at_least(0))
+    found.field("eval_loss", float)
+    return found.value
+
+
+def checked_marker(run_dir: Path) -> dict | None:
+    """finetune-run.json as write_marker writes it; None when there is none."""
+    found = _document(run_dir / MARKER)
+    if found is None:
+        return None
+    found.field("finetune", str, required=False)
+    found.field("started", str, required=False)
+    return found.value
+
+
+def _document(path: Path) -> documents.Document | None:
+    """A JSON object a run wrote at `path`, named by its file name; None when there is none."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise documents.DocumentError(path.name, f"cannot be read ({e.strerror or e})") from None
+    return documents.Document(documents.parse_json(text, path.name), path.name)
 
 
 def run_config(cfg) -> dict:

@@ -159,6 +159,13 @@ def _nudge(path: Path):
         dataset[...] = values
 
 
+def _h5_rank(path: Path, value):
+    """Replace the rank keras-hub records in the adapter file, as a hand edit would."""
+    with h5py.File(path, "r+") as f:
+        del f["lora/vars/rank"]
+        f["lora/vars/rank"] = value
+
+
 def _unfinished(w: Where) -> Path:
     """A copy of a trained run as a kill would leave it: checkpoints, no results."""
     copy = w.run_copy()
@@ -294,8 +301,21 @@ CASES = [
         "run-adapter-json-wrong-type",
         "eval",
         lambda r, w: _describe(r, alpha="lots"),
-        "adapter.json has no valid 'alpha' entry",
+        "adapter.json: alpha must be a number, got text",
     ),
+    run_case("run-adapter-json-rank-list", "eval", lambda r, w: _describe(r, rank=[4]), "rank must be an integer"),
+    run_case("run-adapter-json-rank-zero", "eval", lambda r, w: _describe(r, rank=0), "rank must be at least 1"),
+    run_case(
+        "run-adapter-json-targets-numbers", "eval", lambda r, w: _describe(r, targets=[1, 2]), "targets[0] must be text"
+    ),
+    run_case(
+        "run-adapter-json-adapted-list", "generate", lambda r, w: _describe(r, adapted=[[0]]), "adapted[0] must be an"
+    ),
+    run_case("run-adapter-json-null", "eval", lambda r, w: (r / ADAPTER_JSON).write_text("null"), "not an object"),
+    run_case(
+        "run-adapter-rank-array", "eval", lambda r, w: _h5_rank(r / ADAPTER, np.array([4, 4])), "not a whole number"
+    ),
+    run_case("run-adapter-rank-text", "generate", lambda r, w: _h5_rank(r / ADAPTER, "four"), "not a whole number"),
     run_case(
         "run-adapter-and-json-of-other-rank",
         "eval",

@@ -23,7 +23,7 @@ def test_a_field_of_the_kind_asked_for_is_given_back():
     "value, kind, message",
     [
         (True, int, "adapter.json: rank must be an integer, got true"),  # true is no integer in JSON
-        (float("nan"), float, "adapter.json: rank must be a number, got a number"),  # nor NaN a number we take
+        (float("nan"), float, "adapter.json: rank must be a number, got NaN"),  # nor NaN a number we take
         ([4], int, "adapter.json: rank must be an integer, got a list"),
         ("4", int, "adapter.json: rank must be an integer, got text"),
         (0, int, "adapter.json: rank must be at least 1, got 0"),
