@@ -24,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -267,6 +269,8 @@ class Claim:
         self.mirrors = [m for m in (remote, *mirrors) if m is not None]
         self.had_tensorboard = (path / TENSORBOARD).exists()
         self.published = False
+        self.finished = False
+        """The results are written and status.json says finished: nothing that follows may say otherwise."""
         self._lock_file = lock_file
 
     def __str__(self) -> str:
@@ -349,6 +353,27 @@ class Claim:
                 record_failure(self.path, steps.progress.step, error)
             raise
 
+    @contextlib.contextmanager
+    def finishing(self, step: int):
+        """Around what follows training (the last samples, the results written): how it ended goes into status.json.
+
+        There is no step to stop after any more, so SIGTERM or Ctrl-C stops at once (RunStopped), leaving no
+        result half-written (write_atomic removes its temporary file) and status.json `stopped` at the final
+        checkpoint, `step`: --resume writes the results from it. Any other failure is recorded as in training().
+        """
+        try:
+            with _stopping_at_once(step):
+                yield
+        except RunStopped as stop:
+            if not self.finished:
+                write_status(self.path, "stopped", step, str(stop))
+                self.sync()
+            raise
+        except BaseException as error:
+            if not self.finished:
+                record_failure(self.path, step, error)
+            raise
+
     def publish_results(self, files: dict, metrics: dict) -> None:
         """Write the results (publish()), drop the checkpoints of the runs this one replaced, mark it finished,
         copy it out to a remote --output, and report it.
@@ -360,6 +385,7 @@ class Claim:
             publish(self.path, files)
             checkpoint.remove_others(self.path, metrics["run_id"])
             write_status(self.path, "finished", step)
+            self.finished = True
         except OSError as e:
             raise UserError(
                 f"could not write the results to {self.path}: {e.strerror or e}; the checkpoint at step {step} "
@@ -397,6 +423,34 @@ class Claim:
                 empty.rmdir()
         finally:
             self.release()
+
+
+@contextlib.contextmanager
+def _stopping_at_once(step: int):
+    """SIGTERM and Ctrl-C raise RunStopped where the main thread is; a second signal, while it stops, is ignored.
+    Elsewhere than in the main thread, which alone may set handlers, the defaults stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = []
+
+    def stop(signum, frame):
+        if stopping:
+            return
+        stopping.append(signum)
+        name, code = ("SIGTERM", 143) if signum == signal.SIGTERM else ("Ctrl-C", 130)
+        raise RunStopped(
+            f"{name}: stopped while writing the results of step {step}, whose checkpoint is kept; rerun the same "
+            "command with --resume to write them (in Python: finetune.run(cfg, resume=True))",
+            code,
+        )
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def claim_run(target: Target, overwrite: bool, resume: bool) -> Claim:
@@ -455,6 +509,8 @@ def claim(
     except UserError:
         held.abandon()
         raise
+    for name in OWN_NAMES:  # a result half-written when a run was killed while publishing
+        (path / f".partial.{name}").unlink(missing_ok=True)
     if not (path / MARKER).exists():
         write_marker(path)
     return held
