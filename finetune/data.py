@@ -13,6 +13,10 @@ by the first record's keys (FORMATS):
 - completion: `prompt` and `completion` strings, trained on the completion;
 - text: `text`, trained on every token.
 
+Any of these may be compressed, and is read as it is: gzip (.gz), bzip2 (.bz2)
+and xz (.xz) through Python's own modules, Zstandard (.zst) where the
+zstandard package is installed.
+
 null reads as empty and other keys are ignored. Chat and ShareGPT records are
 lists, so they come in JSON or Parquet, not CSV. Sources: a local path, a gs://
 path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
@@ -56,6 +60,10 @@ ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 PARQUET_MAGIC = b"PAR1"
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+# Compressions read as they are: the suffix, and the bytes a file starts with (bzip2's "BZh" could begin text).
+COMPRESSIONS = {"gzip": (".gz", b"\x1f\x8b"), "bzip2": (".bz2", None), "xz": (".xz", b"\xfd7zXZ\x00"),
+                "Zstandard": (".zst", b"\x28\xb5\x2f\xfd")}  # fmt: skip
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -124,17 +132,65 @@ def read(source: str) -> tuple[list[Record], str]:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
         return _from_hugging_face(source[3:])
-    raw = _read_bytes(source)
+    raw, name = _decompressed(_read_bytes(source), source)
     if raw.startswith(PARQUET_MAGIC):
         return _records(_parquet_rows(raw, source), source)
-    if source.lower().endswith(".parquet"):
+    if name.endswith(".parquet"):
         raise UserError(f"{source} is not a Parquet file (it does not start with PAR1); check how it was written")
     text = _text(raw, source)
-    if source.lower().endswith((".csv", ".tsv")):
-        return _records(_csv_rows(text, source, "\t" if source.lower().endswith(".tsv") else ","), source, "CSV")
+    if name.endswith((".csv", ".tsv")):
+        return _records(_csv_rows(text, source, "\t" if name.endswith(".tsv") else ","), source, "CSV")
     if text.lstrip().startswith("["):
         return _records(_array_items(text, source), source)
     return _records(_json_lines(text, source), source)
+
+
+def _decompressed(raw: bytes, source: str) -> tuple[bytes, str]:
+    """(the file's bytes, decompressed when it is compressed; its name in lower case, without the compression's
+    suffix, which tells its format: x.csv.gz is CSV).
+
+    gzip, bzip2 and xz come with Python; Zstandard where the zstandard package is installed. A compressed file is
+    known by its suffix, or by the bytes it starts with where no text starts so.
+    """
+    name = source.lower()
+    kind = next((k for k, (suffix, _) in COMPRESSIONS.items() if name.endswith(suffix)), None)
+    if kind is None:
+        kind = next((k for k, (_, magic) in COMPRESSIONS.items() if magic and raw.startswith(magic)), None)
+    if raw.startswith(ZIP_MAGIC):
+        raise UserError(f"{source} is a zip archive; extract the data file from it, or compress it with gzip")
+    if kind is None:
+        return raw, name
+    name = name.removesuffix(COMPRESSIONS[kind][0])
+    try:
+        return _decompress(kind, raw, source), name
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each codec raises its own (OSError, EOFError, zlib.error, LZMAError)
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"{source} is not a whole {kind} file ({first}); check how it was compressed") from None
+
+
+def _decompress(kind: str, raw: bytes, source: str) -> bytes:
+    if kind == "gzip":
+        import gzip
+
+        return gzip.decompress(raw)
+    if kind == "bzip2":
+        import bz2
+
+        return bz2.decompress(raw)
+    if kind == "xz":
+        import lzma
+
+        return lzma.decompress(raw)
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{source} is Zstandard-compressed, which needs the zstandard package: pip install zstandard, "
+            "or decompress it first (zstd -d) or compress it with gzip"
+        ) from None
+    return zstandard.ZstdDecompressor().decompressobj().decompress(raw)
 
 
 def _text(raw: bytes, source: str) -> str:
@@ -343,7 +399,7 @@ def _read_bytes(source: str) -> bytes:
         )
     if path.is_dir():
         try:
-            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES and p.is_file())
+            found = sorted(p.name for p in path.iterdir() if _is_data_name(p.name) and p.is_file())
         except OSError:  # a folder we may not list
             found = []
         such = f", such as {path / found[0]}" if found else " (JSONL, JSON, CSV or Parquet)"
@@ -354,6 +410,14 @@ def _read_bytes(source: str) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise UserError(f"cannot read data file {source} ({e.strerror or e}); check its permissions") from None
+
+
+def _is_data_name(name: str) -> bool:
+    """Whether a file name is a data file's: x.jsonl, x.csv.gz, ..."""
+    name = name.lower()
+    for suffix, _ in COMPRESSIONS.values():
+        name = name.removesuffix(suffix)
+    return name.endswith(DATA_SUFFIXES)
 
 
 def _read_cloud(source: str) -> bytes:
