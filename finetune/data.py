@@ -563,8 +563,8 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 
 
-def filter_records(records, *, drop_context=False, categories=(), max_records=None, source=""):
-    """Apply the data filters; an empty result is a user error."""
+def filter_records(records, *, drop_context=False, categories=(), max_records=None, source="", fix=None):
+    """Apply the data filters; an empty result is a user error, ending with `fix` (by default: the flags to relax)."""
     kept = [r for r in records if not (drop_context and r.context.strip())]
     if categories:
         wanted = set(categories)
@@ -577,9 +577,9 @@ def filter_records(records, *, drop_context=False, categories=(), max_records=No
             applied.append("drop_context")
         if categories:
             applied.append(f"categories={list(categories)}")
+        fix = fix or "relax --category / --drop-context or use another file"
         raise UserError(
-            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); "
-            "relax --category / --drop-context or use another file"
+            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); {fix}"
         )
     return kept
 

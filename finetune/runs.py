@@ -90,7 +90,7 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
 
     cfg = run.config
     path = data_path or cfg.data.path
-    records = prepare.read(cfg, path)
+    records = prepare.read(cfg, path, trained=True)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, source=path, split=data_path is None)

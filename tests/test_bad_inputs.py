@@ -10,6 +10,7 @@ End to end: a refusal may come from any module, so the corpus mirrors none and r
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,19 @@ from typing import Optional
 import h5py
 import numpy as np
 import pytest
-from conftest import BACKEND, make_records, write_jsonl
+import typer
+from conftest import BACKEND, chat, make_records, write_jsonl
 from typer.testing import CliRunner
 
 import finetune
 from finetune.cli import app
 
 runner = CliRunner()
+# Each command's options, as its --help lists them: the only ones its messages may advise.
+OPTIONS = {
+    name: {opt for parameter in command.params for opt in getattr(parameter, "opts", [])} | {"--help"}
+    for name, command in typer.main.get_command(app).commands.items()
+}
 
 
 def invoke(*args):
@@ -344,6 +351,18 @@ CASES = [
         "run-config-not-yaml", "eval", lambda r, w: (r / "config.yaml").write_text("lora: [unclosed\n"), "config.yaml"
     ),
     Case("run-missing", lambda w: ["--run", w.tmp / "no-such-run"], "no-such-run does not exist", command="eval"),
+    Case(
+        "eval-data-of-another-format",  # the run's template is dolly: eval cannot take another, so none is advised
+        lambda w: ["--run", w.run_copy(), "--data", w.file("t.jsonl", '{"text": "a b c"}\n')],
+        "holds text records, which this run's template, dolly, cannot render",
+        command="eval",
+    ),
+    Case(
+        "eval-data-of-chat-records",
+        lambda w: ["--run", w.run_copy(), "--data", w.file("c.jsonl", json.dumps(chat(0)) + "\n")],
+        "holds chat records, which this run's template, dolly, cannot render",
+        command="eval",
+    ),
     generate("generate-zero-tokens", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     generate("generate-negative-tokens", ["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
     Case("generate-empty-prompt", lambda w: ["--run", w.run_copy(), "--prompt", ""], "--prompt is empty", "generate"),
@@ -436,6 +455,18 @@ CASES = [
 ]
 
 
+def advised(message: str, command: str) -> dict[str, set]:
+    """The flags a message names, by the command they are for: the one that printed it, or one the message spells
+    out (`retrain it with: finetune gemma --recipe R`) for the flags after it."""
+    found = {}
+    for i, part in enumerate(re.split(rf"\bfinetune ({'|'.join(OPTIONS)})\b", message)):
+        if i % 2 == 1:
+            command = part
+        else:
+            found.setdefault(command, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", part))
+    return found
+
+
 @pytest.fixture(scope="module")
 def trained_runs(tmp_path_factory):
     """Two real tiny runs (LoRA rank 4 and 2), one step each, that the run cases copy and break."""
@@ -477,6 +508,9 @@ def test_bad_input_exits_2_with_a_message_and_writes_nothing(case, tmp_path, tin
     assert message.startswith("error: ") and case.expected in message, message
     assert len(message.splitlines()) <= 2, message
     assert "Traceback" not in result.output
+    for command, flags in advised(message, case.command).items():
+        unknown = flags - OPTIONS[command] - {str(a) for a in args}  # a flag typed may be named, as click does
+        assert not unknown, f"{command} takes no {unknown}: {message}"
     assert not where.out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]
     assert not list(cwd.iterdir())
