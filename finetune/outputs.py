@@ -221,7 +221,7 @@ def refuse_existing_remote_run(mirror: storage.Mirror) -> None:
 def default_dir() -> Path:
     """runs/<timestamp>, under /kaggle/working in a Kaggle notebook (platforms.runs_root)."""
     path = platforms.runs_root() / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    storage.check_output(str(path), "the run directory", directory=True, beside=4, inside=INSIDE)  # runs/<time>-2
+    storage.check_output(str(path), "--output", directory=True, beside=4, inside=INSIDE)  # runs/<time>-2 beside it
     return path
 
 
