@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+from finetune import documents
 from finetune.errors import UserError
 
 FORMAT = "finetune-adapter"
@@ -109,30 +110,37 @@ def write(path: Path, description: dict) -> None:
 
 
 def read(path: Path) -> dict:
-    """adapter.json, refused when missing, not JSON, or not ours."""
+    """adapter.json, refused when missing, not JSON, not ours, or with any field not of the shape describe() writes."""
     if not path.is_file():
         raise UserError(
             f"{path.parent} has no {path.name}, which says what its adapter was trained on (runs made before "
             f"finetune wrote it lack one);\nretrain it with: finetune gemma --recipe {path.parent / 'config.yaml'}"
         )
+    fix = "copy it back from the run that made the adapter"
     try:
-        description = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); copy it back from the run that made the adapter") from None
-    if not isinstance(description, dict) or description.get("format") != FORMAT:
+        text = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e}); check its permissions") from None
+    described = documents.Document(documents.parse_json(text, str(path), fix), str(path), fix)
+    if described.value.get("format") != FORMAT:
         raise UserError(f'{path} is not a finetune adapter description (no "format": "{FORMAT}")')
-    if description.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{path} has format version {description.get('format_version')!r}; this finetune reads {FORMAT_VERSION}"
-        )
-    expected = {"preset": dict, "rank": int, "alpha": (int, float), "targets": list, "adapted": list,
-                "weights_sha256": str}  # fmt: skip
-    for key, kind in expected.items():
-        if not isinstance(description.get(key), kind):
-            raise UserError(f"{path} has no valid {key!r} entry; copy it back from the run that made the adapter")
-    if not all(isinstance(entry, dict) for entry in description["adapted"]):
-        raise UserError(f"{path} has no valid 'adapted' entry; copy it back from the run that made the adapter")
-    return description
+    if described.value.get("format_version") != FORMAT_VERSION:
+        version = documents.shown(described.value.get("format_version"))
+        raise UserError(f"{path} has format version {version}; this finetune reads {FORMAT_VERSION}")
+    preset = described.section("preset")
+    preset.field("name", str)
+    preset.field("fingerprint", str)
+    preset.field("family", str, required=False)
+    described.field("rank", int, check=documents.at_least(1))
+    described.field("alpha", float)
+    described.items("targets", str)
+    for entry in described.items("adapted", dict):
+        entry.field("index", int, check=documents.at_least(0))
+        entry.field("layer", str)
+        for name in FACTORS:
+            entry.items(name, int, check=documents.at_least(1))
+    described.field("weights_sha256", str)
+    return described.value
 
 
 def check_against_config(description: dict, cfg, path: Path) -> None:
@@ -208,7 +216,9 @@ def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, descr
     try:
         if not store.has_path("lora"):
             raise UserError(f"{path} holds no LoRA weights (no `lora` group); {fix}")
-        stored_rank = int(store.get("lora")["rank"][()])
+        stored_rank = store.get("lora")["rank"][()]
+        if np.ndim(stored_rank) != 0 or not np.issubdtype(np.asarray(stored_rank).dtype, np.integer):
+            raise UserError(f"{path}: its LoRA rank is not a whole number ({np.shape(stored_rank)}); {fix}")
         if stored_rank != rank:
             raise UserError(
                 f"{path} has LoRA rank {stored_rank}, but the run's config.yaml says {rank}; "
@@ -234,7 +244,7 @@ def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, descr
                     raise UserError(f"{path}: layer {layer.name} has weights that are not finite (NaN or inf); {fix}")
                 pair.append(values.astype(np.float32))
             factors[index] = tuple(pair)
-    except (OSError, KeyError, ValueError) as e:  # h5py on a damaged file
+    except (OSError, KeyError, ValueError, TypeError) as e:  # h5py on a damaged or edited file
         detail = str(e).splitlines()[0] if str(e) else ""
         raise UserError(f"{path} is not a readable adapter ({type(e).__name__}: {detail}); {fix}") from None
     finally:

@@ -151,9 +151,11 @@ def run(
 ) -> list[dict]:
     """Run every row, one process each, one after another; print the table and the verdict."""
     check(workload, backends, recipes, levers)
-    for path in (json_path, plot_path):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise UserError(f"cannot write {path}: its folder does not exist")
+    from finetune import outputs, storage
+
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path is not None:  # written beside under a temporary name, then renamed (outputs.write_atomic)
+            storage.check_output(path, flag, beside=len(".partial."))
     specs = [Spec("torch", "hf", None, workload)] if "hf" in recipes else []
     specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
     specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers]
@@ -178,10 +180,16 @@ def run(
     print(verdict(rows))
     if all("error" in row for row in rows):  # nothing to write
         raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
-    if json_path:
-        Path(json_path).write_text(json.dumps(rows, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    if plot_path:
-        plot(rows, plot_path, workload)
+    text = json.dumps(rows, indent=1, allow_nan=False) + "\n"
+    for path, write in ((json_path, lambda p: p.write_text(text, encoding="utf-8")),
+                        (plot_path, lambda p: plot(rows, p, workload))):  # fmt: skip
+        if path is None:
+            continue
+        try:
+            outputs.write_atomic(Path(path), write)
+        except OSError as e:  # the disk filled or changed during the bench: the rows are not lost
+            print(text, end="")
+            raise UserError(f"could not write {path} ({e.strerror or e}); the rows are printed above as JSON") from e
     return rows
 
 
@@ -749,7 +757,7 @@ def plot(rows: list[dict], path: str, workload: Workload) -> None:
     curve.set_title("finetune rows: loss per step")
     curve.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # at the path given: matplotlib would add .png to a name without a suffix
     plt.close(fig)
 
 

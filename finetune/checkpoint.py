@@ -215,7 +215,7 @@ def _checked(path: Path, verify: bool) -> Checkpoint:
         return Checkpoint(path, int(manifest["step"]), str(manifest["run_id"]), float(manifest["created"]))
     except CheckpointError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not a whole checkpoint ({type(e).__name__})") from e
 
 

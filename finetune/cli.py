@@ -14,6 +14,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 import traceback
 import typing
@@ -22,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from finetune import archs
+from finetune import archs, storage
 from finetune import bench as bench_module
 from finetune import config as config_module
 from finetune import vertex as vertex_module
@@ -31,8 +32,10 @@ from finetune.plan import DEVICES as PLAN_DEVICES
 
 try:  # recent typer (0.29 here) vendors click: it raises its own copy's exceptions, not the `click` package's
     from typer._click import exceptions as click_exceptions
+    from typer._click.globals import get_current_context
 except ImportError:
     from click import exceptions as click_exceptions
+    from click.globals import get_current_context
 
 D = config_module.Config()  # the built-in defaults
 
@@ -286,7 +289,7 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
         print(str(error), file=sys.stderr)
         raise typer.Exit(error.exit_code)
     if isinstance(error, UserError):
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {for_this_command(str(error))}", file=sys.stderr)
         raise typer.Exit(2)
     from finetune import backend
 
@@ -297,6 +300,36 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
         print(f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", file=sys.stderr)
         print("rerun with --debug for the traceback", file=sys.stderr)
     raise typer.Exit(1)
+
+
+# A setting's flag, and the key a recipe, --set and a run's config.yaml name it by.
+SETTING_KEYS = {item.flag: item.key for item in config_module.settings(config_module.Config) if item.flag}
+
+
+def for_this_command(message: str) -> str:
+    """`message` as the running command prints it: a setting's flag that this command does not take is named by
+    its key instead (`--mesh` is `distribution.mesh`), as the recipe, --set or the run's config.yaml holds it.
+
+    Shared code (the config's checks, the data's) names settings by their flags, as `finetune gemma` takes
+    them; `finetune plan` or `vertex-spec` take most through --set, and `finetune eval` reads them from the run.
+    """
+    context = get_current_context(silent=True)
+    if context is None:
+        return message
+    taken = {name for parameter in context.command.params for name in getattr(parameter, "opts", [])}
+
+    def named(match):
+        flag = match.group(0)
+        return SETTING_KEYS[flag] if flag in SETTING_KEYS and flag not in taken else flag
+
+    # From a command the message spells out on (`retrain it with: finetune gemma --recipe R`), flags are its own.
+    commands = getattr(context.find_root().command, "commands", {})
+    spelled = re.search(rf"\bfinetune ({'|'.join(map(re.escape, commands))})\b", message) if commands else None
+    cut = spelled.start() if spelled else len(message)
+    return FLAG.sub(named, message[:cut]) + message[cut:]
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 @app.command()
@@ -473,7 +506,7 @@ def eval_(
             f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
         )
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+        _fail(error, debug, "out of memory while evaluating at the run's batch size; use a device with more memory")
 
 
 @app.command("data")
@@ -506,7 +539,7 @@ def data_(
         for line in datacheck.report(file, preset, template, seq_len, example=example):
             print(line)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+        _fail(error, debug, "out of memory while counting tokens; lower --seq-len, or check a part of the file")
 
 
 @app.command()
@@ -565,7 +598,7 @@ def export_(
         target = export(run, format, output, overwrite, base, backend, dtype)
         print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+        _fail(error, debug, "out of memory while exporting; export on a machine with more memory")
 
 
 @app.command("vertex-spec")
@@ -660,9 +693,13 @@ def recipes_copy(
     """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
     try:
         source = config_module.shipped_recipe(name)
-        target = Path(dest) / source.name if Path(dest).is_dir() else Path(dest)
-        if not target.parent.is_dir():
-            raise UserError(f"directory {target.parent} does not exist; create it or pick another DEST")
+        _refuse_empty({"DEST": dest}, fix="pass the file to write, or a directory to put it in")
+        try:
+            into = Path(dest).is_dir()
+        except OSError:  # a name too long for the file system, which check_output names
+            into = False
+        target = Path(dest) / source.name if into else Path(dest)
+        storage.check_output(str(target), "DEST")
         try:
             # "x" refuses an existing file at open time, so a file made meanwhile is not clobbered either.
             with open(target, "xb") as f:

@@ -13,6 +13,10 @@ by the first record's keys (FORMATS):
 - completion: `prompt` and `completion` strings, trained on the completion;
 - text: `text`, trained on every token.
 
+Any of these may be compressed, and is read as it is: gzip (.gz), bzip2 (.bz2)
+and xz (.xz) through Python's own modules, Zstandard (.zst) where the
+zstandard package is installed.
+
 null reads as empty and other keys are ignored. Chat and ShareGPT records are
 lists, so they come in JSON or Parquet, not CSV. Sources: a local path, a gs://
 path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
@@ -31,7 +35,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import platforms
+from finetune import documents, platforms
 from finetune.errors import UserError
 
 SAMPLE = "sample"  # the name that stands for SAMPLE_PATH
@@ -56,6 +60,10 @@ ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 PARQUET_MAGIC = b"PAR1"
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+# Compressions read as they are: the suffix, and the bytes a file starts with (bzip2's "BZh" could begin text).
+COMPRESSIONS = {"gzip": (".gz", b"\x1f\x8b"), "bzip2": (".bz2", None), "xz": (".xz", b"\xfd7zXZ\x00"),
+                "Zstandard": (".zst", b"\x28\xb5\x2f\xfd")}  # fmt: skip
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ def _first_format(obj, where: str) -> str:
     if found is not None:
         return found
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object (a record), got {_kind(obj)}")
+        raise UserError(f"{where}: expected a JSON object (a record), got {documents.kind_of(obj)}")
     under = _records_key(obj)
     if under is not None:
         raise UserError(
@@ -124,17 +132,65 @@ def read(source: str) -> tuple[list[Record], str]:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
         return _from_hugging_face(source[3:])
-    raw = _read_bytes(source)
+    raw, name = _decompressed(_read_bytes(source), source)
     if raw.startswith(PARQUET_MAGIC):
         return _records(_parquet_rows(raw, source), source)
-    if source.lower().endswith(".parquet"):
+    if name.endswith(".parquet"):
         raise UserError(f"{source} is not a Parquet file (it does not start with PAR1); check how it was written")
     text = _text(raw, source)
-    if source.lower().endswith((".csv", ".tsv")):
-        return _records(_csv_rows(text, source, "\t" if source.lower().endswith(".tsv") else ","), source, "CSV")
+    if name.endswith((".csv", ".tsv")):
+        return _records(_csv_rows(text, source, "\t" if name.endswith(".tsv") else ","), source, "CSV")
     if text.lstrip().startswith("["):
         return _records(_array_items(text, source), source)
     return _records(_json_lines(text, source), source)
+
+
+def _decompressed(raw: bytes, source: str) -> tuple[bytes, str]:
+    """(the file's bytes, decompressed when it is compressed; its name in lower case, without the compression's
+    suffix, which tells its format: x.csv.gz is CSV).
+
+    gzip, bzip2 and xz come with Python; Zstandard where the zstandard package is installed. A compressed file is
+    known by its suffix, or by the bytes it starts with where no text starts so.
+    """
+    name = source.lower()
+    kind = next((k for k, (suffix, _) in COMPRESSIONS.items() if name.endswith(suffix)), None)
+    if kind is None:
+        kind = next((k for k, (_, magic) in COMPRESSIONS.items() if magic and raw.startswith(magic)), None)
+    if raw.startswith(ZIP_MAGIC):
+        raise UserError(f"{source} is a zip archive; extract the data file from it, or compress it with gzip")
+    if kind is None:
+        return raw, name
+    name = name.removesuffix(COMPRESSIONS[kind][0])
+    try:
+        return _decompress(kind, raw, source), name
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each codec raises its own (OSError, EOFError, zlib.error, LZMAError)
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"{source} is not a whole {kind} file ({first}); check how it was compressed") from None
+
+
+def _decompress(kind: str, raw: bytes, source: str) -> bytes:
+    if kind == "gzip":
+        import gzip
+
+        return gzip.decompress(raw)
+    if kind == "bzip2":
+        import bz2
+
+        return bz2.decompress(raw)
+    if kind == "xz":
+        import lzma
+
+        return lzma.decompress(raw)
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{source} is Zstandard-compressed, which needs the zstandard package: pip install zstandard, "
+            "or decompress it first (zstd -d) or compress it with gzip"
+        ) from None
+    return zstandard.ZstdDecompressor().decompressobj().decompress(raw)
 
 
 def _text(raw: bytes, source: str) -> str:
@@ -299,23 +355,6 @@ def _whole_number(digits: str):
         return decimal.Decimal(digits)
 
 
-def _kind(value) -> str:
-    """What a parsed value is, in JSON's words, for messages: a user wrote JSON, not Python."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, decimal.Decimal)):
-        return "a number"
-    if isinstance(value, (bytes, bytearray)):
-        return "binary data"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return "text" if isinstance(value, str) else type(value).__name__
-
-
 def _json(text: str, where: str, shape: str, whole_file: bool = False):
     """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
     it raises is a UserError naming `where`, file:line (whole_file: `text` is all of the file `where` names,
@@ -360,7 +399,7 @@ def _read_bytes(source: str) -> bytes:
         )
     if path.is_dir():
         try:
-            found = sorted(p.name for p in path.iterdir() if p.suffix.lower() in DATA_SUFFIXES and p.is_file())
+            found = sorted(p.name for p in path.iterdir() if _is_data_name(p.name) and p.is_file())
         except OSError:  # a folder we may not list
             found = []
         such = f", such as {path / found[0]}" if found else " (JSONL, JSON, CSV or Parquet)"
@@ -371,6 +410,14 @@ def _read_bytes(source: str) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise UserError(f"cannot read data file {source} ({e.strerror or e}); check its permissions") from None
+
+
+def _is_data_name(name: str) -> bool:
+    """Whether a file name is a data file's: x.jsonl, x.csv.gz, ..."""
+    name = name.lower()
+    for suffix, _ in COMPRESSIONS.values():
+        name = name.removesuffix(suffix)
+    return name.endswith(DATA_SUFFIXES)
 
 
 def _read_cloud(source: str) -> bytes:
@@ -429,7 +476,7 @@ def _from_hugging_face(name: str) -> tuple[list[Record], str]:
 
 def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {_kind(obj)}")
+        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {documents.kind_of(obj)}")
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -464,7 +511,7 @@ def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {name!r} must be a string, got {_kind(value)}")
+        raise UserError(f"{where}: field {name!r} must be a string, got {documents.kind_of(value)}")
     _check_text(value, where, f"field {name!r}")
     if required and not value.strip():
         raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
@@ -516,8 +563,8 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 
 
-def filter_records(records, *, drop_context=False, categories=(), max_records=None, source=""):
-    """Apply the data filters; an empty result is a user error."""
+def filter_records(records, *, drop_context=False, categories=(), max_records=None, source="", fix=None):
+    """Apply the data filters; an empty result is a user error, ending with `fix` (by default: the flags to relax)."""
     kept = [r for r in records if not (drop_context and r.context.strip())]
     if categories:
         wanted = set(categories)
@@ -530,9 +577,9 @@ def filter_records(records, *, drop_context=False, categories=(), max_records=No
             applied.append("drop_context")
         if categories:
             applied.append(f"categories={list(categories)}")
+        fix = fix or "relax --category / --drop-context or use another file"
         raise UserError(
-            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); "
-            "relax --category / --drop-context or use another file"
+            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); {fix}"
         )
     return kept
 

@@ -14,16 +14,17 @@ process 0 writes the run's files.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-from finetune import layouts
+from finetune import documents, layouts
 from finetune.errors import UserError
 
 # Vertex AI's worker pools: 0 is the chief (one replica), 1 the other workers.
 # Pools 2 (reduction servers) and 3 (evaluators) do not train.
-TRAINING_POOLS = ("workerpool0", "workerpool1")
+VERTEX_POOLS = ("workerpool0", "workerpool1")
+# TF_CONFIG's names for them: the chief, then the workers; ps and evaluator do not train.
+TF_POOLS = ("chief", "worker")
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,13 @@ class Cluster:
     num_processes: int
     process_id: int
     source: str
-    """Where the settings came from: flags, CLUSTER_SPEC or KERAS_DISTRIBUTION_*."""
+    """Where the settings came from: flags, CLUSTER_SPEC, TF_CONFIG or KERAS_DISTRIBUTION_*."""
 
 
 def cluster(dist, environ=os.environ) -> Cluster | None:
     """The multi-process job this process belongs to, or None when it runs alone.
 
-    Flags win; then Vertex AI's CLUSTER_SPEC; then keras' own
+    Flags win; then Vertex AI's CLUSTER_SPEC; then TF_CONFIG; then keras' own
     KERAS_DISTRIBUTION_JOB_ADDRESSES / _NUM_PROCESSES / _PROCESS_ID.
     """
     flags = (dist.coordinator, dist.num_processes, dist.process_id)
@@ -50,6 +51,8 @@ def cluster(dist, environ=os.environ) -> Cluster | None:
         found = Cluster(dist.coordinator, dist.num_processes, dist.process_id, "flags")
     elif environ.get("CLUSTER_SPEC"):
         found = _from_cluster_spec(environ["CLUSTER_SPEC"])
+    elif environ.get("TF_CONFIG"):
+        found = _from_tf_config(environ["TF_CONFIG"])
     elif environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES") or environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES"):
         try:
             found = Cluster(
@@ -82,21 +85,41 @@ def cluster(dist, environ=os.environ) -> Cluster | None:
 
 def _from_cluster_spec(text: str) -> Cluster:
     """Vertex AI's CLUSTER_SPEC: workerpool0 replica 0 is process 0 and the coordinator."""
-    try:
-        spec = json.loads(text)
-        pools = spec["cluster"]
-        task = spec["task"]
-        members = [(pool, i) for pool in TRAINING_POOLS for i in range(len(pools.get(pool, [])))]
-        coordinator = pools["workerpool0"][0]
-        me = (task["type"], int(task["index"]))
-    except (ValueError, KeyError, TypeError, IndexError):
-        raise UserError(
-            "CLUSTER_SPEC is not the JSON Vertex AI writes (cluster.workerpool0, task.type, task.index); "
-            "unset it, or pass --coordinator, --num-processes and --process-id"
-        ) from None
+    return _from_cluster_document(text, "CLUSTER_SPEC", VERTEX_POOLS, "cluster.workerpool0")
+
+
+def _from_tf_config(text: str) -> Cluster:
+    """TensorFlow's TF_CONFIG, which Vertex AI and TensorFlow's own launchers write: the chief (or, without one,
+    worker 0) is process 0 and the coordinator."""
+    return _from_cluster_document(text, "TF_CONFIG", TF_POOLS, "cluster.chief or cluster.worker")
+
+
+def _from_cluster_document(text: str, name: str, pools: tuple[str, ...], needed: str) -> Cluster:
+    """A cluster as CLUSTER_SPEC and TF_CONFIG give it: pools of HOST:PORT addresses, and this task's pool and
+    index. The training pools' replicas, in the order of `pools`, are the processes."""
+    fix = "unset it, or pass --coordinator, --num-processes and --process-id"
+    spec = documents.Document(documents.parse_json(text, name, fix), name, fix)
+    cluster, task = spec.section("cluster"), spec.section("task")
+    addresses = {pool: cluster.items(pool, str, required=False, check=_host_port) for pool in pools}
+    members = [(pool, i) for pool in pools for i in range(len(addresses[pool]))]
+    if not members:
+        spec.fail(f"cluster lists no training worker ({needed})")
+    me = (task.field("type", str), int(task.field("index", (int, str), check=_index)))
     if me not in members:
-        raise UserError(f"this worker ({me[0]} #{me[1]}) is not a training worker pool of CLUSTER_SPEC")
-    return Cluster(coordinator, len(members), members.index(me), "CLUSTER_SPEC")
+        raise UserError(f"this worker ({me[0]} #{me[1]}) is not a training worker pool of {name}")
+    first = members[0]
+    return Cluster(addresses[first[0]][first[1]], len(members), members.index(me), name)
+
+
+def _host_port(address: str) -> str | None:
+    host, _, port = address.rpartition(":")
+    return None if host and port.isdigit() else "must be HOST:PORT"
+
+
+def _index(index) -> str | None:
+    if isinstance(index, str) and not (index.isdigit() and len(index) < 10):
+        return "must be a whole number"
+    return None if int(index) >= 0 else "must not be negative"
 
 
 def initialize(found: Cluster | None) -> None:

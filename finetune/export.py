@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from finetune import llamacpp
+from finetune import llamacpp, storage
 from finetune.errors import UserError
 
 FORMATS = ("lora", "merged", "hf", "peft", "gguf")
@@ -83,18 +83,13 @@ def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dty
             f"export writes to a local directory, not {output}; export to one, then copy it "
             "(gcloud storage cp -r DIR gs://...)"
         )
+    # publish() writes .NAME.partial-PID and .NAME.old-PID beside it (a pid has at most 7 digits).
+    storage.check_output(str(output), "--output", directory=True, beside=len("..partial-4194304"), inside=64)
     target = Path(output)
-    if target.exists() and not target.is_dir():
-        raise UserError(f"output {target} is a file, not a directory; pass another --output")
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
             raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
         refuse_foreign(target)
-    parent = target.resolve().parent
-    while not parent.exists():  # missing folders on the way are made
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {target}: {parent} is not a writable directory; pass another --output")
     if fmt in ("hf", "peft"):
         _require("safetensors", "the hf and peft formats")
     if fmt == "gguf":

@@ -24,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune import checkpoint, platforms, storage
+from finetune import checkpoint, documents, platforms, storage
 from finetune.errors import RunStopped, UserError
 
 ADAPTER = "adapter.lora.h5"
@@ -49,8 +51,8 @@ RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
 OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
              checkpoint.DIRECTORY)  # fmt: skip
-# A single path component longer than this is refused by most file systems (ext4, xfs, APFS).
-NAME_MAX = 255
+# The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
+INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32
 
 try:
     import fcntl
@@ -107,18 +109,13 @@ def check_target(requested: str | None, overwrite: bool, resume: bool) -> Target
         return Target(default_dir(), default=True)
     if storage.is_staged(requested):
         return _check_remote(requested, overwrite, resume)
+    storage.check_output(requested, "--output", directory=True, inside=INSIDE)
     path = Path(requested)
-    for part in path.parts:
-        if len(part.encode("utf-8")) > NAME_MAX - 16:  # room for temporary names beside it
-            raise UserError(f"output name {part[:40]}... is {len(part)} characters, too long; use a shorter --output")
-    if path.exists() and not path.is_dir():
-        raise UserError(f"output {path} is a file, not a directory; pass another --output")
     if is_locked(path):
         raise UserError(f"another finetune run is writing to {path}; wait for it to end or choose another --output")
     refuse_foreign(path, overwrite, resume)
     if not resume and not overwrite:
         refuse_existing_run(path)
-    _check_writable(path)
     return Target(path)
 
 
@@ -224,7 +221,7 @@ def refuse_existing_remote_run(mirror: storage.Mirror) -> None:
 def default_dir() -> Path:
     """runs/<timestamp>, under /kaggle/working in a Kaggle notebook (platforms.runs_root)."""
     path = platforms.runs_root() / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    _check_writable(path)
+    storage.check_output(str(path), "--output", directory=True, beside=4, inside=INSIDE)  # runs/<time>-2 beside it
     return path
 
 
@@ -242,26 +239,9 @@ def refuse_existing_run(path: Path) -> None:
         )
 
 
-def _check_writable(path: Path) -> None:
-    """Refuse now, not after hours of training, a place the run could not be written to."""
-    existing = _nearest_existing(path)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"cannot write the run to {path}: {existing} is not a writable directory; pass another --output"
-        )
-
-
-def _nearest_existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists: where the run's directory would be made."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    return existing
-
-
 def check_free_space(path: Path, needed_bytes: int) -> None:
     """Refuse a run whose checkpoints and adapter would not fit on the disk."""
-    existing = _nearest_existing(path)
+    existing = storage.nearest_existing(path.resolve())
     free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise UserError(
@@ -289,6 +269,8 @@ class Claim:
         self.mirrors = [m for m in (remote, *mirrors) if m is not None]
         self.had_tensorboard = (path / TENSORBOARD).exists()
         self.published = False
+        self.finished = False
+        """The results are written and status.json says finished: nothing that follows may say otherwise."""
         self._lock_file = lock_file
 
     def __str__(self) -> str:
@@ -371,6 +353,27 @@ class Claim:
                 record_failure(self.path, steps.progress.step, error)
             raise
 
+    @contextlib.contextmanager
+    def finishing(self, step: int):
+        """Around what follows training (the last samples, the results written): how it ended goes into status.json.
+
+        There is no step to stop after any more, so SIGTERM or Ctrl-C stops at once (RunStopped), leaving no
+        result half-written (write_atomic removes its temporary file) and status.json `stopped` at the final
+        checkpoint, `step`: --resume writes the results from it. Any other failure is recorded as in training().
+        """
+        try:
+            with _stopping_at_once(step):
+                yield
+        except RunStopped as stop:
+            if not self.finished:
+                write_status(self.path, "stopped", step, str(stop))
+                self.sync()
+            raise
+        except BaseException as error:
+            if not self.finished:
+                record_failure(self.path, step, error)
+            raise
+
     def publish_results(self, files: dict, metrics: dict) -> None:
         """Write the results (publish()), drop the checkpoints of the runs this one replaced, mark it finished,
         copy it out to a remote --output, and report it.
@@ -382,6 +385,7 @@ class Claim:
             publish(self.path, files)
             checkpoint.remove_others(self.path, metrics["run_id"])
             write_status(self.path, "finished", step)
+            self.finished = True
         except OSError as e:
             raise UserError(
                 f"could not write the results to {self.path}: {e.strerror or e}; the checkpoint at step {step} "
@@ -419,6 +423,34 @@ class Claim:
                 empty.rmdir()
         finally:
             self.release()
+
+
+@contextlib.contextmanager
+def _stopping_at_once(step: int):
+    """SIGTERM and Ctrl-C raise RunStopped where the main thread is; a second signal, while it stops, is ignored.
+    Elsewhere than in the main thread, which alone may set handlers, the defaults stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = []
+
+    def stop(signum, frame):
+        if stopping:
+            return
+        stopping.append(signum)
+        name, code = ("SIGTERM", 143) if signum == signal.SIGTERM else ("Ctrl-C", 130)
+        raise RunStopped(
+            f"{name}: stopped while writing the results of step {step}, whose checkpoint is kept; rerun the same "
+            "command with --resume to write them (in Python: finetune.run(cfg, resume=True))",
+            code,
+        )
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def claim_run(target: Target, overwrite: bool, resume: bool) -> Claim:
@@ -477,6 +509,8 @@ def claim(
     except UserError:
         held.abandon()
         raise
+    for name in OWN_NAMES:  # a result half-written when a run was killed while publishing
+        (path / f".partial.{name}").unlink(missing_ok=True)
     if not (path / MARKER).exists():
         write_marker(path)
     return held
@@ -568,11 +602,14 @@ def record_failure(run_dir: Path, step: int, error: BaseException) -> None:
         pass  # the disk that failed the run may refuse this too; the checkpoints are what matter
 
 
+STATES = ("running", "stopped", "failed", "finished")
+
+
 def read_status(run_dir: Path) -> dict:
+    """status.json, checked (checked_status); {} when there is none or it is broken."""
     try:
-        status = json.loads((run_dir / STATUS).read_text(encoding="utf-8"))
-        return status if isinstance(status, dict) else {}
-    except (OSError, ValueError):
+        return checked_status(run_dir) or {}
+    except documents.DocumentError:
         return {}
 
 
@@ -581,10 +618,51 @@ def read_metrics(run_dir: Path) -> dict | None:
     if not (run_dir / METRICS).exists():
         return None
     try:
-        metrics = json.loads((run_dir / METRICS).read_text(encoding="utf-8"))
-        return metrics if isinstance(metrics, dict) else {}
-    except (OSError, ValueError):
+        return _document(run_dir / METRICS).value
+    except documents.DocumentError:
         return {}
+
+
+def checked_status(run_dir: Path) -> dict | None:
+    """status.json as write_status writes it; None when there is none. A DocumentError names a broken field."""
+    found = _document(run_dir / STATUS)
+    if found is None:
+        return None
+    found.field("state", str, check=documents.one_of(*STATES))
+    found.field("step", int, check=documents.at_least(0))
+    found.field("message", str, required=False)
+    return found.value
+
+
+def checked_metrics(run_dir: Path) -> dict | None:
+    """metrics.json, with the fields `finetune runs` shows checked; None when there is none."""
+    found = _document(run_dir / METRICS)
+    if found is None:
+        return None
+    found.field("steps", int, check=documents.at_least(0))
+    found.field("eval_loss", float)
+    return found.value
+
+
+def checked_marker(run_dir: Path) -> dict | None:
+    """finetune-run.json as write_marker writes it; None when there is none."""
+    found = _document(run_dir / MARKER)
+    if found is None:
+        return None
+    found.field("finetune", str, required=False)
+    found.field("started", str, required=False)
+    return found.value
+
+
+def _document(path: Path) -> documents.Document | None:
+    """A JSON object a run wrote at `path`, named by its file name; None when there is none."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise documents.DocumentError(path.name, f"cannot be read ({e.strerror or e})") from None
+    return documents.Document(documents.parse_json(text, path.name), path.name)
 
 
 def run_config(cfg) -> dict:

@@ -35,15 +35,20 @@ class Prepared:
     """The share of padding in the training rows (padding_fraction) and in them unpacked (unpacked)."""
 
 
-def read(cfg, path: str) -> list[data.Record]:
+def read(cfg, path: str, trained: bool = False) -> list[data.Record]:
     """The records of `path`, checked and filtered as the config says.
 
     Chat records on an instruction-tuned preset take the family's turn format
     (templates.for_data): cfg.data.template is set to it, so the run records it.
+
+    trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, and what they
+        refuse is said of the data, not as flags to change.
     """
     records, found = data.read(path)
     family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
-    cfg.data.template, note = templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path)
+    cfg.data.template, note = templates.for_data(
+        cfg.data.template, found, family_chat, cfg.model.preset, path, trained=trained
+    )
     if note:
         print(note)
     print(f"read {len(records)} records, {found} format, from {path}")
@@ -53,6 +58,7 @@ def read(cfg, path: str) -> list[data.Record]:
         categories=cfg.data.categories,
         max_records=cfg.data.max_records,
         source=path,
+        fix="evaluate on a file with records the run's filters keep" if trained else None,
     )
 
 

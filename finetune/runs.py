@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import adapter, outputs
+from finetune import adapter, documents, outputs
 from finetune import config as config_module
 from finetune.errors import UserError
 
@@ -93,7 +93,7 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
 
     cfg = run.config
     path = data_path or cfg.data.path
-    records = prepare.read(cfg, path)
+    records = prepare.read(cfg, path, trained=True)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, source=path, split=data_path is None)
@@ -128,35 +128,51 @@ def list_runs(directory: str | Path) -> list[dict]:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory; pass a run directory or a directory of runs")
-    candidates = [directory] + sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
-    return [row for row in (describe(path) for path in candidates) if row is not None]
+    try:
+        candidates = [directory] + sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot list {directory} ({e.strerror or e}); check its permissions") from None
+    return [row for row in map(_described, candidates) if row is not None]
+
+
+def _described(path: Path) -> dict | None:
+    """describe(path); a directory that cannot be read is listed as broken, not the end of the listing."""
+    try:
+        return describe(path)
+    except OSError as e:
+        return {"run": str(path), "state": f"broken: cannot be read ({e.strerror or e})", "step": "",
+                "eval_loss": "", "note": ""}  # fmt: skip
 
 
 def describe(path: Path) -> dict | None:
-    """What state the run in `path` is in; None if `path` holds no run."""
-    import json
+    """What state the run in `path` is in; None if `path` holds no run.
 
+    A run whose status.json, metrics.json or finetune-run.json is not what a run writes (edited by hand, cut
+    short by a full disk) is listed as broken, naming the file and the field, beside the others.
+    """
     from finetune import checkpoint
 
-    status = outputs.read_status(path)
     found = checkpoint.find(path)
-    finished = (path / outputs.METRICS).is_file()
-    if not (finished or found or status):
-        return None
-    row = {"run": str(path), "state": "", "step": "", "eval_loss": "", "note": ""}
-    if finished:
-        try:
-            metrics = json.loads((path / outputs.METRICS).read_text(encoding="utf-8"))
-            row.update(step=metrics.get("steps", ""), eval_loss=f"{metrics['eval_loss']:.4f}")
-        except (OSError, ValueError, KeyError, TypeError):
-            row["note"] = "metrics.json unreadable"
-        row["state"] = "finished"
-        return row
-    step = found[-1].step if found else status.get("step", "")
-    row["step"] = step
+    if not (found or any((path / name).exists() for name in (outputs.STATUS, outputs.METRICS))):
+        return None  # a claim alone (finetune-run.json) is not a run yet
+    row = {"run": str(path), "state": "", "step": found[-1].step if found else "", "eval_loss": "", "note": ""}
     if outputs.is_locked(path):
         row["state"] = "running"
-    elif status.get("state") in ("failed", "stopped"):
+        return row
+    try:
+        outputs.checked_marker(path)
+        status = outputs.checked_status(path) or {}
+        metrics = outputs.checked_metrics(path)
+    except documents.DocumentError as e:
+        row["state"] = f"broken: {e.what}"
+        row["note"] = f"last checkpoint step {found[-1].step}" if found else ""
+        return row
+    if metrics is not None:
+        row.update(state="finished", step=metrics["steps"], eval_loss=f"{metrics['eval_loss']:.4f}")
+        return row
+    if not found:
+        row["step"] = status.get("step", "")
+    if status.get("state") in ("failed", "stopped"):
         row["state"] = status["state"]
         row["note"] = short_note(str(status.get("message") or ""))
     elif found:
@@ -165,7 +181,7 @@ def describe(path: Path) -> dict | None:
     else:
         row["state"] = "failed"
         row["note"] = "ended before its first checkpoint"
-    if found and row["state"] != "running":
+    if found:
         row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
     return row
 

@@ -26,6 +26,68 @@ from finetune.errors import UserError
 
 GCS_EXTRA = 'pip install "finetune[gcs]"'
 FUSE_MOUNT = Path("/gcs")  # where Vertex AI mounts Cloud Storage
+# What a name and a path may hold, in bytes, where the file system does not say: ext4, xfs and APFS refuse a
+# component over 255, and Linux' system calls a path over 4096.
+NAME_MAX, PATH_MAX = 255, 4096
+
+
+def check_output(path: str, flag: str, *, directory: bool = False, beside: int = 0, inside: int = 0) -> None:
+    """Refuse, before any work, an output the user named that could not be written once the work is done.
+
+    Every output path goes through here (`bench --json`/`--plot`, `export --output`, a run's --output), so that
+    a folder where a file is expected, a folder nobody may write in (a read-only file system included) or a name
+    the file system refuses ends the command in seconds rather than after training. A URL (gs://) is left to its
+    file system: check_writable probes a bucket.
+
+    flag: str. The option that named `path`, for messages.
+    directory: bool. `path` is a directory to make (its missing parents are made too); else a file, whose folder
+        must exist.
+    beside: int. Bytes the temporary names written beside `path` add to its last component.
+    inside: int. Bytes of the longest name written inside `path`, a directory.
+    """
+    if is_remote(path):
+        return
+    if not path.strip():
+        raise UserError(f"{flag} is empty (an unset shell variable?); pass the {'directory' if directory else 'file'}")
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    existing = nearest_existing(target if directory else target.parent)
+    name_max, path_max = _limits(existing)
+    for part in target.parts:
+        if len(part.encode("utf-8")) + (beside if part == target.name else 0) > name_max:
+            raise UserError(
+                f"{flag}: the name {part[:40]}... is {len(part.encode('utf-8'))} bytes, too long for the file system "
+                f"(at most {name_max - beside} here); pass a shorter {flag}"
+            )
+    if len(str(target).encode("utf-8")) + inside > path_max:
+        raise UserError(f"{flag} {path[:40]}... is too long a path for the file system; pass a shorter {flag}")
+    if directory and target.exists() and not target.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory; pass another {flag}")
+    if not directory and target.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name the file to write, such as {Path(path) / 'results'}")
+    if not directory and existing != target.parent:
+        raise UserError(f"cannot write {path}: its folder does not exist; create it or pass another {flag}")
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {existing} is not a writable directory; pass another {flag}")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where what is written under it would be made."""
+    while path != path.parent:
+        try:
+            if path.exists():
+                return path
+        except OSError:  # a name too long for the file system: it cannot exist
+            pass
+        path = path.parent
+    return path
+
+
+def _limits(existing: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system holding `existing`, as it reports them."""
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # Windows has no pathconf; a file system may not say
+        return NAME_MAX, PATH_MAX
 
 
 def write_synced(path: Path, payload: bytes) -> None:

@@ -158,7 +158,9 @@ def get(name: str):
     return TEMPLATES[name]
 
 
-def for_data(name: str, found: str, family_chat: str, preset: str, path: str) -> tuple[str, str | None]:
+def for_data(
+    name: str, found: str, family_chat: str, preset: str, path: str, trained: bool = False
+) -> tuple[str, str | None]:
     """(the template a run uses, a note when it was chosen for the user), for data of format `found`.
 
     auto follows the data: its own template, or for chat and ShareGPT records
@@ -166,7 +168,17 @@ def for_data(name: str, found: str, family_chat: str, preset: str, path: str) ->
     records need a chat template (another family's turns are refused on an
     instruction-tuned preset), text records only go without one, and `none`
     has no place for an instruction's parts.
+
+    trained: bool. `name` is a trained run's template (`finetune eval --data`): it is not the user's to change,
+        so data it cannot render is refused as data of another format.
     """
+    if trained:
+        if not renders(name, found):
+            raise UserError(
+                f"{path} holds {found} records, which this run's template, {name}, cannot render; evaluate it on "
+                "records of the format it was trained on"
+            )
+        return name, None
     if name == "auto":  # the data's own format; the run records what it became
         chosen = family_chat if found in CHAT_FORMATS else OWN[found]
         return chosen, f"template: {chosen}, for {found} records (--template names another)"
@@ -190,6 +202,15 @@ def for_data(name: str, found: str, family_chat: str, preset: str, path: str) ->
     if instruct:
         return family_chat, f"note: chat records on the instruction-tuned {preset}: --template {family_chat}, its turns"
     raise UserError(f"{path} holds {found} records (turns); train them with --template {family_chat} (or auto)")
+
+
+def renders(name: str, found: str) -> bool:
+    """Whether template `name` renders records of format `found` as training would (for_data's rules)."""
+    if found in CHAT_FORMATS:
+        return name in CHAT
+    if found == "text":
+        return name == "none"
+    return not (name == "none" and found in ("dolly", "alpaca"))
 
 
 def is_instruct(preset: str) -> bool:

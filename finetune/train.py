@@ -99,12 +99,13 @@ def run(cfg: Config, resume: bool = False) -> dict:
             steps.run()  # status.json is written with each checkpoint
 
         # Evaluate after training (the loop scored the held-out split at its last step), then publish.
-        generated_after = held_out.generate("after", phase)
-        metrics = _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, phase.seconds())
-        config["resolved"] = _resolved(claim, start.run_id, source, tweaks)
-        phase(f"saving the adapter and results to {claim}")
-        samples = held_out.sample_rows(start.generated_before, generated_after)
-        claim.publish_results(_files(built, cfg, source, config, metrics, steps.progress, samples), metrics)
+        with claim.finishing(steps.progress.step):
+            generated_after = held_out.generate("after", phase)
+            metrics = _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, phase.seconds())
+            config["resolved"] = _resolved(claim, start.run_id, source, tweaks)
+            phase(f"saving the adapter and results to {claim}")
+            samples = held_out.sample_rows(start.generated_before, generated_after)
+            claim.publish_results(_files(built, cfg, source, config, metrics, steps.progress, samples), metrics)
         return metrics
 
 

@@ -146,6 +146,29 @@ def write(path, rows):
     return path
 
 
+# === Output paths nobody may write to (test_storage, test_bench, test_export) ===
+
+
+@pytest.fixture
+def read_only_dir(tmp_path, monkeypatch):
+    """A folder that may not be written in: mode 555, and for root, whom modes do not stop, os.access says so as
+    it does for a read-only file system (EROFS)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        access = os.access
+
+        def refusing(path, mode, *args, **kwargs):
+            if mode & os.W_OK and Path(path).resolve() == folder.resolve():
+                return False
+            return access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", refusing)
+    yield folder
+    folder.chmod(0o755)
+
+
 # === Tokenized examples, for packing rows (test_attention, test_packing) ===
 
 

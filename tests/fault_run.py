@@ -1,30 +1,50 @@
-"""Run the finetune CLI with a fault injected right after the checkpoint of a given step.
+"""Run the finetune CLI with a fault injected at a point of the run.
 
 Used by conftest.run_with_fault in a subprocess: FAULT names a signal (SIGKILL, SIGTERM,
-SIGINT) that the process sends itself after saving the checkpoint of step
-FAULT_STEP; FAULT_MARK, if set, is a file that receives the time of sending.
+SIGINT) that the process sends itself at FAULT_STEP: a step number, right after the
+checkpoint of that step is saved; or `publish:NAME`, while the results are published,
+right after result NAME (adapter.lora.h5, metrics.json, ...) is written under its
+temporary name and before it is renamed into place. FAULT_MARK, if set, is a file
+that receives the time of sending.
 """
 
 import os
 import signal
 import time
 
-from finetune import checkpoint, cli
+from finetune import checkpoint, cli, outputs
 
 fault = getattr(signal, os.environ["FAULT"])
-at_step = int(os.environ["FAULT_STEP"])
-save = checkpoint.save
+at = os.environ["FAULT_STEP"]
 
 
-def save_then_signal(run_dir, run_id, step, *args, **kwargs):
-    saved = save(run_dir, run_id, step, *args, **kwargs)
-    if step == at_step:
-        if os.environ.get("FAULT_MARK"):
-            with open(os.environ["FAULT_MARK"], "w") as f:
-                f.write(str(time.time()))
-        os.kill(os.getpid(), fault)
-    return saved
+def send():
+    if os.environ.get("FAULT_MARK"):
+        with open(os.environ["FAULT_MARK"], "w") as f:
+            f.write(str(time.time()))
+    os.kill(os.getpid(), fault)
 
 
-checkpoint.save = save_then_signal
+if at.startswith("publish:"):
+    publishing, write_atomic = at.removeprefix("publish:"), outputs.write_atomic
+
+    def write_then_signal(path, write):
+        def written(temporary):
+            write(temporary)
+            if path.name == publishing:
+                send()
+
+        return write_atomic(path, written)
+
+    outputs.write_atomic = write_then_signal
+else:
+    at_step, save = int(at), checkpoint.save
+
+    def save_then_signal(run_dir, run_id, step, *args, **kwargs):
+        saved = save(run_dir, run_id, step, *args, **kwargs)
+        if step == at_step:
+            send()
+        return saved
+
+    checkpoint.save = save_then_signal
 cli.main()

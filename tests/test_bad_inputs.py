@@ -10,6 +10,7 @@ End to end: a refusal may come from any module, so the corpus mirrors none and r
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,19 @@ from typing import Optional
 import h5py
 import numpy as np
 import pytest
-from conftest import BACKEND, make_records, write_jsonl
+import typer
+from conftest import BACKEND, chat, make_records, write_jsonl
 from typer.testing import CliRunner
 
 import finetune
 from finetune.cli import app
 
 runner = CliRunner()
+# Each command's options, as its --help lists them: the only ones its messages may advise.
+OPTIONS = {
+    name: {opt for parameter in command.params for opt in getattr(parameter, "opts", [])} | {"--help"}
+    for name, command in typer.main.get_command(app).commands.items()
+}
 
 
 def invoke(*args):
@@ -157,6 +164,13 @@ def _nudge(path: Path):
         values = dataset[()]
         values.flat[0] += 1.0
         dataset[...] = values
+
+
+def _h5_rank(path: Path, value):
+    """Replace the rank keras-hub records in the adapter file, as a hand edit would."""
+    with h5py.File(path, "r+") as f:
+        del f["lora/vars/rank"]
+        f["lora/vars/rank"] = value
 
 
 def _unfinished(w: Where) -> Path:
@@ -294,8 +308,21 @@ CASES = [
         "run-adapter-json-wrong-type",
         "eval",
         lambda r, w: _describe(r, alpha="lots"),
-        "adapter.json has no valid 'alpha' entry",
+        "adapter.json: alpha must be a number, got text",
     ),
+    run_case("run-adapter-json-rank-list", "eval", lambda r, w: _describe(r, rank=[4]), "rank must be an integer"),
+    run_case("run-adapter-json-rank-zero", "eval", lambda r, w: _describe(r, rank=0), "rank must be at least 1"),
+    run_case(
+        "run-adapter-json-targets-numbers", "eval", lambda r, w: _describe(r, targets=[1, 2]), "targets[0] must be text"
+    ),
+    run_case(
+        "run-adapter-json-adapted-list", "generate", lambda r, w: _describe(r, adapted=[[0]]), "adapted[0] must be an"
+    ),
+    run_case("run-adapter-json-null", "eval", lambda r, w: (r / ADAPTER_JSON).write_text("null"), "not an object"),
+    run_case(
+        "run-adapter-rank-array", "eval", lambda r, w: _h5_rank(r / ADAPTER, np.array([4, 4])), "not a whole number"
+    ),
+    run_case("run-adapter-rank-text", "generate", lambda r, w: _h5_rank(r / ADAPTER, "four"), "not a whole number"),
     run_case(
         "run-adapter-and-json-of-other-rank",
         "eval",
@@ -324,6 +351,18 @@ CASES = [
         "run-config-not-yaml", "eval", lambda r, w: (r / "config.yaml").write_text("lora: [unclosed\n"), "config.yaml"
     ),
     Case("run-missing", lambda w: ["--run", w.tmp / "no-such-run"], "no-such-run does not exist", command="eval"),
+    Case(
+        "eval-data-of-another-format",  # the run's template is dolly: eval cannot take another, so none is advised
+        lambda w: ["--run", w.run_copy(), "--data", w.file("t.jsonl", '{"text": "a b c"}\n')],
+        "holds text records, which this run's template, dolly, cannot render",
+        command="eval",
+    ),
+    Case(
+        "eval-data-of-chat-records",
+        lambda w: ["--run", w.run_copy(), "--data", w.file("c.jsonl", json.dumps(chat(0)) + "\n")],
+        "holds chat records, which this run's template, dolly, cannot render",
+        command="eval",
+    ),
     generate("generate-zero-tokens", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     generate("generate-negative-tokens", ["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
     Case("generate-empty-prompt", lambda w: ["--run", w.run_copy(), "--prompt", ""], "--prompt is empty", "generate"),
@@ -333,7 +372,7 @@ CASES = [
     gemma("keep-checkpoints-zero", ["--keep-checkpoints", "0"], "keep checkpoints must be at least 1"),
     gemma("time-limit-garbage", ["--time-limit", "soon"], "time limit 'soon' is not a duration"),
     gemma("time-limit-zero", ["--time-limit", "0m"], "time limit '0m' is not a duration"),
-    Case("output-name-too-long", lambda w: ["--output", w.tmp / ("r" * 250)], "too long"),
+    Case("output-name-too-long", lambda w: ["--output", w.tmp / ("r" * 256)], "too long"),
     resume("resume-torn-checkpoint", _break_checkpoints("torn"), "no checkpoint there can be loaded"),
     resume("resume-corrupt-checkpoint", _break_checkpoints("corrupt"), "does not match its checksum"),
     resume("resume-other-rank", lambda w: ["--resume", "--rank", "8", "--output", _unfinished(w)], "lora.rank=4"),
@@ -416,6 +455,18 @@ CASES = [
 ]
 
 
+def advised(message: str, command: str) -> dict[str, set]:
+    """The flags a message names, by the command they are for: the one that printed it, or one the message spells
+    out (`retrain it with: finetune gemma --recipe R`) for the flags after it."""
+    found = {}
+    for i, part in enumerate(re.split(rf"\bfinetune ({'|'.join(OPTIONS)})\b", message)):
+        if i % 2 == 1:
+            command = part
+        else:
+            found.setdefault(command, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", part))
+    return found
+
+
 @pytest.fixture(scope="module")
 def trained_runs(tmp_path_factory):
     """Two real tiny runs (LoRA rank 4 and 2), one step each, that the run cases copy and break."""
@@ -457,6 +508,9 @@ def test_bad_input_exits_2_with_a_message_and_writes_nothing(case, tmp_path, tin
     assert message.startswith("error: ") and case.expected in message, message
     assert len(message.splitlines()) <= 2, message
     assert "Traceback" not in result.output
+    for command, flags in advised(message, case.command).items():
+        unknown = flags - OPTIONS[command] - {str(a) for a in args}  # a flag typed may be named, as click does
+        assert not unknown, f"{command} takes no {unknown}: {message}"
     assert not where.out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]
     assert not list(cwd.iterdir())

@@ -103,3 +103,49 @@ def test_when_every_row_fails_nothing_is_written(tmp_path, monkeypatch):
     with pytest.raises(bench.UserError, match="every bench row failed; the first: MemoryError: x"):
         bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune"], [], json_path=str(out))
     assert not out.exists()
+
+
+def _no_work(monkeypatch):
+    """Fail the test if the bench measures or trains anything."""
+
+    def work(*args):
+        raise AssertionError("the bench started work before refusing its output")
+
+    monkeypatch.setattr(bench, "measure_peaks", work)
+    monkeypatch.setattr(bench, "run_worker", work)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+@pytest.mark.parametrize("where", ["folder", "read-only", "long name"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(flag, where, tmp_path, read_only_dir, monkeypatch):
+    from conftest import invoke
+
+    _no_work(monkeypatch)
+    path = {"folder": tmp_path, "read-only": read_only_dir / "rows", "long name": tmp_path / ("r" * 250)}[where]
+    result = invoke("bench", "--arch", "tiny", "--backends", BACKEND, flag, path)
+    assert result.exit_code == 2, result.output
+    expected = {"folder": "is a folder", "read-only": "not a writable directory", "long name": "too long"}[where]
+    assert result.stderr.startswith("error: ") and expected in result.stderr and flag in result.stderr
+    assert list(tmp_path.iterdir()) == [read_only_dir] and not list(read_only_dir.iterdir())
+
+
+def test_rows_that_cannot_be_written_at_the_end_are_printed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_peaks", lambda backends: {})
+    done = dict(row(BACKEND, 900), settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
+    monkeypatch.setattr(bench, "run_worker", lambda spec: done)
+    out = tmp_path / "rows.json"
+
+    def full_disk(path, write):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["finetune.outputs"], "write_atomic", full_disk)
+    with pytest.raises(bench.UserError, match="could not write .*rows.json \\(No space left on device\\); the rows"):
+        bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune"], [], json_path=str(out))
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("[\n") :])[0]["tokens_per_s"] == 900
+    assert not out.exists()
+
+
+def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):
+    bench.plot([dict(row(BACKEND, 900), losses=[2.0, 1.5])], tmp_path / "speed", bench.Workload(arch="tiny"))
+    assert (tmp_path / "speed").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "speed.png").exists()

@@ -5,11 +5,12 @@ End to end: the `finetune` command runs in-process, as a user types it, down thr
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
-from conftest import BACKEND
+from conftest import BACKEND, REPO
 from typer.testing import CliRunner
 
 import finetune
@@ -394,3 +395,95 @@ def test_preset_help_and_refusals_name_the_tiny_presets_and_near_misses():
         assert result.exit_code == 2 and "did you mean tiny-gemma4" in result.stderr, (command, result.stderr)
         result = invoke(command, "--preset", "qwerty")
         assert result.exit_code == 2 and all(name in result.stderr for name in presets.TINY), result.stderr
+
+
+# === Advice that fits the command: a message names only options of the command that printed it ===
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _options(command) -> set[str]:
+    """Every option a click command takes, as its --help lists them."""
+    return {name for parameter in command.params for name in getattr(parameter, "opts", [])} | {"--help"}
+
+
+def _commands() -> dict:
+    """Each subcommand's path (`eval`, `recipes copy`) to its click command."""
+    import typer
+
+    group = typer.main.get_command(app)
+    found = {}
+    for name, command in group.commands.items():
+        for sub, inner in getattr(command, "commands", {}).items():
+            found[f"{name} {sub}"] = inner
+        found[name] = command
+    return found
+
+
+def _message_flags() -> dict[str, set[str]]:
+    """Each flag named in a string of the package (its messages, notes and help), with the modules that name it."""
+    import ast
+
+    named: dict[str, set[str]] = {}
+    for path in sorted((REPO / "finetune").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for flag in FLAG.findall(node.value):
+                    named.setdefault(flag, set()).add(path.stem)
+    return named
+
+
+# Flags that are not advice to a user of finetune: other tools' (gcloud's, gcsfuse's mount option) and the
+# bench's own argument to its worker process.
+OTHER_TOOLS = {"--rename-dir-limit", "--config", "--display-name", "--region", "--peak"}
+
+
+def test_every_flag_a_message_advises_is_an_option_of_some_command():
+    """A flag named anywhere in the package (grep '--something' in finetune/) is one a command takes: no advice
+    points at an option that was renamed or never existed."""
+    taken = set().union(*(_options(command) for command in _commands().values()), {"--version"})
+    unknown = {flag: sorted(where) for flag, where in _message_flags().items() if flag not in taken | OTHER_TOOLS}
+    assert not unknown, unknown
+
+
+def test_a_setting_s_flag_the_command_does_not_take_is_named_by_its_key(monkeypatch):
+    """Shared code names settings by gemma's flags; eval, plan and vertex-spec print the key they take instead."""
+    from finetune import config, runs
+
+    def refused(*args, **kwargs):
+        raise finetune.UserError(
+            "mesh 3x3 needs 9 devices; pass --mesh 1x2 or lower --batch-size, see --help; "
+            "or retrain with finetune gemma --mesh 1x1"  # a command spelled out keeps its own flags
+        )
+
+    monkeypatch.setattr(runs, "open_on", refused)
+    monkeypatch.setattr(config, "load", refused)
+    under_eval = runner.invoke(app, ["eval", "--run", "somewhere"])
+    assert "pass distribution.mesh 1x2 or lower train.batch_size, see --help" in under_eval.stderr
+    assert "retrain with finetune gemma --mesh 1x1" in under_eval.stderr
+    under_gemma = runner.invoke(app, ["gemma", "--preset", "tiny"])
+    assert "pass --mesh 1x2 or lower --batch-size, see --help" in under_gemma.stderr
+    under_plan = runner.invoke(app, ["plan", "--preset", "tiny"])  # plan takes --mesh and --batch-size
+    assert "pass --mesh 1x2 or lower --batch-size" in under_plan.stderr
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "data"])
+def test_out_of_memory_advises_the_command_s_own_remedies(command, monkeypatch):
+    from finetune import datacheck, runs
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 107374182400 bytes")
+
+    monkeypatch.setattr(runs, "open_on", out_of_memory)
+    monkeypatch.setattr(datacheck, "report", out_of_memory)
+    args = {"eval": ["--run", "r"], "export": ["--run", "r", "--format", "lora", "--output", "o"], "data": ["f"]}
+    monkeypatch.setattr(sys.modules["finetune.export"], "check_request", lambda *args: None)
+    result = runner.invoke(app, [command, *args[command]])
+    assert result.exit_code == 2 and "out of memory" in result.stderr, result.output
+    assert set(FLAG.findall(result.stderr)) <= _options(_commands()[command]), result.stderr

@@ -9,6 +9,7 @@ from conftest import (
     FLAT,
     alpaca,
     completion,
+    dolly,
     make_records,
     sharegpt,
     text,
@@ -398,3 +399,57 @@ def test_deeply_nested_parquet_columns_are_ignored(tmp_path):
     rows = [{"instruction": "a", "response": "b", "meta": deep}]
     (record,), _ = data.read(str(write(tmp_path / "deep.parquet", rows)))
     assert record.response == "b"
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+@pytest.mark.parametrize("compression", ["gz", "bz2", "xz"])
+def test_a_compressed_file_is_read_as_it_is(tmp_path, container, compression):
+    import bz2
+    import gzip
+    import lzma
+
+    plain = write(tmp_path / f"records.{container}", [dolly(i) for i in range(3)])
+    packed = tmp_path / f"records.{container}.{compression}"
+    packed.write_bytes({"gz": gzip, "bz2": bz2, "xz": lzma}[compression].compress(plain.read_bytes()))
+    assert data.read(str(packed)) == data.read(str(plain))
+
+
+def test_a_gzip_file_without_its_suffix_is_still_read(tmp_path):
+    import gzip
+
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(gzip.compress(b'{"instruction": "a", "response": "b"}\n'))
+    assert data.load_records(str(path))[0].response == "b"
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("cut.jsonl.gz", b"\x1f\x8b\x08\x00", "is not a whole gzip file"),
+        ("plain.jsonl.bz2", b'{"instruction": "a"}', "is not a whole bzip2 file"),
+        ("data.zip", b"PK\x03\x04rest", "is a zip archive; extract the data file"),
+    ],
+)
+def test_a_broken_compressed_file_is_named(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        data.load_records(str(tmp_path / name))
+
+
+def test_zstandard_is_read_where_its_package_is_installed(tmp_path):
+    path = tmp_path / "records.jsonl.zst"
+    try:
+        import zstandard
+    except ImportError:
+        path.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 8)
+        with pytest.raises(UserError, match="needs the zstandard package"):
+            data.load_records(str(path))
+        return
+    path.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n'))
+    assert data.load_records(str(path))[0].response == "a"
+
+
+def test_a_folder_suggests_a_compressed_data_file_in_it(tmp_path):
+    (tmp_path / "records.jsonl.gz").write_bytes(b"")
+    with pytest.raises(UserError, match="records.jsonl.gz"):
+        data.load_records(str(tmp_path))

@@ -39,3 +39,14 @@ def test_render_marks_every_trained_turn():
     rendered = datacheck.render(pieces)
     assert rendered.count("«") == 2 and rendered.endswith("«6.<end_of_turn><eos>»")
     assert datacheck.render([("a", False), ("b", True)], train_on_prompt=True) == "«ab<eos>»"
+
+
+def test_finetune_data_reads_a_compressed_file(tmp_path):
+    import gzip
+
+    plain = write(tmp_path / "c.jsonl", [completion(i) for i in range(5)])
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    result = CliRunner().invoke(app, ["data", str(packed), "--preset", "tiny", "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert "format: completion (prompt, completion), 5 records" in result.output.splitlines()

@@ -54,6 +54,24 @@ def test_cluster_spec_maps_chief_and_workers_to_processes():
     assert (second.num_processes, second.process_id, second.source) == (3, 2, "CLUSTER_SPEC")
 
 
+def test_tf_config_maps_chief_and_workers_to_processes():
+    cluster = {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222", "10.0.0.3:2222"], "ps": ["10.0.0.9:1"]}
+    found = distribution.cluster(
+        DATA, {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})}
+    )
+    assert (found.coordinator, found.num_processes, found.process_id, found.source) == (
+        "10.0.0.1:2222",
+        3,
+        2,
+        "TF_CONFIG",
+    )
+    workers = {"cluster": {"worker": ["10.0.0.2:2222", "10.0.0.3:2222"]}, "task": {"type": "worker", "index": "0"}}
+    found = distribution.cluster(DATA, {"TF_CONFIG": json.dumps(workers)})  # no chief: worker 0 leads
+    assert (found.coordinator, found.num_processes, found.process_id) == ("10.0.0.2:2222", 2, 0)
+    both = {"TF_CONFIG": json.dumps(workers), "CLUSTER_SPEC": spec("workerpool1", 0, workers=2)}
+    assert distribution.cluster(DATA, both).source == "CLUSTER_SPEC"  # Vertex AI writes both: its own wins
+
+
 def test_single_worker_cluster_spec_is_no_job():
     solo = json.dumps({"cluster": {"workerpool0": ["host:2222"]}, "task": {"type": "workerpool0", "index": 0}})
     assert distribution.cluster(DistributionConfig(), {"CLUSTER_SPEC": solo}) is None
@@ -91,8 +109,31 @@ def test_a_job_of_several_processes_without_parallel_is_refused():
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({"CLUSTER_SPEC": "{not json"}, "not the JSON Vertex AI writes"),
+        ({"CLUSTER_SPEC": "{not json"}, "CLUSTER_SPEC is not valid JSON"),
         ({"CLUSTER_SPEC": spec("workerpool3", 0)}, "not a training worker pool"),
+        # The shapes a hand-written or damaged spec takes: each is named by its field.
+        ({"CLUSTER_SPEC": '{"cluster": ["h:1"], "task": {}}'}, "CLUSTER_SPEC: cluster must be an object, got a list"),
+        (
+            {"CLUSTER_SPEC": '{"cluster": {"workerpool0": [2222]}, "task": {"type": "workerpool0", "index": 0}}'},
+            r"CLUSTER_SPEC: cluster.workerpool0\[0\] must be text, got a number",
+        ),
+        (
+            {"CLUSTER_SPEC": '{"cluster": {"workerpool0": ["h"]}, "task": {"type": "workerpool0", "index": 0}}'},
+            r"cluster.workerpool0\[0\] must be HOST:PORT, got 'h'",
+        ),
+        ({"CLUSTER_SPEC": '{"cluster": {"workerpool0": ["h:1"]}}'}, "CLUSTER_SPEC has no task"),
+        (
+            {"CLUSTER_SPEC": '{"cluster": {"workerpool0": ["h:1"]}, "task": {"type": "workerpool0", "index": [0]}}'},
+            "CLUSTER_SPEC: task.index must be an integer or text, got a list",
+        ),
+        ({"CLUSTER_SPEC": '{"cluster": {}, "task": {"type": "workerpool0", "index": 0}}'}, "lists no training worker"),
+        ({"CLUSTER_SPEC": "[1, 2]"}, r"CLUSTER_SPEC is not an object \(it holds a list\)"),
+        ({"CLUSTER_SPEC": "[" * 100_000}, "CLUSTER_SPEC is nested too deeply"),
+        (
+            {"TF_CONFIG": '{"cluster": {"chief": "h:1"}, "task": {}}'},
+            "TF_CONFIG: cluster.chief must be a list, got text",
+        ),
+        ({"TF_CONFIG": '{"cluster": {"worker": ["h:1", "g:1"]}, "task": {"type": "ps", "index": 0}}'}, "ps #0"),
         ({"KERAS_DISTRIBUTION_NUM_PROCESSES": "two"}, "must be integers"),
         ({"KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": "5"}, "out of range"),
     ],

@@ -295,6 +295,17 @@ def test_a_bad_request_is_refused_before_loading_anything(trained, tmp_path, arg
     assert not (tmp_path / "out").exists() and not (tmp_path / "gs:").exists()
 
 
+@pytest.mark.parametrize("where", ["file", "read-only", "long name"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_is_built(where, tmp_path, read_only_dir):
+    (tmp_path / "file").write_text("x")
+    # The staging folder beside the output is named .NAME.partial-PID: a 240-byte name fits, and that one not.
+    out = {"file": tmp_path / "file", "read-only": read_only_dir / "out", "long name": tmp_path / ("m" * 240)}[where]
+    result = invoke("--run", tmp_path / "no-run", "--format", "merged", "--output", out)
+    expected = {"file": "is a file, not a directory", "read-only": "not a writable directory", "long name": "too long"}
+    assert result.exit_code == 2 and expected[where] in result.stderr, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "read-only"]
+
+
 def test_an_output_holding_files_is_refused_without_overwrite(trained, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

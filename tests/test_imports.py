@@ -17,7 +17,8 @@ one below it. The layers, top to bottom:
   the mesh with layouts' rules, and only run modules call it.
 - data: records, templates, token ids, packing. model and data import nothing of each other; data is lower
   because a run reads it first.
-- platform: backend, storage, platforms, quiet, errors: the framework, the files and the machine, used by all.
+- platform: backend, storage, platforms, quiet, errors, documents: the framework, the files, the machine and the
+  documents read from outside, used by all.
 
 An import that goes up is named in UPWARD with its reason, so that it is seen rather than folded into the map.
 
@@ -42,7 +43,7 @@ LAYERS = {  # top to bottom
     "model": {"model", "presets", "archs", "families", "quantized", "remat", "attention", "objective", "layouts",
               "distribution"},
     "data": {"data", "templates", "batching", "packing"},
-    "platform": {"backend", "keras_compat", "storage", "platforms", "quiet", "errors", "version"},
+    "platform": {"backend", "documents", "keras_compat", "storage", "platforms", "quiet", "errors", "version"},
 }  # fmt: skip
 UPWARD = {
     # --remat auto asks the plan whether the run fits the device without it (plan.remat_for): the plan's memory
@@ -61,7 +62,7 @@ NO_TEST_FILE = {
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
-    "test_notebook", "test_recipes",
+    "test_notebook", "test_properties", "test_recipes",
 }  # fmt: skip
 
 

@@ -38,7 +38,7 @@ def test_check_target(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--output is empty"):
         outputs.check_target("", False, False)
     with pytest.raises(UserError, match="too long"):
-        outputs.check_target(str(tmp_path / ("x" * 250)), False, False)
+        outputs.check_target(str(tmp_path / ("x" * 256)), False, False)
     with pytest.raises(UserError, match="--resume needs --output"):
         outputs.check_target(None, False, True)
 
@@ -199,3 +199,31 @@ def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
     assert runs.describe(first.path) is None  # a claim alone is not a run
     first.release()
     outputs.claim(first.path, default=False, overwrite=True, resume=False).release()
+
+
+def _state(out) -> str:
+    result = invoke("runs", out)
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()[1].split()[1]
+
+
+def test_sigterm_while_publishing_stops_the_run_and_resume_publishes_it(tmp_path):
+    out = tmp_path / "run"
+    done = run_with_fault(out, "SIGTERM", "publish:adapter.lora.h5", "--max-steps", "2")
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert "SIGTERM: stopped while writing the results of step 2" in done.stderr
+    status = outputs.read_status(out)
+    assert (status["state"], status["step"]) == ("stopped", 2) and checkpoint.latest(out).step == 2
+    assert _state(out) == "stopped"
+    assert not list(out.glob(".partial.*")) and not (out / outputs.METRICS).exists()
+    train(out, "--max-steps", "2", "--resume")
+    assert _state(out) == "finished" and outputs.read_status(out)["state"] == "finished"
+    assert not list(out.glob(".partial.*"))
+
+
+def test_a_kill_while_publishing_leaves_a_partial_file_that_resume_removes(tmp_path):
+    out = tmp_path / "run"
+    assert run_with_fault(out, "SIGKILL", "publish:adapter.lora.h5", "--max-steps", "2").returncode == -9
+    assert (out / ".partial.adapter.lora.h5").exists() and _state(out) == "checkpointed"
+    train(out, "--max-steps", "2", "--resume")
+    assert _state(out) == "finished" and not list(out.glob(".partial.*"))

@@ -116,3 +116,14 @@ def test_recipes_copy_of_an_unknown_name_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["recipes", "copy", "nope", str(tmp_path / "x.yaml")])
     assert result.exit_code == 2 and "tiny" in result.output
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_recipes_copy_to_a_place_it_cannot_write_exits_2(tmp_path, read_only_dir):
+    for dest, expected in (
+        (read_only_dir, "not a writable directory"),
+        (tmp_path / ("r" * 256), "too long for the file system"),
+        (tmp_path / "missing" / "x.yaml", "its folder does not exist"),
+    ):
+        result = CliRunner().invoke(app, ["recipes", "copy", "tiny", str(dest)])
+        assert result.exit_code == 2 and expected in result.stderr, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["read-only"] and not list(read_only_dir.iterdir())

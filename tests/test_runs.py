@@ -42,3 +42,33 @@ def test_a_stopped_run_s_note_ends_whole(tmp_path, monkeypatch):
     )
     assert runs.short_note("word " * 40) == ("word " * 19).strip() + "…"
     assert runs.short_note("first line\nsecond") == "first line"
+
+
+def _finished(path, metrics='{"steps": 8, "eval_loss": 1.25}'):
+    path.mkdir(parents=True)
+    (path / "finetune-run.json").write_text('{"finetune": "0", "started": "today"}')
+    (path / "metrics.json").write_text(metrics)
+    return path
+
+
+def test_a_broken_run_is_listed_beside_the_good_ones(tmp_path):
+    parent = tmp_path / "all"
+    _finished(parent / "a-good")
+    _finished(parent / "b-null", "null")
+    _finished(parent / "c-list", "[]")
+    _finished(parent / "d-text-steps", '{"steps": "8", "eval_loss": 1.0}')
+    _finished(parent / "e-deep", "[" * 100_000)
+    (_finished(parent / "f-bad-status", "{}") / "metrics.json").unlink()
+    (parent / "f-bad-status" / "status.json").write_text('{"state": ["running"], "step": 3}')
+    (_finished(parent / "g-bad-marker") / "finetune-run.json").write_text("7")
+    _finished(parent / "z-good")
+    result = runner.invoke(app, ["runs", str(parent)])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0].rsplit("/", 1)[-1]: line for line in result.output.splitlines()[1:]}
+    assert "finished" in lines["a-good"] and "1.2500" in lines["a-good"] and "finished" in lines["z-good"]
+    assert "broken: metrics.json is not an object (it holds null)" in lines["b-null"]
+    assert "broken: metrics.json is not an object (it holds a list)" in lines["c-list"]
+    assert "broken: metrics.json: steps must be an integer, got text" in lines["d-text-steps"]
+    assert "broken: metrics.json is nested too deeply to read" in lines["e-deep"]
+    assert "broken: status.json: state must be text, got a list" in lines["f-bad-status"]
+    assert "broken: finetune-run.json is not an object (it holds a number)" in lines["g-bad-marker"]

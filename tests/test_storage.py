@@ -307,3 +307,53 @@ def test_a_staged_run_never_copied_out_is_not_discarded_by_a_new_run(bucket):
     assert (staging / outputs.METRICS).exists()
     outputs.check_target("gs://b/runs/lost", overwrite=True, resume=False)  # --overwrite discards it
     assert not staging.exists()
+
+
+# === Output paths: one check before any work (storage.check_output) ===
+
+
+def test_an_output_file_is_refused_where_a_folder_is(tmp_path):
+    with pytest.raises(UserError, match=r"--json .* is a folder; name the file to write"):
+        storage.check_output(str(tmp_path), "--json")
+    storage.check_output(str(tmp_path / "rows.json"), "--json")  # a file in it is fine
+
+
+def test_an_output_directory_is_refused_where_a_file_is(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        storage.check_output(str(tmp_path / "file"), "--output", directory=True)
+    with pytest.raises(UserError, match="not a writable directory"):  # a file on the way
+        storage.check_output(str(tmp_path / "file" / "run"), "--output", directory=True)
+    storage.check_output(str(tmp_path / "new" / "deeper"), "--output", directory=True)  # made with its parents
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_output_file_needs_its_folder(tmp_path):
+    with pytest.raises(UserError, match="its folder does not exist"):
+        storage.check_output(str(tmp_path / "missing" / "rows.json"), "--json")
+
+
+def test_an_output_nobody_may_write_is_refused(read_only_dir):
+    with pytest.raises(UserError, match=r"read-only is not a writable directory; pass another --plot"):
+        storage.check_output(str(read_only_dir / "bench.png"), "--plot")
+    with pytest.raises(UserError, match="not a writable directory"):
+        storage.check_output(str(read_only_dir / "runs" / "a"), "--output", directory=True)
+
+
+def test_an_output_name_the_file_system_refuses_is_refused(tmp_path):
+    with pytest.raises(UserError, match="256 bytes, too long for the file system"):
+        storage.check_output(str(tmp_path / ("r" * 256)), "--output", directory=True)
+    storage.check_output(str(tmp_path / ("r" * 255)), "--output", directory=True)
+    with pytest.raises(UserError, match=r"too long .* \(at most 245 here\)"):  # temporary names beside it
+        storage.check_output(str(tmp_path / ("r" * 250)), "--output", directory=True, beside=10)
+    with pytest.raises(UserError, match="too long for the file system"):  # an over-long name on the way
+        storage.check_output(str(tmp_path / ("é" * 200) / "rows.json"), "--json")
+    deep = tmp_path.joinpath(*["d" * 200] * 21)  # each name fits, the path does not
+    with pytest.raises(UserError, match="too long a path for the file system; pass a shorter --output"):
+        storage.check_output(str(deep), "--output", directory=True)
+
+
+def test_a_url_is_left_to_its_file_system():
+    storage.check_output("gs://bucket/" + "x" * 300, "--output", directory=True)
+    with pytest.raises(UserError, match="--json is empty"):
+        storage.check_output(" ", "--json")

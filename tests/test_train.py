@@ -316,3 +316,14 @@ def test_every_format_trains_with_no_template(tmp_path, fmt, container):
     assert (tmp_path / "r" / "adapter.lora.h5").is_file()
     if fmt == "text":
         assert "The number after" in (tmp_path / "r" / "samples.md").read_text()
+
+
+def test_a_gzipped_jsonl_trains_and_evaluates(tmp_path):
+    import gzip
+
+    path = tmp_path / "records.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in make_records(24)).encode()))
+    result = train(tmp_path / "run", "--data", path)
+    assert "read 24 records, dolly format" in result.output
+    assert (tmp_path / "run" / "adapter.lora.h5").is_file()
+    assert "eval_loss" in invoke("eval", "--run", tmp_path / "run", "--data", path).output
