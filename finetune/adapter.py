@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from finetune import documents
+from finetune import documents, keras_compat
 from finetune.errors import UserError
 
 FORMAT = "finetune-adapter"
@@ -205,11 +205,10 @@ def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, descr
     silently. Read through Keras' own H5 store, so its layout stays Keras' business.
     """
     import numpy as np
-    from keras.src.saving.saving_lib import H5IOStore
 
     fix = "retrain the run, or copy its adapter back from where it was made"
     try:
-        store = H5IOStore(path, mode="r")
+        store = keras_compat.h5_store(path, mode="r")
     except OSError as e:
         raise UserError(f"{path} is not a readable adapter ({str(e).splitlines()[0]}); {fix}") from None
     factors = {}

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from finetune import llamacpp, storage
+from finetune import keras_compat, llamacpp, storage
 from finetune.errors import UserError
 
 FORMATS = ("lora", "merged", "hf", "peft", "gguf")
@@ -291,8 +291,7 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
     """
     import json
 
-    from keras_hub.src.utils.transformers.export import hf_exporter
-
+    hf_exporter = keras_compat.transformers_exporter()
     kind = type(backbone).__name__
     if kind in ("Gemma3Backbone", "Gemma4Backbone"):
         hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
@@ -371,9 +370,8 @@ def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
 def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
     """Gemma 1: transformers' config and {name: float32 array} for every weight."""
     import numpy as np
-    from keras_hub.src.utils.transformers.export import gemma
 
-    config = gemma.get_gemma_config(backbone)
+    config = keras_compat.transformers_gemma_config(backbone)
     config.update(
         architectures=["GemmaForCausalLM"],
         hidden_act="gelu_pytorch_tanh",  # keras-hub's Gemma uses gelu(approximate=True)
