@@ -371,7 +371,8 @@ def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
     """Gemma 1: transformers' config and {name: float32 array} for every weight."""
     import numpy as np
 
-    config = keras_compat.transformers_gemma_config(backbone)
+    gemma = keras_compat.transformers_gemma_exporter()
+    config = gemma.get_gemma_config(backbone)
     config.update(
         architectures=["GemmaForCausalLM"],
         hidden_act="gelu_pytorch_tanh",  # keras-hub's Gemma uses gelu(approximate=True)

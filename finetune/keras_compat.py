@@ -65,11 +65,12 @@ def transformers_exporter():
     return hf_exporter
 
 
-def transformers_gemma_config(backbone) -> dict:
-    """transformers' config of a Gemma 1 backbone, as keras-hub's exporter computes it (export.gemma)."""
+def transformers_gemma_exporter():
+    """keras-hub's Gemma 1 mapping to transformers (keras_hub.src.utils.transformers.export.gemma): its config
+    and weight names, which export._gemma_transformers completes with every key/value head."""
     from keras_hub.src.utils.transformers.export import gemma
 
-    return gemma.get_gemma_config(backbone)
+    return gemma
 
 
 # === Patches of keras classes ===

@@ -48,8 +48,9 @@ def test_the_preset_loader_builds_a_backbone_without_weights_and_loads_them_afte
 def test_the_transformers_exporters_are_where_export_reads_them():
     exporter = keras_compat.transformers_exporter()
     assert callable(exporter.export_backbone) and callable(exporter.export_generation_config)
-    config = keras_compat.transformers_gemma_config(presets.tiny_backbone(presets.tiny_vocabulary_size()))
-    assert config["num_hidden_layers"] == presets.TINY_CONFIG["num_layers"]
+    gemma, backbone = keras_compat.transformers_gemma_exporter(), presets.tiny_backbone(presets.tiny_vocabulary_size())
+    assert gemma.get_gemma_config(backbone)["num_hidden_layers"] == presets.TINY_CONFIG["num_layers"]
+    assert "model.embed_tokens.weight" in gemma.get_gemma_weights_map(backbone)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch matmul only")
