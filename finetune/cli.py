@@ -306,6 +306,29 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
 SETTING_KEYS = {item.flag: item.key for item in config_module.settings(config_module.Config) if item.flag}
 
 
+def funneled(out_of_memory: str = TRAINING_OOM):
+    """Every command's errors become exit codes here, once (as TRL's commands share one TrainingCommand).
+
+    out_of_memory: what to say when the device or host runs out of memory: the remedies of this command (generate
+        has no --batch-size). The command's own `debug` flag decides whether the traceback is shown.
+    """
+
+    def decorate(command):
+        @functools.wraps(command)
+        def funneled_command(*args, **kwargs):
+            try:
+                return command(*args, **kwargs)
+            except typer.Exit:
+                raise
+            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
+                _fail(error, kwargs.get("debug", False), out_of_memory)
+
+        funneled_command.funneled = True
+        return funneled_command
+
+    return decorate
+
+
 def for_this_command(message: str) -> str:
     """`message` as the running command prints it: a setting's flag that this command does not take is named by
     its key instead (`--mesh` is `distribution.mesh`), as the recipe, --set or the run's config.yaml holds it.
@@ -334,6 +357,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 @app.command()
 @with_settings(config_module.Config)
+@funneled()
 def gemma(
     settings: dict,
     resume: bool = typer.Option(
@@ -358,29 +382,24 @@ def gemma(
 
     Precedence: built-in defaults < --recipe < --set < named flags.
     """
-    try:
-        # The settings' own flags (--output, --data, --mesh, ...) are checked with the rest of the config.
-        _refuse_empty({"--recipe": recipe})
-        _note_keras_backend(settings["backend"])
-        overrides = _overrides(set_, settings)
-        if resume and plan_only:  # a resume reads (for gs://, downloads) its checkpoints: not a plan's business
-            raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
-        base = None
-        if resume:
-            from finetune import outputs
+    # The settings' own flags (--output, --data, --mesh, ...) are checked with the rest of the config.
+    _refuse_empty({"--recipe": recipe})
+    _note_keras_backend(settings["backend"])
+    overrides = _overrides(set_, settings)
+    if resume and plan_only:  # a resume reads (for gs://, downloads) its checkpoints: not a plan's business
+        raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
+    base = None
+    if resume:
+        from finetune import outputs
 
-            base = outputs.settings_to_resume(settings["output.dir"])
-        cfg = config_module.load(recipe, overrides, base=base)
-        if plan_only:  # before finetune.run: no keras, no download, nothing written
-            _print_plan(cfg, None, None)
-            return
-        import finetune
+        base = outputs.settings_to_resume(settings["output.dir"])
+    cfg = config_module.load(recipe, overrides, base=base)
+    if plan_only:  # before finetune.run: no keras, no download, nothing written
+        _print_plan(cfg, None, None)
+        return
+    import finetune
 
-        finetune.run_as_command(cfg, resume=resume)
-    except typer.Exit:
-        raise
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
-        _fail(error, debug)
+    finetune.run_as_command(cfg, resume=resume)
 
 
 # The families `finetune plan` has shapes for, as preset name patterns: gemma_*, gemma2_*, ...
@@ -398,6 +417,7 @@ PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", 
 
 @app.command(help=PLAN_HELP)
 @with_settings(config_module.Config, *PLANNED)
+@funneled()
 def plan(
     settings: dict,
     devices: Optional[int] = _flag(
@@ -423,21 +443,16 @@ def plan(
     verbose: Verbose = False,
 ):
     """`finetune plan` (its help is PLAN_HELP, which names the families archs.py has shapes for)."""
-    try:
-        _refuse_empty({"--recipe": recipe, "--device-memory": device_memory})
-        overrides = _overrides(set_, settings)
-        # A run refuses --batch-size auto with --parallel (its probe has no mesh); a plan finds that size.
-        auto = overrides.get("train.batch_size") == "auto"
-        if auto:
-            del overrides["train.batch_size"]
-        cfg = config_module.load(recipe, overrides)
-        if auto:
-            cfg.train.batch_size = "auto"
-        _print_plan(cfg, devices, device_memory, json_out)
-    except typer.Exit:
-        raise
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+    _refuse_empty({"--recipe": recipe, "--device-memory": device_memory})
+    overrides = _overrides(set_, settings)
+    # A run refuses --batch-size auto with --parallel (its probe has no mesh); a plan finds that size.
+    auto = overrides.get("train.batch_size") == "auto"
+    if auto:
+        del overrides["train.batch_size"]
+    cfg = config_module.load(recipe, overrides)
+    if auto:
+        cfg.train.batch_size = "auto"
+    _print_plan(cfg, devices, device_memory, json_out)
 
 
 def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: bool = False) -> None:
@@ -453,6 +468,7 @@ def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: b
 
 @app.command()
 @with_settings(bench_module.Workload)
+@funneled()
 def bench(
     settings: dict,
     backends: Optional[str] = _flag("Comma-separated backends. (default: every installed one)"),
@@ -471,19 +487,13 @@ def bench(
     verbose: Verbose = False,
 ):
     """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
-    try:
-        workload = bench_module.Workload(**_typed(bench_module.Workload, settings))
-        chosen = _split_list([backends]) if backends else bench_module.installed_backends()
-        bench_module.run(
-            workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path
-        )
-    except typer.Exit:
-        raise
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+    workload = bench_module.Workload(**_typed(bench_module.Workload, settings))
+    chosen = _split_list([backends]) if backends else bench_module.installed_backends()
+    bench_module.run(workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path)
 
 
 @app.command("eval")
+@funneled("out of memory while evaluating at the run's batch size; use a device with more memory")
 def eval_(
     run: RunDir,
     data: Optional[str] = _flag(
@@ -494,23 +504,22 @@ def eval_(
     verbose: Verbose = False,
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
-    try:
-        from finetune import runs
+    from finetune import runs
 
-        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-        _refuse_empty({"--data": data})
-        saved = runs.open_on(run, backend)
-        result = runs.evaluate_run(saved, data)
-        print(
-            f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
-            f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
-        )
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug, "out of memory while evaluating at the run's batch size; use a device with more memory")
+    _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+    _refuse_empty({"--data": data})
+    saved = runs.open_on(run, backend)
+    result = runs.evaluate_run(saved, data)
+    print(
+        f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
+        f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
+    )
+    print(f"evaluated on {runs.where(saved)}", file=sys.stderr)
 
 
 @app.command("data")
 @with_settings(config_module.Config, "model.preset", "data.template", "model.seq_len")
+@funneled("out of memory while counting tokens; lower --seq-len, or check a part of the file")
 def data_(
     settings: dict,
     file: str = typer.Argument(..., help="A data file (JSONL, JSON array, CSV, Parquet; a path or gs://), or hf:NAME."),
@@ -525,24 +534,22 @@ def data_(
 
     The preset's tokenizer counts the tokens, and chat records take its family's turns.
     """
-    try:
-        from finetune import datacheck
+    from finetune import datacheck
 
-        _refuse_empty({"FILE": file})
-        typed = _typed(config_module.Config, settings)
-        preset = typed.get("model.preset", D.model.preset)
-        template = typed.get("data.template", D.data.template)
-        seq_len = typed.get("model.seq_len", D.model.seq_len)
-        config_module.check("model.preset", preset)
-        config_module.check("data.template", template)
-        config_module.check("model.seq_len", seq_len, name="--seq-len")
-        for line in datacheck.report(file, preset, template, seq_len, example=example):
-            print(line)
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug, "out of memory while counting tokens; lower --seq-len, or check a part of the file")
+    _refuse_empty({"FILE": file})
+    typed = _typed(config_module.Config, settings)
+    preset = typed.get("model.preset", D.model.preset)
+    template = typed.get("data.template", D.data.template)
+    seq_len = typed.get("model.seq_len", D.model.seq_len)
+    config_module.check("model.preset", preset)
+    config_module.check("data.template", template)
+    config_module.check("model.seq_len", seq_len, name="--seq-len")
+    for line in datacheck.report(file, preset, template, seq_len, example=example):
+        print(line)
 
 
 @app.command()
+@funneled("out of memory while generating; lower --max-new-tokens, or shorten the prompt")
 def generate(
     run: RunDir,
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
@@ -553,21 +560,20 @@ def generate(
     verbose: Verbose = False,
 ):
     """Generate from the base model with a saved adapter (greedy)."""
-    try:
-        from finetune import runs
+    from finetune import runs
 
-        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-        if any(not p.strip() for p in prompt):
-            raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
-        config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
-        saved = runs.open_on(run, backend)
-        for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
-            print(text)
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug, "out of memory while generating; lower --max-new-tokens, or shorten the prompt")
+    _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+    if any(not p.strip() for p in prompt):
+        raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
+    config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
+    saved = runs.open_on(run, backend)
+    for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
+        print(text)
+    print(f"generated on {runs.where(saved)}", file=sys.stderr)
 
 
 @app.command("export")
+@funneled("out of memory while exporting; export on a machine with more memory")
 def export_(
     run: RunDir,
     format: str = typer.Option(
@@ -591,17 +597,15 @@ def export_(
     verbose: Verbose = False,
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
-    try:
-        from finetune.export import export  # the module's: its refusals name the flags, the API's its arguments
+    from finetune.export import export  # the module's: its refusals name the flags, the API's its arguments
 
-        _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-        target = export(run, format, output, overwrite, base, backend, dtype)
-        print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug, "out of memory while exporting; export on a machine with more memory")
+    _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+    target = export(run, format, output, overwrite, base, backend, dtype)
+    print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
 
 
 @app.command("vertex-spec")
+@funneled()
 def vertex_spec(
     recipe: str = typer.Option(..., help="A shipped recipe by name, or a YAML file the image holds at that path."),
     machine_type: str = typer.Option(..., help="Machine type, e.g. g2-standard-8 (one L4) or a2-highgpu-1g."),
@@ -635,34 +639,31 @@ def vertex_spec(
     verbose: Verbose = False,
 ):
     """Print a Vertex AI custom job spec (JSON) that trains a recipe, and the gcloud command that submits it."""
-    try:
-        _refuse_empty({"--recipe": recipe, "--image": image, "--region": region, "--output": output})
-        settings = list(set_ or [])
-        count = accelerator_count if accelerator_count is not None else (1 if accelerator_type else 0)
-        machine = vertex_module.Machine(machine_type, accelerator_type, count)
-        vertex_module.check(recipe, machine, replicas, output, settings)
-        spec = vertex_module.job_spec(
-            recipe, machine, replicas, image or vertex_module.DEFAULT_IMAGE.format(region=region), output, settings
+    _refuse_empty({"--recipe": recipe, "--image": image, "--region": region, "--output": output})
+    settings = list(set_ or [])
+    count = accelerator_count if accelerator_count is not None else (1 if accelerator_type else 0)
+    machine = vertex_module.Machine(machine_type, accelerator_type, count)
+    vertex_module.check(recipe, machine, replicas, output, settings)
+    spec = vertex_module.job_spec(
+        recipe, machine, replicas, image or vertex_module.DEFAULT_IMAGE.format(region=region), output, settings
+    )
+    print(json.dumps(spec, indent=2))
+    if not vertex_module.shipped(recipe):
+        print(
+            f"note: recipe {recipe} is not a shipped one: the image must hold it at that path "
+            "(COPY it in), or use a shipped recipe with --set",
+            file=sys.stderr,
         )
-        print(json.dumps(spec, indent=2))
-        if not vertex_module.shipped(recipe):
-            print(
-                f"note: recipe {recipe} is not a shipped one: the image must hold it at that path "
-                "(COPY it in), or use a shipped recipe with --set",
-                file=sys.stderr,
-            )
-        if image is None:
-            print("note: no --image; replace PROJECT in imageUri with your project, or pass --image", file=sys.stderr)
-        if output is None:
-            print(
-                "note: no --output; the run writes to AIP_MODEL_DIR, which Vertex AI sets only for a job with a "
-                "base output directory: pass --output gs://BUCKET/PATH to choose",
-                file=sys.stderr,
-            )
-        command = vertex_module.gcloud_command(region, vertex_module.display_name(recipe))
-        print(f"submit it, saved as spec.json (> spec.json), with:\n  {command}", file=sys.stderr)
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+    if image is None:
+        print("note: no --image; replace PROJECT in imageUri with your project, or pass --image", file=sys.stderr)
+    if output is None:
+        print(
+            "note: no --output; the run writes to AIP_MODEL_DIR, which Vertex AI sets only for a job with a "
+            "base output directory: pass --output gs://BUCKET/PATH to choose",
+            file=sys.stderr,
+        )
+    command = vertex_module.gcloud_command(region, vertex_module.display_name(recipe))
+    print(f"submit it, saved as spec.json (> spec.json), with:\n  {command}", file=sys.stderr)
 
 
 recipes_app = typer.Typer(
@@ -684,6 +685,7 @@ def recipes(ctx: typer.Context):
 
 
 @recipes_app.command("copy")
+@funneled()
 def recipes_copy(
     name: str = typer.Argument(..., help="A shipped recipe, e.g. tiny."),
     dest: str = typer.Argument(..., help="The file to write, or a directory to put NAME.yaml in."),
@@ -691,27 +693,25 @@ def recipes_copy(
     verbose: Verbose = False,
 ):
     """Copy a shipped recipe out to edit, as torchtune's `tune cp` does; never overwrites DEST."""
+    source = config_module.shipped_recipe(name)
+    _refuse_empty({"DEST": dest}, fix="pass the file to write, or a directory to put it in")
     try:
-        source = config_module.shipped_recipe(name)
-        _refuse_empty({"DEST": dest}, fix="pass the file to write, or a directory to put it in")
-        try:
-            into = Path(dest).is_dir()
-        except OSError:  # a name too long for the file system, which check_output names
-            into = False
-        target = Path(dest) / source.name if into else Path(dest)
-        storage.check_output(str(target), "DEST")
-        try:
-            # "x" refuses an existing file at open time, so a file made meanwhile is not clobbered either.
-            with open(target, "xb") as f:
-                f.write(source.read_bytes())
-        except FileExistsError:
-            raise UserError(f"{target} already exists; remove it or pick another DEST") from None
-        print(f"copied {source.stem} to {target}; run it with: finetune gemma --recipe {target}")
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+        into = Path(dest).is_dir()
+    except OSError:  # a name too long for the file system, which check_output names
+        into = False
+    target = Path(dest) / source.name if into else Path(dest)
+    storage.check_output(str(target), "DEST")
+    try:
+        # "x" refuses an existing file at open time, so a file made meanwhile is not clobbered either.
+        with open(target, "xb") as f:
+            f.write(source.read_bytes())
+    except FileExistsError:
+        raise UserError(f"{target} already exists; remove it or pick another DEST") from None
+    print(f"copied {source.stem} to {target}; run it with: finetune gemma --recipe {target}")
 
 
 @app.command("runs")
+@funneled()
 def runs_(
     directory: str = typer.Argument(
         "runs", help="A run directory, or a directory of runs. (default: runs)", show_default=False
@@ -720,16 +720,13 @@ def runs_(
     verbose: Verbose = False,
 ):
     """List runs and their state: finished, running, checkpointed at step N, stopped or failed."""
-    try:
-        from finetune import runs
+    from finetune import runs
 
-        rows = runs.list_runs(directory)
-        if not rows:
-            print(f"no runs in {directory}")
-            return
-        print(runs.format_table(rows))
-    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001
-        _fail(error, debug)
+    rows = runs.list_runs(directory)
+    if not rows:
+        print(f"no runs in {directory}")
+        return
+    print(runs.format_table(rows))
 
 
 def _refuse_empty(flags: dict, fix: str = "give it a value or leave the flag out") -> None:

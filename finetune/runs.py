@@ -40,6 +40,16 @@ def open_run(directory: str | Path) -> Run:
     return Run(directory, cfg, description)
 
 
+def where(run: Run) -> str:
+    """Where `run` was just loaded, as the console says it: `jax: cpu (AMD EPYC, 2 cores), float32`."""
+    from finetune import backend
+
+    device = backend.accelerator()
+    precision = run.config.model.precision
+    precision = backend.auto_precision(device) if precision == "auto" else precision  # as load_model decides it
+    return f"{sys.modules['keras'].config.backend()}: {backend.device_name(device)}, {precision}"
+
+
 def select_backend(run: Run, chosen: str | None = None) -> str:
     """The backend to use a run on: `chosen`, else the one keras is already loaded with, else the run's.
 
@@ -67,11 +77,8 @@ def load_model(run: Run):
     from finetune import backend, model, presets
 
     cfg = run.config
-    tweaks = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)
-    precision = tweaks["dtype_policy"]
+    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
     source = presets.resolve(cfg.model.preset)
-    on = sys.modules["keras"].config.backend()
-    print(f"loading {run.directory} on {on}: {tweaks['device_name']}, {precision}", file=sys.stderr)
     lm, preprocessor = model.build(source, cfg.model.seq_len, precision, cfg.model.quantize)
     model.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing

@@ -54,10 +54,11 @@ def test_each_family_trains_evaluates_and_generates_from_the_command_line(preset
 
     evaluated = finetune("eval", "--run", run, cwd=tmp_path)
     assert "eval_loss " in evaluated.stdout, evaluated.stdout
-    assert f"on {BACKEND}: {where}" in evaluated.stderr
+    assert f"evaluated on {BACKEND}: {where}" in evaluated.stderr
 
     generated = finetune("generate", "--run", run, "--prompt", "Name a colour.", "--max-new-tokens", "3", cwd=tmp_path)
     assert generated.stdout.strip(), "generate printed nothing"
+    assert f"generated on {BACKEND}: {where}" in generated.stderr
 
     if exported_here(preset):
         exported = finetune("export", "--run", run, "--format", "merged", "--output", "merged", cwd=tmp_path)

@@ -487,3 +487,36 @@ def test_out_of_memory_advises_the_command_s_own_remedies(command, monkeypatch):
     result = runner.invoke(app, [command, *args[command]])
     assert result.exit_code == 2 and "out of memory" in result.stderr, result.output
     assert set(FLAG.findall(result.stderr)) <= _options(_commands()[command]), result.stderr
+
+
+def test_every_command_s_errors_become_exit_codes_in_one_place(monkeypatch):
+    """One funnel (cli.funneled) for every command: an unexpected error is one line and exit 1, and --debug
+    shows its traceback; each command that takes --debug goes through it."""
+    import inspect
+
+    import typer
+
+    from finetune import cli, runs
+
+    assert inspect.getsource(cli).count("except (Exception, KeyboardInterrupt)") == 1
+    for path in _command_paths(typer.main.get_command(app)):
+        command = typer.main.get_command(app)
+        for name in path:
+            command = command.commands[name]
+        if any("--debug" in getattr(p, "opts", []) for p in command.params):
+            chain = [command.callback]
+            while hasattr(chain[-1], "__wrapped__"):
+                chain.append(chain[-1].__wrapped__)
+            assert any(vars(f).get("funneled") for f in chain), path
+
+    def broken(directory):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(runs, "list_runs", broken)
+    result = invoke("runs")
+    assert result.exit_code == 1 and result.stderr.splitlines() == [
+        "error: RuntimeError: a bug",
+        "rerun with --debug for the traceback",
+    ]
+    result = invoke("runs", "--debug")
+    assert result.exit_code == 1 and "Traceback" in result.stderr
