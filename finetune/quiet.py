@@ -45,12 +45,22 @@ WIDGET_WARNING = r"IProgress not found"
 # banner when a second finetune.run imported TensorFlow, was read as the prompt's tail and let through. The
 # frameworks write each log line whole, in one write, so none is split this way.
 PARTIAL_LINE_WAIT = 0.05
+# The prompts `python -i` writes to stderr. A log line that comes within PARTIAL_LINE_WAIT of one (TensorFlow's
+# cuInit error on a machine without a GPU did) is read as the prompt's tail: the prompt is kept, the line dropped.
+PROMPT = re.compile(rb"^(?:>>> |\.\.\. )+")
 _installed: dict = {}
 _verbose: list = []
 
 
 def is_noise(line: bytes) -> bool:
     return bool(NOISE.match(line))
+
+
+def _shown(line: bytes, end: bytes = b"\n") -> bytes:
+    """What of `line` reaches the terminal: all of it, nothing where it is noise, or the prompts before noise."""
+    prompts = PROMPT.match(line)
+    head = prompts.group(0) if prompts else b""
+    return head if is_noise(line[len(head) :]) else line + end
 
 
 def keep_verbose() -> None:
@@ -85,16 +95,16 @@ def _pass_on(read_end: int, terminal: int) -> None:
         pending = b""
         while True:
             if pending and not is_noise(pending) and not _readable_within(pipe, PARTIAL_LINE_WAIT):
-                os.write(terminal, pending)  # a prompt, waiting for its reader: shown now, and the next line is
-                pending = b""  # judged on its own
+                os.write(terminal, _shown(pending, end=b""))  # a prompt, waiting for its reader: shown now, and
+                pending = b""  # the next line is judged on its own
             chunk = pipe.read(65536)
             if not chunk:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if not is_noise(line):
-                    os.write(terminal, line + b"\n")
+                if shown := _shown(line):
+                    os.write(terminal, shown)
             if pending and not NOISE.match(pending[:120]) and len(pending) > 8192:
                 os.write(terminal, pending)  # a long line without an end: pass it on as it comes
                 pending = b""

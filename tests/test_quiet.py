@@ -133,3 +133,12 @@ def test_a_line_without_its_end_is_passed_on_once_nothing_more_comes():
     )
     done = python(code)
     assert done.returncode == 0 and done.stderr == ">>> ours\n", done.stderr
+
+
+def test_a_log_line_glued_to_a_python_i_prompt_is_dropped_and_the_prompt_kept():
+    """TensorFlow's cuInit error came within the partial-line wait of `>>> `, on the TensorFlow suite's machine."""
+    glued = b">>> E0000 00:00:1795623707.432647   32049 cuda_platform.cc:52] failed call to cuInit: INTERNAL"
+    assert quiet._shown(glued) == b">>> "
+    assert quiet._shown(b">>> ... W0000 00:00:1.5 1 port.cc:1] x") == b">>> ... "
+    assert quiet._shown(b">>> finetune.run(cfg)") == b">>> finetune.run(cfg)\n"
+    assert quiet._shown(b"error: ... the run's output") == b"error: ... the run's output\n"
