@@ -69,7 +69,7 @@ def leave_out_other_frameworks(backend: str, needed: tuple[str, ...] = ()) -> li
     keras-hub and datasets all take as "not installed".
 
     needed: frameworks the run's model needs whatever its backend (TensorFlow for
-    keras-hub's Gemma 3, 3n and 4 preprocessors: presets.needs_tensorflow).
+    keras-hub's Gemma 3, 3n and 4 preprocessors: presets.frameworks_needed).
     """
     left_out = []
     for framework, modules in _FRAMEWORK_MODULES.items():
