@@ -20,9 +20,9 @@ import functools
 from finetune import config as _config
 from finetune.config import Config
 from finetune.config import load as load_config
-from finetune.errors import RunStopped, UserError
-from finetune.export import export as _export
-from finetune.version import __version__ as __version__
+from finetune.exports.export import export as _export
+from finetune.platform.errors import RunStopped, UserError
+from finetune.platform.version import __version__ as __version__
 
 __all__ = ["Config", "RunStopped", "UserError", "evaluate", "export", "generate", "load", "load_config", "run"]
 
@@ -61,13 +61,15 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
 
 def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     """`run` as `finetune gemma` calls it: its refusals name the command line's flags."""
-    from finetune import backend, config, presets
+    from finetune import config
+    from finetune.model import presets
+    from finetune.platform import backend
 
     # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
     cfg = config.from_dict(cfg if isinstance(cfg, dict) else (cfg or Config()).to_dict())
     cfg = config.absolute_paths(cfg)  # config.yaml then names the same files from any directory
     backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
-    from finetune import train
+    from finetune.training import train
 
     try:
         return train.run(cfg, resume=resume)
@@ -80,7 +82,7 @@ def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> di
 
 def _open(run_dir, backend: str | None = None):
     """Read a run and choose the backend to use it on: `backend`, keras' if already loaded, else the run's."""
-    from finetune import runs
+    from finetune.training import runs
 
     return runs.open_on(run_dir, backend)
 
@@ -91,7 +93,7 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None) -> di
     data: str. Evaluate on all records of this file instead of the run's held-out split.
     backend: str. jax, torch or tensorflow; by default the one keras is loaded with, else the run's.
     """
-    from finetune import runs
+    from finetune.training import runs
 
     with _in_python_words(_RUN_DIR, _BACKEND, _argument("data", "--data", metavar="FILE")):
         return runs.evaluate_run(_open(run_dir, backend), data)
@@ -101,7 +103,7 @@ def generate(
     run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None
 ) -> list[str]:
     """Greedy completions from a finished run's model; each prompt goes in the run's template unless `raw`."""
-    from finetune import runs
+    from finetune.training import runs
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
@@ -117,7 +119,7 @@ def load(run_dir, backend: str | None = None):
     backend: str. jax, torch or tensorflow; by default the one keras is loaded with, else the run's. An
         adapter trained on one backend loads on the others.
     """
-    from finetune import runs
+    from finetune.training import runs
 
     with _in_python_words(_RUN_DIR, _BACKEND):
         lm, preprocessor = runs.load_model(_open(run_dir, backend))
@@ -127,7 +129,7 @@ def load(run_dir, backend: str | None = None):
 
 @functools.wraps(_export)
 def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype=None):
-    from finetune.export import FORMATS
+    from finetune.exports.export import FORMATS
 
     arguments = (
         _RUN_DIR, _BACKEND, _argument("format", "--format", choices=FORMATS), _argument("output", "--output",

@@ -23,12 +23,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from finetune import archs, storage
-from finetune import bench as bench_module
 from finetune import config as config_module
-from finetune import vertex as vertex_module
-from finetune.errors import RunStopped, UserError
-from finetune.plan import DEVICES as PLAN_DEVICES
+from finetune.model import archs
+from finetune.platform import storage
+from finetune.platform.errors import RunStopped, UserError
+from finetune.tools import bench as bench_module
+from finetune.tools import vertex as vertex_module
+from finetune.training.plan import DEVICES as PLAN_DEVICES
 
 try:  # recent typer (0.29 here) vendors click: it raises its own copy's exceptions, not the `click` package's
     from typer._click import exceptions as click_exceptions
@@ -100,7 +101,7 @@ app = typer.Typer(
 
 def _print_version(value: bool):
     if value:
-        from finetune.version import __version__
+        from finetune.platform.version import __version__
 
         print(f"finetune {__version__}")
         raise typer.Exit()
@@ -291,7 +292,7 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
     if isinstance(error, UserError):
         print(f"error: {for_this_command(str(error))}", file=sys.stderr)
         raise typer.Exit(2)
-    from finetune import backend
+    from finetune.platform import backend
 
     if backend.is_out_of_memory(error):
         print(f"error: {out_of_memory}", file=sys.stderr)
@@ -390,7 +391,7 @@ def gemma(
         raise UserError("--plan-only plans a new run and reads no checkpoint; drop --resume")
     base = None
     if resume:
-        from finetune import outputs
+        from finetune.training import outputs
 
         base = outputs.settings_to_resume(settings["output.dir"])
     cfg = config_module.load(recipe, overrides, base=base)
@@ -456,7 +457,7 @@ def plan(
 
 
 def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: bool = False) -> None:
-    from finetune import plan as plan_module
+    from finetune.training import plan as plan_module
 
     target = plan_module.device(device_memory) if device_memory is not None else None
     planned = plan_module.make(cfg, devices, target)
@@ -504,7 +505,7 @@ def eval_(
     verbose: Verbose = False,
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
-    from finetune import runs
+    from finetune.training import runs
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     _refuse_empty({"--data": data})
@@ -534,7 +535,7 @@ def data_(
 
     The preset's tokenizer counts the tokens, and chat records take its family's turns.
     """
-    from finetune import datacheck
+    from finetune.tools import datacheck
 
     _refuse_empty({"FILE": file})
     typed = _typed(config_module.Config, settings)
@@ -560,7 +561,7 @@ def generate(
     verbose: Verbose = False,
 ):
     """Generate from the base model with a saved adapter (greedy)."""
-    from finetune import runs
+    from finetune.training import runs
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     if any(not p.strip() for p in prompt):
@@ -597,7 +598,7 @@ def export_(
     verbose: Verbose = False,
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
-    from finetune.export import export  # the module's: its refusals name the flags, the API's its arguments
+    from finetune.exports.export import export  # the module's: its refusals name the flags, the API's its arguments
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     target = export(run, format, output, overwrite, base, backend, dtype)
@@ -720,7 +721,7 @@ def runs_(
     verbose: Verbose = False,
 ):
     """List runs and their state: finished, running, checkpointed at step N, stopped or failed."""
-    from finetune import runs
+    from finetune.training import runs
 
     rows = runs.list_runs(directory)
     if not rows:
@@ -764,7 +765,7 @@ _one_line_paragraphs(app)
 
 def main():
     # Before any framework is imported; commands accept --verbose so that it passes the parser.
-    from finetune import backend, quiet
+    from finetune.platform import backend, quiet
 
     if "--verbose" in sys.argv[1:]:
         quiet.keep_verbose()  # the Python API's own install (backend.select) included

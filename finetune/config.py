@@ -29,11 +29,11 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from finetune.backend import DEFAULT_BATCH_SIZE
-from finetune.data import SAMPLE
-from finetune.errors import UserError
-from finetune.presets import LEARNING_RATE, TINY_NAMES
-from finetune.templates import TEMPLATES
+from finetune.data.formats import SAMPLE
+from finetune.data.templates import TEMPLATES
+from finetune.model.presets import LEARNING_RATE, TINY_NAMES
+from finetune.platform.backend import DEFAULT_BATCH_SIZE
+from finetune.platform.errors import UserError
 
 BACKENDS = ("jax", "torch", "tensorflow")
 PRECISIONS = ("auto", "bfloat16", "float16", "float32", "mixed_bfloat16")

@@ -176,8 +176,8 @@ def examples_of(lengths, seed=0, vocabulary=200):
     """Tokenized examples of these lengths: random ids between BOS and EOS, the loss on the last two thirds."""
     import numpy as np
 
-    from finetune import batching
-    from finetune.batching import Example
+    from finetune.data import batching
+    from finetune.data.batching import Example
 
     rng = np.random.default_rng(seed)
     out = []
@@ -302,7 +302,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def packed_rows(tokenizer, seq_len=48, n=12):
-    from finetune import batching, packing
+    from finetune.data import batching, packing
 
     pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * (i % 5 + 1)) for i in range(n)]
     examples, _ = batching.tokenize(pairs, tokenizer, seq_len)
@@ -313,21 +313,23 @@ def lora_model(precision="float32", quantize=None, remat=False):
     """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value."""
     import keras
 
-    from finetune import backend, model, presets
+    from finetune.model import builder, presets
+    from finetune.platform import backend
 
     backend.set_seed(0)
     keras.config.set_dtype_policy(backend.POLICIES[precision][1])
-    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
-    model.enable_lora(lm, 2, None, ["query", "value"], seed=0)
+    lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
+    builder.enable_lora(lm, 2, None, ["query", "value"], seed=0)
     return lm, preprocessor
 
 
 def lora_train_losses(lm, steps=6, learning_rate=1e-2):
     """The loss of each of `steps` steps of `lm` on packed_rows, 4 rows a batch. The files import it as
     `train_losses`, the name it had before these files shared it; a run's train_losses above reads history.csv."""
-    from finetune import batching, model, presets
+    from finetune.data import batching
+    from finetune.model import builder, presets
 
-    trainer = model.compile(lm, learning_rate, 0.0)
+    trainer = builder.compile(lm, learning_rate, 0.0)
     rows = packed_rows(presets.tiny_tokenizer())
     order = batching.TrainOrder(rows, 4, seed=0)
     return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]

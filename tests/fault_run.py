@@ -12,7 +12,8 @@ import os
 import signal
 import time
 
-from finetune import checkpoint, cli, outputs
+from finetune import cli
+from finetune.training import checkpoint, outputs
 
 fault = getattr(signal, os.environ["FAULT"])
 at = os.environ["FAULT_STEP"]

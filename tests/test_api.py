@@ -8,8 +8,9 @@ import pytest
 from conftest import BACKEND
 
 import finetune
-from finetune import backend, config
-from finetune.errors import UserError
+from finetune import config
+from finetune.platform import backend
+from finetune.platform.errors import UserError
 
 
 @pytest.fixture(scope="module")

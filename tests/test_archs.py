@@ -6,7 +6,7 @@ the newer families, is test_layouts.py's.
 
 from conftest import PUBLISHED, ROUNDED
 
-from finetune import archs
+from finetune.model import archs
 
 
 def test_table_counts_every_weight_keras_hub_publishes():

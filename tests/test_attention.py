@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import examples_of, float32_policy
 
-from finetune import attention, backend, batching, families, model, packing, presets
+from finetune.data import batching, packing
+from finetune.model import attention, builder, families, presets
+from finetune.platform import backend
 
 
 def _gemma1():
@@ -34,7 +36,7 @@ def _tiny(name):
     """A newer family's tiny preset (presets.TINY): sliding and global layers, windows of 4, shorter than the
     examples; Gemma 4's with per-layer inputs and a layer that borrows keys and values, or with experts;
     Gemma 3n's with AltUp, Laurel and a layer that borrows keys and values."""
-    return lambda: model.load_base(presets.resolve(name), 32)[0]
+    return lambda: builder.load_base(presets.resolve(name), 32)[0]
 
 
 MODELS = {
@@ -57,7 +59,7 @@ def lm(request):
 def logits(lm, *row_sets):
     """The logits of each set of rows, from one forward pass over all of them (one dispatch of the eager model)."""
     arrays = {key: np.concatenate([rows[key] for rows in row_sets]) for key in ("token_ids", "segment_ids")}
-    x = batching.model_inputs(arrays["token_ids"], arrays["segment_ids"], model.input_names(lm))
+    x = batching.model_inputs(arrays["token_ids"], arrays["segment_ids"], builder.input_names(lm))
     out = np.asarray(keras.ops.convert_to_numpy(lm(x)), np.float64)
     return np.split(out, np.cumsum([len(rows["token_ids"]) for rows in row_sets])[:-1])
 

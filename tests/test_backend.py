@@ -4,8 +4,8 @@ import keras
 import pytest
 from conftest import BACKEND
 
-from finetune import backend
-from finetune.errors import UserError
+from finetune.platform import backend
+from finetune.platform.errors import UserError
 
 
 def test_select_records_the_backend_and_its_environment(monkeypatch):
@@ -101,7 +101,7 @@ def test_host_memory_is_the_containers_limit_where_that_is_lower(monkeypatch, li
 
 
 def test_host_memory_off_linux_is_unknown_and_plan_asks_for_a_size(monkeypatch):
-    from finetune import plan
+    from finetune.training import plan
 
     def unreadable(*args, **kwargs):
         raise OSError("no such file")

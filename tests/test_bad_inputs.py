@@ -530,23 +530,24 @@ def _valid(line_ending="\n", bom=b""):
     "line_ending, bom", [("\n", b""), ("\r\n", b""), ("\n", b"\xef\xbb\xbf"), ("\r\n", b"\xef\xbb\xbf")]
 )
 def test_odd_but_valid_data_loads(tmp_path, line_ending, bom):
-    from finetune import data
+    from finetune.data import formats
 
     records, raw = _valid(line_ending, bom)
     path = tmp_path / "odd.jsonl"
     path.write_bytes(raw)
-    loaded = data.load_records(str(path))
+    loaded = formats.load_records(str(path))
     assert [r.response for r in loaded] == [r["response"] for r in records]
     assert [r.instruction for r in loaded] == [r["instruction"] for r in records]
 
 
 def test_a_10_mb_record_loads_and_is_cut_before_tokenizing(tmp_path):
     """Tokenizing the whole 10 MB took 6.8 s for 65 kept ids; only a short head need be tokenized."""
-    from finetune import batching, data, presets
+    from finetune.data import batching, formats
+    from finetune.model import presets
 
     text = "x" * 10_000_000  # one long word: the slowest case for SentencePiece
     path = write_jsonl(tmp_path / "long.jsonl", [{"instruction": "Repeat x.", "response": text}])
-    (record,) = data.load_records(str(path))
+    (record,) = formats.load_records(str(path))
     assert len(record.response) == 10_000_000
     tokenizer = presets.tiny_tokenizer()
     seen = []
@@ -565,7 +566,8 @@ def test_a_10_mb_record_loads_and_is_cut_before_tokenizing(tmp_path):
 
 
 def test_cutting_long_texts_keeps_the_same_tokens():
-    from finetune import batching, presets
+    from finetune.data import batching
+    from finetune.model import presets
 
     tokenizer = presets.tiny_tokenizer()
     rng = np.random.default_rng(0)
@@ -588,7 +590,7 @@ def test_cutting_long_texts_keeps_the_same_tokens():
     ],
 )
 def test_out_of_memory_is_recognised_on_every_backend(text):
-    from finetune import backend
+    from finetune.platform import backend
 
     assert backend.is_out_of_memory(RuntimeError(text))
     assert not backend.is_out_of_memory(ValueError("shapes (2, 3) and (4, 5) do not match"))

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from finetune import batching, presets, templates
-from finetune.data import Record
+from finetune.data import batching, templates
+from finetune.data.formats import Record
+from finetune.model import presets
 
 
 @pytest.fixture(scope="module")

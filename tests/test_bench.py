@@ -14,7 +14,7 @@ import keras_hub
 import pytest
 from conftest import BACKEND
 
-from finetune import bench
+from finetune.tools import bench
 
 
 def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
@@ -138,7 +138,7 @@ def test_rows_that_cannot_be_written_at_the_end_are_printed(tmp_path, monkeypatc
     def full_disk(path, write):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sys.modules["finetune.outputs"], "write_atomic", full_disk)
+    monkeypatch.setattr(sys.modules["finetune.training.outputs"], "write_atomic", full_disk)
     with pytest.raises(bench.UserError, match="could not write .*rows.json \\(No space left on device\\); the rows"):
         bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune"], [], json_path=str(out))
     printed = capsys.readouterr().out

@@ -8,7 +8,7 @@ import types
 import pytest
 from conftest import tensorboard_scalars
 
-from finetune import callbacks
+from finetune.training import callbacks
 
 
 def test_tensorboard_log_writes_train_and_eval_tensorboard_scalars(tmp_path):

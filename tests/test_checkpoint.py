@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import SHORT, _history, invoke, run_with_fault, train, train_losses
 
-from finetune import checkpoint, outputs, runs
+from finetune.training import checkpoint, outputs, runs
 
 
 def adapter_arrays(path):

@@ -224,7 +224,7 @@ def test_no_help_shows_a_type_placeholder():
 
 
 def test_generate_out_of_memory_advises_generates_own_remedies(monkeypatch):
-    from finetune import runs
+    from finetune.training import runs
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 107374182400 bytes")
@@ -358,7 +358,7 @@ def test_help_text_breaks_lines_only_where_the_terminal_ends(monkeypatch):
 
 
 def test_plan_help_names_every_family_plan_has_shapes_for():
-    from finetune import archs, presets
+    from finetune.model import archs, presets
 
     text = help_text("plan")
     for name in archs.ARCHS:
@@ -384,7 +384,7 @@ def test_help_writes_every_default_one_way(monkeypatch):
 
 
 def test_preset_help_and_refusals_name_the_tiny_presets_and_near_misses():
-    from finetune import presets
+    from finetune.model import presets
 
     text = help_text("gemma")
     assert all(name in text for name in presets.TINY)
@@ -425,7 +425,7 @@ def _message_flags() -> dict[str, set[str]]:
     import ast
 
     named: dict[str, set[str]] = {}
-    for path in sorted((REPO / "finetune").glob("*.py")):
+    for path in sorted((REPO / "finetune").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         docstrings = {
             id(node.body[0].value)
@@ -454,7 +454,8 @@ def test_every_flag_a_message_advises_is_an_option_of_some_command():
 
 def test_a_setting_s_flag_the_command_does_not_take_is_named_by_its_key(monkeypatch):
     """Shared code names settings by gemma's flags; eval, plan and vertex-spec print the key they take instead."""
-    from finetune import config, runs
+    from finetune import config
+    from finetune.training import runs
 
     def refused(*args, **kwargs):
         raise finetune.UserError(
@@ -475,7 +476,8 @@ def test_a_setting_s_flag_the_command_does_not_take_is_named_by_its_key(monkeypa
 
 @pytest.mark.parametrize("command", ["eval", "export", "data"])
 def test_out_of_memory_advises_the_command_s_own_remedies(command, monkeypatch):
-    from finetune import datacheck, runs
+    from finetune.tools import datacheck
+    from finetune.training import runs
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 107374182400 bytes")
@@ -483,7 +485,7 @@ def test_out_of_memory_advises_the_command_s_own_remedies(command, monkeypatch):
     monkeypatch.setattr(runs, "open_on", out_of_memory)
     monkeypatch.setattr(datacheck, "report", out_of_memory)
     args = {"eval": ["--run", "r"], "export": ["--run", "r", "--format", "lora", "--output", "o"], "data": ["f"]}
-    monkeypatch.setattr(sys.modules["finetune.export"], "check_request", lambda *args: None)
+    monkeypatch.setattr(sys.modules["finetune.exports.export"], "check_request", lambda *args: None)
     result = runner.invoke(app, [command, *args[command]])
     assert result.exit_code == 2 and "out of memory" in result.stderr, result.output
     assert set(FLAG.findall(result.stderr)) <= _options(_commands()[command]), result.stderr
@@ -496,7 +498,8 @@ def test_every_command_s_errors_become_exit_codes_in_one_place(monkeypatch):
 
     import typer
 
-    from finetune import cli, runs
+    from finetune import cli
+    from finetune.training import runs
 
     assert inspect.getsource(cli).count("except (Exception, KeyboardInterrupt)") == 1
     for path in _command_paths(typer.main.get_command(app)):

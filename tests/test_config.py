@@ -3,7 +3,7 @@ import typing
 import pytest
 
 from finetune import config
-from finetune.errors import UserError
+from finetune.platform.errors import UserError
 
 
 def test_defaults_match_the_documented_command(monkeypatch):

@@ -7,8 +7,9 @@ How each format is read is test_data.py's; how each is rendered and weighted is 
 from conftest import CHAT, completion, text, write
 from typer.testing import CliRunner
 
-from finetune import data, datacheck, templates
 from finetune.cli import app
+from finetune.data import formats, templates
+from finetune.tools import datacheck
 
 
 def test_finetune_data_reports_the_format_tokens_packing_and_a_marked_example(tmp_path):
@@ -35,7 +36,7 @@ def test_finetune_data_without_a_tokenizer_still_reports_the_rest(tmp_path, monk
 
 
 def test_render_marks_every_trained_turn():
-    pieces = templates.get("gemma-chat").segments(data._record(CHAT, "x", "chat"))
+    pieces = templates.get("gemma-chat").segments(formats._record(CHAT, "x", "chat"))
     rendered = datacheck.render(pieces)
     assert rendered.count("«") == 2 and rendered.endswith("«6.<end_of_turn><eos>»")
     assert datacheck.render([("a", False), ("b", True)], train_on_prompt=True) == "«ab<eos>»"

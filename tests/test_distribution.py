@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import BACKEND, REPO
 
-from finetune import distribution
 from finetune.config import DistributionConfig
-from finetune.errors import UserError
+from finetune.model import distribution
+from finetune.platform.errors import UserError
 
 jax_only = pytest.mark.skipif(BACKEND != "jax", reason="the distribution API is JAX-only; runs once, in the JAX suite")
 TIMEOUT = 300  # every wait is bounded: a broken collective fails the test instead of hanging it

@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 from conftest import BACKEND, REPO
 
-from finetune.errors import UserError
+from finetune.platform.errors import UserError
 
 README = REPO / "README.md"
 GUIDES = sorted((REPO / "docs").glob("*.md"))

@@ -5,8 +5,8 @@ tests/test_properties.py throws arbitrary JSON at the documents that use it.
 
 import pytest
 
-from finetune import documents
-from finetune.documents import Document, DocumentError
+from finetune.platform import documents
+from finetune.platform.documents import Document, DocumentError
 
 
 def test_a_field_of_the_kind_asked_for_is_given_back():

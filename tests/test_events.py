@@ -8,7 +8,7 @@ def test_event_records_carry_crc32c_and_tensorflow_s_layout(tmp_path):
     """CRC-32C's published check value, and a record as TFRecord frames it (length, its masked CRC, data, CRC)."""
     import struct
 
-    from finetune import events
+    from finetune.training import events
 
     assert events.crc32c(b"123456789") == 0xE3069283
     framed = events.record(b"abc")

@@ -19,9 +19,9 @@ from conftest import BACKEND, REPO, float32_policy
 from typer.testing import CliRunner
 
 import finetune
-from finetune import presets
 from finetune.cli import app
-from finetune.export import MARKER
+from finetune.exports.export import MARKER
+from finetune.model import presets
 
 # transformers and PEFT compute on PyTorch: their checks run once, in the PyTorch suite, where CI's time goes
 # furthest. The exports themselves (lora, merged) are checked on every backend.
@@ -274,7 +274,7 @@ def test_an_export_that_fails_midway_leaves_nothing(trained, tmp_path, monkeypat
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sys.modules["finetune.export"], "merge", full_disk)
+    monkeypatch.setattr(sys.modules["finetune.exports.export"], "merge", full_disk)
     with pytest.raises(finetune.UserError, match="No space left on device; nothing was written"):
         finetune.export(trained[0], "merged", tmp_path / "exported" / "merged")
     assert not list(tmp_path.iterdir())
@@ -337,8 +337,8 @@ def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
     peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
     import keras_hub
 
-    from finetune import adapter
-    from finetune.export import check_transformers_layout, write_peft, write_transformers
+    from finetune.exports.export import check_transformers_layout, write_peft, write_transformers
+    from finetune.training import adapter
 
     tokenizer = presets.tiny_tokenizer()
     rng = np.random.default_rng(0)
@@ -375,8 +375,8 @@ def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
 def test_gemma_2_is_refused_in_transformers_format():
     import keras_hub
 
-    from finetune.errors import UserError
-    from finetune.export import check_transformers_layout
+    from finetune.exports.export import check_transformers_layout
+    from finetune.platform.errors import UserError
 
     with float32_policy():
         gemma2 = keras_hub.models.GemmaBackbone(

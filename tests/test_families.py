@@ -24,7 +24,8 @@ import pytest
 from conftest import BACKEND, float32_policy, write_jsonl
 
 import finetune
-from finetune import checkpoint, families, model, outputs, presets
+from finetune.model import builder, families, presets
+from finetune.training import checkpoint, outputs
 
 FAMILIES = ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"]
 TARGETS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
@@ -60,7 +61,7 @@ def logits(lm, tokens=TOKENS):
     import keras
 
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    if "position_ids" in model.input_names(lm):
+    if "position_ids" in builder.input_names(lm):
         x["position_ids"] = np.arange(tokens.shape[1])[None].astype("int32")
     return keras.ops.convert_to_numpy(lm(x))
 
@@ -174,19 +175,19 @@ def test_hf_and_peft_exports_give_the_run_s_logits_in_transformers(trained, tmp_
     ],
 )
 def test_lora_adapts_the_attention_and_ffw_and_refuses_the_rest(preset, frozen):
-    from finetune.errors import UserError
+    from finetune.platform.errors import UserError
 
     with float32_policy():
-        lm, _ = model.load_base(presets.resolve(preset), 32)
-    assert model.adaptable_targets(lm.backbone) == list(families.TARGETS)
+        lm, _ = builder.load_base(presets.resolve(preset), 32)
+    assert builder.adaptable_targets(lm.backbone) == list(families.TARGETS)
     for name in frozen:
         with pytest.raises(UserError, match=f"'{name}' layers stay frozen: .*; LoRA adapts query, key, value"):
-            model.enable_lora(lm, 2, None, ["query", name])
+            builder.enable_lora(lm, 2, None, ["query", name])
     if preset.startswith("tiny-gemma4"):  # its blocks read the FFW kernels directly: int4's come unscaled
         with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: .* without its scales"):
-            model.build(presets.resolve(preset), 32, quantize="int4")
+            builder.build(presets.resolve(preset), 32, quantize="int4")
     own = ["q_proj", "down_proj"] if preset == "tiny-gemma3n" else ["query", "ffw_linear"]
-    count = model.enable_lora(lm, 2, None, own)
+    count = builder.enable_lora(lm, 2, None, own)
     trainable = {v.path.split("/")[-1] for v in lm.trainable_weights}
     assert trainable == {"lora_kernel_a", "lora_kernel_b"} and count == 2 * len(families.decoder_blocks(lm.backbone))
 
@@ -235,15 +236,15 @@ def test_a_multimodal_preset_loads_its_text_decoder_alone(tmp_path):
         )  # fmt: skip
         full_3n.save_to_preset(str(tmp_path / "gemma3n"))
         for name, original in (("gemma4", full), ("gemma3n", full_3n)):
-            text, preprocessor = model.build(presets.resolve(str(tmp_path / name)), 32)
-            assert set(model.input_names(text)) <= {"token_ids", "padding_mask", "position_ids"}, name
+            text, preprocessor = builder.build(presets.resolve(str(tmp_path / name)), 32)
+            assert set(builder.input_names(text)) <= {"token_ids", "padding_mask", "position_ids"}, name
             assert preprocessor.image_converter is None and preprocessor.audio_converter is None
             weights = {w.path: keras.ops.convert_to_numpy(w) for w in original.backbone.weights}
             for weight in text.backbone.weights:
                 np.testing.assert_array_equal(keras.ops.convert_to_numpy(weight), weights[weight.path])
         empty_images = {"pixel_values": np.zeros((1, 0, 1, 192), "float32"), "vision_indices": np.zeros((1, 0), "int32"),
                         "pixel_position_ids": np.zeros((1, 0, 1, 2), "int32"), "vision_mask": np.zeros_like(tokens)}  # fmt: skip
-        text, _ = model.build(presets.resolve(str(tmp_path / "gemma4")), 32)
+        text, _ = builder.build(presets.resolve(str(tmp_path / "gemma4")), 32)
         with_images = keras.ops.convert_to_numpy(
             full({"token_ids": tokens, "padding_mask": np.ones_like(tokens),
                   "position_ids": np.arange(6)[None].astype("int32"), **empty_images})

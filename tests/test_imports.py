@@ -1,30 +1,29 @@
-"""How the package is laid out, checked: no import cycle, a test file for each module, and layers that import down.
+"""How the package is laid out, checked: layer folders that import down, no import cycle, a test file for each module.
 
-The package is one flat folder; its layers are the map below instead of folders. Imports are counted as
-`imports_of` reads them, those made inside functions included. A module may import from its own layer or from
-one below it. The layers, top to bottom:
+The package's folders are its layers (docs/architecture.md draws them). Imports are counted as `imports_of`
+reads them, those made inside functions included. A module may import from its own layer or from one below it.
+The layers, top to bottom:
 
-- front doors: cli, the Python API (__init__) and __main__.
-- tools: the commands that inspect or launch without training: plan, bench and its peer, `finetune data`
-  (datacheck, which builds a tokenizer through model) and `finetune vertex-spec` (vertex, which loads the
-  recipe through config to check it).
-- run: what a run does and leaves behind: train, loop, callbacks, events, checkpoint, outputs, prepare,
-  scoring, runs, and the adapter and exports written from it.
-- config: the typed settings. It checks names against presets and templates and takes backend's default batch
-  sizes, so it sits above model and data, and below everything that reads a Config.
-- model: presets, archs and families, building (model, quantized, remat, attention), the objective, and the
-  layouts of weights over devices. distribution is here, not in platform: it lays the model's variables over
-  the mesh with layouts' rules, and only run modules call it.
-- data: records, templates, token ids, packing. model and data import nothing of each other; data is lower
-  because a run reads it first.
-- platform: backend, storage, platforms, quiet, errors, documents: the framework, the files, the machine and the
-  documents read from outside, used by all.
+- front doors (finetune/cli.py, finetune/__init__.py, __main__.py): the command line and the Python API.
+- tools/: the commands that inspect or launch without training: bench and its peer, `finetune data`
+  (datacheck) and `finetune vertex-spec` (vertex).
+- exports/: the formats a finished run's adapter is written in (export, llamacpp); they read a run through
+  training/runs.
+- training/: a run, from its resolved settings to its run directory: resolve, plan (the memory model that
+  resolve and `finetune plan` share), train, loop, callbacks, events, checkpoint, outputs, prepare, scoring,
+  runs, adapter.
+- config (finetune/config.py): the typed settings. It checks names against presets and templates and takes
+  backend's default batch sizes, so it sits above model and data, and below everything that reads a Config.
+- model/: presets, archs and families, the builder (builder, quantized, remat, attention), the objective, and
+  the layouts of weights over devices (layouts, distribution).
+- data/: records (formats), templates, token ids (batching), packing. model and data import nothing of each
+  other; data is lower because a run reads it first.
+- platform/: backend, storage, platforms, quiet, errors, version, documents and keras_compat: the framework,
+  the files, the machine, the documents read from outside and every keras internal we touch, used by all.
 
-An import that goes up is named in UPWARD with its reason, so that it is seen rather than folded into the map.
-
-Tests mirror the package: finetune/X.py has tests/test_X.py, so a change finds its tests by name. A module
-without one is in NO_TEST_FILE with the reason; a test file that is no module's checks the package as a whole
-(most run the CLI or API end to end) and is in END_TO_END.
+Tests mirror the package: finetune/<layer>/X.py has tests/test_X.py, so a change finds its tests by name. A
+module without one is in NO_TEST_FILE with the reason; a test file that is no module's checks the package as
+a whole (most run the CLI or API end to end) and is in END_TO_END.
 """
 
 import ast
@@ -32,24 +31,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 TESTS = Path(__file__).resolve().parent
-MODULES = {p.stem for p in PACKAGE.glob("*.py")}
+FRONT = {"cli", "__init__", "__main__"}
+LAYERS = ["front doors", "tools", "exports", "training", "config", "model", "data", "platform"]  # top to bottom
 
-LAYERS = {  # top to bottom
-    "front doors": {"cli", "__init__", "__main__"},
-    "tools": {"plan", "bench", "peer", "datacheck", "vertex"},
-    "run": {"train", "loop", "callbacks", "events", "checkpoint", "outputs", "prepare", "scoring", "runs", "export",
-            "llamacpp", "adapter"},
-    "config": {"config"},
-    "model": {"model", "presets", "archs", "families", "quantized", "remat", "attention", "objective", "layouts",
-              "distribution"},
-    "data": {"data", "templates", "batching", "packing"},
-    "platform": {"backend", "documents", "keras_compat", "storage", "platforms", "quiet", "errors", "version"},
-}  # fmt: skip
-UPWARD = {
-    # --remat auto asks the plan whether the run fits the device without it (plan.remat_for): the plan's memory
-    # model is a tool's, and the run borrows it. Moving that model below both would remove this.
-    ("train", "plan"),
-}
+
+def layer_of(path: Path) -> str:
+    """The layer of a module file: its folder, or for a file at the top, front doors or config."""
+    relative = path.relative_to(PACKAGE)
+    if len(relative.parts) == 1:
+        return "config" if relative.stem == "config" else "front doors"
+    return relative.parts[0]
+
+
+# Every module, by name: the file's stem, unique across the folders (each has its own test file).
+FILES = {p.stem: p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent == PACKAGE}
+MODULES = set(FILES)
 
 # Modules without a tests/test_<module>.py, each with the reason.
 NO_TEST_FILE = {
@@ -66,16 +62,29 @@ END_TO_END = {  # test files of the whole package rather than one module; most r
 }  # fmt: skip
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
+def imports_of(path: Path) -> set[str]:
+    """The finetune modules `path` imports, by name."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module == "finetune":
-            found |= {alias.name for alias in node.names if alias.name in modules}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "finetune":
+            parts = node.module.split(".")
+            if parts[-1] in MODULES:  # from finetune.training.train import run
+                found.add(parts[-1])
+            else:  # from finetune import config; from finetune.training import train, loop
+                found |= {alias.name for alias in node.names if alias.name in MODULES}
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("finetune.")}
-    return found - {path.stem}
+            found |= {a.name.split(".")[-1] for a in node.names if a.name.startswith("finetune.")}
+    return (found & MODULES) - {path.stem}
+
+
+def test_modules_are_named_once_across_the_folders():
+    stems = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
+
+
+def test_every_folder_is_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {"front doors", "config"}, folders
 
 
 def cycle_from(start: str, graph: dict) -> list[str] | None:
@@ -93,9 +102,9 @@ def cycle_from(start: str, graph: dict) -> list[str] | None:
 
 
 def test_no_module_imports_itself_back():
-    """__init__ is left out: it gathers the public API, and modules read its __version__."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    graph = {name: imports_of(PACKAGE / f"{name}.py", modules) & modules for name in modules}
+    """__init__ is left out: it gathers the public API, and no module imports it."""
+    modules = MODULES - {"__init__"}
+    graph = {name: imports_of(FILES[name]) & modules for name in modules}
     cycles = [c for c in (cycle_from(name, graph) for name in sorted(modules)) if c]
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
 
@@ -110,22 +119,12 @@ def upward_imports(graph: dict, level: dict) -> set[tuple[str, str]]:
     return {(name, imported) for name, found in graph.items() for imported in found if level[imported] < level[name]}
 
 
-def test_every_module_is_in_one_layer():
-    placed = [name for members in LAYERS.values() for name in members]
-    assert len(placed) == len(set(placed)), sorted(name for name in placed if placed.count(name) > 1)
-    assert set(placed) == MODULES, (
-        f"not in LAYERS: {sorted(MODULES - set(placed))}; gone: {sorted(set(placed) - MODULES)}"
-    )
-
-
 def test_no_module_imports_from_a_layer_above_its_own():
-    level = {name: rank for rank, members in enumerate(LAYERS.values()) for name in members}
-    layer = {name: title for title, members in LAYERS.items() for name in members}
-    graph = {name: imports_of(PACKAGE / f"{name}.py", MODULES) & MODULES for name in MODULES}
+    level = {name: LAYERS.index(layer_of(path)) for name, path in FILES.items()}
+    graph = {name: imports_of(path) for name, path in FILES.items()}
     found = upward_imports(graph, level)
-    new = [f"{a} ({layer[a]}) imports {b} ({layer[b]})" for a, b in sorted(found - UPWARD)]
-    assert not new, "; ".join(new)
-    assert not UPWARD - found, f"no longer imported upward, so take them out of UPWARD: {sorted(UPWARD - found)}"
+    upward = [f"{a} ({layer_of(FILES[a])}) imports {b} ({layer_of(FILES[b])})" for a, b in sorted(found)]
+    assert not upward, "; ".join(upward)
 
 
 def test_the_check_finds_an_upward_import():
@@ -145,3 +144,20 @@ def test_every_test_file_is_a_module_s_or_end_to_end():
     strays = sorted(name for name in files - END_TO_END if name.removeprefix("test_") not in MODULES)
     assert not strays, f"name each after the module it tests, or add it to END_TO_END: {strays}"
     assert END_TO_END <= files, sorted(END_TO_END - files)
+
+
+def test_keras_internals_are_imported_in_keras_compat_only():
+    """keras.src and keras_hub.src move between releases: one module touches them, each use with its guard test
+    (tests/test_keras_compat.py)."""
+    found = sorted(
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in FILES.values()
+        if path.stem != "keras_compat"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(
+            name.startswith(("keras.src", "keras_hub.src"))
+            for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+        )
+    )
+    assert not found, found

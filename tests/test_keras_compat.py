@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 
-from finetune import families, keras_compat, presets
+from finetune.model import families, presets
+from finetune.platform import keras_compat
 
 
 def test_the_versions_it_was_written_against_are_named():

@@ -4,8 +4,8 @@ variables; pure Python, on every backend. test_distribution.py applies them on s
 
 import pytest
 
-from finetune import layouts
-from finetune.errors import UserError
+from finetune.model import layouts
+from finetune.platform.errors import UserError
 
 GEMMA_2B = layouts.Dims(256000, 18, 8, 1, 2048, 256, 16384)
 
@@ -92,12 +92,12 @@ def test_newer_families_rules_match_their_variables_and_count_every_weight(prese
     variables, with their shapes and count, and the table's count (archs.parameter_count) is the backbone's."""
     from conftest import float32_policy
 
-    from finetune import archs, families, model, presets
+    from finetune.model import archs, builder, families, presets
 
     family = presets.TINY[preset].family
     config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
     with float32_policy():
         backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(preset), name=preset)
         assert archs.parameter_count(config, family) == backbone.count_params()
-        backbone.enable_lora(2, target_layer_names=model.lora_layer_names(backbone, list(families.TARGETS)))
+        backbone.enable_lora(2, target_layer_names=builder.lora_layer_names(backbone, list(families.TARGETS)))
     _check_rules_against(backbone, config, family)

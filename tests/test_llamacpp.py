@@ -13,7 +13,7 @@ import finetune
 def test_gguf_refuses_what_llama_cpp_would_compute_differently():
     import keras_hub
 
-    from finetune import llamacpp
+    from finetune.exports import llamacpp
 
     shape = dict(vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
                  intermediate_dim=32, head_dim=8)  # fmt: skip

@@ -10,7 +10,7 @@ import time
 import numpy as np
 from conftest import SHORT, invoke, run_with_fault, train, train_losses
 
-from finetune import checkpoint, outputs, runs
+from finetune.training import checkpoint, outputs, runs
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_within_the_bound(tmp_path):

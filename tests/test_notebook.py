@@ -17,7 +17,7 @@ import re
 import pytest
 from conftest import BACKEND, REPO
 
-from finetune import quiet
+from finetune.platform import quiet
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="the notebook runs in the JAX suite only")
 nbformat = pytest.importorskip("nbformat", reason="the notebook test needs pip install 'finetune[dev]'")

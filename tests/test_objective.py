@@ -13,7 +13,8 @@ import pytest
 from conftest import float32_policy, lora_model, packed_rows
 from conftest import lora_train_losses as train_losses
 
-from finetune import batching, model, objective, presets
+from finetune.data import batching
+from finetune.model import builder, objective, presets
 
 
 def lora_values(lm):
@@ -183,7 +184,7 @@ def test_a_batch_cut_to_its_longest_row_scores_as_the_whole_row():
     assert length < 48
     with float32_policy():
         lm, _ = lora_model()
-        trainer = model.compile(lm, 1e-3, 0.0)
+        trainer = builder.compile(lm, 1e-3, 0.0)
         whole = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48)[0])
         cut = trainer.predict_on_batch(batching.inputs(rows, chosen, 1, 48, length)[0])
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-6)

@@ -6,9 +6,9 @@ import yaml
 from conftest import SHORT, invoke, run_with_fault, train
 from typer.testing import CliRunner
 
-from finetune import checkpoint, outputs, runs
 from finetune.cli import app
-from finetune.errors import UserError
+from finetune.platform.errors import UserError
+from finetune.training import checkpoint, outputs, runs
 
 
 def test_check_target(tmp_path, monkeypatch):

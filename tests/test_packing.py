@@ -6,7 +6,7 @@ That a packed example then trains as it would alone is the segment mask's work: 
 import numpy as np
 from conftest import examples_of
 
-from finetune import batching, packing
+from finetune.data import batching, packing
 
 
 def test_best_fit_decreasing_places_every_item_once_within_capacity():

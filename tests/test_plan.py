@@ -12,8 +12,10 @@ import pytest
 from conftest import PUBLISHED, ROUNDED
 from typer.testing import CliRunner
 
-from finetune import archs, config, plan
+from finetune import config
 from finetune.cli import app
+from finetune.model import archs
+from finetune.training import plan
 
 runner = CliRunner()
 GiB = 2**30
@@ -222,7 +224,9 @@ def test_the_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_step(
     import keras_hub
     import numpy as np
 
-    from finetune import backend, batching, model, packing, presets
+    from finetune.data import batching, packing
+    from finetune.model import builder, presets
+    from finetune.platform import backend
 
     sizes = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=256, intermediate_dim=2048,
                  head_dim=64, vocabulary_size=32768)  # fmt: skip
@@ -232,8 +236,8 @@ def test_the_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_step(
         backbone = keras_hub.models.GemmaBackbone(**sizes, dtype="float32")
         backbone.save_to_preset(str(tmp_path / "small"))
         lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        model.enable_lora(lm, 4, None, ["query", "value"])
-        trainer = model.compile(lm, 1e-3, 0.0)
+        builder.enable_lora(lm, 4, None, ["query", "value"])
+        trainer = builder.compile(lm, 1e-3, 0.0)
         pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * 30) for i in range(16)]
         examples, _ = batching.tokenize(pairs, presets.tiny_tokenizer(), 128)
         x, y, w = batching.TrainOrder(packing.pack(examples, 128), 4, seed=0).batch(0)

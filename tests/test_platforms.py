@@ -9,8 +9,10 @@ import pytest
 from conftest import BACKEND
 from typer.testing import CliRunner
 
-from finetune import model, outputs, platforms, presets
 from finetune.cli import app
+from finetune.model import builder, presets
+from finetune.platform import platforms
+from finetune.training import outputs
 
 
 def test_kaggle_credentials_from_env_or_file(tmp_path, monkeypatch):
@@ -65,7 +67,7 @@ def test_a_kaggle_notebook_is_told_by_its_run_type(monkeypatch):
 
 
 def test_a_kaggle_notebook_stops_before_its_12_hours(kaggle_notebook, monkeypatch):
-    from finetune import train
+    from finetune.training import train
 
     assert 11 * 3600 < train._deadline(None) - time.monotonic() < 12 * 3600
     assert train._deadline("off") is None
@@ -146,9 +148,9 @@ def test_kaggle_secrets_become_credentials_only_when_none_are_set(kaggle_secrets
 
 def test_a_run_with_kaggle_secrets_never_shows_or_writes_them(kaggle_secrets, monkeypatch):
     """gemma_2b_en in a notebook: credentials from the secrets; the tiny model stands in for the download."""
-    tiny_build = model.build
+    tiny_build = builder.build
     monkeypatch.setattr(platforms, "reachable", lambda host, port=443, timeout=3.0: True)
-    monkeypatch.setattr(model, "build", lambda source, *args: tiny_build(presets.resolve("tiny"), *args))
+    monkeypatch.setattr(builder, "build", lambda source, *args: tiny_build(presets.resolve("tiny"), *args))
     working = Path(os.environ["FINETUNE_KAGGLE_WORKING"])
     working.mkdir()
     result = CliRunner().invoke(

@@ -3,10 +3,11 @@
 import pytest
 from conftest import make_records
 
-from finetune import prepare, presets
 from finetune.config import Config
-from finetune.data import Record
-from finetune.errors import UserError
+from finetune.data.formats import Record
+from finetune.model import presets
+from finetune.platform.errors import UserError
+from finetune.training import prepare
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from finetune import presets
-from finetune.errors import UserError
+from finetune.model import presets
+from finetune.platform.errors import UserError
 
 
 def test_tiny_and_names_resolve_to_their_family(monkeypatch):

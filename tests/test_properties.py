@@ -23,9 +23,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from finetune import adapter, config, data, distribution, runs  # noqa: E402
+from finetune import config  # noqa: E402
 from finetune.config import DistributionConfig  # noqa: E402
-from finetune.errors import UserError  # noqa: E402
+from finetune.data import formats  # noqa: E402
+from finetune.model import distribution  # noqa: E402
+from finetune.platform.errors import UserError  # noqa: E402
+from finetune.training import adapter, runs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="pure Python: the properties run in the JAX suite only")
 QUICK = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -238,7 +241,7 @@ def test_data_records_are_read_or_refused(records, container):
         text = json.dumps(records) if container == "json" else "".join(json.dumps(r) + "\n" for r in records)
         raw = text.encode("utf-8", "surrogatepass")
         path.write_bytes(gzip.compress(raw) if container.endswith(".gz") else raw)
-        refused_or_read(data.read, str(path))
+        refused_or_read(formats.read, str(path))
 
 
 @settings(max_examples=20, deadline=None)

@@ -9,7 +9,7 @@ import pytest
 from conftest import float32_policy, lora_model
 from conftest import lora_train_losses as train_losses
 
-from finetune import model, presets, quantized
+from finetune.model import builder, presets, quantized
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -96,7 +96,7 @@ def test_xla_keeps_one_dequantized_kernel_at_a_time(mode):
             layer.build((1, 4, 1024))
             layer.quantize(mode)
             quantized.weights_only_layer(layer)
-            assert model.beside_the_kernel(layer)
+            assert builder.beside_the_kernel(layer)
             layers.append(layer)
     variables = [v for layer in layers for v in layer.variables]
 

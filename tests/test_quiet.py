@@ -7,7 +7,7 @@ import sys
 
 from conftest import BACKEND
 
-from finetune import quiet
+from finetune.platform import quiet
 
 NOISE = [
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from finetune import config
 from finetune.cli import app
-from finetune.data import SAMPLE
-from finetune.errors import UserError
+from finetune.data.formats import SAMPLE
+from finetune.platform.errors import UserError
 
 RECIPES_DIR = config.RECIPES_DIR
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))

@@ -8,8 +8,8 @@ import types
 
 from conftest import SHORT, invoke, run_with_fault, runner
 
-from finetune import checkpoint, loop, outputs, runs
 from finetune.cli import app
+from finetune.training import checkpoint, loop, outputs, runs
 
 
 def test_runs_lists_each_state(uninterrupted, tmp_path):

@@ -2,20 +2,23 @@ import keras
 import numpy as np
 from conftest import float32_policy
 
-from finetune import backend, batching, model, presets, scoring
+from finetune.data import batching
+from finetune.model import builder, presets
+from finetune.platform import backend
+from finetune.training import scoring
 
 
 def test_loss_is_averaged_over_response_tokens_only():
     backend.set_seed(0)
     with float32_policy():  # compared with a float64 computation below
-        lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
-    model.enable_lora(lm, 2, None, ["query", "value"])
+        lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
+    builder.enable_lora(lm, 2, None, ["query", "value"])
     pairs = [
         ("Instruction:\nA long prompt about " + "many things " * i + "\n\nResponse:\n", "Short.") for i in range(5)
     ]
     examples, _ = batching.tokenize(pairs, preprocessor.tokenizer, seq_len=48)
     arrays = batching.pad(examples, 48)
-    result = scoring.metrics(model.scorer(lm, 2), batching.Batches(arrays, batch_size=2))  # a ragged last batch
+    result = scoring.metrics(builder.scorer(lm, 2), batching.Batches(arrays, batch_size=2))  # a ragged last batch
 
     out = keras.ops.convert_to_numpy(lm({"token_ids": arrays["token_ids"], "padding_mask": arrays["padding_mask"]}))
     shifted = out - out.max(-1, keepdims=True)
@@ -37,7 +40,7 @@ def test_loss_is_averaged_over_response_tokens_only():
 def test_generate_returns_continuations_without_the_prompt():
     backend.set_seed(0)
     with float32_policy():  # compared with a float64 computation below
-        lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
+        lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
     prompts = ["Instruction:\nSay hi.\n\nResponse:\n", "Instruction:\nCount.\n\nResponse:\n"]
     outputs = scoring.generate(lm, preprocessor, prompts, max_new_tokens=5)
     assert len(outputs) == 2

@@ -17,9 +17,11 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from typer.testing import CliRunner
 
-from finetune import data, outputs, storage
 from finetune.cli import app
-from finetune.errors import UserError
+from finetune.data import formats
+from finetune.platform import storage
+from finetune.platform.errors import UserError
+from finetune.training import outputs
 
 runner = CliRunner()
 SHORT = [
@@ -146,14 +148,14 @@ def test_data_in_a_bucket_is_read_in_every_container(bucket, tmp_path):
         "prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in rows)
     )
     pq.write_table(pa.Table.from_pylist(rows), bucket / "b" / "d.parquet")
-    local = data.read(str(bucket / "b" / "d.jsonl"))
+    local = formats.read(str(bucket / "b" / "d.jsonl"))
     assert local[1] == "completion"
     for name in ("d.jsonl", "d.json", "d.csv", "d.parquet"):
-        assert data.read(f"gs://b/{name}") == local, name
+        assert formats.read(f"gs://b/{name}") == local, name
     with pytest.raises(
         UserError, match="could not read gs://b/none.jsonl: .*; check the path and your GCS credentials"
     ):
-        data.read("gs://b/none.jsonl")
+        formats.read("gs://b/none.jsonl")
     result = invoke("data", "gs://b/d.parquet", "--preset", "tiny", "--seq-len", "32")
     assert result.exit_code == 0, result.output + (result.stderr or "")
     assert "format: completion (prompt, completion), 3 records" in result.output

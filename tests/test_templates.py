@@ -3,9 +3,10 @@ import re
 import pytest
 from conftest import BUILDERS, text
 
-from finetune import batching, data, presets, templates
-from finetune.data import Record
-from finetune.errors import UserError
+from finetune.data import batching, formats, templates
+from finetune.data.formats import Record
+from finetune.model import presets
+from finetune.platform.errors import UserError
 
 PLAIN = Record(instruction="Name a colour.", response="Blue.")
 WITH_CONTEXT = Record(instruction="Summarize.", context="It rained.", response="Rain.")
@@ -56,7 +57,8 @@ def test_gemma4_chat_turns():
 
 def test_gemma4_chat_markers_are_single_special_tokens():
     """Token for token: each turn marker is one id of the family's tokenizer, the text between them its own ids."""
-    from finetune import batching, presets
+    from finetune.data import batching
+    from finetune.model import presets
 
     tokenizer = presets.tiny_tokenizer("tiny-gemma4")
     opening, closing = tokenizer.token_to_id("<|turn>"), tokenizer.token_to_id("<turn|>")
@@ -90,7 +92,7 @@ def test_chat_records_take_the_family_s_own_turns_on_an_instruction_tuned_preset
 
 
 def test_gemma_chat_trains_on_every_assistant_turn_and_nothing_else():
-    record = data.Record(
+    record = formats.Record(
         instruction="",
         response="",
         turns=(("user", "Hi."), ("assistant", "Hello."), ("user", "Bye."), ("assistant", "Bye!")),
@@ -109,21 +111,21 @@ def test_gemma_chat_trains_on_every_assistant_turn_and_nothing_else():
 
 
 def test_chat_records_with_an_instruction_template_are_refused():
-    record = data.Record(instruction="a", response="b", turns=(("user", "a"), ("assistant", "b")))
+    record = formats.Record(instruction="a", response="b", turns=(("user", "a"), ("assistant", "b")))
     with pytest.raises(UserError, match="need --template gemma-chat"):
         templates.get("dolly").segments(record)
 
 
 def test_a_text_records_sample_starts_from_its_opening_words():
-    record = data.Record(instruction="", response=text(5)["text"])
+    record = formats.Record(instruction="", response=text(5)["text"])
     assert templates.get("none").sample_prompt(record) == "The number after"
-    assert templates.get("none").sample_prompt(data.Record(instruction="", response="One")) == "One"
+    assert templates.get("none").sample_prompt(formats.Record(instruction="", response="One")) == "One"
 
 
 def trained_and_not(fmt, i=0):
     """(ids that carry loss, ids that do not) of one record of `fmt`, rendered by the template auto picks."""
     tokenizer = presets.tiny_tokenizer()
-    (record,), _ = data._records([("x", BUILDERS[fmt](i))], "x")
+    (record,), _ = formats._records([("x", BUILDERS[fmt](i))], "x")
     name, _ = templates.for_data("auto", fmt, "gemma-chat", "tiny", "x")
     (example,), _ = batching.tokenize([templates.get(name).segments(record)], tokenizer, seq_len=256)
     trained = [t for t, w in zip(example.token_ids, example.weights) if w]
@@ -135,7 +137,7 @@ def trained_and_not(fmt, i=0):
     "fmt, loss_on, no_loss_on",
     [
         ("dolly", ["0 plus 1 is 1."], ["Instruction:\nWhat is 0 plus 1?\n\nContext:\nNumbers 0 and 1.\n\nResponse:\n"]),
-        ("alpaca", ["1."], [templates.get("alpaca").apply(data.Record("Add 0 and 1.", "1.", "0 + 1"))[0]]),
+        ("alpaca", ["1."], [templates.get("alpaca").apply(formats.Record("Add 0 and 1.", "1.", "0 + 1"))[0]]),
         ("chat", ["1.<end_of_turn>"], ["<start_of_turn>user\nAdd 0 and 1.<end_of_turn>\n<start_of_turn>model\n"]),
         (
             "sharegpt",

@@ -21,8 +21,10 @@ from conftest import (
 )
 from typer.testing import CliRunner
 
-from finetune import backend, model, presets, runs
 from finetune.cli import app
+from finetune.model import builder, presets
+from finetune.platform import backend
+from finetune.training import runs
 
 runner = CliRunner()
 RUN_FILES = {"config.yaml", "adapter.lora.h5", "adapter.json", "metrics.json", "history.csv", "samples.md", "loss.png"}
@@ -137,7 +139,7 @@ def test_overwrite_replaces_a_run(tmp_path):
 
 
 def test_training_from_a_local_preset_directory(tmp_path):
-    lm, preprocessor = model.build(presets.Source("tiny", "tiny", "gemma"), seq_len=64)
+    lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=64)
     lm.preprocessor = preprocessor
     lm.save_to_preset(str(tmp_path / "preset"))
     train(tmp_path / "run", preset=tmp_path / "preset")

@@ -9,8 +9,9 @@ import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
-from finetune import config, vertex
+from finetune import config
 from finetune.cli import app
+from finetune.tools import vertex
 
 runner = CliRunner()
 L4 = ["--machine-type", "g2-standard-8", "--accelerator-type", "NVIDIA_L4"]

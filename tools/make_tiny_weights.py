@@ -25,7 +25,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import make_sample_data  # noqa: E402
 
-from finetune import batching, presets  # noqa: E402
+from finetune.data import batching  # noqa: E402
+from finetune.model import presets  # noqa: E402
 
 
 def main():

@@ -1,0 +1,329 @@
+"""Token ids and response-only weights, laid out in fixed-size batches.
+
+keras-hub's Gemma preprocessor takes whole strings and cannot tell prompt from
+response, so the ids are built here: <bos> prompt response <eos>, weight 0 on
+prompt positions and 1 on response positions (and on <eos>, so the model
+learns to stop). Arrays carry `segment_ids` (1 for the only example of a
+row, 0 for padding); packing.py puts several examples in a row with ids
+1, 2, 3..., and attention.py makes them a per-example mask in the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+
+from finetune.platform.errors import UserError
+
+BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
+# What a batch feeds the model. Gemma 4's backbone also takes position_ids (model.input_names says which).
+INPUTS = ("token_ids", "padding_mask")
+
+
+@dataclass
+class Example:
+    token_ids: list[int]
+    """<bos> prompt response <eos>, at most seq_len + 1 ids (inputs and shifted targets)."""
+    weights: list[float]
+    """Per id: 1.0 where the id is a training target, 0.0 where it is not."""
+
+
+def template_overhead(tokenizer, template) -> int:
+    """Tokens the template's fixed text takes, with empty instruction and response."""
+    from finetune.data.formats import Record
+
+    prompt, response = template.apply(Record(instruction="", response=""))
+    return 2 + len(_ids(tokenizer, prompt + response))  # + <bos> and <eos>
+
+
+def tokenize(items, tokenizer, seq_len: int, train_on_prompt: bool = False):
+    """Texts to Examples; returns (examples, indices of dropped items).
+
+    items: (prompt, response) pairs, or lists of (text, trained) segments (a
+        template's `segments()`: every turn of a chat). Trained segments and the
+        closing <eos> get weight 1, the others 0 (1 with train_on_prompt).
+    An item cut at seq_len with no trained token left (its prompt alone fills
+    the sequence) has nothing to learn from and is dropped.
+    """
+    if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
+        raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
+    items = [[(item[0], False), (item[1], True)] if isinstance(item, tuple) else list(item) for item in items]
+    texts = [text for item in items for text, _ in item]
+    pieces = iter(_leading_ids(tokenizer, texts, seq_len))
+    examples, dropped = [], []
+    for index, item in enumerate(items):
+        ids, weights, trained = [BOS], [0.0], [False]
+        for _, is_trained in item:
+            segment = next(pieces)
+            ids += segment
+            weights += [1.0 if is_trained or train_on_prompt else 0.0] * len(segment)
+            trained += [is_trained] * len(segment)
+        ids, weights, trained = ids + [EOS], weights + [1.0], trained + [True]
+        ids, weights = ids[: seq_len + 1], weights[: seq_len + 1]
+        if not any(trained[: len(ids)]):  # nothing of the response survived the cut
+            dropped.append(index)
+            continue
+        examples.append(Example(ids, weights))
+    return examples, dropped
+
+
+def _leading_ids(tokenizer, texts, seq_len: int):
+    """The ids of each text, as far as seq_len + 1 of them can be kept; very long texts are cut first.
+
+    Tokenizing takes time in the text's length (6.8 s for a 10 MB record with the
+    tiny tokenizer) though at most seq_len + 1 ids are kept. A text is cut to 32
+    characters per kept id, and the cut is used only if it still gives twice the
+    ids kept: SentencePiece pieces are short and the cut changes only the last
+    few, so the kept ids are the whole text's. Texts of long pieces (a run of
+    unknown characters merged into one <unk>) fall back to the whole text.
+    """
+    limit = 32 * (seq_len + 1)
+    ids = _ids(tokenizer, [text[:limit] for text in texts])
+    for index, text in enumerate(texts):
+        if len(text) > limit and len(ids[index]) < 2 * (seq_len + 1):
+            ids[index] = _ids(tokenizer, text)
+    return ids
+
+
+def _ids(tokenizer, texts):
+    out = tokenizer.tokenize(texts)
+    if isinstance(texts, str):
+        return [int(t) for t in np.asarray(out)]
+    return [[int(t) for t in np.asarray(row)] for row in out]
+
+
+def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
+    """One example per row, right-padded: inputs, shifted targets and weights."""
+    n = len(examples)
+    ids = np.zeros((n, seq_len + 1), np.int32)
+    weights = np.zeros((n, seq_len + 1), np.float32)
+    for row, example in enumerate(examples):
+        ids[row, : len(example.token_ids)] = example.token_ids
+        weights[row, : len(example.weights)] = example.weights
+    lengths = np.array([len(e.token_ids) - 1 for e in examples])
+    present = np.arange(seq_len)[None, :] < lengths[:, None]
+    return {
+        "token_ids": ids[:, :-1],
+        "padding_mask": present,
+        "segment_ids": present.astype(np.int32),
+        "labels": ids[:, 1:],
+        "weights": weights[:, 1:],
+    }
+
+
+def check_fits(examples, dropped: list[int], source: str) -> None:
+    if not examples:
+        raise UserError(
+            f"no usable records in {source}: all {len(dropped)} prompts fill the whole sequence; "
+            "raise --seq-len or use shorter records"
+        )
+
+
+def target_width(arrays, rows_per_shard: int) -> int:
+    """Gathered-target slots per row: room for the weighted positions of any `rows_per_shard` rows of `arrays`.
+
+    One width serves every batch, so each step has one shape (one compile): the
+    rows with the most weighted positions set it. A batch with fewer fills the
+    rest with weight-0 slots, which objective.py skips a chunk at a time.
+    """
+    counts = np.sort((np.asarray(arrays["weights"]) > 0).sum(axis=1))[::-1]
+    most = int(counts[:rows_per_shard].sum())
+    return max(8, -(-most // (8 * rows_per_shard)) * 8)
+
+
+def targets(arrays, rows: np.ndarray, shards: int, width: int) -> dict[str, np.ndarray]:
+    """loss_positions, loss_labels and loss_weights of `rows`: each data shard's weighted positions, in front.
+
+    `rows` are split into `shards` equal groups (a data shard each); a group's
+    weighted positions, as row-in-group * seq_len + position, fill its
+    rows * width slots in order, then weight-0 slots pointing at position 0.
+    Indices stay within their shard, so each device gathers from its own rows.
+    """
+    length = arrays["weights"].shape[1]
+    per_shard = len(rows) // shards
+    positions = np.zeros((shards, per_shard * width), np.int32)
+    labels = np.zeros((shards, per_shard * width), np.int32)
+    weights = np.zeros((shards, per_shard * width), np.float32)
+    for shard in range(shards):
+        group = rows[shard * per_shard : (shard + 1) * per_shard]
+        w = arrays["weights"][group]
+        local_row, position = np.nonzero(w > 0)
+        n = len(position)
+        if n > per_shard * width:
+            raise ValueError(f"{n} weighted positions do not fit {per_shard} rows of {width} target slots")
+        positions[shard, :n] = local_row * length + position
+        labels[shard, :n] = arrays["labels"][group][local_row, position]
+        weights[shard, :n] = w[local_row, position]
+    shape = (len(rows), width)
+    return {
+        "loss_positions": positions.reshape(shape),
+        "loss_labels": labels.reshape(shape),
+        "loss_weights": weights.reshape(shape),
+    }
+
+
+def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None = None, names=INPUTS):
+    """(x, y, sample_weight) for a TrainingView or ScoringView: the rows' model inputs and gathered targets.
+
+    length: int. Keep the first `length` positions of each row (batch_length); None keeps them all.
+    names: the model's inputs (model.input_names).
+    """
+    if length is not None and length < arrays["token_ids"].shape[1]:
+        arrays = {key: value[:, :length] for key, value in arrays.items()}
+    gathered = targets(arrays, rows, shards, width)
+    # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
+    x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
+    return x, gathered["loss_labels"], gathered["loss_weights"]
+
+
+def model_inputs(token_ids: np.ndarray, padding_mask: np.ndarray, names=INPUTS) -> dict:
+    """The model's inputs for these rows: ids, the padding mask (or segment ids), and positions if it takes them.
+
+    Positions count from 0 in each example of a row, as they would in a row of
+    its own; rotary embeddings see only their differences in any case.
+    """
+    x = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in names:
+        x["position_ids"] = example_positions(padding_mask)
+    return x
+
+
+def example_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """(rows, length) int32: each position's index within its example (padding counts on from its start)."""
+    segments = np.asarray(segment_ids).astype(np.int32)
+    index = np.broadcast_to(np.arange(segments.shape[1], dtype=np.int32), segments.shape)
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+
+
+def length_step(backend: str, seq_len: int, device: str = "cpu") -> int:
+    """How finely a batch's length is cut to its longest row: each length is a compiled shape.
+
+    XLA compiles a program per shape (JAX everywhere, TensorFlow on an accelerator), so
+    there the lengths are few (eighths of seq_len); TensorFlow on a CPU traces one graph
+    with a dynamic length (objective.TrainingView) and PyTorch runs eagerly, so theirs
+    follow the rows to within 16 positions.
+    """
+    compiled = backend == "jax" or (backend == "tensorflow" and device != "cpu")
+    return max(16, seq_len // 8) if compiled else 16
+
+
+def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:
+    """The positions a batch whose rows hold `lengths` tokens needs: the longest, rounded up to `step`."""
+    longest = int(lengths.max()) if len(lengths) else seq_len
+    return min(seq_len, max(step, -(-longest // step) * step))
+
+
+class TrainOrder:
+    """The training batch of every global step, a pure function of (seed, step).
+
+    Data epoch e trains the rows of permutation(seed + e) in order, batch_size at
+    a time, dropping the ragged tail so every step has one shape (one XLA
+    compile). Since step s always trains the same rows, a run resumed at step s
+    trains exactly the batches an uninterrupted run would, and the tokens
+    counted for a step are those of the batch that step trained.
+    """
+
+    def __init__(
+        self,
+        arrays,
+        batch_size: int,
+        seed: int,
+        part: tuple[int, int, int] = (0, 1, 1),
+        length_step: int | None = None,
+        inputs=INPUTS,
+    ):
+        self.arrays = arrays
+        self.inputs = inputs
+        """The model's input names (model.input_names)."""
+        self.batch_size = batch_size
+        self.seed = seed
+        self.part = part
+        self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
+        self.width = target_width(arrays, batch_size // part[2])
+        self.length_step = length_step
+        """Cut each batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
+        self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
+        self._epoch, self._order = None, None
+
+    def rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            rows = len(self.arrays["token_ids"])
+            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(rows)
+        return self._order[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def batch(self, step: int):
+        """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
+        first, end, _ = self.part
+        rows = self.rows(step)
+        return inputs(self.arrays, local(rows, self.part), end - first, self.width, self.length(rows), self.inputs)
+
+    def length(self, rows: np.ndarray) -> int | None:
+        """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
+        if self.length_step is None:
+            return None
+        return batch_length(self.lengths[rows], self.length_step, self.arrays["token_ids"].shape[1])
+
+    def tokens(self, step: int) -> tuple[int, int]:
+        """Non-padding input tokens and weighted (trained) targets of step `step`'s batch."""
+        rows = self.rows(step)
+        return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())
+
+
+class Batches(keras.utils.PyDataset):
+    """Held-out batches for model.scorer()'s evaluate(): every row once, in order, in batches of one shape.
+
+    The ragged last batch is filled with weight-0 copies of other rows, so XLA
+    compiles once and the weighted averages ignore the copies.
+    """
+
+    def __init__(
+        self,
+        arrays,
+        batch_size: int,
+        part: tuple[int, int, int] = (0, 1, 1),
+        length_step: int | None = None,
+        inputs=INPUTS,
+    ):
+        super().__init__()
+        self.arrays = arrays
+        self.inputs = inputs
+        self.batch_size = batch_size
+        self.rows = len(arrays["token_ids"])
+        self.part = part
+        self.width = target_width(arrays, batch_size // part[2])
+        self.length_step = length_step
+        """As TrainOrder's: held-out rows hold one example each, so most of a row is padding."""
+
+    def __len__(self):
+        return -(-self.rows // self.batch_size)
+
+    def __getitem__(self, index):
+        rows = np.arange(index * self.batch_size, min((index + 1) * self.batch_size, self.rows))
+        short = self.batch_size - len(rows)
+        arrays = self.arrays
+        if short:  # filler rows: copies of earlier ones, their weights zeroed
+            rows = np.concatenate([rows, np.arange(short) % self.rows])
+            arrays = {k: v[rows] for k, v in arrays.items()}
+            arrays["weights"] = arrays["weights"].copy()
+            arrays["weights"][len(rows) - short :] = 0
+            rows = np.arange(self.batch_size)
+        first, end, _ = self.part
+        length = None
+        if self.length_step is not None:
+            lengths = np.count_nonzero(arrays["padding_mask"][rows], axis=1)
+            length = batch_length(lengths, self.length_step, arrays["token_ids"].shape[1])
+        x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length, self.inputs)
+        # A ScoringView has two outputs, each averaged with the same weights.
+        return x, {"loss": labels, "correct": labels}, {"loss": weights, "correct": weights}
+
+
+def local(rows: np.ndarray, part: tuple[int, int, int]) -> np.ndarray:
+    """The rows of data shards first..end-1 of n, for part (first, end, n): what this process feeds."""
+    first, end, n = part
+    share = len(rows) // n
+    return rows[first * share : end * share]

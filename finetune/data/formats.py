@@ -1,0 +1,609 @@
+"""Read, check, filter and split training records. Knows nothing of prompts.
+
+A file holds its records as JSON Lines, one JSON array, CSV (a header row, one
+record per row; .csv, or .tsv with tabs) or Parquet. Its format is told apart
+by the first record's keys (FORMATS):
+
+- dolly: `instruction` and `response` strings, optional `context` and `category`;
+- alpaca: `instruction` and `output`, optional `input` (read as the context);
+- chat: `messages`, a list of `{role, content}` turns (system, user, assistant),
+  ending with the assistant's; a system turn is put before the first user turn;
+- sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
+  read as chat; an optional top-level `system` string is its system turn;
+- completion: `prompt` and `completion` strings, trained on the completion;
+- text: `text`, trained on every token.
+
+Any of these may be compressed, and is read as it is: gzip (.gz), bzip2 (.bz2)
+and xz (.xz) through Python's own modules, Zstandard (.zst) where the
+zstandard package is installed.
+
+null reads as empty and other keys are ignored. Chat and ShareGPT records are
+lists, so they come in JSON or Parquet, not CSV. Sources: a local path, a gs://
+path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
+sample, shipped in finetune/assets/ so that installs outside a checkout find it too.
+"""
+
+from __future__ import annotations
+
+import csv
+import decimal
+import hashlib
+import io
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.platform import documents, platforms
+from finetune.platform.errors import UserError
+
+SAMPLE = "sample"  # the name that stands for SAMPLE_PATH
+SAMPLE_PATH = Path(__file__).resolve().parent.parent / "assets" / "dolly-sample.jsonl"
+TEXT_FIELDS = ("instruction", "context", "response", "category")
+REQUIRED = ("instruction", "response")
+
+
+# Each format's keys, as the messages that name them print them.
+FORMATS = {
+    "dolly": "instruction, response",
+    "alpaca": "instruction, output",
+    "chat": "messages",
+    "sharegpt": "conversations",
+    "completion": "prompt, completion",
+    "text": "text",
+}
+TITLES = {"dolly": "Dolly", "alpaca": "Alpaca", "sharegpt": "ShareGPT", "completion": "prompt/completion"}
+CHAT_FORMATS = ("chat", "sharegpt")  # records of turns, rendered by a chat template
+ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
+# ShareGPT's speakers, as community sets name them.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
+PARQUET_MAGIC = b"PAR1"
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
+# Compressions read as they are: the suffix, and the bytes a file starts with (bzip2's "BZh" could begin text).
+COMPRESSIONS = {"gzip": (".gz", b"\x1f\x8b"), "bzip2": (".bz2", None), "xz": (".xz", b"\xfd7zXZ\x00"),
+                "Zstandard": (".zst", b"\x28\xb5\x2f\xfd")}  # fmt: skip
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class Record:
+    instruction: str
+    response: str
+    context: str = ""
+    category: str = ""
+    turns: tuple = ()
+    """Chat records: ((role, text), ...) alternating user and assistant, ending with the assistant's. For
+    those, instruction is the first user turn and response the last assistant turn."""
+
+
+def detect_format(obj) -> str | None:
+    """The format (a key of FORMATS) one record's keys show, or None."""
+    if not isinstance(obj, dict):
+        return None
+    if "messages" in obj:
+        return "chat"
+    if "conversations" in obj:
+        return "sharegpt"
+    if "instruction" in obj:
+        return "alpaca" if "output" in obj and "response" not in obj else "dolly"
+    if "prompt" in obj and "completion" in obj:
+        return "completion"
+    if "text" in obj:
+        return "text"
+    return None
+
+
+def _first_format(obj, where: str) -> str:
+    found = detect_format(obj)
+    if found is not None:
+        return found
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object (a record), got {documents.kind_of(obj)}")
+    under = _records_key(obj)
+    if under is not None:
+        raise UserError(
+            f"{where}: the records are in a list under {under!r}; give them as JSON Lines, one object per line, "
+            "or as a JSON array"
+        )
+    keys = ", ".join(repr(k) for k in list(obj)[:6]) or "no keys"
+    read = "; ".join(f"{name} ({keys_})" for name, keys_ in FORMATS.items())
+    raise UserError(f"{where}: a record with {keys} is in no format finetune reads.\nIt reads: {read}")
+
+
+def _records_key(obj: dict) -> str | None:
+    """The key of an object that holds the records in a list ({"data": [...]}, as some exports write), or None."""
+    for key, value in obj.items():
+        if isinstance(value, list) and value and detect_format(value[0]) is not None:
+            return key
+    return None
+
+
+def load_records(source: str) -> list[Record]:
+    """All records of `source`, checked; raises UserError naming the line at fault."""
+    return read(source)[0]
+
+
+def read(source: str) -> tuple[list[Record], str]:
+    """(records, format) of `source`: the format is detected from its first record."""
+    if not source.strip():
+        raise UserError("the data path is empty; give a data file (JSONL, JSON, CSV or Parquet), hf:NAME or sample")
+    if source == SAMPLE:
+        source = str(SAMPLE_PATH)
+    if source.startswith("hf:"):
+        return _from_hugging_face(source[3:])
+    raw, name = _decompressed(_read_bytes(source), source)
+    if raw.startswith(PARQUET_MAGIC):
+        return _records(_parquet_rows(raw, source), source)
+    if name.endswith(".parquet"):
+        raise UserError(f"{source} is not a Parquet file (it does not start with PAR1); check how it was written")
+    text = _text(raw, source)
+    if name.endswith((".csv", ".tsv")):
+        return _records(_csv_rows(text, source, "\t" if name.endswith(".tsv") else ","), source, "CSV")
+    if text.lstrip().startswith("["):
+        return _records(_array_items(text, source), source)
+    return _records(_json_lines(text, source), source)
+
+
+def _decompressed(raw: bytes, source: str) -> tuple[bytes, str]:
+    """(the file's bytes, decompressed when it is compressed; its name in lower case, without the compression's
+    suffix, which tells its format: x.csv.gz is CSV).
+
+    gzip, bzip2 and xz come with Python; Zstandard where the zstandard package is installed. A compressed file is
+    known by its suffix, or by the bytes it starts with where no text starts so.
+    """
+    name = source.lower()
+    kind = next((k for k, (suffix, _) in COMPRESSIONS.items() if name.endswith(suffix)), None)
+    if kind is None:
+        kind = next((k for k, (_, magic) in COMPRESSIONS.items() if magic and raw.startswith(magic)), None)
+    if raw.startswith(ZIP_MAGIC):
+        raise UserError(f"{source} is a zip archive; extract the data file from it, or compress it with gzip")
+    if kind is None:
+        return raw, name
+    name = name.removesuffix(COMPRESSIONS[kind][0])
+    try:
+        return _decompress(kind, raw, source), name
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each codec raises its own (OSError, EOFError, zlib.error, LZMAError)
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"{source} is not a whole {kind} file ({first}); check how it was compressed") from None
+
+
+def _decompress(kind: str, raw: bytes, source: str) -> bytes:
+    if kind == "gzip":
+        import gzip
+
+        return gzip.decompress(raw)
+    if kind == "bzip2":
+        import bz2
+
+        return bz2.decompress(raw)
+    if kind == "xz":
+        import lzma
+
+        return lzma.decompress(raw)
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{source} is Zstandard-compressed, which needs the zstandard package: pip install zstandard, "
+            "or decompress it first (zstd -d) or compress it with gzip"
+        ) from None
+    return zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+
+
+def _text(raw: bytes, source: str) -> str:
+    try:
+        # utf-8-sig: a byte-order mark from Windows editors is valid input.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{source}:{line} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); re-save the file as UTF-8"
+        ) from None
+    if not text.strip():
+        raise UserError(f"{source} is empty; it needs records: JSON Lines, a JSON array, CSV rows or Parquet")
+    return text
+
+
+def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]:
+    """Records from (where, object) pairs, all in the format of the first."""
+    records, fmt = [], None
+    for where, obj in rows:
+        if fmt is None:
+            fmt = _first_format(obj, where)
+            if container and fmt in CHAT_FORMATS:
+                raise UserError(
+                    f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
+                    "give them as JSON Lines, a JSON array or Parquet"
+                )
+        records.append(_record(obj, where, fmt))
+    if fmt is None:
+        raise UserError(f"{source} holds no records; it needs one record per line or row")
+    return records, fmt
+
+
+def _json_lines(text: str, source: str):
+    # JSON Lines ends lines at \n only: str.splitlines() would also split inside a
+    # record at U+2028, U+2029 or U+0085, which JSON strings may hold raw. CRLF files
+    # read the same as LF ones.
+    first = True
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            where = f"{source}:{number}"
+            try:
+                obj = _json(line, where, "each line must be one JSON object")
+            except UserError:
+                if first:
+                    _refuse_one_object(text, source)
+                raise
+            first = False
+            yield where, obj
+
+
+def _refuse_one_object(text: str, source: str) -> None:
+    """A file that is one JSON object over many lines (pretty-printed, or records under a key such as `data`)
+    is told apart from broken JSON Lines."""
+    try:
+        obj = json.loads(text, parse_int=_whole_number)
+    except (ValueError, RecursionError):
+        return
+    if not isinstance(obj, dict):
+        return
+    under = _records_key(obj)
+    held = f"records under {under!r}" if under is not None else "a single object"
+    raise UserError(
+        f"{source} is one JSON object over many lines ({held}); give the records as JSON Lines, one object per "
+        "line, or as a JSON array"
+    )
+
+
+def _array_items(text: str, source: str):
+    items = _json(text, source, "a file starting with [ must be one JSON array", whole_file=True)
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{source}: the JSON array is empty; it needs records, such as instruction and response")
+    for i, obj in enumerate(items, start=1):
+        yield f"{source} item {i}", obj
+
+
+def _csv_rows(text: str, source: str, delimiter: str):
+    """Each row of a CSV file with a header, as a dict; empty cells read as empty text.
+
+    Strict: a quote left open would otherwise swallow the rest of the file into one cell without a word.
+    """
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # a cell may hold a whole document; the default stops at 128 KiB
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+        try:
+            reader.fieldnames = _header(reader.fieldnames or [], source, delimiter)
+        except csv.Error as e:
+            raise UserError(f"{source}:1: not valid CSV ({e}); check the quotes of the header row") from None
+        start = 2  # the line the next row starts on
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                raise UserError(f"{source}:{start}: not valid CSV ({e}); check the quotes from this line") from None
+            where = f"{source}:{start}"
+            if None in row:
+                raise UserError(f"{where}: this row has more cells than the header has names")
+            yield where, {k: v for k, v in row.items() if v is not None}
+            start = reader.line_num + 1
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _header(names: list, source: str, delimiter: str) -> list:
+    """A CSV header's names without the spaces around them ("instruction, response" as typed by hand); a name
+    given twice is refused, as its second column would silently replace the first."""
+    names = [name.strip() for name in names]
+    if len(names) == 1 and any(mark in names[0] for mark in ",;\t|".replace(delimiter, "")):
+        raise UserError(
+            f"{source}:1: the header is one column, {names[0][:60]!r}; a .csv is read with commas between cells "
+            "and a .tsv with tabs: re-save it so"
+        )
+    repeated = sorted({name for name in names if name and names.count(name) > 1})
+    if repeated:
+        raise UserError(
+            f"{source}:1: the header names {', '.join(map(repr, repeated))} more than once; give each column its own name"
+        )
+    return names
+
+
+def _parquet_rows(raw: bytes, source: str):
+    """Each row of a Parquet file, as a dict (pyarrow comes with `datasets`)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{source} is Parquet, which needs pyarrow: pip install pyarrow") from None
+    try:
+        rows = _binary_as_text(pq.read_table(pa.BufferReader(raw))).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types, and MemoryError on bad sizes
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise UserError(f"{source}: cannot read this Parquet file ({first})") from None
+    for i, obj in enumerate(rows, start=1):
+        yield f"{source} row {i}", obj
+
+
+def _binary_as_text(table):
+    """Parquet from older Spark and Hive keeps strings as plain binary: a binary column that is UTF-8 reads as
+    text; one that is not stays binary, which a text field refuses by its row."""
+    import pyarrow as pa
+
+    for index, column in enumerate(table.schema):
+        if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            text = pa.large_string() if pa.types.is_large_binary(column.type) else pa.string()
+            try:
+                table = table.set_column(index, column.name, table.column(index).cast(text))
+            except pa.ArrowInvalid:
+                pass
+    return table
+
+
+def _whole_number(digits: str):
+    """JSON integers of any length: past Python's 4300-digit limit for int() they are read as Decimal, which has
+    none (an ignored key may hold one; a text field refuses it as it refuses any number)."""
+    try:
+        return int(digits)
+    except ValueError:
+        return decimal.Decimal(digits)
+
+
+def _json(text: str, where: str, shape: str, whole_file: bool = False):
+    """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
+    it raises is a UserError naming `where`, file:line (whole_file: `text` is all of the file `where` names,
+    and the line is found in it)."""
+    try:
+        return json.loads(text, parse_int=_whole_number)
+    except json.JSONDecodeError as e:
+        where = f"{where}:{e.lineno}" if whole_file else where
+        raise UserError(f"{where}: not valid JSON ({e.msg}); {shape}") from None
+    except RecursionError:
+        where = f"{where}:{_deepest_line(text)}" if whole_file else where
+        raise UserError(f"{where}: JSON nested too deeply to read (thousands of levels); flatten that record") from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise UserError(f"{where}: cannot read this JSON ({str(e).splitlines()[0][:120]}); {shape}") from None
+
+
+# A JSON string (whose brackets are text) or a bracket.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def _deepest_line(text: str) -> int:
+    """The line where `text`'s JSON is nested deepest: in the record too deep for Python's parser to read."""
+    depth = deepest = at = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        bracket = match.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, at = depth, match.start()
+        elif bracket in "]}":
+            depth -= 1
+    return text.count("\n", 0, at) + 1
+
+
+def _read_bytes(source: str) -> bytes:
+    if source.startswith("gs://"):
+        return _read_cloud(source)
+    path = Path(source).expanduser()  # a quoted ~, or one from the Python API, is the home folder too
+    if not path.exists():
+        raise UserError(
+            f"data file {source} does not exist; give the path of a data file (JSONL, JSON, CSV or Parquet)"
+        )
+    if path.is_dir():
+        try:
+            found = sorted(p.name for p in path.iterdir() if _is_data_name(p.name) and p.is_file())
+        except OSError:  # a folder we may not list
+            found = []
+        such = f", such as {path / found[0]}" if found else " (JSONL, JSON, CSV or Parquet)"
+        raise UserError(f"data path {source} is a folder; give the path of one data file{such}")
+    if not path.is_file():
+        raise UserError(f"data path {source} is not a file; give the path of a data file (JSONL, JSON, CSV or Parquet)")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read data file {source} ({e.strerror or e}); check its permissions") from None
+
+
+def _is_data_name(name: str) -> bool:
+    """Whether a file name is a data file's: x.jsonl, x.csv.gz, ..."""
+    name = name.lower()
+    for suffix, _ in COMPRESSIONS.values():
+        name = name.removesuffix(suffix)
+    return name.endswith(DATA_SUFFIXES)
+
+
+def _read_cloud(source: str) -> bytes:
+    """gs:// through storage's fsspec file system (gcsfs, the gcs extra), as run directories go there; without
+    gcsfs, through tf.io.gfile (TensorFlow comes with keras-hub)."""
+    from finetune.platform import storage
+
+    try:
+        fs, path = storage.filesystem(source)
+    except UserError:
+        return _read_with_gfile(source)
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read()
+    except Exception as e:  # noqa: BLE001 - each file system raises its own errors
+        raise UserError(f"could not read {source}: {_first_line(e)}; check the path and your GCS credentials") from None
+
+
+def _read_with_gfile(source: str) -> bytes:
+    from finetune.platform import storage
+
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise UserError(f"reading {source} needs gcsfs: {storage.GCS_EXTRA}") from None
+    try:
+        with tf.io.gfile.GFile(source, "rb") as f:
+            return f.read()
+    except Exception as e:  # noqa: BLE001 - gfile raises framework-specific errors
+        raise UserError(f"could not read {source}: {_first_line(e)}; check the path and your GCS credentials") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
+
+
+def _from_hugging_face(name: str) -> tuple[list[Record], str]:
+    if not name.strip():
+        raise UserError(
+            "hf: names no dataset; give its name on the Hugging Face Hub, e.g. hf:databricks/databricks-dolly-15k"
+        )
+    platforms.use_hugging_face_cache_only_when_offline()
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("hf: data needs the `datasets` package: pip install datasets") from None
+    try:
+        rows = datasets.load_dataset(name, split="train")
+    except Exception as e:  # noqa: BLE001 - hub and network errors come in many types
+        raise UserError(
+            f"could not load Hugging Face dataset {name!r} ({type(e).__name__}); without network, "
+            "export it to JSONL elsewhere and pass --data FILE.jsonl"
+        ) from e
+    return _records(((f"hf:{name} row {i}", dict(row)) for i, row in enumerate(rows)), f"hf:{name}")
+
+
+def _record(obj, where: str, fmt: str = "dolly") -> Record:
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {documents.kind_of(obj)}")
+    for name in FORMATS[fmt].split(", "):
+        if name not in obj:
+            raise UserError(
+                f"{where}: record has no {name!r} field; this file is in {TITLES.get(fmt, fmt)} format "
+                f"({FORMATS[fmt]}), "
+                "as its first record is"
+            )
+    if fmt == "chat":
+        return _chat_record(obj["messages"], where, "messages", ("role", "content"), ROLES)
+    if fmt == "sharegpt":
+        system = _field(obj, "system", where, required=False)
+        return _chat_record(obj["conversations"], where, "conversations", ("from", "value"), SHAREGPT_ROLES, system)
+    if fmt == "completion":
+        if isinstance(obj["prompt"], list) or isinstance(obj["completion"], list):
+            raise UserError(
+                f"{where}: prompt and completion as lists of turns are not read; give the conversation as "
+                "`messages` (chat format), whose assistant turns are trained"
+            )
+        prompt = _field(obj, "prompt", where, required=False)
+        return Record(instruction=prompt, response=_field(obj, "completion", where))
+    if fmt == "text":
+        return Record(instruction="", response=_field(obj, "text", where))
+    if fmt == "alpaca":
+        obj = {"instruction": obj["instruction"], "context": obj.get("input"), "response": obj["output"]}
+    fields = {name: _field(obj, name, where, required=name in REQUIRED) for name in TEXT_FIELDS}
+    return Record(**fields)
+
+
+def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
+    """obj[name] as text: null or missing reads as empty where not required; a required one must hold text."""
+    value = obj.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {name!r} must be a string, got {documents.kind_of(value)}")
+    _check_text(value, where, f"field {name!r}")
+    if required and not value.strip():
+        raise UserError(f"{where}: field {name!r} is empty; remove the record or fill it in")
+    return value
+
+
+def _check_text(value: str, where: str, what: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON allows an escaped lone surrogate such as "\ud800"; it is not text, and the tokenizer fails on it.
+        raise UserError(
+            f"{where}: {what} holds a lone surrogate escape (\\ud800-\\udfff), which is not text; "
+            "fix or remove the record"
+        ) from None
+
+
+def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, system: str = "") -> Record:
+    """Turns alternating user and assistant, ending with the assistant's: a chat record's `messages`
+    ({role, content}) or a ShareGPT record's `conversations` ({from, value})."""
+    role_key, text_key = names
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: `{key}` must be a non-empty list of {{{role_key}, {text_key}}} turns")
+    turns = []
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or not isinstance(message.get(text_key), str):
+            raise UserError(
+                f"{where}: message {number} must be an object with a `{role_key}` and a string `{text_key}`"
+            )
+        role, content = message.get(role_key), message[text_key]
+        if role == "system" and number == 1:
+            system = content
+            continue
+        if not isinstance(role, str) or role not in roles:  # a list or an object is no role, and not hashable
+            speakers = ", ".join(roles)
+            raise UserError(f"{where}: message {number} has {role_key} {role!r}; use system (first only), {speakers}")
+        expected = "user" if len(turns) % 2 == 0 else "assistant"
+        if roles[role] != expected:
+            raise UserError(f"{where}: message {number} should be the {expected}'s: turns must alternate, user first")
+        if not content.strip():
+            raise UserError(f"{where}: message {number} is empty; remove the record or fill it in")
+        _check_text(content, where, f"message {number}")
+        turns.append((expected, content))
+    if not turns or turns[-1][0] != "assistant":
+        raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
+    if system:
+        _check_text(system, where, "the system turn")
+        turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
+    return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
+
+
+def filter_records(records, *, drop_context=False, categories=(), max_records=None, source="", fix=None):
+    """Apply the data filters; an empty result is a user error, ending with `fix` (by default: the flags to relax)."""
+    kept = [r for r in records if not (drop_context and r.context.strip())]
+    if categories:
+        wanted = set(categories)
+        kept = [r for r in kept if r.category in wanted]
+    if max_records is not None:
+        kept = kept[:max_records]
+    if not kept:
+        applied = []
+        if drop_context:
+            applied.append("drop_context")
+        if categories:
+            applied.append(f"categories={list(categories)}")
+        fix = fix or "relax --category / --drop-context or use another file"
+        raise UserError(
+            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); {fix}"
+        )
+    return kept
+
+
+def fingerprint(records) -> str:
+    """sha256 of the records' text: a resume refuses data that changed since its checkpoint."""
+    digest = hashlib.sha256()
+    for r in records:
+        fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
+        digest.update(json.dumps(fields).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def split(records, eval_fraction: float, seed: int, min_eval: int = 1):
+    """Shuffle with `seed`, hold out `eval_fraction` (at least `min_eval`); returns (train, eval)."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(min_eval, round(len(records) * eval_fraction))
+    if len(records) - n_eval < 1:
+        raise UserError(
+            f"{len(records)} records are too few to hold out {n_eval} for evaluation and train on the rest; "
+            "add records or lower --eval-fraction / --batch-size"
+        )
+    held = set(order[:n_eval])
+    train = [r for i, r in enumerate(records) if i not in held]
+    evaluation = [r for i, r in enumerate(records) if i in held]
+    return train, evaluation

@@ -1,0 +1,221 @@
+"""Instruction templates: a record in, (prompt, response) text out.
+
+The prompt is what the model is given; the response is what it learns to
+write, so the loss is taken on response tokens only. Each template is a small
+class with an `apply()` method and pure string logic, easy to test.
+`segments()` gives the same text as (text, trained) pieces: one prompt and one
+response for an instruction, and every turn for a multi-turn chat, whose
+assistant turns are all trained on.
+
+`none` is no template: a completion record's prompt and completion as they
+are written, and a text record's text, all of it trained on.
+
+Each Gemma family's instruction-tuned presets speak one turn format:
+gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers).
+for_data() picks the template for the data's format, and refuses one that
+cannot render it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from finetune.data.formats import CHAT_FORMATS, Record
+from finetune.platform.errors import UserError
+
+
+class Template:
+    name = ""
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def segments(self, record: Record) -> list[tuple[str, bool]]:
+        if record.turns:
+            raise UserError(f"chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}")
+        prompt, response = self.apply(record)
+        return [(prompt, False), (response, True)]
+
+    def sample_prompt(self, record: Record) -> str:
+        """What a sample generation before and after training is given for `record`."""
+        return self.apply(record)[0]
+
+
+class Dolly(Template):
+    """The Keras Gemma tutorial's template, with the context in its own block when present."""
+
+    name = "dolly"
+    stop_tokens = ("<eos>",)
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        prompt = f"Instruction:\n{record.instruction}\n\n"
+        if record.context:
+            prompt += f"Context:\n{record.context}\n\n"
+        return prompt + "Response:\n", record.response
+
+
+class Alpaca(Template):
+    """The Stanford Alpaca template; the context goes in its Input block."""
+
+    name = "alpaca"
+    stop_tokens = ("<eos>",)
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        if record.context:
+            prompt = (
+                "Below is an instruction that describes a task, paired with an input that provides "
+                "further context. Write a response that appropriately completes the request.\n\n"
+                f"### Instruction:\n{record.instruction}\n\n### Input:\n{record.context}\n\n"
+            )
+        else:
+            prompt = (
+                "Below is an instruction that describes a task. "
+                "Write a response that appropriately completes the request.\n\n"
+                f"### Instruction:\n{record.instruction}\n\n"
+            )
+        return prompt + "### Response:\n", record.response
+
+
+class GemmaChat(Template):
+    """Gemma's instruction-tuned turn format; the model's turn ends with <end_of_turn>.
+
+    A chat record renders every turn; each assistant turn is trained on, each
+    user turn (and the turn markers) is not.
+    """
+
+    name = "gemma-chat"
+    stop_tokens = ("<eos>", "<end_of_turn>")
+
+    # A user turn opens and ends with these, then the model's turn opens; the model's turn ends with END.
+    USER, END, MODEL = "<start_of_turn>user\n", "<end_of_turn>", "<start_of_turn>model\n"
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        pieces = self.segments(record)
+        return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
+
+    def segments(self, record: Record) -> list[tuple[str, bool]]:
+        """The record's text in pieces, each with whether it carries loss (the model's turns do)."""
+        turns = record.turns
+        if not turns:
+            user = record.instruction
+            if record.context:
+                user += f"\n\n{record.context}"
+            turns = (("user", user), ("assistant", record.response))
+        pieces = []
+        for index, (role, text) in enumerate(turns):
+            if role == "user":
+                opening = "\n" if index else ""  # after the previous model turn's END
+                pieces.append((f"{opening}{self.USER}{text}{self.END}\n{self.MODEL}", False))
+            else:
+                pieces.append((text + self.END, True))
+        return pieces
+
+
+class Gemma4Chat(GemmaChat):
+    """Gemma 4's turn format: <|turn>user ... <turn|> then <|turn>model ...; the model's turn ends with <turn|>.
+
+    keras-hub's Gemma4CausalLM stops generating at <turn|> too. The 26b_a4b and
+    31b chat templates open a model turn for generation with an empty thought
+    channel when thinking is off; in a conversation's history (what training
+    sees) a model turn is rendered as here, with no channel.
+    """
+
+    name = "gemma4-chat"
+    stop_tokens = ("<eos>", "<turn|>")
+
+    USER, END, MODEL = "<|turn>user\n", "<turn|>", "<|turn>model\n"
+
+
+class NoTemplate(Template):
+    """No template: the prompt as written, then the completion, trained on; a text record is all completion.
+
+    TRL's prompt-completion format without a chat template: nothing is added
+    between the two, so the data's own spacing is what the model sees.
+    """
+
+    name = "none"
+    stop_tokens = ("<eos>",)
+
+    def apply(self, record: Record) -> tuple[str, str]:
+        return record.instruction, record.response
+
+    def sample_prompt(self, record: Record) -> str:
+        """A text record's sample continues its opening words (a quarter of them, at most 16); an empty
+        prompt would give every sample the same greedy text."""
+        if record.instruction:
+            return record.instruction
+        words = re.findall(r"\S+\s*", record.response)
+        return "".join(words[: max(1, min(16, len(words) // 4))]).rstrip()
+
+
+TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat(), NoTemplate())}
+CHAT = ("gemma-chat", "gemma4-chat")
+# The template --template auto gives each format that is not chat.
+OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none"}
+
+
+def get(name: str):
+    return TEMPLATES[name]
+
+
+def for_data(
+    name: str, found: str, family_chat: str, preset: str, path: str, trained: bool = False
+) -> tuple[str, str | None]:
+    """(the template a run uses, a note when it was chosen for the user), for data of format `found`.
+
+    auto follows the data: its own template, or for chat and ShareGPT records
+    the family's chat turns. A named template must render the data: chat
+    records need a chat template (another family's turns are refused on an
+    instruction-tuned preset), text records only go without one, and `none`
+    has no place for an instruction's parts.
+
+    trained: bool. `name` is a trained run's template (`finetune eval --data`): it is not the user's to change,
+        so data it cannot render is refused as data of another format.
+    """
+    if trained:
+        if not renders(name, found):
+            raise UserError(
+                f"{path} holds {found} records, which this run's template, {name}, cannot render; evaluate it on "
+                "records of the format it was trained on"
+            )
+        return name, None
+    if name == "auto":  # the data's own format; the run records what it became
+        chosen = family_chat if found in CHAT_FORMATS else OWN[found]
+        return chosen, f"template: {chosen}, for {found} records (--template names another)"
+    if found == "text" and name != "none":
+        raise UserError(f"{path} holds text records, with no prompt for the {name} template; use --template none")
+    if name == "none" and found in ("dolly", "alpaca"):
+        raise UserError(
+            f"{path} holds {found} records, whose instruction and context need a template; "
+            f"use --template {found} (or auto)"
+        )
+    if found not in CHAT_FORMATS:
+        return name, None
+    instruct = is_instruct(preset)
+    if name in CHAT:
+        if instruct and name != family_chat:
+            raise UserError(
+                f"{preset} was instruction-tuned in the {family_chat} turn format; train its chat records with "
+                f"--template {family_chat}"
+            )
+        return name, None
+    if instruct:
+        return family_chat, f"note: chat records on the instruction-tuned {preset}: --template {family_chat}, its turns"
+    raise UserError(f"{path} holds {found} records (turns); train them with --template {family_chat} (or auto)")
+
+
+def renders(name: str, found: str) -> bool:
+    """Whether template `name` renders records of format `found` as training would (for_data's rules)."""
+    if found in CHAT_FORMATS:
+        return name in CHAT
+    if found == "text":
+        return name == "none"
+    return not (name == "none" and found in ("dolly", "alpaca"))
+
+
+def is_instruct(preset: str) -> bool:
+    """A keras-hub preset name (or kaggle:// handle) of an instruction-tuned model: gemma_instruct_2b_en,
+    gemma4_instruct_4b, gemma3n_e4b_it."""
+    parts = preset.removeprefix("kaggle://").rstrip("/").split("/")
+    name = parts[3] if preset.startswith("kaggle://") and len(parts) > 3 else parts[-1]
+    return "_instruct_" in name or name.endswith("_it")

@@ -1,0 +1,582 @@
+"""finetune export: a finished run's adapter in a form another library loads.
+
+- lora: adapter.lora.h5 and adapter.json, checked; keras-hub loads them onto the preset.
+- merged: the base weights with the LoRA update added, saved with save_to_preset;
+  keras_hub.models.CausalLM.from_preset loads it, with no finetune installed.
+- hf: the merged model in transformers' format, with its tokenizer (or the base alone, `base`).
+- peft: adapter_model.safetensors and adapter_config.json for PEFT on the transformers model.
+- gguf: the merged model as model.gguf for llama.cpp and Ollama, with a Modelfile (llamacpp.py).
+
+Every check runs before anything is written, and the files are written into a
+hidden staging directory that is renamed into place at the end: a refused or
+failed export leaves nothing behind. Each export lists what it wrote in
+MARKER, and --overwrite replaces only such a directory, holding nothing else:
+never a folder of the user's (`--output .` in their project), nor a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from finetune.exports import llamacpp
+from finetune.platform import keras_compat, storage
+from finetune.platform.errors import UserError
+
+FORMATS = ("lora", "merged", "hf", "peft", "gguf")
+MARKER = "finetune-export.json"
+"""Written into every export: its format, the run, and the names it holds; what --overwrite may replace."""
+# keras-hub's Gemma layer names -> transformers' module names (Gemma 3n's keras-hub layers have them already).
+HF_MODULES = {
+    "query": "self_attn.q_proj",
+    "key": "self_attn.k_proj",
+    "value": "self_attn.v_proj",
+    "attention_output": "self_attn.o_proj",
+    "ffw_gating": "mlp.gate_proj",
+    "ffw_gating_2": "mlp.up_proj",
+    "ffw_linear": "mlp.down_proj",
+    **{name: f"self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{name: f"mlp.{name}" for name in ("gate_proj", "up_proj", "down_proj")},
+}
+PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
+
+
+def export(
+    run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype: str | None = None
+) -> Path:
+    """Write a finished run's adapter as `format` into the directory `output`; returns its path.
+
+    format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a
+        keras-hub preset with the update merged in), hf (transformers'
+        format, merged), peft (a PEFT adapter for the transformers model) or
+        gguf (the merged model as model.gguf for llama.cpp and Ollama).
+    overwrite: bool. Replace what `output` holds; without it a non-empty
+        `output` is refused.
+    base: bool. With format hf: the run's base model alone, for the peft adapter.
+    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
+        run's.
+    Every check runs first: a refused export raises UserError and writes nothing.
+    """
+    from finetune.training import runs
+
+    target = check_request(format, output, overwrite, base, dtype)
+    run = runs.open_on(run_dir, backend)
+    return export_run(run, format, target, base, dtype)
+
+
+def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dtype: str | None = None) -> Path:
+    """The output directory, once the request makes sense and OUT may be written; pure Python."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if base and fmt != "hf":
+        raise UserError("--base writes the base model in transformers format: use it with --format hf")
+    if dtype is not None and fmt != "gguf":
+        raise UserError("--dtype chooses the GGUF file's weight type: use it with --format gguf")
+    if dtype is not None and dtype not in llamacpp.DTYPES:
+        raise UserError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(llamacpp.DTYPES)}")
+    if output is None or not str(output).strip():
+        raise UserError("--output is empty (an unset shell variable?); pass the directory to export to")
+    if "://" in str(output):  # Path("gs://b/x") would be a local folder named gs:
+        raise UserError(
+            f"export writes to a local directory, not {output}; export to one, then copy it "
+            "(gcloud storage cp -r DIR gs://...)"
+        )
+    # publish() writes .NAME.partial-PID and .NAME.old-PID beside it (a pid has at most 7 digits).
+    storage.check_output(str(output), "--output", directory=True, beside=len("..partial-4194304"), inside=64)
+    target = Path(output)
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise UserError(f"output {target} already holds files; pass --overwrite to replace them or choose another")
+        refuse_foreign(target)
+    if fmt in ("hf", "peft"):
+        _require("safetensors", "the hf and peft formats")
+    if fmt == "gguf":
+        _require("gguf", "the gguf format", extra="gguf")
+    return target
+
+
+def refuse_foreign(target: Path) -> None:
+    """--overwrite swaps the whole directory: only an earlier export holding nothing but its own files may go."""
+    present = sorted(entry.name for entry in target.iterdir())
+    try:
+        written = json.loads((target / MARKER).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    if not isinstance(written, list):
+        shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+        raise UserError(
+            f"output {target} is not a finetune export and holds files ({shown}); choose a new or empty --output "
+            "(--overwrite replaces only an earlier export)"
+        )
+    added = [name for name in present if name not in written]
+    if added:
+        raise UserError(
+            f"output {target} is an earlier export, but {', '.join(added[:3])} in it is not the export's own; "
+            "move it out or choose another --output"
+        )
+
+
+def _require(package: str, what: str, extra: str = "hf") -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"{what} need the {package} package: pip install 'finetune[{extra}]'")
+
+
+def export_run(run, fmt: str, target: Path, base: bool = False, dtype: str | None = None) -> Path:
+    """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
+    import keras
+
+    before = keras.config.dtype_policy()
+    try:
+        return _export_run(run, fmt, target, base, dtype)
+    finally:
+        keras.config.set_dtype_policy(before)  # a notebook's next model is built as it would have been
+
+
+def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> Path:
+    import keras
+
+    from finetune.model import builder, presets
+    from finetune.platform import backend
+    from finetune.training import outputs, runs
+
+    cfg = run.config
+    if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
+        raise UserError(
+            f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
+            "model it trained;\nexport it with --format peft or lora instead"
+        )
+    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
+    source = presets.resolve(cfg.model.preset)
+    if fmt in ("lora", "peft"):
+        lm, preprocessor = builder.build(source, cfg.model.seq_len, precision, cfg.model.quantize)  # the trained base
+    else:
+        # merged keeps the base weights' dtype (keras-hub's from_preset cannot read a mixed policy back);
+        # hf and gguf are float32, cast on writing (transformers when a user loads it, gguf to --dtype).
+        variables = keras.mixed_precision.DTypePolicy(backend.POLICIES[precision][0]).variable_dtype
+        keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
+        lm, preprocessor = builder.load_base(source, cfg.model.seq_len)
+    if fmt == "hf" and not base:
+        check_transformers_layout(lm.backbone)
+    if fmt == "gguf":
+        llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
+    factors = {} if base else runs.checked_factors(run, lm.backbone)
+
+    def write(staging: Path) -> None:
+        if fmt == "lora":
+            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON):
+                shutil.copyfile(run.directory / name, staging / name)
+            return
+        if fmt == "peft":
+            write_peft(staging, lm.backbone, factors, run.adapter)
+            shutil.copyfile(run.directory / outputs.ADAPTER_JSON, staging / outputs.ADAPTER_JSON)  # which base
+            return
+        merge(lm.backbone, factors, run.adapter["alpha"] / run.adapter["rank"])
+        if fmt == "gguf":
+            write_gguf(staging, run, lm.backbone, preprocessor.tokenizer, dtype or "f16")
+            return
+        preprocessor.sequence_length = presets.preset_sequence_length(source)
+        lm.preprocessor = preprocessor
+        if fmt == "merged":
+            lm.save_to_preset(str(staging))
+            if type(lm.backbone).__name__ == "Gemma3nBackbone":
+                # keras-hub's Gemma3nCausalLM reads its tied output embedding once, when the task is built; with
+                # a task.json, from_preset builds it before loading the weights, and its logits use random ones.
+                # Without it, from_preset builds the task around the loaded backbone (tests/test_families.py).
+                (staging / "task.json").unlink(missing_ok=True)
+        else:
+            write_transformers(staging, lm.backbone, preprocessor.tokenizer)
+
+    def write_marked(staging: Path) -> None:
+        from finetune.platform.version import __version__
+
+        write(staging)
+        files = sorted([*(entry.name for entry in staging.iterdir()), MARKER])
+        about = {"finetune": __version__, "format": fmt, "run": str(run.directory.resolve()), "files": files}
+        (staging / MARKER).write_text(json.dumps(about, indent=1) + "\n", encoding="utf-8")
+
+    try:
+        publish(target, write_marked)
+    except OSError as e:  # a full or failing disk: nothing was written, and the user can fix it
+        raise UserError(
+            f"could not write the {fmt} export to {target}: {e.strerror or e}; nothing was written.\n"
+            "Free some space or pass another --output"
+        ) from e
+    return target
+
+
+def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str) -> None:
+    """model.gguf, and a Modelfile that gives Ollama the run's prompt template and stop tokens."""
+    from finetune.data import templates
+    from finetune.data.formats import Record
+
+    llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=run.directory.resolve().name)
+    template = templates.get(run.config.data.template)
+    prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
+    (directory / llamacpp.MODELFILE).write_text(llamacpp.modelfile(prompt, template.stop_tokens), encoding="utf-8")
+
+
+def publish(target: Path, write) -> None:
+    """write(staging) into a hidden sibling of `target`, then swap it in; a failure leaves `target` as it was."""
+    target = target.resolve()
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    made = target.parent  # the outermost folder this export creates, removed again if it fails
+    while not made.parent.exists():
+        made = made.parent
+    made = None if made.exists() else made
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(made or staging, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def merge(backbone, factors: dict, scale: float) -> None:
+    """W += scale * A @ B on each adapted kernel, as Keras' EinsumDense computes its LoRA kernel.
+
+    A is (..., in, rank) and B (rank, out), so A @ B broadcasts over the leading
+    axes to the kernel's shape: (heads, hidden, head_dim) for query, key and
+    value, (heads, head_dim, hidden) for attention_output, (in, out) for the
+    feed-forward kernels. Summed in float32, then cast to the kernel's dtype.
+    """
+    import numpy as np
+
+    from finetune.training import adapter
+
+    layers = adapter.layers_with_weights(backbone)
+    for index, (a, b) in factors.items():
+        kernel = layers[index].kernel
+        kernel.assign(np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b))  # cast on assign
+
+
+def check_transformers_layout(backbone) -> None:
+    """Refuse what transformers' Gemma classes could not load as trained; says what works instead."""
+    kind = type(backbone).__name__
+    if kind == "GemmaBackbone" and (backbone.use_post_ffw_norm or backbone.final_logit_soft_cap is not None):
+        raise UserError(
+            "this is a Gemma 2 preset, and finetune exports Gemma 1, 3, 3n and 4 to transformers format; "
+            "use --format merged or peft"
+        )
+    if getattr(backbone, "vision_encoder", None) is not None or getattr(backbone, "audio_encoder", None) is not None:
+        raise UserError(
+            f"this {kind} has an image or audio encoder; finetune exports text-only Gemma to transformers; "
+            "use --format merged"
+        )
+    if kind == "Gemma3Backbone" and not (
+        backbone.use_post_ffw_norm and backbone.use_post_attention_norm and backbone.use_query_key_norm
+    ):  # transformers' Gemma 3 always has these norms; one missing here has no equivalent there
+        raise UserError("this Gemma 3 model lacks the post or query/key norms transformers' Gemma 3 always has")
+    if getattr(backbone, "is_embedding_model", False):
+        raise UserError(f"this {kind} is an embedding model; finetune exports causal LMs; use --format merged")
+    if kind not in ("GemmaBackbone", "Gemma3Backbone", "Gemma4Backbone", "Gemma3nBackbone"):
+        raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
+
+
+def write_transformers(directory: Path, backbone, tokenizer) -> None:
+    """config.json, model.safetensors and the tokenizer, for transformers' Gemma, Gemma 3, 3n or 4 causal LM.
+
+    keras-hub's exporter writes the weights it reads from each layer's raw
+    kernel, so merging first is what carries the fine-tuning. Its Gemma 1
+    mapping takes only the first key/value head; we write every head. It has
+    no Gemma 3n mapping: ours is its transformers importer's, reversed.
+    """
+    import json
+
+    hf_exporter = keras_compat.transformers_exporter()
+    kind = type(backbone).__name__
+    if kind in ("Gemma3Backbone", "Gemma4Backbone"):
+        hf_exporter.export_backbone(backbone, str(directory), include_lm_head=True, tokenizer=tokenizer)
+        hf_exporter.export_generation_config(backbone, str(directory))
+        # keras-hub writes the dtype policy's name, and mixed_bfloat16 is no torch dtype: name the weights'.
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config["torch_dtype"] = backbone.dtype_policy.variable_dtype
+        if kind == "Gemma4Backbone":
+            config["architectures"] = ["Gemma4ForCausalLM"]  # keras-hub names a class transformers lacks
+            # keras-hub leaves out that global layers with their own key/value head count reuse K for V
+            # (26b_a4b, 31b): without it, transformers builds them a value projection and K/V heads of their own.
+            config["attention_k_eq_v"] = backbone.num_global_key_value_heads is not None
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    else:
+        gemma3n = kind == "Gemma3nBackbone"
+        config, weights = (_gemma3n_transformers if gemma3n else _gemma_transformers)(backbone, tokenizer)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        _save_safetensors(directory / "model.safetensors", weights)
+    if type(tokenizer).__name__ == "Gemma3nTokenizer":
+        _write_sentencepiece_tokenizer(directory, tokenizer)
+    else:
+        hf_exporter.export_tokenizer(tokenizer, str(directory))
+    write_unigram_tokenizer(directory, tokenizer)
+
+
+def _write_sentencepiece_tokenizer(directory: Path, tokenizer) -> None:
+    """tokenizer.model and a GemmaTokenizer tokenizer_config.json (keras-hub exports no Gemma 3n tokenizer)."""
+    import json
+
+    (directory / "tokenizer.model").write_bytes(tokenizer.proto)
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False, **special}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
+    """tokenizer.json for a unigram SentencePiece model, such as tiny's; Gemma's own BPE ones are left as they are.
+
+    transformers' GemmaTokenizer rebuilds a BPE tokenizer from tokenizer.model
+    whatever its type, which splits a unigram vocabulary's text differently.
+    A tokenizers Unigram model with SentencePiece's scores, whitespace
+    handling and digit splitting gives the same ids, and AutoTokenizer reads
+    it as it is when the config names no Gemma class.
+    """
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((directory / "tokenizer.model").read_bytes())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        return
+    spec, vocabulary = proto.trainer_spec, [(piece.piece, piece.score) for piece in proto.pieces]
+    unigram = Tokenizer(models.Unigram(vocabulary, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback))
+    prepend = "first" if proto.normalizer_spec.add_dummy_prefix else "never"
+    splits = [pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=spec.split_by_whitespace)]
+    if spec.split_digits:
+        splits.append(pre_tokenizers.Digits(individual_digits=True))
+    unigram.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    unigram.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    control = sentencepiece_model_pb2.ModelProto.SentencePiece
+    special = [p.piece for p in proto.pieces if p.type in (control.CONTROL, control.USER_DEFINED)]
+    unigram.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    bos = tokenizer.start_token  # keras-hub's Gemma preprocessor starts every sequence with it
+    unigram.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    unigram.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _gemma_transformers(backbone, tokenizer) -> tuple[dict, dict]:
+    """Gemma 1: transformers' config and {name: float32 array} for every weight."""
+    import numpy as np
+
+    gemma = keras_compat.transformers_gemma_exporter()
+    config = gemma.get_gemma_config(backbone)
+    config.update(
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",  # keras-hub's Gemma uses gelu(approximate=True)
+        rms_norm_eps=backbone.layer_norm_epsilon,
+        torch_dtype="float32",
+        bos_token_id=tokenizer.token_to_id(tokenizer.start_token),
+        eos_token_id=tokenizer.token_to_id(tokenizer.end_token),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    weights = {name: _numpy(value) for name, value in gemma.get_gemma_weights_map(backbone).items()}
+    for i in range(backbone.num_layers):
+        attention = backbone.get_layer(f"decoder_block_{i}").attention
+        for layer, name in ((attention.key_dense, "k_proj"), (attention.value_dense, "v_proj")):
+            weights[f"model.layers.{i}.self_attn.{name}.weight"] = per_head_rows(_numpy(layer.kernel))
+    return config, {name: np.asarray(value, dtype=np.float32) for name, value in weights.items()}
+
+
+def _gemma3n_transformers(backbone, tokenizer) -> tuple[dict, dict]:
+    """Gemma 3n's text decoder: Gemma3nForCausalLM's config and {name: float32 array} for every weight."""
+    import numpy as np
+
+    text = backbone.language_model
+    theta_local = float(backbone.rope_local_base_freq)
+    config = {
+        "architectures": ["Gemma3nForCausalLM"],
+        "model_type": "gemma3n_text",
+        "vocab_size": backbone.text_vocab_size,
+        "vocab_size_per_layer_input": backbone.vocab_size_per_layer_input,
+        "hidden_size": backbone.text_hidden_size,
+        "hidden_size_per_layer_input": backbone.hidden_size_per_layer_input,
+        "intermediate_size": list(backbone.intermediate_size),
+        "num_hidden_layers": backbone.num_hidden_layers,
+        "num_attention_heads": backbone.num_attention_heads,
+        "num_key_value_heads": backbone.num_key_value_heads,
+        "head_dim": backbone.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",  # keras-hub's gelu_approximate
+        "max_position_embeddings": backbone.max_position_embeddings,
+        "rms_norm_eps": backbone.rms_norm_eps,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": float(backbone.rope_theta)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta_local},
+        },
+        "attention_bias": backbone.attention_bias,
+        "sliding_window": backbone.sliding_window,
+        "layer_types": list(backbone.layer_types),
+        "final_logit_softcapping": backbone.final_logit_soft_cap,
+        "altup_active_idx": backbone.altup_active_idx,
+        # keras-hub never clips; transformers clips the AltUp coefficients to this only while it trains.
+        "altup_coef_clip": 120.0 if backbone.altup_coef_clip is None else backbone.altup_coef_clip,
+        "altup_correct_scale": backbone.altup_correct_scale,
+        "altup_num_inputs": backbone.altup_num_inputs,
+        "num_kv_shared_layers": backbone.num_kv_shared_layers,
+        "laurel_rank": backbone.laurel_rank,
+        "activation_sparsity_pattern": list(text.activation_sparsity_pattern),
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.token_to_id(tokenizer.start_token),
+        "eos_token_id": tokenizer.token_to_id(tokenizer.end_token),
+    }
+    weights = {
+        "model.embed_tokens.weight": text.embed_tokens.embedding.embeddings,
+        "model.norm.weight": text.final_normalization.scale,
+        "model.embed_tokens_per_layer.weight": text.embed_tokens_per_layer.embedding.embeddings,
+        "model.per_layer_model_projection.weight": text.per_layer_model_projection.kernel,
+        "model.per_layer_projection_norm.weight": text.per_layer_projection_norm.scale,
+    }
+    for i, dense in enumerate(text.altup_projections):
+        weights[f"model.altup_projections.{i}.weight"] = dense.kernel
+    for i, dense in enumerate(text.altup_unembed_projections):
+        weights[f"model.altup_unembed_projections.{i}.weight"] = dense.kernel
+    for i, block in enumerate(text.transformer_layers):
+        prefix, attention, altup, laurel = f"model.layers.{i}", block.attention, block.altup, block.laurel
+        named = {
+            "self_attn.q_proj": attention.q_proj.kernel,
+            "self_attn.k_proj": attention.k_proj.kernel,
+            "self_attn.v_proj": attention.v_proj.kernel,
+            "self_attn.o_proj": attention.o_proj.kernel,
+            "self_attn.q_norm": attention.q_norm.scale,
+            "self_attn.k_norm": attention.k_norm.scale,
+            "mlp.gate_proj": block.mlp.gate_proj.kernel,
+            "mlp.up_proj": block.mlp.up_proj.kernel,
+            "mlp.down_proj": block.mlp.down_proj.kernel,
+            "input_layernorm": block.input_layernorm.scale,
+            "post_attention_layernorm": block.post_attention_layernorm.scale,
+            "pre_feedforward_layernorm": block.pre_feedforward_layernorm.scale,
+            "post_feedforward_layernorm": block.post_feedforward_layernorm.scale,
+            "altup.correction_coefs": altup.correction_coefs.kernel,
+            "altup.prediction_coefs": altup.prediction_coefs.kernel,
+            "altup.modality_router": altup.modality_router.kernel,
+            "altup.router_norm": altup.router_norm.scale,
+            "laurel.linear_left": laurel.linear_left.kernel,
+            "laurel.linear_right": laurel.linear_right.kernel,
+            "laurel.post_laurel_norm": laurel.post_laurel_norm.scale,
+            "per_layer_input_gate": block.per_layer_input_gate.kernel,
+            "per_layer_projection": block.per_layer_projection.kernel,
+            "post_per_layer_input_norm": block.post_per_layer_input_norm.scale,
+        }
+        if altup.altup_correct_scale:
+            weights[f"{prefix}.altup.correct_output_scale"] = altup.correct_output_scale
+        weights.update({f"{prefix}.{name}.weight": value for name, value in named.items()})
+    out = {}
+    for name, value in weights.items():
+        array = np.asarray(_numpy(value), dtype=np.float32)
+        # A Dense kernel is (in, out); transformers' Linear weight is (out, in). Embeddings and scales stay.
+        out[name] = array.T if array.ndim == 2 and "embed_tokens" not in name else array
+    return config, out
+
+
+def per_head_rows(kernel):
+    """(heads, hidden, head_dim) -> transformers' (heads * head_dim, hidden): row h * head_dim + j."""
+    heads, hidden, head_dim = kernel.shape
+    return kernel.transpose(0, 2, 1).reshape(heads * head_dim, hidden)
+
+
+def _rank_pattern(ranks: dict, rank: int) -> dict:
+    """PEFT's rank_pattern: by module name (q_proj) when every layer's agrees, else by layer and module.
+
+    Gemma 4's global layers have fewer key/value heads than its sliding ones, so
+    their k_proj ranks differ; PEFT matches a key against a module path's end.
+    """
+    by_kind: dict = {}
+    for path, r in ranks.items():
+        by_kind.setdefault(path.rsplit(".", 1)[1], set()).add(r)
+    pattern = {}
+    for path, r in sorted(ranks.items()):
+        kind = path.rsplit(".", 1)[1]
+        if len(by_kind[kind]) > 1:
+            if r != rank:
+                pattern[path] = r
+        elif r != rank:
+            pattern[kind] = r
+    return pattern
+
+
+def _numpy(value):
+    import keras
+    import numpy as np
+
+    return np.asarray(keras.ops.convert_to_numpy(value.value if hasattr(value, "value") else value))
+
+
+def _save_safetensors(path: Path, tensors: dict) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def write_peft(directory: Path, backbone, factors: dict, description: dict) -> None:
+    """adapter_model.safetensors and adapter_config.json: the same update as Keras', in PEFT's layout.
+
+    PEFT adds (lora_alpha / r) * B_p @ A_p to a (out, in) weight. Keras' LoRA on
+    a per-head kernel (heads, hidden, head_dim) has A (heads, hidden, r), one
+    per head, and one B (r, head_dim) shared by the heads. In transformers'
+    rows (head h, dim j at h * head_dim + j) that update is exactly rank
+    heads * r: A_p stacks the heads' A, B_p is block-diagonal with B on each
+    block. attention_output sums over heads on its input side and the
+    feed-forward kernels are plain matrices, so those stay rank r.
+    The scale alpha / r is kept by giving each module alpha * (its rank / r).
+    """
+    import json
+
+    import numpy as np
+
+    from finetune.training import adapter
+
+    rank, alpha = description["rank"], float(description["alpha"])
+    layers = adapter.layers_with_weights(backbone)
+    tensors, ranks = {}, {}
+    for index, (a, b) in sorted(factors.items()):
+        layer = layers[index]
+        # decoder_block_<i>/attention/query, or text_model/decoder_block_<i>/... for Gemma 3n
+        block = int(next(p for p in layer.path.split("/") if p.startswith("decoder_block_")).rsplit("_", 1)[1])
+        module = HF_MODULES[layer.name]
+        if layer.name in PER_HEAD:
+            heads = a.shape[0]
+            lora_a = a.transpose(0, 2, 1).reshape(heads * rank, a.shape[1])  # (heads * r, hidden)
+            lora_b = np.kron(np.eye(heads, dtype=np.float32), b.T)  # (heads * head_dim, heads * r)
+        else:
+            lora_a = a.reshape(-1, rank).T  # (r, in): attention_output's in is heads * head_dim
+            lora_b = b.T  # (out, r)
+        ranks[f"layers.{block}.{module}"] = lora_a.shape[0]
+        prefix = f"base_model.model.model.layers.{block}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = lora_a.astype(np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = lora_b.astype(np.float32)
+    _save_safetensors(directory / "adapter_model.safetensors", tensors)
+    wider = _rank_pattern(ranks, rank)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted({path.rsplit(".", 1)[1] for path in ranks}),
+        "rank_pattern": wider,
+        "alpha_pattern": {name: alpha * r / rank for name, r in wider.items()},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,126 @@
+"""A segment-aware attention mask on keras-hub's Gemma decoder blocks, for packed rows.
+
+keras-hub's Gemma decoder blocks (Gemma 1 to 4 and 3n) build their attention
+mask from `padding_mask` alone: causal, not onto padding, and for Gemma 4's
+sliding-window layers within the window. A packed row holds several
+examples, and each must attend only within itself. So the row's segment ids
+(1, 2, 3... per example, 0 for padding) are fed where the backbone takes
+`padding_mask`, and each decoder block's mask method is wrapped: it builds
+keras-hub's own mask from the tokens (segment id > 0), then keeps only the
+pairs within one example. Position i attends to j when keras-hub's mask
+allows it and both lie in the same example.
+
+- For rows of one example (ids 0 and 1) the mask equals keras-hub's own, so
+  the hook is always on; padding positions still attend to the real tokens
+  before them, as in keras-hub, so no softmax row is empty.
+- Generation (with a cache) and images go through keras-hub's method alone.
+  Gemma 3n's layers that borrow another layer's keys and values are handed
+  that cache in training too; they take the segment mask whenever the mask
+  holds segment ids (keras-hub's generation casts Gemma 3n's to booleans).
+- Sliding windows compose with it: Gemma 1-3 and 3n apply theirs inside the
+  attention layer, after this mask; Gemma 4 applies its own in the method
+  wrapped here, before the example mask is laid over it. Either way a
+  window never reaches across examples.
+- Rotary embeddings depend only on i - j, so an example's attention scores do
+  not depend on where it sits in the row; mixture-of-experts routing, Gemma
+  3n's AltUp, Laurel and per-layer inputs work token by token.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from keras import ops
+
+from finetune.model import families
+from finetune.platform import keras_compat
+
+
+def enable(backbone) -> int:
+    """Wrap every decoder block's mask method; returns how many were wrapped (idempotent).
+
+    Returns 0, wrapping nothing, when the backbone's padding mask cannot carry
+    segment ids (packs_exactly is then False).
+    """
+    if not _take_segment_ids(backbone):
+        return 0
+    wrapped = 0
+    for block in families.decoder_blocks(backbone):
+        original = block._compute_attention_mask
+        if getattr(original, "segment_aware", False):
+            continue
+        keras_compat.replace_attention_mask(block, _segment_aware(block, original))
+        wrapped += 1
+    return wrapped
+
+
+def packs_exactly(backbone) -> bool:
+    """Whether every decoder block of `backbone` takes the segment mask (after enable)."""
+    blocks = families.decoder_blocks(backbone)
+    return bool(blocks) and all(getattr(b._compute_attention_mask, "segment_aware", False) for b in blocks)
+
+
+def _take_segment_ids(backbone) -> bool:
+    """Let the backbone's `padding_mask` input carry segment ids; False when it cannot.
+
+    keras-hub declares Gemma 3n's padding mask boolean, and Keras casts every
+    input to its declared dtype, which would fold segment ids 2, 3... into 1.
+    Its decoder blocks cast the mask to int32 themselves, so the declared
+    dtype is widened to int32 (a symbolic tensor's dtype has no public setter).
+    The task model and any view of it share this input tensor.
+    """
+    import keras
+
+    for tensor in keras.tree.flatten(backbone.inputs):
+        if (
+            tensor.name == "padding_mask"
+            and tensor.dtype == "bool"
+            and not keras_compat.widen_input_dtype(tensor, "int32")
+        ):
+            return False  # another Keras: leave it, and packing with it
+    return True
+
+
+def _segment_aware(block, original):
+    names = list(inspect.signature(original).parameters)
+    borrows_cache = bool(getattr(block, "is_kv_shared_layer", False)) and "cache" in names
+
+    def compute_attention_mask(*args, **kwargs):
+        bound = {**dict(zip(names, args)), **kwargs}
+        segments = bound.get("padding_mask")
+        if segments is None or bound.get("vision_mask") is not None:
+            return original(*args, **kwargs)
+        if bound.get("cache") is not None and not (borrows_cache and _holds_segment_ids(segments)):
+            return original(*args, **kwargs)
+        segments = ops.cast(segments, "int32")
+        bound["padding_mask"] = ops.greater(segments, 0)
+        allowed = ops.cast(original(**bound), "int32")  # keras-hub's own: causal, tokens, its window
+        return ops.minimum(allowed, same_example(segments))
+
+    compute_attention_mask.segment_aware = True
+    compute_attention_mask.keras_hub = original
+    return compute_attention_mask
+
+
+def _holds_segment_ids(mask) -> bool:
+    import keras
+
+    return keras.backend.standardize_dtype(mask.dtype) != "bool"
+
+
+def same_example(segment_ids):
+    """(batch, length, length) int32, 1 where query i and key j lie in one example, or query i is padding."""
+    segments = ops.cast(segment_ids, "int32")
+    same = ops.equal(ops.expand_dims(segments, 2), ops.expand_dims(segments, 1))
+    query_is_padding = ops.expand_dims(ops.equal(segments, 0), 2)
+    return ops.cast(ops.logical_or(same, query_is_padding), "int32")
+
+
+def segment_mask(segment_ids):
+    """(batch, length, length) int32, 1 where query i may attend to key j: causal, onto tokens, in one example."""
+    segments = ops.cast(segment_ids, "int32")
+    positions = ops.arange(ops.shape(segments)[1])
+    causal = ops.expand_dims(ops.greater_equal(ops.expand_dims(positions, 1), ops.expand_dims(positions, 0)), 0)
+    key_is_token = ops.expand_dims(ops.greater(segments, 0), 1)
+    allowed = ops.cast(ops.logical_and(causal, key_is_token), "int32")
+    return ops.minimum(allowed, same_example(segments))

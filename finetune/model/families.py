@@ -1,0 +1,183 @@
+"""What finetune knows of each Gemma family, in one place.
+
+A family is one keras-hub backbone class and everything finetune needs to
+train it: its CausalLM, tokenizer and preprocessor classes, how a preset's
+config.json names it, which of its layers LoRA may adapt (and which stay
+frozen, and why), its chat turns, and the transformers class the hf and peft
+exports load into.
+
+- gemma: Gemma 1 and Gemma 2 (GemmaBackbone).
+- gemma3: Gemma 3, from 270m to the multimodal 27b (Gemma3Backbone).
+- gemma4: Gemma 4, dense (2b, 4b, 31b) and mixture-of-experts (26b_a4b) (Gemma4Backbone).
+- gemma3n: Gemma 3n, e2b and e4b (Gemma3nBackbone).
+
+LoRA targets are named the same way for every family (query, key, value,
+attention_output, ffw_gating, ffw_gating_2, ffw_linear); a family whose
+keras-hub layers are named otherwise (Gemma 3n's q_proj, ...) maps them here,
+and takes its own names too. Pure Python: nothing here imports keras.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from finetune.platform.errors import UserError
+
+TARGETS = ("query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear")
+_SAME = {name: name for name in TARGETS}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    title: str
+    backbone: str
+    """keras-hub's backbone class name, as config.json's class_name ends."""
+    causal_lm: str
+    tokenizer: str
+    preprocessor: str
+    layers: dict = field(hash=False)
+    """LoRA target name -> the keras-hub layer name it adapts."""
+    frozen: dict = field(hash=False, default_factory=dict)
+    """keras-hub layer name (or prefix, ending in _) -> why LoRA never adapts it."""
+    chat_template: str = "gemma-chat"
+    transformers: str | None = None
+    """transformers' causal LM class for `finetune export --format hf/peft`; None: not exported there."""
+    kaggle_models: tuple = ()
+    """Kaggle model slugs (kaggle://keras/<slug>/keras/<variant>/<version>) whose presets are this family."""
+    encoders: dict = field(hash=False, default_factory=dict)
+    """Backbone config keys of the image and audio encoders a text run leaves out (set to None)."""
+    converters: tuple = ()
+    """The preprocessor's image, audio and video converters, left out with them."""
+    no_quantize: str | None = None
+    """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
+    needs_tensorflow: bool = True
+    """Whether keras-hub's preprocessor of this family needs TensorFlow on every backend. keras-hub 0.32's Gemma 3,
+    3n and 4 preprocessors assert it when they are made, and prepare text and images with tf ops; Gemma 1 and 2's
+    tokenize through the sentencepiece package alone. A process on JAX or PyTorch keeps TensorFlow for them only
+    (backend.leave_out_other_frameworks)."""
+
+    def layer_of(self, target: str) -> str:
+        """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
+        return self.layers.get(target, target)
+
+    def frozen_reason(self, layer: str) -> str | None:
+        for name, why in self.frozen.items():
+            if layer == name or (name.endswith("_") and layer.startswith(name)):
+                return why
+        return None
+
+
+_PER_LAYER = "a per-layer embedding projection, kept as pretrained"
+FAMILIES = {
+    "gemma": Family(
+        "gemma", "Gemma 1 and 2", "GemmaBackbone", "GemmaCausalLM", "GemmaTokenizer", "GemmaCausalLMPreprocessor",
+        _SAME, transformers="GemmaForCausalLM", kaggle_models=("gemma", "gemma2", "codegemma"),
+        needs_tensorflow=False,
+    ),
+    "gemma3": Family(
+        "gemma3", "Gemma 3", "Gemma3Backbone", "Gemma3CausalLM", "Gemma3Tokenizer", "Gemma3CausalLMPreprocessor",
+        _SAME, transformers="Gemma3ForCausalLM", kaggle_models=("gemma3",),
+    ),
+    "gemma4": Family(
+        "gemma4", "Gemma 4", "Gemma4Backbone", "Gemma4CausalLM", "Gemma4Tokenizer", "Gemma4CausalLMPreprocessor",
+        _SAME,
+        frozen={
+            "proj": "the mixture-of-experts router, which picks each token's experts",
+            "moe_expert_bank": "the experts: keras-hub keeps them as raw (experts, in, out) tensors with no LoRA support",
+            "per_layer_input_gate": _PER_LAYER,
+            "per_layer_up_proj": _PER_LAYER,
+            "per_layer_model_projection": _PER_LAYER,
+        },
+        chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",),
+        encoders=dict(vision_encoder=None, audio_encoder=None),
+        converters=("image_converter", "audio_converter", "video_converter"),
+        no_quantize=(
+            "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and a quantized layer's kernel "
+            "comes without its scales"
+        ),
+    ),
+    "gemma3n": Family(
+        "gemma3n", "Gemma 3n", "Gemma3nBackbone", "Gemma3nCausalLM", "Gemma3nTokenizer", "Gemma3nCausalLMPreprocessor",
+        dict(query="q_proj", key="k_proj", value="v_proj", attention_output="o_proj", ffw_gating="gate_proj",
+             ffw_gating_2="up_proj", ffw_linear="down_proj"),
+        frozen={
+            "per_layer_input_gate": _PER_LAYER,
+            "per_layer_projection": _PER_LAYER,
+            "per_layer_model_projection": _PER_LAYER,
+            "linear_left": "a Laurel block, kept as pretrained",
+            "linear_right": "a Laurel block, kept as pretrained",
+            "correction_coefs": "an AltUp block, kept as pretrained",
+            "prediction_coefs": "an AltUp block, kept as pretrained",
+            "modality_router": "an AltUp block, kept as pretrained",
+            "altup_projection_": "an AltUp projection, kept as pretrained",
+            "altup_unembed_projection_": "an AltUp projection, kept as pretrained",
+        },
+        transformers="Gemma3nForCausalLM", kaggle_models=("gemma-3n", "gemma3n"),
+        encoders=dict(vision_encoder_config=None, audio_encoder_config=None),
+        converters=("image_converter", "audio_converter"),
+    ),
+}  # fmt: skip
+
+
+def get(name: str) -> Family:
+    return FAMILIES[name]
+
+
+def of_class_name(class_name: str) -> Family | None:
+    """The family whose backbone, task, tokenizer or preprocessor a config.json `class_name` names."""
+    short = str(class_name).split(">")[-1].split(".")[-1]
+    for family in FAMILIES.values():
+        if short in (family.backbone, family.causal_lm, family.tokenizer, family.preprocessor):
+            return family
+    return None
+
+
+def of_backbone(backbone) -> Family:
+    found = of_class_name(type(backbone).__name__)
+    if found is None:
+        raise UserError(f"finetune trains Gemma backbones, not a {type(backbone).__name__}")
+    return found
+
+
+def keras_hub_class(family: Family, kind: str = "causal_lm"):
+    """keras_hub.models.<the family's class>, or a UserError naming the keras-hub release that has it."""
+    import keras_hub
+
+    name = getattr(family, kind)
+    found = getattr(keras_hub.models, name, None)
+    if found is None:
+        raise UserError(
+            f"{family.title} needs a keras-hub with {name} (this one, {keras_hub.__version__}, has none); "
+            "pip install -U keras-hub"
+        )
+    return found
+
+
+def preset_names() -> dict[str, Family]:
+    """keras-hub's preset names of every family this keras-hub has."""
+    import keras_hub
+
+    names = {}
+    for family in FAMILIES.values():
+        cls = getattr(keras_hub.models, family.causal_lm, None)
+        if cls is not None:
+            names.update({name: family for name in cls.presets if name not in names})
+    return names
+
+
+def of_kaggle_handle(handle: str) -> Family | None:
+    """kaggle://keras/<model>/keras/<variant>/<version>: by the variant's keras-hub name, else by the model."""
+    parts = handle.removeprefix("kaggle://").split("/")
+    if len(parts) > 3 and parts[3] in (names := preset_names()):
+        return names[parts[3]]
+    model = parts[1] if len(parts) > 1 else ""
+    return next((f for f in FAMILIES.values() if model in f.kaggle_models), None)
+
+
+def decoder_blocks(backbone) -> list:
+    """The backbone's decoder blocks: Gemma 3n keeps them in its text model."""
+    blocks = getattr(backbone, "transformer_layers", None)
+    if blocks is None:
+        blocks = backbone.language_model.transformer_layers
+    return list(blocks)

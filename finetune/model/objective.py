@@ -1,0 +1,311 @@
+"""The training objective: cross-entropy of the weighted (response) tokens, computed only where it counts.
+
+keras-hub's causal LM projects every position of every row onto the whole
+vocabulary, and the loss then reads the response positions alone. At Gemma's
+256k vocabulary that projection is a fifth of a training step's matmuls, and
+its float32 logits (batch x seq x vocabulary, 4 GB at batch 8 x 512) are the
+largest tensor of the step. Here the backbone's hidden states are gathered at
+the positions that carry a loss weight (batching.targets lays them out) and
+projected a chunk of positions at a time, inside one custom-gradient op:
+
+- the forward computes each position's loss (log-sum-exp minus the label's
+  logit) and, while the chunk's logits exist, softmax minus one-hot times the
+  (frozen) embedding: the hidden state's gradient per unit of loss, the only
+  gradient LoRA needs. The backward scales it by the upstream gradient, so no
+  logits are kept for it, and none recomputed; each chunk waits for the one
+  before it, so one chunk's logits exist at a time;
+- a chunk whose positions all weigh 0 (the padding of the gathered layout) is
+  skipped.
+
+So the vocabulary projection costs what the loss needs, and at most one chunk
+of logits exists at a time. The loss is the same as the full projection's
+(tests/test_objective.py checks both against each other on every backend).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from finetune.platform.errors import UserError
+
+
+def logit_projection(backbone):
+    """(kernel, soft cap) of the backbone's output projection: Gemma ties it to the token embedding.
+
+    The kernel is (vocabulary, hidden). Gemma 1 to 4 keep a ReversibleEmbedding
+    on the backbone; Gemma 3n keeps its embedding, and the soft cap, in its text model.
+    """
+    embedding = getattr(backbone, "token_embedding", None)
+    if embedding is None:
+        text = backbone.language_model
+        return text.embed_tokens.embedding.embeddings, text.final_logit_soft_cap
+    if not getattr(embedding, "tie_weights", True) or getattr(embedding, "quantization_mode", None):
+        raise UserError(
+            "this preset's output embedding is untied or quantized; finetune trains presets whose token embedding "
+            "is tied and unquantized (as keras-hub's Gemma presets are)"
+        )
+    return embedding.embeddings, embedding.logit_soft_cap
+
+
+def _logits(hidden, kernel, soft_cap):
+    logits = ops.cast(ops.matmul(hidden, ops.transpose(kernel)), "float32")
+    if soft_cap is not None:  # Gemma 2's final soft cap: cap * tanh(logits / cap)
+        logits = ops.tanh(logits / soft_cap) * soft_cap
+    return logits
+
+
+def _chunks(total: int, chunk: int):
+    return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
+
+    hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
+    The gradient flows to `hidden` only: the kernel is the frozen embedding. Each
+    position's loss is a scalar of its own, so its gradient is the upstream
+    scalar times (softmax - one-hot) @ kernel; that product is made in the
+    forward, while the chunk's logits exist, and kept (N x D), so the backward
+    neither keeps nor recomputes any logits.
+    """
+    spans = _chunks(hidden.shape[0], chunk)
+
+    @ops.custom_gradient
+    def losses(hidden, kernel, labels, weights):
+        loss_parts, grad_parts = [], []
+        for start, end in spans:
+            h, y = _after(hidden[start:end], loss_parts), labels[start:end]
+
+            def chunk_loss(h=h, y=y):
+                logits = _logits(h, kernel, soft_cap)
+                if soft_cap is not None:  # d capped / d logit = 1 - tanh^2, tanh = capped / cap
+                    slope = 1.0 - ops.square(logits / soft_cap)
+                # Run eagerly (PyTorch), the logits are overwritten in place and each array freed when done with.
+                loss, delta = _loss_and_delta(logits, y, eager=keras.config.backend() == "torch")
+                del logits
+                if soft_cap is not None:
+                    delta = delta * slope
+                return loss, ops.matmul(ops.cast(delta, h.dtype), kernel)
+
+            def nothing(h=h):
+                return ops.zeros((h.shape[0],)), ops.zeros_like(h)
+
+            loss, grad = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
+            loss_parts.append(loss)
+            grad_parts.append(grad)
+        out = ops.concatenate(loss_parts, axis=0) if len(spans) > 1 else loss_parts[0]
+        per_position = ops.concatenate(grad_parts, axis=0) if len(spans) > 1 else grad_parts[0]
+
+        def gradient(*args, upstream=None):
+            if upstream is None:  # jax and tensorflow pass it positionally, torch by name
+                (upstream,) = args
+            scale = ops.cast(ops.expand_dims(upstream, -1), per_position.dtype)
+            return per_position * scale, None, None, None
+
+        return out, gradient
+
+    return losses(hidden, kernel, labels, weights)
+
+
+def _loss_and_delta(logits, labels, eager: bool):
+    """(each row's cross-entropy, softmax - one-hot), float32, from a chunk's float32 logits.
+
+    softmax - one-hot is made in float32, before any cast: a confident softmax
+    rounded to bf16 first (p = 0.99 is 1 - 2^-7) would cancel the one against
+    its own rounding error. Run eagerly (PyTorch), every step is a pass over
+    (chunk x vocabulary) floats, so they are made in place, in the logits' own
+    buffer (_loss_and_delta_in_place), the one subtracted at each row's label
+    alone. Compiled (JAX, TensorFlow), the comparison with every vocabulary
+    entry fuses into the loops that make the softmax: at gemma-2b dims on an
+    Intel Xeon with AMX, JAX trained at 15.7 tokens/s with this form and at
+    10-11 with log-softmax and a scatter in its place.
+    """
+    if eager:
+        return _loss_and_delta_in_place(logits, labels)
+    log_total = ops.logsumexp(logits, axis=-1, keepdims=True)
+    picked = ops.take_along_axis(logits, ops.expand_dims(labels, -1), axis=-1)
+    softmax = ops.exp(logits - log_total)
+    is_label = ops.equal(ops.expand_dims(ops.arange(logits.shape[-1], dtype="int32"), 0),
+                         ops.expand_dims(ops.cast(labels, "int32"), -1))  # fmt: skip
+    return (log_total - picked)[:, 0], ops.where(is_label, softmax - 1.0, softmax)
+
+
+def _loss_and_delta_in_place(logits, labels):
+    """_loss_and_delta on PyTorch, in the logits' own buffer: the softmax and its gradient overwrite them.
+
+    Run eagerly, each step of the other form is a fresh (chunk x vocabulary)
+    float32 array: four of them at once at the peak, 500 MiB for a chunk of
+    128 positions at Gemma's 256k vocabulary. Here: the label's logit is read
+    out, then the row's maximum subtracted, exp, divided by the row's sum and
+    1 subtracted at the label, all in place; the losses come from the maximum
+    and the sum. `logits` is consumed.
+    """
+    import torch
+
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    labels = labels.long()
+    picked = logits[rows, labels]
+    top = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    total = probs.sum(dim=-1, keepdim=True)
+    probs.div_(total)
+    probs[rows, labels] -= 1.0
+    return (top + torch.log(total))[:, 0] - picked, probs
+
+
+def _after(hidden, done: list):
+    """`hidden`, made to depend on the chunks before it: TensorFlow's executor would otherwise run independent
+    chunks at once (two were alive at the memory peak at gemma-2b's size). A NaN still propagates."""
+    if not done:
+        return hidden
+    return hidden + ops.cast(0.0 * ops.sum(done[-1]), hidden.dtype)
+
+
+def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """(loss, correct) per position, without gradients: what evaluation averages over the weighted tokens."""
+    losses, correct = [], []
+    for start, end in _chunks(hidden.shape[0], chunk):
+        h, y = _after(hidden[start:end], losses), labels[start:end]
+
+        def score(h=h, y=y):
+            logits = _logits(h, kernel, soft_cap)
+            picked = ops.take_along_axis(logits, ops.expand_dims(y, -1), axis=-1)[:, 0]
+            hit = ops.cast(ops.equal(ops.cast(ops.argmax(logits, axis=-1), "int32"), ops.cast(y, "int32")), "float32")
+            return ops.logsumexp(logits, axis=-1) - picked, hit
+
+        n = end - start
+        loss, hit = ops.cond(ops.any(weights[start:end] > 0), score, lambda n=n: (ops.zeros((n,)), ops.zeros((n,))))
+        losses.append(loss)
+        correct.append(hit)
+    return ops.concatenate(losses, axis=0), ops.concatenate(correct, axis=0)
+
+
+def _gathered(backbone, inputs, shards: int, rows: int | None = None):
+    """The backbone's hidden states at inputs["loss_positions"], flattened to (batch x width, hidden).
+
+    Positions index within their data shard's rows (batching.targets), so each
+    shard gathers from its own rows only. rows: the batch's rows, when the
+    inputs' shapes leave it unknown (TensorFlow's evaluate() traces a batch of
+    None rows): the chunks of objective's op need a static count of positions.
+    """
+    hidden = backbone({name: value for name, value in inputs.items() if not name.startswith("loss_")})
+    width = hidden.shape[-1]
+    positions = inputs["loss_positions"]
+    per_shard = ops.reshape(hidden, (shards, -1, width))
+    index = ops.reshape(positions, (shards, -1, 1))
+    gathered = ops.take_along_axis(per_shard, ops.cast(index, "int32"), axis=1)
+    count = positions.shape[0] or rows
+    return ops.reshape(gathered, (count * positions.shape[1] if count else -1, width))
+
+
+class TrainingView(keras.Model):
+    """`lm`'s backbone with the response-token loss: call() returns each gathered position's loss.
+
+    It shares every layer and weight with `lm`, so what it trains is what `lm`
+    generates with and saves. Compiled with WeightedMean, train_on_batch
+    minimises the mean loss over the batch's weighted tokens.
+    """
+
+    def __init__(self, lm, chunk: int, shards: int = 1, rows: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.lm = lm
+        self.chunk = chunk
+        self.shards = shards
+        self.rows = rows
+
+    def call(self, inputs):
+        backbone = self.lm.backbone
+        hidden = _gathered(backbone, inputs, self.shards)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        kernel, soft_cap = logit_projection(backbone)
+        kernel = ops.convert_to_tensor(kernel)
+        losses = token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs["loss_labels"].shape, dtype="float32")
+
+    def make_train_function(self, force=False):
+        """On TensorFlow, one graph for every batch length, traced on the first step.
+
+        Keras' own step relaxes the length to a dynamic one only after it has
+        seen two lengths, so a run resumed mid-way would train a step in a graph
+        specialised to one length where the uninterrupted run used the relaxed
+        one: the same sums in another order, an adapter off in its last bits.
+        """
+        if keras.config.backend() != "tensorflow" or self.run_eagerly:
+            return super().make_train_function(force)
+        if self.train_function is None or force:
+            self.train_function = _one_graph(self.train_step, self.jit_compile)
+        return self.train_function
+
+
+def _one_graph(train_step, jit_compile: bool):
+    """train_on_batch's function: `train_step` traced once, with every input's length (axis 1) left dynamic.
+
+    jit_compile: Keras' choice (XLA on a GPU, where XLA compiles each length on its own, as under JAX)."""
+    import tensorflow as tf
+
+    traced = []
+
+    def function(batches):
+        for x, y, weights in batches:
+            if not traced:
+
+                def spec(name, value):  # the loss_ inputs keep their static width: the loss's chunks need it
+                    shape = tuple(value.shape)
+                    shape = shape if name.startswith("loss_") or len(shape) < 2 else (shape[0], None, *shape[2:])
+                    return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
+
+                signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),
+                             spec("loss_", weights)]  # fmt: skip
+                step = tf.function(
+                    lambda x, y, w: train_step((x, y, w)), input_signature=signature, jit_compile=jit_compile
+                )
+                traced.append(step)
+            return traced[0](x, y, weights)
+
+    return function
+
+
+class ScoringView(TrainingView):
+    """The same, for evaluation: call() returns {"loss", "correct"}, each gathered position's.
+
+    Compiled by model.scorer() with weighted means of both, so Keras' evaluate()
+    averages them over every weighted token of every batch, and distributes the
+    batches over processes as it does for training.
+    """
+
+    def call(self, inputs):
+        backbone = self.lm.backbone
+        hidden = _gathered(backbone, inputs, self.shards, self.rows)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        kernel, soft_cap = logit_projection(backbone)
+        kernel = ops.convert_to_tensor(kernel)
+        loss, correct = token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        shape = ops.shape(inputs["loss_labels"])
+        return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}
+
+    def compute_output_spec(self, inputs):
+        shape = inputs["loss_labels"].shape
+        return {name: keras.KerasTensor(shape, dtype="float32") for name in ("loss", "correct")}
+
+
+def output_itself(y_true, y_pred):
+    """A metric function whose value is the model's output: a ScoringView's loss or correctness."""
+    del y_true
+    return y_pred
+
+
+class WeightedMean(keras.losses.Loss):
+    """The loss of a TrainingView, whose output is already each position's loss: their weighted mean."""
+
+    def __init__(self, name: str = "token_loss"):
+        super().__init__(name=name, reduction="mean_with_sample_weight")
+
+    def call(self, y_true, y_pred):
+        del y_true  # the labels went in with the inputs
+        return y_pred

@@ -1,0 +1,422 @@
+"""Which model a --preset names, and the embedded tiny Gemmas.
+
+A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
+`tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
+newer family), a local preset directory (made by save_to_preset, or attached
+under /kaggle/input), a `kaggle://` handle, or a keras-hub preset name such as
+gemma_2b_en, gemma3_1b or gemma4_2b. In a Kaggle notebook, a name or handle
+whose model is attached is read from /kaggle/input instead of being downloaded.
+The family (families.py) of a directory comes from its config.json, of a name
+from keras-hub's preset lists, of a handle from the preset or model it names.
+Kaggle-hosted ones need credentials; without them we stop in seconds with
+instructions instead of waiting on a download that cannot work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.model import archs, families
+from finetune.platform import keras_compat, platforms
+from finetune.platform.errors import UserError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TINY_TOKENIZER = ASSETS / "tiny" / "tokenizer.spm"
+TINY_WEIGHTS = ASSETS / "tiny" / "weights.npz"
+# A smoke-test model, not an assistant: about 0.4M parameters, Gemma 1 layout,
+# briefly pretrained on text generated like the sample (see tools/).
+TINY_CONFIG = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=128,
+    intermediate_dim=512,
+    head_dim=32,
+)
+# Learning rates a run uses when none is given. Gemma checkpoints take the
+# Keras tutorial's 5e-5; the tiny model is small and barely pretrained, and
+# needs a much larger step to move in a one-minute run.
+LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """A tiny offline preset: a family's backbone at toy size, and a small tokenizer of the family's kind."""
+
+    family: str
+    config: dict = field(hash=False)
+    """The backbone's keras-hub arguments, but the vocabulary size, which is the tokenizer's."""
+    tokenizer: Path
+    weights: Path | None = None
+    """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
+
+
+# The newer families' tiny presets: decoder blocks of width 32, laid out as the family's presets are (norms,
+# soft caps, sliding windows of 4 tokens, shorter than an example), so that a test runs each family's code
+# paths in seconds. Gemma 3's pattern is fixed at five sliding layers to one global: both of its two slide.
+# tiny-gemma4 is laid out as the 2b: sliding and global layers, per-layer inputs, and a last (global) layer
+# that borrows the global layer's keys and values before it, with a doubled FFW (transformers' Gemma 4
+# requires a global last layer); tiny-gemma4-moe as the 26b_a4b: experts
+# beside the dense FFW, and a global layer whose values reuse its keys. tiny-gemma3n's last layer borrows
+# keys and values too. Their base weights are random (tiny_backbone).
+TINY_GEMMA3 = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    vision_encoder=None,
+    use_post_ffw_norm=True,
+    use_post_attention_norm=True,
+    use_query_key_norm=True,
+    use_sliding_window_attention=True,
+    sliding_window_size=4,
+)
+TINY_GEMMA4 = dict(
+    num_layers=3,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    sliding_window_size=4,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
+    global_head_dim=16,
+    final_logit_soft_cap=30.0,
+    num_kv_shared_layers=1,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=4,
+)
+TINY_GEMMA4_MOE = dict(
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+    image_size=None,
+    sliding_window_size=4,
+    sliding_window_pattern=2,
+    global_head_dim=16,
+    final_logit_soft_cap=30.0,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    expert_intermediate_dim=16,
+    num_experts_per_token=2,
+)
+TINY_GEMMA3N = dict(
+    text_hidden_size=32, num_hidden_layers=3, pad_token_id=0, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, intermediate_size=[64, 64, 64], hidden_activation="gelu_approximate",
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
+    rope_theta=1_000_000.0, max_position_embeddings=2048, hidden_size_per_layer_input=4, altup_num_inputs=2,
+    laurel_rank=4, activation_sparsity_pattern=[0.95, 0.0, 0.0], num_kv_shared_layers=1, final_logit_soft_cap=30.0,
+    altup_coef_clip=120.0,
+)  # fmt: skip
+TINY = {
+    "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
+    "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
+    "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
+    "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
+    "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
+}
+TINY_NAMES = "a tiny offline preset (" + ", ".join(TINY) + ")"
+WEIGHT_SEED = 15
+# Gemma 3n's vocabulary sizes go by other names than the other families' vocabulary_size.
+_VOCABULARY_KEYS = {"gemma3n": ("text_vocab_size", "vocab_size_per_layer_input")}
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str
+    """tiny, local or hub."""
+    handle: str
+    """What keras_hub's from_preset is given (or the tiny preset's name)."""
+    family: str
+    """A key of families.FAMILIES: gemma (Gemma 1 and 2), gemma3, gemma4 or gemma3n."""
+
+    @property
+    def default_learning_rate(self) -> float:
+        return LEARNING_RATE["tiny" if self.kind == "tiny" else "pretrained"]
+
+
+def resolve(preset: str) -> Source:
+    """Classify `preset` and check that it can be loaded, without loading it."""
+    if preset in TINY:
+        return Source("tiny", preset, TINY[preset].family)
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        return Source("local", str(path), _family_of_directory(path))
+    attached = _attached_in_kaggle_notebook(preset)
+    if attached is not None:
+        return Source("local", str(attached), _family_of_directory(attached))
+    if preset.startswith("kaggle://"):
+        source = Source("hub", preset, _family_of_handle(preset))
+    elif "/" in preset or preset.startswith((".", "~")):
+        raise UserError(
+            f"preset directory {preset} does not exist; pass a directory made by save_to_preset, "
+            f"a preset name such as gemma_2b_en, or {TINY_NAMES}"
+        )
+    else:
+        source = Source("hub", preset, _family_of_name(preset))
+    _check_hub_access(source.handle)
+    return source
+
+
+def family_of(preset: str) -> str:
+    """The family a --preset names, without checking that it can be loaded (resolve does)."""
+    if preset in TINY:
+        return TINY[preset].family
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        return _family_of_directory(path)
+    if preset.startswith("kaggle://"):
+        return _family_of_handle(preset)
+    return _family_of_name(preset)
+
+
+def frameworks_needed(preset: str) -> tuple[str, ...]:
+    """The frameworks a run of `preset` needs on every backend: ("tensorflow",) where its family's preprocessor
+    needs it (families.Family.needs_tensorflow), else none. Told
+    offline, before keras is imported: from the tiny table, a directory's config.json, or the plan's table of
+    keras-hub names. Where the family cannot be told without keras-hub's preset lists (another name, a
+    kaggle:// handle, a broken directory that resolve() will refuse), TensorFlow is kept: it costs memory, and
+    leaving it out would stop the run."""
+    path = Path(preset).expanduser()
+    if preset in TINY:
+        family = TINY[preset].family
+    elif path.is_dir():
+        try:
+            family = _family_of_directory(path)
+        except UserError:
+            return ("tensorflow",)
+    elif (arch := archs.lookup(preset)) is not None:
+        family = arch.family
+    else:
+        return ("tensorflow",)
+    return ("tensorflow",) if families.get(family).needs_tensorflow else ()
+
+
+def _attached_in_kaggle_notebook(preset: str) -> Path | None:
+    """In a Kaggle notebook, the attached copy of a hub preset, so that nothing is downloaded."""
+    if not platforms.in_kaggle_notebook() or not (preset.startswith("kaggle://") or "/" not in preset):
+        return None
+    attached = platforms.attached_preset(preset)
+    if attached is not None:
+        print(f"note: using {preset} attached at {attached} instead of downloading it", file=sys.stderr)
+    return attached
+
+
+def _family_of_directory(path: Path) -> str:
+    config = path / "config.json"
+    if not config.is_file():
+        raise UserError(f"{path} is not a keras-hub preset directory (no config.json); make one with save_to_preset")
+    try:
+        described = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{config} is not valid JSON; re-create the preset with save_to_preset") from None
+    if not isinstance(described, dict):
+        raise UserError(
+            f"{config} must hold a JSON object with a class_name, not a {type(described).__name__}; "
+            "re-create the preset with save_to_preset"
+        )
+    class_name = str(described.get("class_name") or "")
+    family = families.of_class_name(class_name)
+    if family is not None:
+        return family.name
+    if "Gemma" in class_name:
+        known = ", ".join(f.backbone for f in families.FAMILIES.values())
+        raise UserError(
+            f"{path} holds a {class_name.split('>')[-1]}, a Gemma finetune does not know; it trains {known}"
+        )
+    raise UserError(f"{path} holds a {class_name or 'non-Gemma'} model; finetune trains Gemma presets only")
+
+
+def directory_backbone(path: Path) -> tuple[str, dict]:
+    """The family and backbone config ("config" in config.json) of a local preset directory."""
+    family = _family_of_directory(path)
+    config = json.loads((path / "config.json").read_text(encoding="utf-8")).get("config")
+    if not isinstance(config, dict):
+        raise UserError(f'{path / "config.json"} has no backbone "config" mapping; re-create it with save_to_preset')
+    return family, config
+
+
+def known_names() -> dict[str, str]:
+    """keras-hub's preset names -> family, for every family this keras-hub has."""
+    return {name: family.name for name, family in families.preset_names().items()}
+
+
+def _family_of_name(name: str) -> str:
+    names = known_names()
+    if name.endswith("_assistant") and name in names:
+        raise UserError(
+            f"{name} is a speculative-decoding draft model, which keras-hub runs only beside its target model; "
+            f"fine-tune {name.removesuffix('_assistant')} instead"
+        )
+    if name in names:
+        return names[name]
+    close = near_misses(name, [*names, *TINY])
+    hint = f"did you mean {', '.join(close)}?" if close else f"e.g. gemma_2b_en, gemma3_1b, gemma4_2b, or {TINY_NAMES}"
+    raise UserError(f"unknown preset {name!r}; {hint}")
+
+
+def near_misses(name: str, known: list[str]) -> list[str]:
+    """The known preset names `name` may have meant: those it begins (gemma_2b: gemma_2b_en), then the closest."""
+    extended = [known_name for known_name in known if known_name.startswith(name)][:2]
+    return list(dict.fromkeys(extended + difflib.get_close_matches(name, known, n=3)))[:4]
+
+
+def _family_of_handle(handle: str) -> str:
+    family = families.of_kaggle_handle(handle)
+    if family is None:
+        raise UserError(
+            f"cannot tell which Gemma family {handle} is (neither its variant nor its model is one keras-hub names); "
+            "download it and pass its directory as --preset: its config.json says"
+        )
+    return family.name
+
+
+def _check_hub_access(handle: str) -> None:
+    if platforms.in_kagglehub_cache(handle):
+        return
+    if platforms.use_kaggle_secrets():
+        print("note: using the Kaggle credentials from this notebook's secrets", file=sys.stderr)
+    if not platforms.kaggle_credentials_present():
+        raise UserError(
+            f"preset {handle} is downloaded from Kaggle, and no Kaggle credentials were found. Set "
+            "KAGGLE_USERNAME and KAGGLE_KEY (or write ~/.kaggle/kaggle.json) after accepting the Gemma "
+            "license at kaggle.com/models/google/gemma;\nin a Kaggle notebook, attach the model (it is found under /kaggle/input) "
+            "or add KAGGLE_USERNAME and KAGGLE_KEY as notebook secrets; or run offline with --preset tiny"
+        )
+    if not platforms.reachable("www.kaggle.com"):
+        raise UserError(
+            f"cannot reach kaggle.com to download {handle}; check the network, pass a local preset "
+            "directory as --preset, or run offline with --preset tiny"
+        )
+
+
+def preset_sequence_length(source: Source) -> int:
+    """The sequence length the preset's own preprocessor has, before a run sets its --seq-len."""
+    import inspect
+
+    import keras_hub
+
+    if source.kind == "tiny":  # no preset files: the class default
+        cls = families.keras_hub_class(families.get(source.family), "preprocessor")
+        return inspect.signature(cls.__init__).parameters["sequence_length"].default
+    return keras_hub.models.CausalLMPreprocessor.from_preset(source.handle).sequence_length
+
+
+# Text-only tokenizers and preprocessors: the tiny presets have no image, audio or video encoders.
+_TOKENIZER_ARGS = {"gemma3": dict(has_vision_tokens=False), "gemma4": dict(has_vision_tokens=False,
+                   has_video_tokens=False)}  # fmt: skip
+_PREPROCESSOR_ARGS = {"gemma3": dict(image_converter=None), "gemma3n": dict(image_converter=None,
+                      audio_converter=None), "gemma4": dict(image_converter=None, audio_converter=None,
+                      video_converter=None)}  # fmt: skip
+
+
+def tiny_tokenizer(name: str = "tiny"):
+    """The tiny preset's tokenizer, of its family's keras-hub class."""
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
+    return cls(proto=str(spec.tokenizer), **_TOKENIZER_ARGS.get(spec.family, {}))
+
+
+def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+    return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
+
+
+def tiny_config(name: str, vocabulary_size: int) -> dict:
+    """The tiny preset's whole backbone config, with the tokenizer's vocabulary size."""
+    spec = TINY[name]
+    keys = _VOCABULARY_KEYS.get(spec.family, ("vocabulary_size",))
+    return dict(spec.config, **{key: vocabulary_size for key in keys})
+
+
+def tiny_vocabulary_size(name: str = "tiny") -> int:
+    """The tiny tokenizer's vocabulary size, read with sentencepiece alone (no keras)."""
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=str(TINY[name].tokenizer)).get_piece_size()
+
+
+def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
+    """A tiny preset's backbone with its base weights, the same on every backend.
+
+    `tiny` loads its shipped weights (tools/make_tiny_weights.py). The other
+    tiny presets draw each matrix from numpy's generator seeded by its path
+    (normal, std 0.1) and keep keras' constant start for the vectors and
+    scalars (norm scales, per-expert scales): an adapter trained on one backend
+    applies on another.
+    dtype: a policy, or quantized.policies' map: each quantized kernel is filled from the float weights it
+        would have had.
+    """
+    import numpy as np
+
+    from finetune.model import quantized
+
+    spec = TINY[name]
+    cls = families.keras_hub_class(families.get(spec.family), "backbone")
+    backbone = cls(dtype=dtype, **tiny_config(name, vocabulary_size))
+    stored = np.load(spec.weights) if spec.weights is not None else None
+
+    def value(path: str, shape) -> np.ndarray | None:
+        if stored is not None:
+            return stored[path].astype(np.float32)
+        if len(shape) < 2:
+            return None
+        rng = np.random.default_rng([WEIGHT_SEED, zlib.crc32(path.encode())])
+        return rng.normal(0.0, 0.1, tuple(shape)).astype(np.float32)
+
+    try:
+        compressed = quantized.quantized_layers(backbone)
+        for layer in compressed:
+            quantized.fill(layer, lambda shape, path=f"{layer.path}/kernel": value(path, shape))
+        done = {id(v) for layer in compressed for v in layer.weights}
+        for weight in backbone.weights:
+            start = value(weight.path, tuple(weight.shape)) if id(weight) not in done else None
+            if start is not None:
+                weight.assign(start)
+    finally:
+        if stored is not None:
+            stored.close()
+    return backbone
+
+
+def dims(source: Source):
+    """The backbone's sizes, read without building it: the layouts are set before the weights exist.
+
+    A hub preset's come from the package's table (archs.py) when it has them, else from the preset's
+    config.json, which keras-hub downloads alone.
+    """
+    from finetune.model import layouts
+
+    try:
+        return layouts.Dims.from_backbone_config(backbone_config(source), source.family)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"preset {source.handle} has no usable backbone size {e} in its config.json") from None
+
+
+def backbone_config(source: Source) -> dict:
+    """The preset's backbone config (config.json's "config"), read without building the backbone."""
+    from finetune.model import archs
+
+    if source.kind == "tiny":
+        return tiny_config(source.handle, tiny_vocabulary_size(source.handle))
+    if source.kind == "local":
+        return directory_backbone(Path(source.handle))[1]
+    parts = source.handle.removeprefix("kaggle://").split("/")
+    arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
+    if arch is not None:
+        return arch.config
+    return keras_compat.preset_config(source.handle).get("config", {})

@@ -1,0 +1,441 @@
+"""Choose the Keras backend and apply its tweaks, recording each one.
+
+`select()` must run before keras is first imported: Keras reads KERAS_BACKEND
+once, at import. `apply_runtime_tweaks()` runs after, when the framework can
+say what hardware it sees. Both return what they did, for config.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from finetune.platform import keras_compat
+from finetune.platform.errors import UserError
+
+# The seed article's measurement: gemma_2b at seq_len 512 on a 24 GB card fits
+# batch 4 under JAX but only 2 under PyTorch; TensorFlow is given the safe 2.
+DEFAULT_BATCH_SIZE = {"jax": 4, "torch": 2, "tensorflow": 2}
+
+# --precision -> (Keras dtype policy of the frozen base, of the layers LoRA adapts). The base is stored in
+# the compute dtype, as PEFT keeps a bfloat16 model: half the bytes of float32, and no cast of every
+# kernel on every step. An adapted layer's policy is mixed, so its LoRA factors (and their gradients
+# and AdamW moments) are float32 while its kernel stays as the base stores it.
+POLICIES = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "mixed_bfloat16"),
+    "float16": ("float16", "mixed_float16"),
+    # Keras' own mixed precision: every weight float32, computed in bfloat16 (twice the base's bytes).
+    "mixed_bfloat16": ("mixed_bfloat16", "mixed_bfloat16"),
+}
+
+
+# objective.py projects the loss positions onto the vocabulary this many bytes of float32 logits at a time:
+# 128 positions of Gemma's 256k vocabulary. A chunk holds about two and a half times this at once (logits,
+# softmax, its compute-dtype copy). On a 2-core CPU a (64 x 2048) x (2048 x 256k) bf16 matmul ran at 367
+# GFLOP/s and its transpose at 272, against 399 and 341 at 128 rows: smaller chunks cost speed.
+LOSS_CHUNK_BYTES = 128 * 2**20
+LOSS_CHUNK_MAX = 256  # positions: small enough that skipping an all-padding chunk saves work at small vocabularies
+
+
+def loss_chunk(vocabulary_size: int) -> int:
+    """Positions projected together: as many as LOSS_CHUNK_BYTES of float32 logits, 16 to 256, a multiple of 16."""
+    fit = LOSS_CHUNK_BYTES // (4 * vocabulary_size)
+    return max(16, min(LOSS_CHUNK_MAX, fit // 16 * 16))
+
+
+# Set by the processes finetune owns (the CLI, a bench row), never by the Python API: a notebook that goes on to
+# import another framework for its own work must be able to.
+LEAVE_OUT_OTHER_FRAMEWORKS = False
+
+# The modules of each framework that another backend's process would import for nothing.
+_FRAMEWORK_MODULES = {"tensorflow": ("tensorflow", "tensorflow_text"), "jax": ("jax", "jaxlib")}
+
+
+def leave_out_other_frameworks(backend: str, needed: tuple[str, ...] = ()) -> list[str]:
+    """Keep the frameworks that are neither `backend` nor `needed` out of this process; returns those kept out.
+
+    keras-hub imports TensorFlow whenever it is installed, and tokenizes without
+    it (the sentencepiece package); keras imports JAX for its Orbax callback. In
+    a process that trains on another backend they are resident memory and nothing
+    else: after `import keras, keras_hub` on PyTorch, 562 MiB with both, 457
+    without JAX, and about 590 MiB more with TensorFlow; on TensorFlow, 898 MiB
+    with JAX and 792 without. The TensorBoard log is written without TensorFlow
+    (events.py), and gs:// is read through fsspec. Only a framework not yet
+    imported is kept out; `import` of it then raises ImportError, which keras,
+    keras-hub and datasets all take as "not installed".
+
+    needed: frameworks the run's model needs whatever its backend (TensorFlow for
+    keras-hub's Gemma 3, 3n and 4 preprocessors: presets.frameworks_needed).
+    """
+    left_out = []
+    for framework, modules in _FRAMEWORK_MODULES.items():
+        if framework in (backend, *needed) or any(sys.modules.get(m) is not None for m in modules):
+            continue
+        for name in modules:
+            sys.modules[name] = None
+        left_out.append(framework)
+    return left_out
+
+
+def select(backend: str, xla_mem_fraction: float = 1.0, needed: tuple[str, ...] = ()) -> dict:
+    """Set KERAS_BACKEND and the environment tweaks that must precede the import; quiet the frameworks' logs.
+
+    needed: frameworks the run needs besides its backend's, kept in a process that leaves the others out.
+    """
+    from finetune.platform import quiet
+
+    quiet.install()  # the Python API's way in: a notebook's output then holds no framework log line either
+    if "keras" in sys.modules:
+        import keras
+
+        current = keras.config.backend()
+        if current != backend:
+            raise UserError(
+                f"keras is already loaded with the {current} backend in this process, so {backend} "
+                f"cannot be chosen; choose {current} instead, or restart the kernel and call finetune before "
+                "importing keras"
+            )
+    import importlib.util
+
+    if importlib.util.find_spec(backend) is None:
+        raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
+    os.environ["KERAS_BACKEND"] = backend
+    tweaks = {"KERAS_BACKEND": backend}
+    if LEAVE_OUT_OTHER_FRAMEWORKS:
+        left_out = leave_out_other_frameworks(backend, needed)
+        if left_out:
+            tweaks["frameworks_left_out"] = ", ".join(left_out)
+    # TensorFlow and XLA print CUDA probing noise at import; keep warnings and errors.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if backend == "jax":
+        # The tutorial's 1.00 lets XLA take the whole card rather than its 75% default.
+        fraction = f"{xla_mem_fraction:.2f}"
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
+        tweaks["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
+    return tweaks
+
+
+def accelerator() -> str:
+    """'gpu', 'tpu' or 'cpu': what the current backend will compute on."""
+    import keras
+
+    backend = keras.config.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform.replace("cuda", "gpu").replace("rocm", "gpu")
+    if backend == "torch":
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    import tensorflow as tf
+
+    if tf.config.list_logical_devices("TPU"):
+        return "tpu"
+    return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+
+
+def device_name(device: str) -> str:
+    """What the run computes on, as the console and metrics.json name it: `cpu (AMD EPYC 7B13, 2 cores)`,
+    `gpu (NVIDIA H100 80GB HBM3)`, `tpu (TPU v5 lite)`; the kind alone where the framework does not say."""
+    import keras
+
+    if device == "cpu":
+        model = next((value for key, value in _cpuinfo() if key == "model name"), "")
+        cores = physical_cores()
+        return f"cpu ({model + ', ' if model else ''}{cores} core{'s' if cores != 1 else ''})"
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            kind = jax.devices()[0].device_kind
+        elif backend == "torch":
+            import torch
+
+            kind = torch.cuda.get_device_name(0)
+        else:
+            import tensorflow as tf
+
+            kind = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0]).get(
+                "device_name", ""
+            )
+    except (RuntimeError, IndexError, AttributeError):
+        kind = ""
+    return f"{device} ({kind})" if kind else device
+
+
+def supports_bfloat16(device: str) -> bool:
+    """bf16 pays on a TPU, a GPU of compute capability 8.0 or newer (not a T4), and a CPU where cpu_precision
+    picks it."""
+    import keras
+
+    if device == "tpu":
+        return True
+    if device == "cpu":
+        return cpu_precision(keras.config.backend()) == "bfloat16"
+    if device != "gpu":
+        return False
+
+    backend = keras.config.backend()
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.is_bf16_supported()
+    if backend == "jax":
+        import jax
+
+        capability = getattr(jax.devices()[0], "compute_capability", "8.0")
+        return float(capability) >= 8.0
+    import tensorflow as tf
+
+    gpu = tf.config.list_physical_devices("GPU")[0]
+    major, _ = tf.config.experimental.get_device_details(gpu).get("compute_capability", (8, 0))
+    return major >= 8
+
+
+def cpu_precision(framework: str) -> str:
+    """The dtype --precision auto gives the base on this CPU under `framework`: its fastest matmul's.
+
+    - JAX: float32. XLA's CPU backend has no fast 16-bit matmul (bf16 161, float16
+      158 against float32 253 GFLOP/s on 2 cores of an Intel Xeon with AVX512-FP16)
+      and keeps float32 copies of bf16 weights: at gemma-2b dims on a Xeon with AMX,
+      JAX trained at 19 tokens/s in 13.0 GB in float32, 16 in 16.8 GB in bf16.
+    - AMX: bfloat16 (PyTorch's bf16 matmul peaked at 2,149 GFLOP/s on a Xeon with AMX).
+    - AVX512-FP16 without AMX: float16. There bf16 goes through AVX512-BF16 at
+      about half float32's rate (PyTorch 173, TensorFlow 160 GFLOP/s against 258
+      and 280) while float16 matches or passes float32 (313 and 293): float16
+      trains at float32's speed in bf16's memory. The T4's dtype too.
+    - AVX512-BF16 (AMD Zen 4): bfloat16 (cpu-small trained 1.37x faster on
+      TensorFlow and 1.67x on PyTorch than float32, BENCHMARKS.md).
+    - Otherwise float32: without 16-bit units the 16-bit matmuls are emulated.
+    """
+    if framework == "jax":
+        return "float32"
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    if "avx512_fp16" in flags:
+        return "float16"
+    if "avx512_bf16" in flags:
+        return "bfloat16"
+    return "float32"
+
+
+def auto_precision(device: str) -> str:
+    """--precision auto: bfloat16 where it is fast, float16 on GPUs without bf16 (T4, V100), this CPU's fastest."""
+    if device == "cpu":
+        import keras
+
+        return cpu_precision(keras.config.backend())
+    if supports_bfloat16(device):
+        return "bfloat16"
+    return "float16" if device == "gpu" else "float32"
+
+
+def _cpuinfo() -> list[tuple[str, str]]:
+    """(key, value) lines of /proc/cpuinfo; empty where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in f)]
+    except OSError:
+        return []
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty off Linux."""
+    return set(next((value.split() for key, value in _cpuinfo() if key == "flags"), []))
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthreads counted once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores, cpu, package = set(), None, "0"
+    for key, value in _cpuinfo():
+        if key == "processor" and value.isdigit():
+            cpu = int(value)
+        elif key == "physical id":
+            package = value
+        elif key == "core id" and cpu in allowed:
+            cores.add((package, value))
+    return len(cores) or len(allowed) or 1
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat", encoding="utf-8") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields[:8]), fields[3] + fields[4]  # (all, idle + iowait), steal and guest excluded
+
+
+def idle_cores(interval: float = 0.25) -> int | None:
+    """Physical cores that other processes left idle over `interval` seconds; None where unknown."""
+    try:
+        total0, idle0 = _cpu_times()
+        time.sleep(interval)
+        total1, idle1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    idle_share = (idle1 - idle0) / (total1 - total0)
+    return max(1, min(physical_cores(), round(idle_share * physical_cores())))
+
+
+def torch_threads(requested: int | None) -> tuple[int, str]:
+    """PyTorch's intra-op thread count on a CPU, and why.
+
+    Its default is every logical CPU, busy or not. Spin-waiting OpenMP threads
+    on cores another process holds made the tiny quickstart 4x slower (3.2k
+    against 13.2k tokens/s with one busy core out of two); one thread per idle
+    physical core kept 9.3k. So: the user's number, else the physical cores
+    idle at start.
+    """
+    if requested is not None:
+        return requested, "set by train.threads"
+    cores, idle = physical_cores(), idle_cores()
+    if idle is None:
+        return cores, f"{cores} physical cores"
+    return idle, f"{idle} of {cores} physical cores idle at start"
+
+
+def set_seed(seed: int) -> None:
+    """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends (keras_compat)."""
+    keras_compat.set_seed_leaving_tensorflow_alone(seed)
+
+
+def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
+    """TF32 matmuls, PyTorch's CPU threads and the dtype policy; returns the tweaks applied.
+
+    threads: int. PyTorch on a CPU: intra-op threads; None picks the idle physical cores.
+    """
+    import keras
+
+    backend = keras.config.backend()
+    device = accelerator()
+    tweaks: dict = {"device": device, "device_name": device_name(device)}
+    if backend != "tensorflow" and sys.modules.get("tensorflow") is not None:
+        tweaks["tensorflow"] = _tensorflow_off_accelerators()
+    if backend == "torch":
+        import torch
+
+        torch.set_float32_matmul_precision("high")
+        tweaks["torch.float32_matmul_precision"] = "high"
+        if device == "cpu":
+            count, why = torch_threads(threads)
+            torch.set_num_threads(count)
+            tweaks["torch.intra_op_threads"] = f"{count} ({why})"
+            tweaks["threads"] = count
+            # Left at torch's default: one inter-op thread against two measured no faster (tiny, 2 cores).
+            tweaks["torch.inter_op_threads"] = torch.get_num_interop_threads()
+            if keras_compat.keep_float16_matmuls():
+                tweaks["keras.ops.matmul"] = "float16 kept float16 on the CPU"
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        tweaks["tensorflow.tensor_float_32"] = True
+    elif device == "gpu":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32")
+        tweaks["jax_default_matmul_precision"] = "tensorfloat32"
+    if precision == "auto":
+        precision = auto_precision(device)
+    # The global policy is the adapter's: LoRA factors, and any layer made after the base, get it.
+    keras.config.set_dtype_policy(POLICIES[precision][1])
+    tweaks["dtype_policy"] = precision
+    return tweaks
+
+
+def _tensorflow_off_accelerators() -> str:
+    """On JAX or PyTorch, TensorFlow only prepares text for keras-hub (families.Family.needs_tensorflow): keep
+    it off the GPUs, where its first op would reserve most of each card's memory beside the backend's."""
+    import tensorflow as tf
+
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:  # its devices were set up already: by the user's own code, in a notebook
+        return "kept for keras-hub's preprocessor; its devices were already set up"
+    return "kept for keras-hub's preprocessor, on the CPU only"
+
+
+def host_memory() -> int | None:
+    """The memory this process may use, in bytes: the host's (MemTotal), or its container's limit where that
+    is lower (cgroup v2 memory.max, v1 memory.limit_in_bytes: Kaggle's and Vertex AI's containers); None where
+    neither can be read (not Linux)."""
+    total = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            total = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")), None)
+    except (OSError, ValueError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        if text.isdigit() and (total is None or 0 < int(text) < total):
+            total = int(text)  # "max", or v1's huge number when unlimited, leaves the host's total
+    return total
+
+
+def device_memory(device: str) -> int | None:
+    """Bytes of memory one device offers: a GPU's or TPU's as its framework reports it, the host's on a CPU;
+    None where the framework does not say (TensorFlow on a GPU)."""
+    import keras
+
+    if device == "cpu":
+        return host_memory()
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        if backend == "torch":
+            import torch
+
+            return torch.cuda.get_device_properties(0).total_memory
+    except (RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an accelerator or host out-of-memory error, on any backend."""
+    # Case-insensitive: XLA says "RESOURCE_EXHAUSTED: Out of memory", torch "CUDA out of memory",
+    # TensorFlow raises ResourceExhaustedError.
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(k in text for k in ("resource_exhausted", "resourceexhausted", "out of memory", "outofmemory"))
+
+
+def peak_memory_mb() -> float:
+    """Peak accelerator memory of this process, or peak resident memory on a CPU."""
+    import keras
+
+    backend = keras.config.backend()
+    try:
+        if backend == "jax":
+            import jax
+
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                return stats["peak_bytes_in_use"] / 2**20
+        elif backend == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.max_memory_allocated() / 2**20
+        else:
+            import tensorflow as tf
+
+            if tf.config.list_physical_devices("GPU"):
+                return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    except (RuntimeError, ValueError):
+        pass
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

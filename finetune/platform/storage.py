@@ -1,0 +1,273 @@
+"""Where bytes land: durable local writes, and remote run directories (gs://, /gcs/) staged locally.
+
+Checkpoints and results are written to a local directory first: h5py cannot
+write to gs://, and a rename is only atomic on a local disk. A remote --output
+(any fsspec URL; gs:// needs gcsfs) gets a local staging directory, and a
+`Mirror` copies it out: checkpoints as they are written, so a preempted job
+keeps them, and the results at the end with metrics.json last.
+
+/gcs/<bucket>/ (Vertex AI's Cloud Storage FUSE mount) is a local path, but it
+is staged the same way: gcsfuse has no flock, and refuses to rename a directory
+(as a checkpoint save does) unless mounted with --rename-dir-limit; copying
+files into it always works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from finetune.platform.errors import UserError
+
+GCS_EXTRA = 'pip install "finetune[gcs]"'
+FUSE_MOUNT = Path("/gcs")  # where Vertex AI mounts Cloud Storage
+# What a name and a path may hold, in bytes, where the file system does not say: ext4, xfs and APFS refuse a
+# component over 255, and Linux' system calls a path over 4096.
+NAME_MAX, PATH_MAX = 255, 4096
+
+
+def check_output(path: str, flag: str, *, directory: bool = False, beside: int = 0, inside: int = 0) -> None:
+    """Refuse, before any work, an output the user named that could not be written once the work is done.
+
+    Every output path goes through here (`bench --json`/`--plot`, `export --output`, a run's --output), so that
+    a folder where a file is expected, a folder nobody may write in (a read-only file system included) or a name
+    the file system refuses ends the command in seconds rather than after training. A URL (gs://) is left to its
+    file system: check_writable probes a bucket.
+
+    flag: str. The option that named `path`, for messages.
+    directory: bool. `path` is a directory to make (its missing parents are made too); else a file, whose folder
+        must exist.
+    beside: int. Bytes the temporary names written beside `path` add to its last component.
+    inside: int. Bytes of the longest name written inside `path`, a directory.
+    """
+    if is_remote(path):
+        return
+    if not path.strip():
+        raise UserError(f"{flag} is empty (an unset shell variable?); pass the {'directory' if directory else 'file'}")
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    existing = nearest_existing(target if directory else target.parent)
+    name_max, path_max = _limits(existing)
+    for part in target.parts:
+        if len(part.encode("utf-8")) + (beside if part == target.name else 0) > name_max:
+            raise UserError(
+                f"{flag}: the name {part[:40]}... is {len(part.encode('utf-8'))} bytes, too long for the file system "
+                f"(at most {name_max - beside} here); pass a shorter {flag}"
+            )
+    if len(str(target).encode("utf-8")) + inside > path_max:
+        raise UserError(f"{flag} {path[:40]}... is too long a path for the file system; pass a shorter {flag}")
+    if directory and target.exists() and not target.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory; pass another {flag}")
+    if not directory and target.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name the file to write, such as {Path(path) / 'results'}")
+    if not directory and existing != target.parent:
+        raise UserError(f"cannot write {path}: its folder does not exist; create it or pass another {flag}")
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {existing} is not a writable directory; pass another {flag}")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where what is written under it would be made."""
+    while path != path.parent:
+        try:
+            if path.exists():
+                return path
+        except OSError:  # a name too long for the file system: it cannot exist
+            pass
+        path = path.parent
+    return path
+
+
+def _limits(existing: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system holding `existing`, as it reports them."""
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # Windows has no pathconf; a file system may not say
+        return NAME_MAX, PATH_MAX
+
+
+def write_synced(path: Path, payload: bytes) -> None:
+    """Write `payload` to `path` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_remote(path: str | None) -> bool:
+    """Whether `path` is a URL (gs://bucket/..., memory://...) rather than a local path."""
+    return bool(path) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
+
+
+def is_fuse(path: str | None) -> bool:
+    """Whether `path` is under Vertex AI's Cloud Storage FUSE mount, /gcs/."""
+    return bool(path) and not is_remote(path) and Path(os.path.abspath(path)).is_relative_to(FUSE_MOUNT)
+
+
+def is_staged(path: str | None) -> bool:
+    """Whether a run for `path` is written to a local staging directory and copied there."""
+    return is_remote(path) or is_fuse(path)
+
+
+def filesystem(url: str):
+    """(fsspec file system, path within it) for a URL or a local path; a UserError when a protocol is not installed."""
+    import fsspec
+
+    if not is_remote(url):
+        return fsspec.filesystem("file", auto_mkdir=True), os.path.abspath(os.path.expanduser(url))
+    protocol = url.split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError:
+        extra = GCS_EXTRA if protocol in ("gs", "gcs") else f"install the fsspec file system for {protocol}://"
+        raise UserError(f"writing to {protocol}:// needs a package that is not installed: {extra}") from None
+    except ValueError as e:
+        raise UserError(
+            f"cannot use {url}: {e}; pass a local directory, gs://bucket/path or /gcs/bucket/path"
+        ) from None
+
+
+def check_writable(url: str) -> None:
+    """Write and delete a small object under `url`: an unreachable or read-only bucket is refused before training."""
+    fs, root = filesystem(url)
+    probe = f"{root.rstrip('/')}/.finetune-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(probe, b"finetune checks it can write here\n")
+        fs.rm_file(probe)
+    except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"cannot write to {url} ({reason});\ncheck the bucket name and your credentials "
+            "(gcloud auth application-default login), or pass another --output"
+        ) from None
+
+
+def staging_dir(url: str) -> Path:
+    """The local directory a run for `url` is written to before it is copied there.
+
+    The same URL always stages in the same place, so the run directory's lock
+    keeps two runs on this machine from writing to one URL.
+    """
+    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "finetune-staging" / digest
+
+
+def _files(local: Path) -> dict[str, Path]:
+    """Relative name to path of each file under `local`, leaving out hidden ones (locks, files being written)."""
+    found = {}
+    for path in sorted(local.rglob("*")) if local.is_dir() else []:
+        relative = path.relative_to(local)
+        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
+            found[relative.as_posix()] = path
+    return found
+
+
+class Mirror:
+    """A local directory copied to a remote one (any fsspec URL, or a local path) as it changes.
+
+    Only files that changed since they were last sent are copied. Files named
+    in `last` are copied after all others: metrics.json marks a finished run,
+    and a checkpoint's manifest.json a whole checkpoint.
+
+    prune: str or None. A folder ("" for all) where, on the final push, every
+        remote file that is not local is deleted: checkpoints of a run this one
+        replaced go only once it has finished, as they do locally.
+    """
+
+    def __init__(self, local: Path, url: str, last: tuple[str, ...] = (), prune: str | None = None):
+        self.local = Path(local)
+        self.url = url.rstrip("/")
+        self.last = last
+        self.prune = prune
+        self.fs, self.root = filesystem(url)
+        self.root = self.root.rstrip("/")
+        self.sent: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when it was sent
+
+    def remote(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def push(self, final: bool = False) -> None:
+        """Copy new and changed files; delete remote files this mirror sent that are gone locally.
+
+        final: bool. The local copy is final: also prune (see the class).
+        """
+        files = _files(self.local)
+        order = sorted(files, key=lambda name: name.rsplit("/", 1)[-1] in self.last)
+        for name in order:
+            stat = files[name].stat()
+            stamp = (stat.st_size, stat.st_mtime_ns)
+            if self.sent.get(name) != stamp:
+                self.fs.put_file(str(files[name]), self.remote(name))
+                self.sent[name] = stamp
+        gone = [name for name in self.sent if name not in files]
+        if final and self.prune is not None:
+            gone += [name for name in self.remote_files(self.prune) if name not in files and name not in gone]
+        for name in gone:
+            self.fs.rm_file(self.remote(name))
+            self.sent.pop(name, None)
+
+    def remote_files(self, folder: str = "") -> list[str]:
+        """Names (relative to the mirror's root) of the remote files under `folder`."""
+        base = self.remote(folder).rstrip("/") if folder else self.root
+        self.fs.invalidate_cache()
+        if not self.fs.exists(base):
+            return []
+        return sorted(p.split(f"{self.root}/", 1)[-1] for p in self.fs.find(base))
+
+    def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache()
+        return self.fs.exists(self.remote(name))
+
+    def delete(self, name: str) -> None:
+        if self.exists(name):
+            self.fs.rm_file(self.remote(name))
+        self.sent.pop(name, None)
+
+    def pull(self, folder: str, names: tuple[str, ...] = ()) -> None:
+        """Copy the remote `folder` and files `names` here, for a resume; a name missing remotely is removed here.
+
+        Files of `folder` that only exist here are kept: a checkpoint whose copy
+        failed is still one to resume from. A file whose size matches is not
+        copied again, so pulling twice copies once. Each file is downloaded
+        under a hidden name and renamed into place.
+        """
+        wanted = self.remote_files(folder) + [n for n in names if self.exists(n)]
+        for name in names:
+            if name not in wanted:
+                (self.local / name).unlink(missing_ok=True)
+        for name in wanted:
+            path = self.local / name
+            if not (path.is_file() and path.stat().st_size == self.fs.size(self.remote(name))):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f".partial.{path.name}")
+                self.fs.get_file(self.remote(name), str(partial))
+                os.replace(partial, path)
+            stat = path.stat()
+            self.sent[name] = (stat.st_size, stat.st_mtime_ns)
+
+
+def remove_staging(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

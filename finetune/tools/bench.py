@@ -1,0 +1,801 @@
+"""`finetune bench`: one LoRA workload trained on each backend, side by side, with numbers that compare.
+
+Each (backend, recipe) row runs in its own Python process, since Keras fixes
+its backend at first import. The model is a Gemma architecture with random
+weights (throughput does not depend on their values); the data is real.
+
+- Recipe `finetune` is what `finetune gemma` trains with: packed rows, the
+  backend's tweaks (precision `auto`, PyTorch threads), response-only loss, one
+  `train_on_batch` per step, exactly as loop.py drives it.
+- Recipe `tutorial` is the Keras Gemma LoRA tutorial's: every example padded
+  to seq-len, float32, no tweaks, `fit()` on the preprocessed batches.
+- Recipe `hf` is the peer: Hugging Face transformers + PEFT, packed, its base
+  built in the dtype --precision auto picks on the device (peer.py), in the
+  torch process.
+- A lever row is the `finetune` recipe with one setting changed (packing off,
+  float32, an int4 or int8 base, remat on), so what each buys is measured in
+  the same run.
+
+tokens/s counts the non-padding tokens of the timed steps only: the first
+`warmup` steps, and the first step of each batch shape (it compiles), are left
+out, and nothing else is timed. MFU is those tokens/s times the training FLOPs
+per token of the full model (its whole vocabulary projection included), over
+the device's matmul peak in the row's compute dtype: a large square matmul,
+warmed up, the best of several runs on each backend, measured once before the
+rows and printed with the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from finetune.config import setting
+from finetune.model import archs, presets
+from finetune.platform.errors import UserError
+
+# Gemma architectures in keras_hub.models.GemmaBackbone terms. cpu-small is the
+# shared benchmark workload's; gemma-2b and gemma-7b are the released models' (archs.py).
+_RELEASED = {"gemma-2b": archs.ARCHS["gemma_2b_en"].config, "gemma-7b": archs.ARCHS["gemma_7b_en"].config}
+ARCHS = {
+    "tiny": presets.TINY_CONFIG,
+    "cpu-small": dict(
+        num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
+    ),
+    **{name: {k: v for k, v in c.items() if k != "vocabulary_size"} for name, c in _RELEASED.items()},
+}
+# The released models' vocabulary; the small archs take the tokenizer's. Ids of
+# a small tokenizer are valid ids of a larger vocabulary, and the logits cost is the real one.
+VOCAB = {name: c["vocabulary_size"] for name, c in _RELEASED.items()}
+BACKENDS = ("jax", "torch", "tensorflow")
+RECIPES = ("finetune", "tutorial", "hf")
+LEVERS = {
+    "packing": "packing off",
+    "precision": "float32",
+    "int8": "int8 base",
+    "int4": "int4 base",
+    "remat": "remat on",
+}
+ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
+
+
+@dataclass
+class Workload:
+    """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
+
+    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b.",
+                        flag="--arch", metavar="NAME")  # fmt: skip
+    tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
+                             default_text="the tiny model's")  # fmt: skip
+    data: str = setting("sample", "Dolly-style JSONL to train on, or `sample`.", flag="--data", metavar="FILE")
+    seq_len: int = setting(512, "Tokens per row.", flag="--seq-len")
+    batch_size: int = setting(8, "Rows per step.", flag="--batch-size")
+    steps: int = setting(10, "Timed steps per row of the table, after the warm-up ones.", flag="--steps")
+    warmup: int = setting(2, "Steps run before timing (the first compiles).", flag="--warmup")
+    rank: int = setting(4, "LoRA rank, on query and value.", flag="--rank")
+    quantize: str = setting("", "int4 or int8: the finetune rows' base built quantized (gemma-7b fits a 24 GB host "
+                            "so).", flag="--quantize", metavar="int4|int8", default_text="none")  # fmt: skip
+
+
+@dataclass
+class Spec:
+    backend: str
+    recipe: str
+    lever: str | None = None
+    workload: Workload = field(default_factory=Workload)
+
+
+def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
+    """Everything a user can get wrong, before any process starts."""
+    if workload.arch not in ARCHS:
+        raise UserError(f"unknown arch {workload.arch!r}; choose one of {', '.join(ARCHS)}")
+    if workload.tokenizer and not Path(workload.tokenizer).is_file():
+        raise UserError(f"tokenizer {workload.tokenizer} does not exist; pass a SentencePiece .spm file")
+    for name, value, least in (
+        ("seq-len", workload.seq_len, 16),
+        ("batch-size", workload.batch_size, 1),
+        ("steps", workload.steps, 1),
+        ("warmup", workload.warmup, 1),
+        ("rank", workload.rank, 1),
+    ):
+        if value < least:
+            raise UserError(f"--{name} must be at least {least}, got {value}")
+    for kind, given, allowed in (
+        ("backend", backends, BACKENDS),
+        ("recipe", recipes, RECIPES),
+        ("lever", levers, LEVERS),
+    ):
+        unknown = [g for g in given if g not in allowed]
+        if unknown:
+            raise UserError(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(allowed)}")
+    if workload.quantize not in ("", "int4", "int8"):
+        raise UserError(f"unknown quantize mode {workload.quantize!r}; choose int4 or int8, or leave it out")
+    if not backends or not (recipes or levers):
+        raise UserError("nothing to run: give at least one backend and one recipe")
+    from finetune.tools import peer
+
+    if "hf" in recipes and not peer.available():
+        raise UserError("recipe hf needs torch, transformers and peft: pip install 'finetune[torch,hf]'")
+    import importlib.util
+
+    missing = [b for b in backends if importlib.util.find_spec(b) is None]
+    if missing:
+        raise UserError(
+            f"{missing[0]} is not installed; pip install 'finetune[{missing[0]}]', or leave it out of --backends"
+        )
+    from finetune.data import formats
+
+    formats.load_records(workload.data)  # a missing or malformed file fails here, not in every worker
+
+
+def installed_backends() -> list[str]:
+    import importlib.util
+
+    return [b for b in BACKENDS if importlib.util.find_spec(b) is not None]
+
+
+def run(
+    workload: Workload,
+    backends: list[str],
+    recipes: list[str],
+    levers: list[str],
+    json_path: str | None = None,
+    plot_path: str | None = None,
+) -> list[dict]:
+    """Run every row, one process each, one after another; print the table and the verdict."""
+    check(workload, backends, recipes, levers)
+    from finetune.platform import storage
+    from finetune.training import outputs
+
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path is not None:  # written beside under a temporary name, then renamed (outputs.write_atomic)
+            storage.check_output(path, flag, beside=len(".partial."))
+    specs = [Spec("torch", "hf", None, workload)] if "hf" in recipes else []
+    specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
+    specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers]
+    order = ["torch", *backends] if "hf" in recipes else backends
+    specs.sort(key=lambda spec: order.index(spec.backend) if spec.recipe != "hf" else -1)  # the peer first
+    peaks = measure_peaks(sorted({spec.backend for spec in specs}))
+    print(peak_line(peaks), flush=True)
+    rows = []
+    for index, spec in enumerate(specs, 1):
+        label = f"{spec.backend} {spec.recipe}" + (f" ({LEVERS[spec.lever]})" if spec.lever else "")
+        print(f"bench {index}/{len(specs)}: {label} ...", flush=True)
+        row = run_worker(spec)
+        rows.append(row)
+        if "error" in row:
+            print(f"  failed: {row['error']}", flush=True)
+        else:
+            print(f"  {row['tokens_per_s']:.0f} tokens/s, loss {_loss(row)}", flush=True)
+    add_mfu(rows, workload, peaks)
+    print()
+    print(table(rows))
+    print(peak_line(peaks))
+    print(verdict(rows))
+    if all("error" in row for row in rows):  # nothing to write
+        raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
+    text = json.dumps(rows, indent=1, allow_nan=False) + "\n"
+    for path, write in ((json_path, lambda p: p.write_text(text, encoding="utf-8")),
+                        (plot_path, lambda p: plot(rows, p, workload))):  # fmt: skip
+        if path is None:
+            continue
+        try:
+            outputs.write_atomic(Path(path), write)
+        except OSError as e:  # the disk filled or changed during the bench: the rows are not lost
+            print(text, end="")
+            raise UserError(f"could not write {path} ({e.strerror or e}); the rows are printed above as JSON") from e
+    return rows
+
+
+def run_worker(spec: Spec) -> dict:
+    """One row, in a fresh process on its backend; a failed process gives a row with `error` saying why."""
+    payload = json.dumps({**asdict(spec), "workload": asdict(spec.workload)})
+    process, peak = _watched([sys.executable, "-m", "finetune.tools.bench", payload], spec.backend)
+    for line in reversed(process.stdout.splitlines()):
+        if line.startswith(ROW):
+            return json.loads(line[len(ROW) :])
+    return {"backend": spec.backend, "recipe": spec.recipe, "lever": spec.lever, "error": failure(process, peak)}
+
+
+def _watched(command: list[str], backend: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a worker to its end, sampling its resident memory: (the process, its highest resident bytes seen)."""
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        peak, streams = 0.0, {}
+
+        def drain(name, stream):
+            streams[name] = stream.read()
+
+        import threading
+
+        readers = [
+            threading.Thread(target=drain, args=(n, s)) for n, s in (("out", child.stdout), ("err", child.stderr))
+        ]
+        for reader in readers:
+            reader.start()
+        while child.poll() is None:
+            peak = max(peak, _resident(child.pid))
+            time.sleep(0.5)
+        for reader in readers:
+            reader.join()
+    done = subprocess.CompletedProcess(command, child.returncode, streams.get("out", ""), streams.get("err", ""))
+    return done, peak
+
+
+def _resident(pid: int) -> float:
+    """Bytes of the process's peak resident memory so far (Linux), 0 where unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def failure(process: subprocess.CompletedProcess, peak: float) -> str:
+    """Why a worker gave no row: the signal that ended it, or the last line of its error, never a log line."""
+    import signal
+
+    from finetune.platform.quiet import NOISE
+
+    resident = f" at {peak / 1e9:.1f} GB resident" if peak else ""
+    lines = [line.strip() for line in (process.stderr or "").splitlines() if line.strip()]
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]  # XLA's and TensorFlow's fatal check
+    lines = [line for line in lines if not NOISE.match(line.encode())]
+    if process.returncode < 0:
+        try:
+            name = signal.Signals(-process.returncode).name
+        except ValueError:
+            name = f"signal {-process.returncode}"
+        if name == "SIGKILL":
+            return f"killed by SIGKILL{resident}: the system's out-of-memory killer, most likely"
+        why = fatal[-1].split("] ", 1)[-1] if fatal else (lines[-1] if lines else "")
+        return f"ended by {name}{resident}" + (f": {why}" if why else "")
+    if lines:
+        return f"{lines[-1]} (exit {process.returncode})"
+    return f"exit {process.returncode} with no message{resident}"
+
+
+def measure_peaks(backends: list[str]) -> dict[str, dict]:
+    """dtype -> {"gflops", "backend"}: the best square-matmul rate any of `backends` reaches on this device."""
+    peaks: dict[str, dict] = {}
+    for backend in backends:
+        process, _ = _watched([sys.executable, "-m", "finetune.tools.bench", "--peak"], backend)
+        found = [line for line in process.stdout.splitlines() if line.startswith(ROW)]
+        if not found:
+            continue
+        for dtype, gflops in json.loads(found[-1][len(ROW) :]).items():
+            peak = peaks.setdefault(dtype, {"gflops": 0.0, "backend": None, "by_backend": {}})
+            peak["by_backend"][backend] = gflops
+            if gflops > peak["gflops"]:
+                peak.update(gflops=gflops, backend=backend)
+    return peaks
+
+
+def peak_line(peaks: dict[str, dict]) -> str:
+    if not peaks:
+        return "matmul peak: not measured"
+    parts = [f"{dtype} {p['gflops']:.0f} GFLOP/s ({p['backend']})" for dtype, p in sorted(peaks.items())]
+    return f"matmul peak on this device, the MFU denominator ({PEAK_SIZE['cpu']}² on a CPU, best of warmed runs): " + (
+        ", ".join(parts)
+    )
+
+
+# --- the worker: everything below runs in the row's own process -------------------------------
+
+
+def _work(spec: Spec) -> dict:
+    from finetune.platform import backend
+
+    backend.select(spec.backend)  # the tutorial too sets XLA's memory fraction to 1.00
+    if spec.recipe == "hf":
+        return _work_hf(spec)
+    import keras
+
+    if spec.recipe == "tutorial":  # no other tweak: float32, each framework's own thread count
+        keras.config.set_dtype_policy("float32")
+        tweaks = {"device": backend.accelerator(), "dtype_policy": "float32"}
+    else:
+        tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
+    backend.set_seed(0)
+    quantize = _quantize(spec)
+    precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
+    remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))
+    tweaks["remat"] = remat
+    lm, tokenizer = _model(spec.workload, precision, quantize, remat=remat)
+    train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
+    result = train(spec, lm, tokenizer)
+    policy = keras.config.dtype_policy()
+    result.update(
+        backend=spec.backend,
+        recipe=spec.recipe,
+        lever=spec.lever,
+        arch=spec.workload.arch,
+        device=tweaks["device"],
+        precision=tweaks["dtype_policy"],
+        settings=_settings(spec, tweaks),
+        peak_memory_mb=round(backend.peak_memory_mb(), 1),
+        compute_dtype=policy.compute_dtype,
+        vocab=lm.backbone.vocabulary_size,
+    )
+    return result
+
+
+def _work_hf(spec: Spec) -> dict:
+    """The peer's row (peer.py): the same examples, trained with transformers + PEFT, packed, base in the
+    dtype --precision auto picks here."""
+    import keras_hub
+
+    from finetune.platform import backend
+    from finetune.tools import peer
+
+    w = spec.workload
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=w.tokenizer or str(presets.TINY_TOKENIZER))
+    _, _, examples = _examples(w, tokenizer)
+    vocabulary = VOCAB.get(w.arch) or tokenizer.vocabulary_size()
+    # The dtype finetune's --precision auto picks on this device: the peer's best here too (bf16 where it is fast,
+    # float16 on a T4, float32 on a CPU without bf16 units, where torch's bf16 matmul is a slow reference loop).
+    dtype = backend.auto_precision("gpu" if peer.device() == "cuda" else "cpu")
+    model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype)
+    steps = peer.batches(examples, w.seq_len, w.batch_size)
+    if not steps:
+        raise UserError(f"the data fills fewer rows than one batch of {w.batch_size}")
+    done = peer.train(model, steps, w.warmup, w.steps, dtype)
+    positions = sum(int(inputs["input_ids"].numel()) for inputs, _ in steps[w.warmup : w.warmup + w.steps])
+    result = _measured(done["losses"], done["seconds"], done["tokens"], max(positions, done["tokens"]))
+    result.update(
+        backend="torch",
+        recipe="hf",
+        lever=None,
+        arch=w.arch,
+        device="gpu" if peer.device() == "cuda" else "cpu",
+        precision=dtype,
+        settings=f"transformers + PEFT, packed, {dtype} base, loss on every token",
+        peak_memory_mb=round(backend.peak_memory_mb(), 1),
+        compute_dtype=dtype,
+        vocab=vocabulary,
+    )
+    return result
+
+
+def _settings(spec: Spec, tweaks: dict) -> str:
+    if spec.recipe == "tutorial":
+        return "one example per row, float32, fit()"
+    parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
+    quantize = _quantize(spec)
+    if quantize:
+        parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
+    if spec.lever == "remat" or tweaks.get("remat"):
+        parts.append("remat" if spec.lever == "remat" else "remat (auto)")
+    threads = tweaks.get("torch.intra_op_threads")
+    if threads:
+        parts.append(f"{threads.split()[0]} threads")
+    return ", ".join(parts)
+
+
+def _auto_remat(spec: Spec, tweaks: dict, quantize: str | None) -> bool:
+    """What `finetune gemma --remat auto` picks for the row's released architecture on this device (the plan
+    says whether the step fits without it); off for the small archs, which have no preset to plan."""
+    from finetune.config import Config
+    from finetune.platform import backend
+    from finetune.training import plan
+
+    preset = {"gemma-2b": "gemma_2b_en", "gemma-7b": "gemma_7b_en"}.get(spec.workload.arch)
+    if preset is None:
+        return False
+    cfg = Config()
+    cfg.backend = spec.backend
+    cfg.model.preset, cfg.model.seq_len, cfg.model.quantize = preset, spec.workload.seq_len, quantize
+    cfg.train.batch_size = spec.workload.batch_size
+    memory = backend.device_memory(tweaks["device"])
+    return plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], memory)[0]
+
+
+def _quantize(spec: Spec) -> str | None:
+    """The row's quantized base: its lever's, or --quantize's for finetune rows (the tutorial's recipe has none)."""
+    if spec.lever in ("int8", "int4"):
+        return spec.lever
+    return (spec.workload.quantize or None) if spec.recipe == "finetune" else None
+
+
+def _model(workload: Workload, precision: str | None, quantize: str | None, remat: bool = False):
+    """The arch's causal LM with random weights, built as `finetune gemma` builds a preset's.
+
+    precision: the finetune recipe's (backend.POLICIES); None is the tutorial's float32 everywhere.
+    quantize: int4 or int8: decoder kernels built quantized and filled with random values layer by
+        layer, so the float base never exists (quantized.py), as when a preset loads quantized.
+    """
+    import keras_hub
+
+    from finetune.model import attention, builder, presets, quantized
+    from finetune.model import remat as remat_module
+    from finetune.platform import backend
+
+    tokenizer_file = workload.tokenizer or str(presets.TINY_TOKENIZER)
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=tokenizer_file)
+    vocab = VOCAB.get(workload.arch) or tokenizer.vocabulary_size()
+    dtype = backend.POLICIES[precision][0] if precision else "float32"
+    if quantize:
+        dtype = quantized.policies(dtype, quantize)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocab, dtype=dtype, **ARCHS[workload.arch])
+    if quantize:
+        quantized.weights_only(backbone)
+        quantized.fill_random(backbone)
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    if precision:
+        attention.enable(lm.backbone)
+    for layer in quantized.quantized_layers(backbone):
+        builder.beside_the_kernel(layer)  # as model.build: each kernel dequantized only when its input arrives
+    if remat:
+        remat_module.enable(lm.backbone)
+    return lm, tokenizer
+
+
+def _examples(workload: Workload, tokenizer):
+    """(records, template, examples): the workload's data, tokenized as a run tokenizes it (prepare.py)."""
+    from finetune.data import formats, templates
+    from finetune.training import prepare
+
+    template = templates.get("dolly")
+    records = formats.load_records(workload.data)
+    usable = prepare.examples(records, template, tokenizer, workload.seq_len, source=workload.data)
+    return records, template, [e for _, e in usable]
+
+
+def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
+    """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
+    one train_on_batch per step."""
+    from finetune.data import batching
+    from finetune.model import builder
+    from finetune.platform import backend
+    from finetune.training import prepare
+
+    w = spec.workload
+    builder.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
+    trainer = builder.compile(lm, 1e-4, 0.01)
+    _, _, examples = _examples(w, tokenizer)
+    rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
+    if len(rows["token_ids"]) < w.batch_size:
+        raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
+    order = batching.TrainOrder(
+        rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator())
+    )
+    losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
+    # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
+    while timed < w.steps and step < w.warmup + w.steps + 16:
+        x, y, sample_weight = order.batch(step)
+        started = time.perf_counter()
+        loss = trainer.train_on_batch(x, y, sample_weight=sample_weight)  # returns numpy: the step has finished
+        elapsed = time.perf_counter() - started
+        losses.append(float(loss))
+        shape = x["token_ids"].shape
+        if step >= w.warmup and shape in shapes:
+            seconds += elapsed
+            tokens += order.tokens(step)[0]
+            positions += len(x["token_ids"]) * w.seq_len  # padding counts against a full row, as unpacked
+            timed += 1
+        shapes.add(shape)
+        step += 1
+    return _measured(losses, seconds, tokens, positions)
+
+
+def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:
+    """The Keras tutorial's recipe: keras-hub's preprocessor pads each example to seq-len; fit() trains."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    w = spec.workload
+    lm.backbone.enable_lora(rank=w.rank)
+    optimizer = keras.optimizers.AdamW(learning_rate=1e-4, weight_decay=0.01)
+    optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
+    lm.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=optimizer,
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+    )
+    records, template, _ = _examples(w, tokenizer)
+    texts = ["".join(template.apply(r)) for r in records]
+    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer=tokenizer, sequence_length=w.seq_len)
+    x, y, sample_weight = preprocessor(texts)
+    take = np.arange((w.warmup + w.steps) * w.batch_size) % len(texts)
+    x = {k: np.asarray(v)[take] for k, v in x.items()}
+    y, sample_weight = np.asarray(y)[take], np.asarray(sample_weight)[take]
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.means, self.started, self.seconds = [], None, 0.0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.means.append(float(logs["loss"]))  # fit's running mean over the steps so far
+            if batch == w.warmup - 1:
+                self.started = time.perf_counter()
+
+        def on_train_end(self, logs=None):
+            self.seconds = time.perf_counter() - self.started
+
+    timer = Timer()
+    lm.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=w.batch_size,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[timer],
+    )
+    losses = [m * (i + 1) - (timer.means[i - 1] * i if i else 0.0) for i, m in enumerate(timer.means)]
+    timed = sample_weight[w.warmup * w.batch_size :]
+    return _measured(losses, timer.seconds, int(timed.sum()), timed.size)
+
+
+def _measured(losses: list[float], seconds: float, tokens: int, positions: int) -> dict:
+    if not seconds or not positions:  # every step compiled a new shape: nothing was timed
+        raise UserError(f"no step was timed in {len(losses)} steps (each compiled a new batch shape); add --steps")
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "padding_fraction": round(1 - tokens / positions, 4),
+        "loss": _finite(sum(losses) / len(losses)),
+        "losses": [_finite(v) for v in losses],
+        "timed_seconds": round(seconds, 3),
+        "timed_tokens": tokens,
+    }
+
+
+def _finite(value: float) -> float | None:
+    """Rounded, or None for a NaN or infinite loss: JSON has no NaN."""
+    return round(value, 5) if math.isfinite(value) else None
+
+
+PEAK_SIZE = {"cpu": 4096, "accelerator": 8192}
+
+
+def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
+    """FLOP/s of a large square matmul on this backend in `dtype`: warmed up for `seconds`, then the best of 5.
+
+    Large and warm, so the figure is the device's, not a cold cache's or a small matmul's: a 2048² matmul
+    timed once gave the same TensorFlow row an MFU of 54% one day and 16% another.
+    """
+    import keras
+    import numpy as np
+    from keras import ops
+
+    n = PEAK_SIZE["cpu" if device == "cpu" else "accelerator"]
+    a = ops.convert_to_tensor(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype=dtype)
+    multiply = ops.matmul
+    if keras.config.backend() == "jax":
+        import jax
+
+        multiply = jax.jit(ops.matmul)
+
+    def once() -> float:
+        started = time.perf_counter()
+        product = multiply(a, a)
+        ops.convert_to_numpy(ops.cast(product[0, 0], "float32"))  # wait for the device
+        return time.perf_counter() - started
+
+    warm_until = time.perf_counter() + seconds
+    while time.perf_counter() < warm_until:
+        once()
+    return 2 * n**3 / min(once() for _ in range(5))
+
+
+def _peak_main() -> int:
+    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and each 16-bit dtype the device
+    has units for, as a ROW line."""
+    from finetune.platform import backend
+
+    backend.select(os.environ.get("KERAS_BACKEND", "jax"))
+    device = backend.accelerator()
+    # The device's peak, so every physical core: PyTorch's idle-core count, sampled over a quarter second, once
+    # gave this process one thread of two and a float16 peak of 193 GFLOP/s against 331 measured the hour before.
+    backend.apply_runtime_tweaks("float32", threads=backend.physical_cores() if device == "cpu" else None)
+    # On a CPU, a 16-bit dtype only where it has units: without them it is a slow emulation, whose peak no row
+    # uses (--precision auto trains float32 there) and which takes minutes to time at this size. On a GPU, bf16
+    # where it is supported and float16, where a T4's rows run.
+    if device == "cpu":
+        flags = backend.cpu_flags()
+        dtypes = ["float32"] + ["bfloat16"] * bool(flags & {"avx512_bf16", "amx_bf16"})
+        dtypes += ["float16"] * ("avx512_fp16" in flags)
+    else:
+        dtypes = ["float32"] + ["bfloat16"] * backend.supports_bfloat16(device) + ["float16"] * (device == "gpu")
+    peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in dtypes}
+    print(ROW + json.dumps(peaks), flush=True)
+    return 0
+
+
+# --- the parent again: counting, the table, the verdict, the plot -----------------------------
+
+
+def train_flops_per_token(arch: str, vocab: int, seq_len: int) -> float:
+    """FLOPs to train one token with LoRA on a frozen base.
+
+    The frozen weights need no weight gradients, so a matmul of N weights costs
+    2N forward and 2N backward per token (not the usual 6N). Attention's score
+    and value products are counted over the whole row, as the dense kernel
+    computes them, forward once and backward twice. LoRA's own products (rank
+    4) are left out: under 1% of the rest.
+    """
+    a = ARCHS[arch]
+    d, heads, kv, head_dim, ff = (
+        a["hidden_dim"], a["num_query_heads"], a["num_key_value_heads"], a["head_dim"], a["intermediate_dim"] // 2
+    )  # fmt: skip
+    per_layer = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ff
+    weights = a["num_layers"] * per_layer + d * vocab  # + the logits, tied to the embedding
+    attention = 2 * 2 * a["num_layers"] * seq_len * heads * head_dim
+    return 4 * weights + 3 * attention
+
+
+def add_mfu(rows: list[dict], workload: Workload, peaks: dict[str, dict]) -> None:
+    """MFU of each row against the device's measured matmul peak in the row's compute dtype.
+
+    A row above 100% means the FLOP count or the peak is wrong: it is flagged, never printed as a figure.
+    """
+    for row in rows:
+        if "error" in row or row.get("compute_dtype") not in peaks:
+            continue
+        peak = peaks[row["compute_dtype"]]
+        flops = train_flops_per_token(workload.arch, row["vocab"], workload.seq_len)
+        row["mfu"] = round(row["tokens_per_s"] * flops / (peak["gflops"] * 1e9), 4)
+        row["device_peak_gflops"] = peak["gflops"]
+        row["matmul_peak_gflops"] = peak["by_backend"].get(row["backend"], peak["gflops"])
+
+
+def _mfu(row: dict) -> str:
+    if "mfu" not in row:
+        return "?"
+    return f"{row['mfu']:.1%}" if row["mfu"] <= 1 else "over 100%: a bug"
+
+
+def _loss(row: dict) -> str:
+    return "not finite" if row["loss"] is None else f"{row['loss']:.4f}"
+
+
+def _label(row: dict) -> str:
+    return row["recipe"] + (f", {LEVERS[row['lever']]}" if row.get("lever") else "")
+
+
+def table(rows: list[dict]) -> str:
+    header = ("backend", "recipe", "settings", "tokens/s", "padding", "MFU", "peak mem", "loss")
+    lines = []
+    for row in rows:
+        if "error" in row:
+            lines.append((row["backend"], _label(row), "failed (below)", "", "", "", "", ""))
+            continue
+        lines.append(
+            (
+                row["backend"],
+                _label(row),
+                row["settings"],
+                f"{row['tokens_per_s']:.0f}",
+                f"{row['padding_fraction']:.0%}",
+                _mfu(row),
+                f"{row['peak_memory_mb'] / 1024:.1f} GB",
+                _loss(row),
+            )
+        )
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.append(
+        "tokens/s: non-padding tokens of the timed steps (warm-up excluded). loss: mean training loss of all steps;"
+        " finetune's is per response token, the tutorial's is Keras' default (every token's loss summed, divided"
+        " by every position, padding included)."
+    )
+    out += [f"{row['backend']} {_label(row)} failed: {row['error']}" for row in rows if "error" in row]
+    return "\n".join(out)
+
+
+def verdict(rows: list[dict]) -> str:
+    """One line: the fastest backend here, by how much, and why a backend more than 2x behind is slow."""
+    best = {r["backend"]: r for r in rows if r["recipe"] == "finetune" and not r.get("lever") and "error" not in r}
+    if not best:
+        return "verdict: no finetune row finished, so no backend can be named fastest"
+    ranked = sorted(best.values(), key=lambda r: -r["tokens_per_s"])
+    top = ranked[0]
+    parts = [f"verdict: {top['backend']} is fastest here ({top['tokens_per_s']:.0f} tokens/s"]
+    if len(ranked) > 1:
+        parts[0] += ", " + ", ".join(
+            f"{top['tokens_per_s'] / r['tokens_per_s']:.2f}x {r['backend']}" for r in ranked[1:]
+        )
+    parts[0] += ")"
+    peer = next((r for r in rows if r["recipe"] == "hf" and "error" not in r), None)
+    if peer is not None:
+        parts.append(
+            f"{top['tokens_per_s'] / peer['tokens_per_s']:.2f}x the hf peer's tokens/s, in "
+            f"{top['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory"
+        )
+    tutorial = {r["backend"]: r for r in rows if r["recipe"] == "tutorial" and "error" not in r}
+    if top["backend"] in tutorial:
+        parts.append(f"{top['tokens_per_s'] / tutorial[top['backend']]['tokens_per_s']:.2f}x the tutorial recipe on it")
+    for slow in ranked[1:]:
+        behind = top["tokens_per_s"] / slow["tokens_per_s"]
+        if behind > 2:
+            parts.append(f"{slow['backend']} is {behind:.1f}x behind: {_why_slow(slow, top)}")
+    return "; ".join(parts)
+
+
+def _why_slow(slow: dict, top: dict) -> str:
+    own, theirs = slow.get("matmul_peak_gflops"), top.get("matmul_peak_gflops")
+    if own is None or theirs is None:
+        return "its matmul peak was not measured"
+    if own < 0.6 * theirs:
+        return (
+            f"its {slow['compute_dtype']} matmuls peak at {own:.0f} GFLOP/s on this device against "
+            f"{theirs:.0f} on {top['backend']}"
+        )
+    return (
+        f"not its matmuls ({own:.0f} GFLOP/s peak here, against {theirs:.0f} on {top['backend']}): it reaches "
+        f"{slow['mfu']:.0%} MFU against {top['mfu']:.0%}, so its time goes to the work around them "
+        "(op dispatch, masking, optimizer)"
+    )
+
+
+def plot(rows: list[dict], path: str, workload: Workload) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "error" not in r]
+    fig, (speed, curve) = plt.subplots(1, 2, figsize=(13, 0.4 * len(done) + 2.5), dpi=100)
+    labels = [f"{r['backend']} {_label(r)}" for r in done]
+    colours = ["tab:blue" if r["recipe"] == "finetune" and not r.get("lever") else "tab:gray" for r in done]
+    speed.barh(range(len(done)), [r["tokens_per_s"] for r in done], color=colours)
+    speed.set_yticks(range(len(done)), labels, fontsize=8)
+    speed.invert_yaxis()
+    speed.set_xlabel("trained tokens/s (non-padding)")
+    speed.set_title(f"{workload.arch}, seq {workload.seq_len}, batch {workload.batch_size}")
+    # The tutorial's loss is Keras' default (divided by every position, padding included): another scale.
+    for r in (r for r in done if r["recipe"] == "finetune"):
+        curve.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['backend']} {_label(r)}", linewidth=1)
+    curve.set_xlabel("step")
+    curve.set_ylabel("training loss per response token")
+    curve.set_title("finetune rows: loss per step")
+    curve.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")  # at the path given: matplotlib would add .png to a name without a suffix
+    plt.close(fig)
+
+
+def _worker_main(payload: str) -> int:
+    from finetune.platform import backend
+
+    backend.LEAVE_OUT_OTHER_FRAMEWORKS = True  # as `finetune gemma` trains: only the backend's framework
+    if payload == "--peak":
+        return _peak_main()
+    spec_dict = json.loads(payload)
+    spec = Spec(**{**spec_dict, "workload": Workload(**spec_dict["workload"])})
+    # The tutorial's recipe keeps it: keras-hub's preprocessor, fed whole batches of text there, needs TensorFlow.
+    backend.LEAVE_OUT_OTHER_FRAMEWORKS = spec.recipe != "tutorial"
+    try:
+        row = _work(spec)
+    except Exception as error:  # noqa: BLE001 - the parent shows it as the row's failure
+        if not isinstance(error, UserError):
+            import traceback
+
+            traceback.print_exc()
+        message = str(error).splitlines()[0] if str(error) else ""
+        row = {
+            "backend": spec.backend,
+            "recipe": spec.recipe,
+            "lever": spec.lever,
+            "error": f"{type(error).__name__}: {message}",
+        }
+    print(ROW + json.dumps(row), flush=True)
+    return 0 if "error" not in row else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1]))

@@ -1,0 +1,90 @@
+"""`finetune data FILE`: what a run would make of a data file, before a model is built.
+
+The format detected, the record counts, the template, the token lengths against
+seq_len, what packing saves, and one example rendered with the text that
+carries the loss marked. Users check their data here before they spend GPU
+hours on it. Token counts need the preset's tokenizer; where it cannot load
+(offline, no credentials) the rest is still reported, with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from finetune.data import batching, formats, packing, templates
+from finetune.model import families, presets
+from finetune.platform.errors import UserError
+
+MARKS = ("«", "»")  # around the text the loss is taken on
+
+
+def report(
+    path: str, preset: str, template: str, seq_len: int, train_on_prompt: bool = False, example: int = 1
+) -> list[str]:
+    """The report's lines."""
+    records, found = formats.read(path)
+    if not 1 <= example <= len(records):
+        raise UserError(f"--example {example} is out of range: {path} holds {len(records)} records")
+    family_chat = families.get(presets.family_of(preset)).chat_template
+    chosen, _ = templates.for_data(template, found, family_chat, preset, path)
+    renderer = templates.get(chosen)
+    items = [renderer.segments(r) for r in records]
+    how = "auto, for this format" if template == "auto" else "given"
+    lines = [
+        f"data: {path}",
+        f"format: {found} ({formats.FORMATS[found]}), {len(records)} records",
+        f"template: {chosen} ({how})",
+    ]
+    lines += _tokens(items, preset, seq_len, train_on_prompt)
+    lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
+    lines += ["  " + line for line in render(items[example - 1], train_on_prompt).split("\n")]
+    return lines
+
+
+def render(segments, train_on_prompt: bool = False) -> str:
+    """A record's segments as one text, with the trained ones (and the closing <eos>) marked."""
+    runs: list[list] = []
+    for text, trained in [*segments, ("<eos>", True)]:
+        trained = trained or train_on_prompt
+        if runs and runs[-1][1] == trained:
+            runs[-1][0] += text
+        elif text:
+            runs.append([text, trained])
+    return "".join(f"{MARKS[0]}{text}{MARKS[1]}" if trained else text for text, trained in runs)
+
+
+def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool) -> list[str]:
+    from finetune.model import builder  # imports keras: only once the data has been read
+
+    try:
+        tokenizer = builder.load_tokenizer(presets.resolve(preset))
+    except UserError as e:
+        first = re.split(r"[;\n]|\. ", str(e))[0]
+        return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
+    whole, _ = batching.tokenize(items, tokenizer, max(8 * seq_len, 8192), train_on_prompt)
+    examples, dropped = batching.tokenize(items, tokenizer, seq_len, train_on_prompt)
+    if not whole:
+        return [f"tokens: every prompt is over {max(8 * seq_len, 8192):,} tokens long; nothing would train"]
+    lengths = np.array([len(e.token_ids) for e in whole])
+    trained = sum(int(sum(e.weights)) for e in whole)
+    lines = [
+        f"tokens ({preset}'s tokenizer, with <bos> and <eos>): min {lengths.min():,}, median "
+        f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max {lengths.max():,}",
+        f"loss on {trained:,} of {int(lengths.sum()):,} tokens ({trained / lengths.sum():.0%})",
+    ]
+    cut = int((lengths > seq_len + 1).sum())
+    if cut or dropped:
+        lines.append(
+            f"seq-len {seq_len}: {cut} records are cut at the end, {len(dropped)} of them skipped as their "
+            "prompt fills the sequence"
+        )
+    if examples:
+        padded = batching.pad(examples, seq_len)
+        packed = packing.pack(examples, seq_len)
+        lines.append(
+            f"packing at seq-len {seq_len}: {len(examples)} rows -> {len(packed['token_ids'])}, padding "
+            f"{packing.padding_fraction(padded):.0%} -> {packing.padding_fraction(packed):.0%}"
+        )
+    return lines

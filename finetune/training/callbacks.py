@@ -1,0 +1,64 @@
+"""What watches the training loop from outside it: the TensorBoard log.
+
+The loop (loop.py) is not keras' fit(), so it calls these keras Callbacks'
+hooks itself: on_train_batch_end after each optimizer step (with the run's
+step, not the batch index in the epoch), on_test_end after each held-out
+evaluation and on_train_end when training ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import numpy as np
+
+from finetune.training import events
+
+
+class TensorBoardLog(keras.callbacks.Callback):
+    """Scalars for TensorBoard: per step the train loss, learning rate and tokens/s; per evaluation the held-out loss.
+
+    Written by events.py, without TensorFlow, whatever the Keras backend, into
+    two runs under `log_dir`: train/ and eval/, so that TensorBoard draws both
+    losses in one `loss` chart. Every write is flushed: a checkpoint copies the
+    logs out (to gs:// or AIP_TENSORBOARD_LOG_DIR) as they stand.
+
+    Args:
+        log_dir: Path. The TensorBoard log directory (`<run>/tensorboard`).
+        optimizer: keras.optimizers.Optimizer. Its learning rate is logged as it
+            is at each step, so a schedule shows as one.
+    """
+
+    def __init__(self, log_dir: Path, optimizer):
+        super().__init__()
+        # === Config ===
+        self.log_dir = Path(log_dir)
+        self.optimizer = optimizer
+        # === Writers ===
+        self._files = {run: events.EventFile(self.log_dir / run) for run in ("train", "eval")}
+        self._step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        """batch: int. The run's step just taken; logs: loss, tokens and seconds of that step."""
+        self._step = batch
+        learning_rate = float(np.asarray(keras.ops.convert_to_numpy(self.optimizer.learning_rate)))
+        scalars = {"loss": logs["loss"], "learning_rate": learning_rate}
+        if logs.get("seconds"):
+            scalars["tokens_per_second"] = logs["tokens"] / logs["seconds"]
+        self._files["train"].scalars(batch, scalars)
+
+    def on_test_end(self, logs=None):
+        """logs: the held-out metrics (loss, accuracy, perplexity); `step` when not the last step trained."""
+        names = ("loss", "accuracy", "perplexity")
+        self._files["eval"].scalars(logs.get("step", self._step), {k: logs[k] for k in names if k in logs})
+
+    def on_train_end(self, logs=None):
+        for file in self._files.values():
+            file.close()
+
+    def __enter__(self) -> TensorBoardLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.on_train_end()  # closes its writers, also when the run failed or stopped

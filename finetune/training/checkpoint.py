@@ -1,0 +1,401 @@
+"""Save, find, check and load a run's trainable state, for an exact resume after a kill.
+
+A checkpoint holds only what training changes: the LoRA weights, the optimizer's
+variables (its iteration count included) and the loop's position and records.
+The frozen base is never written; a resume rebuilds it from the preset.
+
+    <run>/checkpoints/step-00000100-<run_id>/
+        weights.npz     trainable variables, in order; their paths are in state.json
+        optimizer.npz   optimizer variables, in order
+        state.json      step, config, data fingerprint, history and metrics so far
+        manifest.json   size and sha256 of the three files above: written last
+
+Writes are atomic the way Orbax's are: the files go into a hidden temporary
+directory beside the final one, each flushed and fsynced, the manifest last;
+then the directory is renamed into place and its parent fsynced. A crash at any
+instant leaves the previous checkpoint or the new one, and a directory without a
+manifest that matches its files is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from finetune.platform import storage
+from finetune.platform.errors import UserError
+from finetune.training import loop
+
+DIRECTORY = "checkpoints"
+MANIFEST = "manifest.json"
+FILES = ("weights.npz", "optimizer.npz", "state.json")
+FORMAT = 1
+
+
+@dataclass
+class RunState:
+    """What a checkpoint keeps of a run beside its weights (state.json), and what a resume takes up again.
+
+    Args:
+        run_id: str. Names the run's checkpoints, so that a replaced run's are told apart.
+        progress: loop.Progress. Where training is; the loop advances it.
+        eval_before: dict. The held-out metrics before training.
+        generated_before: list of str. The samples' generations before training.
+        config: dict. The run's settings (outputs.run_config): a resume checks its own against them.
+        data_fingerprint: str. The records' (data.fingerprint): a resume refuses data that changed.
+    """
+
+    run_id: str
+    progress: loop.Progress
+    eval_before: dict
+    generated_before: list
+    config: dict
+    data_fingerprint: str
+
+    @classmethod
+    def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
+        """A checkpoint's state, taken up with this session's config (it may train further) and records."""
+        progress = loop.Progress.from_state(state["progress"])
+        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint)
+
+    def to_state(self, progress: loop.Progress) -> dict:
+        """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths."""
+        return {
+            "run_id": self.run_id,
+            "step": progress.step,
+            "config": self.config,
+            "data_fingerprint": self.data_fingerprint,
+            "eval_before": self.eval_before,
+            "generated_before": self.generated_before,
+            "progress": progress.to_state(),
+        }
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded: torn, corrupt or from another format."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    run_id: str
+    created: float
+
+    def state(self) -> dict:
+        return json.loads((self.path / "state.json").read_text(encoding="utf-8"))
+
+
+def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict) -> Checkpoint:
+    """Write one checkpoint atomically; returns it. Raises OSError (disk full, unwritable)."""
+    parent = Path(run_dir) / DIRECTORY
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / f"step-{step:08d}-{run_id}"
+    n = 1
+    while final.exists():  # the same step saved again (an evaluation added on resume): never replace one
+        n += 1
+        final = parent / f"step-{step:08d}-{run_id}-{n}"
+    temporary = parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        contents = {
+            "weights.npz": _npz(weights),
+            "optimizer.npz": _npz(optimizer),
+            "state.json": json.dumps(state, allow_nan=False, indent=1).encode("utf-8"),
+        }
+        for name, payload in contents.items():
+            storage.write_synced(temporary / name, payload)
+        created = time.time()
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "run_id": run_id,
+            "created": created,
+            "files": {name: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()} for name, p in contents.items()},
+        }
+        storage.write_synced(temporary / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        storage.fsync_directory(temporary)
+        os.rename(temporary, final)
+        storage.fsync_directory(parent)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return Checkpoint(final, step, run_id, created)
+
+
+def find(run_dir: Path, verify: bool = False) -> list[Checkpoint]:
+    """The run's checkpoints whose manifest matches their files, oldest first.
+
+    verify: bool. Also check every file's sha256, not only its size.
+    """
+    parent = Path(run_dir) / DIRECTORY
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        if path.name.startswith(".") or not path.is_dir():
+            continue  # a temporary directory left by a crash
+        try:
+            found.append(_checked(path, verify))
+        except CheckpointError:
+            continue
+    return sorted(found, key=lambda c: (c.created, c.step))
+
+
+def problems(run_dir: Path) -> list[str]:
+    """Why each checkpoint directory that cannot be loaded is refused, for messages."""
+    parent = Path(run_dir) / DIRECTORY
+    found = []
+    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if path.name.startswith(".") or not path.is_dir():
+            continue
+        try:
+            _checked(path, verify=True)
+        except CheckpointError as e:
+            found.append(str(e))
+    return found
+
+
+def latest(run_dir: Path) -> Checkpoint | None:
+    """The newest checkpoint that is whole, checksums included."""
+    for candidate in reversed(find(run_dir)):
+        try:
+            return _checked(candidate.path, verify=True)
+        except CheckpointError:
+            continue
+    return None
+
+
+def load(checkpoint: Checkpoint) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """(trainable values, optimizer values, state), checked against the manifest."""
+    _checked(checkpoint.path, verify=True)
+    weights = _arrays(checkpoint.path / "weights.npz")
+    optimizer = _arrays(checkpoint.path / "optimizer.npz")
+    return weights, optimizer, checkpoint.state()
+
+
+def prune(run_dir: Path, run_id: str, keep: int) -> None:
+    """Delete this run's checkpoints but the newest `keep`, and any left by a replaced run."""
+    found = find(run_dir)
+    ours = [c for c in found if c.run_id == run_id]
+    for checkpoint in ours[:-keep]:
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+    for path in (Path(run_dir) / DIRECTORY).glob(".tmp-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_others(run_dir: Path, run_id: str) -> None:
+    """Delete checkpoints of other runs once this one has finished in their place (--overwrite)."""
+    for checkpoint in find(run_dir):
+        if checkpoint.run_id != run_id:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+
+def _checked(path: Path, verify: bool) -> Checkpoint:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+        for name in FILES:
+            expected = manifest["files"][name]
+            file = path / name
+            if file.stat().st_size != expected["bytes"]:
+                raise CheckpointError(f"{file} is {file.stat().st_size} bytes, its manifest says {expected['bytes']}")
+            if verify and hashlib.sha256(file.read_bytes()).hexdigest() != expected["sha256"]:
+                raise CheckpointError(f"{file} does not match its checksum")
+        return Checkpoint(path, int(manifest["step"]), str(manifest["run_id"]), float(manifest["created"]))
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not a whole checkpoint ({type(e).__name__})") from e
+
+
+def _npz(arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, *[np.asarray(a) for a in arrays])
+    return buffer.getvalue()
+
+
+def _arrays(path: Path) -> list[np.ndarray]:
+    with np.load(path, allow_pickle=False) as stored:
+        return [stored[f"arr_{i}"] for i in range(len(stored.files))]
+
+
+# Settings a resumed run must share with its checkpoint: anything else would not continue
+# the same training. epochs, max_steps, checkpointing and the output settings may change.
+RESUME_KEYS = (
+    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("model", "quantize"), ("lora", "rank"), ("lora", "alpha"),
+    ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
+    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
+    ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
+)  # fmt: skip
+
+
+def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None:
+    """The checkpoint a run continues from: with --resume, the newest valid one in `target`.
+
+    Without one the run starts afresh in `target`, with a note, unless a finished
+    run is there: that one has nothing to resume, and is refused.
+
+    Args:
+        target: outputs.Target. The run directory.
+        published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
+    """
+    if not resume:
+        return None
+    found = newest(target.path)
+    if found is None:
+        if published is not None:
+            raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
+        print(f"note: no checkpoint in {target} to resume from; starting a new run there")
+    return found
+
+
+def resumed(found: Checkpoint | None, cfg, fingerprint: str, target):
+    """`cfg` with what the checkpoint `found` resolved (resumed_config), once it continues the same training on
+    the same records (check_compatible); `cfg` itself when there is no checkpoint."""
+    if found is None:
+        return cfg
+    saved = found.state()
+    cfg = resumed_config(cfg, saved)
+    check_compatible(saved, cfg, fingerprint, target)
+    return cfg
+
+
+def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
+    """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
+
+    A run whose last checkpoint is its final step but has no results of that
+    checkpoint (killed while publishing) is resumed: it only publishes.
+
+    published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
+    """
+    if found is None:
+        return
+    if found.step > total_steps:
+        raise UserError(
+            f"{target} has trained {found.step} steps, more than the {total_steps} this run asks for; "
+            f"raise --max-steps or --epochs to at least that"
+        )
+    published = published or {}
+    if found.step == total_steps and published.get("run_id") == found.run_id and published.get("steps") == found.step:
+        raise UserError(
+            f"{target} has already trained {found.step} of {total_steps} steps; "
+            "raise --epochs or --max-steps to train further"
+        )
+
+
+def newest(run_dir: Path) -> Checkpoint | None:
+    """The checkpoint a --resume continues from; None if `run_dir` has none; refuses if none can be loaded."""
+    found = latest(run_dir)
+    if found is None:
+        broken = problems(run_dir)
+        if broken:
+            raise UserError(
+                f"cannot resume {run_dir}: no checkpoint there can be loaded ({broken[-1]}); "
+                "pass --overwrite to start again"
+            )
+    return found
+
+
+def resumed_config(cfg, saved: dict):
+    """`cfg` with the batch size, learning rate, precision and CPU threads the checkpoint resolved, where `cfg`
+    leaves them to be chosen.
+
+    A recipe's `batch_size: null` or `auto` must continue at the batch the run used, not at a new default.
+    """
+    train = saved["config"]["train"]
+    updates = {}
+    if cfg.train.batch_size in (None, "auto"):
+        updates["batch_size"] = train["batch_size"]
+    if cfg.train.learning_rate is None:
+        updates["learning_rate"] = train["learning_rate"]
+    if cfg.train.threads is None:  # PyTorch's CPU threads: the count sets the order of its sums
+        updates["threads"] = train.get("threads")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
+    if cfg.data.template == "auto":  # the template auto chose for the data when the run started
+        saved_template = saved["config"].get("data", {}).get("template", "dolly")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, template=saved_template))
+    if cfg.model.precision == "auto":  # the dtype auto became when the run started, wherever it resumes
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, precision=saved["config"]["model"]["precision"])
+        )
+    return cfg
+
+
+def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
+    """Refuse a resume that would not continue the same training."""
+    ours = cfg.to_dict()
+    for section, key in RESUME_KEYS:
+        then, now = saved["config"][section].get(key), ours[section][key]  # .get: keys added since
+        if key == "packing":  # auto is on
+            then, now = ("off" if v == "off" else "on" for v in (then, now))
+        if then != now:
+            raise UserError(
+                f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
+                f"for {now!r}; drop that setting to continue, or start a new run with another --output"
+            )
+    if saved["data_fingerprint"] != fingerprint:
+        raise UserError(
+            f"cannot resume {target}: the records in {cfg.data.path} differ from those the checkpoint was trained "
+            "on; restore that data, or start a new run with another --output"
+        )
+
+
+def capture(lm) -> tuple[list[np.ndarray], list[np.ndarray], list[str], list[str]]:
+    """(trainable values, optimizer values, their paths): what a checkpoint holds of the model."""
+    weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
+    optimizer = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
+    return weights, optimizer, [v.path for v in lm.trainable_variables], [v.path for v in lm.optimizer.variables]
+
+
+def save_trainer(run_dir: Path, trainer, state: dict, divergence_advice: str = "") -> Checkpoint:
+    """Checkpoint the trainer's LoRA weights and optimizer state beside `state` (with its run_id and step).
+
+    Weights that are not finite are refused: training diverged, and a checkpoint
+    of them would resume nothing. Raises OSError as save() does.
+    """
+    weights, optimizer, trainable_paths, optimizer_paths = capture(trainer)
+    if not all(np.isfinite(w).all() for w in weights):
+        raise UserError(
+            f"the LoRA weights are not finite after step {state['step']}: training diverged, so nothing "
+            f"was published.\n{divergence_advice}"
+        )
+    state = {**state, "trainable_paths": trainable_paths, "optimizer_paths": optimizer_paths}
+    return save(run_dir, state["run_id"], state["step"], weights, optimizer, state)
+
+
+def restore(lm, found: Checkpoint) -> dict:
+    """Put a checkpoint's LoRA weights and optimizer state back, after checking they fit; returns its state."""
+    try:
+        weights, optimizer, state = load(found)
+    except CheckpointError as e:  # e.g. pruned by a run that held the directory meanwhile
+        raise UserError(f"cannot resume from {found.path}: {e}; rerun --resume") from e
+    lm.optimizer.build(lm.trainable_variables)
+    pairs = [
+        (lm.trainable_variables, weights, state["trainable_paths"]),
+        (lm.optimizer.variables, optimizer, state["optimizer_paths"]),
+    ]
+    for variables, values, paths in pairs:
+        # Paths carry per-instance suffixes (adamw_1/...), so compare their last part, in order.
+        leaves = [p.rsplit("/", 1)[-1] for p in paths]
+        if len(variables) != len(values) or [v.path.rsplit("/", 1)[-1] for v in variables] != leaves:
+            raise UserError(f"checkpoint {found.path} does not match this model's variables; start a new run")
+        for variable, value in zip(variables, values):
+            if tuple(variable.shape) != value.shape:
+                raise UserError(
+                    f"checkpoint {found.path}: {variable.path} has shape {value.shape}, the model "
+                    f"{tuple(variable.shape)}; start a new run"
+                )
+            variable.assign(value)
+    return state

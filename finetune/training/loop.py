@@ -1,0 +1,317 @@
+"""The training loop: one optimizer step per batch, from the step a run is at to its last.
+
+Keras' fit() is not used, for three reasons found in use:
+- an exact resume starts mid-epoch at a given step, which fit cannot;
+- on JAX, fit swallows Ctrl-C (a bare `except` in its log handling catches the
+  KeyboardInterrupt while the main thread waits on a step), so the run went on;
+- fit reorders a PyDataset's batches, so the tokens counted for a step were not
+  those of the batch it trained.
+`train_on_batch` runs the same compiled train step on every backend and leaves
+the variables in sync after each step (JAX included), so a checkpoint or an
+evaluation can happen after any step. What watches the loop (the NaN guard,
+signals, the time limit, progress lines) is small and lives here too.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from finetune.platform import backend
+from finetune.platform.errors import RunStopped, UserError
+
+
+@dataclass
+class Progress:
+    """What training has done so far; saved in every checkpoint and restored on resume."""
+
+    step: int = 0
+    rows: list = field(default_factory=list)
+    """history.csv: a row per step (train_loss) and per evaluation (eval_loss, eval_accuracy)."""
+    evaluations: list = field(default_factory=list)
+    """Held-out metrics after each data epoch (and after the last step)."""
+    trained_tokens: int = 0
+    response_tokens: int = 0
+    train_seconds: float = 0.0
+    """Time in optimizer steps, over every session of the run."""
+
+    def to_state(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> Progress:
+        return cls(**{k: state[k] for k in asdict(cls())})
+
+
+class StopSignals:
+    """SIGTERM or Ctrl-C during training asks the loop to stop after the current step, with a checkpoint.
+
+    A second Ctrl-C raises KeyboardInterrupt at once. Signal handlers can only be
+    set from the main thread; elsewhere the defaults stay.
+    """
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        hint = " (Ctrl-C again to quit at once)" if signum == signal.SIGINT else ""
+        print(f"\n{name}: saving a checkpoint after this step, then stopping{hint}", file=sys.stderr, flush=True)
+
+
+class Loop:
+    """Runs steps `progress.step` .. `total_steps` - 1 of `order` on `trainer` (model.compile's TrainingView).
+
+    evaluate_held_out: callable() -> dict with loss and accuracy, run after each
+        data epoch and after the last step.
+    save_checkpoint: callable(progress), called every `checkpoint_every` steps,
+        after each evaluation, and before stopping on a signal or the time limit.
+    deadline: float or None. A time.monotonic() instant to stop before, with a
+        checkpoint: steps, evaluations and saves are timed, and the loop stops
+        when the next of them might not end in time.
+    divergence_advice: str. What to try when the loss is not finite.
+    settings: str. The batch size, seq-len and rank, named when a step runs out of memory.
+    callbacks: keras Callbacks (callbacks.py) told of each step
+        (on_train_batch_end, with the run's step), evaluation (on_test_end) and
+        the end of training (on_train_end).
+    """
+
+    def __init__(
+        self,
+        trainer,
+        order,
+        total_steps: int,
+        progress: Progress,
+        *,
+        evaluate_held_out,
+        save_checkpoint,
+        checkpoint_every: int,
+        deadline: float | None = None,
+        eval_seconds: float = 0.0,
+        divergence_advice: str = "",
+        settings: str = "",
+        last_saved: int | None = None,
+        callbacks=(),
+        out=None,
+    ):
+        self.trainer = trainer
+        self.order = order
+        self.total_steps = total_steps
+        self.progress = progress
+        self.evaluate_held_out = evaluate_held_out
+        self.save_checkpoint = save_checkpoint
+        self.checkpoint_every = checkpoint_every
+        self.deadline = deadline
+        self.divergence_advice = divergence_advice
+        self.settings = settings
+        self.last_saved = last_saved
+        self.callbacks = list(callbacks)
+        self.out = out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
+        self._longest = {"step": 0.0, "eval": eval_seconds, "save": 0.0}
+        # tokens/s over this session's steps but the first of each batch shape, which compiles it.
+        self.timed_tokens = 0
+        self.timed_seconds = 0.0
+        self._shapes = set()
+        self._report = Report(total_steps, self.out)
+
+    def run(self) -> Progress:
+        """Train to `total_steps`; running out of memory is a UserError that names the settings to lower."""
+        try:
+            return self._run()
+        except BaseException as error:
+            if not backend.is_out_of_memory(error):
+                raise
+            kept = f" (the checkpoint at step {self.last_saved} is kept)" if self.last_saved else ""
+            raise UserError(
+                f"out of memory at step {self.progress.step + 1} with {self.settings}; "
+                f"lower --batch-size or --seq-len{kept}"
+            ) from error
+
+    def _run(self) -> Progress:
+        progress, order = self.progress, self.order
+        with StopSignals() as signals:
+            while progress.step < self.total_steps:
+                step = progress.step
+                x, y, w = order.batch(step)
+                started = time.perf_counter()
+                loss = float(self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
+                seconds = time.perf_counter() - started
+                if not math.isfinite(loss):
+                    raise self._diverged(f"the training loss is {loss} at step {step + 1}")
+                tokens, response_tokens = order.tokens(step)
+                progress.step += 1
+                progress.trained_tokens += tokens
+                progress.response_tokens += response_tokens
+                progress.train_seconds += seconds
+                epoch = step // order.steps_per_epoch + 1
+                progress.rows.append({"step": progress.step, "epoch": epoch, "train_loss": loss})
+                shape = tuple(x["token_ids"].shape)
+                if shape in self._shapes:
+                    self.timed_tokens += tokens
+                    self.timed_seconds += seconds
+                    self._longest["step"] = max(self._longest["step"], seconds)
+                self._shapes.add(shape)
+                self._report.step(progress.step, loss, self.tokens_per_second())
+                for callback in self.callbacks:
+                    callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})
+
+                evaluate = progress.step % order.steps_per_epoch == 0 or progress.step == self.total_steps
+                if evaluate:
+                    self._evaluate(epoch)
+                stop = self._stop_reason(signals)
+                if evaluate or stop or progress.step % self.checkpoint_every == 0:
+                    self._save()
+                if stop:
+                    self._report.close()
+                    raise RunStopped(*stop)
+            if not self._evaluated_at(progress.step):
+                # Resumed at the last step from a checkpoint saved mid-epoch (a stop): the end needs its evaluation.
+                self._evaluate(max(1, -(-progress.step // order.steps_per_epoch)))
+                self._save()
+        self._report.close()
+        for callback in self.callbacks:
+            callback.on_train_end()
+        return progress
+
+    def _evaluated_at(self, step: int) -> bool:
+        return any(row["step"] == step and "eval_loss" in row for row in self.progress.rows)
+
+    def tokens_per_second(self) -> float | None:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds > 0 else None
+
+    def _evaluate(self, epoch: int) -> None:
+        started = time.perf_counter()
+        result = self.evaluate_held_out()
+        self._longest["eval"] = max(self._longest["eval"], time.perf_counter() - started)
+        if not math.isfinite(result["loss"]):
+            raise self._diverged(f"the held-out loss is {result['loss']} after step {self.progress.step}")
+        self.progress.evaluations.append(result)
+        for callback in self.callbacks:
+            callback.on_test_end({"step": self.progress.step, **result})
+        self.progress.rows.append(
+            {
+                "step": self.progress.step,
+                "epoch": epoch,
+                "eval_loss": result["loss"],
+                "eval_accuracy": result["accuracy"],
+            }
+        )
+        self._report.line(
+            f"epoch {epoch}: eval loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} "
+            f"(step {self.progress.step}/{self.total_steps})"
+        )
+
+    def _save(self) -> None:
+        started = time.perf_counter()
+        self.save_checkpoint(self.progress)
+        self._longest["save"] = max(self._longest["save"], time.perf_counter() - started)
+        self.last_saved = self.progress.step
+
+    def _stop_reason(self, signals: StopSignals):
+        if signals.received == signal.SIGINT:
+            return self._stopped_message("Ctrl-C"), 130
+        if signals.received == signal.SIGTERM:
+            return self._stopped_message("SIGTERM"), 143
+        if self.deadline is not None and self.progress.step < self.total_steps:
+            # The next step, a possible evaluation after it and a save must all end in time.
+            needed = 2 * self._longest["step"] + self._longest["eval"] + 2 * self._longest["save"] + 5.0
+            if time.monotonic() + needed >= self.deadline:
+                return self._stopped_message("the time limit is near"), 75
+        return None
+
+    def _stopped_message(self, why: str) -> str:
+        return (
+            f"{why}: stopped at step {self.progress.step}/{self.total_steps} with a checkpoint; "
+            "rerun the same command with --resume to continue (in Python: finetune.run(cfg, resume=True))"
+        )
+
+    def _diverged(self, what: str) -> UserError:
+        kept = (
+            f"the last good checkpoint (step {self.last_saved}) is kept"
+            if self.last_saved
+            else "no checkpoint had been saved yet"
+        )
+        return UserError(f"{what}: training diverged, so nothing was published; {kept}.\n{self.divergence_advice}")
+
+
+class Report:
+    """Progress a person can follow: a live line in a terminal or notebook, a line every few steps in logs."""
+
+    def __init__(self, total_steps: int, out):
+        self.total = total_steps
+        self.out = out
+        self.live = _is_interactive(out)
+        self.every = max(1, min(100, total_steps // 10))
+        self.started = time.monotonic()
+        self._last_print = 0.0
+        self._open = False
+        self._first_step = None
+
+    def step(self, step: int, loss: float, tokens_per_second: float | None) -> None:
+        now = time.monotonic()
+        if self._first_step is None:
+            self._first_step = step - 1
+        due = step % self.every == 0 or step == self.total or now - self._last_print > 60
+        if not self.live and not due:
+            return
+        elapsed = now - self.started
+        done = step - self._first_step
+        left = elapsed / done * (self.total - step) if done else 0.0
+        rate = f"  {tokens_per_second:,.0f} tok/s" if tokens_per_second else ""
+        text = f"step {step}/{self.total}  loss {loss:.4f}{rate}  {clock(elapsed)} elapsed  {clock(left)} left"
+        if self.live:
+            print("\r" + text.ljust(78), end="", file=self.out, flush=True)
+            self._open = True
+        else:
+            print(text, file=self.out, flush=True)
+        self._last_print = now
+
+    def line(self, text: str) -> None:
+        self.close()
+        print(text, file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._open:
+            print(file=self.out, flush=True)
+            self._open = False
+
+
+class Phases:
+    """A line per phase of a run, with the time since it started: logs without a terminal show where the run is."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{clock(self.seconds())}] {text}", flush=True)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _is_interactive(out) -> bool:
+    return bool(getattr(out, "isatty", lambda: False)()) or "ipykernel" in sys.modules
+
+
+def clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

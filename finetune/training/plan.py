@@ -1,0 +1,640 @@
+"""`finetune plan`: what a run would hold in each device's memory, worked out before anything loads.
+
+Pure Python and offline: the architecture comes from archs.py (or a local
+preset's config.json), each kernel's layout from layouts.place, and the
+bytes from the run's config. No keras, no weights, no network, so it answers
+in a fraction of a second and on a laptop for a pod.
+
+The counts are estimates of what the training step keeps alive at its peak.
+On a CPU they include the frameworks' own resident memory (measured); on an
+accelerator its runtime's workspace and the CUDA context are left to the
+headroom, as are XLA's temporaries and, under mixed_bfloat16, the bfloat16
+copies of the kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.config import Config
+from finetune.model import archs, families, layouts, presets
+from finetune.platform.backend import DEFAULT_BATCH_SIZE
+from finetune.platform.errors import UserError
+
+GiB = 2**30
+# A plan that needs more than this share of the usable memory is called tight: XLA's and cuDNN's
+# workspaces, and fragmentation, take a few percent that no count here sees.
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Device:
+    memory: int
+    """Bytes of accelerator memory one device (a GPU, a TPU core or chip) offers, as its runtime reports it."""
+    bfloat16: bool
+    """Whether precision `auto` picks bfloat16 on it (on a GPU or TPU; a CPU's is backend.cpu_precision's)."""
+    what: str
+    kind: str = "gpu"
+    """gpu, tpu or cpu: auto picks float16 on a GPU without bf16, float32 on such a CPU."""
+
+
+# Memory as nvidia-smi or the TPU runtime reports it, which is a little under the marketing figure.
+DEVICES = {
+    "t4": Device(15 * GiB, False, "NVIDIA T4, 16 GB (Kaggle, Colab)"),
+    "p100": Device(16 * GiB, False, "NVIDIA P100, 16 GB (Kaggle)"),
+    "v100": Device(16 * GiB, False, "NVIDIA V100, 16 GB"),
+    "l4": Device(22 * GiB + 512 * 2**20, True, "NVIDIA L4, 24 GB"),
+    "a10g": Device(22 * GiB + 512 * 2**20, True, "NVIDIA A10G, 24 GB"),
+    "a100-40g": Device(40 * GiB, True, "NVIDIA A100, 40 GB"),
+    "a100-80g": Device(80 * GiB, True, "NVIDIA A100, 80 GB"),
+    "h100": Device(79 * GiB + 648 * 2**20, True, "NVIDIA H100, 80 GB"),
+    "h200": Device(140 * GiB + 410 * 2**20, True, "NVIDIA H200, 141 GB"),
+    "v3-8": Device(16 * GiB, True, "TPU v3, 16 GiB per core (8 cores in a v3-8)", "tpu"),
+    "v4": Device(32 * GiB, True, "TPU v4, 32 GiB per chip", "tpu"),
+    "v5e": Device(16 * GiB, True, "TPU v5e, 16 GiB per chip", "tpu"),
+    "v5p": Device(95 * GiB, True, "TPU v5p, 95 GiB per chip", "tpu"),
+    "v6e": Device(32 * GiB, True, "TPU v6e, 32 GiB per chip", "tpu"),
+}
+ALIASES = {"v3": "v3-8", "a100": "a100-40g", "v4-8": "v4", "v5e-8": "v5e", "v5litepod-8": "v5e", "v6e-8": "v6e"}
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+UNITS["tib"] = 2**40
+
+
+def device(text: str) -> tuple[str, Device]:
+    """--device-memory: a size (16GB, 15.5GiB, 512MiB), a known kind (t4, h100, v3-8), or cpu (this host's RAM)."""
+    key = text.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in DEVICES:
+        return key, DEVICES[key]
+    if key == "cpu":
+        from finetune.platform import backend
+
+        memory = backend.host_memory()
+        if memory is None:
+            raise UserError("cannot read this host's memory (no /proc/meminfo); pass --device-memory SIZE")
+        # bfloat16 unused: auto_precision asks backend.cpu_precision, whose answer depends on the framework too.
+        return "cpu", Device(memory, False, "this host's memory", "cpu")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
+    if match and match.group(2) in UNITS and float(match.group(1)) > 0:
+        size = int(float(match.group(1)) * UNITS[match.group(2)])
+        return text.strip(), Device(size, True, f"{text.strip()} per device", "any")
+    kinds = ", ".join([*DEVICES, "cpu"])
+    raise UserError(
+        f"--device-memory {text!r} is neither a size with a unit (16GB, 16GiB, 512MiB) nor a known device ({kinds})"
+    )
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    family: str
+    dims: layouts.Dims
+    config: dict = field(hash=False)
+    vision_params: int = 0
+    encoder_params: int = 0
+    """A Gemma 4 or 3n preset's image and audio encoders, which a text run does not load (archs.py)."""
+
+
+def model_of(preset: str) -> Model:
+    """The architecture a --preset names, without loading or downloading it."""
+    if preset in presets.TINY:
+        config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
+        return _model(preset, presets.TINY[preset].family, config)
+    path = Path(preset).expanduser()
+    if path.is_dir():
+        family, config = presets.directory_backbone(path)
+        vision = config.get("vision_encoder") if family == "gemma3" else None
+        try:
+            vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path / 'config.json'}: its vision_encoder config lacks a usable {e}") from None
+        return _model(str(path), family, config, vision_params)
+    # kaggle://keras/gemma/keras/gemma_2b_en/3 names the variant in its fourth part.
+    parts = preset.removeprefix("kaggle://").split("/") if preset.startswith("kaggle://") else [preset]
+    name = parts[3] if len(parts) > 3 else parts[0] if len(parts) == 1 else ""
+    arch = archs.lookup(name) if name else None
+    if arch is None:
+        close = presets.near_misses(name or preset, [*archs.ARCHS, *presets.TINY])
+        known = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"`finetune plan` knows {', '.join(archs.ARCHS)} (and their instruct variants), "
+            f"{', '.join(presets.TINY)}, and preset directories"
+        )
+        raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
+    return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params)
+
+
+def _model(name: str, family: str, config: dict, vision_params: int = 0, encoder_params: int = 0) -> Model:
+    try:
+        dims = layouts.Dims.from_backbone_config(config, family)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"preset {name}: its backbone config lacks a usable {e}") from None
+    return Model(name, family, dims, config, vision_params, encoder_params)
+
+
+@dataclass
+class Group:
+    name: str
+    shape: tuple[int, ...]
+    copies: int
+    """How many variables of this shape: one per decoder block, or 1."""
+    layout: str
+    bytes_per_device: float
+
+
+@dataclass
+class Plan:
+    model: Model
+    parameters: int
+    data: int
+    model_axis: int
+    precision: str
+    quantize: str | None
+    batch_size: int
+    seq_len: int
+    lora_rank: int
+    lora_targets: list[str]
+    lora_parameters: int
+    groups: list[Group]
+    memory: dict[str, float]
+    """Bytes per device: weights, lora_weights, lora_gradients, optimizer, activations, logits, total."""
+    notes: list[str]
+    remat: bool = False
+    """Whether each decoder block is recomputed in the backward pass (--remat, or auto's choice)."""
+    device_name: str | None = None
+    usable: float | None = None
+    fits: bool | None = None
+    verdict: str = ""
+
+
+# precision → (bytes of a frozen base weight, bytes of a computed activation). bfloat16 and float16 store
+# the base as they compute (backend.POLICIES); mixed_bfloat16 keeps it in float32. LoRA factors, their
+# gradients and AdamW's moments are float32 under every precision.
+_BYTES = {"float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2), "mixed_bfloat16": (4, 2)}
+_LORA_BYTES = 4
+# What a CPU run's process holds besides the model and the step: its backend's framework (a process of ours
+# imports no other: backend.leave_out_other_frameworks), Keras and keras-hub, the traced train step, the
+# tokenizer and the data. Measured as a user runs it: the peak resident memory of `finetune gemma --preset tiny
+# --max-steps 2`, whose model is a few MB, on 2 cores of an AMD EPYC (family 25, model 1), 2026-11-25: 999, 521
+# and 706 MiB. (`finetune bench --arch tiny` rows hold about 0.2-0.3 GiB more there: 1.2, 0.8 and 1.0 GB.)
+_HOST_RUNTIME = {"tensorflow": 0.98 * GiB, "torch": 0.51 * GiB, "jax": 0.69 * GiB}
+# TensorFlow, kept on JAX and PyTorch for keras-hub's Gemma 3, 3n and 4 preprocessors (presets.frameworks_needed):
+# tiny-gemma3 peaked 581 MiB above tiny on JAX and 588 on PyTorch, the same run otherwise (same machine and day).
+_TENSORFLOW_FOR_PREPROCESSING = 0.57 * GiB
+_DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "h": "head dim", "F": "ffw",
+              "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
+
+
+def auto_precision(target: tuple[str, Device] | None, framework: str = "") -> str:
+    """What precision `auto` becomes on the device under `framework` (backend.auto_precision's rule, offline)."""
+    if target is not None and target[1].kind == "cpu":
+        from finetune.platform import backend
+
+        return backend.cpu_precision(framework)  # this host's CPU
+    if target is None or target[1].bfloat16:
+        return "bfloat16"
+    return "float16" if target[1].kind == "gpu" else "float32"
+
+
+def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | None = None) -> Plan:
+    """The per-device memory plan of the run `cfg` describes on `devices` devices of kind `target`.
+
+    --remat auto is decided here as a run decides it: on when the plan without it does not fit the device.
+    """
+    if cfg.model.remat != "auto":
+        return _make(cfg, devices, target, remat=cfg.model.remat == "on")
+    without = _make(cfg, devices, target, remat=False)
+    if target is None or without.fits:
+        without.notes.append("remat auto: off" + (f" (fits {target[0]} without it)" if target else ""))
+        return without
+    planned = _make(cfg, devices, target, remat=True)
+    planned.notes.append(f"remat auto: on; without it the run needs {_size(without.memory['total'])}")
+    return planned
+
+
+def remat_for(cfg: Config, precision: str, device: str, memory: int | None) -> tuple[bool, str]:
+    """What a run's --remat becomes, and why: auto asks the plan whether the run fits `memory` without it.
+
+    precision: the run's resolved precision; device: cpu, gpu or tpu; memory: bytes of one device, None
+    where the framework does not say (then auto is off).
+    """
+    if cfg.model.remat != "auto":
+        return cfg.model.remat == "on", f"--remat {cfg.model.remat}"
+    if memory is None:
+        return False, f"auto: off (the {device}'s memory is unknown; pass --remat on if the run runs out of it)"
+    resolved = copy.deepcopy(cfg)
+    resolved.model.precision = precision
+    resolved.train.xla_mem_fraction = 1.0  # `memory` is what the framework reports: the fraction is applied
+    kind = Device(memory, precision == "bfloat16", f"this {device}", device)
+    devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
+    try:
+        planned = make(resolved, devices, (device, kind))
+    except UserError as e:  # no architecture table for this preset: train as it is
+        return False, f"auto: off (no plan: {e})"
+    return planned.remat, "auto: " + next(n for n in planned.notes if n.startswith("remat auto")).removeprefix(
+        "remat auto: "
+    )
+
+
+def _device_count(cfg: Config) -> int | None:
+    """The devices a distributed run spreads over, when no --mesh names them (keras is loaded by then)."""
+    if cfg.distribution.mesh:
+        return None
+    import keras
+
+    return len(keras.distribution.list_devices())
+
+
+def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, remat: bool) -> Plan:
+    model = model_of(cfg.model.preset)
+    data, model_size = _mesh(cfg, devices)
+    placements = layouts.place(model.dims, model_size)  # a UserError naming the kernel when indivisible
+    notes: list[str] = []
+    precision = cfg.model.precision
+    if precision == "auto":
+        precision = auto_precision(target, cfg.backend)
+        notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
+    batch = cfg.train.batch_size
+    if batch is None:  # the run's own choice, made to split over the data axis as the run makes it
+        batch, fitted = layouts.fit_default_batch(DEFAULT_BATCH_SIZE[cfg.backend], data)
+        notes += [fitted] if fitted else []
+    kernels = [p for p in placements if p.shape]
+    groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
+    lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)
+    memory = {
+        "weights": sum(g.bytes_per_device for g in groups),
+        # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each.
+        "lora_weights": lora * _LORA_BYTES,
+        "lora_gradients": lora * _LORA_BYTES,
+        "optimizer": 2 * lora * _LORA_BYTES,
+    }
+    per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
+    seq_len = cfg.model.seq_len
+    per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
+    if remat:  # each block keeps its input; one block's activations exist at a time, in its backward
+        kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
+        per_sequence = kept + per_sequence / model.dims.num_layers
+    experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
+    memory["activations"] = per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
+    memory["dequantized_kernel"] = _dequantized_kernel(
+        groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
+    )
+    memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
+    if target is not None and target[1].kind == "cpu":
+        memory["runtime"] = _HOST_RUNTIME[cfg.backend]
+        if cfg.backend != "tensorflow" and "tensorflow" in presets.frameworks_needed(cfg.model.preset):
+            memory["tensorflow_preprocessing"] = _TENSORFLOW_FOR_PREPROCESSING
+        # Measured, cause not yet found: TensorFlow's step on a CPU peaks about one token embedding's bytes
+        # above what the rest counts (gemma-2b dims 1.0 GiB, gemma-7b int4 1.9 GiB; BENCHMARKS.md). Neither a
+        # transposed copy for the logits nor the embedding lookup makes it.
+        if cfg.backend == "tensorflow":
+            memory["tensorflow_step"] = sum(g.bytes_per_device for g in groups if g.name == "embedding")
+    memory["total"] = sum(memory.values())
+    plan = Plan(
+        model=model,
+        parameters=_parameters(model, notes),
+        data=data,
+        model_axis=model_size,
+        precision=precision,
+        quantize=cfg.model.quantize,
+        batch_size=per_device * data if cfg.train.batch_size == "auto" else batch,
+        seq_len=cfg.model.seq_len,
+        lora_rank=cfg.lora.rank,
+        lora_targets=list(cfg.lora.targets),
+        lora_parameters=lora,
+        groups=groups,
+        memory=memory,
+        notes=notes + [p.rule.group + ": " + p.note for p in kernels if p.note.startswith("dimension")],
+        remat=remat,
+    )
+    if target is not None:
+        _judge(plan, target, cfg)
+        if cfg.train.batch_size == "auto":
+            _largest_batch(plan)
+    elif cfg.train.batch_size == "auto":
+        plan.notes.append("batch auto: planned at one sequence per device; --device-memory finds the largest that fits")
+    return plan
+
+
+def _mesh(cfg: Config, devices: int | None) -> tuple[int, int]:
+    parallel, mesh = cfg.distribution.parallel, cfg.distribution.mesh
+    if parallel == "none":
+        if devices not in (None, 1):
+            raise UserError(f"--devices {devices} needs --parallel data or --parallel model; none uses one device")
+        return 1, 1
+    if devices is None and mesh is None:
+        raise UserError(
+            f"--parallel {parallel} plans over how many devices? pass --mesh DxM (or --devices N to `finetune plan`)"
+        )
+    if devices is not None and devices < 1:
+        raise UserError(f"--devices must be at least 1, got {devices}")
+    return layouts.parse_mesh(mesh, parallel, devices)
+
+
+def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, model_size: int) -> list[Group]:
+    variable_bytes = _BYTES[precision][0]
+    groups = []
+    for p in kernels:
+        copies = p.copies
+        count = math.prod(p.shape) * copies
+        size = count * (_quantized(quantize) if quantize and p.rule.target else variable_bytes)  # quantized.policies
+        sharded = layouts.MODEL_AXIS in p.axes
+        if sharded:
+            size /= model_size
+            dim = p.axes.index(layouts.MODEL_AXIS)
+            layout = f"model on {_DIM_NAMES[p.rule.shape_of.split(',')[dim]]}"
+        else:
+            layout = "replicated"
+        groups.append(Group(p.rule.group, p.shape, copies, layout, size))
+    norms = archs.small_weights(model.config, model.family)
+    groups.append(Group("norm scales", (norms,), 1, "replicated", norms * variable_bytes))
+    if model.vision_params:
+        # keras-hub builds the image encoder in float32 when the model is bfloat16; it is not quantized.
+        per = max(variable_bytes, 4)
+        groups.append(Group("vision encoder", (model.vision_params,), 1, "replicated", model.vision_params * per))
+    return groups
+
+
+def _quantized(mode: str) -> float:
+    """Bytes per weight of a quantized kernel (quantized.py): int4 packs two a byte, with a float32 scale and an
+    int8 zero point per group of 128 input rows and output column; int8 is a byte, with a scale per column."""
+    return 0.5 + 5 / 128 if mode == "int4" else 1.0
+
+
+def _dequantized_kernel(groups: list[Group], quantize: str | None, layers: int, compute: int) -> float:
+    """A quantized base's dequantization at its largest: one decoder kernel's, unpacked (a byte a weight, int4),
+    its float steps and the cast to the compute dtype (`compute` bytes a weight), about 1 + 3 x compute bytes a
+    weight. One kernel at a time: each layer dequantizes when its input arrives and lets go
+    (quantized.lean_projection). keras' own call kept every kernel dequantized for the backward: gemma-7b int4
+    asked XLA for one 34.4 GiB buffer so."""
+    if quantize is None:
+        return 0.0
+    decoder = [g for g in groups if g.copies == layers and g.name not in ("embedding", "norm scales")]
+    weights = max((g.bytes_per_device / g.copies / _quantized(quantize) for g in decoder), default=0.0)
+    return weights * ((1 if quantize == "int4" else 0) + 3 * compute)
+
+
+def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
+    """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis)."""
+    family = families.get(model.family)
+    own_names = {layer: target for target, layer in family.layers.items()}  # Gemma 3n's q_proj is query
+    adaptable = list(dict.fromkeys(p.rule.target for p in kernels if p.rule.target))
+    total = 0
+    for target in dict.fromkeys(own_names.get(t, t) for t in targets):
+        if target not in adaptable:
+            why = family.frozen_reason(family.layer_of(target))
+            raise UserError(
+                f"{family.title}'s {target!r} layers stay frozen: {why}; LoRA adapts {', '.join(adaptable)}"
+                if why
+                else f"unknown LoRA target {target!r}; {family.title}'s adaptable layers are {', '.join(adaptable)}"
+            )
+        for p in kernels:
+            if p.rule.target == target:
+                total += p.copies * (math.prod(p.shape[:-1]) * rank + rank * p.shape[-1])
+    return total
+
+
+def _parameters(model: Model, notes: list[str]) -> int:
+    """The preset's weights, as keras-hub counts them; a note when its encoders are left out of the run."""
+    loaded = archs.parameter_count(model.config, model.family, model.vision_params)
+    if model.encoder_params:
+        notes.append(
+            f"its image and audio encoders ({model.encoder_params / 1e9:.2f}B weights) are not loaded: "
+            f"finetune trains the {loaded / 1e9:.2f}B-weight text decoder"
+        )
+    return loaded + model.encoder_params
+
+
+def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int, notes):
+    """Bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's.
+
+    The router picks num_experts_per_token of num_experts for each token, but
+    keras-hub's expert bank (Gemma4MoEBlock) runs every expert on every token
+    as one batched matmul and zeroes the others in the combine, so what the
+    backward pass keeps scales with all the experts: per token and expert the
+    gate, up, activated gate and product (4·I) and the expert's output and its
+    scaled and weighted copies (3·D), plus the router's probabilities (float32)
+    and the MoE path's input norm. Sharded on the experts axis, each device
+    holds its experts' share.
+    """
+    config = model.config
+    if not config.get("enable_moe_block"):
+        return 0.0
+    compute = _BYTES[precision][1]
+    experts, active = int(config["num_experts"]), int(config.get("num_experts_per_token") or 8)
+    inner, hidden = int(config["expert_intermediate_dim"]), model.dims.hidden_dim
+    split = _split(kernels, "experts gate", "E", model_size)
+    per_token = experts * (4 * inner + 3 * hidden) * compute / split + experts * 4 * 2 + 2 * hidden * compute
+    notes.append(
+        f"experts: {active} of {experts} route each token, but keras-hub's expert bank computes all {experts} for "
+        "every token; the activations count what it computes"
+    )
+    return model.dims.num_layers * seq_len * per_token
+
+
+def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:
+    if batch == "auto":
+        return 1
+    layouts.check_batch(batch, data)  # the run refuses an uneven split, so the plan does too
+    return batch // data
+
+
+def _split(kernels, group: str, symbol: str, model_size: int) -> int:
+    """How many ways activations along `symbol` are split: the model axis size when `group`'s kernel is sharded on it."""
+    placement = next(p for p in kernels if p.rule.group == group)
+    names = placement.rule.shape_of.split(",")
+    sharded = layouts.MODEL_AXIS in placement.axes and names[placement.axes.index(layouts.MODEL_AXIS)] == symbol
+    return model_size if sharded else 1
+
+
+def _activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int) -> float:
+    """Bytes the backward pass keeps from one sequence's forward pass.
+
+    Per decoder block and token, in the compute dtype: the block's input, the
+    two pre-norm outputs and the attention residual (4·D, one more each for
+    Gemma 2 and 3's post-norms); q, k and v as projected and q, k again after
+    RoPE ((2H + 3K)·h, counted as 3H·h + 3K·h); the attention result (in the
+    3H·h); and the FFW's gate, up, activated gate and product (4·F). Per block
+    and sequence, H·S² attention scores as computed, masked and normalised, in
+    float32 (keras-hub's softmax is float32: 3 × 4 bytes), and under bfloat16
+    compute their compute-dtype logits and probabilities too (2 × 2 bytes). The
+    embedding output and the final norm add 2·D per token. Heads and FFW width
+    are split over the model axis when their kernels are; the hidden width is
+    whole on every device.
+
+    Checked against XLA's memory analysis of the compiled train step (JAX, CPU,
+    float32, cpu-small dims, LoRA rank 4 on query and value): activations and
+    logits came to 84% of its temporaries at vocabulary 4,096, batch 8 × 512
+    (1,540 of 1,838 MiB), and 103% at vocabulary 65,536, batch 4 × 256 (1,033
+    of 1,002 MiB). Not yet checked on a GPU or TPU, where fused attention
+    would keep far less than H·S².
+    """
+    d = model.dims
+    compute = _BYTES[precision][1]
+    heads = _split(kernels, "query", "H", model_size)
+    kv_heads = _split(kernels, "key", "K", model_size)
+    ffw = _split(kernels, "ffw_gating", "F", model_size)
+    post_norms = sum(1 for k in ("use_post_attention_norm", "use_post_ffw_norm") if model.config.get(k))
+    per_token = (
+        (4 + post_norms) * d.hidden_dim
+        + 3 * d.num_query_heads * d.head_dim / heads
+        + 3 * d.num_key_value_heads * d.head_dim / kv_heads
+        + 4 * d.ffw_dim / ffw
+    ) * compute
+    per_score = 3 * 4 + (2 * compute if compute != 4 else 0)
+    scores = d.num_query_heads * seq_len**2 * per_score / heads
+    return d.num_layers * (seq_len * per_token + scores) + seq_len * 2 * d.hidden_dim * compute
+
+
+def _logits(model: Model, kernels, precision: str, model_size: int, backend: str) -> float:
+    """Bytes of the loss's vocabulary projection: one chunk of positions at a time (objective.py).
+
+    XLA fuses the chunk's softmax into its float32 logits, so JAX holds one buffer of them (its compiled
+    train step's temporaries on a CPU: 26 MiB beyond the activations for a 32 MiB chunk); PyTorch makes the
+    softmax and its gradient in the logits' buffer and holds a copy in the compute dtype; TensorFlow holds the
+    logits, their softmax and that copy. Split when the vocabulary is.
+    """
+    from finetune.platform.backend import loss_chunk
+
+    vocabulary = model.dims.vocabulary_size / _split(kernels, "embedding", "V", model_size)
+    per_logit = {"jax": 4, "torch": 4 + _BYTES[precision][1]}.get(backend, 4 + 4 + _BYTES[precision][1])
+    return loss_chunk(model.dims.vocabulary_size) * vocabulary * per_logit
+
+
+def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
+    name, found = target
+    usable = found.memory * (cfg.train.xla_mem_fraction if cfg.backend == "jax" and found.kind != "cpu" else 1.0)
+    total = plan.memory["total"]
+    plan.device_name, plan.usable = name, usable
+    plan.fits = total <= usable * (1 - HEADROOM)
+    if plan.fits:
+        plan.verdict = f"fits: {_size(usable - total)} spare of {_size(usable)} on each {name}"
+    elif total <= usable:
+        plan.verdict = (
+            f"tight: {_size(total)} of {_size(usable)} on each {name} leaves under {HEADROOM:.0%} for the "
+            f"runtime's workspace; {_advice(plan)}"
+        )
+    else:
+        plan.verdict = f"does not fit: {_size(total)} needed, {_size(usable)} on each {name}; {_advice(plan)}"
+
+
+def _advice(plan: Plan) -> str:
+    m = plan.memory
+    if m["weights"] > 0.5 * m["total"]:
+        return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
+    return "the activations and logits dominate: lower --batch-size or --seq-len, or spread the batch (--parallel data)"
+
+
+def _largest_batch(plan: Plan) -> None:
+    """For --batch-size auto: the largest batch whose plan fits, in steps of the data axis."""
+    fixed = sum(v for k, v in plan.memory.items() if k not in ("activations", "logits", "total"))
+    per_row = plan.memory["activations"] + plan.memory["logits"]  # planned at one row per device
+    room = plan.usable * (1 - HEADROOM) - fixed
+    rows = int(room // per_row) if per_row > 0 and room > 0 else 0
+    plan.notes.append(
+        f"batch auto: up to {rows * plan.data} sequences per step fit ({rows} per device)"
+        if rows
+        else "batch auto: not even one sequence per device fits"
+    )
+
+
+def _size(count: float) -> str:
+    return f"{count / GiB:.2f} GiB" if count >= GiB / 10 else f"{count / 2**20:.1f} MiB"
+
+
+def as_dict(plan: Plan) -> dict:
+    """The plan for machines (`finetune plan --json`); sizes in bytes per device."""
+    return {
+        "preset": plan.model.name,
+        "family": plan.model.family,
+        "parameters": plan.parameters,
+        "mesh": {"data": plan.data, "model": plan.model_axis, "devices": plan.data * plan.model_axis},
+        "precision": plan.precision,
+        "quantize": plan.quantize,
+        "batch_size": plan.batch_size,
+        "seq_len": plan.seq_len,
+        "lora": {"rank": plan.lora_rank, "targets": plan.lora_targets, "parameters": plan.lora_parameters},
+        "groups": [
+            {
+                "group": g.name,
+                "shape": list(g.shape),
+                "copies": g.copies,
+                "layout": g.layout,
+                "bytes_per_device": round(g.bytes_per_device),
+            }
+            for g in plan.groups
+        ],
+        "bytes_per_device": {k: round(v) for k, v in plan.memory.items()},
+        "remat": plan.remat,
+        "device": plan.device_name,
+        "usable_bytes": None if plan.usable is None else round(plan.usable),
+        "fits": plan.fits,
+        "verdict": plan.verdict,
+        "notes": plan.notes,
+    }
+
+
+_ROWS = {
+    "weights": "weights (frozen base)",
+    "lora_weights": "LoRA weights",
+    "lora_gradients": "LoRA gradients",
+    "optimizer": "AdamW moments",
+    "activations": "activations",
+    "dequantized_kernel": "one kernel dequantized",
+    "logits": "logits, one chunk",
+    "runtime": "framework runtime (host)",
+    "tensorflow_step": "TensorFlow's step, measured",
+    "tensorflow_preprocessing": "TensorFlow, for keras-hub's preprocessor (host)",
+}
+
+
+def table(plan: Plan) -> str:
+    """The plan for people: the mesh, each variable group's layout and bytes, the memory per device, the verdict."""
+    variable_bytes, compute_bytes = _BYTES[plan.precision]
+    devices = plan.data * plan.model_axis
+    rows_per_device = math.ceil(plan.batch_size / plan.data)
+    lines = [
+        f"{plan.model.name}: {plan.model.family}, {plan.parameters / 1e9:.2f}B parameters",
+        f"mesh {plan.data}x{plan.model_axis}: {plan.data} data x {plan.model_axis} model, "
+        f"{devices} device{'s' if devices > 1 else ''}",
+        f"precision {plan.precision}: base stored in {_dtype(plan.precision, variable_bytes)}, computed in "
+        f"{_dtype(plan.precision, compute_bytes)}, LoRA in float32"
+        + (f"; decoder kernels quantized to {plan.quantize}" if plan.quantize else "")
+        + ("; blocks recomputed in the backward (remat)" if plan.remat else ""),
+        f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; LoRA rank {plan.lora_rank} "
+        f"on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)",
+        "",
+    ]
+    shapes = [_shape(g) for g in plan.groups]
+    width = max(len(s) for s in shapes)
+    names = max(18, *(len(g.name) for g in plan.groups))  # Gemma 4's kinds of block name their groups longer
+    lines.append(f"{'group':<{names}} {'shape':<{width}}  {'layout':<22} {'per device':>11}")
+    for group, shape in zip(plan.groups, shapes):
+        lines.append(f"{group.name:<{names}} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
+    lines += ["", "memory per device"]
+    for key, label in _ROWS.items():
+        if key in plan.memory and (plan.memory[key] or key != "dequantized_kernel"):
+            lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
+    lines.append(f"  {'total':<28} {_size(plan.memory['total']):>11}")
+    lines += [f"note: {n}" for n in plan.notes]
+    if plan.verdict:
+        lines.append(plan.verdict)
+    else:
+        lines.append("pass --device-memory (16GB, or a kind: t4, l4, a100-40g, h100, v3-8...) for a verdict")
+    return "\n".join(lines)
+
+
+def _shape(group: Group) -> str:
+    shape = " x ".join(str(n) for n in group.shape)
+    if len(group.shape) == 1 and group.layout == "replicated" and group.copies == 1 and group.name != "embedding":
+        return f"{group.shape[0]:,} weights"
+    return f"{group.copies} x {shape}" if group.copies > 1 else shape
+
+
+def _dtype(precision: str, size: int) -> str:
+    return "float32" if size == 4 else "float16" if precision == "float16" else "bfloat16"

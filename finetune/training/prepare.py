@@ -1,0 +1,154 @@
+"""Records to rows, one way for every caller: records → template → token ids → split → rows.
+
+Training, `finetune eval` and `finetune bench` prepare their data here, so an
+evaluation scores exactly the records its run held out, and the bench trains on
+rows made as a run makes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.data import batching, formats, packing, templates
+from finetune.model import families, presets
+from finetune.platform.errors import UserError
+
+
+@dataclass
+class Prepared:
+    """What a run trains on and what it holds out.
+
+    train, held_out: lists of (Record, Example) pairs.
+    """
+
+    template: templates.Template
+    """The template the records were put in."""
+    train: list
+    held_out: list
+    batch_size: int
+    held_out_rows: dict
+    """The held-out examples padded, one a row (batching.pad): what is scored."""
+    rows: dict | None = None
+    """The training rows, packed or padded; None when none were asked for."""
+    packed: bool | None = None
+    """Whether `rows` are packed."""
+    padding: dict | None = None
+    """The share of padding in the training rows (padding_fraction) and in them unpacked (unpacked)."""
+
+
+def read(cfg, path: str, trained: bool = False) -> list[formats.Record]:
+    """The records of `path`, checked and filtered as the config says.
+
+    Chat records on an instruction-tuned preset take the family's turn format
+    (templates.for_data): cfg.data.template is set to it, so the run records it.
+
+    trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, and what they
+        refuse is said of the data, not as flags to change.
+    """
+    records, found = formats.read(path)
+    family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
+    cfg.data.template, note = templates.for_data(
+        cfg.data.template, found, family_chat, cfg.model.preset, path, trained=trained
+    )
+    if note:
+        print(note)
+    print(f"read {len(records)} records, {found} format, from {path}")
+    return formats.filter_records(
+        records,
+        drop_context=cfg.data.drop_context,
+        categories=cfg.data.categories,
+        max_records=cfg.data.max_records,
+        source=path,
+        fix="evaluate on a file with records the run's filters keep" if trained else None,
+    )
+
+
+def prepare(records, tokenizer, cfg, *, source: str | None = None, packed: bool | None = None, split=True, probe=None):
+    """records → template → token ids → split → rows: what a run trains on, and the records it holds out.
+
+    At least one batch of records is held out: the batch size is the config's,
+    or for `--batch-size auto` the one `probe` picks.
+
+    Args:
+        records: list of data.Record, as read() returns them.
+        source: str. Where the records came from, for messages; cfg.data.path by default.
+        packed: bool. Make the training rows, packed (True) or padded (False);
+            None makes none (`finetune eval`).
+        split: bool. Hold out the run's share of the records; False holds out
+            every record (`finetune eval --data`).
+        probe: callable(arrays, rows) -> int. Picks the batch size from trial
+            steps on `arrays` (the first 64 usable examples, padded), for data
+            that fills `rows` rows (train.auto_batch_size).
+    """
+    seq_len = cfg.model.seq_len
+    template = templates.get(cfg.data.template)
+    check_seq_len(tokenizer, template, seq_len)
+    usable = examples(records, template, tokenizer, seq_len, cfg.data.train_on_prompt, source or cfg.data.path)
+    batch_size = cfg.train.batch_size
+    if batch_size == "auto":
+        tokenized = [e for _, e in usable]
+        batch_size = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
+    train, held_out = [], usable
+    if split:
+        train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
+    prepared = Prepared(template, train, held_out, batch_size, batching.pad([e for _, e in held_out], seq_len))
+    if packed is not None:
+        prepared.rows, prepared.padding = training_rows(train, batch_size, seq_len, packed)
+        prepared.packed = packed
+    return prepared
+
+
+def check_seq_len(tokenizer, template, seq_len: int) -> None:
+    """Refuse a seq_len that leaves fewer than 8 tokens beside the template's fixed text."""
+    overhead = batching.template_overhead(tokenizer, template)
+    if seq_len < overhead + 8:
+        raise UserError(
+            f"seq-len {seq_len} is too small for the {template.name} template, whose fixed text "
+            f"takes {overhead} tokens; use --seq-len {max(64, overhead + 8)} or more"
+        )
+
+
+def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool = False, source: str = "") -> list:
+    """(record, Example) for each record that leaves a response token within seq_len."""
+    tokenized, dropped = batching.tokenize([template.segments(r) for r in records], tokenizer, seq_len, train_on_prompt)
+    batching.check_fits(tokenized, dropped, source)
+    if dropped:
+        print(f"note: {len(dropped)} records skipped: their prompt fills all {seq_len} tokens")
+    skipped = set(dropped)
+    kept = [r for i, r in enumerate(records) if i not in skipped]
+    return list(zip(kept, tokenized))
+
+
+def rows(examples, seq_len: int, packed: bool) -> dict:
+    """The examples in rows of seq_len: several to a row (packing.py), or one to a row, padded."""
+    return packing.pack(examples, seq_len) if packed else batching.pad(examples, seq_len)
+
+
+def row_count(examples, seq_len: int, packed: bool) -> int:
+    """How many rows rows() would make, without making them."""
+    if not packed:
+        return len(examples)
+    return len(packing.best_fit_decreasing([len(e.token_ids) - 1 for e in examples], seq_len))
+
+
+def training_rows(train, batch_size: int, seq_len: int, packed: bool) -> tuple[dict, dict]:
+    """(rows, padding) of the training pairs; refuses data that fills less than one batch."""
+    if len(train) < batch_size:
+        raise UserError(
+            f"{len(train)} training records are fewer than one batch of {batch_size}; lower --batch-size or add records"
+        )
+    train_examples = [e for _, e in train]
+    padded = batching.pad(train_examples, seq_len)
+    made = packing.pack(train_examples, seq_len) if packed else padded
+    if len(made["token_ids"]) < batch_size:
+        raise UserError(
+            f"{len(train_examples)} training records fill {len(made['token_ids'])} rows, fewer than one batch of "
+            f"{batch_size}; lower --batch-size, add records, or pass --packing off"
+        )
+    padding = {"padding_fraction": packing.padding_fraction(made), "unpacked": packing.padding_fraction(padded)}
+    if packed:
+        print(
+            f"packing: {len(train_examples)} examples in {len(made['token_ids'])} rows of {seq_len} "
+            f"tokens; padding {padding['unpacked']:.0%} -> {padding['padding_fraction']:.0%}"
+        )
+    return made, padding

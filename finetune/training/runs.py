@@ -1,0 +1,218 @@
+"""Reopen a finished run: base model plus saved adapter, for eval, generate, load and export.
+
+The run's config.yaml says which preset, template and LoRA layout were used;
+the adapter file holds only the LoRA factors (backbone.save_lora_weights), so
+the base weights come from the same preset as in training. adapter.json must
+agree with both before a factor is loaded (adapter.py).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune import config as config_module
+from finetune.platform import documents
+from finetune.platform.errors import UserError
+from finetune.training import adapter, outputs
+
+
+@dataclass
+class Run:
+    directory: Path
+    config: config_module.Config
+    adapter: dict
+    """adapter.json, already checked against config.yaml."""
+
+
+def open_run(directory: str | Path) -> Run:
+    """Read a run directory's config; pure Python, so it can run before the backend is chosen."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
+    for name in ("config.yaml", outputs.ADAPTER):
+        if not (directory / name).is_file():
+            raise UserError(f"{directory} has no {name}, so it is not a finished run; pass --run DIR of a finished run")
+    cfg = config_module.from_dict(config_module.read_recipe(directory / "config.yaml"))
+    description = adapter.read(directory / outputs.ADAPTER_JSON)
+    adapter.check_against_config(description, cfg, directory / outputs.ADAPTER_JSON)
+    return Run(directory, cfg, description)
+
+
+def where(run: Run) -> str:
+    """Where `run` was just loaded, as the console says it: `jax: cpu (AMD EPYC, 2 cores), float32`."""
+    from finetune.platform import backend
+
+    device = backend.accelerator()
+    precision = run.config.model.precision
+    precision = backend.auto_precision(device) if precision == "auto" else precision  # as load_model decides it
+    return f"{sys.modules['keras'].config.backend()}: {backend.device_name(device)}, {precision}"
+
+
+def select_backend(run: Run, chosen: str | None = None) -> str:
+    """The backend to use a run on: `chosen`, else the one keras is already loaded with, else the run's.
+
+    An adapter is plain LoRA factors: one trained on any backend loads on the others.
+    """
+    from finetune.model import presets
+    from finetune.platform import backend
+
+    if chosen is None:
+        chosen = sys.modules["keras"].config.backend() if "keras" in sys.modules else run.config.backend
+    if chosen not in config_module.BACKENDS:
+        raise UserError(f"unknown backend {chosen!r}; choose one of {', '.join(config_module.BACKENDS)}")
+    backend.select(chosen, run.config.train.xla_mem_fraction, presets.frameworks_needed(run.config.model.preset))
+    return chosen
+
+
+def open_on(directory: str | Path, chosen: str | None = None) -> Run:
+    """open_run, then select_backend: a run ready to be loaded, evaluated or exported."""
+    run = open_run(directory)
+    select_backend(run, chosen)
+    return run
+
+
+def load_model(run: Run):
+    """(causal LM with the run's adapter, preprocessor), on the backend keras is loaded with (select_backend)."""
+    from finetune.model import builder, presets
+    from finetune.platform import backend
+
+    cfg = run.config
+    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
+    source = presets.resolve(cfg.model.preset)
+    lm, preprocessor = builder.build(source, cfg.model.seq_len, precision, cfg.model.quantize)
+    builder.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing
+    lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
+    return lm, preprocessor
+
+
+def checked_factors(run: Run, backbone) -> dict:
+    """{layer index: (A, B)} of the run's adapter, once adapter.json fits `backbone` (the run's base, with or
+    without LoRA) and adapter.lora.h5 holds what adapter.json describes."""
+    json_path = run.directory / outputs.ADAPTER_JSON
+    adapted = adapter.check_against_base(run.adapter, backbone, run.config.lora.rank, json_path)
+    return adapter.read_factors(run.directory / outputs.ADAPTER, adapted, run.config.lora.rank, run.adapter)
+
+
+def evaluate_run(run: Run, data_path: str | None = None) -> dict:
+    """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
+    from finetune.data import batching
+    from finetune.model import builder
+    from finetune.training import prepare, scoring
+
+    cfg = run.config
+    path = data_path or cfg.data.path
+    records = prepare.read(cfg, path, trained=True)
+    lm, preprocessor = load_model(run)
+    # The records training held out, prepared as training prepared them; or every record of another file.
+    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, source=path, split=data_path is None)
+    inputs = builder.input_names(lm)
+    batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, inputs=inputs)
+    result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)
+    result["examples"] = len(prepared.held_out)
+    return result
+
+
+def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False) -> list[str]:
+    """Greedy completions; each prompt is put in the run's template unless `raw`."""
+    from finetune.data import templates
+    from finetune.data.formats import Record
+    from finetune.training import scoring
+
+    cfg = run.config
+    template = templates.get(cfg.data.template)
+    if not raw:
+        prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
+    lm, preprocessor = load_model(run)
+    return scoring.generate(
+        lm,
+        preprocessor,
+        prompts,
+        cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        template.stop_tokens,
+    )
+
+
+def list_runs(directory: str | Path) -> list[dict]:
+    """A row per run in `directory` (or for `directory` itself): its path, state, step and eval loss."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory} is not a directory; pass a run directory or a directory of runs")
+    try:
+        candidates = [directory] + sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot list {directory} ({e.strerror or e}); check its permissions") from None
+    return [row for row in map(_described, candidates) if row is not None]
+
+
+def _described(path: Path) -> dict | None:
+    """describe(path); a directory that cannot be read is listed as broken, not the end of the listing."""
+    try:
+        return describe(path)
+    except OSError as e:
+        return {"run": str(path), "state": f"broken: cannot be read ({e.strerror or e})", "step": "",
+                "eval_loss": "", "note": ""}  # fmt: skip
+
+
+def describe(path: Path) -> dict | None:
+    """What state the run in `path` is in; None if `path` holds no run.
+
+    A run whose status.json, metrics.json or finetune-run.json is not what a run writes (edited by hand, cut
+    short by a full disk) is listed as broken, naming the file and the field, beside the others.
+    """
+    from finetune.training import checkpoint
+
+    found = checkpoint.find(path)
+    if not (found or any((path / name).exists() for name in (outputs.STATUS, outputs.METRICS))):
+        return None  # a claim alone (finetune-run.json) is not a run yet
+    row = {"run": str(path), "state": "", "step": found[-1].step if found else "", "eval_loss": "", "note": ""}
+    if outputs.is_locked(path):
+        row["state"] = "running"
+        return row
+    try:
+        outputs.checked_marker(path)
+        status = outputs.checked_status(path) or {}
+        metrics = outputs.checked_metrics(path)
+    except documents.DocumentError as e:
+        row["state"] = f"broken: {e.what}"
+        row["note"] = f"last checkpoint step {found[-1].step}" if found else ""
+        return row
+    if metrics is not None:
+        row.update(state="finished", step=metrics["steps"], eval_loss=f"{metrics['eval_loss']:.4f}")
+        return row
+    if not found:
+        row["step"] = status.get("step", "")
+    if status.get("state") in ("failed", "stopped"):
+        row["state"] = status["state"]
+        row["note"] = short_note(str(status.get("message") or ""))
+    elif found:
+        row["state"] = "checkpointed"
+        row["note"] = "killed or lost; --resume continues it" if status.get("state") == "running" else ""
+    else:
+        row["state"] = "failed"
+        row["note"] = "ended before its first checkpoint"
+    if found:
+        row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
+    return row
+
+
+def short_note(message: str, limit: int = 100) -> str:
+    """The first line of a run's last message, as the table's note: asides in parentheses go first, then words
+    from the end, so that a long one never stops mid-parenthesis ("to continue (; last checkpoint ...")."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    while len(line) > limit and (shorter := re.sub(r" ?\([^()]*\)", "", line)) != line:
+        line = shorter  # the innermost asides first: finetune.run(cfg, resume=True), then (in Python: ...)
+    if len(line) > limit:
+        line = line[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+    return line
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = ["run", "state", "step", "eval_loss", "note"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
