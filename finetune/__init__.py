@@ -15,12 +15,10 @@ chosen; import keras yourself only after `run`, or with the same backend.
 """
 
 import contextlib
-import functools
 
 from finetune import config as _config
 from finetune.config import Config
 from finetune.config import load as load_config
-from finetune.exports.export import export as _export
 from finetune.platform.errors import RunStopped, UserError
 from finetune.platform.version import __version__ as __version__
 
@@ -127,9 +125,20 @@ def load(run_dir, backend: str | None = None):
     return lm
 
 
-@functools.wraps(_export)
 def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype=None):
-    from finetune.exports.export import FORMATS
+    """Write a finished run's adapter as `format` into the directory `output`; returns its path.
+
+    format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a keras-hub preset with the update
+        merged in), hf (transformers' format, merged), peft (a PEFT adapter for the transformers model) or gguf
+        (the merged model as model.gguf for llama.cpp and Ollama).
+    overwrite: bool. Replace what `output` holds; without it a non-empty `output` is refused.
+    base: bool. With format hf: the run's base model alone, for the peft adapter.
+    backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
+        run's.
+    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    Every check runs first: a refused export raises UserError and writes nothing.
+    """
+    from finetune.exports.export import FORMATS, Request, export
 
     arguments = (
         _RUN_DIR, _BACKEND, _argument("format", "--format", choices=FORMATS), _argument("output", "--output",
@@ -137,4 +146,4 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
         _argument("dtype", "--dtype"),
     )  # fmt: skip
     with _in_python_words(*arguments):
-        return _export(run_dir, format, output, overwrite, base, backend, dtype)
+        return export(run_dir, Request(format, output, overwrite, base, dtype), backend)

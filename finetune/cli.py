@@ -598,10 +598,10 @@ def export_(
     verbose: Verbose = False,
 ):
     """Export a run's adapter for keras-hub, transformers, PEFT or llama.cpp; nothing is written if a check fails."""
-    from finetune.exports.export import export  # the module's: its refusals name the flags, the API's its arguments
+    from finetune.exports.export import Request, export  # its refusals name the flags, the API's its arguments
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
-    target = export(run, format, output, overwrite, base, backend, dtype)
+    target = export(run, Request(format, output, overwrite, base, dtype), backend)
     print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
 
 

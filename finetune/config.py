@@ -292,6 +292,10 @@ class LoraConfig:
         hint="name a layer to adapt, e.g. --target query --target value",
     )  # fmt: skip
 
+    def scale_alpha(self) -> float:
+        """The alpha LoRA's update is scaled by (alpha / rank): the one set, or the rank, keras-hub's scale of 1."""
+        return float(self.alpha if self.alpha is not None else self.rank)
+
 
 @documented
 @dataclass

@@ -17,12 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import BACKEND
+
+from finetune.training.resolve import shown
 
 FAMILIES = ("tiny", "tiny-gemma3", "tiny-gemma3n", "tiny-gemma4", "tiny-gemma4-moe")
 BACKENDS = ("jax", "torch", "tensorflow")
 # Lean, beside `--max-steps 2`: 24 records, short rows, no samples (`generate` below is the same code).
 LEAN = ["--max-records", "24", "--seq-len", "64", "--set", "train.samples=0"]
+DECIDED = ("precision", "batch_size", "learning_rate", "template", "packing", "remat")  # at least these
 
 
 def finetune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -51,6 +55,17 @@ def test_each_family_trains_evaluates_and_generates_from_the_command_line(preset
     where = f"{metrics['device_name']}, {metrics['dtype_policy']}"
     assert f"loading {preset} on {BACKEND}: {where}" in trained.stdout + trained.stderr
     assert any(line.startswith("device") and where in line for line in trained.stdout.splitlines()), trained.stdout
+    # Every decision is printed once, in one table, as config.yaml's `resolved` records it: {value, why}.
+    resolved = yaml.safe_load((tmp_path / run / "config.yaml").read_text(encoding="utf-8"))["resolved"]
+    lines = trained.stdout.splitlines()
+    assert sum(line.split()[:3] == ["setting", "value", "why"] for line in lines) == 1, trained.stdout
+    for name in DECIDED:
+        value, why = resolved[name]["value"], resolved[name]["why"]
+        assert why and [line for line in lines if line.split()[:2] == [name, shown(value)]], (name, trained.stdout)
+    assert resolved["precision"]["value"] == metrics["dtype_policy"]
+    assert (
+        resolved["batch_size"]["value"] == metrics["batch_size"] and resolved["packing"]["value"] == metrics["packing"]
+    )
 
     evaluated = finetune("eval", "--run", run, cwd=tmp_path)
     assert "eval_loss " in evaluated.stdout, evaluated.stdout

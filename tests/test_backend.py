@@ -120,7 +120,7 @@ def test_a_process_of_ours_keeps_only_the_frameworks_its_run_needs(needed, left_
 
     code = (
         "import sys\n"
-        "from finetune import backend\n"
+        "from finetune.platform import backend\n"
         f"print(backend.leave_out_other_frameworks('jax', {needed!r}), 'tensorflow' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -177,30 +177,3 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "No space left on device" in result.stderr and "step 2 is intact" in result.stderr
     assert checkpoint.latest(out).step == 2 and not (out / "metrics.json").exists()
-
-
-def test_a_resumed_run_keeps_the_precision_auto_became():
-    """auto is decided when a run starts (bf16 on this CPU, float16 on a T4): a resume elsewhere keeps it."""
-    from finetune.config import Config
-
-    saved = {"config": {"train": {"batch_size": 2, "learning_rate": 1e-3}, "model": {"precision": "float16"}}}
-    assert checkpoint.resumed_config(Config(), saved).model.precision == "float16"
-    chosen = Config()
-    chosen.model.precision = "float32"
-    assert checkpoint.resumed_config(chosen, saved).model.precision == "float32"  # then check_compatible refuses
-
-
-def test_a_resumed_run_keeps_its_cpu_thread_count():
-    """PyTorch's CPU sums follow its thread count: picked from the idle cores when a run starts, it is kept for the
-    resume (one worker of a busy machine picked 1 where the run had 2, and the adapter differed in its last bits)."""
-    from finetune.config import Config
-
-    saved = {
-        "config": {"train": {"batch_size": 2, "learning_rate": 1e-3, "threads": 2}, "model": {"precision": "float32"}}
-    }
-    assert checkpoint.resumed_config(Config(), saved).train.threads == 2
-    chosen = Config()
-    chosen.train.threads = 1
-    assert checkpoint.resumed_config(chosen, saved).train.threads == 1  # the user's own count wins
-    del saved["config"]["train"]["threads"]  # a checkpoint from before: still chosen afresh
-    assert checkpoint.resumed_config(Config(), saved).train.threads is None

@@ -485,7 +485,9 @@ def test_out_of_memory_advises_the_command_s_own_remedies(command, monkeypatch):
     monkeypatch.setattr(runs, "open_on", out_of_memory)
     monkeypatch.setattr(datacheck, "report", out_of_memory)
     args = {"eval": ["--run", "r"], "export": ["--run", "r", "--format", "lora", "--output", "o"], "data": ["f"]}
-    monkeypatch.setattr(sys.modules["finetune.exports.export"], "check_request", lambda *args: None)
+    from finetune.exports import export as export_module
+
+    monkeypatch.setattr(export_module, "check_request", lambda *args: None)
     result = runner.invoke(app, [command, *args[command]])
     assert result.exit_code == 2 and "out of memory" in result.stderr, result.output
     assert set(FLAG.findall(result.stderr)) <= _options(_commands()[command]), result.stderr

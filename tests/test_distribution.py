@@ -239,7 +239,8 @@ def test_data_and_model_parallel_train_like_one_device(tmp_path, one_device):
 SHARDING_CHECK = """
 import json, sys
 import keras
-from finetune import backend, distribution, layouts, model, presets
+from finetune.model import builder as model, distribution, layouts, presets
+from finetune.platform import backend
 from finetune.config import DistributionConfig
 
 keras.config.set_dtype_policy("float32")

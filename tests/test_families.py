@@ -35,7 +35,7 @@ KILLED_FOR_REAL = {"jax": "tiny-gemma4", "torch": "tiny-gemma3n", "tensorflow": 
 KILL_AFTER_STEP_3 = """
 import json, os, signal, sys
 import finetune
-from finetune import checkpoint
+from finetune.training import checkpoint
 save = checkpoint.save
 def save_then_die(run_dir, run_id, step, *args, **kwargs):
     saved = save(run_dir, run_id, step, *args, **kwargs)

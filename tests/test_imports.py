@@ -161,3 +161,24 @@ def test_keras_internals_are_imported_in_keras_compat_only():
         )
     )
     assert not found, found
+
+
+# The front doors' functions take what a user passes: each CLI command its flags, and each function of the
+# Python API the same settings by the command's names (finetune.export: format, output, overwrite, base, backend,
+# dtype, as `finetune export` has them). Everything under them takes narrower things: a resolved run, a model.
+FRONT_DOOR_FUNCTIONS = {"cli", "__init__"}
+MOST_PARAMETERS = 6
+
+
+def test_no_function_under_the_front_doors_takes_more_than_six_parameters():
+    wide = []
+    for name, path in FILES.items():
+        if name in FRONT_DOOR_FUNCTIONS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                count = len([a for a in arguments if a.arg not in ("self", "cls")])
+                if count > MOST_PARAMETERS:
+                    wide.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({count})")
+    assert not wide, wide

@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 import finetune
-from finetune import data
+from finetune.data import formats as data
 
 site = Path(sys.argv[1]).resolve()
 assert Path(finetune.__file__).resolve().is_relative_to(site), finetune.__file__

@@ -44,7 +44,7 @@ CELLS = [
      "threading.Thread(target=stop_button, daemon=True).start()\n"
      "finetune.run(finetune.load_config('tiny', {**settings, 'train.epochs': 200, 'train.max_steps': 2000, 'output.dir': 'stopped'}))",
      ["raises-exception"]),
-    ("from finetune import checkpoint\n"
+    ("from finetune.training import checkpoint\n"
      "print('checkpoints', [c.step for c in checkpoint.find('stopped')])", []),
 ]  # fmt: skip
 

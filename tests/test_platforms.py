@@ -67,12 +67,14 @@ def test_a_kaggle_notebook_is_told_by_its_run_type(monkeypatch):
 
 
 def test_a_kaggle_notebook_stops_before_its_12_hours(kaggle_notebook, monkeypatch):
-    from finetune.training import train
+    from finetune.training import resolve
 
-    assert 11 * 3600 < train._deadline(None) - time.monotonic() < 12 * 3600
-    assert train._deadline("off") is None
+    limit, deadline = resolve._time_limit(None)
+    assert 11 * 3600 < deadline - time.monotonic() < 12 * 3600 and limit.value == resolve.KAGGLE_TIME_LIMIT
+    assert "Kaggle" in limit.why
+    assert resolve._time_limit("off")[1] is None
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE")
-    assert train._deadline(None) is None
+    assert resolve._time_limit(None)[1] is None
 
 
 def test_runs_without_output_go_to_kaggle_working(kaggle_notebook):

@@ -35,7 +35,9 @@ def test_eval_scores_exactly_the_records_training_held_out(tokenizer):
     assert not {r.instruction for r, _ in trained.train} & {r.instruction for r, _ in trained.held_out}
     assert (scored.held_out_rows["token_ids"] == trained.held_out_rows["token_ids"]).all()
     assert scored.rows is None and trained.rows["token_ids"].shape[1] == 64
-    assert len(prepare.prepare(records(24), tokenizer, cfg, split=False).held_out) == 24  # another file: all of it
+    assert (
+        len(prepare.prepare(records(24), tokenizer, cfg, every_record_of="other.jsonl").held_out) == 24
+    )  # another file: all of it
 
 
 def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
@@ -43,11 +45,12 @@ def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
 
     def probe(arrays, rows):
         seen.update(trial=len(arrays["token_ids"]), rows=rows)
-        return 4
+        return 4, "the probe's reason"
 
     prepared = prepare.prepare(records(80), tokenizer, config(batch_size="auto"), packed=False, probe=probe)
     assert seen == {"trial": 64, "rows": 80} and prepared.batch_size == 4  # unpacked: a row per example
     assert len(prepared.held_out) == 20 and not prepared.packed
+    assert prepared.batch_size_why == "the probe's reason"
 
 
 def test_too_few_training_records_for_a_batch_are_refused(tokenizer):

@@ -79,17 +79,17 @@ NOISY = "import os; os.write(2, b'E0000 00:00:1795325992.352479   1 cuda_platfor
 
 def test_the_python_api_filters_when_it_chooses_the_backend_and_verbose_keeps_everything():
     """finetune.run, evaluate, generate, load and export all choose the backend first (a notebook's way in)."""
-    select = f"from finetune import backend; backend.select({BACKEND!r})\n"
+    select = f"from finetune.platform import backend; backend.select({BACKEND!r})\n"
     done = python(select + NOISY + "os.write(2, b'ours\\n')")
     assert done.returncode == 0 and done.stderr == "ours\n", done.stderr
-    done = python("from finetune import quiet; quiet.keep_verbose()\n" + select + NOISY)
+    done = python("from finetune.platform import quiet; quiet.keep_verbose()\n" + select + NOISY)
     assert done.returncode == 0 and "failed call to cuInit" in done.stderr, done.stderr
 
 
 def test_a_descriptor_put_over_the_filter_is_left_in_place_at_exit(tmp_path):
     """pytest's or a notebook's capture may replace descriptor 2 after the filter: uninstalling must not undo it."""
     code = (
-        "import os\nfrom finetune import quiet\nquiet.install()\n"
+        "import os\nfrom finetune.platform import quiet\nquiet.install()\n"
         f"f = os.open({str(tmp_path / 'err.txt')!r}, os.O_WRONLY | os.O_CREAT)\nos.dup2(f, 2)\n"
         "quiet._uninstall()\nos.write(2, b'still here\\n')\n"
     )
@@ -127,7 +127,7 @@ def test_a_run_after_a_refused_one_in_python_i_prints_no_framework_line(tmp_path
 
 def test_a_line_without_its_end_is_passed_on_once_nothing_more_comes():
     code = (
-        "import os, time\nfrom finetune import quiet\nquiet.install()\nos.write(2, b'>>> ')\ntime.sleep(0.5)\n"
+        "import os, time\nfrom finetune.platform import quiet\nquiet.install()\nos.write(2, b'>>> ')\ntime.sleep(0.5)\n"
         "os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
         "os.write(2, b'ours\\n')\n"
     )

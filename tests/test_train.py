@@ -264,7 +264,8 @@ def test_chat_records_train_with_no_template_given(tmp_path):
                for i in range(24)]  # fmt: skip
     path = write_jsonl(tmp_path / "chat.jsonl", records)
     result = train(tmp_path / "run", "--data", path)
-    assert "chat format" in result.output and "template: gemma-chat, for chat records" in result.output
+    chosen = [line for line in result.output.splitlines() if line.split()[:2] == ["template", "gemma-chat"]]
+    assert "chat format" in result.output and "auto: for chat records" in chosen[0]  # the decisions' table
     assert read(tmp_path / "run")[1]["data"]["template"] == "gemma-chat"  # recorded as it was chosen
 
 
@@ -314,7 +315,8 @@ def test_every_format_trains_with_no_template(tmp_path, fmt, container):
     assert result.exit_code == 0, result.output + (result.stderr or "")
     assert f"read 24 records, {fmt} format" in result.output
     chosen = {"chat": "gemma-chat", "sharegpt": "gemma-chat", "completion": "none", "text": "none"}.get(fmt, fmt)
-    assert f"template: {chosen}, for {fmt} records" in result.output
+    decided = [line.split()[:2] for line in result.output.splitlines() if f"auto: for {fmt} records" in line]
+    assert decided == [["template", chosen]], result.output  # the decisions' table
     assert (tmp_path / "r" / "adapter.lora.h5").is_file()
     if fmt == "text":
         assert "The number after" in (tmp_path / "r" / "samples.md").read_text()
@@ -329,3 +331,18 @@ def test_a_gzipped_jsonl_trains_and_evaluates(tmp_path):
     assert "read 24 records, dolly format" in result.output
     assert (tmp_path / "run" / "adapter.lora.h5").is_file()
     assert "eval_loss" in invoke("eval", "--run", tmp_path / "run", "--data", path).output
+
+
+def test_run_reads_top_to_bottom_on_few_names_and_never_rebinds_its_config():
+    """train.run is the spine: resolve, build, prepare, train, publish. The settings are decided once (resolve.py),
+    so the user's config is never rebound, and each stage hands the next one value, not a dozen."""
+    import ast
+    import inspect
+
+    from finetune.training import train as train_module
+
+    tree = ast.parse(inspect.getsource(train_module.run))
+    names = set(train_module.run.__code__.co_varnames)
+    assert len(names) <= 15, sorted(names)
+    rebound = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "cfg" and isinstance(n.ctx, ast.Store)]
+    assert not rebound

@@ -16,9 +16,11 @@ never a folder of the user's (`--output .` in their project), nor a run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.exports import llamacpp
@@ -43,32 +45,44 @@ HF_MODULES = {
 PER_HEAD = ("query", "key", "value")  # kernel (heads, hidden, head_dim): LoRA A per head, B shared
 
 
-def export(
-    run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype: str | None = None
-) -> Path:
-    """Write a finished run's adapter as `format` into the directory `output`; returns its path.
+@dataclass(frozen=True)
+class Request:
+    """What `finetune export` is asked for.
 
-    format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a
-        keras-hub preset with the update merged in), hf (transformers'
-        format, merged), peft (a PEFT adapter for the transformers model) or
-        gguf (the merged model as model.gguf for llama.cpp and Ollama).
-    overwrite: bool. Replace what `output` holds; without it a non-empty
-        `output` is refused.
+    format: str. lora (adapter.lora.h5 and adapter.json, checked), merged (a keras-hub preset with the update
+        merged in), hf (transformers' format, merged), peft (a PEFT adapter for the transformers model) or gguf
+        (the merged model as model.gguf for llama.cpp and Ollama).
+    output: str or Path. The directory to write.
+    overwrite: bool. Replace what `output` holds; without it a non-empty `output` is refused.
     base: bool. With format hf: the run's base model alone, for the peft adapter.
     dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    """
+
+    format: str
+    output: object
+    overwrite: bool = False
+    base: bool = False
+    dtype: str | None = None
+
+
+def export(run_dir, request: Request, backend: str | None = None) -> Path:
+    """Write a finished run's adapter as `request` asks; returns the directory written.
+
     backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
         run's.
     Every check runs first: a refused export raises UserError and writes nothing.
     """
     from finetune.training import runs
 
-    target = check_request(format, output, overwrite, base, dtype)
+    target = check_request(request)
     run = runs.open_on(run_dir, backend)
-    return export_run(run, format, target, base, dtype)
+    return export_run(run, request, target)
 
 
-def check_request(fmt: str, output: str | None, overwrite: bool, base: bool, dtype: str | None = None) -> Path:
-    """The output directory, once the request makes sense and OUT may be written; pure Python."""
+def check_request(request: Request) -> Path:
+    """The output directory, once the request makes sense and its output may be written; pure Python."""
+    fmt, output, overwrite, base, dtype = (request.format, request.output, request.overwrite, request.base,
+                                           request.dtype)  # fmt: skip
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if base and fmt != "hf":
@@ -126,13 +140,13 @@ def _require(package: str, what: str, extra: str = "hf") -> None:
         raise UserError(f"{what} need the {package} package: pip install 'finetune[{extra}]'")
 
 
-def export_run(run, fmt: str, target: Path, base: bool = False, dtype: str | None = None) -> Path:
-    """Write the run's adapter as `fmt` into `target`; keras must already be on the run's backend."""
+def export_run(run, request: Request, target: Path) -> Path:
+    """Write the run's adapter as `request` asks into `target`; keras must already be on the run's backend."""
     import keras
 
     before = keras.config.dtype_policy()
     try:
-        return _export_run(run, fmt, target, base, dtype)
+        return _export_run(run, request.format, target, request.base, request.dtype)
     finally:
         keras.config.set_dtype_policy(before)  # a notebook's next model is built as it would have been
 
@@ -142,7 +156,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
 
     from finetune.model import builder, presets
     from finetune.platform import backend
-    from finetune.training import outputs, runs
+    from finetune.training import outputs, resolve, runs
 
     cfg = run.config
     if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
@@ -150,10 +164,12 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
         )
-    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
-    source = presets.resolve(cfg.model.preset)
+    resolved = resolve.finished(cfg)  # the process set up as the run trained: its precision and threads
+    source, precision = resolved.source, resolved.precision
     if fmt in ("lora", "peft"):
-        lm, preprocessor = builder.build(source, cfg.model.seq_len, precision, cfg.model.quantize)  # the trained base
+        trained_base = dataclasses.replace(resolved.recipe(train=False), lora=None)
+        model = builder.build_model(source, trained_base)  # the base the adapter trained on, as it trained
+        lm, preprocessor = model.lm, model.preprocessor
     else:
         # merged keeps the base weights' dtype (keras-hub's from_preset cannot read a mixed policy back);
         # hf and gguf are float32, cast on writing (transformers when a user loads it, gguf to --dtype).

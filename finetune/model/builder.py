@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import keras
 import numpy as np
@@ -19,6 +20,72 @@ from finetune.model import attention, families, layouts, objective, presets, qua
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
 from finetune.platform.errors import UserError
+
+
+@dataclass(frozen=True)
+class Lora:
+    """The LoRA a model is built with: rank, alpha (the update's scale is alpha / rank), the layers it adapts,
+    and the numpy seed its factors start from (initialise_lora)."""
+
+    rank: int
+    alpha: float
+    targets: tuple
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """AdamW as compile() sets it up, and the data shards a batch is split over."""
+
+    learning_rate: float
+    weight_decay: float
+    shards: int = 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What build_model makes: the resolved run's model settings, in the model layer's words
+    (training/resolve.py's Resolved.recipe)."""
+
+    seq_len: int
+    precision: str
+    quantize: str | None = None
+    remat: bool = False
+    lora: Lora | None = None
+    """None: the base alone."""
+    optimizer: Optimizer | None = None
+    """None: nothing compiled for training (eval, generate, export)."""
+
+
+@dataclass
+class Model:
+    """A model build_model made."""
+
+    lm: object
+    """The causal LM, preprocessor detached."""
+    preprocessor: object
+    trainer: object = None
+    """compile()'s training view of `lm`; None when the recipe has no optimizer."""
+    adapted: int = 0
+    """The layers LoRA adapted."""
+
+    @property
+    def tokenizer(self):
+        return self.preprocessor.tokenizer
+
+
+def build_model(source: presets.Source, recipe: Recipe) -> Model:
+    """The one builder: the preset's base (quantized as it loads), LoRA on it, the response-token loss and
+    AdamW. Training, `finetune eval`, `generate`, `export` and `bench` all build their model here."""
+    lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat)
+    adapted = 0
+    if recipe.lora is not None:
+        lora = recipe.lora
+        adapted = enable_lora(lm, lora.rank, lora.alpha, list(lora.targets), lora.seed)
+    trainer = None
+    if recipe.optimizer is not None:
+        trainer = compile(lm, recipe.optimizer.learning_rate, recipe.optimizer.weight_decay, recipe.optimizer.shards)
+    return Model(lm, preprocessor, trainer, adapted)
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
@@ -57,9 +124,12 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     """
     policy = dtype or keras.config.dtype_policy().name
     if quantize is not None:
-        policy = quantized.policies(policy, quantize, layouts.rules_for(presets.dims(source)))
+        rules = layouts.RULES if source.kind == "random" else layouts.rules_for(presets.dims(source))
+        policy = quantized.policies(policy, quantize, rules)
     family = families.get(source.family)
     cls = families.keras_hub_class(family)
+    if source.kind == "random":
+        return _random_base(source, seq_len, policy, quantize)
     if source.kind == "tiny":
         tokenizer = presets.tiny_tokenizer(source.handle)
         backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), dtype=policy, name=source.handle)
@@ -74,6 +144,21 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     preprocessor, lm.preprocessor = lm.preprocessor, None
     preprocessor.sequence_length = seq_len
     return lm, preprocessor
+
+
+def _random_base(source: presets.Source, seq_len: int, policy, quantize: str | None):
+    """`finetune bench`'s model: a Gemma architecture with random weights (quantized ones filled at random
+    layer by layer, so the float base never exists), and a preprocessor of the bench's tokenizer."""
+    import keras_hub
+
+    config = dict(source.random)
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=config.pop("tokenizer"))
+    backbone = keras_hub.models.GemmaBackbone(dtype=policy, **config)
+    if quantize is not None:
+        quantized.weights_only(backbone)
+        quantized.fill_random(backbone)
+    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None), preprocessor
 
 
 # A variable of at least this many float values starts as zeros in zeros_until_loaded(): the decoder's kernels

@@ -42,6 +42,10 @@ TINY_CONFIG = dict(
 # Keras tutorial's 5e-5; the tiny model is small and barely pretrained, and
 # needs a much larger step to move in a one-minute run.
 LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
+LEARNING_RATE_WHY = {
+    "tiny": "the tiny presets' default: their small random weights learn fast",
+    "pretrained": "the default for a pretrained preset: the Keras Gemma LoRA tutorial's",
+}
 
 
 @dataclass(frozen=True)
@@ -137,15 +141,23 @@ _VOCABULARY_KEYS = {"gemma3n": ("text_vocab_size", "vocab_size_per_layer_input")
 @dataclass(frozen=True)
 class Source:
     kind: str
-    """tiny, local or hub."""
+    """tiny, local or hub; random for `finetune bench`'s architectures with random weights."""
     handle: str
-    """What keras_hub's from_preset is given (or the tiny preset's name)."""
+    """What keras_hub's from_preset is given (or the tiny preset's or bench architecture's name)."""
     family: str
     """A key of families.FAMILIES: gemma (Gemma 1 and 2), gemma3, gemma4 or gemma3n."""
+    random: dict | None = field(default=None, hash=False, compare=False)
+    """kind random: the GemmaBackbone config to build with random weights, and `tokenizer`, a .spm file."""
 
     @property
     def default_learning_rate(self) -> float:
-        return LEARNING_RATE["tiny" if self.kind == "tiny" else "pretrained"]
+        return default_learning_rate(self)[0]
+
+
+def default_learning_rate(source: Source) -> tuple[float, str]:
+    """(the learning rate a run on `source` takes when none is set, why)."""
+    kind = "tiny" if source.kind == "tiny" else "pretrained"
+    return LEARNING_RATE[kind], LEARNING_RATE_WHY[kind]
 
 
 def resolve(preset: str) -> Source:

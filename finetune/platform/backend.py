@@ -227,14 +227,33 @@ def cpu_precision(framework: str) -> str:
 
 
 def auto_precision(device: str) -> str:
-    """--precision auto: bfloat16 where it is fast, float16 on GPUs without bf16 (T4, V100), this CPU's fastest."""
-    if device == "cpu":
-        import keras
+    """--precision auto on this process's `device` (cpu, gpu or tpu): precision_rule's precision."""
+    return auto_precision_why(device)[0]
 
-        return cpu_precision(keras.config.backend())
-    if supports_bfloat16(device):
-        return "bfloat16"
-    return "float16" if device == "gpu" else "float32"
+
+def auto_precision_why(device: str) -> tuple[str, str]:
+    """(what --precision auto becomes on this process's `device`, why)."""
+    import keras
+
+    return precision_rule(device, device != "cpu" and supports_bfloat16(device), keras.config.backend())
+
+
+def precision_rule(kind: str, bfloat16: bool, framework: str) -> tuple[str, str]:
+    """The one rule of --precision auto, for a run here and for the plan of a device elsewhere: (precision, why).
+
+    kind: cpu, gpu or tpu; bfloat16: whether the accelerator computes in bf16 (ignored for a CPU, whose own
+    flags decide: cpu_precision); framework: jax, torch or tensorflow.
+    """
+    if kind == "cpu":
+        chosen = cpu_precision(framework)
+        if framework == "jax":
+            return chosen, "auto: JAX on a CPU has no fast 16-bit matmul"
+        return chosen, f"auto: this CPU's fastest matmul under {framework}"
+    if bfloat16:
+        return "bfloat16", f"auto: the {kind} computes in bf16"
+    if kind == "gpu":
+        return "float16", "auto: the gpu has no bf16 units (T4, V100)"
+    return "float32", f"auto: the {kind} has no 16-bit rule"
 
 
 def _cpuinfo() -> list[tuple[str, str]]:

@@ -293,6 +293,7 @@ def peak_line(peaks: dict[str, dict]) -> str:
 
 
 def _work(spec: Spec) -> dict:
+    from finetune.model import builder
     from finetune.platform import backend
 
     backend.select(spec.backend)  # the tutorial too sets XLA's memory fraction to 1.00
@@ -307,12 +308,19 @@ def _work(spec: Spec) -> dict:
         tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto")
     backend.set_seed(0)
     quantize = _quantize(spec)
-    precision = tweaks["dtype_policy"] if spec.recipe == "finetune" else None
-    remat = spec.lever == "remat" or (spec.recipe == "finetune" and _auto_remat(spec, tweaks, quantize))
-    tweaks["remat"] = remat
-    lm, tokenizer = _model(spec.workload, precision, quantize, remat=remat)
-    train = _train_tutorial if spec.recipe == "tutorial" else _train_finetune
-    result = train(spec, lm, tokenizer)
+    source = _random_source(spec.workload)
+    if spec.recipe == "tutorial":  # keras-hub's model as it comes: no hook of ours
+        lm, preprocessor = builder.load_base(source, spec.workload.seq_len, "float32")
+        result = _train_tutorial(spec, lm, preprocessor.tokenizer)
+    else:
+        remat = spec.lever == "remat" or _auto_remat(spec, tweaks, quantize)
+        tweaks["remat"] = remat
+        lora = builder.Lora(spec.workload.rank, spec.workload.rank, ("query", "value"), seed=0)
+        recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora,
+                                builder.Optimizer(1e-4, 0.01))  # fmt: skip
+        model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
+        lm = model.lm
+        result = _train_finetune(spec, model)
     policy = keras.config.dtype_policy()
     result.update(
         backend=spec.backend,
@@ -394,9 +402,10 @@ def _auto_remat(spec: Spec, tweaks: dict, quantize: str | None) -> bool:
     cfg = Config()
     cfg.backend = spec.backend
     cfg.model.preset, cfg.model.seq_len, cfg.model.quantize = preset, spec.workload.seq_len, quantize
+    cfg.model.precision = tweaks["dtype_policy"]
     cfg.train.batch_size = spec.workload.batch_size
     memory = backend.device_memory(tweaks["device"])
-    return plan.remat_for(cfg, tweaks["dtype_policy"], tweaks["device"], memory)[0]
+    return plan.remat_for(cfg, tweaks["device"], memory)[0]
 
 
 def _quantize(spec: Spec) -> str | None:
@@ -406,37 +415,19 @@ def _quantize(spec: Spec) -> str | None:
     return (spec.workload.quantize or None) if spec.recipe == "finetune" else None
 
 
-def _model(workload: Workload, precision: str | None, quantize: str | None, remat: bool = False):
-    """The arch's causal LM with random weights, built as `finetune gemma` builds a preset's.
-
-    precision: the finetune recipe's (backend.POLICIES); None is the tutorial's float32 everywhere.
-    quantize: int4 or int8: decoder kernels built quantized and filled with random values layer by
-        layer, so the float base never exists (quantized.py), as when a preset loads quantized.
-    """
+def _random_source(workload: Workload):
+    """The arch as a preset the builder makes with random weights (builder.load_base): the released models'
+    vocabulary, or for the small archs the tokenizer's."""
     import keras_hub
 
-    from finetune.model import attention, builder, presets, quantized
-    from finetune.model import remat as remat_module
-    from finetune.platform import backend
+    from finetune.model import presets
 
     tokenizer_file = workload.tokenizer or str(presets.TINY_TOKENIZER)
-    tokenizer = keras_hub.models.GemmaTokenizer(proto=tokenizer_file)
-    vocab = VOCAB.get(workload.arch) or tokenizer.vocabulary_size()
-    dtype = backend.POLICIES[precision][0] if precision else "float32"
-    if quantize:
-        dtype = quantized.policies(dtype, quantize)
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=vocab, dtype=dtype, **ARCHS[workload.arch])
-    if quantize:
-        quantized.weights_only(backbone)
-        quantized.fill_random(backbone)
-    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    if precision:
-        attention.enable(lm.backbone)
-    for layer in quantized.quantized_layers(backbone):
-        builder.beside_the_kernel(layer)  # as model.build: each kernel dequantized only when its input arrives
-    if remat:
-        remat_module.enable(lm.backbone)
-    return lm, tokenizer
+    vocab = VOCAB.get(workload.arch)
+    if vocab is None:
+        vocab = keras_hub.models.GemmaTokenizer(proto=tokenizer_file).vocabulary_size()
+    config = dict(ARCHS[workload.arch], vocabulary_size=vocab, tokenizer=tokenizer_file)
+    return presets.Source("random", workload.arch, "gemma", random=config)
 
 
 def _examples(workload: Workload, tokenizer):
@@ -450,18 +441,16 @@ def _examples(workload: Workload, tokenizer):
     return records, template, [e for _, e in usable]
 
 
-def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
+def _train_finetune(spec: Spec, model) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
     from finetune.data import batching
-    from finetune.model import builder
     from finetune.platform import backend
     from finetune.training import prepare
 
     w = spec.workload
-    builder.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
-    trainer = builder.compile(lm, 1e-4, 0.01)
-    _, _, examples = _examples(w, tokenizer)
+    trainer = model.trainer
+    _, _, examples = _examples(w, model.tokenizer)
     rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
@@ -591,7 +580,7 @@ def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
 
 
 def _peak_main() -> int:
-    """`python -m finetune.bench --peak`: this backend's matmul peak in float32 and each 16-bit dtype the device
+    """`python -m finetune.tools.bench --peak`: this backend's matmul peak in float32 and each 16-bit dtype the device
     has units for, as a ROW line."""
     from finetune.platform import backend
 

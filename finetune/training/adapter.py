@@ -58,9 +58,12 @@ def factor_shapes(layer, rank: int) -> dict:
     return {"lora_kernel_a": [*kernel[:-1], rank], "lora_kernel_b": [rank, kernel[-1]]}
 
 
-def describe(backbone, *, preset: str, family: str, rank: int, alpha: float, targets, template: str,
-             seq_len: int, dtype: str, quantize: str | None, version: str) -> dict:  # fmt: skip
-    """adapter.json's content for a LoRA-enabled backbone, as it is about to be saved."""
+def describe(backbone, run, version: str) -> dict:
+    """adapter.json's content for a LoRA-enabled backbone, as it is about to be saved.
+
+    run: resolve.Resolved. The run that trained it: its preset, LoRA, template and dtype are recorded.
+    """
+    cfg = run.config
     layers = layers_with_weights(backbone)
     adapted = []
     for index in backbone._lora_enabled_layers:
@@ -72,14 +75,14 @@ def describe(backbone, *, preset: str, family: str, rank: int, alpha: float, tar
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "preset": {"name": preset, "family": family, "fingerprint": fingerprint(backbone)},
-        "rank": int(rank),
-        "alpha": float(alpha),
-        "targets": list(targets),
-        "template": template,
-        "seq_len": int(seq_len),
-        "dtype": dtype,
-        "quantize": quantize,
+        "preset": {"name": cfg.model.preset, "family": run.source.family, "fingerprint": fingerprint(backbone)},
+        "rank": int(cfg.lora.rank),
+        "alpha": float(run.alpha),
+        "targets": list(cfg.lora.targets),
+        "template": cfg.data.template,
+        "seq_len": int(cfg.model.seq_len),
+        "dtype": run.precision,
+        "quantize": cfg.model.quantize,
         "finetune_version": version,
         "adapted": adapted,
         "weights_sha256": weights_digest(factors),
@@ -145,7 +148,7 @@ def read(path: Path) -> dict:
 
 def check_against_config(description: dict, cfg, path: Path) -> None:
     """The description must say what the run's config.yaml says: preset, rank, alpha and targets."""
-    alpha = cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank
+    alpha = cfg.lora.scale_alpha()
     said = {
         "preset": (description["preset"].get("name"), cfg.model.preset),
         "rank": (description["rank"], cfg.lora.rank),

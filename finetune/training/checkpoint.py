@@ -19,7 +19,6 @@ manifest that matches its files is never loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -261,17 +260,6 @@ def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None
     return found
 
 
-def resumed(found: Checkpoint | None, cfg, fingerprint: str, target):
-    """`cfg` with what the checkpoint `found` resolved (resumed_config), once it continues the same training on
-    the same records (check_compatible); `cfg` itself when there is no checkpoint."""
-    if found is None:
-        return cfg
-    saved = found.state()
-    cfg = resumed_config(cfg, saved)
-    check_compatible(saved, cfg, fingerprint, target)
-    return cfg
-
-
 def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
     """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
 
@@ -308,33 +296,12 @@ def newest(run_dir: Path) -> Checkpoint | None:
     return found
 
 
-def resumed_config(cfg, saved: dict):
-    """`cfg` with the batch size, learning rate, precision and CPU threads the checkpoint resolved, where `cfg`
-    leaves them to be chosen.
-
-    A recipe's `batch_size: null` or `auto` must continue at the batch the run used, not at a new default.
-    """
-    train = saved["config"]["train"]
-    updates = {}
-    if cfg.train.batch_size in (None, "auto"):
-        updates["batch_size"] = train["batch_size"]
-    if cfg.train.learning_rate is None:
-        updates["learning_rate"] = train["learning_rate"]
-    if cfg.train.threads is None:  # PyTorch's CPU threads: the count sets the order of its sums
-        updates["threads"] = train.get("threads")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **updates))
-    if cfg.data.template == "auto":  # the template auto chose for the data when the run started
-        saved_template = saved["config"].get("data", {}).get("template", "dolly")
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, template=saved_template))
-    if cfg.model.precision == "auto":  # the dtype auto became when the run started, wherever it resumes
-        cfg = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, precision=saved["config"]["model"]["precision"])
-        )
-    return cfg
-
-
-def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
-    """Refuse a resume that would not continue the same training."""
+def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Path) -> None:
+    """Refuse a resume from `found` that would not continue the same training: `cfg` (the resolved run's, which
+    took up what the checkpoint decided) must ask for the same, on the same records."""
+    if found is None:
+        return
+    saved = found.state()
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
         then, now = saved["config"][section].get(key), ours[section][key]  # .get: keys added since

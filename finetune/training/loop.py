@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from finetune.platform import backend
@@ -78,60 +79,72 @@ class StopSignals:
         print(f"\n{name}: saving a checkpoint after this step, then stopping{hint}", file=sys.stderr, flush=True)
 
 
-class Loop:
-    """Runs steps `progress.step` .. `total_steps` - 1 of `order` on `trainer` (model.compile's TrainingView).
+@dataclass(frozen=True)
+class Plan:
+    """What the loop is to do.
 
-    evaluate_held_out: callable() -> dict with loss and accuracy, run after each
-        data epoch and after the last step.
-    save_checkpoint: callable(progress), called every `checkpoint_every` steps,
-        after each evaluation, and before stopping on a signal or the time limit.
-    deadline: float or None. A time.monotonic() instant to stop before, with a
-        checkpoint: steps, evaluations and saves are timed, and the loop stops
-        when the next of them might not end in time.
+    total_steps: int. Train steps progress.step .. total_steps - 1.
+    checkpoint_every: int. Save a checkpoint every this many steps (and after each evaluation).
+    deadline: float or None. A time.monotonic() instant to stop before, with a checkpoint: steps, evaluations
+        and saves are timed, and the loop stops when the next of them might not end in time.
     divergence_advice: str. What to try when the loss is not finite.
     settings: str. The batch size, seq-len and rank, named when a step runs out of memory.
-    callbacks: keras Callbacks (callbacks.py) told of each step
-        (on_train_batch_end, with the run's step), evaluation (on_test_end) and
-        the end of training (on_train_end).
     """
 
-    def __init__(
-        self,
-        trainer,
-        order,
-        total_steps: int,
-        progress: Progress,
-        *,
-        evaluate_held_out,
-        save_checkpoint,
-        checkpoint_every: int,
-        deadline: float | None = None,
-        eval_seconds: float = 0.0,
-        divergence_advice: str = "",
-        settings: str = "",
-        last_saved: int | None = None,
-        callbacks=(),
-        out=None,
-    ):
+    total_steps: int
+    checkpoint_every: int
+    deadline: float | None = None
+    divergence_advice: str = ""
+    settings: str = ""
+
+
+@dataclass
+class Hooks:
+    """What the loop calls out to.
+
+    evaluate_held_out: callable() -> dict with loss and accuracy, run after each data epoch and after the last
+        step.
+    save_checkpoint: callable(progress), called every `checkpoint_every` steps, after each evaluation, and
+        before stopping on a signal or the time limit.
+    callbacks: keras Callbacks (callbacks.py) told of each step (on_train_batch_end, with the run's step),
+        evaluation (on_test_end) and the end of training (on_train_end).
+    last_saved: int or None. The step of the checkpoint a resumed run started from.
+    eval_seconds: float. How long the evaluation before training took: the first guess of the next one's.
+    out: a text stream for progress; sys.stdout when None.
+    """
+
+    evaluate_held_out: Callable
+    save_checkpoint: Callable
+    callbacks: list = field(default_factory=list)
+    last_saved: int | None = None
+    eval_seconds: float = 0.0
+    out: object = None
+
+
+class Loop:
+    """Runs steps `progress.step` .. `plan.total_steps` - 1 of `order` on `trainer` (builder.compile's
+    TrainingView), as `plan` says, calling out through `hooks`."""
+
+    def __init__(self, trainer, order, progress: Progress, plan: Plan, hooks: Hooks):
         self.trainer = trainer
         self.order = order
-        self.total_steps = total_steps
+        self.total_steps = plan.total_steps
         self.progress = progress
-        self.evaluate_held_out = evaluate_held_out
-        self.save_checkpoint = save_checkpoint
-        self.checkpoint_every = checkpoint_every
-        self.deadline = deadline
-        self.divergence_advice = divergence_advice
-        self.settings = settings
-        self.last_saved = last_saved
-        self.callbacks = list(callbacks)
-        self.out = out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
-        self._longest = {"step": 0.0, "eval": eval_seconds, "save": 0.0}
+        self.evaluate_held_out = hooks.evaluate_held_out
+        self.save_checkpoint = hooks.save_checkpoint
+        self.checkpoint_every = plan.checkpoint_every
+        self.deadline = plan.deadline
+        self.divergence_advice = plan.divergence_advice
+        self.settings = plan.settings
+        self.last_saved = hooks.last_saved
+        self.callbacks = list(hooks.callbacks)
+        self.out = hooks.out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
+        self._longest = {"step": 0.0, "eval": hooks.eval_seconds, "save": 0.0}
         # tokens/s over this session's steps but the first of each batch shape, which compiles it.
         self.timed_tokens = 0
         self.timed_seconds = 0.0
         self._shapes = set()
-        self._report = Report(total_steps, self.out)
+        self._report = Report(plan.total_steps, self.out)
 
     def run(self) -> Progress:
         """Train to `total_steps`; running out of memory is a UserError that names the settings to lower."""

@@ -259,14 +259,14 @@ class Claim:
         and TensorBoard logs.
     """
 
-    def __init__(
-        self, path: Path, created: bool, lock_file, had_lock: bool = False, remote=None, mirrors=(), scratch=False
-    ):
+    def __init__(self, path: Path, created: bool, lock_file, had_lock: bool = False, remote=None, scratch=False):
         self.path = path
         self.scratch = scratch
         self.created = created
         self.had_lock = had_lock
         self.remote = remote
+        # A scratch run's checkpoints and logs are not copied to Vertex AI's directories: its files are not kept.
+        mirrors = [] if scratch else vertex_mirrors(path)
         self.mirrors = [m for m in (remote, *mirrors) if m is not None]
         self.had_tensorboard = (path / TENSORBOARD).exists()
         self.published = False
@@ -462,29 +462,21 @@ def claim_run(target: Target, overwrite: bool, resume: bool) -> Claim:
         overwrite=overwrite,
         resume=resume,
         mirror=target.mirror,
-        vertex=not target.scratch,
         scratch=target.scratch,
     )
 
 
 def claim(
-    path: Path,
-    *,
-    default: bool,
-    overwrite: bool,
-    resume: bool,
-    mirror: storage.Mirror | None = None,
-    vertex: bool = True,
-    scratch: bool = False,
+    path: Path, *, default: bool, overwrite: bool, resume: bool, mirror: storage.Mirror | None = None, scratch=False
 ) -> Claim:
     """Create and lock the run directory; re-checks under the lock that it is still free.
 
     default: bool. `path` is the default runs/<timestamp>: if another run took
         that name in the same second, use the next free one (-2, -3, ...).
     mirror: Mirror. The remote --output that `path` stages.
-    vertex: bool. Copy checkpoints and TensorBoard logs to Vertex AI's directories when they are set; False
-        for the scratch run of a process other than 0 in a multi-process job, whose files are not kept.
-    scratch: bool. `path` is such a scratch run: its parent, made for it, goes on release().
+    scratch: bool. `path` is the scratch run of a process other than 0 in a multi-process job, whose files are
+        not kept: its checkpoints and logs are not copied to Vertex AI's directories, and its parent, made for
+        it, goes on release(). Any other run copies them there when Vertex AI sets them.
     """
     created = False
     if default:
@@ -501,8 +493,7 @@ def claim(
         path.mkdir(parents=True, exist_ok=True)
         created = True
     had_lock = (path / LOCK).exists()
-    mirrors = vertex_mirrors(path) if vertex else []
-    held = Claim(path, created, _lock(path), had_lock, remote=mirror, mirrors=mirrors, scratch=scratch)
+    held = Claim(path, created, _lock(path), had_lock, remote=mirror, scratch=scratch)
     try:
         refuse_foreign(path, overwrite, resume)  # the user may have put files there since check_target
         if not resume and not overwrite:

@@ -14,7 +14,7 @@ copies of the kernels.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -191,14 +191,15 @@ _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "
 
 
 def auto_precision(target: tuple[str, Device] | None, framework: str = "") -> str:
-    """What precision `auto` becomes on the device under `framework` (backend.auto_precision's rule, offline)."""
-    if target is not None and target[1].kind == "cpu":
-        from finetune.platform import backend
+    """What precision `auto` becomes on the device under `framework`: backend.precision_rule, offline.
 
-        return backend.cpu_precision(framework)  # this host's CPU
-    if target is None or target[1].bfloat16:
+    Without a device (`finetune plan` with no --device-memory) the plan assumes a bf16 accelerator.
+    """
+    from finetune.platform import backend
+
+    if target is None:
         return "bfloat16"
-    return "float16" if target[1].kind == "gpu" else "float32"
+    return backend.precision_rule(target[1].kind, target[1].bfloat16, framework)[0]
 
 
 def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | None = None) -> Plan:
@@ -217,25 +218,24 @@ def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | N
     return planned
 
 
-def remat_for(cfg: Config, precision: str, device: str, memory: int | None) -> tuple[bool, str]:
+def remat_for(cfg: Config, device: str, memory: int | None) -> tuple[bool, str]:
     """What a run's --remat becomes, and why: auto asks the plan whether the run fits `memory` without it.
 
-    precision: the run's resolved precision; device: cpu, gpu or tpu; memory: bytes of one device, None
-    where the framework does not say (then auto is off).
+    cfg: the run's config with its precision decided (resolve.py); device: cpu, gpu or tpu; memory: bytes of
+    one device, None where the framework does not say (then auto is off).
     """
     if cfg.model.remat != "auto":
-        return cfg.model.remat == "on", f"--remat {cfg.model.remat}"
+        return cfg.model.remat == "on", "set"
     if memory is None:
-        return False, f"auto: off (the {device}'s memory is unknown; pass --remat on if the run runs out of it)"
-    resolved = copy.deepcopy(cfg)
-    resolved.model.precision = precision
-    resolved.train.xla_mem_fraction = 1.0  # `memory` is what the framework reports: the fraction is applied
-    kind = Device(memory, precision == "bfloat16", f"this {device}", device)
+        return False, f"auto: the {device}'s memory is unknown (pass --remat on if the run runs out of it)"
+    # `memory` is what the framework reports, the fraction already applied
+    whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, xla_mem_fraction=1.0))
+    kind = Device(memory, cfg.model.precision == "bfloat16", f"this {device}", device)
     devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
     try:
-        planned = make(resolved, devices, (device, kind))
+        planned = make(whole, devices, (device, kind))
     except UserError as e:  # no architecture table for this preset: train as it is
-        return False, f"auto: off (no plan: {e})"
+        return False, f"auto: no plan ({e})"
     return planned.remat, "auto: " + next(n for n in planned.notes if n.startswith("remat auto")).removeprefix(
         "remat auto: "
     )

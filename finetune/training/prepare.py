@@ -34,26 +34,24 @@ class Prepared:
     """Whether `rows` are packed."""
     padding: dict | None = None
     """The share of padding in the training rows (padding_fraction) and in them unpacked (unpacked)."""
+    batch_size_why: str | None = None
+    """Why `--batch-size auto` probed to batch_size; None when it was decided before (resolve.py)."""
 
 
-def read(cfg, path: str, trained: bool = False) -> list[formats.Record]:
-    """The records of `path`, checked and filtered as the config says.
+def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], str]:
+    """(the records of `path`, checked and filtered as the config says; their format).
 
-    Chat records on an instruction-tuned preset take the family's turn format
-    (templates.for_data): cfg.data.template is set to it, so the run records it.
+    The template for the format is decided with the run's other settings (resolve.py).
 
-    trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, and what they
-        refuse is said of the data, not as flags to change.
+    trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, so records
+        the template cannot render, or the filters refuse, are said to be wrong for the run, not flags to change.
     """
     records, found = formats.read(path)
-    family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
-    cfg.data.template, note = templates.for_data(
-        cfg.data.template, found, family_chat, cfg.model.preset, path, trained=trained
-    )
-    if note:
-        print(note)
+    if trained:
+        family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
+        templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path, trained=True)
     print(f"read {len(records)} records, {found} format, from {path}")
-    return formats.filter_records(
+    kept = formats.filter_records(
         records,
         drop_context=cfg.data.drop_context,
         categories=cfg.data.categories,
@@ -61,37 +59,40 @@ def read(cfg, path: str, trained: bool = False) -> list[formats.Record]:
         source=path,
         fix="evaluate on a file with records the run's filters keep" if trained else None,
     )
+    return kept, found
 
 
-def prepare(records, tokenizer, cfg, *, source: str | None = None, packed: bool | None = None, split=True, probe=None):
+def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, every_record_of: str | None = None):
     """records → template → token ids → split → rows: what a run trains on, and the records it holds out.
 
     At least one batch of records is held out: the batch size is the config's,
     or for `--batch-size auto` the one `probe` picks.
 
     Args:
-        records: list of data.Record, as read() returns them.
-        source: str. Where the records came from, for messages; cfg.data.path by default.
+        records: list of formats.Record, as read() returns them.
+        cfg: Config. The run's, resolved: its template and batch size decided (resolve.py).
         packed: bool. Make the training rows, packed (True) or padded (False);
             None makes none (`finetune eval`).
-        split: bool. Hold out the run's share of the records; False holds out
-            every record (`finetune eval --data`).
-        probe: callable(arrays, rows) -> int. Picks the batch size from trial
+        probe: callable(arrays, rows) -> (int, str). Picks the batch size, and says why, from trial
             steps on `arrays` (the first 64 usable examples, padded), for data
             that fills `rows` rows (train.auto_batch_size).
+        every_record_of: str. Hold out every record, of this file (`finetune eval --data`), rather than the
+            run's share of cfg.data.path's.
     """
     seq_len = cfg.model.seq_len
     template = templates.get(cfg.data.template)
     check_seq_len(tokenizer, template, seq_len)
-    usable = examples(records, template, tokenizer, seq_len, cfg.data.train_on_prompt, source or cfg.data.path)
-    batch_size = cfg.train.batch_size
+    usable = examples(records, template, tokenizer, seq_len, cfg.data.train_on_prompt, every_record_of or cfg.data.path)
+    batch_size, why = cfg.train.batch_size, None
     if batch_size == "auto":
         tokenized = [e for _, e in usable]
-        batch_size = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
+        batch_size, why = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
+        print(f"batch size auto: {batch_size} ({why})")
     train, held_out = [], usable
-    if split:
+    if every_record_of is None:
         train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
     prepared = Prepared(template, train, held_out, batch_size, batching.pad([e for _, e in held_out], seq_len))
+    prepared.batch_size_why = why
     if packed is not None:
         prepared.rows, prepared.padding = training_rows(train, batch_size, seq_len, packed)
         prepared.packed = packed

@@ -76,17 +76,14 @@ def open_on(directory: str | Path, chosen: str | None = None) -> Run:
 
 def load_model(run: Run):
     """(causal LM with the run's adapter, preprocessor), on the backend keras is loaded with (select_backend)."""
-    from finetune.model import builder, presets
-    from finetune.platform import backend
+    from finetune.model import builder
+    from finetune.training import resolve
 
-    cfg = run.config
-    precision = backend.apply_runtime_tweaks(cfg.model.precision, cfg.train.threads)["dtype_policy"]
-    source = presets.resolve(cfg.model.preset)
-    lm, preprocessor = builder.build(source, cfg.model.seq_len, precision, cfg.model.quantize)
-    builder.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
-    checked_factors(run, lm.backbone)  # before keras-hub assigns anything: it checks nothing
-    lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
-    return lm, preprocessor
+    resolved = resolve.finished(run.config)
+    model = builder.build_model(resolved.source, resolved.recipe(train=False))
+    checked_factors(run, model.lm.backbone)  # before keras-hub assigns anything: it checks nothing
+    model.lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
+    return model.lm, model.preprocessor
 
 
 def checked_factors(run: Run, backbone) -> dict:
@@ -105,10 +102,10 @@ def evaluate_run(run: Run, data_path: str | None = None) -> dict:
 
     cfg = run.config
     path = data_path or cfg.data.path
-    records = prepare.read(cfg, path, trained=True)
+    records, _ = prepare.read(cfg, path, trained=True)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
-    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, source=path, split=data_path is None)
+    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, every_record_of=data_path)
     inputs = builder.input_names(lm)
     batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, inputs=inputs)
     result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)

@@ -55,18 +55,19 @@ class HeldOut:
     """The records a run holds out: metrics over them, and generations on the first few's prompts (samples.md).
 
     Args:
-        scorer: keras.Model. model.scorer() of the run's model.
+        scorer: keras.Model. builder.scorer() of the run's model.
         batches: batching.Batches. The held-out rows, one record each.
+        model: builder.Model. The run's model: its causal LM and preprocessor generate the samples.
         samples: list of data.Record. The held-out records to generate for; their responses are the references.
         template: templates.Template. Puts each sample's prompt in the run's format.
         max_new_tokens: int. The longest generation.
     """
 
-    def __init__(self, scorer, batches, lm, preprocessor, samples, template, max_new_tokens: int):
+    def __init__(self, scorer, batches, model, samples, template, max_new_tokens: int):
         self.scorer = scorer
         self.batches = batches
-        self.lm = lm
-        self.preprocessor = preprocessor
+        self.lm = model.lm
+        self.preprocessor = model.preprocessor
         self.samples = samples
         self.prompts = [template.sample_prompt(r) for r in samples]
         self.stop_tokens = template.stop_tokens

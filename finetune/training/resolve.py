@@ -1,0 +1,294 @@
+"""resolve(): every setting a run leaves to `auto` or unset, decided once, each with its reason.
+
+A Config is what the user asked for. resolve() turns it into a Resolved run: the same settings with every
+`auto` and unset one decided (precision, CPU threads, batch size, learning rate, template, remat, LoRA
+alpha, time limit, the mesh), each beside the reason it was decided so. What comes after reads the Resolved
+and decides nothing again; the user's Config is never changed. Two values need the built model, whether its
+rows pack and `--batch-size auto`: Resolved.settled() fills them in, once, as a second step.
+
+A resumed run inherits what its checkpoint decided (the run goes on as it started, on any machine), and
+`finetune eval`, `generate` and `export` rebuild a finished run from what it recorded (finished()).
+
+resolve() also sets the process up for what it decided, because keras reads these globally: the dtype policy,
+PyTorch's CPU threads, the seed and the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.config import Config, parse_duration
+from finetune.data import templates
+from finetune.model import distribution, families, presets
+from finetune.platform import backend, platforms
+from finetune.platform.errors import UserError
+from finetune.training import plan
+
+KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decided setting and why it is what it is."""
+
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run with every setting decided: what the model is built, trained and recorded as."""
+
+    config: Config
+    """The run's settings, each decided one in place: what config.yaml records and a resume compares."""
+    decisions: dict = field(hash=False)
+    """Setting name -> Decision, in the order the console prints them."""
+    source: presets.Source
+    device: str
+    """cpu, gpu or tpu."""
+    device_name: str
+    """The device as the console names it: `cpu (AMD EPYC, 2 cores)`."""
+    runtime: dict = field(hash=False)
+    """What the backend set in this process (backend.select and apply_runtime_tweaks): config.yaml records it."""
+    deadline: float | None = None
+    """The time.monotonic() instant to stop by."""
+    distributed: dict | None = field(default=None, hash=False)
+    """The mesh as metrics.json records it; None on one device."""
+    part: tuple = (0, 1, 1)
+    """The data shards of each batch this process feeds (distribution.data_part)."""
+
+    @property
+    def precision(self) -> str:
+        return self.config.model.precision
+
+    @property
+    def batch_size(self) -> int | str:
+        return self.config.train.batch_size
+
+    @property
+    def learning_rate(self) -> float:
+        return self.config.train.learning_rate
+
+    @property
+    def template(self) -> str:
+        return self.config.data.template
+
+    @property
+    def remat(self) -> bool:
+        return self.decisions["remat"].value
+
+    @property
+    def alpha(self) -> float:
+        return self.decisions["alpha"].value
+
+    @property
+    def packed(self) -> bool | None:
+        """Whether the training rows pack; None until settled()."""
+        decided = self.decisions.get("packing")
+        return None if decided is None else decided.value
+
+    def recipe(self, train: bool = True):
+        """What builder.build_model makes of this run (a builder.Recipe): for training (LoRA fresh, compiled with
+        AdamW), or to use a trained adapter (train=False: LoRA in the run's layout, nothing compiled)."""
+        from finetune.model import builder  # keras: imported once the backend is chosen
+
+        cfg = self.config
+        return builder.Recipe(
+            seq_len=cfg.model.seq_len,
+            precision=cfg.model.precision,
+            quantize=cfg.model.quantize,
+            remat=self.remat,
+            lora=builder.Lora(cfg.lora.rank, self.alpha, tuple(cfg.lora.targets), cfg.train.seed),
+            optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2])
+            if train
+            else None,
+        )
+
+    def settled(self, **decided: Decision) -> Resolved:
+        """This run with the decisions that needed the built model: packing, and batch_size for `auto`."""
+        decisions = {**self.decisions, **decided}
+        cfg = self.config
+        if "batch_size" in decided:
+            cfg = _replace(cfg, "train", batch_size=decided["batch_size"].value)
+        return dataclasses.replace(self, config=cfg, decisions=decisions)
+
+    def table(self) -> str:
+        """The decisions as the console prints them once: setting, value, why."""
+        rows = [(name, shown(d.value), d.why) for name, d in self.decisions.items()]
+        wide = [max(len(row[i]) for row in rows) for i in range(2)]
+        lines = [f"{'setting':<{wide[0]}}  {'value':<{wide[1]}}  why"]
+        lines += [f"{name:<{wide[0]}}  {value:<{wide[1]}}  {why}" for name, value, why in rows]
+        return "\n".join(lines)
+
+    def recorded(self) -> dict:
+        """config.yaml's `resolved` entries: each decided setting as {value, why}."""
+        return {name: {"value": d.value, "why": d.why} for name, d in self.decisions.items()}
+
+
+def resolve(cfg: Config, data_format: str, saved: dict | None = None) -> Resolved:
+    """Decide every `auto` and unset setting of `cfg` for data of `data_format`, and set the process up for them.
+
+    saved: dict. The config a checkpoint recorded (state.json's), for a resumed run: what it decided then is
+        kept, so the run trains on as it started.
+    """
+    source = presets.resolve(cfg.model.preset)
+    decisions: dict[str, Decision] = {}
+    decisions["template"] = _template(cfg, data_format, saved)
+    device = backend.accelerator()
+    decisions["precision"] = _precision(cfg, device, saved)
+    # select() again: the backend was chosen before keras loaded (it returns what it set, and catches a change)
+    runtime = backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
+    runtime.update(backend.apply_runtime_tweaks(decisions["precision"].value, _threads(cfg, saved)))
+    if "threads" in runtime:  # PyTorch on a CPU: the count sets the order of its sums, so a resume keeps it
+        why = runtime["torch.intra_op_threads"].split(" (", 1)[-1].rstrip(")")
+        decisions["threads"] = Decision(runtime["threads"], "resumed: as the run started" if saved else why)
+    backend.set_seed(cfg.train.seed)
+    decisions["batch_size"] = _batch_size(cfg, saved)
+    decisions["learning_rate"] = _learning_rate(cfg, source, saved)
+    decided = _decided(cfg, decisions)
+    distributed = None
+    if cfg.distribution.parallel != "none":  # before the model is built: its weights are made sharded
+        distributed = distribution.setup(cfg.distribution, presets.dims(source), decided.train.batch_size)
+        mesh = " x ".join(f"{n} {a}" for n, a in zip(distributed["mesh_shape"], distributed["axis_names"]))
+        decisions["mesh"] = Decision(mesh, f"--parallel {cfg.distribution.parallel} over {distributed['devices']} "
+                                     "devices" + (f" (--mesh {cfg.distribution.mesh})" if cfg.distribution.mesh
+                                                  else ""))  # fmt: skip
+    decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
+    decisions["alpha"] = alpha(cfg.lora)
+    limit, deadline = _time_limit(cfg.train.time_limit)
+    decisions["time_limit"] = limit
+    return Resolved(decided, decisions, source, device, runtime["device_name"], runtime, deadline, distributed,
+                    distribution.data_part())  # fmt: skip
+
+
+def finished(cfg: Config) -> Resolved:
+    """A finished run rebuilt from its config.yaml, which recorded every decision: to evaluate, generate from or
+    export its adapter. Only the process is set up again, in the precision and threads the run trained in."""
+    source = presets.resolve(cfg.model.preset)
+    device = backend.accelerator()
+    precision = cfg.model.precision
+    if precision == "auto":  # a config.yaml written by hand
+        precision = backend.auto_precision(device)
+    runtime = backend.apply_runtime_tweaks(precision, cfg.train.threads)
+    decisions = {
+        "precision": Decision(precision, "as the run trained"),
+        "remat": Decision(False, "not training"),
+        "alpha": alpha(cfg.lora),
+    }
+    decided = _replace(cfg, "model", precision=precision)
+    return Resolved(decided, decisions, source, device, runtime["device_name"], runtime)
+
+
+def alpha(lora) -> Decision:
+    """LoRA's alpha (the update is scaled by alpha / rank): the user's, or the rank, keras-hub's scale of 1.
+
+    lora: config.LoraConfig.
+    """
+    return Decision(lora.scale_alpha(), "set" if lora.alpha is not None else "the rank: a scale of 1, keras-hub's")
+
+
+def _threads(cfg: Config, saved: dict | None) -> int | None:
+    """PyTorch's CPU threads to ask for: the user's count, else the one a resumed run started with (its sums'
+    order follows the count, so a resume keeps it), else None: backend.torch_threads picks the idle cores."""
+    if cfg.train.threads is not None:
+        return cfg.train.threads
+    return _saved(saved, "train", "threads")
+
+
+def _decided(cfg: Config, decisions: dict) -> Config:
+    """`cfg` with the decided values in place of its `auto` and unset ones."""
+    value = {name: d.value for name, d in decisions.items()}
+    cfg = _replace(cfg, "model", precision=value["precision"])
+    cfg = _replace(cfg, "data", template=value["template"])
+    train = dict(batch_size=value["batch_size"], learning_rate=value["learning_rate"])
+    if "threads" in value:
+        train["threads"] = value["threads"]
+    return _replace(cfg, "train", **train)
+
+
+def _replace(cfg: Config, section: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+
+
+def _saved(saved: dict | None, section: str, key: str):
+    return None if saved is None else saved.get(section, {}).get(key)
+
+
+def _template(cfg: Config, data_format: str, saved: dict | None) -> Decision:
+    """The prompt template: the user's, the one auto chose when a resumed run started, or the data's own."""
+    if cfg.data.template == "auto" and saved is not None:
+        return Decision(_saved(saved, "data", "template") or "dolly", "resumed: auto chose it when the run started")
+    family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
+    name, note = templates.for_data(cfg.data.template, data_format, family_chat, cfg.model.preset, cfg.data.path)
+    if note is None:
+        return Decision(name, "set")
+    return Decision(name, f"auto: for {data_format} records (--template names another)")
+
+
+def _precision(cfg: Config, device: str, saved: dict | None) -> Decision:
+    """The base's dtype: the user's, the one auto became when a resumed run started (wherever it resumes), or
+    backend.precision_rule's for this device."""
+    if cfg.model.precision != "auto":
+        return Decision(cfg.model.precision, "set")
+    if saved is not None:
+        return Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
+    return Decision(*backend.auto_precision_why(device))
+
+
+def _batch_size(cfg: Config, saved: dict | None) -> Decision:
+    """Rows per step: the user's, the one a resumed run started with, to be probed (`auto`), or the backend's
+    default made to split over the mesh's data axis."""
+    chosen = cfg.train.batch_size
+    if chosen not in (None, "auto"):
+        return Decision(chosen, "set")
+    if saved is not None:
+        return Decision(_saved(saved, "train", "batch_size"), "resumed: as the run started")
+    if chosen == "auto":
+        return Decision("auto", "probed on the built model")
+    batch_size = backend.DEFAULT_BATCH_SIZE[cfg.backend]
+    why = f"the {cfg.backend} default"
+    batch_size, fitted = distribution.fit_to_data_axis(cfg.distribution, batch_size)
+    return Decision(batch_size, f"{why}; {fitted}" if fitted else why)
+
+
+def _learning_rate(cfg: Config, source: presets.Source, saved: dict | None) -> Decision:
+    if cfg.train.learning_rate is not None:
+        return Decision(cfg.train.learning_rate, "set")
+    if saved is not None:
+        return Decision(_saved(saved, "train", "learning_rate"), "resumed: as the run started")
+    return Decision(*presets.default_learning_rate(source))
+
+
+def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
+    """(the time limit and why, the time.monotonic() instant to stop by or None)."""
+    why = "set"
+    if time_limit is None and platforms.in_kaggle_notebook():
+        time_limit, why = KAGGLE_TIME_LIMIT, "a Kaggle notebook: its session ends at 12 hours"
+    if time_limit is None or time_limit == "off":
+        return Decision("off", "set" if time_limit == "off" else "none asked"), None
+    return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
+
+
+def packing(lm, setting: str) -> Decision:
+    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask."""
+    from finetune.model import attention
+
+    if setting == "off":
+        return Decision(False, "set")
+    if attention.packs_exactly(lm.backbone):
+        return Decision(True, "set" if setting == "on" else "auto: the decoder blocks take the per-example mask")
+    why = f"{type(lm.backbone).__name__}'s decoder blocks cannot take the per-example mask (attention.py)"
+    if setting == "on":
+        raise UserError(f"--packing on: {why}; pass --packing off or auto")
+    print(f"note: packing off: {why}")
+    return Decision(False, f"auto: {why}")
+
+
+def shown(value) -> str:
+    """A decided value as the table shows it."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)

@@ -1,0 +1,155 @@
+"""resolve(): each `auto` and unset setting decided once, with its reason; a resumed run keeps what its
+checkpoint decided; the user's Config is never changed."""
+
+import dataclasses
+import json
+
+import pytest
+from conftest import BACKEND, chat, write_jsonl
+
+from finetune import config
+from finetune.config import Config
+from finetune.model import presets
+from finetune.platform import backend
+from finetune.platform.errors import UserError
+from finetune.training import resolve
+
+TINY = presets.Source("tiny", "tiny", "gemma")
+
+
+def tiny_config(**train) -> Config:
+    cfg = config.load("tiny", {"backend": BACKEND})
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def test_auto_precision_is_the_one_rule_here_and_in_the_plan():
+    """backend.precision_rule decides for this process and for the plan of a device elsewhere."""
+    from finetune.training import plan
+
+    assert backend.precision_rule("gpu", True, "torch")[0] == "bfloat16"
+    assert backend.precision_rule("gpu", False, "torch") == ("float16", "auto: the gpu has no bf16 units (T4, V100)")
+    assert backend.precision_rule("cpu", False, "jax")[0] == "float32"
+    assert plan.auto_precision(plan.device("t4")) == "float16"
+    assert plan.auto_precision(plan.device("a100")) == "bfloat16"
+    decided, why = backend.auto_precision_why("cpu")
+    assert decided == backend.cpu_precision(BACKEND) and why.startswith("auto: ")
+
+
+def test_precision_is_the_user_s_the_checkpoint_s_or_auto_s():
+    cfg = tiny_config()
+    assert resolve._precision(cfg, "cpu", None) == resolve.Decision(*backend.auto_precision_why("cpu"))
+    saved = {"model": {"precision": "float16"}}
+    assert resolve._precision(cfg, "cpu", saved) == resolve.Decision(
+        "float16", "resumed: auto chose it when the run started"
+    )  # a run started on a T4 goes on in float16 wherever it resumes
+    cfg.model.precision = "float32"
+    assert resolve._precision(cfg, "cpu", saved) == resolve.Decision("float32", "set")  # check_compatible refuses
+
+
+def test_a_resumed_run_keeps_its_cpu_thread_count():
+    """PyTorch's CPU sums follow its thread count: picked from the idle cores when a run starts, it is kept for the
+    resume (one worker of a busy machine picked 1 where the run had 2, and the adapter differed in its last bits)."""
+    saved = {"train": {"threads": 2}}
+    assert resolve._threads(tiny_config(), saved) == 2
+    assert resolve._threads(tiny_config(threads=1), saved) == 1  # the user's own count wins
+    assert resolve._threads(tiny_config(), {"train": {}}) is None  # a checkpoint from before: chosen afresh
+
+
+def test_batch_size_is_set_resumed_probed_or_the_backend_s_default():
+    assert resolve._batch_size(tiny_config(batch_size=3), None) == resolve.Decision(3, "set")
+    assert resolve._batch_size(tiny_config(batch_size="auto"), {"train": {"batch_size": 8}}).value == 8
+    assert resolve._batch_size(tiny_config(batch_size="auto"), None).value == "auto"
+    default = resolve._batch_size(tiny_config(batch_size=None), None)
+    assert default == resolve.Decision(backend.DEFAULT_BATCH_SIZE[BACKEND], f"the {BACKEND} default")
+
+
+def test_learning_rate_is_set_resumed_or_the_preset_kind_s_default():
+    assert resolve._learning_rate(tiny_config(learning_rate=0.5), TINY, None) == resolve.Decision(0.5, "set")
+    assert (
+        resolve._learning_rate(tiny_config(learning_rate=None), TINY, {"train": {"learning_rate": 0.25}}).value == 0.25
+    )
+    decided = resolve._learning_rate(tiny_config(learning_rate=None), TINY, None)
+    assert decided.value == presets.LEARNING_RATE["tiny"] and "tiny" in decided.why
+    pretrained = resolve._learning_rate(tiny_config(learning_rate=None), presets.Source("hub", "x", "gemma"), None)
+    assert pretrained.value == presets.LEARNING_RATE["pretrained"]
+
+
+def test_template_follows_the_data_or_the_checkpoint():
+    cfg = tiny_config()
+    cfg.data.template = "auto"
+    assert resolve._template(cfg, "dolly", None) == resolve.Decision(
+        "dolly", "auto: for dolly records (--template names another)"
+    )
+    assert resolve._template(cfg, "chat", None).value == "gemma-chat"
+    assert resolve._template(cfg, "chat", {"data": {"template": "alpaca"}}).value == "alpaca"
+    cfg.data.template = "alpaca"
+    assert resolve._template(cfg, "dolly", None) == resolve.Decision("alpaca", "set")
+    cfg.data.template = "none"
+    with pytest.raises(UserError, match="need a template"):
+        resolve._template(cfg, "dolly", None)
+
+
+def test_alpha_is_the_rank_unless_set():
+    cfg = tiny_config()
+    assert resolve.alpha(cfg.lora) == resolve.Decision(4.0, "the rank: a scale of 1, keras-hub's")
+    cfg.lora.alpha = 8
+    assert resolve.alpha(cfg.lora) == resolve.Decision(8.0, "set")
+
+
+def test_resolve_decides_every_auto_setting_and_leaves_the_config_alone(tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(12)])
+    cfg = config.load(
+        "tiny", {"backend": BACKEND, "data.path": str(data), "data.template": "auto", "train.learning_rate": None}
+    )
+    before = json.dumps(cfg.to_dict(), sort_keys=True)
+    run = resolve.resolve(cfg, "chat")
+    assert json.dumps(cfg.to_dict(), sort_keys=True) == before  # the user's settings, untouched
+    assert run.template == "gemma-chat" and run.precision != "auto" and run.learning_rate == 1e-2
+    assert run.batch_size == backend.DEFAULT_BATCH_SIZE[BACKEND] and run.remat is False
+    assert run.decisions["time_limit"] == resolve.Decision("off", "none asked")
+    assert all(isinstance(d.why, str) and d.why for d in run.decisions.values())
+    recipe = run.recipe()
+    assert (recipe.precision, recipe.lora.rank, recipe.lora.alpha) == (run.precision, 4, 4.0)
+    assert recipe.optimizer.learning_rate == 1e-2 and run.recipe(train=False).optimizer is None
+
+
+def test_settled_fills_in_what_needed_the_model_and_the_table_shows_every_decision():
+    run = resolve.resolve(tiny_config(batch_size="auto"), "dolly")
+    assert run.batch_size == "auto" and run.packed is None
+    settled = run.settled(packing=resolve.Decision(True, "auto: packs"), batch_size=resolve.Decision(8, "probed"))
+    assert settled.batch_size == 8 and settled.packed is True and run.batch_size == "auto"
+    lines = settled.table().splitlines()
+    assert lines[0].split() == ["setting", "value", "why"]
+    assert [line.split()[:2] for line in lines[1:]] == [[n, resolve.shown(d.value)] for n, d in
+                                                       settled.decisions.items()]  # fmt: skip
+    assert settled.recorded()["batch_size"] == {"value": 8, "why": "probed"}
+
+
+def test_packing_is_decided_from_the_built_model(monkeypatch):
+    from finetune.model import attention
+
+    class LM:
+        backbone = object()
+
+    monkeypatch.setattr(attention, "packs_exactly", lambda backbone: True)
+    assert resolve.packing(LM(), "auto").value is True and resolve.packing(LM(), "on") == resolve.Decision(True, "set")
+    monkeypatch.setattr(attention, "packs_exactly", lambda backbone: False)  # blocks without the per-example mask
+    assert resolve.packing(LM(), "off") == resolve.Decision(False, "set")
+    with pytest.raises(UserError, match="--packing on"):
+        resolve.packing(LM(), "on")
+    assert resolve.packing(LM(), "auto").value is False
+
+
+def test_a_finished_run_is_rebuilt_as_it_trained():
+    cfg = tiny_config()
+    cfg.model.precision = "float32"
+    run = resolve.finished(cfg)
+    assert run.precision == "float32" and run.recipe(train=False).optimizer is None and run.alpha == 4.0
+
+
+def test_records_in_any_format_resolve(tmp_path):
+    """Every template auto picks renders its format (templates.for_data), decided here once."""
+    cfg = tiny_config()
+    cfg.data.template = "auto"
+    for found in ("dolly", "alpaca", "chat", "sharegpt", "completion", "text"):
+        assert resolve._template(cfg, found, None).why.startswith("auto")
