@@ -45,7 +45,7 @@ def read(cfg, path: str, trained: bool = False) -> list[formats.Record]:
     trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, and what they
         refuse is said of the data, not as flags to change.
     """
-    records, found = formats.read(path)
+    records, found = formats.read(path, cfg.data.split if path == cfg.data.path else "train")
     family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
     cfg.data.template, note = templates.for_data(
         cfg.data.template, found, family_chat, cfg.model.preset, path, trained=trained
