@@ -4,13 +4,14 @@ A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
 `tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
 newer family), a local preset directory (made by save_to_preset, or attached
 under /kaggle/input), a `kaggle://` handle, a keras-hub preset name such as
-gemma_2b_en, gemma3_1b or gemma4_2b, or a transformers checkpoint: a local
-directory (config.json, safetensors, tokenizer) or an `hf://ORG/NAME` repository,
-which keras-hub's converters build (checkpoints.py). In a Kaggle notebook, a name or handle
-whose model is attached is read from /kaggle/input instead of being downloaded.
-The family (families.py) of a directory comes from its config.json, of a name
-from keras-hub's preset lists, of a handle from the preset or model it names, of a transformers checkpoint from
-its model_type. Kaggle-hosted ones need credentials; without them we stop in seconds with
+gemma_2b_en, gemma3_1b or gemma4_2b, or a transformers checkpoint (a local
+directory, or an `hf://ORG/NAME` repository) that keras-hub's converters build
+(checkpoints.py). In a Kaggle notebook, a name or handle whose model is
+attached is read from /kaggle/input instead of being downloaded. The family
+(families.py) of a directory comes from its config.json (a keras-hub class_name
+or a transformers model_type), of a name from keras-hub's preset lists, of a
+handle from the preset or model it names. Kaggle-hosted ones need credentials,
+and hf:// ones a route to the Hub; without them we stop in seconds with
 instructions instead of waiting on a download that cannot work.
 """
 
