@@ -139,7 +139,16 @@ def exported_base(name: str, out: Path) -> Path:
 def logits(lm):
     import keras
 
-    return keras.ops.convert_to_numpy(lm({"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS, dtype=bool)}))
+    inputs = {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS, dtype=bool)}
+    if "position_ids" in builder_inputs(lm):  # Gemma 4 takes the positions too
+        inputs["position_ids"] = np.arange(TOKENS.shape[1], dtype="int32")[None]
+    return keras.ops.convert_to_numpy(lm(inputs))
+
+
+def builder_inputs(lm) -> tuple[str, ...]:
+    from finetune.model import builder
+
+    return builder.input_names(lm)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-gemma3", "tiny-gemma4"])

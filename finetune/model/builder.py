@@ -15,7 +15,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune.model import attention, families, layouts, objective, presets, quantized
+from finetune.model import attention, checkpoints, families, layouts, objective, presets, quantized
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
 from finetune.platform.errors import UserError
@@ -145,7 +145,8 @@ def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str
             "preset (keras_hub.models.CausalLM.from_preset(...).save_to_preset(DIR)) and pass DIR"
         )
     loader = keras_compat.preset_loader(source.handle)
-    backbone = loader.load_backbone(cls.backbone_cls, load_weights=True, dtype=dtype, **family.encoders)
+    overrides = {**family.encoders, **checkpoints.converter_overrides(loader.config, family.name)}
+    backbone = loader.load_backbone(cls.backbone_cls, load_weights=True, dtype=dtype, **overrides)
     tokenizer = _transformers_tokenizer(source)
     preprocessor = cls.preprocessor_cls(tokenizer=tokenizer, **dict.fromkeys(family.converters))
     return cls(backbone=backbone, preprocessor=preprocessor)
@@ -154,8 +155,6 @@ def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str
 def _transformers_tokenizer(source: presets.Source):
     """keras-hub's converter's tokenizer, or, where it cannot read tokenizer.json, one from tokenizer.model."""
     from pathlib import Path
-
-    from finetune.model import checkpoints
 
     proto = checkpoints.unigram_tokenizer(Path(source.handle)) if source.kind == "local" else None
     if proto is not None and source.family == "gemma4":

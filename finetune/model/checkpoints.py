@@ -85,6 +85,20 @@ def unigram_tokenizer(path: Path) -> Path | None:
     return None if kind == "BPE" else model
 
 
+def converter_overrides(described: dict, family: str) -> dict:
+    """Backbone arguments that correct keras-hub's converter, given to its loader beside the config it maps.
+
+    keras-hub's Gemma4Backbone reads num_global_key_value_heads as "the global layers' values reuse their keys"
+    (26b_a4b, 31b); transformers says that with attention_k_eq_v, and also writes num_global_key_value_heads
+    where the values are their own (keras-hub's exporter does for every Gemma 4). Its converter takes the count
+    alone, so such a checkpoint loaded with the values dropped: logits 1.9 away from the model exported.
+    """
+    text = described.get("text_config") or described
+    if family == "gemma4" and text.get("attention_k_eq_v") is False:
+        return {"num_global_key_value_heads": None}
+    return {}
+
+
 # === Sizes, read as keras-hub's converters map them ===
 
 
@@ -118,7 +132,9 @@ def _gemma4(text: dict) -> dict:
     return {
         "layer_types": text["layer_types"],
         "global_head_dim": text.get("global_head_dim"),
-        "num_global_key_value_heads": text.get("num_global_key_value_heads"),
+        "num_global_key_value_heads": converter_overrides(text, "gemma4").get(
+            "num_global_key_value_heads", text.get("num_global_key_value_heads")
+        ),
         "num_kv_shared_layers": text.get("num_kv_shared_layers", 0),
         "use_double_wide_mlp": text.get("use_double_wide_mlp", False),
         "hidden_size_per_layer_input": text.get("hidden_size_per_layer_input") or 0,
