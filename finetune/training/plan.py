@@ -137,7 +137,7 @@ def _hub_model(handle: str) -> Model:
     if described is None:
         raise UserError(
             f"`finetune plan` reads {handle}'s config.json from the Hugging Face cache, and it is not there; "
-            "download the checkpoint (huggingface-cli download ORG/NAME) and pass its directory, or plan a preset name"
+            f"download it into the cache (hf download {handle.removeprefix('hf://')}) and plan again, or plan a preset name"
         )
     if not checkpoints.is_transformers(described):
         family = presets.family_of(handle)
