@@ -212,6 +212,10 @@ def _not_empty(value: list, name: str) -> str | None:
     return None if value else f"{name} must not be empty"
 
 
+def _not_blank(value: str, name: str) -> str | None:
+    return None if str(value).strip() else f"{name} must not be empty"
+
+
 def _positive_or_auto(value, name: str) -> str | None:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return None
@@ -237,7 +241,8 @@ class ModelConfig:
     preset: str = setting(
         "gemma_2b_en",
         "keras-hub preset name (gemma_2b_en, gemma2_2b_en, gemma3_1b, gemma4_instruct_4b, gemma3n_e2b), "
-        f"kaggle:// handle, local preset directory, or {TINY_NAMES}.",
+        "kaggle:// handle, local preset directory, transformers checkpoint (a directory with config.json and "
+        f"safetensors, or hf://ORG/NAME), or {TINY_NAMES}.",
         flag="--preset", panel=MODEL, metavar="NAME|DIR", hint=f"pass a preset name such as gemma_2b_en, or {TINY_NAMES}",
     )  # fmt: skip
     seq_len: int = setting(
@@ -304,10 +309,17 @@ class DataConfig:
 
     path: str = setting(
         SAMPLE,
-        "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME for a Hugging Face dataset, or "
+        "Records: JSONL, a JSON array, CSV or Parquet (a path or gs://), hf:NAME[:CONFIG] for a Hugging Face "
+        "dataset (its --data-split), or "
         "`sample` (400 Dolly records shipped with finetune); Dolly, Alpaca, chat, ShareGPT, "
         "prompt/completion or text records, detected. Check a file with `finetune data FILE`.",
         flag="--data", panel=DATA, metavar="FILE|sample|hf:NAME", hint="pass a data file, hf:NAME or sample",
+    )  # fmt: skip
+    split: str = setting(
+        "train",
+        "With --data hf:NAME[:CONFIG]: the Hugging Face dataset's split to read (train, test, train[:1000], ...); "
+        "finetune holds out its own evaluation share from it.",
+        flag="--data-split", panel=DATA, metavar="SPLIT", check=_not_blank, hint="e.g. --data-split train",
     )  # fmt: skip
     template: str = setting(
         "auto",

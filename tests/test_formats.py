@@ -200,6 +200,59 @@ def test_hugging_face_datasets_are_read_and_checked_row_by_row(monkeypatch):
         formats.load_records("hf:x/y")
 
 
+def test_a_hugging_face_config_and_split_are_passed_to_datasets(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from finetune.platform import platforms
+
+    monkeypatch.setattr(platforms, "reachable", lambda *a, **k: True)
+    asked = []
+
+    def load_dataset(path, name=None, split=None):
+        asked.append((path, name, split))
+        return [{"instruction": "a", "response": "b"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    formats.read("hf:org/set")
+    formats.read("hf:org/set:main", split="test[:10]")
+    assert asked == [("org/set", None, "train"), ("org/set", "main", "test[:10]")]
+    with pytest.raises(UserError, match="--data-split test picks a split of a Hugging Face dataset"):
+        formats.read("sample", split="test")
+
+
+def hub_layout(root, configs: dict) -> str:
+    """A dataset folder as the Hub lays one out: Parquet files per split, configs named in README.md's header."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    header = ["---", "configs:"]
+    for config, splits in configs.items():
+        header += [f"- config_name: {config}", "  data_files:"]
+        for split, rows in splits.items():
+            (root / config).mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.Table.from_pylist(rows), root / config / f"{split}.parquet")
+            header += [f"  - split: {split}", f"    path: {config}/{split}.parquet"]
+    (root / "README.md").write_text("\n".join([*header, "---", ""]), encoding="utf-8")
+    return str(root)
+
+
+def test_a_local_hugging_face_dataset_is_read_by_config_and_split_offline(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [dolly(i) for i in range(6)]
+    folder = hub_layout(tmp_path / "set", {"easy": {"train": rows[:4], "test": rows[4:]}, "hard": {"train": rows}})
+    records, found = formats.read(f"hf:{folder}:easy", split="test")
+    assert found == "dolly" and [r.instruction for r in records] == [r["instruction"] for r in rows[4:]]
+    assert len(formats.load_records(f"hf:{folder}:hard")) == 6
+    with pytest.raises(UserError, match=r"has no split 'validation'; choose one of train, test with --data-split"):
+        formats.read(f"hf:{folder}:easy", split="validation")
+    with pytest.raises(UserError, match=r"has no config 'medium'; name one of easy, hard as hf:"):
+        formats.read(f"hf:{folder}:medium")
+    with pytest.raises(UserError, match=r"has several configs: name one as hf:.*:CONFIG, one of easy, hard"):
+        formats.read(f"hf:{folder}")
+
+
 def test_the_sample_is_exactly_what_its_generator_writes(tmp_path):
     import subprocess
     import sys

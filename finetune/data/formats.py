@@ -19,7 +19,8 @@ zstandard package is installed.
 
 null reads as empty and other keys are ignored. Chat and ShareGPT records are
 lists, so they come in JSON or Parquet, not CSV. Sources: a local path, a gs://
-path, `hf:NAME` for a Hugging Face dataset, or `sample` for the project's own
+path, `hf:NAME[:CONFIG]` for a Hugging Face dataset (one split of it, train unless
+told), or `sample` for the project's own
 sample, shipped in finetune/assets/ so that installs outside a checkout find it too.
 """
 
@@ -124,14 +125,22 @@ def load_records(source: str) -> list[Record]:
     return read(source)[0]
 
 
-def read(source: str) -> tuple[list[Record], str]:
-    """(records, format) of `source`: the format is detected from its first record."""
+def read(source: str, split: str = "train") -> tuple[list[Record], str]:
+    """(records, format) of `source`: the format is detected from its first record.
+
+    split: str. Of an hf:NAME[:CONFIG] source, the split read (Hugging Face's notation: train, test[:100]).
+    """
     if not source.strip():
         raise UserError("the data path is empty; give a data file (JSONL, JSON, CSV or Parquet), hf:NAME or sample")
     if source == SAMPLE:
         source = str(SAMPLE_PATH)
     if source.startswith("hf:"):
-        return _from_hugging_face(source[3:])
+        return _from_hugging_face(source[3:], split)
+    if split != "train":
+        raise UserError(
+            f"--data-split {split} picks a split of a Hugging Face dataset (--data hf:NAME); {source} is read whole, "
+            "and finetune holds out its own evaluation share (--eval-fraction)"
+        )
     raw, name = _decompressed(_read_bytes(source), source)
     if raw.startswith(PARQUET_MAGIC):
         return _records(_parquet_rows(raw, source), source)
@@ -454,8 +463,10 @@ def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
 
 
-def _from_hugging_face(name: str) -> tuple[list[Record], str]:
-    if not name.strip():
+def _from_hugging_face(spec: str, split: str = "train") -> tuple[list[Record], str]:
+    """The records of hf:NAME[:CONFIG], one split of it: a Hub dataset, or a local one `datasets` loads."""
+    name, _, config = (part.strip() for part in spec.partition(":"))
+    if not name:
         raise UserError(
             "hf: names no dataset; give its name on the Hugging Face Hub, e.g. hf:databricks/databricks-dolly-15k"
         )
@@ -464,14 +475,40 @@ def _from_hugging_face(name: str) -> tuple[list[Record], str]:
         import datasets
     except ImportError:
         raise UserError("hf: data needs the `datasets` package: pip install datasets") from None
+    label = f"hf:{name}" + (f":{config}" if config else "")
     try:
-        rows = datasets.load_dataset(name, split="train")
+        rows = datasets.load_dataset(name, split=split, **({"name": config} if config else {}))
     except Exception as e:  # noqa: BLE001 - hub and network errors come in many types
-        raise UserError(
-            f"could not load Hugging Face dataset {name!r} ({type(e).__name__}); without network, "
-            "export it to JSONL elsewhere and pass --data FILE.jsonl"
-        ) from e
-    return _records(((f"hf:{name} row {i}", dict(row)) for i, row in enumerate(rows)), f"hf:{name}")
+        raise UserError(_hugging_face_refusal(datasets, label, config, split, e)) from None
+    where = label if split == "train" else f"{label} ({split})"
+    return _records(((f"{where} row {i}", dict(row)) for i, row in enumerate(rows)), where)
+
+
+def _hugging_face_refusal(datasets, label: str, config: str, split: str, error: Exception) -> str:
+    """What went wrong loading a Hugging Face dataset: a split or config it lacks (naming those it has), or else."""
+    said = _first_line(error)
+    name = label[3:].split(":")[0]
+    if isinstance(error, ValueError) and "split" in said.lower():
+        available = _names_or_none(datasets.get_dataset_split_names, name, config or None)
+        choose = f"choose one of {', '.join(available)}" if available else said
+        return f"{label} has no split {split!r}; {choose} with --data-split"
+    if isinstance(error, ValueError) and "config" in said.lower():
+        available = _names_or_none(datasets.get_dataset_config_names, name)
+        choose = f"one of {', '.join(available)}" if available else said
+        if not config:
+            return f"{label} has several configs: name one as hf:{name}:CONFIG, {choose}"
+        return f"{label} has no config {config!r}; name {choose} as hf:{name}:CONFIG"
+    return (
+        f"could not load Hugging Face dataset {label[3:]!r} ({type(error).__name__}: {said[:160]}); without network, "
+        "export it to JSONL elsewhere and pass --data FILE.jsonl"
+    )
+
+
+def _names_or_none(lookup, *args) -> list[str]:
+    try:
+        return [str(name) for name in lookup(*args)]
+    except Exception:  # noqa: BLE001 - only a better message: without it the error's own line is given
+        return []
 
 
 def _record(obj, where: str, fmt: str = "dolly") -> Record:

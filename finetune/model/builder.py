@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune.model import attention, families, layouts, objective, presets, quantized
+from finetune.model import attention, checkpoints, families, layouts, objective, presets, quantized
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
 from finetune.platform.errors import UserError
@@ -138,9 +138,14 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
         return cls(backbone=backbone, preprocessor=None), preprocessor
     try:
         with zeros_until_loaded():
-            lm = _from_preset(cls, family, source.handle, policy, quantize)
+            if source.transformers:
+                lm = _from_transformers(cls, family, source, policy, quantize)
+            else:
+                lm = _from_preset(cls, family, source.handle, policy, quantize)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from None
+    except KeyError as e:  # a converter's weight name the safetensors lack
+        raise UserError(f"could not load preset {source.handle}: its weights lack {e}") from None
     preprocessor, lm.preprocessor = lm.preprocessor, None
     preprocessor.sequence_length = seq_len
     return lm, preprocessor
@@ -179,6 +184,8 @@ def load_tokenizer(source: presets.Source):
         return presets.tiny_tokenizer(source.handle)
     cls = families.keras_hub_class(families.get(source.family), "tokenizer")
     try:
+        if source.transformers:
+            return _transformers_tokenizer(source)
         return cls.from_preset(source.handle)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load the tokenizer of {source.handle}: {str(e).splitlines()[0]}") from None
@@ -206,6 +213,39 @@ def _from_preset(cls, family, handle: str, dtype, quantize: str | None):
         keras_compat.load_backbone_weights(loader, backbone)
     preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(family.converters))
     return cls(backbone=backbone, preprocessor=preprocessor)
+
+
+def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str | None):
+    """A transformers checkpoint's causal LM, converted by keras-hub as it loads (checkpoints.py), text-only.
+
+    keras-hub's loader lets keyword arguments override the config its converter maps, so the encoders a text
+    run leaves out (family.encoders) are never built, and its converter ports no weights to them. The
+    preprocessor is made from the tokenizer alone: a transformers checkpoint has no keras-hub preprocessor
+    config, and load_base sets its sequence length.
+    """
+    if quantize is not None:
+        raise UserError(
+            f"--quantize {quantize} quantizes a keras-hub preset's weights as they load, and {source.handle} is a "
+            "transformers checkpoint, converted as it loads; train it in float, or save it once as a keras-hub "
+            "preset (keras_hub.models.CausalLM.from_preset(...).save_to_preset(DIR)) and pass DIR"
+        )
+    loader = keras_compat.preset_loader(source.handle)
+    overrides = {**family.encoders, **checkpoints.converter_overrides(loader.config, family.name)}
+    backbone = loader.load_backbone(cls.backbone_cls, load_weights=True, dtype=dtype, **overrides)
+    tokenizer = _transformers_tokenizer(source)
+    preprocessor = cls.preprocessor_cls(tokenizer=tokenizer, **dict.fromkeys(family.converters))
+    return cls(backbone=backbone, preprocessor=preprocessor)
+
+
+def _transformers_tokenizer(source: presets.Source):
+    """keras-hub's converter's tokenizer, or, where it cannot read tokenizer.json, one from tokenizer.model."""
+    from pathlib import Path
+
+    proto = checkpoints.unigram_tokenizer(Path(source.handle)) if source.kind == "local" else None
+    if proto is not None and source.family == "gemma4":
+        return presets.text_tokenizer(source.family, proto)
+    cls = families.keras_hub_class(families.get(source.family), "tokenizer")
+    return cls.from_preset(source.handle)
 
 
 def input_names(lm) -> tuple[str, ...]:

@@ -3,12 +3,15 @@
 A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
 `tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
 newer family), a local preset directory (made by save_to_preset, or attached
-under /kaggle/input), a `kaggle://` handle, or a keras-hub preset name such as
-gemma_2b_en, gemma3_1b or gemma4_2b. In a Kaggle notebook, a name or handle
-whose model is attached is read from /kaggle/input instead of being downloaded.
-The family (families.py) of a directory comes from its config.json, of a name
-from keras-hub's preset lists, of a handle from the preset or model it names.
-Kaggle-hosted ones need credentials; without them we stop in seconds with
+under /kaggle/input), a `kaggle://` handle, a keras-hub preset name such as
+gemma_2b_en, gemma3_1b or gemma4_2b, or a transformers checkpoint (a local
+directory, or an `hf://ORG/NAME` repository) that keras-hub's converters build
+(checkpoints.py). In a Kaggle notebook, a name or handle whose model is
+attached is read from /kaggle/input instead of being downloaded. The family
+(families.py) of a directory comes from its config.json (a keras-hub class_name
+or a transformers model_type), of a name from keras-hub's preset lists, of a
+handle from the preset or model it names. Kaggle-hosted ones need credentials,
+and hf:// ones a route to the Hub; without them we stop in seconds with
 instructions instead of waiting on a download that cannot work.
 """
 
@@ -21,7 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.model import archs, families
+from finetune.model import archs, checkpoints, families
 from finetune.platform import keras_compat, platforms
 from finetune.platform.errors import UserError
 
@@ -146,6 +149,8 @@ class Source:
     """What keras_hub's from_preset is given (or the tiny preset's or bench architecture's name)."""
     family: str
     """A key of families.FAMILIES: gemma (Gemma 1 and 2), gemma3, gemma4 or gemma3n."""
+    transformers: bool = False
+    """A transformers checkpoint (config.json with a model_type), which keras-hub converts as it loads."""
     random: dict | None = field(default=None, hash=False, compare=False)
     """kind random: the GemmaBackbone config to build with random weights, and `tokenizer`, a .spm file."""
 
@@ -164,9 +169,11 @@ def resolve(preset: str) -> Source:
     """Classify `preset` and check that it can be loaded, without loading it."""
     if preset in TINY:
         return Source("tiny", preset, TINY[preset].family)
+    if preset.startswith(checkpoints.PREFIX):
+        return _from_hugging_face(preset)
     path = Path(preset).expanduser()
     if path.is_dir():
-        return Source("local", str(path), _family_of_directory(path))
+        return Source("local", str(path), _family_of_directory(path), _is_transformers_directory(path))
     attached = _attached_in_kaggle_notebook(preset)
     if attached is not None:
         return Source("local", str(attached), _family_of_directory(attached))
@@ -187,6 +194,8 @@ def family_of(preset: str) -> str:
     """The family a --preset names, without checking that it can be loaded (resolve does)."""
     if preset in TINY:
         return TINY[preset].family
+    if preset.startswith(checkpoints.PREFIX):
+        return _from_hugging_face(preset).family
     path = Path(preset).expanduser()
     if path.is_dir():
         return _family_of_directory(path)
@@ -212,6 +221,11 @@ def frameworks_needed(preset: str) -> tuple[str, ...]:
             return ("tensorflow",)
     elif (arch := archs.lookup(preset)) is not None:
         family = arch.family
+    elif preset.startswith(checkpoints.PREFIX) and (described := _cached_hub_config(preset)) is not None:
+        try:
+            family = _family_of_config(described, preset)
+        except UserError:
+            return ("tensorflow",)
     else:
         return ("tensorflow",)
     return ("tensorflow",) if families.get(family).needs_tensorflow else ()
@@ -227,10 +241,26 @@ def _attached_in_kaggle_notebook(preset: str) -> Path | None:
     return attached
 
 
-def _family_of_directory(path: Path) -> str:
+def _from_hugging_face(handle: str) -> Source:
+    """An hf://ORG/NAME repository: a transformers checkpoint or a keras-hub preset, told by its config.json."""
+    described = checkpoints.hub_config(handle)
+    return Source("hub", handle, _family_of_config(described, handle), checkpoints.is_transformers(described))
+
+
+def _cached_hub_config(handle: str) -> dict | None:
+    try:
+        return checkpoints.cached_config(handle)
+    except UserError:
+        return None
+
+
+def _directory_config(path: Path) -> dict:
     config = path / "config.json"
     if not config.is_file():
-        raise UserError(f"{path} is not a keras-hub preset directory (no config.json); make one with save_to_preset")
+        raise UserError(
+            f"{path} is not a keras-hub preset directory (no config.json); make one with save_to_preset, or pass "
+            "a transformers checkpoint's directory"
+        )
     try:
         described = json.loads(config.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -240,6 +270,26 @@ def _family_of_directory(path: Path) -> str:
             f"{config} must hold a JSON object with a class_name, not a {type(described).__name__}; "
             "re-create the preset with save_to_preset"
         )
+    return described
+
+
+def _is_transformers_directory(path: Path) -> bool:
+    return checkpoints.is_transformers(_directory_config(path))
+
+
+def _family_of_directory(path: Path) -> str:
+    described = _directory_config(path)
+    if checkpoints.is_transformers(described):
+        family = checkpoints.family_of(described, str(path))
+        checkpoints.check_directory(path)
+        return family
+    return _family_of_config(described, str(path))
+
+
+def _family_of_config(described: dict, path: str) -> str:
+    """The family of a config.json: a transformers one's model_type, or a keras-hub one's class_name."""
+    if checkpoints.is_transformers(described):
+        return checkpoints.family_of(described, path)
     class_name = str(described.get("class_name") or "")
     family = families.of_class_name(class_name)
     if family is not None:
@@ -253,9 +303,13 @@ def _family_of_directory(path: Path) -> str:
 
 
 def directory_backbone(path: Path) -> tuple[str, dict]:
-    """The family and backbone config ("config" in config.json) of a local preset directory."""
+    """The family and backbone config ("config" in config.json) of a local preset directory; a transformers
+    checkpoint's, as keras-hub's converter maps it (checkpoints.backbone_config)."""
     family = _family_of_directory(path)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8")).get("config")
+    described = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if checkpoints.is_transformers(described):
+        return family, checkpoints.backbone_config(described, family)
+    config = described.get("config")
     if not isinstance(config, dict):
         raise UserError(f'{path / "config.json"} has no backbone "config" mapping; re-create it with save_to_preset')
     return family, config
@@ -321,7 +375,7 @@ def preset_sequence_length(source: Source) -> int:
 
     import keras_hub
 
-    if source.kind == "tiny":  # no preset files: the class default
+    if source.kind == "tiny" or source.transformers:  # no keras-hub preprocessor config: the class default
         cls = families.keras_hub_class(families.get(source.family), "preprocessor")
         return inspect.signature(cls.__init__).parameters["sequence_length"].default
     return keras_hub.models.CausalLMPreprocessor.from_preset(source.handle).sequence_length
@@ -338,8 +392,13 @@ _PREPROCESSOR_ARGS = {"gemma3": dict(image_converter=None), "gemma3n": dict(imag
 def tiny_tokenizer(name: str = "tiny"):
     """The tiny preset's tokenizer, of its family's keras-hub class."""
     spec = TINY[name]
-    cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
-    return cls(proto=str(spec.tokenizer), **_TOKENIZER_ARGS.get(spec.family, {}))
+    return text_tokenizer(spec.family, spec.tokenizer)
+
+
+def text_tokenizer(family: str, proto: Path):
+    """A text-only tokenizer of the family's keras-hub class from a SentencePiece model file."""
+    cls = families.keras_hub_class(families.get(family), "tokenizer")
+    return cls(proto=str(proto), **_TOKENIZER_ARGS.get(family, {}))
 
 
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
@@ -427,6 +486,11 @@ def backbone_config(source: Source) -> dict:
         return tiny_config(source.handle, tiny_vocabulary_size(source.handle))
     if source.kind == "local":
         return directory_backbone(Path(source.handle))[1]
+    if source.handle.startswith(checkpoints.PREFIX):
+        described = checkpoints.hub_config(source.handle)
+        if checkpoints.is_transformers(described):
+            return checkpoints.backbone_config(described, source.family)
+        return described.get("config", {})
     parts = source.handle.removeprefix("kaggle://").split("/")
     arch = archs.lookup(parts[3] if len(parts) > 3 else parts[0])
     if arch is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.config import Config
-from finetune.model import archs, families, layouts, presets
+from finetune.model import archs, checkpoints, families, layouts, presets
 from finetune.platform.backend import DEFAULT_BATCH_SIZE
 from finetune.platform.errors import UserError
 
@@ -113,6 +113,8 @@ def model_of(preset: str) -> Model:
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{path / 'config.json'}: its vision_encoder config lacks a usable {e}") from None
         return _model(str(path), family, config, vision_params)
+    if preset.startswith(checkpoints.PREFIX):
+        return _hub_model(preset)
     # kaggle://keras/gemma/keras/gemma_2b_en/3 names the variant in its fourth part.
     parts = preset.removeprefix("kaggle://").split("/") if preset.startswith("kaggle://") else [preset]
     name = parts[3] if len(parts) > 3 else parts[0] if len(parts) == 1 else ""
@@ -127,6 +129,21 @@ def model_of(preset: str) -> Model:
         )
         raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
     return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params)
+
+
+def _hub_model(handle: str) -> Model:
+    """An hf:// repository's architecture, from its config.json in the Hugging Face cache (nothing downloaded)."""
+    described = checkpoints.cached_config(handle)
+    if described is None:
+        raise UserError(
+            f"`finetune plan` reads {handle}'s config.json from the Hugging Face cache, and it is not there; "
+            f"download it into the cache (hf download {handle.removeprefix('hf://')}) and plan again, or plan a preset name"
+        )
+    if not checkpoints.is_transformers(described):
+        family = presets.family_of(handle)
+        return _model(handle, family, described.get("config") or {})
+    family = checkpoints.family_of(described, handle)
+    return _model(handle, family, checkpoints.backbone_config(described, family))
 
 
 def _model(name: str, family: str, config: dict, vision_params: int = 0, encoder_params: int = 0) -> Model:

@@ -46,7 +46,7 @@ def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], s
     trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, so records
         the template cannot render, or the filters refuse, are said to be wrong for the run, not flags to change.
     """
-    records, found = formats.read(path)
+    records, found = formats.read(path, cfg.data.split if path == cfg.data.path else "train")
     if trained:
         family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
         templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path, trained=True)
