@@ -87,7 +87,9 @@ def prepare(records, tokenizer, cfg, *, source: str | None = None, packed: bool 
     batch_size = cfg.train.batch_size
     if batch_size == "auto":
         tokenized = [e for _, e in usable]
-        batch_size = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
+        # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
+        rows = row_count(tokenized, seq_len, packed) // cfg.train.grad_accum
+        batch_size = probe(batching.pad(tokenized[:64], seq_len), rows)
     train, held_out = [], usable
     if split:
         train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)

@@ -24,7 +24,7 @@ import numpy as np
 
 from finetune.config import Config, parse_duration
 from finetune.data import batching, formats
-from finetune.model import attention, builder, distribution, presets
+from finetune.model import attention, builder, distribution, optimizer, presets
 from finetune.platform import backend, platforms
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
@@ -59,6 +59,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     prepared = prepare.prepare(records, built.tokenizer, cfg, packed=built.packed, probe=built.probe_batch_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=prepared.batch_size))
     order, total_steps = _train_order(cfg, prepared, built)
+    _optimize(cfg, built, total_steps)
     checkpoint.check_resume_end(found, total_steps, target, outputs.read_metrics(target.path))
     outputs.check_free_space(target.path, checkpoint_bytes(built.lm) * (cfg.train.keep_checkpoints + 2))
 
@@ -195,10 +196,23 @@ def _train_order(cfg: Config, prepared: prepare.Prepared, built: Built) -> tuple
     """
     step = batching.length_step(cfg.backend, cfg.model.seq_len, built.device)
     inputs = builder.input_names(built.lm)
-    order = batching.TrainOrder(
-        prepared.rows, prepared.batch_size, cfg.train.seed, part=built.part, length_step=step, inputs=inputs
-    )
-    return order, min(order.steps_per_epoch * cfg.train.epochs, cfg.train.max_steps or math.inf)
+    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, part=built.part,
+                                length_step=step, inputs=inputs, grad_accum=cfg.train.grad_accum)  # fmt: skip
+    if cfg.train.max_steps is None:
+        return order, order.steps_per_epoch * cfg.train.epochs
+    # Hugging Face's max_steps: exactly that many steps, over as many passes as they take; --epochs is not used.
+    epochs = cfg.train.max_steps / order.steps_per_epoch
+    print(f"max steps {cfg.train.max_steps}: {epochs:.3g} passes of {order.steps_per_epoch} steps; --epochs is ignored")
+    return order, cfg.train.max_steps
+
+
+def _optimize(cfg: Config, built: Built, total_steps: int) -> None:
+    """Give the trainer the run's optimizer (model/optimizer.py): its schedule, clipping and accumulation."""
+    train = cfg.train
+    warmup = optimizer.warmup_steps_for(total_steps, train.warmup_steps, train.warmup_ratio)
+    controls = optimizer.Controls(train.learning_rate, train.weight_decay, train.lr_schedule, warmup, total_steps,
+                                  train.grad_accum, train.clip_norm(), train.min_lr_ratio)  # fmt: skip
+    builder.train_with(built.trainer, controls)
 
 
 def _held_out(cfg: Config, job, built: Built, prepared: prepare.Prepared) -> scoring.HeldOut:
@@ -252,6 +266,8 @@ def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, sec
         "batch_size": cfg.train.batch_size,
         "seq_len": cfg.model.seq_len,
         "learning_rate": cfg.train.learning_rate,
+        "lr_schedule": cfg.train.lr_schedule,
+        "grad_accum": cfg.train.grad_accum,
         "run_id": start.run_id,
         "steps": progress.step,
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
