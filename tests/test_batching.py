@@ -57,7 +57,7 @@ def test_training_batches_are_full_and_reshuffled_per_epoch(tokenizer):
     examples, _ = batching.tokenize([(f"Q{i}:\n", f"A{i}.") for i in range(10)], tokenizer, seq_len=16)
     arrays = batching.pad(examples, 16)
     train = batching.TrainOrder(arrays, batch_size=4, seed=1)
-    assert train.steps_per_epoch == 3  # the short last batch trains too (tests/test_train_controls.py)
+    assert train.steps_per_epoch == 3  # the short last batch trains too (tests/test_optimizer.py)
     first = np.concatenate([train.batch(s)[0]["token_ids"] for s in (0, 1, 2)])
     second = np.concatenate([train.batch(s)[0]["token_ids"] for s in (3, 4, 5)])
     assert first.shape == (12, 16) and not np.array_equal(first, second)

@@ -5,7 +5,7 @@
   scheduler after each optimizer step, so the update at optimizer step s (from 0) uses
   lr_lambda(s): the first update of a warmup is made at learning rate 0. Keras evaluates a
   schedule at the optimizer's iteration count before that count is incremented, which is
-  the same index, so the learning rate of every update equals transformers' (tests/test_train_controls.py).
+  the same index, so the learning rate of every update equals transformers' (tests/test_optimizer.py).
 - Clipping scales the gradients by max_norm / (norm + 1e-6) when the norm is larger, as
   torch.nn.utils.clip_grad_norm_ does. The norm before clipping is kept in an optimizer
   variable (`grad_norm`), so the loop logs it and stops on a non-finite one.

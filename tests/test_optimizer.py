@@ -224,7 +224,7 @@ def test_a_non_finite_gradient_norm_stops_the_run_with_advice(tmp_path, monkeypa
         return grads
 
     monkeypatch.setattr(optimizer.Clipping, "_clip_gradients", nan_norm)
-    with pytest.raises(UserError, match=r"gradient norm is nan at step 1: training diverged(.|\n)*--lr"):
+    with pytest.raises(UserError, match=r"gradient norm is nan at step 1: training diverged(.|\n)*lower learning rate"):
         _run(tmp_path, "nan", **{"train.batch_size": 2})
 
 
