@@ -373,9 +373,10 @@ class TrainConfig:
     )  # fmt: skip
     learning_rate: Optional[float] = setting(
         None,
-        "AdamW learning rate.",
+        "AdamW learning rate: the peak of --lr-schedule. The default is the low end of LoRA practice (1e-4 to "
+        "2e-4), twice the Keras tutorial's 5e-5 (measured: model/presets.py).",
         flag="--lr", panel=TRAINING, range=Range(0, low_open=True),
-        default_text=f"{LEARNING_RATE['pretrained']:g}, the Keras tutorial's; {LEARNING_RATE['tiny']:g} for tiny",
+        default_text=f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny",
     )  # fmt: skip
     weight_decay: float = setting(
         0.01, "AdamW decay, not applied to biases and norm scales (the tutorial's recipe).", range=Range(0)
@@ -384,7 +385,7 @@ class TrainConfig:
         "constant",
         "Learning rate over the steps, as transformers' schedules: constant, linear (to 0), cosine (to 0) or "
         "cosine_with_min_lr (to min_lr_ratio of the peak), each after the warmup.",
-        flag="--lr-schedule", panel=TRAINING, choices=LR_SCHEDULES, label="learning-rate schedule",
+        flag="--lr-schedule", panel=TRAINING, choices=LR_SCHEDULES, label="learning-rate schedule", metavar="NAME",
     )  # fmt: skip
     warmup_steps: Optional[int] = setting(
         None,
