@@ -41,6 +41,8 @@ PACKING = ("auto", "on", "off")
 QUANTIZE = ("int4", "int8")
 PARALLEL = ("none", "data", "model")
 REMAT = ("auto", "on", "off")
+# transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
+LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
 MODEL, LORA, DATA, TRAINING, OUTPUT, SCALE_OUT = (
@@ -222,6 +224,12 @@ def _positive_or_auto(value, name: str) -> str | None:
     return f"{name} must be a positive integer or `auto`, got {value!r}"
 
 
+def _norm_or_none(value, name: str) -> str | None:
+    if value == "none" or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+        return None
+    return f"{name} must be a number at least 0, or `none` (0 and none turn clipping off), got {value!r}"
+
+
 def _duration_or_off(value: str, name: str) -> str | None:
     if value == "off":
         return None
@@ -368,24 +376,58 @@ class TrainConfig:
     epochs: int = setting(1, "Passes over the training split.", flag="--epochs", panel=TRAINING, range=Range(1))
     max_steps: Optional[int] = setting(
         None,
-        "Stop after this many optimizer steps, whatever --epochs says.",
-        flag="--max-steps", panel=TRAINING, range=Range(1), default_text="no limit",
+        "Train exactly this many optimizer steps, cycling the data as often as needed; overrides --epochs "
+        "(as Hugging Face's max_steps does).",
+        flag="--max-steps", panel=TRAINING, range=Range(1), default_text="--epochs passes",
     )  # fmt: skip
     batch_size: Union[int, str, None] = setting(
         None,
-        "Sequences per step, or `auto` to probe the largest that fits.",
+        "Sequences per micro-batch (per optimizer step without --grad-accum), or `auto` to probe the largest "
+        "that fits.",
         flag="--batch-size", panel=TRAINING, metavar="N|auto", check=_positive_or_auto,
         default_text=", ".join(f"{backend} {size}" for backend, size in DEFAULT_BATCH_SIZE.items()),
     )  # fmt: skip
     learning_rate: Optional[float] = setting(
         None,
-        "AdamW learning rate.",
+        "AdamW learning rate: the peak of --lr-schedule. The default is the low end of LoRA practice (1e-4 to "
+        "2e-4), twice the Keras tutorial's 5e-5 (measured: model/presets.py).",
         flag="--lr", panel=TRAINING, range=Range(0, low_open=True),
-        default_text=f"{LEARNING_RATE['pretrained']:g}, the Keras tutorial's; {LEARNING_RATE['tiny']:g} for tiny",
+        default_text=f"{LEARNING_RATE['pretrained']:g}; {LEARNING_RATE['tiny']:g} for tiny",
     )  # fmt: skip
     weight_decay: float = setting(
         0.01, "AdamW decay, not applied to biases and norm scales (the tutorial's recipe).", range=Range(0)
     )
+    lr_schedule: str = setting(
+        "constant",
+        "Learning rate over the steps, as transformers' schedules: constant, linear (to 0), cosine (to 0) or "
+        "cosine_with_min_lr (to min_lr_ratio of the peak), each after the warmup.",
+        flag="--lr-schedule", panel=TRAINING, choices=LR_SCHEDULES, label="learning-rate schedule", metavar="NAME",
+    )  # fmt: skip
+    warmup_steps: Optional[int] = setting(
+        None,
+        "Optimizer steps of linear warmup from 0 (the first step trains at 0, as in transformers).",
+        flag="--warmup-steps", panel=TRAINING, range=Range(0), default_text="0",
+    )  # fmt: skip
+    warmup_ratio: Optional[float] = setting(
+        None,
+        "Warmup as a share of the run's steps, rounded up; instead of --warmup-steps.",
+        flag="--warmup-ratio", panel=TRAINING, range=Range(0, 1, high_open=True),
+    )  # fmt: skip
+    min_lr_ratio: float = setting(
+        0.1, "cosine_with_min_lr's floor, as a share of the peak learning rate.", range=Range(0, 1)
+    )
+    grad_accum: int = setting(
+        1,
+        "Micro-batches per optimizer step: the step is the one --batch-size x K would make, the loss averaged "
+        "over all their response tokens.",
+        flag="--grad-accum", panel=TRAINING, metavar="K", range=Range(1), label="gradient accumulation",
+    )  # fmt: skip
+    max_grad_norm: Union[float, str] = setting(
+        1.0,
+        "Clip the gradients' global norm to this before each update (as torch's clip_grad_norm_); 0 or `none` "
+        "turns it off. 1.0 as transformers' Trainer: it caps the rare spike, a LoRA step is rarely above it.",
+        flag="--max-grad-norm", panel=TRAINING, metavar="X|none", check=_norm_or_none,
+    )  # fmt: skip
     # The seeds of numpy and keras.utils.set_random_seed are 32-bit unsigned.
     seed: int = setting(
         0,
@@ -423,6 +465,15 @@ class TrainConfig:
         flag="--time-limit", panel=OUTPUT, metavar="DURATION", check=_duration_or_off, label="time limit",
         default_text="11h30m in a Kaggle notebook, whose sessions end at 12 hours; else off",
     )  # fmt: skip
+
+    def conflicts(self) -> Iterator[str]:
+        """What these settings rule out together."""
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            yield "--warmup-steps and --warmup-ratio both set the warmup; pass one of them"
+
+    def clip_norm(self) -> float | None:
+        """max_grad_norm as the optimizer takes it: None when clipping is off (0 or `none`)."""
+        return None if self.max_grad_norm in ("none", 0) else float(self.max_grad_norm)
 
 
 @documented
@@ -860,5 +911,5 @@ def validate(cfg: Config) -> None:
         message = item.problem(value)
         if message:
             raise UserError(message)
-    for message in cfg.distribution.conflicts(cfg):
+    for message in [*cfg.train.conflicts(), *cfg.distribution.conflicts(cfg)]:
         raise UserError(message)

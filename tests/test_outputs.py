@@ -77,12 +77,13 @@ def test_free_space_is_checked_before_training(tmp_path):
 def test_history_plot_and_summary(tmp_path):
     rows = [
         {"step": 0, "eval_loss": 3.0},
-        {"step": 1, "epoch": 1, "train_loss": 2.5},
+        {"step": 1, "epoch": 1, "train_loss": 2.5, "learning_rate": 0.01, "grad_norm": 0.5},
         {"step": 1, "epoch": 1, "eval_loss": 2.0, "eval_accuracy": 0.5},
     ]
     outputs.write_history(tmp_path / "h.csv", rows)
     lines = (tmp_path / "h.csv").read_text().splitlines()
-    assert lines[0] == "step,epoch,train_loss,eval_loss,eval_accuracy" and lines[2] == "1,1,2.5,,"
+    assert lines[0] == "step,epoch,train_loss,learning_rate,grad_norm,eval_loss,eval_accuracy"
+    assert lines[2] == "1,1,2.5,0.01,0.5,," and lines[3] == "1,1,,,,2.0,0.5"
     outputs.plot_loss(tmp_path / "loss.png", rows, "t")
     assert (tmp_path / "loss.png").stat().st_size > 1000
     metrics = dict(

@@ -33,7 +33,7 @@ def test_local_directories_are_checked(tmp_path):
 
 def test_learning_rate_defaults():
     assert presets.resolve("tiny").default_learning_rate == 1e-2
-    assert presets.Source("hub", "gemma_2b_en", "gemma").default_learning_rate == 5e-5
+    assert presets.Source("hub", "gemma_2b_en", "gemma").default_learning_rate == 1e-4
 
 
 def test_every_family_resolves_by_name_handle_or_directory(tmp_path, monkeypatch):

@@ -218,13 +218,20 @@ def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:
 
 
 class TrainOrder:
-    """The training batch of every global step, a pure function of (seed, step).
+    """The training batches of every global optimizer step, a pure function of (seed, step).
 
-    Data epoch e trains the rows of permutation(seed + e) in order, batch_size at
-    a time, dropping the ragged tail so every step has one shape (one XLA
-    compile). Since step s always trains the same rows, a run resumed at step s
-    trains exactly the batches an uninterrupted run would, and the tokens
-    counted for a step are those of the batch that step trained.
+    Data epoch e trains the rows of permutation(seed + e) in order, batch_size x
+    grad_accum at a time: every row once per epoch. The last step of an epoch
+    may hold fewer rows; it is filled up with weight-0 copies of its own rows,
+    so every micro-batch keeps one shape (one XLA compile) and its length, and
+    nothing is dropped. Since step s always trains the same rows, a run resumed
+    at step s trains exactly the batches an uninterrupted run would, and the
+    tokens counted for a step are those of the rows that step trained.
+
+    Each micro-batch's sample weights are its tokens' weights over the step's
+    total weight, times grad_accum: summed (objective.TokenShare) and averaged
+    over the micro-batches (Keras' accumulation), the loss is the mean over every
+    response token of the step, as one batch of batch_size x grad_accum rows gives.
     """
 
     def __init__(
@@ -235,32 +242,56 @@ class TrainOrder:
         part: tuple[int, int, int] = (0, 1, 1),
         length_step: int | None = None,
         inputs=INPUTS,
+        grad_accum: int = 1,
     ):
         self.arrays = arrays
         self.inputs = inputs
         """The model's input names (model.input_names)."""
         self.batch_size = batch_size
+        """Rows per micro-batch."""
+        self.grad_accum = grad_accum
         self.seed = seed
         self.part = part
-        self.steps_per_epoch = len(arrays["token_ids"]) // batch_size
+        self.steps_per_epoch = -(-len(arrays["token_ids"]) // (batch_size * grad_accum))
         self.width = target_width(arrays, batch_size // part[2])
         self.length_step = length_step
-        """Cut each batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
+        """Cut each micro-batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
         self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
         self._epoch, self._order = None, None
 
     def rows(self, step: int) -> np.ndarray:
+        """The rows optimizer step `step` trains: batch_size x grad_accum, or fewer at an epoch's end."""
         epoch, index = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             rows = len(self.arrays["token_ids"])
             self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(rows)
-        return self._order[index * self.batch_size : (index + 1) * self.batch_size]
+        size = self.batch_size * self.grad_accum
+        return self._order[index * size : (index + 1) * size]
+
+    def micro_batches(self, step: int) -> list:
+        """[(inputs, labels, weights)] of global step `step` (0-based), one per micro-batch: this process's part."""
+        rows = self.rows(step)
+        size = self.batch_size * self.grad_accum
+        filled = np.concatenate([rows, rows[np.arange(size - len(rows)) % len(rows)]])
+        real = np.arange(size) < len(rows)
+        arrays = {key: value[filled] for key, value in self.arrays.items()}
+        arrays["weights"] = np.where(real[:, None], arrays["weights"], np.float32(0))
+        scale = np.float32(self.grad_accum / max(float(arrays["weights"].sum()), 1.0))
+        first, end, _ = self.part
+        out = []
+        for micro in range(self.grad_accum):
+            group = np.arange(micro * self.batch_size, (micro + 1) * self.batch_size)
+            x, labels, weights = inputs(
+                arrays, local(group, self.part), end - first, self.width, self.length(filled[group]), self.inputs
+            )
+            out.append((x, labels, weights * scale))
+        return out
 
     def batch(self, step: int):
-        """(inputs, labels, weights) of global step `step` (0-based): this process's part of them."""
-        first, end, _ = self.part
-        rows = self.rows(step)
-        return inputs(self.arrays, local(rows, self.part), end - first, self.width, self.length(rows), self.inputs)
+        """(inputs, labels, weights) of global step `step` without accumulation (micro_batches' only one)."""
+        if self.grad_accum != 1:
+            raise ValueError("a step of several micro-batches has no one batch; use micro_batches(step)")
+        return self.micro_batches(step)[0]
 
     def length(self, rows: np.ndarray) -> int | None:
         """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
@@ -269,7 +300,7 @@ class TrainOrder:
         return batch_length(self.lengths[rows], self.length_step, self.arrays["token_ids"].shape[1])
 
     def tokens(self, step: int) -> tuple[int, int]:
-        """Non-padding input tokens and weighted (trained) targets of step `step`'s batch."""
+        """Non-padding input tokens and weighted (trained) targets of step `step`'s rows."""
         rows = self.rows(step)
         return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())
 

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune.model import attention, checkpoints, families, layouts, objective, presets, quantized
+from finetune.model import attention, checkpoints, families, layouts, objective, optimizer, presets, quantized
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
 from finetune.platform.errors import UserError
@@ -441,19 +441,24 @@ def _fan_in(shape) -> int:
 
 
 def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1):
-    """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
+    """The model that trains `lm`: a TrainingView with AdamW at a constant rate (optimizer.py), not clipped.
 
-    Its loss is the mean over the weighted (response) tokens of each batch,
-    computed at those positions only (objective.py); Keras' default reduction
-    would divide by every position, padding included. Under a float16 policy
-    Keras wraps the optimizer in loss scaling.
+    Its loss is the mean over the weighted (response) tokens of each step,
+    computed at those positions only (objective.py), with the weights that
+    batching.TrainOrder gives; Keras' default reduction would divide by every
+    position, padding included. Under a float16 policy Keras wraps the
+    optimizer in loss scaling. A run sets its own schedule, clipping and
+    accumulation once it knows its steps (train_with).
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     """
     view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
-    optimizer = keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=weight_decay)
-    optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
-    view.compile(optimizer=optimizer, loss=objective.WeightedMean())
+    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None))
+
+
+def train_with(view, controls: optimizer.Controls):
+    """`view` (a TrainingView) compiled again with the optimizer `controls` make: new, unbuilt state."""
+    view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare())
     return view
 
 

@@ -203,8 +203,8 @@ class TrainingView(keras.Model):
     """`lm`'s backbone with the response-token loss: call() returns each gathered position's loss.
 
     It shares every layer and weight with `lm`, so what it trains is what `lm`
-    generates with and saves. Compiled with WeightedMean, train_on_batch
-    minimises the mean loss over the batch's weighted tokens.
+    generates with and saves. Compiled with TokenShare, train_on_batch
+    minimises the mean loss over the step's weighted tokens.
     """
 
     def __init__(self, lm, chunk: int, shards: int = 1, rows: int | None = None, **kwargs):
@@ -305,6 +305,23 @@ class WeightedMean(keras.losses.Loss):
 
     def __init__(self, name: str = "token_loss"):
         super().__init__(name=name, reduction="mean_with_sample_weight")
+
+    def call(self, y_true, y_pred):
+        del y_true  # the labels went in with the inputs
+        return y_pred
+
+
+class TokenShare(keras.losses.Loss):
+    """The training loss of a TrainingView: each position's loss times its weight, summed.
+
+    batching.TrainOrder makes the weights each token's share of its optimizer
+    step (times the micro-batches, which Keras' accumulation averages), so the
+    sum is the mean over the step's response tokens however they fall into
+    micro-batches; WeightedMean would divide each micro-batch by its own count.
+    """
+
+    def __init__(self, name: str = "token_loss"):
+        super().__init__(name=name, reduction="sum")
 
     def call(self, y_true, y_pred):
         del y_true  # the labels went in with the inputs

@@ -41,13 +41,18 @@ TINY_CONFIG = dict(
     intermediate_dim=512,
     head_dim=32,
 )
-# Learning rates a run uses when none is given. Gemma checkpoints take the
-# Keras tutorial's 5e-5; the tiny model is small and barely pretrained, and
-# needs a much larger step to move in a one-minute run.
-LEARNING_RATE = {"tiny": 1e-2, "pretrained": 5e-5}
+# Learning rates a run uses when none is given. Gemma checkpoints take 1e-4,
+# the low end of what LoRA users start from (1e-4 to 2e-4), twice the Keras
+# tutorial's 5e-5: on the tiny preset and dolly-real-151 (2 epochs, batch 4),
+# the held-out loss fell 0.0027 at 5e-5, 0.0058 at 1e-4 and 0.0135 at 2e-4,
+# none unstable (gradient norms 0.35-0.44); the tiny model says little of
+# where a real Gemma's limit is, so the lower of the two. The tiny model is
+# small and barely pretrained, and needs a much larger step to move in a
+# one-minute run.
+LEARNING_RATE = {"tiny": 1e-2, "pretrained": 1e-4}
 LEARNING_RATE_WHY = {
     "tiny": "the tiny presets' default: their small random weights learn fast",
-    "pretrained": "the default for a pretrained preset: the Keras Gemma LoRA tutorial's",
+    "pretrained": "the default for a pretrained preset: the low end of LoRA's usual 1e-4 to 2e-4",
 }
 
 

@@ -237,6 +237,8 @@ RESUME_KEYS = (
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
+    ("train", "lr_schedule"), ("train", "warmup_steps"), ("train", "warmup_ratio"), ("train", "min_lr_ratio"),
+    ("train", "grad_accum"), ("train", "max_grad_norm"),
 )  # fmt: skip
 
 

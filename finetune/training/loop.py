@@ -1,4 +1,4 @@
-"""The training loop: one optimizer step per batch, from the step a run is at to its last.
+"""The training loop: one optimizer step per batch (its micro-batches), from the step a run is at to its last.
 
 Keras' fit() is not used, for three reasons found in use:
 - an exact resume starts mid-epoch at a given step, which fit cannot;
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from finetune.model import optimizer
 from finetune.platform import backend
 from finetune.platform.errors import RunStopped, UserError
 
@@ -164,25 +165,19 @@ class Loop:
         with StopSignals() as signals:
             while progress.step < self.total_steps:
                 step = progress.step
-                x, y, w = order.batch(step)
-                started = time.perf_counter()
-                loss = float(self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
-                seconds = time.perf_counter() - started
-                if not math.isfinite(loss):
-                    raise self._diverged(f"the training loss is {loss} at step {step + 1}")
+                loss, seconds, shapes, applied = self._optimizer_step(step)
                 tokens, response_tokens = order.tokens(step)
                 progress.step += 1
                 progress.trained_tokens += tokens
                 progress.response_tokens += response_tokens
                 progress.train_seconds += seconds
                 epoch = step // order.steps_per_epoch + 1
-                progress.rows.append({"step": progress.step, "epoch": epoch, "train_loss": loss})
-                shape = tuple(x["token_ids"].shape)
-                if shape in self._shapes:
+                progress.rows.append({"step": progress.step, "epoch": epoch, "train_loss": loss, **applied})
+                if self._shapes.issuperset(shapes):  # no micro-batch of a new shape: nothing compiled
                     self.timed_tokens += tokens
                     self.timed_seconds += seconds
                     self._longest["step"] = max(self._longest["step"], seconds)
-                self._shapes.add(shape)
+                self._shapes.update(shapes)
                 self._report.step(progress.step, loss, self.tokens_per_second())
                 for callback in self.callbacks:
                     callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})
@@ -204,6 +199,26 @@ class Loop:
         for callback in self.callbacks:
             callback.on_train_end()
         return progress
+
+    def _optimizer_step(self, step: int) -> tuple:
+        """Train optimizer step `step` (one micro-batch after another); (loss, seconds, shapes, applied).
+
+        The loss is the step's mean over its response tokens: the micro-batches' losses,
+        each weighted by its share of them (batching.TrainOrder), averaged. applied: the
+        step's learning rate and gradient norm before clipping (optimizer.step_record).
+        """
+        started, losses, shapes = time.perf_counter(), [], set()
+        for x, y, w in self.order.micro_batches(step):
+            losses.append(float(self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]))
+            shapes.add(tuple(x["token_ids"].shape))
+        seconds = time.perf_counter() - started
+        loss = sum(losses) / len(losses)
+        if not math.isfinite(loss):
+            raise self._diverged(f"the training loss is {loss} at step {step + 1}")
+        applied = optimizer.step_record(self.trainer.optimizer, step)
+        if not math.isfinite(applied.get("grad_norm", 0.0)):
+            raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
+        return loss, seconds, shapes, applied
 
     def _evaluated_at(self, step: int) -> bool:
         return any(row["step"] == step and "eval_loss" in row for row in self.progress.rows)

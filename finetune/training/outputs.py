@@ -691,7 +691,7 @@ def write_metrics(path: Path, metrics: dict) -> None:
 
 
 def write_history(path: Path, rows: list[dict]) -> None:
-    columns = ["step", "epoch", "train_loss", "eval_loss", "eval_accuracy"]
+    columns = ["step", "epoch", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()

@@ -285,10 +285,11 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)
     memory = {
         "weights": sum(g.bytes_per_device for g in groups),
-        # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each.
+        # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each,
+        # and with --grad-accum a sum of the gradients. Activations below are one micro-batch's.
         "lora_weights": lora * _LORA_BYTES,
         "lora_gradients": lora * _LORA_BYTES,
-        "optimizer": 2 * lora * _LORA_BYTES,
+        "optimizer": (2 + (cfg.train.grad_accum > 1)) * lora * _LORA_BYTES,
     }
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len

@@ -86,7 +86,9 @@ def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, 
     batch_size, why = cfg.train.batch_size, None
     if batch_size == "auto":
         tokenized = [e for _, e in usable]
-        batch_size, why = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
+        # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
+        rows = row_count(tokenized, seq_len, packed) // cfg.train.grad_accum
+        batch_size, why = probe(batching.pad(tokenized[:64], seq_len), rows)
         print(f"batch size auto: {batch_size} ({why})")
     train, held_out = [], usable
     if every_record_of is None:

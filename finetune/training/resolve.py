@@ -85,6 +85,15 @@ class Resolved:
         return self.decisions["alpha"].value
 
     @property
+    def steps(self) -> int:
+        """The optimizer steps the run trains in all; known once settled() has the data's steps per epoch."""
+        return self.decisions["steps"].value
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.decisions["warmup_steps"].value
+
+    @property
     def packed(self) -> bool | None:
         """Whether the training rows pack; None until settled()."""
         decided = self.decisions.get("packing")
@@ -196,6 +205,32 @@ def _threads(cfg: Config, saved: dict | None) -> int | None:
     if cfg.train.threads is not None:
         return cfg.train.threads
     return _saved(saved, "train", "threads")
+
+
+def steps(train, steps_per_epoch: int) -> dict:
+    """{steps, warmup_steps}: the optimizer steps the run trains and warms up over, for Resolved.settled().
+
+    train: config.TrainConfig. --max-steps is Hugging Face's max_steps: exactly that many steps, over as many
+        passes of the data as they take, --epochs unused; without it, every step of --epochs passes.
+    steps_per_epoch: int. Optimizer steps in one pass over the training rows (batching.TrainOrder).
+    """
+    from finetune.model import optimizer
+
+    if train.max_steps is None:
+        total = steps_per_epoch * train.epochs
+        decided = Decision(total, f"{train.epochs} epochs of {steps_per_epoch} steps")
+    else:
+        passes = train.max_steps / steps_per_epoch
+        decided = Decision(train.max_steps, f"max steps {train.max_steps}: {passes:.3g} passes of {steps_per_epoch} "
+                                            "steps; --epochs is ignored")  # fmt: skip
+    warmup = optimizer.warmup_steps_for(decided.value, train.warmup_steps, train.warmup_ratio)
+    if train.warmup_steps is not None:
+        why = "set"
+    elif train.warmup_ratio:
+        why = f"--warmup-ratio {train.warmup_ratio:g} of {decided.value} steps, rounded up as transformers does"
+    else:
+        why = "none asked"
+    return {"steps": decided, "warmup_steps": Decision(warmup, why)}
 
 
 def _decided(cfg: Config, decisions: dict) -> Config:

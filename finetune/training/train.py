@@ -23,7 +23,7 @@ import numpy as np
 
 from finetune.config import Config
 from finetune.data import batching, formats
-from finetune.model import builder, distribution, presets
+from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
@@ -98,8 +98,8 @@ class Session:
 
 
 def _session(decided: resolve.Resolved, records, job, found, phase) -> Session:
-    """Build the model, decide what needed it (packing, `--batch-size auto`), print every decision once, and
-    prepare the rows, the order they train in and the held-out split."""
+    """Build the model, decide what needed it (packing, `--batch-size auto`, the steps and the warm-up), print
+    every decision once, and prepare the rows, the order they train in and the held-out split."""
     cfg = decided.config
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {decided.device_name}, {decided.precision}")
     model = builder.build_model(decided.source, decided.recipe())
@@ -111,13 +111,23 @@ def _session(decided: resolve.Resolved, records, job, found, phase) -> Session:
     settled = {"packing": packing}
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
+    step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
+    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, part=decided.part,
+                                length_step=step, inputs=builder.input_names(model.lm),
+                                grad_accum=cfg.train.grad_accum)  # fmt: skip
+    settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
     print(run.table())
-    step = batching.length_step(cfg.backend, cfg.model.seq_len, run.device)
-    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, part=run.part, length_step=step,
-                                inputs=builder.input_names(model.lm))  # fmt: skip
-    total_steps = min(order.steps_per_epoch * cfg.train.epochs, cfg.train.max_steps or math.inf)
-    return Session(run, model, prepared, order, total_steps, _held_out(run, job, model, prepared), found, phase)
+    _optimize(run, model.trainer)
+    return Session(run, model, prepared, order, run.steps, _held_out(run, job, model, prepared), found, phase)
+
+
+def _optimize(run: resolve.Resolved, trainer) -> None:
+    """Give the trainer the run's optimizer (model/optimizer.py): its schedule, clipping and accumulation."""
+    train = run.config.train
+    controls = optimizer.Controls(train.learning_rate, train.weight_decay, train.lr_schedule, run.warmup_steps,
+                                  run.steps, train.grad_accum, train.clip_norm(), train.min_lr_ratio)  # fmt: skip
+    builder.train_with(trainer, controls)
 
 
 def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepare.Prepared) -> scoring.HeldOut:
@@ -209,6 +219,8 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "batch_size": cfg.train.batch_size,
         "seq_len": cfg.model.seq_len,
         "learning_rate": cfg.train.learning_rate,
+        "lr_schedule": cfg.train.lr_schedule,
+        "grad_accum": cfg.train.grad_accum,
         "run_id": start.run_id,
         "steps": progress.step,
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
