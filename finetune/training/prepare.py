@@ -89,12 +89,24 @@ def prepare(records, tokenizer, cfg, *, source: str | None = None, packed: bool 
         tokenized = [e for _, e in usable]
         batch_size = probe(batching.pad(tokenized[:64], seq_len), row_count(tokenized, seq_len, packed))
     train, held_out = [], usable
-    if split:
+    if split and cfg.data.eval_fraction == 0:  # nothing held out: --eval-data, or no evaluation at all
+        train, held_out = usable, []
+    elif split:
         train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
     prepared = Prepared(template, train, held_out, batch_size, batching.pad([e for _, e in held_out], seq_len))
     if packed is not None:
         prepared.rows, prepared.padding = training_rows(train, batch_size, seq_len, packed)
         prepared.packed = packed
+    return prepared
+
+
+def evaluated_on(prepared: Prepared, records, tokenizer, cfg) -> Prepared:
+    """`prepared` with every record of --eval-data (`records`, from cfg.eval.data) as its held-out set, in the
+    run's template."""
+    seq_len = cfg.model.seq_len
+    held_out = examples(records, prepared.template, tokenizer, seq_len, cfg.data.train_on_prompt, cfg.eval.data)
+    prepared.held_out = held_out
+    prepared.held_out_rows = batching.pad([e for _, e in held_out], seq_len)
     return prepared
 
 

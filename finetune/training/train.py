@@ -28,8 +28,7 @@ from finetune.model import attention, builder, distribution, presets
 from finetune.platform import backend, platforms
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
-from finetune.training import plan
-from finetune.training import adapter, callbacks, checkpoint, loop, outputs, prepare, scoring
+from finetune.training import adapter, checkpoint, loop, outputs, plan, prepare, scoring, tracking
 
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 
@@ -42,12 +41,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
     """
     phase, deadline = loop.Phases(), _deadline(cfg.train.time_limit)
     tweaks, job = _join(cfg, resume)
+    tracking.check_installed(cfg.output.report_to)
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
     found = checkpoint.to_resume(target, resume, outputs.read_metrics(target.path))
     source = presets.resolve(cfg.model.preset)
     records = prepare.read(cfg, cfg.data.path)
+    eval_records = prepare.read(cfg, cfg.eval.data) if cfg.eval.data else None
     fingerprint = formats.fingerprint(records)
     cfg = checkpoint.resumed(found, cfg, fingerprint, target)
 
@@ -57,6 +58,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     # Prepare the data: records -> template -> tokens -> split -> rows, the split `finetune eval` scores again.
     prepared = prepare.prepare(records, built.tokenizer, cfg, packed=built.packed, probe=built.probe_batch_size)
+    if eval_records is not None:
+        prepared = prepare.evaluated_on(prepared, eval_records, built.tokenizer, cfg)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=prepared.batch_size))
     order, total_steps = _train_order(cfg, prepared, built)
     checkpoint.check_resume_end(found, total_steps, target, outputs.read_metrics(target.path))
@@ -71,14 +74,18 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
     with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
-        board = stack.enter_context(callbacks.TensorBoardLog(claim.path / outputs.TENSORBOARD, built.trainer.optimizer))
-        if found is None:
-            board.on_test_end({"step": 0, **start.eval_before})
+        run = {"name": start.run_id, "params": config}
+        trackers = tracking.open_trackers(cfg.output.report_to, stack, claim.path, built.trainer.optimizer, run)
+        if found is None and start.eval_before:  # None: nothing held out
+            for tracker in trackers:
+                tracker.on_test_end({"step": 0, **start.eval_before})
         save = functools.partial(claim.checkpoint, built.trainer, start, cfg.train.keep_checkpoints, advice)
+        evaluation = loop.Evaluation(held_out.metrics if held_out else None, cfg.eval.every, cfg.eval.keep_best,
+                                     cfg.eval.early_stop)  # fmt: skip
         steps = loop.Loop(
-            built.trainer, order, total_steps, start.progress, evaluate_held_out=held_out.metrics, deadline=deadline,
+            built.trainer, order, total_steps, start.progress, evaluation=evaluation, deadline=deadline,
             save_checkpoint=save, checkpoint_every=cfg.train.checkpoint_every, last_saved=found.step if found else None,
-            eval_seconds=eval_seconds, divergence_advice=advice, callbacks=[board],
+            eval_seconds=eval_seconds, divergence_advice=advice, callbacks=trackers,
             settings=f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}",
         )  # fmt: skip
         with claim.training(steps):
@@ -87,12 +94,14 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
         # Evaluate after training (the loop scored the held-out split at its last step), then publish.
         with claim.finishing(steps.progress.step):
-            generated_after = held_out.generate("after", phase)
+            steps.restore_best()  # --keep-best: the samples and the adapter are the best evaluation's
+            generated_after = held_out.generate("after", phase) if held_out else []
             metrics = _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, phase.seconds())
             config["resolved"] = _resolved(claim, start.run_id, source, tweaks)
             phase(f"saving the adapter and results to {claim}")
-            samples = held_out.sample_rows(start.generated_before, generated_after)
+            samples = held_out.sample_rows(start.generated_before, generated_after) if held_out else []
             claim.publish_results(_files(built, cfg, source, config, metrics, steps.progress, samples), metrics)
+            tracking.published(trackers, metrics, claim.path / outputs.ADAPTER)
         return metrics
 
 
@@ -201,8 +210,12 @@ def _train_order(cfg: Config, prepared: prepare.Prepared, built: Built) -> tuple
     return order, min(order.steps_per_epoch * cfg.train.epochs, cfg.train.max_steps or math.inf)
 
 
-def _held_out(cfg: Config, job, built: Built, prepared: prepare.Prepared) -> scoring.HeldOut:
-    """What the run is scored on: the held-out batches, and the first train.samples records to generate for."""
+def _held_out(cfg: Config, job, built: Built, prepared: prepare.Prepared) -> scoring.HeldOut | None:
+    """What the run is scored on: the held-out batches, and the first train.samples records to generate for;
+    None when nothing is held out."""
+    if not prepared.held_out:
+        print("note: evaluation skipped: --eval-fraction 0 holds no records out and there is no --eval-data")
+        return None
     samples = [r for r, _ in prepared.held_out[: cfg.train.samples]]
     if job is not None and cfg.train.samples:
         # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
@@ -224,7 +237,9 @@ def _start(found, trainer, held_out: scoring.HeldOut, phase, config: dict, finge
     a resumed run restores what its checkpoint `found` kept.
     """
     started = time.perf_counter()
-    if found is None:
+    if found is None and held_out is None:
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprint)
+    elif found is None:
         phase(f"evaluating before training ({held_out.batches.rows} held-out records)")
         before = held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
@@ -237,7 +252,9 @@ def _start(found, trainer, held_out: scoring.HeldOut, phase, config: dict, finge
 
 def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, seconds) -> dict:
     """metrics.json: what the run trained, on what, how well and how fast."""
-    progress, before, after = steps.progress, start.eval_before, steps.progress.evaluations[-1]
+    progress, before = steps.progress, start.eval_before
+    # The published adapter's: with --keep-best the best evaluation's, else the last's (None: nothing held out).
+    after = progress.best() if cfg.eval.keep_best else (progress.evaluations or [None])[-1]
     train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
     return {
         "backend": cfg.backend,
@@ -257,12 +274,9 @@ def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, sec
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
         "resumed_from_step": found.step if found else None,
         "train_loss": train_losses[-1],
-        "eval_loss_before": before["loss"],
-        "eval_loss": after["loss"],  # the held-out split is evaluated after every epoch and the last step
-        "eval_perplexity_before": before["perplexity"],
-        "eval_perplexity": after["perplexity"],
-        "eval_accuracy_before": before["accuracy"],
-        "eval_accuracy": after["accuracy"],
+        **scoring.eval_metrics(before, after),
+        "best_step": after["step"] if cfg.eval.keep_best else None,
+        "stopped_early": progress.stopped_early,
         "packing": prepared.packed,
         "padding_fraction": prepared.padding["padding_fraction"],
         "padding_fraction_unpacked": prepared.padding["unpacked"],
