@@ -428,7 +428,8 @@ class EvalConfig:
     every: Optional[int] = setting(
         None,
         "Also evaluate the held-out records every this many steps (each epoch's end and the last step always are).",
-        flag="--eval-every", panel=EVALUATION, metavar="N", range=Range(1), default_text="each epoch's end",
+        flag="--eval-every", panel=EVALUATION, metavar="N", range=Range(1), label="eval-every",
+        default_text="each epoch's end",
         hint="try --eval-every 50",
     )  # fmt: skip
     keep_best: bool = setting(
