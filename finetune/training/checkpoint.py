@@ -257,6 +257,7 @@ RESUME_KEYS = (
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
+    ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 
 
@@ -362,7 +363,9 @@ def check_compatible(saved: dict, cfg, fingerprint: str, target: Path) -> None:
     """Refuse a resume that would not continue the same training."""
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
-        then, now = saved["config"][section].get(key), ours[section][key]  # .get: keys added since
+        then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
+        if key == "keep_best":  # a checkpoint from before the setting kept no best
+            then = bool(then)
         if key == "packing":  # auto is on
             then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:

@@ -97,7 +97,7 @@ class Evaluation:
             return None
         best = progress.best()
         return (
-            f"{stale} evaluations without a lower held-out loss than {best['loss']:.4f} at step {best['step']} "
+            f"{stale} evaluations without a lower held-out loss than {best['loss']:.4f} at step {best.get('step')} "
             f"(--early-stop {self.early_stop})"
         )
 
@@ -263,7 +263,7 @@ class Loop:
     def restore_best(self) -> dict | None:
         """--keep-best: put the best evaluation's weights back, for publishing; returns that evaluation."""
         best = self.progress.best()
-        if not self.evaluation.keep_best or best is None:
+        if not self.evaluation.keep_best or best is None or self.progress.best_weights is None:
             return None
         for variable, value in zip(self.trainer.trainable_variables, self.progress.best_weights):
             variable.assign(value)

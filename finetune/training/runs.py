@@ -203,7 +203,7 @@ def describe(path: Path) -> dict | None:
         row["note"] = f"last checkpoint step {found[-1].step}" if found else ""
         return row
     if metrics is not None:
-        loss = metrics["eval_loss"]
+        loss = metrics.get("eval_loss")  # None: the run held nothing out
         row.update(state="finished", step=metrics["steps"], eval_loss="" if loss is None else f"{loss:.4f}")
         return row
     if not found:

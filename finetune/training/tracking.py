@@ -66,10 +66,16 @@ def open_trackers(report_to: list[str], stack: contextlib.ExitStack, run_dir: Pa
 
 
 def published(trackers: list, metrics: dict, adapter: Path) -> None:
-    """Tell each tracker the run is published: its final metrics, and the adapter file."""
+    """Tell each tracker the run is published: its final metrics, and the adapter file.
+
+    The run is finished by now: a tracker that fails here (a server gone) is a note, not a failed run.
+    """
     for tracker in trackers:
         if hasattr(tracker, "published"):
-            tracker.published(metrics, adapter)
+            try:
+                tracker.published(metrics, adapter)
+            except Exception as e:  # noqa: BLE001 - each tracker's client raises its own errors
+                print(f"note: {type(tracker).__name__} could not log the finished run ({type(e).__name__}: {e})")
 
 
 def _numbers(metrics: dict) -> dict:
