@@ -124,7 +124,7 @@ def test_keep_best_publishes_the_best_held_out_loss_in_history(tmp_path):
     out = tmp_path / "best"
     # A high learning rate makes the held-out loss go up and down, so the best is not always the last.
     train(out, "--eval-every", "2", "--keep-best", "--lr", "0.3")
-    rows = eval_rows(out)[1:]  # the first is step 0, before training
+    rows = eval_rows(out)  # history.csv: the evaluations after steps 2, 4, 6 and 8
     best_step, best_loss = min(rows, key=lambda r: r[1])
     published = metrics(out)
     assert published["best_step"] == best_step and published["eval_loss"] == pytest.approx(best_loss, abs=1e-6)

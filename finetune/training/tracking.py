@@ -20,7 +20,7 @@ from pathlib import Path
 
 import keras
 
-from finetune.platform.errors import UserError
+from finetune.platform.errors import RunStopped, UserError
 from finetune.training import callbacks, outputs
 
 # tracker: the module it needs, and the extra that installs it.
@@ -140,7 +140,8 @@ class MLflowLog(keras.callbacks.Callback):
         return self
 
     def __exit__(self, kind, error, trace) -> None:
-        self._end("FAILED" if kind is not None else "FINISHED")
+        stopped = isinstance(error, (RunStopped, KeyboardInterrupt))  # a checkpoint to resume from is kept
+        self._end("FINISHED" if kind is None else "KILLED" if stopped else "FAILED")
 
 
 def _logged_in() -> bool:
