@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import struct
+import time
 
 import pytest
 from conftest import SHORT, invoke, train
@@ -35,6 +36,16 @@ def test_mlflow_logs_params_steps_final_metrics_and_the_adapter(tmp_path, monkey
 
 
 def wandb_records(run_dir):
+    """wandb_file_records once the run's exit record is written: W&B's service writes the file behind the run."""
+    for _ in range(60):
+        records = wandb_file_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        time.sleep(0.5)
+    return records
+
+
+def wandb_file_records(run_dir):
     """The records of W&B's offline run file, in wandb's own protobuf: it ships no reader, so the file's LevelDB-log
     framing (32 KiB blocks of chunks with a 7-byte header: crc, length, type) is undone here."""
     from wandb.proto import wandb_internal_pb2
