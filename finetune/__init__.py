@@ -85,30 +85,41 @@ def _open(run_dir, backend: str | None = None):
     return runs.open_on(run_dir, backend)
 
 
-def evaluate(run_dir, data: str | None = None, backend: str | None = None) -> dict:
+def evaluate(run_dir, data: str | None = None, backend: str | None = None, generate: int = 0) -> dict:
     """Per-token loss, perplexity and accuracy over response tokens of a finished run's adapter.
 
-    data: str. Evaluate on all records of this file instead of the run's held-out split.
+    data: str. Evaluate on all records of this file instead of the run's held-out records.
     backend: str. jax, torch or tensorflow; by default the one keras is loaded with, else the run's.
+    generate: int. Also answer the first this many held-out prompts (greedy) and score the answers against the
+        references with ROUGE-L: `rougeL` in the result.
     """
     from finetune.training import runs
 
-    with _in_python_words(_RUN_DIR, _BACKEND, _argument("data", "--data", metavar="FILE")):
-        return runs.evaluate_run(_open(run_dir, backend), data)
+    if isinstance(generate, bool) or not isinstance(generate, int) or generate < 0:
+        raise UserError(f"generate must be a number of prompts, 0 or more, got {generate!r}")
+    arguments = (_RUN_DIR, _BACKEND, _argument("data", "--data", metavar="FILE"), _argument("generate", "--generate"))
+    with _in_python_words(*arguments):
+        return runs.evaluate_run(_open(run_dir, backend), data, generate)
 
 
 def generate(
-    run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None
-) -> list[str]:
-    """Greedy completions from a finished run's model; each prompt goes in the run's template unless `raw`."""
+    run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None,
+    **sampling,
+) -> list[str]:  # fmt: skip
+    """Completions from a finished run's model; each prompt goes in the run's template unless `raw`.
+
+    sampling: greedy by default; temperature (float), top_p (float), top_k (int) sample with keras-hub's
+        samplers, and seed (int) makes the sampling repeatable, as `finetune generate`'s flags of the same names.
+    """
     from finetune.training import runs
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise UserError("prompts must be non-empty strings, e.g. finetune.generate(run_dir, ['What is LoRA?'])")
     tokens = _argument("max_new_tokens", "--max-new-tokens", int)
-    with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool)):
-        return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw)
+    names = [_argument(item.key, item.flag) for item in _config.settings(_config.Sampling)]
+    with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool), *names):
+        return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, _config.Sampling.checked(sampling))
 
 
 def load(run_dir, backend: str | None = None):

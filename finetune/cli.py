@@ -498,22 +498,34 @@ def bench(
 def eval_(
     run: RunDir,
     data: Optional[str] = _flag(
-        "Evaluate on all of this data file (any format --data takes) instead of the run's held-out split."
+        "Evaluate on all of this data file (any format --data takes) instead of the run's held-out records."
+    ),
+    generate: int = typer.Option(
+        0,
+        "--generate",
+        help="Also answer the first N held-out prompts (greedy) and score the answers against the references with "
+        "ROUGE-L (rougeL). (default: 0, none)",
+        metavar="N",
+        show_default=False,
     ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
 ):
-    """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens."""
+    """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens; with --generate,
+    ROUGE-L of its answers."""
     from finetune.training import runs
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     _refuse_empty({"--data": data})
+    if generate < 0:
+        raise UserError(f"--generate must not be negative, got {generate}; pass a number of prompts, e.g. 8")
     saved = runs.open_on(run, backend)
-    result = runs.evaluate_run(saved, data)
+    result = runs.evaluate_run(saved, data, generate)
+    rouge = f"  rougeL {result['rougeL']:.4f} ({result['generated']} answers)" if "rougeL" in result else ""
     print(
         f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
-        f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}"
+        f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}{rouge}"
     )
     print(f"evaluated on {runs.where(saved)}", file=sys.stderr)
 
@@ -550,8 +562,10 @@ def data_(
 
 
 @app.command()
+@with_settings(config_module.Sampling)
 @funneled("out of memory while generating; lower --max-new-tokens, or shorten the prompt")
 def generate(
+    settings: dict,
     run: RunDir,
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. (default: the run's)"),
@@ -560,16 +574,23 @@ def generate(
     debug: Debug = False,
     verbose: Verbose = False,
 ):
-    """Generate from the base model with a saved adapter (greedy)."""
+    """Generate from the base model with a saved adapter: greedy, or sampled with --temperature, --top-p or --top-k.
+
+    Several prompts print labelled: `[1] prompt`, then its answer.
+    """
     from finetune.training import runs
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     if any(not p.strip() for p in prompt):
         raise UserError('--prompt is empty; give an instruction, e.g. --prompt "What is the capital of Vietnam?"')
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
+    sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    for text in runs.generate(saved, list(prompt), max_new_tokens, raw):
-        print(text)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling)
+    for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
+        if len(prompt) > 1:
+            print(f"[{number}] {text}")
+        print(answer)
     print(f"generated on {runs.where(saved)}", file=sys.stderr)
 
 

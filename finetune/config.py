@@ -43,10 +43,11 @@ PARALLEL = ("none", "data", "model")
 REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
+TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
-MODEL, LORA, DATA, TRAINING, OUTPUT, SCALE_OUT = (
-    "Model", "LoRA", "Data", "Training", "Output and checkpoints", "Scale out"
+MODEL, LORA, DATA, TRAINING, EVALUATION, OUTPUT, SCALE_OUT = (
+    "Model", "LoRA", "Data", "Training", "Evaluation", "Output and checkpoints", "Scale out"
 )  # fmt: skip
 
 
@@ -230,6 +231,15 @@ def _norm_or_none(value, name: str) -> str | None:
     return f"{name} must be a number at least 0, or `none` (0 and none turn clipping off), got {value!r}"
 
 
+def _trackers(value: list, name: str) -> str | None:
+    unknown = [v for v in value if v not in TRACKERS]
+    if unknown:
+        return f"unknown {name} {unknown[0]!r}; choose from {', '.join(TRACKERS)}"
+    if "none" in value and len(value) > 1:
+        return f"{name} `none` leaves out every tracker, so it goes alone; drop it or the others"
+    return None
+
+
 def _duration_or_off(value: str, name: str) -> str | None:
     if value == "off":
         return None
@@ -351,8 +361,9 @@ class DataConfig:
     )  # fmt: skip
     eval_fraction: float = setting(
         0.05,
-        "Share of records held out for evaluation (at least one batch).",
-        flag="--eval-fraction", panel=DATA, range=Range(0, 1, low_open=True, high_open=True), hint="try 0.05",
+        "Share of records held out for evaluation (at least one batch); 0 holds none out: with --eval-data that "
+        "file is evaluated instead, without it evaluation is skipped.",
+        flag="--eval-fraction", panel=DATA, range=Range(0, 1, high_open=True), hint="try 0.05",
     )  # fmt: skip
     train_on_prompt: bool = setting(
         False,
@@ -478,6 +489,52 @@ class TrainConfig:
 
 @documented
 @dataclass
+class EvalConfig:
+    """Evaluation: how often the held-out records are scored, on what, and what the scores decide."""
+
+    every: Optional[int] = setting(
+        None,
+        "Also evaluate the held-out records every this many steps (each epoch's end and the last step always are).",
+        flag="--eval-every", panel=EVALUATION, metavar="N", range=Range(1), label="eval-every",
+        default_text="each epoch's end",
+        hint="try --eval-every 50",
+    )  # fmt: skip
+    keep_best: bool = setting(
+        False,
+        "Publish the adapter of the evaluation with the lowest held-out loss, not the last; metrics.json names "
+        "its step (best_step).",
+        flag="--keep-best", panel=EVALUATION,
+    )  # fmt: skip
+    early_stop: Optional[int] = setting(
+        None,
+        "Stop after this many evaluations in a row without a lower held-out loss, and publish the run.",
+        flag="--early-stop", panel=EVALUATION, metavar="P", range=Range(1), default_text="off",
+        label="early-stop patience", hint="try --early-stop 3 with --eval-every",
+    )  # fmt: skip
+    data: Optional[str] = setting(
+        None,
+        "Evaluate on this file's records (any format --data takes) instead of a share of --data; pass "
+        "--eval-fraction 0 with it, so that every record of --data trains.",
+        flag="--eval-data", panel=EVALUATION, metavar="FILE|hf:NAME", default_text="a share of --data",
+        hint="pass a data file, or leave it out to hold out a share of --data",
+    )  # fmt: skip
+
+    def conflicts(self, cfg: Config) -> Iterator[str]:
+        """What these settings rule out with the held-out share of --data."""
+        held_out = self.data is not None or cfg.data.eval_fraction > 0
+        if self.data is not None and cfg.data.eval_fraction > 0:
+            yield (
+                f"--eval-data {self.data} is the held-out set: pass --eval-fraction 0 with it, so that every record "
+                "of --data trains"
+            )
+        for flag, value in (("--eval-every", self.every), ("--keep-best", self.keep_best),
+                            ("--early-stop", self.early_stop)):  # fmt: skip
+            if value and not held_out:
+                yield f"{flag} needs held-out records; --eval-fraction 0 holds none out: pass --eval-data FILE too"
+
+
+@documented
+@dataclass
 class DistributionConfig:
     """Scale out: the devices one run spans, and the processes of a multi-host job."""
 
@@ -556,6 +613,61 @@ class OutputConfig:
         "Replace a run already in --output (the old one stays until the new one finishes).",
         flag="--overwrite", panel=OUTPUT,
     )  # fmt: skip
+    report_to: list[str] = setting(
+        ["tensorboard"],
+        "Where the run's metrics go as it trains: tensorboard (in the run directory), mlflow (./mlruns in the run "
+        "directory, or MLFLOW_TRACKING_URI), wandb (offline unless you are logged in), or none; the mlflow and "
+        "wandb extras install the last two.",
+        flag="--report-to", panel=OUTPUT, metavar="NAME", check=_trackers, label="tracker",
+        hint="e.g. --report-to tensorboard,mlflow",
+    )  # fmt: skip
+
+
+@documented
+@dataclass
+class Sampling:
+    """How `finetune generate` picks each next token: greedy (the most likely) unless a temperature, top-p or
+    top-k asks to sample. Not a run setting: `finetune generate` flags and finetune.generate() arguments."""
+
+    temperature: Optional[float] = setting(
+        None,
+        "Sample at this temperature: under 1 sharper, over 1 more varied.",
+        flag="--temperature", metavar="T", range=Range(0, low_open=True), default_text="greedy; 1 with --top-p or --top-k",
+    )  # fmt: skip
+    top_p: Optional[float] = setting(
+        None,
+        "Sample from the smallest set of tokens whose probabilities add up to P (nucleus sampling).",
+        flag="--top-p", metavar="P", range=Range(0, 1, low_open=True), default_text="off",
+    )  # fmt: skip
+    top_k: Optional[int] = setting(
+        None,
+        "Sample from the K most likely tokens.",
+        flag="--top-k", metavar="K", range=Range(1), default_text="off",
+    )  # fmt: skip
+    seed: Optional[int] = setting(
+        None,
+        "Seeds the sampling, so that the same command gives the same answers.",
+        flag="--seed", metavar="N", range=Range(0, 2**32 - 1), default_text="a new seed each time",
+    )  # fmt: skip
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None and self.top_p is None and self.top_k is None
+
+    @classmethod
+    def checked(cls, values: dict) -> Sampling:
+        """A Sampling of `values` (name to value, None where not given), each checked as its setting says."""
+        unknown = sorted(set(values) - {item.key for item in settings(cls)})
+        if unknown:
+            raise UserError(f"unknown sampling setting {unknown[0]!r}; choose from temperature, top_p, top_k, seed")
+        typed = {}
+        for item in settings(cls):
+            value = _coerce(item.key, item.type, values.get(item.key))
+            message = item.problem(value, name=item.flag)
+            if message:
+                raise UserError(message)
+            typed[item.key] = value
+        return cls(**typed)
 
 
 def _default_backend() -> str:
@@ -566,7 +678,8 @@ def _default_backend() -> str:
 @documented
 @dataclass
 class Config:
-    """A run's settings: the backend, then one section each for the model, LoRA, data, training, devices and output."""
+    """A run's settings: the backend, then one section each for the model, LoRA, data, training, evaluation, devices
+    and output."""
 
     backend: str = setting(
         _default_backend,
@@ -578,6 +691,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distribution: DistributionConfig = field(default_factory=DistributionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -615,10 +729,11 @@ def _is_local_path(value) -> bool:
 def _anchor_paths(settings: dict, folder: Path) -> None:
     """A recipe's relative data path, and a relative preset folder beside it, are relative to the recipe's folder."""
     data_section, model_section = settings.get("data"), settings.get("model")
-    if isinstance(data_section, dict) and _is_local_path(data_section.get("path")):
-        path = Path(data_section["path"]).expanduser()
-        if not path.is_absolute():
-            data_section["path"] = str(folder / path)
+    for section, key in ((data_section, "path"), (settings.get("eval"), "data")):
+        if isinstance(section, dict) and _is_local_path(section.get(key)):
+            path = Path(section[key]).expanduser()
+            if not path.is_absolute():
+                section[key] = str(folder / path)
     if isinstance(model_section, dict) and _is_local_path(model_section.get("preset")):
         path = Path(model_section["preset"]).expanduser()
         if not path.is_absolute() and (folder / path).is_dir():
@@ -629,6 +744,8 @@ def absolute_paths(cfg: Config) -> Config:
     """`cfg` with its local data path and preset folder made absolute, so a run's config.yaml works from anywhere."""
     if _is_local_path(cfg.data.path):
         cfg.data.path = os.path.abspath(os.path.expanduser(cfg.data.path))
+    if _is_local_path(cfg.eval.data):
+        cfg.eval.data = os.path.abspath(os.path.expanduser(cfg.eval.data))
     if _is_local_path(cfg.model.preset) and Path(cfg.model.preset).expanduser().is_dir():
         cfg.model.preset = os.path.abspath(os.path.expanduser(cfg.model.preset))
     return cfg
@@ -911,5 +1028,5 @@ def validate(cfg: Config) -> None:
         message = item.problem(value)
         if message:
             raise UserError(message)
-    for message in [*cfg.train.conflicts(), *cfg.distribution.conflicts(cfg)]:
+    for message in [*cfg.train.conflicts(), *cfg.distribution.conflicts(cfg), *cfg.eval.conflicts(cfg)]:
         raise UserError(message)

@@ -53,8 +53,11 @@ def test_wrong_types_are_refused(key, value, message):
         ("backend", "numpy", "unknown backend"),
         ("data.template", "chatml", "unknown template"),
         ("lora.rank", 0, "rank must be at least 1"),
-        ("data.eval_fraction", 0.0, "between 0 and 1"),
-        ("data.eval_fraction", 1.0, "between 0 and 1"),
+        ("data.eval_fraction", -0.1, r"must be in \[0, 1\)"),
+        ("data.eval_fraction", 1.0, r"must be in \[0, 1\)"),
+        ("eval.every", 0, "eval-every must be at least 1"),
+        ("eval.early_stop", 0, "early-stop patience must be at least 1"),
+        ("output.report_to", ["tensorboard", "comet"], "unknown tracker 'comet'"),
         ("train.batch_size", 0, "batch size"),
         ("train.batch_size", "big", "batch size"),
         ("model.precision", "fp8", "unknown precision"),
@@ -63,6 +66,28 @@ def test_wrong_types_are_refused(key, value, message):
 def test_out_of_range_values_are_refused(key, value, message):
     with pytest.raises(UserError, match=message):
         config.load(None, {key: value})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"eval.data": "dev.jsonl"}, "pass --eval-fraction 0 with it"),
+        ({"data.eval_fraction": 0, "eval.every": 5}, "--eval-every needs held-out records"),
+        ({"data.eval_fraction": 0, "eval.early_stop": 2}, "--early-stop needs held-out records"),
+        ({"output.report_to": ["none", "mlflow"]}, "`none` leaves out every tracker"),
+    ],
+)
+def test_evaluation_settings_that_rule_each_other_out(overrides, message):
+    with pytest.raises(UserError, match=message):
+        config.load(None, overrides)
+
+
+def test_eval_data_is_relative_to_the_recipe_and_allows_eval_fraction_0(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  eval_fraction: 0\neval:\n  data: dev.jsonl\n  keep_best: true\n")
+    monkeypatch.chdir("/")
+    cfg = config.load(recipe)
+    assert cfg.eval.data == str(tmp_path / "dev.jsonl") and cfg.data.eval_fraction == 0 and cfg.eval.keep_best
 
 
 def test_set_values_are_read_as_yaml():

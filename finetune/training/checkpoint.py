@@ -8,7 +8,8 @@ The frozen base is never written; a resume rebuilds it from the preset.
         weights.npz     trainable variables, in order; their paths are in state.json
         optimizer.npz   optimizer variables, in order
         state.json      step, config, data fingerprint, history and metrics so far
-        manifest.json   size and sha256 of the three files above: written last
+        best.npz        with --keep-best: the trainable variables at the best evaluation so far
+        manifest.json   size and sha256 of the files above: written last
 
 Writes are atomic the way Orbax's are: the files go into a hidden temporary
 directory beside the final one, each flushed and fsynced, the manifest last;
@@ -37,6 +38,7 @@ from finetune.training import loop
 DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
 FILES = ("weights.npz", "optimizer.npz", "state.json")
+BEST = "best.npz"
 FORMAT = 1
 
 
@@ -64,11 +66,14 @@ class RunState:
     def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
         """A checkpoint's state, taken up with this session's config (it may train further) and records."""
         progress = loop.Progress.from_state(state["progress"])
+        progress.best_weights = state.get("best_weights")
         return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint)
 
     def to_state(self, progress: loop.Progress) -> dict:
-        """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths."""
-        return {
+        """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths; with the
+        best weights (--keep-best), which save() writes to best.npz."""
+        best = {} if progress.best_weights is None else {"best_weights": progress.best_weights}
+        return best | {
             "run_id": self.run_id,
             "step": progress.step,
             "config": self.config,
@@ -95,7 +100,12 @@ class Checkpoint:
 
 
 def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict) -> Checkpoint:
-    """Write one checkpoint atomically; returns it. Raises OSError (disk full, unwritable)."""
+    """Write one checkpoint atomically; returns it. Raises OSError (disk full, unwritable).
+
+    state: dict. state.json's; its `best_weights`, when there, go to best.npz instead.
+    """
+    state = dict(state)
+    best = state.pop("best_weights", None)
     parent = Path(run_dir) / DIRECTORY
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / f"step-{step:08d}-{run_id}"
@@ -112,6 +122,8 @@ def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict)
             "optimizer.npz": _npz(optimizer),
             "state.json": json.dumps(state, allow_nan=False, indent=1).encode("utf-8"),
         }
+        if best is not None:
+            contents[BEST] = _npz(best)
         for name, payload in contents.items():
             storage.write_synced(temporary / name, payload)
         created = time.time()
@@ -180,7 +192,10 @@ def load(checkpoint: Checkpoint) -> tuple[list[np.ndarray], list[np.ndarray], di
     _checked(checkpoint.path, verify=True)
     weights = _arrays(checkpoint.path / "weights.npz")
     optimizer = _arrays(checkpoint.path / "optimizer.npz")
-    return weights, optimizer, checkpoint.state()
+    state = checkpoint.state()
+    if (checkpoint.path / BEST).is_file():
+        state["best_weights"] = _arrays(checkpoint.path / BEST)
+    return weights, optimizer, state
 
 
 def prune(run_dir: Path, run_id: str, keep: int) -> None:
@@ -205,7 +220,11 @@ def _checked(path: Path, verify: bool) -> Checkpoint:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
-        for name in FILES:
+        if not set(FILES) <= set(manifest["files"]):
+            raise CheckpointError(f"{path}: its manifest lists no {sorted(set(FILES) - set(manifest['files']))[0]}")
+        for name in manifest["files"]:
+            if name not in (*FILES, BEST):
+                raise CheckpointError(f"{path}: its manifest lists an unknown file {name!r}")
             expected = manifest["files"][name]
             file = path / name
             if file.stat().st_size != expected["bytes"]:
@@ -239,6 +258,7 @@ RESUME_KEYS = (
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
     ("train", "lr_schedule"), ("train", "warmup_steps"), ("train", "warmup_ratio"), ("train", "min_lr_ratio"),
     ("train", "grad_accum"), ("train", "max_grad_norm"),
+    ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 
 
@@ -278,6 +298,12 @@ def check_resume_end(found: Checkpoint | None, total_steps: int, target, publish
             f"raise --max-steps or --epochs to at least that"
         )
     published = published or {}
+    if (
+        published.get("run_id") == found.run_id
+        and published.get("steps") == found.step
+        and published.get("stopped_early")
+    ):
+        raise UserError(f"{target} stopped early at step {found.step} (--early-stop); start a new run to train further")
     if found.step == total_steps and published.get("run_id") == found.run_id and published.get("steps") == found.step:
         raise UserError(
             f"{target} has already trained {found.step} of {total_steps} steps; "
@@ -306,7 +332,9 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Pa
     saved = found.state()
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
-        then, now = saved["config"][section].get(key), ours[section][key]  # .get: keys added since
+        then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
+        if key == "keep_best":  # a checkpoint from before the setting kept no best
+            then = bool(then)
         if key == "packing":  # auto is on
             then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:

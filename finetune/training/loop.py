@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from finetune.model import optimizer
 from finetune.platform import backend
 from finetune.platform.errors import RunStopped, UserError
@@ -35,18 +37,71 @@ class Progress:
     rows: list = field(default_factory=list)
     """history.csv: a row per step (train_loss) and per evaluation (eval_loss, eval_accuracy)."""
     evaluations: list = field(default_factory=list)
-    """Held-out metrics after each data epoch (and after the last step)."""
+    """Held-out metrics, with the step, after each data epoch, every --eval-every steps and after the last step."""
     trained_tokens: int = 0
     response_tokens: int = 0
     train_seconds: float = 0.0
     """Time in optimizer steps, over every session of the run."""
+    stopped_early: dict | None = None
+    """{at_step, reason} once --early-stop ended training."""
+    best_weights: list | None = None
+    """The trainable variables' values at the best evaluation (--keep-best); a checkpoint keeps them in a file of
+    their own (checkpoint.BEST), not in state.json."""
 
     def to_state(self) -> dict:
-        return asdict(self)
+        state = asdict(self)
+        del state["best_weights"]
+        return state
 
     @classmethod
     def from_state(cls, state: dict) -> Progress:
-        return cls(**{k: state[k] for k in asdict(cls())})
+        # .get: a checkpoint saved before a field was added resumes with its default.
+        return cls(**{k: state[k] for k in asdict(cls()) if k in state and k != "best_weights"})
+
+    def best(self) -> dict | None:
+        """The evaluation with the lowest held-out loss, the earliest of equals; None before any."""
+        return min(self.evaluations, key=lambda e: e["loss"], default=None)
+
+    def evaluations_since_best(self) -> int:
+        """How many evaluations came after the best one: what --early-stop counts."""
+        best = self.best()
+        return 0 if best is None else len(self.evaluations) - 1 - self.evaluations.index(best)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """When the loop scores the held-out records, and what the scores decide (the `eval` settings).
+
+    Args:
+        score: callable() -> dict with loss, perplexity and accuracy over the held-out records; None when the run
+            holds none out (--eval-fraction 0 without --eval-data), and nothing is evaluated.
+        every: int or None. Also evaluate every this many steps, beside each data epoch's end and the last step.
+        keep_best: bool. Keep the trainable weights of the best evaluation (Progress.best_weights).
+        early_stop: int or None. Stop once this many evaluations in a row found no lower loss.
+    """
+
+    score: object = None
+    every: int | None = None
+    keep_best: bool = False
+    early_stop: int | None = None
+
+    def due(self, step: int, steps_per_epoch: int, total_steps: int) -> bool:
+        """Whether to evaluate after `step`."""
+        if self.score is None:
+            return False
+        every = step % self.every == 0 if self.every else False
+        return every or step % steps_per_epoch == 0 or step == total_steps
+
+    def stop_reason(self, progress: Progress) -> str | None:
+        """Why to stop early after the evaluation just made; None to go on."""
+        stale = progress.evaluations_since_best()
+        if self.early_stop is None or stale < self.early_stop:
+            return None
+        best = progress.best()
+        return (
+            f"{stale} evaluations without a lower held-out loss than {best['loss']:.4f} at step {best.get('step')} "
+            f"(--early-stop {self.early_stop})"
+        )
 
 
 class StopSignals:
@@ -103,8 +158,8 @@ class Plan:
 class Hooks:
     """What the loop calls out to.
 
-    evaluate_held_out: callable() -> dict with loss and accuracy, run after each data epoch and after the last
-        step.
+    evaluation: Evaluation. What to evaluate the held-out records with, and when: after each data epoch, every
+        `evaluation.every` steps and after the last step.
     save_checkpoint: callable(progress), called every `checkpoint_every` steps, after each evaluation, and
         before stopping on a signal or the time limit.
     callbacks: keras Callbacks (callbacks.py) told of each step (on_train_batch_end, with the run's step),
@@ -114,7 +169,7 @@ class Hooks:
     out: a text stream for progress; sys.stdout when None.
     """
 
-    evaluate_held_out: Callable
+    evaluation: Evaluation
     save_checkpoint: Callable
     callbacks: list = field(default_factory=list)
     last_saved: int | None = None
@@ -131,7 +186,7 @@ class Loop:
         self.order = order
         self.total_steps = plan.total_steps
         self.progress = progress
-        self.evaluate_held_out = hooks.evaluate_held_out
+        self.evaluation = hooks.evaluation
         self.save_checkpoint = hooks.save_checkpoint
         self.checkpoint_every = plan.checkpoint_every
         self.deadline = plan.deadline
@@ -163,7 +218,7 @@ class Loop:
     def _run(self) -> Progress:
         progress, order = self.progress, self.order
         with StopSignals() as signals:
-            while progress.step < self.total_steps:
+            while progress.step < self.total_steps and not progress.stopped_early:
                 step = progress.step
                 loss, seconds, shapes, applied = self._optimizer_step(step)
                 tokens, response_tokens = order.tokens(step)
@@ -182,16 +237,19 @@ class Loop:
                 for callback in self.callbacks:
                     callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})
 
-                evaluate = progress.step % order.steps_per_epoch == 0 or progress.step == self.total_steps
+                evaluate = self.evaluation.due(progress.step, order.steps_per_epoch, self.total_steps)
                 if evaluate:
                     self._evaluate(epoch)
+                    self._stop_early()
                 stop = self._stop_reason(signals)
                 if evaluate or stop or progress.step % self.checkpoint_every == 0:
                     self._save()
                 if stop:
                     self._report.close()
                     raise RunStopped(*stop)
-            if not self._evaluated_at(progress.step):
+                if progress.stopped_early:
+                    break
+            if self.evaluation.score is not None and not self._evaluated_at(progress.step):
                 # Resumed at the last step from a checkpoint saved mid-epoch (a stop): the end needs its evaluation.
                 self._evaluate(max(1, -(-progress.step // order.steps_per_epoch)))
                 self._save()
@@ -223,16 +281,37 @@ class Loop:
     def _evaluated_at(self, step: int) -> bool:
         return any(row["step"] == step and "eval_loss" in row for row in self.progress.rows)
 
+    def _stop_early(self) -> None:
+        """--early-stop: end training, as a finished run, once the evaluations stopped improving."""
+        reason = self.evaluation.stop_reason(self.progress)
+        if reason is not None and self.progress.step < self.total_steps:
+            self.progress.stopped_early = {"at_step": self.progress.step, "reason": reason}
+            self._report.line(f"early stop at step {self.progress.step}/{self.total_steps}: {reason}")
+
+    def restore_best(self) -> dict | None:
+        """--keep-best: put the best evaluation's weights back, for publishing; returns that evaluation."""
+        best = self.progress.best()
+        if not self.evaluation.keep_best or best is None or self.progress.best_weights is None:
+            return None
+        for variable, value in zip(self.trainer.trainable_variables, self.progress.best_weights):
+            variable.assign(value)
+        if best["step"] != self.progress.step:
+            print(f"keep best: publishing the adapter of step {best['step']} (held-out loss {best['loss']:.4f})")
+        return best
+
     def tokens_per_second(self) -> float | None:
         return self.timed_tokens / self.timed_seconds if self.timed_seconds > 0 else None
 
     def _evaluate(self, epoch: int) -> None:
         started = time.perf_counter()
-        result = self.evaluate_held_out()
+        result = self.evaluation.score()
         self._longest["eval"] = max(self._longest["eval"], time.perf_counter() - started)
         if not math.isfinite(result["loss"]):
             raise self._diverged(f"the held-out loss is {result['loss']} after step {self.progress.step}")
-        self.progress.evaluations.append(result)
+        self.progress.evaluations.append({"step": self.progress.step, **result})
+        if self.evaluation.keep_best and self.progress.best() is self.progress.evaluations[-1]:
+            # LoRA factors are small: a copy in memory, written with each checkpoint (checkpoint.BEST).
+            self.progress.best_weights = [np.array(v.numpy()) for v in self.trainer.trainable_variables]
         for callback in self.callbacks:
             callback.on_test_end({"step": self.progress.step, **result})
         self.progress.rows.append(

@@ -44,6 +44,7 @@ METRICS = "metrics.json"
 CONFIG = "config.yaml"
 STATUS = "status.json"
 TENSORBOARD = "tensorboard"
+MLRUNS, WANDB = "mlruns", "wandb"  # --report-to mlflow's local store, and W&B's offline runs
 LOCK = ".lock"
 MARKER = "finetune-run.json"
 """Written first into every directory a run claims: what tells finetune's run directory from a user's folder."""
@@ -51,7 +52,7 @@ HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
 OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
-             checkpoint.DIRECTORY)  # fmt: skip
+             checkpoint.DIRECTORY, MLRUNS, WANDB)  # fmt: skip
 # The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
 INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32
 
@@ -400,7 +401,8 @@ class Claim:
                 "Fix the access, then rerun with --resume to copy it"
             ) from e
         if not self.scratch:
-            platforms.report_tuning_metric(metrics["eval_loss"], step)
+            if metrics["eval_loss"] is not None:  # None: the run held nothing out
+                platforms.report_tuning_metric(metrics["eval_loss"], step)
             print(summary_table(metrics, self))
 
     def abandon(self) -> None:
@@ -632,7 +634,7 @@ def checked_metrics(run_dir: Path) -> dict | None:
     if found is None:
         return None
     found.field("steps", int, check=documents.at_least(0))
-    found.field("eval_loss", float)
+    found.field("eval_loss", float, required=found.value.get("eval_examples") != 0)  # 0: nothing held out
     return found.value
 
 
@@ -749,9 +751,7 @@ def summary_table(metrics: dict, run_dir) -> str:
         ("train steps", str(metrics["steps"])),
         ("padding", _padding(metrics)),
         ("train loss", f"{metrics['train_loss']:.4f}"),
-        ("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}"),
-        ("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
-        ("eval accuracy", f"{metrics['eval_accuracy']:.3f}"),
+        *_eval_rows(metrics),
         # None when this session trained a single step: that step compiles, so it is not timed.
         ("tokens/s", "n/a" if metrics["tokens_per_second"] is None else f"{metrics['tokens_per_second']:.0f}"),
         ("seconds", f"{metrics['seconds']:.1f}"),
@@ -760,6 +760,21 @@ def summary_table(metrics: dict, run_dir) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])
+
+
+def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
+    """The summary's held-out rows: the loss before and after (of the best step with --keep-best), or why none."""
+    if metrics.get("eval_loss") is None:
+        return [("eval", "skipped: nothing held out (--eval-fraction 0)")]
+    best = f" (best, step {metrics['best_step']})" if metrics.get("best_step") is not None else ""
+    rows = [
+        ("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}{best}"),
+        ("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
+        ("eval accuracy", f"{metrics['eval_accuracy']:.3f}"),
+    ]
+    if metrics.get("stopped_early"):
+        rows.append(("stopped early", f"at step {metrics['stopped_early']['at_step']}"))
+    return rows
 
 
 def _padding(metrics: dict) -> str:

@@ -91,13 +91,25 @@ def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, 
         batch_size, why = probe(batching.pad(tokenized[:64], seq_len), rows)
         print(f"batch size auto: {batch_size} ({why})")
     train, held_out = [], usable
-    if every_record_of is None:
+    if every_record_of is None and cfg.data.eval_fraction == 0:  # nothing held out: --eval-data, or no evaluation
+        train, held_out = usable, []
+    elif every_record_of is None:
         train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
     prepared = Prepared(template, train, held_out, batch_size, batching.pad([e for _, e in held_out], seq_len))
     prepared.batch_size_why = why
     if packed is not None:
         prepared.rows, prepared.padding = training_rows(train, batch_size, seq_len, packed)
         prepared.packed = packed
+    return prepared
+
+
+def evaluated_on(prepared: Prepared, records, tokenizer, cfg) -> Prepared:
+    """`prepared` with every record of --eval-data (`records`, from cfg.eval.data) as its held-out set, in the
+    run's template."""
+    seq_len = cfg.model.seq_len
+    held_out = examples(records, prepared.template, tokenizer, seq_len, cfg.data.train_on_prompt, cfg.eval.data)
+    prepared.held_out = held_out
+    prepared.held_out_rows = batching.pad([e for _, e in held_out], seq_len)
     return prepared
 
 

@@ -94,27 +94,54 @@ def checked_factors(run: Run, backbone) -> dict:
     return adapter.read_factors(run.directory / outputs.ADAPTER, adapted, run.config.lora.rank, run.adapter)
 
 
-def evaluate_run(run: Run, data_path: str | None = None) -> dict:
-    """Held-out metrics of the adapted model, on the run's split or on all of `data_path`."""
+def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> dict:
+    """Held-out metrics of the adapted model, on the run's held-out records (its split of --data, or its
+    --eval-data) or on all of `data_path`.
+
+    generate: int. Also answer the first this many of those records' prompts, greedily, and score the answers
+        against their responses with ROUGE-L (`rougeL`).
+    """
     from finetune.data import batching
     from finetune.model import builder
     from finetune.training import prepare, scoring
 
     cfg = run.config
-    path = data_path or cfg.data.path
+    if data_path is None and cfg.eval.data is None and cfg.data.eval_fraction == 0:
+        raise UserError(
+            f"{run.directory} held no records out (--eval-fraction 0), so it has none of its own to evaluate; "
+            "pass --data FILE to evaluate on a file"
+        )
+    if generate:
+        scoring.check_rouge()
+    path = data_path or cfg.eval.data or cfg.data.path
     records, _ = prepare.read(cfg, path, trained=True)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
-    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, every_record_of=data_path)
+    other_file = path if (data_path is not None or cfg.eval.data is not None) else None
+    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, every_record_of=other_file)
     inputs = builder.input_names(lm)
     batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, inputs=inputs)
     result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)
     result["examples"] = len(prepared.held_out)
+    if generate:
+        result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))
     return result
 
 
-def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False) -> list[str]:
-    """Greedy completions; each prompt is put in the run's template unless `raw`."""
+def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
+    """rougeL of greedy answers to the first `count` held-out prompts, against their responses."""
+    from finetune.training import scoring
+
+    held_out = [record for record, _ in prepared.held_out[:count]]
+    template = prepared.template
+    prompts = [template.sample_prompt(r) for r in held_out]
+    answers = scoring.generate(lm, preprocessor, prompts, max_new_tokens, template.stop_tokens)
+    return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
+
+
+def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None):
+    """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
+    template unless `raw`."""
     from finetune.data import templates
     from finetune.data.formats import Record
     from finetune.training import scoring
@@ -124,13 +151,8 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     if not raw:
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
-    return scoring.generate(
-        lm,
-        preprocessor,
-        prompts,
-        cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        template.stop_tokens,
-    )
+    tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
+    return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
 
 
 def list_runs(directory: str | Path) -> list[dict]:
@@ -178,7 +200,8 @@ def describe(path: Path) -> dict | None:
         row["note"] = f"last checkpoint step {found[-1].step}" if found else ""
         return row
     if metrics is not None:
-        row.update(state="finished", step=metrics["steps"], eval_loss=f"{metrics['eval_loss']:.4f}")
+        loss = metrics.get("eval_loss")  # None: the run held nothing out
+        row.update(state="finished", step=metrics["steps"], eval_loss="" if loss is None else f"{loss:.4f}")
         return row
     if not found:
         row["step"] = status.get("step", "")

@@ -1,4 +1,4 @@
-"""Held-out metrics over response tokens, and greedy generations.
+"""Held-out metrics over response tokens, generations (greedy, or sampled by keras-hub's samplers), and ROUGE-L.
 
 Loss and accuracy come from the weighted metrics of model.scorer(): each
 accumulates sum(weight * value) / sum(weight) over every held-out gathered
@@ -9,7 +9,10 @@ and a ragged last batch's filler rows neither.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+
+from finetune.platform.errors import UserError
 
 
 def metrics(scorer, batches) -> dict:
@@ -19,6 +22,16 @@ def metrics(scorer, batches) -> dict:
     loss = float(next(v for k, v in logs.items() if k.endswith("token_loss")))
     accuracy = float(next(v for k, v in logs.items() if k.endswith("token_accuracy")))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy}
+
+
+def eval_metrics(before: dict | None, after: dict | None) -> dict:
+    """metrics.json's held-out metrics: before training, and of the published adapter; None where nothing was
+    held out."""
+    out = {}
+    for name in ("loss", "perplexity", "accuracy"):
+        out[f"eval_{name}_before"] = before[name] if before else None
+        out[f"eval_{name}"] = after[name] if after else None
+    return out
 
 
 @contextlib.contextmanager
@@ -31,10 +44,12 @@ def preprocessor_attached(lm, preprocessor):
         lm.preprocessor = None
 
 
-def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tokens=("<eos>",)) -> list[str]:
-    """Greedy continuations of `prompts`, without the prompt text."""
+def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tokens=("<eos>",), sampling=None):
+    """Continuations of `prompts`, without the prompt text: greedy, or as `sampling` (config.Sampling) says."""
     if not prompts:
         return []
+    if sampling is not None and not sampling.greedy:
+        lm.compile(sampler=sampler(sampling))  # compile() is where keras-hub takes a sampler; this lm trains no more
     tokenizer = preprocessor.tokenizer
     longest = max(len(tokenizer.tokenize(p)) for p in prompts) + 1  # + <bos>
     stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
@@ -49,6 +64,45 @@ def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tok
         outputs = [outputs]
     outputs = outputs[: len(prompts)]
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(prompts, outputs)]
+
+
+def sampler(sampling):
+    """keras-hub's sampler for `sampling` (config.Sampling, not greedy): top-p (with top-k, if given, first),
+    top-k, or plain sampling at the temperature."""
+    import keras_hub
+
+    temperature = sampling.temperature or 1.0
+    if sampling.top_p is not None:
+        return keras_hub.samplers.TopPSampler(
+            p=sampling.top_p, k=sampling.top_k, seed=sampling.seed, temperature=temperature
+        )
+    if sampling.top_k is not None:
+        return keras_hub.samplers.TopKSampler(k=sampling.top_k, seed=sampling.seed, temperature=temperature)
+    return keras_hub.samplers.RandomSampler(seed=sampling.seed, temperature=temperature)
+
+
+def check_rouge() -> None:
+    """Refuse ROUGE-L before any model is loaded when rouge-score is not installed."""
+    if importlib.util.find_spec("rouge_score") is None:
+        raise UserError(
+            "--generate scores the answers with ROUGE-L, which needs the rouge-score package: "
+            "pip install 'finetune[eval]'"
+        )
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> float:
+    """The mean ROUGE-L F-measure of `predictions` against `references`.
+
+    Scored by Google's rouge-score, the scorer keras_hub.metrics.RougeL wraps: keras-hub's metric needs
+    TensorFlow, which a JAX or PyTorch run leaves out of its process.
+    """
+    check_rouge()
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    scores = [scorer.score(reference, prediction)["rougeL"].fmeasure for prediction, reference in
+              zip(predictions, references)]  # fmt: skip
+    return sum(scores) / len(scores) if scores else 0.0
 
 
 class HeldOut:

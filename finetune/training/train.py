@@ -27,7 +27,7 @@ from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
-from finetune.training import adapter, callbacks, checkpoint, loop, outputs, prepare, resolve, scoring
+from finetune.training import adapter, checkpoint, loop, outputs, prepare, resolve, scoring, tracking
 
 
 def run(cfg: Config, resume: bool = False) -> dict:
@@ -38,24 +38,24 @@ def run(cfg: Config, resume: bool = False) -> dict:
     """
     phase = loop.Phases()
     job = _join(cfg, resume)
+    tracking.check_installed(cfg.output.report_to)
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
     found = checkpoint.to_resume(target, resume, outputs.read_metrics(target.path))
-    records, data_format = prepare.read(cfg, cfg.data.path)
-    fingerprint = formats.fingerprint(records)
+    data = _read(cfg)
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
-    decided = resolve.resolve(cfg, data_format, found.state()["config"] if found else None)
-    checkpoint.check_compatible(found, decided.config, fingerprint, target)
+    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None)
+    checkpoint.check_compatible(found, decided.config, data.fingerprint, target)
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
-    session = _session(decided, records, job, found, phase)
+    session = _session(decided, data, job, found, phase)
     checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
     outputs.check_free_space(target.path, checkpoint_bytes(session.model.lm) * (cfg.train.keep_checkpoints + 2))
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
-    start = _start(session, fingerprint, target)
+    start = _start(session, data.fingerprint, target)
 
     # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
     with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
@@ -80,6 +80,24 @@ def _join(cfg: Config, resume: bool) -> distribution.Cluster | None:
 
 
 @dataclass
+class Data:
+    """What the run reads before it decides anything: its records, their format, the --eval-data records."""
+
+    records: list
+    format: str
+    fingerprint: str
+    """formats.fingerprint of the records: a resume must train on the same."""
+    eval_records: list | None = None
+
+
+def _read(cfg: Config) -> Data:
+    """The training records and any --eval-data file's, read and checked before anything is written."""
+    records, data_format = prepare.read(cfg, cfg.data.path)
+    eval_records = prepare.read(cfg, cfg.eval.data)[0] if cfg.eval.data else None
+    return Data(records, data_format, formats.fingerprint(records), eval_records)
+
+
+@dataclass
 class Session:
     """One run as its stages make it: the resolved run, the model, the data and what it is scored on."""
 
@@ -89,7 +107,8 @@ class Session:
     order: batching.TrainOrder
     """The order the training rows are fed in; in a multi-process job, this process's slice of every batch."""
     total_steps: int
-    held_out: scoring.HeldOut
+    held_out: scoring.HeldOut | None
+    """None when nothing is held out (--eval-fraction 0 without --eval-data)."""
     found: checkpoint.Checkpoint | None
     """The checkpoint a resumed run continues from."""
     phase: loop.Phases
@@ -97,7 +116,7 @@ class Session:
     """How long getting to the first step took (the evaluation before training): the loop's time budget."""
 
 
-def _session(decided: resolve.Resolved, records, job, found, phase) -> Session:
+def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Session:
     """Build the model, decide what needed it (packing, `--batch-size auto`, the steps and the warm-up), print
     every decision once, and prepare the rows, the order they train in and the held-out split."""
     cfg = decided.config
@@ -107,7 +126,9 @@ def _session(decided: resolve.Resolved, records, job, found, phase) -> Session:
     probe = functools.partial(
         auto_batch_size, model.trainer, device=decided.device, names=builder.input_names(model.lm)
     )
-    prepared = prepare.prepare(records, model.tokenizer, cfg, packed=packing.value, probe=probe)
+    prepared = prepare.prepare(data.records, model.tokenizer, cfg, packed=packing.value, probe=probe)
+    if data.eval_records is not None:
+        prepared = prepare.evaluated_on(prepared, data.eval_records, model.tokenizer, cfg)
     settled = {"packing": packing}
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
@@ -130,9 +151,13 @@ def _optimize(run: resolve.Resolved, trainer) -> None:
     builder.train_with(trainer, controls)
 
 
-def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepare.Prepared) -> scoring.HeldOut:
-    """What the run is scored on: the held-out batches, and the first train.samples records to generate for."""
+def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepare.Prepared) -> scoring.HeldOut | None:
+    """What the run is scored on: the held-out batches, and the first train.samples records to generate for;
+    None when nothing is held out."""
     cfg = run.config
+    if not prepared.held_out:
+        print("note: evaluation skipped: --eval-fraction 0 holds no records out and there is no --eval-data")
+        return None
     samples = [r for r, _ in prepared.held_out[: cfg.train.samples]]
     if job is not None and cfg.train.samples:
         # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
@@ -151,7 +176,9 @@ def _start(session: Session, fingerprint: str, target: outputs.Target) -> checkp
     resumed run restores what its checkpoint kept."""
     started = time.perf_counter()
     config = outputs.run_config(session.run.config)
-    if session.found is None:
+    if session.found is None and session.held_out is None:
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprint)
+    elif session.found is None:
         session.phase(f"evaluating before training ({session.held_out.batches.rows} held-out records)")
         before = session.held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
@@ -166,19 +193,23 @@ def _start(session: Session, fingerprint: str, target: outputs.Target) -> checkp
 
 
 def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, stack) -> loop.Loop:
-    """The loop, run to its end in `claim`: TensorBoard logs, checkpoints and status.json as it goes."""
+    """The loop, run to its end in `claim`: the trackers' logs (TensorBoard by default), checkpoints and
+    status.json as it goes."""
     run, trainer = session.run, session.model.trainer
-    board = stack.enter_context(callbacks.TensorBoardLog(claim.path / outputs.TENSORBOARD, trainer.optimizer))
-    if session.found is None:
-        board.on_test_end({"step": 0, **start.eval_before})
+    cfg = run.config
+    about = {"name": start.run_id, "params": start.config}
+    trackers = tracking.open_trackers(cfg.output.report_to, stack, claim.path, trainer.optimizer, about)
+    if session.found is None and start.eval_before:  # None: nothing held out
+        for tracker in trackers:
+            tracker.on_test_end({"step": 0, **start.eval_before})
     advice = divergence_advice(run)
-    train = run.config.train
-    plan = loop.Plan(session.total_steps, train.checkpoint_every, run.deadline, advice,
-                     f"batch {train.batch_size}, seq-len {run.config.model.seq_len}, rank {run.config.lora.rank}")  # fmt: skip
+    plan = loop.Plan(session.total_steps, cfg.train.checkpoint_every, run.deadline, advice,
+                     f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}")  # fmt: skip
+    scores = session.held_out.metrics if session.held_out else None
     hooks = loop.Hooks(
-        evaluate_held_out=session.held_out.metrics,
-        save_checkpoint=functools.partial(claim.checkpoint, trainer, start, train.keep_checkpoints, advice),
-        callbacks=[board],
+        evaluation=loop.Evaluation(scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop),
+        save_checkpoint=functools.partial(claim.checkpoint, trainer, start, cfg.train.keep_checkpoints, advice),
+        callbacks=trackers,
         last_saved=session.found.step if session.found else None,
         eval_seconds=session.eval_seconds,
     )
@@ -191,20 +222,24 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
 
 def _publish(session: Session, claim: outputs.Claim, start: checkpoint.RunState, steps: loop.Loop) -> dict:
     """Generate the samples after training, then write the adapter and the results as one published run."""
-    generated_after = session.held_out.generate("after", session.phase)
+    steps.restore_best()  # --keep-best: the samples and the adapter are the best evaluation's
+    held_out = session.held_out
+    generated_after = held_out.generate("after", session.phase) if held_out else []
     metrics = _metrics(session, steps, start)
     start.config["resolved"] = _resolved(session.run, claim, start.run_id)
     session.phase(f"saving the adapter and results to {claim}")
-    samples = session.held_out.sample_rows(start.generated_before, generated_after)
+    samples = held_out.sample_rows(start.generated_before, generated_after) if held_out else []
     claim.publish_results(_files(session, start.config, metrics, steps.progress, samples), metrics)
+    tracking.published(steps.callbacks, metrics, claim.path / outputs.ADAPTER)
     return metrics
 
 
 def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> dict:
     """metrics.json: what the run trained, on what, how well and how fast."""
     run, prepared, found = session.run, session.prepared, session.found
-    cfg, progress = run.config, steps.progress
-    before, after = start.eval_before, progress.evaluations[-1]
+    cfg, progress, before = run.config, steps.progress, start.eval_before
+    # The published adapter's: with --keep-best the best evaluation's, else the last's (None: nothing held out).
+    after = progress.best() if cfg.eval.keep_best else (progress.evaluations or [None])[-1]
     train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
     return {
         "backend": cfg.backend,
@@ -226,12 +261,9 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
         "resumed_from_step": found.step if found else None,
         "train_loss": train_losses[-1],
-        "eval_loss_before": before["loss"],
-        "eval_loss": after["loss"],  # the held-out split is evaluated after every epoch and the last step
-        "eval_perplexity_before": before["perplexity"],
-        "eval_perplexity": after["perplexity"],
-        "eval_accuracy_before": before["accuracy"],
-        "eval_accuracy": after["accuracy"],
+        **scoring.eval_metrics(before, after),
+        "best_step": after["step"] if cfg.eval.keep_best else None,
+        "stopped_early": progress.stopped_early,
         "packing": prepared.packed,
         "padding_fraction": prepared.padding["padding_fraction"],
         "padding_fraction_unpacked": prepared.padding["unpacked"],

@@ -1,0 +1,204 @@
+"""Where a run's metrics go as it trains (--report-to): TensorBoard, MLflow, Weights & Biases.
+
+Each tracker is a keras Callback told what TensorBoardLog (callbacks.py) is told: each step's loss, each
+evaluation, with the run's step. MLflow and W&B also get the run's settings as params when it starts, and, once
+it is published, its final metrics and the adapter as an artifact. Both are optional extras; a missing one is
+refused before anything is written (check_installed).
+
+MLflow writes to `mlruns/` in the run directory unless MLFLOW_TRACKING_URI names a store; W&B runs offline, into
+`wandb/` in the run directory, unless the user is logged in (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry) or
+sets WANDB_MODE. No key is ever read out, printed or written by finetune.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import netrc
+import os
+from pathlib import Path
+
+import keras
+
+from finetune.platform.errors import RunStopped, UserError
+from finetune.training import callbacks, outputs
+
+# tracker: the module it needs, and the extra that installs it.
+EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
+EXPERIMENT = "finetune"
+
+
+def check_installed(report_to: list[str]) -> None:
+    """Refuse a tracker whose package is not installed, before the run writes anything."""
+    for name in report_to:
+        if name in EXTRAS and importlib.util.find_spec(EXTRAS[name]) is None:
+            raise UserError(
+                f"--report-to {name} needs the {name} package, which is not installed: pip install 'finetune[{name}]'"
+                f", or leave {name} out of --report-to"
+            )
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """A nested config as dotted keys (model.preset), the params trackers show."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def open_trackers(report_to: list[str], stack: contextlib.ExitStack, run_dir: Path, optimizer, run: dict) -> list:
+    """The trackers --report-to names, entered on `stack` so that each ends with the run, however it ends.
+
+    run: dict. name (the run's id) and params (its config, as config.yaml holds it).
+    """
+    found = []
+    for name in report_to:
+        if name == "tensorboard":
+            found.append(callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, optimizer))
+        elif name == "mlflow":
+            found.append(MLflowLog(run_dir, run["name"], flat(run["params"])))
+        elif name == "wandb":
+            found.append(WandbLog(run_dir, run["name"], flat(run["params"])))
+    return [stack.enter_context(tracker) for tracker in found]
+
+
+def published(trackers: list, metrics: dict, adapter: Path) -> None:
+    """Tell each tracker the run is published: its final metrics, and the adapter file.
+
+    The run is finished by now: a tracker that fails here (a server gone) is a note, not a failed run.
+    """
+    for tracker in trackers:
+        if hasattr(tracker, "published"):
+            try:
+                tracker.published(metrics, adapter)
+            except Exception as e:  # noqa: BLE001 - each tracker's client raises its own errors
+                print(f"note: {type(tracker).__name__} could not log the finished run ({type(e).__name__}: {e})")
+
+
+def _numbers(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class MLflowLog(keras.callbacks.Callback):
+    """An MLflow run: params at the start, train/eval metrics per step, final metrics and the adapter at the end.
+
+    Args:
+        run_dir: Path. The run directory; its `mlruns/` is the store unless MLFLOW_TRACKING_URI is set.
+        name: str. The MLflow run's name: finetune's run id.
+        params: dict. Dotted setting keys to values.
+    """
+
+    def __init__(self, run_dir: Path, name: str, params: dict):
+        super().__init__()
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # MLflow 3 keeps the file store only on request; a local mlruns/ beside the run is what we want here.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (Path(run_dir) / outputs.MLRUNS).resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(EXPERIMENT)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(EXPERIMENT)
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+        self._step = 0
+        self._ended = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step = batch
+        self.client.log_metric(self.run_id, "train_loss", logs["loss"], step=batch)
+
+    def on_test_end(self, logs=None):
+        step = logs.get("step", self._step)
+        for key in ("loss", "accuracy", "perplexity"):
+            if key in logs:
+                self.client.log_metric(self.run_id, f"eval_{key}", logs[key], step=step)
+
+    def published(self, metrics: dict, adapter: Path) -> None:
+        from mlflow.entities import Metric
+
+        step = metrics.get("steps", self._step)
+        final = [Metric(f"final.{k}", v, 0, step) for k, v in _numbers(metrics).items()]
+        for start in range(0, len(final), 1000):
+            self.client.log_batch(self.run_id, metrics=final[start : start + 1000])
+        self.client.log_artifact(self.run_id, str(adapter))
+        self._end("FINISHED")
+
+    def _end(self, status: str) -> None:
+        if not self._ended:
+            self._ended = True
+            self.client.set_terminated(self.run_id, status)
+
+    def __enter__(self) -> MLflowLog:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        stopped = isinstance(error, (RunStopped, KeyboardInterrupt))  # a checkpoint to resume from is kept
+        self._end("FINISHED" if kind is None else "KILLED" if stopped else "FAILED")
+
+
+def _logged_in() -> bool:
+    """Whether W&B has the user's key: WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes (not read out)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbLog(keras.callbacks.Callback):
+    """A Weights & Biases run, offline unless the user is logged in: the same as MLflowLog is told.
+
+    Args:
+        run_dir: Path. The run directory; W&B writes its `wandb/` there.
+        name: str. The W&B run's name: finetune's run id.
+        params: dict. Dotted setting keys to values: the run's config.
+    """
+
+    def __init__(self, run_dir: Path, name: str, params: dict):
+        super().__init__()
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if _logged_in() else "offline")
+        settings = wandb.Settings(silent=True, console="off")
+        self.wandb = wandb
+        self.run = wandb.init(
+            dir=str(run_dir), project=EXPERIMENT, name=name, config=params, mode=mode, settings=settings,
+            reinit="create_new",
+        )  # fmt: skip
+        self._step = 0
+        self._ended = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step = batch
+        self.run.log({"train/loss": logs["loss"]}, step=batch)
+
+    def on_test_end(self, logs=None):
+        names = ("loss", "accuracy", "perplexity")
+        self.run.log({f"eval/{k}": logs[k] for k in names if k in logs}, step=logs.get("step", self._step))
+
+    def published(self, metrics: dict, adapter: Path) -> None:
+        self.run.summary.update(_numbers(metrics))
+        artifact = self.wandb.Artifact(f"adapter-{self.run.name}", type="model")
+        artifact.add_file(str(adapter))
+        self.run.log_artifact(artifact)
+        self._end(0)
+
+    def _end(self, exit_code: int) -> None:
+        if not self._ended:
+            self._ended = True
+            self.run.finish(exit_code=exit_code)
+
+    def __enter__(self) -> WandbLog:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        self._end(1 if kind is not None else 0)
