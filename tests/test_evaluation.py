@@ -59,6 +59,7 @@ class Trainer:
 
     def __init__(self):
         self.trainable_variables = [Variable()]
+        self.optimizer = None  # no schedule or clipping to report (optimizer.step_record gives {})
 
     def train_on_batch(self, x, y, sample_weight=None, return_dict=True):
         self.trainable_variables[0].assign(self.trainable_variables[0].value + 1)
@@ -71,6 +72,9 @@ class Order:
     def batch(self, step):
         return {"token_ids": np.zeros((1, 4))}, None, None
 
+    def micro_batches(self, step):
+        return [self.batch(step)]
+
     def tokens(self, step):
         return 4, 2
 
@@ -79,10 +83,8 @@ def scripted_loop(losses, total_steps=10, **evaluation):
     scores = iter(losses)
     saved = []
     settings = loop.Evaluation(lambda: {"loss": next(scores), "perplexity": 1.0, "accuracy": 0.5}, **evaluation)
-    steps = loop.Loop(
-        Trainer(), Order(), total_steps, loop.Progress(), evaluation=settings, checkpoint_every=100,
-        save_checkpoint=lambda progress: saved.append(progress.step), out=open(os.devnull, "w"),
-    )  # fmt: skip
+    hooks = loop.Hooks(settings, lambda progress: saved.append(progress.step), out=open(os.devnull, "w"))
+    steps = loop.Loop(Trainer(), Order(), loop.Progress(), loop.Plan(total_steps, checkpoint_every=100), hooks)
     return steps, saved
 
 

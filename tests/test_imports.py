@@ -182,3 +182,27 @@ def test_no_function_under_the_front_doors_takes_more_than_six_parameters():
                 if count > MOST_PARAMETERS:
                     wide.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({count})")
     assert not wide, wide
+
+
+# What a command reads before it chooses the backend: keras fixes its backend at its first import, so none of
+# these may import it (a run once chose torch, and keras was already loaded with TensorFlow's default).
+BEFORE_THE_BACKEND = [
+    "finetune.cli", "finetune.config", "finetune.training.runs", "finetune.training.outputs",
+    "finetune.training.checkpoint", "finetune.training.loop", "finetune.training.adapter", "finetune.training.plan",
+    "finetune.exports.export", "finetune.tools.vertex", "finetune.tools.bench",
+]  # fmt: skip
+
+
+def test_what_runs_before_the_backend_is_chosen_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        + "".join(f"import {name}\n" for name in BEFORE_THE_BACKEND)
+        + "print(sorted(m for m in ('keras', 'tensorflow', 'torch', 'jax') if m in sys.modules))"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

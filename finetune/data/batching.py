@@ -217,6 +217,21 @@ def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:
     return min(seq_len, max(step, -(-longest // step) * step))
 
 
+@dataclass(frozen=True)
+class Feed:
+    """How batches are fed to the model, for TrainOrder and Batches alike.
+
+    part: (first, end, n). The data shards of each batch this process feeds (distribution.data_part).
+    length_step: int or None. Cut each batch to its longest row, rounded up to this (length_step()); None keeps
+        seq_len.
+    inputs: tuple of str. The model's input names (builder.input_names).
+    """
+
+    part: tuple = (0, 1, 1)
+    length_step: int | None = None
+    inputs: tuple = INPUTS
+
+
 class TrainOrder:
     """The training batches of every global optimizer step, a pure function of (seed, step).
 
@@ -234,27 +249,19 @@ class TrainOrder:
     response token of the step, as one batch of batch_size x grad_accum rows gives.
     """
 
-    def __init__(
-        self,
-        arrays,
-        batch_size: int,
-        seed: int,
-        part: tuple[int, int, int] = (0, 1, 1),
-        length_step: int | None = None,
-        inputs=INPUTS,
-        grad_accum: int = 1,
-    ):
+    def __init__(self, arrays, batch_size: int, seed: int, feed: Feed = None, grad_accum: int = 1):
+        feed = feed or Feed()
         self.arrays = arrays
-        self.inputs = inputs
+        self.inputs = feed.inputs
         """The model's input names (model.input_names)."""
         self.batch_size = batch_size
         """Rows per micro-batch."""
         self.grad_accum = grad_accum
         self.seed = seed
-        self.part = part
+        self.part = feed.part
         self.steps_per_epoch = -(-len(arrays["token_ids"]) // (batch_size * grad_accum))
-        self.width = target_width(arrays, batch_size // part[2])
-        self.length_step = length_step
+        self.width = target_width(arrays, batch_size // feed.part[2])
+        self.length_step = feed.length_step
         """Cut each micro-batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
         self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
         self._epoch, self._order = None, None
@@ -312,22 +319,16 @@ class Batches(keras.utils.PyDataset):
     compiles once and the weighted averages ignore the copies.
     """
 
-    def __init__(
-        self,
-        arrays,
-        batch_size: int,
-        part: tuple[int, int, int] = (0, 1, 1),
-        length_step: int | None = None,
-        inputs=INPUTS,
-    ):
+    def __init__(self, arrays, batch_size: int, feed: Feed = None):
         super().__init__()
+        feed = feed or Feed()
         self.arrays = arrays
-        self.inputs = inputs
+        self.inputs = feed.inputs
         self.batch_size = batch_size
         self.rows = len(arrays["token_ids"])
-        self.part = part
-        self.width = target_width(arrays, batch_size // part[2])
-        self.length_step = length_step
+        self.part = feed.part
+        self.width = target_width(arrays, batch_size // feed.part[2])
+        self.length_step = feed.length_step
         """As TrainOrder's: held-out rows hold one example each, so most of a row is padding."""
 
     def __len__(self):

@@ -454,9 +454,8 @@ def _train_finetune(spec: Spec, model) -> dict:
     rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
-    order = batching.TrainOrder(
-        rows, w.batch_size, seed=0, length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator())
-    )
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()))
+    order = batching.TrainOrder(rows, w.batch_size, seed=0, feed=feed)
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
     while timed < w.steps and step < w.warmup + w.steps + 16:

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from finetune.model import optimizer
 from finetune.platform import backend
 from finetune.platform.errors import RunStopped, UserError
 
@@ -273,6 +272,8 @@ class Loop:
         loss = sum(losses) / len(losses)
         if not math.isfinite(loss):
             raise self._diverged(f"the training loss is {loss} at step {step + 1}")
+        from finetune.model import optimizer  # keras: loop.py is read before the backend is chosen
+
         applied = optimizer.step_record(self.trainer.optimizer, step)
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")

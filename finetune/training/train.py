@@ -133,9 +133,8 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
-    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, part=decided.part,
-                                length_step=step, inputs=builder.input_names(model.lm),
-                                grad_accum=cfg.train.grad_accum)  # fmt: skip
+    feed = batching.Feed(decided.part, step, builder.input_names(model.lm))
+    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
     print(run.table())
@@ -165,8 +164,8 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
         samples = []
     # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
     step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, run.device)
-    batches = batching.Batches(prepared.held_out_rows, prepared.batch_size, part=run.part, length_step=step,
-                               inputs=builder.input_names(model.lm))  # fmt: skip
+    feed = batching.Feed(run.part, step, builder.input_names(model.lm))
+    batches = batching.Batches(prepared.held_out_rows, prepared.batch_size, feed)
     scorer = builder.scorer(model.lm, prepared.batch_size, shards=run.part[2])
     return scoring.HeldOut(scorer, batches, model, samples, prepared.template, cfg.train.max_new_tokens)
 
