@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from finetune.config import setting
+from finetune.config import LoraConfig, setting
 from finetune.model import archs, presets
 from finetune.platform.errors import UserError
 
@@ -459,7 +459,7 @@ def _train_finetune(spec: Spec, lm, tokenizer) -> dict:
     from finetune.training import prepare
 
     w = spec.workload
-    builder.enable_lora(lm, w.rank, None, ["query", "value"], seed=0)
+    builder.enable_lora(lm, LoraConfig(rank=w.rank, targets=["query", "value"]), seed=0)
     trainer = builder.compile(lm, 1e-4, 0.01)
     _, _, examples = _examples(w, tokenizer)
     rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")

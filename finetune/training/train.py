@@ -183,8 +183,12 @@ def _build(cfg: Config, source: presets.Source, tweaks: dict, remat: bool, phase
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {tweaks['device_name']}, {tweaks['dtype_policy']}")
     lm, preprocessor = builder.build(source, cfg.model.seq_len, tweaks["dtype_policy"], cfg.model.quantize, remat)
     packed = packs(lm, cfg.data.packing)
-    adapted = builder.enable_lora(lm, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.train.seed)
-    trainer = builder.compile(lm, cfg.train.learning_rate, cfg.train.weight_decay, shards=part[2])
+    adapted = builder.enable_lora(lm, cfg.lora, cfg.train.seed)
+    if cfg.train.neftune_alpha:
+        builder.add_embedding_noise(lm, cfg.train.neftune_alpha, cfg.train.seed)
+    trainer = builder.compile(
+        lm, cfg.train.learning_rate, cfg.train.weight_decay, shards=part[2], plus_ratio=cfg.lora.plus_ratio
+    )
     return Built(lm, preprocessor, trainer, adapted, packed, part, tweaks["device"])
 
 
@@ -243,7 +247,7 @@ def _metrics(cfg, built, prepared, steps, start, found, tweaks, distributed, sec
         "backend": cfg.backend,
         "preset": cfg.model.preset,
         "rank": cfg.lora.rank,
-        "alpha": cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.rank,
+        "alpha": cfg.lora.resolved_alpha(),
         "targets": list(cfg.lora.targets),
         "adapted_layers": built.adapted,
         "trainable_parameters": builder.trainable_parameters(built.lm),
@@ -298,12 +302,12 @@ def _files(built: Built, cfg: Config, source, config: dict, metrics: dict, progr
     history = [{"step": 0, "eval_loss": metrics["eval_loss_before"]}] + progress.rows
     title = f"{cfg.model.preset} LoRA rank {cfg.lora.rank} on {cfg.backend}"
     description = adapter.describe(
-        built.lm.backbone, preset=cfg.model.preset, family=source.family, rank=cfg.lora.rank, alpha=metrics["alpha"],
-        targets=cfg.lora.targets, template=cfg.data.template, seq_len=cfg.model.seq_len,
+        built.lm.backbone, preset=cfg.model.preset, family=source.family, lora=cfg.lora,
+        template=cfg.data.template, seq_len=cfg.model.seq_len,
         dtype=metrics["dtype_policy"], quantize=cfg.model.quantize, version=__version__,
     )  # fmt: skip
     return {
-        outputs.ADAPTER: lambda p: built.lm.backbone.save_lora_weights(str(p)),
+        outputs.ADAPTER: lambda p: adapter.save(built.lm.backbone, p),
         outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
         outputs.CONFIG: lambda p: outputs.write_config(p, config),
         outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
