@@ -350,9 +350,10 @@ def lora_layer_names(backbone, targets: list[str]) -> list[str]:
     """The keras-hub layer names `targets` adapt on this backbone; a UserError for one it cannot."""
     family = families.of_backbone(backbone)
     available = adaptable_layer_names(backbone)
-    choices = ", ".join(adaptable_targets(backbone))
+    adaptable = adaptable_targets(backbone)
+    choices = ", ".join(adaptable)
     names = []
-    for target in targets:
+    for target in families.spelled_out(targets, adaptable):
         name = family.layer_of(target)
         why = family.frozen_reason(name)
         if why is not None:

@@ -214,7 +214,9 @@ class TrainingView(keras.Model):
         self.shards = shards
         self.rows = rows
 
-    def call(self, inputs):
+    def call(self, inputs, training=None):
+        # `training` is here for keras' trainers to pass it (they pass it only to a call that takes it): the layers
+        # inside read it from the call context, and LoRA dropout and NEFTune act only under training=True.
         backbone = self.lm.backbone
         hidden = _gathered(backbone, inputs, self.shards)
         labels = ops.reshape(inputs["loss_labels"], (-1,))
