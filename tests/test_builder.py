@@ -194,7 +194,8 @@ def test_lora_dropout_changes_training_and_leaves_inference_alone():
         random_b(plain), random_b(dropped)
         x, y, w = a_batch(preprocessor)
         tokens = {"token_ids": x["token_ids"], "padding_mask": x["padding_mask"]}
-        np.testing.assert_allclose(logits(dropped, x), logits(plain, x), rtol=1e-5, atol=1e-5)  # no dropout
+        # no dropout; beside the kernel against keras' merged call on JAX: float32 sums in another order
+        np.testing.assert_allclose(logits(dropped, x), logits(plain, x), rtol=1e-4, atol=1e-4)
         training = keras.ops.convert_to_numpy(dropped(tokens, training=True))
         assert np.abs(training - logits(plain, x)).max() > 1e-3  # dropout while training
         losses = []
