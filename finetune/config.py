@@ -310,14 +310,50 @@ class LoraConfig:
     )  # fmt: skip
     targets: list[str] = setting(
         ["query", "value"],
-        "Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*).",
+        "Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*), PEFT's names for them "
+        "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or all-linear for every one.",
         flag="--target", panel=LORA, metavar="LAYER", check=_not_empty, label="LoRA targets",
         hint="name a layer to adapt, e.g. --target query --target value",
     )  # fmt: skip
+    dropout: float = setting(
+        0.0,
+        "Dropout on the LoRA branch's input while training (PEFT's lora_dropout); none at eval or generation.",
+        flag="--lora-dropout", panel=LORA, metavar="P", range=Range(0, 1, high_open=True), label="LoRA dropout",
+        hint="try --lora-dropout 0.05",
+    )  # fmt: skip
+    rslora: bool = setting(
+        False,
+        "Rank-stabilised LoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank (PEFT's use_rslora).",
+        flag="--rslora", panel=LORA, default_text="alpha / rank",
+    )  # fmt: skip
+    dora: bool = setting(
+        False,
+        "DoRA: a trainable magnitude per output times the direction of W + the LoRA update (PEFT's use_dora); not "
+        "on a --quantize base.",
+        flag="--dora", panel=LORA, default_text="plain LoRA",
+    )  # fmt: skip
+    plus_ratio: Optional[float] = setting(
+        None,
+        "LoRA+: the B factors learn at this many times the A factors' learning rate (the paper suggests 16).",
+        flag="--lora-plus-ratio", panel=LORA, metavar="R", range=Range(0, low_open=True), label="LoRA+ ratio",
+        default_text="off: one learning rate", hint="try --lora-plus-ratio 16",
+    )  # fmt: skip
 
-    def scale_alpha(self) -> float:
-        """The alpha LoRA's update is scaled by (alpha / rank): the one set, or the rank, keras-hub's scale of 1."""
+    def resolved_alpha(self) -> float:
+        """alpha, or the rank where it is unset (a scale of 1 without rslora, keras-hub's)."""
         return float(self.alpha if self.alpha is not None else self.rank)
+
+    def scale(self) -> float:
+        """What the LoRA update is multiplied by: alpha / rank, or alpha / sqrt(rank) with rslora (PEFT's)."""
+        return self.resolved_alpha() / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def conflicts(self, cfg: Config) -> Iterator[str]:
+        """What these settings rule out with the model's."""
+        if self.dora and cfg.model.quantize is not None:
+            yield (
+                f"--dora with --quantize {cfg.model.quantize} is not supported: DoRA normalises the whole kernel "
+                "every step, and a quantized base would be dequantized each time; drop one of them"
+            )
 
 
 @documented
@@ -444,6 +480,13 @@ class TrainConfig:
         0,
         "Seeds the split, the shuffling and the LoRA initialisation.",
         flag="--seed", panel=TRAINING, range=Range(0, 2**32 - 1), hint="try --seed 0",
+    )  # fmt: skip
+    neftune_alpha: Optional[float] = setting(
+        None,
+        "NEFTune: uniform noise on the token embeddings while training, of size alpha / sqrt(tokens * width) "
+        "for each row's non-padding tokens (the paper uses 5).",
+        flag="--neftune-alpha", panel=TRAINING, metavar="A", range=Range(0), label="NEFTune alpha",
+        default_text="off", hint="try --neftune-alpha 5",
     )  # fmt: skip
     xla_mem_fraction: float = setting(
         1.00,
@@ -1028,5 +1071,6 @@ def validate(cfg: Config) -> None:
         message = item.problem(value)
         if message:
             raise UserError(message)
-    for message in [*cfg.train.conflicts(), *cfg.distribution.conflicts(cfg), *cfg.eval.conflicts(cfg)]:
+    for message in [*cfg.lora.conflicts(cfg), *cfg.train.conflicts(), *cfg.distribution.conflicts(cfg),
+                    *cfg.eval.conflicts(cfg)]:  # fmt: skip
         raise UserError(message)

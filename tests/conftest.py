@@ -313,13 +313,14 @@ def lora_model(precision="float32", quantize=None, remat=False):
     """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value."""
     import keras
 
+    from finetune.config import LoraConfig
     from finetune.model import builder, presets
     from finetune.platform import backend
 
     backend.set_seed(0)
     keras.config.set_dtype_policy(backend.POLICIES[precision][1])
     lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
-    builder.enable_lora(lm, 2, None, ["query", "value"], seed=0)
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
     return lm, preprocessor
 
 

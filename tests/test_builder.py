@@ -2,6 +2,7 @@ import keras
 import numpy as np
 import pytest
 
+from finetune.config import LoraConfig
 from finetune.data import batching
 from finetune.model import builder, presets
 from finetune.platform import backend
@@ -10,10 +11,10 @@ from finetune.platform.errors import UserError
 TINY = presets.Source("tiny", "tiny", "gemma")
 
 
-def build(rank=2, alpha=None, targets=("query", "value")):
+def build(rank=2, alpha=None, targets=("query", "value"), **variant):
     backend.set_seed(0)
     lm, preprocessor = builder.build(TINY, seq_len=32)
-    builder.enable_lora(lm, rank, alpha, list(targets))
+    builder.enable_lora(lm, LoraConfig(rank=rank, alpha=alpha, targets=list(targets), **variant))
     return lm, preprocessor
 
 
@@ -52,7 +53,7 @@ def test_alpha_sets_the_layer_scale_and_targets_are_checked():
     assert all(layer.lora_alpha == 8.0 for layer in adapted)
     fresh, _ = builder.build(TINY, seq_len=32)
     with pytest.raises(UserError, match="no layer named 'qkv'"):
-        builder.enable_lora(fresh, 2, None, ["qkv"])
+        builder.enable_lora(fresh, LoraConfig(rank=2, targets=["qkv"]))
 
 
 def test_adapter_save_then_load_gives_identical_logits(tmp_path):
@@ -153,3 +154,124 @@ def test_a_base_to_be_loaded_starts_its_large_floats_as_zeros_and_keras_draws_ag
     after = keras.layers.Dense(512, dtype="float32")
     after.build((None, 256))
     assert np.any(keras.ops.convert_to_numpy(after.kernel))  # keras' own initializer again
+
+
+# === LoRA's variants: all-linear, dropout, rsLoRA, DoRA, LoRA+, NEFTune ===
+
+
+def adapted_layers(lm):
+    return [layer for layer in lm.backbone._flatten_layers() if getattr(layer, "lora_enabled", False)]
+
+
+def random_b(lm, seed=0):
+    """B off zero, as after training, so that the update (and DoRA's norm) is not the base's."""
+    rng = np.random.default_rng(seed)
+    for layer in adapted_layers(lm):
+        layer.lora_kernel_b.assign(rng.normal(0, 0.5, tuple(layer.lora_kernel_b.shape)).astype("float32"))
+
+
+def test_all_linear_adapts_the_seven_kinds_and_peft_names_are_ours():
+    lm, _ = build(targets=("all-linear",))
+    kinds = {layer.name for layer in adapted_layers(lm)}
+    assert kinds == {"query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"}
+    assert len(adapted_layers(lm)) == 7 * lm.backbone.num_layers
+    peft, _ = build(targets=("q_proj", "v_proj", "down_proj"))
+    assert {layer.name for layer in adapted_layers(peft)} == {"query", "value", "ffw_linear"}
+
+
+def test_rslora_scales_the_update_by_alpha_over_the_root_of_the_rank():
+    lm, _ = build(rank=4, alpha=8.0, rslora=True)
+    assert all(layer.lora_alpha / layer.lora_rank == pytest.approx(4.0) for layer in adapted_layers(lm))
+    assert LoraConfig(rank=4, alpha=8.0).scale() == 2.0 and LoraConfig(rank=4, alpha=8.0, rslora=True).scale() == 4.0
+
+
+def test_lora_dropout_changes_training_and_leaves_inference_alone():
+    from conftest import float32_policy
+
+    with float32_policy():
+        plain, preprocessor = build()
+        dropped, _ = build(dropout=0.5)
+        random_b(plain), random_b(dropped)
+        x, y, w = a_batch(preprocessor)
+        tokens = {"token_ids": x["token_ids"], "padding_mask": x["padding_mask"]}
+        # no dropout; beside the kernel against keras' merged call on JAX: float32 sums in another order
+        np.testing.assert_allclose(logits(dropped, x), logits(plain, x), rtol=1e-4, atol=1e-4)
+        training = keras.ops.convert_to_numpy(dropped(tokens, training=True))
+        assert np.abs(training - logits(plain, x)).max() > 1e-3  # dropout while training
+        losses = []
+        for lm in (plain, dropped):
+            trainer = builder.compile(lm, learning_rate=1e-2, weight_decay=0.0)
+            losses.append([float(trainer.train_on_batch(x, y, sample_weight=w)) for _ in range(2)])
+    assert losses[0] != pytest.approx(losses[1], rel=1e-4)
+
+
+def test_dora_computes_peft_s_weight_decomposed_update():
+    """m (W + s A B) / |W + s A B|, each output's norm over the kernel's input axes (PEFT's dim=1 of (out, in)),
+    against numpy, on query (heads, hidden, head_dim) and ffw_linear (in, out); at the start, the base itself."""
+    from conftest import float32_policy
+
+    with float32_policy():
+        base, preprocessor = build()
+        lm, _ = build(rank=2, alpha=4.0, targets=("query", "ffw_linear"), dora=True)
+        x, _, _ = a_batch(preprocessor)
+        np.testing.assert_allclose(logits(lm, x), logits(base, x), rtol=1e-5, atol=1e-5)  # m = |W| and B = 0
+        random_b(lm)
+        rng = np.random.default_rng(1)
+        for layer in adapted_layers(lm)[:2]:
+            magnitude = keras.ops.convert_to_numpy(layer.lora_magnitude)
+            layer.lora_magnitude.assign(magnitude * rng.uniform(0.5, 1.5, magnitude.shape).astype("float32"))
+            kernel, a, b, m = (keras.ops.convert_to_numpy(v) for v in
+                               (layer._kernel, layer.lora_kernel_a, layer.lora_kernel_b, layer.lora_magnitude))  # fmt: skip
+            merged = kernel + 2.0 * np.matmul(a, b)
+            axes = builder.reduced_axes(layer)
+            expected_weight = merged * np.expand_dims(m / np.sqrt((merged**2).sum(axis=axes)), axes)
+            inputs = rng.normal(size=(2, 3, kernel.shape[-2] if layer.name == "ffw_linear" else kernel.shape[1]))
+            inputs = inputs.astype("float32")
+            equation = "matmul" if layer.name == "ffw_linear" else layer.equation
+            expected = np.matmul(inputs, expected_weight) if equation == "matmul" else np.einsum(
+                equation, inputs, expected_weight)  # fmt: skip
+            got = keras.ops.convert_to_numpy(layer(inputs))
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=layer.name)
+    names = {v.path.split("/")[-1] for v in lm.trainable_weights}
+    assert names == {"lora_kernel_a", "lora_kernel_b", "lora_magnitude"}  # checkpointed with A and B
+
+
+def test_lora_plus_steps_b_at_ratio_times_the_learning_rate():
+    """One AdamW step with --lora-plus-ratio 4 moves A as lr does and B as 4 * lr does, weight decay included."""
+    from conftest import float32_policy
+
+    def one_step(learning_rate, ratio=None):
+        with float32_policy():
+            lm, preprocessor = build()
+            random_b(lm)
+            trainer = builder.compile(lm, learning_rate, weight_decay=0.1, plus_ratio=ratio)
+            trainer.train_on_batch(*a_batch(preprocessor))
+        return {v.path: keras.ops.convert_to_numpy(v) for v in lm.trainable_weights}
+
+    plus, slow, fast = one_step(1e-3, 4.0), one_step(1e-3), one_step(4e-3)
+    assert plus.keys() == slow.keys()
+    for path, value in plus.items():
+        expected = fast[path] if path.endswith("lora_kernel_b") else slow[path]
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=path)
+    assert any(not np.allclose(fast[p], slow[p]) for p in plus)  # the two learning rates do differ
+
+
+def test_neftune_adds_bounded_noise_to_real_tokens_while_training_only():
+    from conftest import float32_policy
+
+    with float32_policy():
+        lm, preprocessor = build()
+        embedding = lm.backbone.token_embedding
+        tokens = np.array([[2, 50, 61, 72, 0, 0], [2, 50, 61, 72, 83, 94]], dtype="int32")
+        clean = keras.ops.convert_to_numpy(embedding(tokens))
+        builder.add_embedding_noise(lm, alpha=5.0, seed=0)
+        noisy = keras.ops.convert_to_numpy(embedding(tokens, training=True))
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(embedding(tokens)), clean)  # eval: none
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(embedding(tokens, training=False)), clean)
+    noise, width = noisy - clean, clean.shape[-1]
+    assert not np.any(noise[0, 4:])  # padding takes none
+    for row, real in ((0, 4), (1, 6)):
+        bound = 5.0 / np.sqrt(real * width)  # alpha / sqrt(non-padding tokens * width)
+        assert np.abs(noise[row, :real]).max() <= bound * (1 + 1e-5)
+        assert np.abs(noise[row, :real]).max() > 0.9 * bound  # uniform over the whole interval
+        assert abs(noise[row, :real].mean()) < 0.1 * bound

@@ -177,3 +177,18 @@ def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "No space left on device" in result.stderr and "step 2 is intact" in result.stderr
     assert checkpoint.latest(out).step == 2 and not (out / "metrics.json").exists()
+
+
+def test_a_run_with_lora_s_variants_resumes_to_the_same_adapter(tmp_path):
+    """DoRA's magnitudes are checkpointed with A and B, and LoRA dropout's and NEFTune's seeds with them: stopped
+    at step 4 and resumed, the run ends at the whole run's adapter and losses, bit for bit."""
+    variants = ["--dora", "--lora-dropout", "0.1", "--neftune-alpha", "5", "--lora-plus-ratio", "4"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(whole, *variants)
+    train(split, *variants, "--max-steps", "4")
+    train(split, "--resume", "--max-steps", "8")
+    expected, resumed = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(split / "adapter.lora.h5")
+    assert expected.keys() == resumed.keys() and any(name.endswith("lora_magnitude") for name in expected)
+    for name in expected:
+        np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+    assert train_losses(split) == train_losses(whole)

@@ -61,6 +61,10 @@ def test_wrong_types_are_refused(key, value, message):
         ("train.batch_size", 0, "batch size"),
         ("train.batch_size", "big", "batch size"),
         ("model.precision", "fp8", "unknown precision"),
+        ("lora.dropout", 1.0, r"LoRA dropout must be in \[0, 1\), got 1.0; try --lora-dropout 0.05"),
+        ("lora.dropout", -0.1, r"LoRA dropout must be in \[0, 1\)"),
+        ("lora.plus_ratio", 0.0, "LoRA\\+ ratio must be positive, got 0.0; try --lora-plus-ratio 16"),
+        ("train.neftune_alpha", -1.0, "NEFTune alpha must not be negative, got -1.0; try --neftune-alpha 5"),
     ],
 )
 def test_out_of_range_values_are_refused(key, value, message):
@@ -233,3 +237,8 @@ def test_a_message_for_the_command_line_is_reworded_for_python():
     ]:  # fmt: skip
         assert config.in_python_words(cli, (resume,)) == python
     assert config.in_python_words("pass --overwrite", with_settings=False) == "pass --overwrite"
+
+
+def test_dora_on_a_quantized_base_is_refused_before_anything_runs():
+    with pytest.raises(UserError, match="--dora with --quantize int4 is not supported"):
+        config.load(None, {"lora.dora": True, "model.quantize": "int4"})

@@ -241,7 +241,7 @@ import json, sys
 import keras
 from finetune.model import builder as model, distribution, layouts, presets
 from finetune.platform import backend
-from finetune.config import DistributionConfig
+from finetune.config import DistributionConfig, LoraConfig
 
 keras.config.set_dtype_policy("float32")
 out = {}
@@ -249,7 +249,7 @@ for mesh in ("1x8", "2x4"):
     source = presets.resolve("tiny")
     info = distribution.setup(DistributionConfig(parallel="model", mesh=mesh), presets.dims(source), 8)
     lm, _ = model.build(source, 64)
-    model.enable_lora(lm, 2, None, ["query", "value", "ffw_linear"])
+    model.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"]))
     out[mesh] = {v.path: [str(a) for a in v.value.sharding.spec] + [None] * (len(v.shape) - len(v.value.sharding.spec))
                  for v in lm.backbone.weights}
     out[mesh + " info"] = info
@@ -258,7 +258,7 @@ for name in ("tiny-gemma4-moe",):  # the experts' rules, on a 2x4 mesh
     source = presets.resolve(name)
     distribution.setup(DistributionConfig(parallel="model", mesh="2x4"), presets.dims(source), 8)
     lm, _ = model.build(source, 64)
-    model.enable_lora(lm, 2, None, ["query", "value", "ffw_linear"])
+    model.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"]))
     out[name] = {v.path: [str(a) for a in v.value.sharding.spec] + [None] * (len(v.shape) - len(v.value.sharding.spec))
                  for v in lm.backbone.weights}
     keras.distribution.set_distribution(None)

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 import finetune
 from finetune.cli import app
+from finetune.config import LoraConfig
 from finetune.exports.export import MARKER
 from finetune.model import presets
 
@@ -363,7 +364,7 @@ def test_every_key_value_head_reaches_transformers_and_peft(tmp_path, family):
             factors[index] = tuple(pair)
         tuned = logits(lm)
     (tmp_path / "peft").mkdir()
-    write_peft(tmp_path / "peft", backbone, factors, {"rank": 2, "alpha": 3.0, "preset": {"name": "x"}})
+    write_peft(tmp_path / "peft", backbone, factors, LoraConfig(rank=2, alpha=3.0))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(model).__name__ == {"gemma": "GemmaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
     np.testing.assert_allclose(hf_logits(model), base, atol=1e-4)
@@ -460,6 +461,85 @@ def test_a_gemma3_run_exports_to_transformers_and_peft(trained_gemma3, tmp_path)
     np.testing.assert_allclose(hf_logits(base_model), base, atol=1e-4)
     adapted = peft.PeftModel.from_pretrained(base_model, export(run, "peft", tmp_path / "peft"))
     np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
+
+
+# === LoRA's variants: each exported variant checked as plain LoRA is (merged, and PEFT against keras-hub merged) ===
+
+# rslora: through the Python API, every linear kind, dropout set (off at inference, so the exports match).
+# dora: through the command users type, in a fresh process, on PEFT's module names, with LoRA+ and NEFTune too.
+VARIANTS = {
+    "rslora": {"lora.rslora": True, "lora.targets": ["all-linear"], "lora.dropout": 0.1},
+    "dora": [
+        "--dora", "--lora-dropout", "0.05", "--lora-plus-ratio", "4", "--neftune-alpha", "5",
+        *[a for name in ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj") for a in ("--target", name)],
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    """(variant, run directory, the fine-tuned Keras model's logits on TOKENS)."""
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    chosen = VARIANTS[request.param]
+    if isinstance(chosen, dict):
+        settings = {
+            "backend": BACKEND, "output.dir": str(out), "model.seq_len": 64, "model.precision": "float32",
+            "train.batch_size": 2, "train.max_steps": 3, "train.samples": 0, "data.max_records": 40,
+            "lora.rank": RANK, "lora.alpha": ALPHA, **chosen,
+        }  # fmt: skip
+        with float32_policy():
+            finetune.run(finetune.load_config("tiny", settings))
+    else:
+        args = [
+            sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64",
+            "--precision", "float32", "--batch-size", "2", "--max-steps", "3", "--max-records", "40", "--set",
+            "train.samples=0", "--rank", str(RANK), "--alpha", str(ALPHA), *chosen, "--output", str(out),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with float32_policy():
+        tuned = logits(finetune.load(out))
+        assert np.abs(tuned - logits(base_model())).max() > 1e-3
+    return request.param, out, tuned
+
+
+def test_a_variant_is_recorded_and_merges_into_the_run_s_logits(variant, tmp_path):
+    import keras_hub
+
+    name, run, tuned = variant
+    described = json.loads((run / "adapter.json").read_text())
+    assert (described["rslora"], described["dora"]) == (name == "rslora", name == "dora")
+    if name == "rslora":
+        assert len(described["adapted"]) == 7 * 2 and described["dropout"] == 0.1  # tiny has 2 blocks
+    else:
+        assert {entry["name"] for entry in described["adapted"]} == {"query", "key", "value", "attention_output",
+                                                                    "ffw_linear"}  # fmt: skip
+        assert all(entry["lora_magnitude"] for entry in described["adapted"])
+    export(run, "merged", tmp_path / "merged")
+    with float32_policy():
+        merged = keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged"))
+        np.testing.assert_allclose(logits(merged), tuned, atol=1e-4)
+
+
+@in_torch_suite
+def test_a_variant_s_peft_export_gives_keras_hub_s_merged_logits(variant, tmp_path):
+    """The issue's check: keras-hub merged logits against PEFT on the `--format hf --base` model, within 1e-3."""
+    import keras_hub
+
+    transformers = pytest.importorskip("transformers", reason="checked in transformers: pip install 'finetune[hf]'")
+    peft = pytest.importorskip("peft", reason="checked in PEFT: pip install 'finetune[hf]'")
+    name, run, tuned = variant
+    out = export(run, "peft", tmp_path / "peft")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["use_rslora"], config["use_dora"]) == (name == "rslora", name == "dora")
+    base = transformers.AutoModelForCausalLM.from_pretrained(export(run, "hf", tmp_path / "base", "--base"))
+    adapted = peft.PeftModel.from_pretrained(base, out)
+    export(run, "merged", tmp_path / "merged")
+    with float32_policy():
+        merged = logits(keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged")))
+    np.testing.assert_allclose(hf_logits(adapted), merged, atol=1e-3)
+    np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-3)
 
 
 # === GGUF (llama.cpp and Ollama) ===

@@ -24,6 +24,7 @@ import pytest
 from conftest import BACKEND, float32_policy, write_jsonl
 
 import finetune
+from finetune.config import LoraConfig
 from finetune.model import builder, families, presets
 from finetune.training import checkpoint, outputs
 
@@ -182,14 +183,29 @@ def test_lora_adapts_the_attention_and_ffw_and_refuses_the_rest(preset, frozen):
     assert builder.adaptable_targets(lm.backbone) == list(families.TARGETS)
     for name in frozen:
         with pytest.raises(UserError, match=f"'{name}' layers stay frozen: .*; LoRA adapts query, key, value"):
-            builder.enable_lora(lm, 2, None, ["query", name])
+            builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", name]))
     if preset.startswith("tiny-gemma4"):  # its blocks read the FFW kernels directly: int4's come unscaled
         with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: .* without its scales"):
             builder.build(presets.resolve(preset), 32, quantize="int4")
     own = ["q_proj", "down_proj"] if preset == "tiny-gemma3n" else ["query", "ffw_linear"]
-    count = builder.enable_lora(lm, 2, None, own)
+    count = builder.enable_lora(lm, LoraConfig(rank=2, targets=own))
     trainable = {v.path.split("/")[-1] for v in lm.trainable_weights}
     assert trainable == {"lora_kernel_a", "lora_kernel_b"} and count == 2 * len(families.decoder_blocks(lm.backbone))
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gemma4", "tiny-gemma3n"])
+def test_all_linear_adapts_the_seven_linear_kinds_and_peft_names_name_them(preset):
+    with float32_policy():
+        lm, _ = builder.load_base(presets.resolve(preset), 32)
+    family = families.get(presets.TINY[preset].family)
+    count = builder.enable_lora(lm, LoraConfig(rank=2, targets=["all-linear"]))
+    adapted = [layer for layer in lm.backbone._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    kinds = {family.layer_of(target) for target in families.TARGETS}
+    assert len(kinds) == 7 and {layer.name for layer in adapted} == kinds
+    dense = [layer for layer in lm.backbone._flatten_layers() if hasattr(layer, "lora_kernel_a")]
+    assert count == len(adapted) == len([layer for layer in dense if layer.name in kinds]) >= 7
+    names = list(families.PEFT_NAMES)  # q_proj ... down_proj: the same layers on every family
+    assert builder.lora_layer_names(lm.backbone, names) == [family.layer_of(t) for t in families.TARGETS]
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="loading a preset's weights is the same on every backend: torch suite")

@@ -140,3 +140,40 @@ def test_keras_int8_layers_quantize_inputs_through_the_attribute_weights_only_dr
     keras_compat.drop_inputs_quantizer(layer)
     assert layer.inputs_quantizer is None
     layer(np.ones((1, 3), "float32"))  # still computes
+
+
+def test_a_replaced_call_can_take_the_training_flag_the_layers_own_call_lacks():
+    layer = keras.layers.Embedding(10, 4)
+    layer.build((None, 3))
+    seen = []
+    keras_compat.replace_call(layer, lambda inputs, training=None: seen.append(training) or inputs, takes_training=True)
+    tokens = np.zeros((1, 3), "int32")
+    layer(tokens, training=True), layer(tokens)
+    assert seen == [True, None]
+
+
+def test_a_built_layer_takes_new_variables_and_seeds_only_while_unlocked():
+    layer = keras.layers.Dense(3)
+    layer.build((None, 2))
+    with pytest.raises(ValueError):
+        layer.add_weight(name="late", shape=(3,))
+    with keras_compat.adding_variables(layer):
+        layer.late = layer.add_weight(name="late", shape=(3,))
+        layer.seed = keras.random.SeedGenerator(1)
+    assert [v.path for v in layer.trainable_weights][-1].endswith("late")
+    assert any(v is layer.seed.state for v in layer.non_trainable_variables)
+
+
+def test_the_learning_rate_ratio_steps_and_decays_the_chosen_variables_faster():
+    """AdamW through both private hooks (step and decay): the chosen variable moves as at ratio * learning rate."""
+    values = {}
+    for ratio, rate in ((None, 0.1), (None, 0.3), (3.0, 0.1)):
+        variables = [keras.Variable(np.ones(2, "float32"), name=n) for n in ("a", "b")]
+        optimizer = keras.optimizers.AdamW(learning_rate=rate, weight_decay=0.5)
+        if ratio:
+            keras_compat.learning_rate_ratio(optimizer, lambda v: v.name == "b", ratio)
+        optimizer.apply([keras.ops.convert_to_tensor([0.5, -1.0])] * 2, variables)
+        values[(ratio, rate)] = [keras.ops.convert_to_numpy(v) for v in variables]
+    np.testing.assert_allclose(values[(3.0, 0.1)][0], values[(None, 0.1)][0], rtol=1e-6)
+    np.testing.assert_allclose(values[(3.0, 0.1)][1], values[(None, 0.3)][1], rtol=1e-6)
+    assert not np.allclose(values[(None, 0.1)][1], values[(None, 0.3)][1])

@@ -236,7 +236,7 @@ def test_the_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_step(
         backbone = keras_hub.models.GemmaBackbone(**sizes, dtype="float32")
         backbone.save_to_preset(str(tmp_path / "small"))
         lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        builder.enable_lora(lm, 4, None, ["query", "value"])
+        builder.enable_lora(lm, config.LoraConfig(rank=4, targets=["query", "value"]))
         trainer = builder.compile(lm, 1e-3, 0.0)
         pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * 30) for i in range(16)]
         examples, _ = batching.tokenize(pairs, presets.tiny_tokenizer(), 128)

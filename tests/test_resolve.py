@@ -109,7 +109,7 @@ def test_resolve_decides_every_auto_setting_and_leaves_the_config_alone(tmp_path
     assert run.decisions["time_limit"] == resolve.Decision("off", "none asked")
     assert all(isinstance(d.why, str) and d.why for d in run.decisions.values())
     recipe = run.recipe()
-    assert (recipe.precision, recipe.lora.rank, recipe.lora.alpha) == (run.precision, 4, 4.0)
+    assert (recipe.precision, recipe.lora.rank, recipe.lora.resolved_alpha()) == (run.precision, 4, 4.0)
     assert recipe.optimizer.learning_rate == 1e-2 and run.recipe(train=False).optimizer is None
 
 

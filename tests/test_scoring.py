@@ -2,6 +2,7 @@ import keras
 import numpy as np
 from conftest import float32_policy
 
+from finetune.config import LoraConfig
 from finetune.data import batching
 from finetune.model import builder, presets
 from finetune.platform import backend
@@ -12,7 +13,7 @@ def test_loss_is_averaged_over_response_tokens_only():
     backend.set_seed(0)
     with float32_policy():  # compared with a float64 computation below
         lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
-    builder.enable_lora(lm, 2, None, ["query", "value"])
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]))
     pairs = [
         ("Instruction:\nA long prompt about " + "many things " * i + "\n\nResponse:\n", "Short.") for i in range(5)
     ]

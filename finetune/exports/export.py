@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -188,10 +189,10 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
                 shutil.copyfile(run.directory / name, staging / name)
             return
         if fmt == "peft":
-            write_peft(staging, lm.backbone, factors, run.adapter)
+            write_peft(staging, lm.backbone, factors, cfg.lora)
             shutil.copyfile(run.directory / outputs.ADAPTER_JSON, staging / outputs.ADAPTER_JSON)  # which base
             return
-        merge(lm.backbone, factors, run.adapter["alpha"] / run.adapter["rank"])
+        merge(lm.backbone, factors, cfg.lora.scale())
         if fmt == "gguf":
             write_gguf(staging, run, lm.backbone, preprocessor.tokenizer, dtype or "f16")
             return
@@ -260,7 +261,8 @@ def publish(target: Path, write) -> None:
 
 
 def merge(backbone, factors: dict, scale: float) -> None:
-    """W += scale * A @ B on each adapted kernel, as Keras' EinsumDense computes its LoRA kernel.
+    """W += scale * A @ B on each adapted kernel, as Keras' EinsumDense computes its LoRA kernel; under DoRA,
+    W = m * (W + scale * A @ B) / |W + scale * A @ B|, the norm of each output's column (builder._with_lora).
 
     A is (..., in, rank) and B (rank, out), so A @ B broadcasts over the leading
     axes to the kernel's shape: (heads, hidden, head_dim) for query, key and
@@ -269,12 +271,17 @@ def merge(backbone, factors: dict, scale: float) -> None:
     """
     import numpy as np
 
+    from finetune.model import builder
     from finetune.training import adapter
 
     layers = adapter.layers_with_weights(backbone)
-    for index, (a, b) in factors.items():
+    for index, (a, b, *magnitude) in factors.items():
         kernel = layers[index].kernel
-        kernel.assign(np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b))  # cast on assign
+        merged = np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b)
+        if magnitude:
+            axes = builder.reduced_axes(layers[index])
+            merged *= np.expand_dims(magnitude[0] / np.sqrt(np.square(merged).sum(axis=axes)), axes)
+        kernel.assign(merged)  # cast on assign
 
 
 def check_transformers_layout(backbone) -> None:
@@ -541,7 +548,7 @@ def _save_safetensors(path: Path, tensors: dict) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
-def write_peft(directory: Path, backbone, factors: dict, description: dict) -> None:
+def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
     """adapter_model.safetensors and adapter_config.json: the same update as Keras', in PEFT's layout.
 
     PEFT adds (lora_alpha / r) * B_p @ A_p to a (out, in) weight. Keras' LoRA on
@@ -551,7 +558,10 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
     heads * r: A_p stacks the heads' A, B_p is block-diagonal with B on each
     block. attention_output sums over heads on its input side and the
     feed-forward kernels are plain matrices, so those stay rank r.
-    The scale alpha / r is kept by giving each module alpha * (its rank / r).
+    The scale s (alpha / r, or alpha / sqrt(r) with rslora) is kept by giving each module of rank r_m the alpha
+    s * r_m (s * sqrt(r_m)). DoRA's magnitudes go under PEFT's key, one per row of the module's weight.
+
+    lora: config.LoraConfig. The run's rank, alpha, rslora and dora.
     """
     import json
 
@@ -559,10 +569,14 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
 
     from finetune.training import adapter
 
-    rank, alpha = description["rank"], float(description["alpha"])
+    rank = lora.rank
+
+    def alpha_for(r: int) -> float:  # the alpha that PEFT turns into the scale s at rank r
+        return lora.scale() * (math.sqrt(r) if lora.rslora else r)
+
     layers = adapter.layers_with_weights(backbone)
     tensors, ranks = {}, {}
-    for index, (a, b) in sorted(factors.items()):
+    for index, (a, b, *magnitude) in sorted(factors.items()):
         layer = layers[index]
         # decoder_block_<i>/attention/query, or text_model/decoder_block_<i>/... for Gemma 3n
         block = int(next(p for p in layer.path.split("/") if p.startswith("decoder_block_")).rsplit("_", 1)[1])
@@ -578,6 +592,8 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
         prefix = f"base_model.model.model.layers.{block}.{module}"
         tensors[f"{prefix}.lora_A.weight"] = lora_a.astype(np.float32)
         tensors[f"{prefix}.lora_B.weight"] = lora_b.astype(np.float32)
+        if magnitude:  # (heads, head_dim) or (out,): transformers' rows, head h's dim j at h * head_dim + j
+            tensors[f"{prefix}.lora_magnitude_vector"] = magnitude[0].reshape(-1).astype(np.float32)
     _save_safetensors(directory / "adapter_model.safetensors", tensors)
     wider = _rank_pattern(ranks, rank)
     config = {
@@ -585,14 +601,15 @@ def write_peft(directory: Path, backbone, factors: dict, description: dict) -> N
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
         "r": rank,
-        "lora_alpha": alpha,
+        "lora_alpha": alpha_for(rank),
         "target_modules": sorted({path.rsplit(".", 1)[1] for path in ranks}),
         "rank_pattern": wider,
-        "alpha_pattern": {name: alpha * r / rank for name, r in wider.items()},
-        "lora_dropout": 0.0,
+        "alpha_pattern": {name: alpha_for(r) for name, r in wider.items()},
+        "lora_dropout": float(lora.dropout),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": bool(lora.rslora),
+        "use_dora": bool(lora.dora),
         "inference_mode": True,
     }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -23,17 +23,6 @@ from finetune.platform.errors import UserError
 
 
 @dataclass(frozen=True)
-class Lora:
-    """The LoRA a model is built with: rank, alpha (the update's scale is alpha / rank), the layers it adapts,
-    and the numpy seed its factors start from (initialise_lora)."""
-
-    rank: int
-    alpha: float
-    targets: tuple
-    seed: int = 0
-
-
-@dataclass(frozen=True)
 class Optimizer:
     """AdamW as compile() sets it up, and the data shards a batch is split over."""
 
@@ -51,8 +40,13 @@ class Recipe:
     precision: str
     quantize: str | None = None
     remat: bool = False
-    lora: Lora | None = None
-    """None: the base alone."""
+    lora: object = None
+    """The LoRA settings (config.LoraConfig: rank, alpha, targets, dropout, rslora, dora, plus_ratio; see
+    enable_lora); None: the base alone."""
+    seed: int = 0
+    """The numpy seed the LoRA factors, dropout masks and NEFTune noise start from."""
+    neftune_alpha: float | None = None
+    """NEFTune's noise on the embeddings while training (add_embedding_noise); None: none."""
     optimizer: Optimizer | None = None
     """None: nothing compiled for training (eval, generate, export)."""
 
@@ -80,11 +74,14 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat)
     adapted = 0
     if recipe.lora is not None:
-        lora = recipe.lora
-        adapted = enable_lora(lm, lora.rank, lora.alpha, list(lora.targets), lora.seed)
+        adapted = enable_lora(lm, recipe.lora, recipe.seed)
+    if recipe.neftune_alpha:
+        add_embedding_noise(lm, recipe.neftune_alpha, recipe.seed)
     trainer = None
     if recipe.optimizer is not None:
-        trainer = compile(lm, recipe.optimizer.learning_rate, recipe.optimizer.weight_decay, recipe.optimizer.shards)
+        settings = recipe.optimizer
+        plus_ratio = getattr(recipe.lora, "plus_ratio", None)
+        trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio)
     return Model(lm, preprocessor, trainer, adapted)
 
 
@@ -274,19 +271,20 @@ def adaptable_layer_names(backbone) -> set[str]:
     }
 
 
-def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: int = 0) -> int:
+def enable_lora(lm, lora, seed: int = 0) -> int:
     """LoRA on the named layers, everything else frozen; returns the count of adapted layers.
 
-    targets: list of str. LoRA target names (query, value, ...: the same for
-        every family, families.TARGETS) or the family's own layer names.
-    seed: int. The LoRA factors start from this numpy seed, not from the
+    lora: the LoRA settings, an object with rank, alpha, targets, dropout, rslora and dora, and
+        scale() (config.LoraConfig). targets are LoRA target names (query, value, ...: the same for
+        every family, families.TARGETS), PEFT's names for them, all-linear, or the family's own layer names.
+    seed: int. The LoRA factors (and the dropout masks) start from this numpy seed, not from the
         backend's own generator, so every backend trains the same model.
     """
     backbone = lm.backbone
-    names = lora_layer_names(backbone, targets)
+    names = lora_layer_names(backbone, lora.targets)
     choices = ", ".join(adaptable_targets(backbone))
     _adapter_dtype(backbone, names)
-    backbone.enable_lora(rank, target_layer_names=names)
+    backbone.enable_lora(lora.rank, target_layer_names=names)
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
     unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
@@ -294,16 +292,31 @@ def enable_lora(lm, rank: int, alpha: float | None, targets: list[str], seed: in
         raise UserError(
             f"layer {unsavable[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
         )
-    if alpha is not None:
-        for layer in adapted:
-            layer.lora_alpha = alpha  # the layer scales its LoRA update by lora_alpha / lora_rank
-    initialise_lora(adapted, seed)
     for layer in adapted:
-        beside_the_kernel(layer)
+        # The layer scales its update by lora_alpha / lora_rank: keras' own call (JAX) and ours (beside_the_kernel)
+        # then both scale by alpha / rank, or alpha / sqrt(rank) with rslora.
+        layer.lora_alpha = lora.scale() * lora.rank
+    initialise_lora(adapted, seed)
+    rng = np.random.default_rng([seed, 1])  # the dropout seeds: apart from the factors' draws
+    for layer in adapted:
+        if lora.dora and quantized.policy_of(layer).quantization_mode is not None:
+            raise UserError(
+                f"DoRA needs a float kernel, and layer {layer.name} is quantized; drop --dora or --quantize"
+            )
+        with keras_compat.adding_variables(layer):
+            if lora.dora:
+                layer.lora_magnitude = layer.add_weight(
+                    name="lora_magnitude", shape=magnitude_shape(layer), initializer="zeros", dtype="float32"
+                )
+                layer.lora_magnitude.assign(keras.ops.convert_to_numpy(_column_norm(layer, with_update=False)))
+            if lora.dropout:
+                layer.lora_dropout = lora.dropout
+                layer.lora_dropout_seed = keras.random.SeedGenerator(int(rng.integers(2**31)))
+        beside_the_kernel(layer, own_call=bool(lora.dora or lora.dropout))
     return len(adapted)
 
 
-def beside_the_kernel(layer) -> bool:
+def beside_the_kernel(layer, own_call: bool = False) -> bool:
     """Give `layer` our own call: its kernel's projection, then its LoRA beside it, x W + s (x A) B.
 
     Keras merges the factors into the kernel each call, W + s A B: a kernel-sized
@@ -318,38 +331,40 @@ def beside_the_kernel(layer) -> bool:
     (or gradient) arrives (quantized.lean_projection), on every backend and
     whether or not LoRA adapts it. A float layer keeps Keras' call on JAX (not
     measured to pay there: its one run with this also had a slower loss) and
-    where the equation's kernel's last axis is not the output's last. Returns
-    whether the call was replaced. The LoRA part follows the layer's
-    `lora_enabled` when it is called, so this can come before enable_lora.
+    where the equation's kernel's last axis is not the output's last, unless
+    `own_call`: LoRA dropout and DoRA are ours to compute, so they take our call
+    on every backend. Returns whether the call was replaced. The LoRA part
+    follows the layer's `lora_enabled` when it is called, so this can come
+    before enable_lora.
     """
     from keras.layers import Dense, EinsumDense
 
     project = quantized.lean_projection(layer)
     down = None
+    ours = own_call or keras.config.backend() != "jax"
     if isinstance(layer, EinsumDense):
         operands, out = layer.equation.split("->")
         _, kernel = operands.split(",")
         if kernel[-1] == out[-1] and "." not in layer.equation:
             rank_axis = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in layer.equation)
             down = f"{operands[: operands.index(',')]},{kernel[:-1]}{rank_axis}->{out[:-1]}{rank_axis}"
-        if project is None and down is not None and keras.config.backend() != "jax":
+        if project is None and down is not None and ours:
             project = functools.partial(_einsum, layer.equation, weight=lambda: layer._kernel)
     elif isinstance(layer, Dense) and getattr(layer, "quantization_mode", None) is None:
         down = "matmul"
-        if keras.config.backend() != "jax":
+        if ours:
             project = functools.partial(_einsum, "matmul", weight=lambda: layer._kernel)
     if project is None:
+        if own_call:
+            raise UserError(f"LoRA dropout and DoRA are not built for layer {layer.name} ({type(layer).__name__})")
         return False
 
     def call(inputs, training=None):
-        compute = layer.compute_dtype
         x = project(inputs)
         if layer.lora_enabled:
             if down is None:
                 raise ValueError(f"{layer.name}: LoRA beside a kernel of equation {layer.equation} is not built")
-            low = _einsum(down, inputs, weight=lambda: ops.cast(layer.lora_kernel_a, compute))
-            update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
-            x = ops.add(x, ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update)
+            x = _with_lora(layer, (down, project), inputs, x, training)
         if layer.bias is not None:
             x = ops.add(x, layer.bias)
         if layer.activation is not None:
@@ -358,6 +373,85 @@ def beside_the_kernel(layer) -> bool:
 
     keras_compat.replace_call(layer, call)
     return True
+
+
+def _with_lora(layer, projections: tuple, inputs, projected, training):
+    """The layer's output `projected` (x W) with its LoRA update: + s (x A) B, with dropout on the x of x A while
+    training (PEFT's lora_dropout), and under DoRA as PEFT's DoraLinearLayer computes it:
+    m / |W + s A B| (x W + s (x A) B), the column norm held constant (detached), as the DoRA paper's section 4.3
+    suggests. With dropout, PEFT's DoRA keeps x W undropped: x W + (m / |.| - 1) x' W + m / |.| s (x' A) B."""
+    down, project = projections  # x -> x A's einsum, and x -> x W
+    compute = layer.compute_dtype
+    dropout = getattr(layer, "lora_dropout", 0.0)
+    x = inputs
+    if dropout and training:
+        x = keras.random.dropout(inputs, dropout, seed=layer.lora_dropout_seed)
+    low = _einsum(down, x, weight=lambda: ops.cast(layer.lora_kernel_a, compute))
+    update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
+    update = ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update
+    if getattr(layer, "lora_magnitude", None) is None:
+        return ops.add(projected, update)
+    norm = ops.stop_gradient(_column_norm(layer, with_update=True))
+    ratio = ops.cast(ops.divide(layer.lora_magnitude, norm), compute)
+    if x is inputs:
+        return ops.multiply(ratio, ops.add(projected, update))
+    dropped = project(x)
+    return ops.add(projected, ops.add(ops.multiply(ratio - 1, dropped), ops.multiply(ratio, update)))
+
+
+def reduced_axes(layer) -> tuple[int, ...]:
+    """The kernel's axes an output sums over (its input side): DoRA's column norm is taken over them."""
+    equation = getattr(layer, "equation", None)
+    if equation is None:  # Dense: (in, out)
+        return (0,)
+    operands, out = equation.split("->")
+    kernel = operands.split(",")[1]
+    kept = [c for c in kernel if c in out]
+    if "".join(kept) != out[len(out) - len(kept) :]:
+        raise UserError(
+            f"DoRA is not built for layer {layer.name}: its kernel's outputs are not its output's last axes"
+        )
+    return tuple(i for i, c in enumerate(kernel) if c not in out)
+
+
+def magnitude_shape(layer) -> tuple[int, ...]:
+    """DoRA's magnitudes of `layer`, one per output: its kernel's shape without the axes its outputs sum over."""
+    axes = reduced_axes(layer)
+    return tuple(int(d) for i, d in enumerate(layer._kernel.shape) if i not in axes)
+
+
+def _column_norm(layer, with_update: bool):
+    """|W + s A B| per output, in float32, as PEFT's get_weight_norm (the L2 norm of each output's row)."""
+    weight = ops.cast(layer._kernel, "float32")
+    if with_update:
+        scale = layer.lora_alpha / layer.lora_rank
+        weight = weight + scale * ops.matmul(layer.lora_kernel_a, layer.lora_kernel_b)
+    return ops.sqrt(ops.sum(ops.square(weight), axis=reduced_axes(layer)))
+
+
+def add_embedding_noise(lm, alpha: float, seed: int = 0) -> None:
+    """NEFTune: uniform noise on the token embeddings while training, in [-1, 1] times alpha / sqrt(L d), L a
+    row's non-padding tokens and d the width, as the NEFTune authors' code scales it per example; padding
+    positions get none. transformers' neftune_post_forward_hook divides by the padded length instead. The noise
+    goes on the embedding layer's output, before keras-hub's Gemma multiplies it by sqrt(d), where
+    transformers' Gemma hook puts it too. Eval and generation see none."""
+    backbone = lm.backbone
+    layer = backbone.language_model.embed_tokens if hasattr(backbone, "language_model") else backbone.token_embedding
+    own = layer.call
+    with keras_compat.adding_variables(layer):
+        layer.neftune_seed = keras.random.SeedGenerator(seed)
+
+    def call(inputs, training=None, **kwargs):
+        x = own(inputs, **kwargs)
+        if kwargs.get("reverse") or not training or not alpha:
+            return x
+        real = ops.cast(ops.not_equal(inputs, 0), x.dtype)[..., None]  # batching pads rows with id 0 (<pad>)
+        tokens = ops.maximum(ops.sum(real, axis=-2, keepdims=True), 1)
+        size = ops.cast(alpha, x.dtype) / ops.sqrt(tokens * ops.cast(ops.shape(x)[-1], x.dtype))
+        noise = keras.random.uniform(ops.shape(x), -1.0, 1.0, dtype=x.dtype, seed=layer.neftune_seed)
+        return ops.add(x, noise * size * real)
+
+    keras_compat.replace_call(layer, call, takes_training=True)
 
 
 def _einsum(equation: str, inputs, weight):
@@ -378,9 +472,10 @@ def lora_layer_names(backbone, targets: list[str]) -> list[str]:
     """The keras-hub layer names `targets` adapt on this backbone; a UserError for one it cannot."""
     family = families.of_backbone(backbone)
     available = adaptable_layer_names(backbone)
-    choices = ", ".join(adaptable_targets(backbone))
+    adaptable = adaptable_targets(backbone)
+    choices = ", ".join(adaptable)
     names = []
-    for target in targets:
+    for target in families.spelled_out(targets, adaptable):
         name = family.layer_of(target)
         why = family.frozen_reason(name)
         if why is not None:
@@ -440,8 +535,8 @@ def _fan_in(shape) -> int:
     return shape[-2] * math.prod(shape[:-2])
 
 
-def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1):
-    """The model that trains `lm`: a TrainingView with AdamW at a constant rate (optimizer.py), not clipped.
+def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None):
+    """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
     Its loss is the mean over the weighted (response) tokens of each step,
     computed at those positions only (objective.py), with the weights that
@@ -451,9 +546,10 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1):
     accumulation once it knows its steps (train_with).
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
+    plus_ratio: float. LoRA+: the B factors learn at this many times the learning rate of the rest.
     """
     view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
-    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None))
+    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio))
 
 
 def train_with(view, controls: optimizer.Controls):

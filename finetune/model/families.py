@@ -25,6 +25,20 @@ from finetune.platform.errors import UserError
 
 TARGETS = ("query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear")
 _SAME = {name: name for name in TARGETS}
+ALL_LINEAR = "all-linear"
+"""The target that stands for every linear layer kind of the decoder blocks (PEFT's target_modules="all-linear")."""
+# PEFT's module names for the same layers (transformers' Gemma), taken as targets in every family.
+PEFT_NAMES = dict(q_proj="query", k_proj="key", v_proj="value", o_proj="attention_output", gate_proj="ffw_gating",
+                  up_proj="ffw_gating_2", down_proj="ffw_linear")  # fmt: skip
+
+
+def spelled_out(targets, adaptable) -> list[str]:
+    """`targets` in our names, each once, in order: PEFT's names as ours, all-linear as each of `adaptable` (the
+    TARGETS the model has layers for); a family's own layer names stay as they are."""
+    names = []
+    for target in targets:
+        names += list(adaptable) if target == ALL_LINEAR else [PEFT_NAMES.get(target, target)]
+    return list(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class Family:
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
+        target = PEFT_NAMES.get(target, target)
         return self.layers.get(target, target)
 
     def frozen_reason(self, layer: str) -> str | None:

@@ -181,7 +181,7 @@ def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     return ops.concatenate(losses, axis=0), ops.concatenate(correct, axis=0)
 
 
-def _gathered(backbone, inputs, shards: int, rows: int | None = None):
+def _gathered(backbone, inputs, shards: int, rows: int | None = None, training=None):
     """The backbone's hidden states at inputs["loss_positions"], flattened to (batch x width, hidden).
 
     Positions index within their data shard's rows (batching.targets), so each
@@ -189,7 +189,9 @@ def _gathered(backbone, inputs, shards: int, rows: int | None = None):
     inputs' shapes leave it unknown (TensorFlow's evaluate() traces a batch of
     None rows): the chunks of objective's op need a static count of positions.
     """
-    hidden = backbone({name: value for name, value in inputs.items() if not name.startswith("loss_")})
+    hidden = backbone(
+        {name: value for name, value in inputs.items() if not name.startswith("loss_")}, training=training
+    )
     width = hidden.shape[-1]
     positions = inputs["loss_positions"]
     per_shard = ops.reshape(hidden, (shards, -1, width))
@@ -214,9 +216,11 @@ class TrainingView(keras.Model):
         self.shards = shards
         self.rows = rows
 
-    def call(self, inputs):
+    def call(self, inputs, training=None):
+        # keras' trainers pass `training` only to a call that takes it, and JAX's stateless call sets no call
+        # context: passed on to the backbone, it reaches LoRA dropout and NEFTune, which act only while training.
         backbone = self.lm.backbone
-        hidden = _gathered(backbone, inputs, self.shards)
+        hidden = _gathered(backbone, inputs, self.shards, training=training)
         labels = ops.reshape(inputs["loss_labels"], (-1,))
         weights = ops.reshape(inputs["loss_weights"], (-1,))
         kernel, soft_cap = logit_projection(backbone)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
+from finetune.platform import keras_compat
+
 SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 
 
@@ -41,6 +43,7 @@ class Controls:
         grad_accum: int. Micro-batches per optimizer step.
         max_grad_norm: float or None. Clip the gradients' global norm to this; None does not clip.
         min_lr_ratio: float. cosine_with_min_lr's floor, a fraction of the peak.
+        plus_ratio: float or None. LoRA+: the B factors learn at this many times the learning rate of the rest.
     """
 
     learning_rate: float
@@ -51,6 +54,7 @@ class Controls:
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0
     min_lr_ratio: float = 0.1
+    plus_ratio: float | None = None
 
 
 def warmup_steps_for(total_steps: int, steps: int | None, ratio: float | None) -> int:
@@ -184,7 +188,10 @@ def adamw(controls: Controls) -> Clipping:
         weight_decay=controls.weight_decay,
         gradient_accumulation_steps=controls.grad_accum if controls.grad_accum > 1 else None,
     )
-    optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
+    # DoRA's magnitudes are per-output scales, kept from decay like the norms' (decay would shrink each output).
+    optimizer.exclude_from_weight_decay(var_names=["bias", "scale", "lora_magnitude"])
+    if controls.plus_ratio is not None:
+        keras_compat.learning_rate_ratio(optimizer, lambda v: v.path.endswith("lora_kernel_b"), controls.plus_ratio)
     return optimizer
 
 

@@ -167,13 +167,62 @@ def large_variables_start_as_zeros(at_least: int):
 # Each replaces one method of one layer object (never its class), so another model in the process is untouched.
 
 
-def replace_call(layer, call) -> None:
+def replace_call(layer, call, takes_training: bool = False) -> None:
     """Make `layer` compute with `call`: its `call`, and on a quantized layer the `quantized_call` that keras'
     Layer.__call__ runs instead. Used by the lean projection (model.lean_call) and remat (remat.enable): keras
-    takes no custom call from outside a layer's class."""
+    takes no custom call from outside a layer's class.
+
+    takes_training: bool. Pass `call` the training flag, though the layer's own call takes none (the token
+        embedding's, for NEFTune): keras reads which context arguments a call takes once, in Layer.__init__.
+    """
     layer.call = call
     if getattr(layer, "quantization_mode", None) is not None:
         layer.quantized_call = call
+    if takes_training:
+        layer._call_has_context_arg["training"] = True
+        layer._call_has_training_arg = True
+
+
+@contextlib.contextmanager
+def adding_variables(layer):
+    """Let a built `layer` take new variables and seed generators (DoRA's magnitude, LoRA dropout's seed), as
+    keras' own enable_lora does: a built layer's tracker is locked against new state."""
+    layer._tracker.unlock()
+    try:
+        yield layer
+    finally:
+        layer._tracker.lock()
+
+
+def learning_rate_ratio(optimizer, chosen, ratio: float) -> None:
+    """Make `optimizer` step the variables that `chosen(variable)` picks at `ratio` times its learning rate, their
+    weight decay (learning rate times decay, in AdamW) included: LoRA+'s two learning rates in one optimizer.
+
+    Scaling their gradients instead is not the same for Adam, which divides each step by the gradient's own
+    size. Keras' optimizers take one learning rate; each backend steps a list of variables in
+    `_backend_update_step` (PyTorch's all at once) and decays them in `_apply_weight_decay`, so the picked
+    variables are stepped and decayed in a second call of each.
+    """
+    update, decay = optimizer._backend_update_step, optimizer._apply_weight_decay
+
+    def update_step(grads, variables, learning_rate):
+        picked = [chosen(v) for v in variables]
+        for wanted, rate in ((False, learning_rate), (True, learning_rate * ratio)):
+            pairs = [(g, v) for g, v, p in zip(grads, variables, picked) if p == wanted]
+            if pairs:
+                update([g for g, _ in pairs], [v for _, v in pairs], rate)
+
+    def weight_decay(variables):
+        decay([v for v in variables if not chosen(v)])
+        own = optimizer.weight_decay
+        optimizer.weight_decay = own * ratio if own else own  # keras decays by learning rate * weight_decay
+        try:
+            decay([v for v in variables if chosen(v)])
+        finally:
+            optimizer.weight_decay = own
+
+    optimizer._backend_update_step = update_step
+    optimizer._apply_weight_decay = weight_decay
 
 
 def replace_attention_mask(block, compute_attention_mask) -> None:

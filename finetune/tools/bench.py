@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from finetune.config import setting
+from finetune.config import LoraConfig, setting
 from finetune.model import archs, presets
 from finetune.platform.errors import UserError
 
@@ -315,9 +315,9 @@ def _work(spec: Spec) -> dict:
     else:
         remat = spec.lever == "remat" or _auto_remat(spec, tweaks, quantize)
         tweaks["remat"] = remat
-        lora = builder.Lora(spec.workload.rank, spec.workload.rank, ("query", "value"), seed=0)
-        recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora,
-                                builder.Optimizer(1e-4, 0.01))  # fmt: skip
+        lora = LoraConfig(rank=spec.workload.rank, targets=["query", "value"])
+        recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora, seed=0,
+                                optimizer=builder.Optimizer(1e-4, 0.01))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
         lm = model.lm
         result = _train_finetune(spec, model)

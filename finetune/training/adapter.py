@@ -21,6 +21,8 @@ from finetune.platform.errors import UserError
 FORMAT = "finetune-adapter"
 FORMAT_VERSION = 1
 FACTORS = ("lora_kernel_a", "lora_kernel_b")
+MAGNITUDE = "lora_magnitude"
+"""DoRA's magnitude vector, beside an adapted layer's factors in adapter.lora.h5 (keras-hub's loader skips it)."""
 
 
 def fingerprint(backbone) -> str:
@@ -52,26 +54,34 @@ def kernel_shape(layer) -> tuple:
     return tuple(int(d) for d in layer._kernel.shape)
 
 
-def factor_shapes(layer, rank: int) -> dict:
-    """{lora_kernel_a: shape, lora_kernel_b: shape} of rank-`rank` LoRA on `layer`, as Keras makes them."""
+def factor_shapes(layer, rank: int, dora: bool = False) -> dict:
+    """{lora_kernel_a: shape, lora_kernel_b: shape} of rank-`rank` LoRA on `layer`, as Keras makes them, and
+    DoRA's {lora_magnitude: shape}, one per output (builder.magnitude_shape)."""
     kernel = kernel_shape(layer)
-    return {"lora_kernel_a": [*kernel[:-1], rank], "lora_kernel_b": [rank, kernel[-1]]}
+    shapes = {"lora_kernel_a": [*kernel[:-1], rank], "lora_kernel_b": [rank, kernel[-1]]}
+    if dora:
+        from finetune.model import builder
+
+        shapes[MAGNITUDE] = list(builder.magnitude_shape(layer))
+    return shapes
 
 
 def describe(backbone, run, version: str) -> dict:
     """adapter.json's content for a LoRA-enabled backbone, as it is about to be saved.
 
-    run: resolve.Resolved. The run that trained it: its preset, LoRA, template and dtype are recorded.
+    run: resolve.Resolved. The run that trained it: its preset, LoRA (rank, alpha, targets and variant: dropout,
+        rslora, dora), template and dtype are recorded.
     """
     cfg = run.config
     layers = layers_with_weights(backbone)
+    names = _saved(cfg.lora.dora)
     adapted = []
     for index in backbone._lora_enabled_layers:
         layer = layers[index]
         entry = {"index": index, "layer": layer.path, "name": layer.name}
-        entry.update({name: [int(d) for d in getattr(layer, name).shape] for name in FACTORS})
+        entry.update({name: [int(d) for d in getattr(layer, name).shape] for name in names})
         adapted.append(entry)
-    factors = {entry["index"]: [getattr(layers[entry["index"]], n).numpy() for n in FACTORS] for entry in adapted}
+    factors = {entry["index"]: [getattr(layers[entry["index"]], n).numpy() for n in names] for entry in adapted}
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -79,6 +89,9 @@ def describe(backbone, run, version: str) -> dict:
         "rank": int(cfg.lora.rank),
         "alpha": float(run.alpha),
         "targets": list(cfg.lora.targets),
+        "dropout": float(cfg.lora.dropout),
+        "rslora": bool(cfg.lora.rslora),
+        "dora": bool(cfg.lora.dora),
         "template": cfg.data.template,
         "seq_len": int(cfg.model.seq_len),
         "dtype": run.precision,
@@ -87,6 +100,29 @@ def describe(backbone, run, version: str) -> dict:
         "adapted": adapted,
         "weights_sha256": weights_digest(factors),
     }
+
+
+def _saved(dora: bool) -> tuple[str, ...]:
+    """The weights adapter.lora.h5 holds for each adapted layer: A and B, and DoRA's magnitude."""
+    return (*FACTORS, MAGNITUDE) if dora else FACTORS
+
+
+def save(backbone, path: Path) -> None:
+    """adapter.lora.h5: keras-hub's save_lora_weights; under DoRA, its layout (lora/rank, lora/<index>/A and B)
+    written through keras' store with each layer's magnitude beside its factors, which keras-hub cannot save."""
+    layers = layers_with_weights(backbone)
+    if not any(hasattr(layers[i], MAGNITUDE) for i in backbone._lora_enabled_layers):
+        backbone.save_lora_weights(str(path))
+        return
+    store = keras_compat.h5_store(path, mode="w")
+    try:
+        store.make("lora")["rank"] = backbone._lora_rank
+        for index in backbone._lora_enabled_layers:
+            entry = store.make(f"lora/{index}")
+            for name in _saved(True):
+                entry[name] = getattr(layers[index], name)
+    finally:
+        store.close()
 
 
 def weights_digest(factors: dict) -> str:
@@ -137,23 +173,26 @@ def read(path: Path) -> dict:
     described.field("rank", int, check=documents.at_least(1))
     described.field("alpha", float)
     described.items("targets", str)
+    described.field("dropout", float, required=False)
+    for switch in ("rslora", "dora"):
+        described.field(switch, bool, required=False)
     for entry in described.items("adapted", dict):
         entry.field("index", int, check=documents.at_least(0))
         entry.field("layer", str)
-        for name in FACTORS:
+        for name in _saved(bool(described.value.get("dora"))):
             entry.items(name, int, check=documents.at_least(1))
     described.field("weights_sha256", str)
     return described.value
 
 
 def check_against_config(description: dict, cfg, path: Path) -> None:
-    """The description must say what the run's config.yaml says: preset, rank, alpha and targets."""
-    alpha = cfg.lora.scale_alpha()
+    """The description must say what the run's config.yaml says: preset, rank, alpha, targets, rslora and dora."""
     said = {
         "preset": (description["preset"].get("name"), cfg.model.preset),
         "rank": (description["rank"], cfg.lora.rank),
-        "alpha": (float(description["alpha"]), float(alpha)),
+        "alpha": (float(description["alpha"]), cfg.lora.resolved_alpha()),
         "targets": (",".join(description["targets"]), ",".join(cfg.lora.targets)),
+        **{key: (bool(description.get(key, False)), getattr(cfg.lora, key)) for key in ("rslora", "dora")},
     }
     if _local(said["preset"][0]) and _local(said["preset"][1]):
         del said["preset"]  # a preset directory may move: the base's fingerprint tells whether it is the same model
@@ -189,8 +228,8 @@ def check_against_base(description: dict, backbone, rank: int, path: Path) -> li
         layer = layers[index] if isinstance(index, int) and 0 <= index < len(layers) else None
         if layer is None or layer.path != entry.get("layer"):
             raise UserError(f"{path}: adapted layer {entry.get('layer')} is not layer {index} of this base model")
-        expected = factor_shapes(layer, rank)
-        for name in FACTORS:
+        expected = factor_shapes(layer, rank, bool(description.get("dora")))
+        for name in expected:
             if entry.get(name) != expected[name]:
                 raise UserError(
                     f"{path}: {name} of {layer.path} has shape {entry.get(name)}, but rank {rank} on this base "
@@ -201,7 +240,8 @@ def check_against_base(description: dict, backbone, rank: int, path: Path) -> li
 
 
 def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, description: dict) -> dict:
-    """{index: (A, B)} from a keras-hub .lora.h5, refused unless it holds exactly what adapter.json describes.
+    """{index: (A, B)}, or (A, B, magnitude) under DoRA, from a keras-hub .lora.h5, refused unless it holds
+    exactly what adapter.json describes.
 
     keras-hub's load_lora_weights reads the file without checks: a damaged file
     ends in a raw OSError, another rank in a ValueError, and NaN weights load
@@ -234,8 +274,8 @@ def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, descr
             )
         for index, layer in adapted:
             entry = store.get(f"lora/{index}")
-            pair, shapes = [], factor_shapes(layer, rank)
-            for name in FACTORS:
+            pair, shapes = [], factor_shapes(layer, rank, bool(description.get("dora")))
+            for name in shapes:
                 values = np.asarray(entry[name])
                 want = tuple(shapes[name])
                 if values.shape != want:

@@ -349,11 +349,18 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Pa
         )
 
 
+def kept(lm) -> list:
+    """The model's variables a checkpoint holds: the trainable ones, and the state of its random seeds (LoRA
+    dropout's, NEFTune's), so that a resumed run draws the masks and noise the whole run would have."""
+    seeds = [v for v in lm.non_trainable_variables if v.path.endswith("seed_generator_state")]
+    return list(lm.trainable_variables) + seeds
+
+
 def capture(lm) -> tuple[list[np.ndarray], list[np.ndarray], list[str], list[str]]:
-    """(trainable values, optimizer values, their paths): what a checkpoint holds of the model."""
-    weights = [np.asarray(v.numpy()) for v in lm.trainable_variables]
+    """(model values, optimizer values, their paths): what a checkpoint holds of the model (kept)."""
+    weights = [np.asarray(v.numpy()) for v in kept(lm)]
     optimizer = [np.asarray(v.numpy()) for v in lm.optimizer.variables]
-    return weights, optimizer, [v.path for v in lm.trainable_variables], [v.path for v in lm.optimizer.variables]
+    return weights, optimizer, [v.path for v in kept(lm)], [v.path for v in lm.optimizer.variables]
 
 
 def save_trainer(run_dir: Path, trainer, state: dict, divergence_advice: str = "") -> Checkpoint:
@@ -380,7 +387,7 @@ def restore(lm, found: Checkpoint) -> dict:
         raise UserError(f"cannot resume from {found.path}: {e}; rerun --resume") from e
     lm.optimizer.build(lm.trainable_variables)
     pairs = [
-        (lm.trainable_variables, weights, state["trainable_paths"]),
+        (kept(lm), weights, state["trainable_paths"]),
         (lm.optimizer.variables, optimizer, state["optimizer_paths"]),
     ]
     for variables, values, paths in pairs:

@@ -403,7 +403,8 @@ def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> in
     own_names = {layer: target for target, layer in family.layers.items()}  # Gemma 3n's q_proj is query
     adaptable = list(dict.fromkeys(p.rule.target for p in kernels if p.rule.target))
     total = 0
-    for target in dict.fromkeys(own_names.get(t, t) for t in targets):
+    adaptable_targets = [t for t in families.TARGETS if t in adaptable]
+    for target in dict.fromkeys(own_names.get(t, t) for t in families.spelled_out(targets, adaptable_targets)):
         if target not in adaptable:
             why = family.frozen_reason(family.layer_of(target))
             raise UserError(

@@ -110,7 +110,9 @@ class Resolved:
             precision=cfg.model.precision,
             quantize=cfg.model.quantize,
             remat=self.remat,
-            lora=builder.Lora(cfg.lora.rank, self.alpha, tuple(cfg.lora.targets), cfg.train.seed),
+            lora=cfg.lora,
+            seed=cfg.train.seed,
+            neftune_alpha=cfg.train.neftune_alpha if train else None,
             optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2])
             if train
             else None,
@@ -196,7 +198,10 @@ def alpha(lora) -> Decision:
 
     lora: config.LoraConfig.
     """
-    return Decision(lora.scale_alpha(), "set" if lora.alpha is not None else "the rank: a scale of 1, keras-hub's")
+    if lora.alpha is not None:
+        return Decision(lora.resolved_alpha(), "set")
+    why = "the rank: a scale of 1/sqrt(rank) with --rslora" if lora.rslora else "the rank: a scale of 1, keras-hub's"
+    return Decision(lora.resolved_alpha(), why)
 
 
 def _threads(cfg: Config, saved: dict | None) -> int | None:

@@ -81,14 +81,18 @@ def load_model(run: Run):
 
     resolved = resolve.finished(run.config)
     model = builder.build_model(resolved.source, resolved.recipe(train=False))
-    checked_factors(run, model.lm.backbone)  # before keras-hub assigns anything: it checks nothing
+    factors = checked_factors(run, model.lm.backbone)  # before keras-hub assigns anything: it checks nothing
     model.lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
+    layers = adapter.layers_with_weights(model.lm.backbone)
+    for index, (_, _, *magnitude) in factors.items():
+        if magnitude:  # DoRA's, which keras-hub's loader leaves out
+            layers[index].lora_magnitude.assign(magnitude[0])
     return model.lm, model.preprocessor
 
 
 def checked_factors(run: Run, backbone) -> dict:
-    """{layer index: (A, B)} of the run's adapter, once adapter.json fits `backbone` (the run's base, with or
-    without LoRA) and adapter.lora.h5 holds what adapter.json describes."""
+    """{layer index: (A, B)}, or (A, B, magnitude) under DoRA, of the run's adapter, once adapter.json fits
+    `backbone` (the run's base, with or without LoRA) and adapter.lora.h5 holds what adapter.json describes."""
     json_path = run.directory / outputs.ADAPTER_JSON
     adapted = adapter.check_against_base(run.adapter, backbone, run.config.lora.rank, json_path)
     return adapter.read_factors(run.directory / outputs.ADAPTER, adapted, run.config.lora.rank, run.adapter)

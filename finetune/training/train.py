@@ -146,7 +146,8 @@ def _optimize(run: resolve.Resolved, trainer) -> None:
     """Give the trainer the run's optimizer (model/optimizer.py): its schedule, clipping and accumulation."""
     train = run.config.train
     controls = optimizer.Controls(train.learning_rate, train.weight_decay, train.lr_schedule, run.warmup_steps,
-                                  run.steps, train.grad_accum, train.clip_norm(), train.min_lr_ratio)  # fmt: skip
+                                  run.steps, train.grad_accum, train.clip_norm(), train.min_lr_ratio,
+                                  run.config.lora.plus_ratio)  # fmt: skip
     builder.train_with(trainer, controls)
 
 
@@ -301,7 +302,7 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
     title = f"{run.config.model.preset} LoRA rank {run.config.lora.rank} on {run.config.backend}"
     description = adapter.describe(backbone, run, __version__)
     return {
-        outputs.ADAPTER: lambda p: backbone.save_lora_weights(str(p)),
+        outputs.ADAPTER: lambda p: adapter.save(backbone, p),
         outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
         outputs.CONFIG: lambda p: outputs.write_config(p, config),
         outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
