@@ -27,7 +27,7 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
         [sys.executable, "-m", "finetune", "bench", *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "KERAS_BACKEND": BACKEND},
+        env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "1024"},
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

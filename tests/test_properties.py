@@ -30,7 +30,7 @@ from finetune.model import distribution  # noqa: E402
 from finetune.platform.errors import UserError  # noqa: E402
 from finetune.training import adapter, runs  # noqa: E402
 
-pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="pure Python: the properties run in the JAX suite only")
+pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pure Python: the properties run once, in the PyTorch suite")
 QUICK = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Odd strings: any code point but the lone surrogates JSON cannot carry unescaped, the empty one, spaces.

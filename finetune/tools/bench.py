@@ -552,13 +552,15 @@ def matmul_peak(dtype: str, device: str, seconds: float = 2.0) -> float:
     """FLOP/s of a large square matmul on this backend in `dtype`: warmed up for `seconds`, then the best of 5.
 
     Large and warm, so the figure is the device's, not a cold cache's or a small matmul's: a 2048² matmul
-    timed once gave the same TensorFlow row an MFU of 54% one day and 16% another.
+    timed once gave the same TensorFlow row an MFU of 54% one day and 16% another. FINETUNE_BENCH_PEAK_SIZE
+    sets another size: the tests' tiny rows use 1024², which on a CPU without 16-bit units took the JAX suite's
+    bench test from 290 s to a fraction of it (its 16-bit matmuls are emulated).
     """
     import keras
     import numpy as np
     from keras import ops
 
-    n = PEAK_SIZE["cpu" if device == "cpu" else "accelerator"]
+    n = int(os.environ.get("FINETUNE_BENCH_PEAK_SIZE") or PEAK_SIZE["cpu" if device == "cpu" else "accelerator"])
     a = ops.convert_to_tensor(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype=dtype)
     multiply = ops.matmul
     if keras.config.backend() == "jax":
