@@ -1,3 +1,3 @@
 """finetune's version, low in the package so that any module may read it (pyproject.toml reads it from here)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
