@@ -334,3 +334,24 @@ def lora_train_losses(lm, steps=6, learning_rate=1e-2):
     rows = packed_rows(presets.tiny_tokenizer())
     order = batching.TrainOrder(rows, 4, seed=0)
     return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
+
+
+# --- one_backend: tests that touch no Keras backend run once, in the PyTorch suite (the fastest) ------------
+# CI runs the suite once per backend; a test of pure-Python code (formats, templates, config, packing, the CLI's
+# parsing) checks the same thing in each, so the JAX and TensorFlow suites leave it out (deselected, not
+# skipped). Mark a module with `pytestmark = pytest.mark.one_backend`, or one test with the decorator.
+ONE_BACKEND_SUITE = "torch"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_backend: touches no Keras backend; runs in the PyTorch suite only")
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND == ONE_BACKEND_SUITE:
+        return
+    kept = [item for item in items if item.get_closest_marker("one_backend") is None]
+    left = [item for item in items if item.get_closest_marker("one_backend") is not None]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import BACKEND, invoke
+from conftest import invoke
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -30,7 +30,7 @@ from finetune.model import distribution  # noqa: E402
 from finetune.platform.errors import UserError  # noqa: E402
 from finetune.training import adapter, runs  # noqa: E402
 
-pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pure Python: the properties run once, in the PyTorch suite")
+pytestmark = pytest.mark.one_backend  # pure Python: the properties run once, in the PyTorch suite
 QUICK = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Odd strings: any code point but the lone surrogates JSON cannot carry unescaped, the empty one, spaces.
