@@ -122,7 +122,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
-    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, every_record_of=other_file)
+    prepared = prepare.prepare(records, preprocessor, cfg, every_record_of=other_file)
     inputs = builder.input_names(lm)
     batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, batching.Feed(inputs=inputs))
     result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)
