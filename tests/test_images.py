@@ -1,10 +1,11 @@
 """Pictures in the data: TRL's and LLaMA-Factory's forms, their refusals, and tiny-gemma3-vision training on them."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
-from conftest import BACKEND, invoke
+from conftest import BACKEND, float32_policy, invoke
 
 from finetune.data import formats, images
 
@@ -164,12 +165,116 @@ def _cfg():
                            data=SimpleNamespace(train_on_prompt=False))  # fmt: skip
 
 
-def test_tiny_gemma3_vision_trains_on_pictures(tmp_path):
-    out = tmp_path / "run"
-    flags = ["--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-steps", "2"]
-    result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--data", pictures(tmp_path), *flags, "--output", out,
-                    "--set", "train.samples=0")  # fmt: skip
-    assert result.exit_code == 0, result.output + result.stderr
-    assert "auto: the data has images" in result.output
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert np.isfinite(metrics["eval_loss"])
+def test_the_picture_reaches_the_decoder():
+    """The text after an image reads the image: its hidden states change with the picture's colour."""
+    import keras
+
+    from finetune.model import builder, presets
+
+    lm, preprocessor = builder.build(presets.resolve("tiny-gemma3-vision"), 64)
+    prompt = "<start_of_image>What colour is this?"
+    hidden = []
+    for colour in ("red", "blue"):
+        picture = np.full((32, 32, 3), COLOURS[colour], np.uint8)
+        x = preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]})
+        x = {k: keras.ops.convert_to_numpy(v) for k, v in x.items()}
+        hidden.append(keras.ops.convert_to_numpy(lm.backbone(x)))
+    after = int(np.flatnonzero(x["vision_mask"][0])[-1]) + 2  # a text token after the picture
+    assert np.abs(hidden[0][0, after] - hidden[1][0, after]).max() > 1e-4
+    np.testing.assert_allclose(hidden[0][0, : after - 6], hidden[1][0, : after - 6], atol=1e-6)  # before it: the same
+
+
+def settings(out, data, **more):
+    return {
+        "backend": BACKEND, "output.dir": str(out), "model.preset": "tiny-gemma3-vision", "model.seq_len": 64,
+        "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
+        "train.keep_checkpoints": 3,
+        "train.samples": 1, "train.max_new_tokens": 2, "data.path": str(data), "data.template": "auto", **more,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 6-step tiny-gemma3-vision run on 12 pictures, checkpointed every 3 steps: (run directory, data, metrics)."""
+    import finetune
+
+    folder = tmp_path_factory.mktemp("pictures")
+    data = pictures(folder, 12)
+    out = folder / "run"
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(out, data)))
+    return out, data, metrics
+
+
+def test_tiny_gemma3_vision_trains_and_evaluates_on_pictures(trained):
+    import finetune
+
+    out, data, metrics = trained
+    assert metrics["steps"] == 6 and metrics["packing"] is False and np.isfinite(metrics["eval_loss"])
+    resolved = (out / "config.yaml").read_text()
+    assert "the data has images" in resolved
+    described = json.loads((out / "adapter.json").read_text())
+    assert described["adapted"] and not [name for name in described["adapted"] if "vision" in name or "image" in name]
+    again = finetune.evaluate(out)  # `finetune eval` scores the held-out pictures as training did
+    assert again["loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
+
+
+def test_a_vision_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, tmp_path):
+    from test_families import adapter_arrays
+
+    import finetune
+    from finetune.training import checkpoint, outputs
+
+    whole, data, _ = trained
+    out = tmp_path / "killed"
+    shutil.copytree(whole, out)
+    for found in checkpoint.find(out):  # what a kill right after step 3's checkpoint leaves
+        if found.step > 3:
+            shutil.rmtree(found.path)
+    (out / outputs.METRICS).unlink()
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(out, data)), resume=True)
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
+    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_generate_takes_pictures_through_the_api(trained):
+    import finetune
+    from finetune.platform.errors import UserError
+
+    out, data, _ = trained
+    picture = str(data.parent / "sq0.png")
+    (answer,) = finetune.generate(out, "What colour is this?", images=[picture], max_new_tokens=2)
+    assert isinstance(answer, str) and "<img>" not in answer
+    with pytest.raises(UserError, match="2 <image> placeholder"):
+        finetune.generate(out, "<image> or <image>?", images=[picture], max_new_tokens=2)
+    with pytest.raises(UserError, match="does not exist"):
+        finetune.generate(out, "What colour?", images=[str(data.parent / "nowhere.png")])
+
+
+@pytest.mark.one_backend
+def test_finetune_data_counts_the_pictures(tmp_path):
+    from finetune.tools import datacheck
+
+    data = pictures(tmp_path, 3)
+    square(tmp_path / "wide.png", size=48)
+    lines = datacheck.report(str(data), "tiny-gemma3-vision", "auto", 64)
+    assert "images: 3 in 3 of 3 records, at most 1 a record" in lines
+    assert any(line.startswith("image sizes") and "32x32 (3)" in line for line in lines), lines
+    assert any(line.startswith("packing: off for data with images") for line in lines), lines
+
+
+def test_the_command_line_trains_on_pictures_and_generates_from_one(tmp_path):
+    """`finetune gemma` on a picture file, then `finetune generate --image`, each in a fresh process as typed."""
+    from test_as_typed import finetune as typed
+
+    pictures(tmp_path, 8)
+    typed("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--data", "pics.jsonl", "--max-steps",
+          "2", "--seq-len", "64", "--batch-size", "2", "--set", "train.samples=0", "--output", "run", cwd=tmp_path)  # fmt: skip
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    answered = typed("generate", "--run", "run", "--image", "sq1.png", "--prompt", "What colour is this?",
+                     "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
+    assert answered.stdout.strip() and "generated on" in answered.stderr

@@ -103,12 +103,12 @@ def image_paths(obj: dict, where: str, source: str) -> tuple[str, ...]:
     return tuple(str(check(folder / p, where)) for p in listed)
 
 
-def check(path: Path, where: str) -> Path:
+def check(path: Path, where: str, hint: str = "; paths are relative to the data file") -> Path:
     """`path` if Pillow can open it as a whole image of a size it decodes within its decompression-bomb limit."""
     from PIL import Image
 
     if not path.is_file():
-        raise UserError(f"{where}: image {path} does not exist; paths are relative to the data file")
+        raise UserError(f"{where}: image {path} does not exist{hint}")
     try:
         with warnings.catch_warnings():
             # Pillow warns past MAX_IMAGE_PIXELS and raises past twice it; either is too large to train on.
@@ -211,3 +211,71 @@ def attached(example, record, vision: Vision, slots: int, source: str = ""):
     soft = np.asarray(example.token_ids) == vision.placeholder_id
     example.weights = [0.0 if is_soft else weight for weight, is_soft in zip(example.weights, soft)]
     return example
+
+
+def generation_input(prompts: list[str], pictures: list, preprocessor) -> dict:
+    """keras-hub's generate() input for prompts with pictures: each `<image>` written as the family's start-of-image
+    token, which keras-hub's preprocessor expands as training did, and each prompt's pictures as RGB arrays, which
+    its image converter resizes and scales.
+
+    pictures: per prompt, a list of image paths (checked with check()).
+    """
+    start = preprocessor.tokenizer.start_of_image_token
+    written = [prompt.replace(PLACEHOLDER, start) for prompt in prompts]
+    return {"prompts": written, "images": [[rgb(path) for path in paths] for paths in pictures]}
+
+
+def rgb(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def shown(prompt: str, preprocessor) -> str:
+    """A prompt of generation_input() as keras-hub's generate() returns it: the soft tokens dropped, the
+    start-of-image token between the blank lines its expansion adds."""
+    start = preprocessor.tokenizer.start_of_image_token
+    return prompt.replace(start, f"\n\n{start}\n\n")
+
+
+def written_prompt(prompt: str, tokenizer, vision: Vision) -> str:
+    """A generation_input() prompt as the model reads it: each start-of-image token expanded, for counting ids."""
+    return prompt.replace(tokenizer.start_of_image_token, vision.expansion)
+
+
+def with_placeholders(prompt: str, count: int) -> str:
+    """A prompt given `count` pictures: as it is where it places them with `<image>`, else with them before it."""
+    found = prompt.count(PLACEHOLDER)
+    if found == 0:
+        return PLACEHOLDER * count + prompt
+    if found != count:
+        raise UserError(
+            f"the prompt has {found} {PLACEHOLDER} placeholder(s) and {count} --image(s); give one for each"
+        )
+    return prompt
+
+
+def summary(records) -> list[str]:
+    """`finetune data`'s lines on the pictures: how many, in how many records, and their sizes (as Pillow reads
+    their headers, before the converter resizes them); none for text-only records."""
+    from collections import Counter
+
+    from PIL import Image
+
+    pictured = [r for r in records if r.images]
+    if not pictured:
+        return []
+    sizes = Counter()
+    for record in pictured:
+        for path in record.images:
+            with Image.open(path) as image:
+                sizes["{}x{}".format(*image.size)] += 1
+    count = sum(sizes.values())
+    most = max(len(r.images) for r in pictured)
+    common = ", ".join(f"{size} ({n})" for size, n in sizes.most_common(4))
+    more = f", {len(sizes) - 4} other sizes" if len(sizes) > 4 else ""
+    return [
+        f"images: {count} in {len(pictured)} of {len(records)} records, at most {most} a record",
+        f"image sizes (width x height, images): {common}{more}; the preset's image converter resizes them",
+    ]
