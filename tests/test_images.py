@@ -273,7 +273,8 @@ def test_the_command_line_trains_on_pictures_and_generates_from_one(tmp_path):
 
     pictures(tmp_path, 8)
     typed("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--data", "pics.jsonl", "--max-steps",
-          "2", "--seq-len", "64", "--batch-size", "2", "--set", "train.samples=0", "--output", "run", cwd=tmp_path)  # fmt: skip
+          "2", "--seq-len", "64", "--batch-size", "2", "--eval-fraction", "0", "--set", "train.samples=0", "--output", "run",
+          cwd=tmp_path)  # fmt: skip
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
     answered = typed("generate", "--run", "run", "--image", "sq1.png", "--prompt", "What colour is this?",
                      "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
