@@ -105,6 +105,8 @@ TINY_GEMMA3_VISION_ENCODER = dict(
     intermediate_dim=32,
     pool_size=4,
 )
+# Its decoder's windows reach 32 tokens back: tiny-gemma3's 4 would keep the answer from seeing the picture.
+TINY_GEMMA3_VISION = dict(TINY_GEMMA3, sliding_window_size=32)
 TINY_GEMMA4 = dict(
     num_layers=3,
     num_query_heads=4,
@@ -151,7 +153,7 @@ TINY = {
     "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
     "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
     "tiny-gemma3-vision": Tiny(
-        "gemma3", TINY_GEMMA3, ASSETS / "tiny-gemma3-vision" / "tokenizer.spm", vision=TINY_GEMMA3_VISION_ENCODER
+        "gemma3", TINY_GEMMA3_VISION, ASSETS / "tiny-gemma3-vision" / "tokenizer.spm", vision=TINY_GEMMA3_VISION_ENCODER
     ),
     "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
