@@ -279,3 +279,24 @@ def test_the_command_line_trains_on_pictures_and_generates_from_one(tmp_path):
     answered = typed("generate", "--run", "run", "--image", "sq1.png", "--prompt", "What colour is this?",
                      "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
     assert answered.stdout.strip() and "generated on" in answered.stderr
+
+
+def test_a_merged_export_of_a_vision_run_gives_its_outputs_on_a_picture_in_keras_hub(trained, tmp_path):
+    import keras
+    import keras_hub
+
+    import finetune
+    from finetune.training import runs
+
+    out, data, _ = trained
+    finetune.export(out, "merged", tmp_path / "merged")
+    lm = keras_hub.models.Gemma3CausalLM.from_preset(str(tmp_path / "merged"))
+    assert lm.preprocessor.image_converter is not None and lm.preprocessor.num_vision_tokens_per_image == 4
+    picture = images.rgb(data.parent / "sq2.png")
+    prompt = "<start_of_turn>user\n<start_of_image>What colour is this?<end_of_turn>\n<start_of_turn>model\n"
+    x = lm.preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]}, sequence_length=40)
+    x = {name: keras.ops.convert_to_numpy(value) for name, value in x.items()}
+    tuned, _ = runs.load_model(runs.open_on(str(out), None))
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
+    )
