@@ -1,4 +1,5 @@
-"""Pictures in the data: TRL's and LLaMA-Factory's forms, their refusals, and tiny-gemma3-vision training on them."""
+"""Pictures in the data: TRL's and LLaMA-Factory's forms, their refusals, and tiny-gemma3-vision training on them
+(both forms, mixed in one file), resuming, evaluating, generating and exporting merged."""
 
 import json
 import shutil
@@ -35,25 +36,24 @@ def write_lines(path, records):
     return path
 
 
+def llama_factory(picture: str, answer: str = "red") -> dict:
+    messages = [{"role": "user", "content": "<image>What colour is this?"}, {"role": "assistant", "content": answer}]
+    return {"messages": messages, "images": [picture]}
+
+
 def pictures(tmp_path, n=8):
-    """n TRL records of coloured squares, in tmp_path/pics.jsonl."""
+    """n records of coloured squares in tmp_path/pics.jsonl: TRL's form, and every other one LLaMA-Factory's."""
     names = list(COLOURS)
-    records = [trl(square(tmp_path / f"sq{i}.png", names[i % 3]), names[i % 3]) for i in range(n)]
+    forms = (trl, llama_factory)
+    records = [forms[i % 2](square(tmp_path / f"sq{i}.png", names[i % 3]), names[i % 3]) for i in range(n)]
     return write_lines(tmp_path / "pics.jsonl", records)
 
 
 @pytest.mark.one_backend
 def test_trl_and_llama_factory_forms_read_to_the_same_record(tmp_path):
     square(tmp_path / "a.png")
-    llama_factory = {
-        "messages": [
-            {"role": "user", "content": "<image>What colour is this?"},
-            {"role": "assistant", "content": "red"},
-        ],
-        "images": ["a.png"],
-    }
     write_lines(tmp_path / "trl.jsonl", [trl("a.png")])
-    write_lines(tmp_path / "lf.jsonl", [llama_factory])
+    write_lines(tmp_path / "lf.jsonl", [llama_factory("a.png")])
     (from_trl,), _ = formats.read(str(tmp_path / "trl.jsonl"))
     (from_lf,), _ = formats.read(str(tmp_path / "lf.jsonl"))
     assert from_trl == from_lf
@@ -169,16 +169,17 @@ def test_the_picture_reaches_the_decoder():
     """The text after an image reads the image: its hidden states change with the picture's colour."""
     import keras
 
-    from finetune.model import builder, presets
+    from finetune.model import presets
 
-    lm, preprocessor = builder.build(presets.resolve("tiny-gemma3-vision"), 64)
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size("tiny-gemma3-vision"), name="tiny-gemma3-vision")
+    preprocessor = vision_preprocessor()
     prompt = "<start_of_image>What colour is this?"
     hidden = []
     for colour in ("red", "blue"):
         picture = np.full((32, 32, 3), COLOURS[colour], np.uint8)
         x = preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]})
         x = {k: keras.ops.convert_to_numpy(v) for k, v in x.items()}
-        hidden.append(keras.ops.convert_to_numpy(lm.backbone(x)))
+        hidden.append(keras.ops.convert_to_numpy(backbone(x)))
     after = int(np.flatnonzero(x["vision_mask"][0])[-1]) + 2  # a text token after the picture
     assert np.abs(hidden[0][0, after] - hidden[1][0, after]).max() > 1e-4
     np.testing.assert_allclose(hidden[0][0, : after - 6], hidden[1][0, : after - 6], atol=1e-6)  # before it: the same
