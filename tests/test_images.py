@@ -301,3 +301,17 @@ def test_a_merged_export_of_a_vision_run_gives_its_outputs_on_a_picture_in_keras
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
     )
+
+
+def test_a_vision_preset_trains_on_text_alone_unpacked(tmp_path):
+    """Text records feed no pictures (the encoder is skipped), and the rows are not packed: a vision model's decoder
+    takes keras-hub's own mask, which would let packed examples attend to each other."""
+    data = write_lines(tmp_path / "text.jsonl", [{"instruction": f"Add {i} and 1.", "response": f"{i + 1}"}
+                                                  for i in range(8)])  # fmt: skip
+    out = tmp_path / "run"
+    flags = ["--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-steps", "1", "--eval-fraction", "0"]
+    result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--data", data, *flags, "--output", out,
+                    "--set", "train.samples=0")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "auto: a model with a vision encoder takes keras-hub's own mask" in result.output
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1

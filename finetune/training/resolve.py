@@ -315,15 +315,17 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
 def packing(lm, setting: str, pictured: bool = False) -> Decision:
     """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask.
 
-    pictured: bool. The data has images: keras-hub's decoder takes its own mask where a row has pictures
-    (attention.py), so rows of several examples would attend across them; they are not packed.
+    pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
+    so rows of several examples would attend across them; its rows are not packed.
     """
     from finetune.model import attention
 
     if setting == "off":
         return Decision(False, "set")
-    if pictured:
-        why = "the data has images, and a row with pictures takes keras-hub's own mask, not the per-example one"
+    sees = getattr(lm.backbone, "vision_encoder", None) is not None  # keras-hub's Gemma 3 backbone names it so
+    if pictured or sees:
+        what = "the data has images, and a row with pictures" if pictured else "a model with a vision encoder"
+        why = f"{what} takes keras-hub's own mask, not the per-example one"
         if setting == "on":
             raise UserError(f"--packing on: {why}; pass --packing off or auto")
         print(f"note: packing off: {why}")
