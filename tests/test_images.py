@@ -165,6 +165,8 @@ def _cfg():
                            data=SimpleNamespace(train_on_prompt=False))  # fmt: skip
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="a property of keras-hub's model, checked in the PyTorch suite; every "
+                    "suite trains on pictures")  # fmt: skip
 def test_the_picture_reaches_the_decoder():
     """The text after an image reads the image: its hidden states change with the picture's colour."""
     import keras
