@@ -570,6 +570,9 @@ def generate(
     prompt: list[str] = typer.Option(..., help="An instruction; it is put in the run's template. Repeatable."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate. (default: the run's)"),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the template."),
+    image: list[str] = typer.Option(
+        [], "--image", help="A picture that goes with every prompt, where its <image> is (else before it). Repeatable."
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -586,7 +589,7 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, image)
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:
             print(f"[{number}] {text}")

@@ -10,11 +10,12 @@ row, 0 for padding); packing.py puts several examples in a row with ids
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import keras
 import numpy as np
 
+from finetune.data import images
 from finetune.platform.errors import UserError
 
 BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
@@ -28,6 +29,8 @@ class Example:
     """<bos> prompt response <eos>, at most seq_len + 1 ids (inputs and shifted targets)."""
     weights: list[float]
     """Per id: 1.0 where the id is a training target, 0.0 where it is not."""
+    inputs: dict = field(default_factory=dict)
+    """The example's model inputs beside its ids, one array each: its pictures (images.model_inputs)."""
 
 
 def template_overhead(tokenizer, template) -> int:
@@ -104,13 +107,17 @@ def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
         weights[row, : len(example.weights)] = example.weights
     lengths = np.array([len(e.token_ids) - 1 for e in examples])
     present = np.arange(seq_len)[None, :] < lengths[:, None]
-    return {
+    arrays = {
         "token_ids": ids[:, :-1],
         "padding_mask": present,
         "segment_ids": present.astype(np.int32),
         "labels": ids[:, 1:],
         "weights": weights[:, 1:],
     }
+    if examples and examples[0].inputs:
+        arrays.update({key: np.stack([e.inputs[key] for e in examples]) for key in examples[0].inputs})
+        arrays["vision_mask"] = images.vision_mask(arrays["vision_indices"], seq_len)
+    return arrays
 
 
 def check_fits(examples, dropped: list[int], source: str) -> None:
@@ -171,10 +178,11 @@ def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None
     names: the model's inputs (model.input_names).
     """
     if length is not None and length < arrays["token_ids"].shape[1]:
-        arrays = {key: value[:, :length] for key, value in arrays.items()}
+        arrays = {key: value if key in images.PER_ROW else value[:, :length] for key, value in arrays.items()}
     gathered = targets(arrays, rows, shards, width)
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
     x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
+    x.update({name: arrays[name][rows] for name in images.INPUTS if name in names})
     return x, gathered["loss_labels"], gathered["loss_weights"]
 
 

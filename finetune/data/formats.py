@@ -27,6 +27,7 @@ sample, shipped in finetune/assets/ so that installs outside a checkout find it 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import decimal
 import hashlib
 import io
@@ -36,6 +37,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.data import images
 from finetune.platform import documents, platforms
 from finetune.platform.errors import UserError
 
@@ -76,6 +78,8 @@ class Record:
     turns: tuple = ()
     """Chat records: ((role, text), ...) alternating user and assistant, ending with the assistant's. For
     those, instruction is the first user turn and response the last assistant turn."""
+    images: tuple = ()
+    """The record's image files (absolute paths), one `<image>` placeholder in its text for each (images.py)."""
 
 
 def detect_format(obj) -> str | None:
@@ -227,7 +231,7 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
                     f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
                     "give them as JSON Lines, a JSON array or Parquet"
                 )
-        records.append(_record(obj, where, fmt))
+        records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
     return records, fmt
@@ -542,6 +546,21 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
     return Record(**fields)
 
 
+def _with_images(obj, where: str, fmt: str, source: str) -> Record:
+    """The record, with its pictures where it has an `images` list or TRL's content parts (images.py)."""
+    if not isinstance(obj, dict):
+        return _record(obj, where, fmt)
+    if fmt == "chat" and "messages" in obj:
+        obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
+    paths = images.image_paths(obj, where, source)
+    record = _record(obj, where, fmt)
+    if not paths and "images" not in obj:
+        return record
+    texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
+    images.check_placeholders(texts, paths, where)
+    return dataclasses.replace(record, images=paths)
+
+
 def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
     """obj[name] as text: null or missing reads as empty where not required; a required one must hold text."""
     value = obj.get(name)
@@ -626,6 +645,7 @@ def fingerprint(records) -> str:
     digest = hashlib.sha256()
     for r in records:
         fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
+        fields += [list(r.images)] if r.images else []
         digest.update(json.dumps(fields).encode("utf-8"))
     return digest.hexdigest()
 

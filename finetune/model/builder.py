@@ -16,6 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from finetune.data import images
 from finetune.model import attention, checkpoints, families, layouts, objective, optimizer, presets, quantized
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
@@ -251,9 +252,11 @@ def _transformers_tokenizer(source: presets.Source):
 
 
 def input_names(lm) -> tuple[str, ...]:
-    """What a batch must feed `lm` (batching.model_inputs makes each): token ids, padding mask, maybe positions."""
+    """What a batch must feed `lm` (batching.inputs makes each): token ids, padding mask, maybe positions, and
+    for a model with a vision encoder its image inputs (images.INPUTS)."""
     names = tuple(tensor.name for tensor in keras.tree.flatten(lm.inputs))
-    others = [name for name in names if name not in ("token_ids", "padding_mask", "position_ids")]
+    fed = ("token_ids", "padding_mask", "position_ids", *images.INPUTS)
+    others = [name for name in names if name not in fed]
     if others:
         raise UserError(
             f"this preset's model also takes {', '.join(others)}; finetune trains on text, and needs a text-only model"

@@ -66,6 +66,8 @@ class Tiny:
     tokenizer: Path
     weights: Path | None = None
     """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
+    vision: dict | None = field(default=None, hash=False)
+    """The vision encoder's keras-hub arguments (its output width is the decoder's); None: text only."""
 
 
 # The newer families' tiny presets: decoder blocks of width 32, laid out as the family's presets are (norms,
@@ -91,6 +93,20 @@ TINY_GEMMA3 = dict(
     use_sliding_window_attention=True,
     sliding_window_size=4,
 )
+# tiny-gemma3-vision: tiny-gemma3's decoder with Gemma 3's SigLIP-style vision encoder and projector at toy size.
+# 32x32 pictures in 4x4 patches (64 patches), average-pooled 4x4 into 4 soft tokens per image, so a record with
+# two pictures spends 2 x (4 + 2 markers + 4 newlines) tokens on them and trains at --seq-len 64.
+TINY_GEMMA3_VISION_ENCODER = dict(
+    image_size=32,
+    patch_size=4,
+    num_heads=2,
+    hidden_dim=16,
+    num_layers=2,
+    intermediate_dim=32,
+    pool_size=4,
+)
+# Its decoder's windows reach 32 tokens back: tiny-gemma3's 4 would keep the answer from seeing the picture.
+TINY_GEMMA3_VISION = dict(TINY_GEMMA3, sliding_window_size=32)
 TINY_GEMMA4 = dict(
     num_layers=3,
     num_query_heads=4,
@@ -136,6 +152,9 @@ TINY_GEMMA3N = dict(
 TINY = {
     "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
     "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
+    "tiny-gemma3-vision": Tiny(
+        "gemma3", TINY_GEMMA3_VISION, ASSETS / "tiny-gemma3-vision" / "tokenizer.spm", vision=TINY_GEMMA3_VISION_ENCODER
+    ),
     "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
@@ -395,8 +414,11 @@ _PREPROCESSOR_ARGS = {"gemma3": dict(image_converter=None), "gemma3n": dict(imag
 
 
 def tiny_tokenizer(name: str = "tiny"):
-    """The tiny preset's tokenizer, of its family's keras-hub class."""
+    """The tiny preset's tokenizer, of its family's keras-hub class; with its image tokens where it sees images."""
     spec = TINY[name]
+    if spec.vision is not None:
+        cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
+        return cls(proto=str(spec.tokenizer))
     return text_tokenizer(spec.family, spec.tokenizer)
 
 
@@ -409,7 +431,26 @@ def text_tokenizer(family: str, proto: Path):
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+    if spec.vision is not None:
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_vision_preprocessing(spec.vision))
     return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
+
+
+def _vision_preprocessing(vision: dict) -> dict:
+    """The preprocessor's image arguments for a tiny vision encoder: keras-hub's image converter at its size, with
+    Gemma 3's scaling of pixels to [-1, 1] (SigLIP's mean and deviation of 0.5), and its soft tokens per image."""
+    import keras_hub
+
+    size = vision["image_size"]
+    converter = keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5, offset=-1.0)
+    tokens = (size // vision["patch_size"]) ** 2 // vision["pool_size"] ** 2
+    return dict(image_converter=converter, num_vision_tokens_per_image=tokens)
+
+
+def _vision_encoder(vision: dict, output_dim: int, dtype):
+    import keras_hub
+
+    return keras_hub.models.Gemma3VisionEncoder(output_dim=output_dim, dtype=dtype, **vision)
 
 
 def tiny_config(name: str, vocabulary_size: int) -> dict:
@@ -443,7 +484,12 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
 
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "backbone")
-    backbone = cls(dtype=dtype, **tiny_config(name, vocabulary_size))
+    config = tiny_config(name, vocabulary_size)
+    if spec.vision is not None:
+        # The encoder computes in float32 whatever the decoder's precision (keras-hub's choice for bfloat16).
+        encoder = _vision_encoder(spec.vision, config["hidden_dim"], None)
+        config.update(vision_encoder=encoder, image_size=spec.vision["image_size"])
+    backbone = cls(dtype=dtype, **config)
     stored = np.load(spec.weights) if spec.weights is not None else None
 
     def value(path: str, shape) -> np.ndarray | None:

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from finetune.data import batching, formats, packing, templates
+from finetune.data import batching, formats, images, packing, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -37,7 +37,8 @@ def report(
         f"format: {found} ({formats.FORMATS[found]}), {len(records)} records",
         f"template: {chosen} ({how})",
     ]
-    lines += _tokens(items, preset, seq_len, train_on_prompt)
+    lines += images.summary(records)
+    lines += _tokens(items, preset, seq_len, train_on_prompt, pictured=any(r.images for r in records))
     lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
     lines += ["  " + line for line in render(items[example - 1], train_on_prompt).split("\n")]
     return lines
@@ -55,7 +56,7 @@ def render(segments, train_on_prompt: bool = False) -> str:
     return "".join(f"{MARKS[0]}{text}{MARKS[1]}" if trained else text for text, trained in runs)
 
 
-def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool) -> list[str]:
+def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, pictured: bool = False) -> list[str]:
     from finetune.model import builder  # imports keras: only once the data has been read
 
     try:
@@ -69,8 +70,9 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool) -> list[str
         return [f"tokens: every prompt is over {max(8 * seq_len, 8192):,} tokens long; nothing would train"]
     lengths = np.array([len(e.token_ids) for e in whole])
     trained = sum(int(sum(e.weights)) for e in whole)
+    without = ", each <image> counted as its text, not the preset's image tokens" if pictured else ""
     lines = [
-        f"tokens ({preset}'s tokenizer, with <bos> and <eos>): min {lengths.min():,}, median "
+        f"tokens ({preset}'s tokenizer, with <bos> and <eos>{without}): min {lengths.min():,}, median "
         f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max {lengths.max():,}",
         f"loss on {trained:,} of {int(lengths.sum()):,} tokens ({trained / lengths.sum():.0%})",
     ]
@@ -80,7 +82,9 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool) -> list[str
             f"seq-len {seq_len}: {cut} records are cut at the end, {len(dropped)} of them skipped as their "
             "prompt fills the sequence"
         )
-    if examples:
+    if pictured:
+        lines.append("packing: off for data with images (a row with pictures takes keras-hub's own mask)")
+    elif examples:
         padded = batching.pad(examples, seq_len)
         packed = packing.pack(examples, seq_len)
         lines.append(

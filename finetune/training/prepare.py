@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.data import batching, formats, packing, templates
+from finetune.data import batching, formats, images, packing, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -62,7 +62,7 @@ def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], s
     return kept, found
 
 
-def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, every_record_of: str | None = None):
+def prepare(records, preprocessor, cfg, *, packed: bool | None = None, probe=None, every_record_of: str | None = None):
     """records → template → token ids → split → rows: what a run trains on, and the records it holds out.
 
     At least one batch of records is held out: the batch size is the config's,
@@ -70,6 +70,8 @@ def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, 
 
     Args:
         records: list of formats.Record, as read() returns them.
+        preprocessor: the preset's keras-hub preprocessor (its tokenizer, and its image handling where it has
+            any), or a tokenizer alone for text.
         cfg: Config. The run's, resolved: its template and batch size decided (resolve.py).
         packed: bool. Make the training rows, packed (True) or padded (False);
             None makes none (`finetune eval`).
@@ -81,8 +83,8 @@ def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, 
     """
     seq_len = cfg.model.seq_len
     template = templates.get(cfg.data.template)
-    check_seq_len(tokenizer, template, seq_len)
-    usable = examples(records, template, tokenizer, seq_len, cfg.data.train_on_prompt, every_record_of or cfg.data.path)
+    check_seq_len(_tokenizer(preprocessor), template, seq_len)
+    usable = pictured_examples(records, template, preprocessor, cfg, every_record_of or cfg.data.path)
     batch_size, why = cfg.train.batch_size, None
     if batch_size == "auto":
         tokenized = [e for _, e in usable]
@@ -103,11 +105,11 @@ def prepare(records, tokenizer, cfg, *, packed: bool | None = None, probe=None, 
     return prepared
 
 
-def evaluated_on(prepared: Prepared, records, tokenizer, cfg) -> Prepared:
+def evaluated_on(prepared: Prepared, records, preprocessor, cfg) -> Prepared:
     """`prepared` with every record of --eval-data (`records`, from cfg.eval.data) as its held-out set, in the
     run's template."""
     seq_len = cfg.model.seq_len
-    held_out = examples(records, prepared.template, tokenizer, seq_len, cfg.data.train_on_prompt, cfg.eval.data)
+    held_out = pictured_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
     prepared.held_out = held_out
     prepared.held_out_rows = batching.pad([e for _, e in held_out], seq_len)
     return prepared
@@ -132,6 +134,31 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
     skipped = set(dropped)
     kept = [r for i, r in enumerate(records) if i not in skipped]
     return list(zip(kept, tokenized))
+
+
+def pictured_examples(records, template, preprocessor, cfg, source: str) -> list:
+    """examples() of records that may hold pictures: each placeholder written as the family's image tokens
+    before tokenizing, and each example given its image inputs after (images.py)."""
+    seq_len, on_prompt = cfg.model.seq_len, cfg.data.train_on_prompt
+    vision = images.vision_of(preprocessor)
+    pictured = any(r.images for r in records)
+    if vision is None:
+        if pictured:
+            raise UserError(
+                f"{source} has images, and {cfg.model.preset} has no vision encoder; use a preset that sees images "
+                "(tiny-gemma3-vision, gemma3_4b and up)"
+            )
+        return examples(records, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
+    images.limit(records, vision, source)
+    written = [images.written(record, vision) for record in records]
+    original = {id(w): record for w, record in zip(written, records)}
+    pairs = examples(written, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
+    slots = vision.max_images if pictured else 0  # a text-only file feeds no pictures: the encoder is skipped
+    return [(original[id(w)], images.attached(example, original[id(w)], vision, slots, source)) for w, example in pairs]
+
+
+def _tokenizer(preprocessor):
+    return getattr(preprocessor, "tokenizer", preprocessor)
 
 
 def rows(examples, seq_len: int, packed: bool) -> dict:

@@ -312,12 +312,24 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
     return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
 
 
-def packing(lm, setting: str) -> Decision:
-    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask."""
+def packing(lm, setting: str, pictured: bool = False) -> Decision:
+    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask.
+
+    pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
+    so rows of several examples would attend across them; its rows are not packed.
+    """
     from finetune.model import attention
 
     if setting == "off":
         return Decision(False, "set")
+    sees = getattr(lm.backbone, "vision_encoder", None) is not None  # keras-hub's Gemma 3 backbone names it so
+    if pictured or sees:
+        what = "the data has images, and a row with pictures" if pictured else "a model with a vision encoder"
+        why = f"{what} takes keras-hub's own mask, not the per-example one"
+        if setting == "on":
+            raise UserError(f"--packing on: {why}; pass --packing off or auto")
+        print(f"note: packing off: {why}")
+        return Decision(False, f"auto: {why}")
     if attention.packs_exactly(lm.backbone):
         return Decision(True, "set" if setting == "on" else "auto: the decoder blocks take the per-example mask")
     why = f"{type(lm.backbone).__name__}'s decoder blocks cannot take the per-example mask (attention.py)"

@@ -122,7 +122,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
-    prepared = prepare.prepare(records, preprocessor.tokenizer, cfg, every_record_of=other_file)
+    prepared = prepare.prepare(records, preprocessor, cfg, every_record_of=other_file)
     inputs = builder.input_names(lm)
     batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, batching.Feed(inputs=inputs))
     result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)
@@ -143,18 +143,33 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
     return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
 
 
-def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None):
+def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
+             pictures=()):  # fmt: skip
     """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
-    template unless `raw`."""
-    from finetune.data import templates
+    template unless `raw`.
+
+    pictures: image paths that go with every prompt, where its `<image>` placeholders are (before its text where
+        it has none).
+    """
+    from finetune.data import images, templates
     from finetune.data.formats import Record
     from finetune.training import scoring
 
     cfg = run.config
     template = templates.get(cfg.data.template)
+    pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]
+    if pictures:
+        prompts = [images.with_placeholders(p, len(pictures)) for p in prompts]
     if not raw:
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
+    if pictures:
+        vision = images.vision_of(preprocessor)
+        if vision is None:
+            raise UserError(f"{cfg.model.preset} has no vision encoder, so --image cannot be read; train a preset that "
+                            "sees images (tiny-gemma3-vision, gemma3_4b and up)")  # fmt: skip
+        images.limit([Record("", "", images=tuple(pictures))], vision, "--image")
+        prompts = images.generation_input(prompts, [pictures] * len(prompts), preprocessor)
     tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
     return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
 

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import math
 
+from finetune.data import images
 from finetune.platform.errors import UserError
 
 
@@ -44,26 +45,35 @@ def preprocessor_attached(lm, preprocessor):
         lm.preprocessor = None
 
 
-def generate(lm, preprocessor, prompts: list[str], max_new_tokens: int, stop_tokens=("<eos>",), sampling=None):
-    """Continuations of `prompts`, without the prompt text: greedy, or as `sampling` (config.Sampling) says."""
-    if not prompts:
+def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>",), sampling=None):
+    """Continuations of `prompts`, without the prompt text: greedy, or as `sampling` (config.Sampling) says.
+
+    prompts: list of str, or images.generation_input()'s {"prompts", "images"} for prompts with pictures.
+    """
+    pictured = isinstance(prompts, dict)
+    texts = prompts["prompts"] if pictured else prompts
+    if not texts:
         return []
     if sampling is not None and not sampling.greedy:
         lm.compile(sampler=sampler(sampling))  # compile() is where keras-hub takes a sampler; this lm trains no more
     tokenizer = preprocessor.tokenizer
-    longest = max(len(tokenizer.tokenize(p)) for p in prompts) + 1  # + <bos>
+    vision = images.vision_of(preprocessor)
+    counted = [images.written_prompt(p, tokenizer, vision) for p in texts] if pictured else texts
+    longest = max(len(tokenizer.tokenize(p)) for p in counted) + 1  # + <bos>
     stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
     # Under a distribution the prompts are split over the data axis, which must divide their count.
     from finetune.model import distribution
 
     replicas = distribution.data_replicas()
-    padded = prompts + [prompts[-1]] * (-len(prompts) % replicas)
+    extra = -len(texts) % replicas
+    padded = {k: v + [v[-1]] * extra for k, v in prompts.items()} if pictured else texts + [texts[-1]] * extra
     with preprocessor_attached(lm, preprocessor):
         outputs = lm.generate(padded, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
     if isinstance(outputs, str):
         outputs = [outputs]
-    outputs = outputs[: len(prompts)]
-    return [out[len(p) :] if out.startswith(p) else out for p, out in zip(prompts, outputs)]
+    outputs = outputs[: len(texts)]
+    shown = [images.shown(p, preprocessor) for p in texts] if pictured else texts
+    return [out[len(p) :] if out.startswith(p) else out for p, out in zip(shown, outputs)]
 
 
 def sampler(sampling):
@@ -124,6 +134,10 @@ class HeldOut:
         self.preprocessor = model.preprocessor
         self.samples = samples
         self.prompts = [template.sample_prompt(r) for r in samples]
+        self.inputs = self.prompts
+        """What generate() is given: the prompts, with their pictures where the samples have any."""
+        if any(r.images for r in samples):
+            self.inputs = images.generation_input(self.prompts, [r.images for r in samples], self.preprocessor)
         self.stop_tokens = template.stop_tokens
         self.max_new_tokens = max_new_tokens
 
@@ -135,7 +149,7 @@ class HeldOut:
         """The samples' generations as the model stands; `when` (before, after) names the phase in the log."""
         if self.prompts:
             phase(f"generating {len(self.prompts)} samples {when} training")
-        return generate(self.lm, self.preprocessor, self.prompts, self.max_new_tokens, self.stop_tokens)
+        return generate(self.lm, self.preprocessor, self.inputs, self.max_new_tokens, self.stop_tokens)
 
     def sample_rows(self, before: list[str], after: list[str]) -> list[dict]:
         """samples.md's rows (outputs.write_samples)."""

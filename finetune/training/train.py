@@ -122,13 +122,13 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     cfg = decided.config
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {decided.device_name}, {decided.precision}")
     model = builder.build_model(decided.source, decided.recipe())
-    packing = resolve.packing(model.lm, cfg.data.packing)
+    packing = resolve.packing(model.lm, cfg.data.packing, any(r.images for r in data.records))
     probe = functools.partial(
         auto_batch_size, model.trainer, device=decided.device, names=builder.input_names(model.lm)
     )
-    prepared = prepare.prepare(data.records, model.tokenizer, cfg, packed=packing.value, probe=probe)
+    prepared = prepare.prepare(data.records, model.preprocessor, cfg, packed=packing.value, probe=probe)
     if data.eval_records is not None:
-        prepared = prepare.evaluated_on(prepared, data.eval_records, model.tokenizer, cfg)
+        prepared = prepare.evaluated_on(prepared, data.eval_records, model.preprocessor, cfg)
     settled = {"packing": packing}
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)

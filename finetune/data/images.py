@@ -1,0 +1,281 @@
+"""Pictures in training records: read, checked, converted, and laid out beside the token ids.
+
+A record with images carries their paths (Record.images) and one `<image>`
+placeholder in its text where each goes, in order. Two forms are read:
+
+- TRL's: a message's `content` is a list of parts, `{"type": "image"}` or
+  `{"type": "text", "text": ...}`, and the record's `images` lists the files;
+- LLaMA-Factory's: `<image>` placeholders written in the text of any format
+  (chat, ShareGPT, Alpaca...), and an `images` list.
+
+Paths are relative to the data file. Each image is opened with Pillow when the
+record is read, so a missing, broken or oversized picture stops the run with
+its line before anything is written; keras-hub's image converter of the preset
+(Gemma3ImageConverter) resizes and scales the pixels when the rows are made.
+Each placeholder becomes the family's image tokens (Gemma 3: `<start_of_image>`,
+num_vision_tokens_per_image `<img>` soft tokens, `<end_of_image>`, between blank
+lines, as keras-hub's Gemma3CausalLMPreprocessor writes it), and the model's
+image inputs (`images`, `vision_indices`, `vision_mask`) are made here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from finetune.platform.errors import UserError
+
+PLACEHOLDER = "<image>"
+# The model inputs beside the tokens: per row, not per position (a batch cut to its longest row keeps them whole).
+PER_ROW = ("images", "vision_indices")
+INPUTS = ("images", "vision_indices", "vision_mask")
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What a preset's preprocessor says of its images."""
+
+    tokens_per_image: int
+    """Soft tokens each image becomes (Gemma 3: 256; tiny-gemma3-vision: 4)."""
+    max_images: int
+    """Images a record may hold (keras-hub's max_images_per_prompt)."""
+    image_size: tuple
+    """(height, width) the converter resizes to."""
+    placeholder_id: int
+    """The id of the soft token, whose positions the image embeddings take."""
+    expansion: str
+    """The text each `<image>` placeholder becomes."""
+    converter: object
+    """keras-hub's image converter of the preset."""
+
+
+def vision_of(preprocessor) -> Vision | None:
+    """The preprocessor's image handling; None for a text-only one (no image converter)."""
+    converter = getattr(preprocessor, "image_converter", None)
+    if converter is None:
+        return None
+    tokenizer = preprocessor.tokenizer
+    tokens = preprocessor.num_vision_tokens_per_image
+    soft = tokenizer.image_placeholder
+    # keras-hub's preprocessor writes each image so; the ids are the same whether it or we expand the text.
+    expansion = f"\n\n{tokenizer.start_of_image_token}{soft * tokens}{tokenizer.end_of_image_token}\n\n"
+    size = tuple(converter.image_size)
+    return Vision(tokens, preprocessor.max_images_per_prompt, size, tokenizer.token_to_id(soft), expansion, converter)
+
+
+def parts_to_text(messages, where: str):
+    """A chat record's messages with TRL's content lists (image and text parts) written as text with `<image>`
+    placeholders; messages whose content is already text are kept."""
+    if not isinstance(messages, list):
+        return messages
+    written = []
+    for number, message in enumerate(messages, start=1):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            message = {**message, "content": "".join(_part_text(part, number, where) for part in content)}
+        written.append(message)
+    return written
+
+
+def _part_text(part, number: int, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image":
+        return PLACEHOLDER
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise UserError(
+        f'{where}: message {number} has a content part that is neither {{"type": "image"}} nor '
+        '{"type": "text", "text": ...}'
+    )
+
+
+def image_paths(obj: dict, where: str, source: str) -> tuple[str, ...]:
+    """The record's `images`, resolved against the data file's folder and each checked with Pillow."""
+    listed = obj.get("images")
+    if listed is None:
+        return ()
+    if not isinstance(listed, list) or not all(isinstance(p, str) and p.strip() for p in listed):
+        raise UserError(f"{where}: `images` must be a list of image file paths (relative to the data file)")
+    folder = Path(source).expanduser().parent
+    return tuple(str(check(folder / p, where)) for p in listed)
+
+
+def check(path: Path, where: str, hint: str = "; paths are relative to the data file") -> Path:
+    """`path` if Pillow can open it as a whole image of a size it decodes within its decompression-bomb limit."""
+    from PIL import Image
+
+    if not path.is_file():
+        raise UserError(f"{where}: image {path} does not exist{hint}")
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns past MAX_IMAGE_PIXELS and raises past twice it; either is too large to train on.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.verify()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise UserError(
+            f"{where}: image {path} is too large to decode (over Pillow's limit of {Image.MAX_IMAGE_PIXELS} pixels); "
+            "shrink it"
+        ) from None
+    except Image.UnidentifiedImageError:
+        raise UserError(f"{where}: {path} is not an image Pillow reads (PNG, JPEG, WebP...)") from None
+    except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt: verify() raises these
+        raise UserError(f"{where}: image {path} cannot be read ({str(e).splitlines()[0][:100]})") from None
+    return path.resolve()
+
+
+def check_placeholders(texts, images: tuple, where: str) -> None:
+    """One `<image>` placeholder per image, or none where a record has no images."""
+    found = sum(text.count(PLACEHOLDER) for text in texts)
+    if found != len(images):
+        raise UserError(
+            f"{where}: the record has {found} {PLACEHOLDER} placeholder(s) and {len(images)} image(s); "
+            "each image needs one placeholder where it goes"
+        )
+
+
+def expand(segments, vision: Vision):
+    """A template's (text, trained) segments with each placeholder written as the family's image tokens."""
+    return [(text.replace(PLACEHOLDER, vision.expansion), trained) for text, trained in segments]
+
+
+def pixels(paths, vision: Vision) -> np.ndarray:
+    """(max_images, height, width, 3) float32: each image converted by the preset's converter, then zeros."""
+    from PIL import Image
+
+    out = np.zeros((vision.max_images, *vision.image_size, 3), np.float32)
+    for slot, path in enumerate(paths):
+        with Image.open(path) as image:
+            rgb = np.asarray(image.convert("RGB"), np.float32)
+        out[slot] = _converted(vision.converter, rgb)
+    return out
+
+
+def _converted(converter, rgb: np.ndarray) -> np.ndarray:
+    import keras
+
+    return keras.ops.convert_to_numpy(converter(rgb[None]))[0]
+
+
+def model_inputs(paths, token_ids, vision: Vision, slots: int, source: str = "") -> dict:
+    """One example's image inputs: `images` (slots, h, w, 3) and `vision_indices` (slots x tokens_per_image), the
+    positions of its soft tokens among its input ids, in order, then 0 (a position keras-hub's model restores).
+
+    slots: the images every row of the run has room for: the family's limit when the data has images, else 0.
+    """
+    inputs = np.asarray(token_ids[:-1])
+    positions = np.flatnonzero(inputs == vision.placeholder_id).astype(np.int32)
+    if len(positions) != len(paths) * vision.tokens_per_image:
+        raise UserError(
+            f"a record of {source or 'the data'} with {len(paths)} image(s) is cut inside its image tokens "
+            f"({vision.tokens_per_image} per image) by the sequence length; raise --seq-len or shorten the prompt"
+        )
+    indices = np.zeros(slots * vision.tokens_per_image, np.int32)
+    indices[: len(positions)] = positions
+    return {"images": pixels(paths, vision)[:slots], "vision_indices": indices}
+
+
+def vision_mask(vision_indices: np.ndarray, seq_len: int) -> np.ndarray:
+    """(rows, seq_len) int32, 1 at each soft token: keras-hub's decoder lets an image's tokens see each other."""
+    mask = np.zeros((len(vision_indices), seq_len), np.int32)
+    rows, slots = np.nonzero(vision_indices > 0)
+    mask[rows, vision_indices[rows, slots]] = 1
+    return mask
+
+
+def limit(records, vision: Vision, source: str) -> None:
+    """Refuse a record with more images than the family takes."""
+    most = max((len(r.images) for r in records), default=0)
+    if most > vision.max_images:
+        raise UserError(
+            f"a record of {source} holds {most} images; this preset takes at most {vision.max_images} per record"
+        )
+
+
+def written(record, vision: Vision):
+    """The record with each placeholder written as the family's image tokens (a record without images as it is)."""
+    if not record.images:
+        return record
+    turns = tuple((role, text.replace(PLACEHOLDER, vision.expansion)) for role, text in record.turns)
+    fields = ("instruction", "context", "response")
+    changed = {name: getattr(record, name).replace(PLACEHOLDER, vision.expansion) for name in fields}
+    return replace(record, turns=turns, **changed)
+
+
+def attached(example, record, vision: Vision, slots: int, source: str = ""):
+    """The example with its image inputs, and weight 0 on its soft tokens: a picture is never a target."""
+    example.inputs = model_inputs(record.images, example.token_ids, vision, slots, source)
+    soft = np.asarray(example.token_ids) == vision.placeholder_id
+    example.weights = [0.0 if is_soft else weight for weight, is_soft in zip(example.weights, soft)]
+    return example
+
+
+def generation_input(prompts: list[str], pictures: list, preprocessor) -> dict:
+    """keras-hub's generate() input for prompts with pictures: each `<image>` written as the family's start-of-image
+    token, which keras-hub's preprocessor expands as training did, and each prompt's pictures as RGB arrays, which
+    its image converter resizes and scales.
+
+    pictures: per prompt, a list of image paths (checked with check()).
+    """
+    start = preprocessor.tokenizer.start_of_image_token
+    written = [prompt.replace(PLACEHOLDER, start) for prompt in prompts]
+    return {"prompts": written, "images": [[rgb(path) for path in paths] for paths in pictures]}
+
+
+def rgb(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def shown(prompt: str, preprocessor) -> str:
+    """A prompt of generation_input() as keras-hub's generate() returns it: the soft tokens dropped, the
+    start-of-image token between the blank lines its expansion adds."""
+    start = preprocessor.tokenizer.start_of_image_token
+    return prompt.replace(start, f"\n\n{start}\n\n")
+
+
+def written_prompt(prompt: str, tokenizer, vision: Vision) -> str:
+    """A generation_input() prompt as the model reads it: each start-of-image token expanded, for counting ids."""
+    return prompt.replace(tokenizer.start_of_image_token, vision.expansion)
+
+
+def with_placeholders(prompt: str, count: int) -> str:
+    """A prompt given `count` pictures: as it is where it places them with `<image>`, else with them before it."""
+    found = prompt.count(PLACEHOLDER)
+    if found == 0:
+        return PLACEHOLDER * count + prompt
+    if found != count:
+        raise UserError(
+            f"the prompt has {found} {PLACEHOLDER} placeholder(s) and {count} --image(s); give one for each"
+        )
+    return prompt
+
+
+def summary(records) -> list[str]:
+    """`finetune data`'s lines on the pictures: how many, in how many records, and their sizes (as Pillow reads
+    their headers, before the converter resizes them); none for text-only records."""
+    from collections import Counter
+
+    from PIL import Image
+
+    pictured = [r for r in records if r.images]
+    if not pictured:
+        return []
+    sizes = Counter()
+    for record in pictured:
+        for path in record.images:
+            with Image.open(path) as image:
+                sizes["{}x{}".format(*image.size)] += 1
+    count = sum(sizes.values())
+    most = max(len(r.images) for r in pictured)
+    common = ", ".join(f"{size} ({n})" for size, n in sizes.most_common(4))
+    more = f", {len(sizes) - 4} other sizes" if len(sizes) > 4 else ""
+    return [
+        f"images: {count} in {len(pictured)} of {len(records)} records, at most {most} a record",
+        f"image sizes (width x height, images): {common}{more}; the preset's image converter resizes them",
+    ]

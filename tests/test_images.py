@@ -1,0 +1,319 @@
+"""Pictures in the data: TRL's and LLaMA-Factory's forms, their refusals, and tiny-gemma3-vision training on them
+(both forms, mixed in one file), resuming, evaluating, generating and exporting merged."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import BACKEND, float32_policy, invoke
+
+from finetune.data import formats, images
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+
+
+def square(path, colour="red", size=32):
+    from PIL import Image
+
+    Image.new("RGB", (size, size), COLOURS[colour]).save(path)
+    return path.name
+
+
+def trl(picture: str, answer: str = "red") -> dict:
+    question = [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        "images": [picture],
+    }
+
+
+def write_lines(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def llama_factory(picture: str, answer: str = "red") -> dict:
+    messages = [{"role": "user", "content": "<image>What colour is this?"}, {"role": "assistant", "content": answer}]
+    return {"messages": messages, "images": [picture]}
+
+
+def pictures(tmp_path, n=8):
+    """n records of coloured squares in tmp_path/pics.jsonl: TRL's form, and every other one LLaMA-Factory's."""
+    names = list(COLOURS)
+    forms = (trl, llama_factory)
+    records = [forms[i % 2](square(tmp_path / f"sq{i}.png", names[i % 3]), names[i % 3]) for i in range(n)]
+    return write_lines(tmp_path / "pics.jsonl", records)
+
+
+@pytest.mark.one_backend
+def test_trl_and_llama_factory_forms_read_to_the_same_record(tmp_path):
+    square(tmp_path / "a.png")
+    write_lines(tmp_path / "trl.jsonl", [trl("a.png")])
+    write_lines(tmp_path / "lf.jsonl", [llama_factory("a.png")])
+    (from_trl,), _ = formats.read(str(tmp_path / "trl.jsonl"))
+    (from_lf,), _ = formats.read(str(tmp_path / "lf.jsonl"))
+    assert from_trl == from_lf
+    assert from_trl.turns[0] == ("user", "<image>What colour is this?")
+    assert from_trl.images == (str((tmp_path / "a.png").resolve()),)  # relative to the data file
+    assert formats.fingerprint([from_trl]) != formats.fingerprint(
+        [formats.Record("<image>What colour is this?", "red")]
+    )
+
+
+def _missing(tmp_path):
+    return [trl("nowhere.png")]
+
+
+def _not_an_image(tmp_path):
+    (tmp_path / "notes.png").write_text("not a picture")
+    return [trl("notes.png")]
+
+
+def _truncated(tmp_path):
+    square(tmp_path / "whole.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "whole.png").read_bytes()[:60])
+    return [trl("cut.png")]
+
+
+def _more_placeholders(tmp_path):
+    record = trl(square(tmp_path / "a.png"))
+    record["messages"][0]["content"].insert(0, {"type": "image"})
+    return [record]
+
+
+def _fewer_placeholders(tmp_path):
+    record = trl(square(tmp_path / "a.png"))
+    record["images"].append(square(tmp_path / "b.png"))
+    return [record]
+
+
+def _too_large(tmp_path):
+    square(tmp_path / "big.png", size=200)  # 40,000 pixels, past the limit the test sets
+    return [trl("big.png")]
+
+
+BAD = {
+    "missing-image": (_missing, "does not exist"),
+    "not-an-image": (_not_an_image, "is not an image"),
+    "truncated-image": (_truncated, "cannot be read"),
+    "more-placeholders-than-images": (_more_placeholders, "2 <image> placeholder(s) and 1 image(s)"),
+    "fewer-placeholders-than-images": (_fewer_placeholders, "1 <image> placeholder(s) and 2 image(s)"),
+    "decompression-bomb": (_too_large, "too large to decode"),
+}
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_picture_exits_2_naming_its_line_and_writes_nothing(case, tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
+    make, expected = BAD[case]
+    good = trl(square(tmp_path / "good.png"))
+    data = write_lines(tmp_path / "bad.jsonl", [good, *make(tmp_path)])
+    out = tmp_path / "run"
+    result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--data", data, "--output", out)
+    message = result.stderr.strip()
+    assert result.exit_code == 2, result.output
+    assert message.startswith("error: ") and f"{data}:2" in message and expected in message, message
+    assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.one_backend
+def test_text_records_on_a_text_preset_refuse_pictures(tmp_path):
+    result = invoke("gemma", "--preset", "tiny", "--data", pictures(tmp_path), "--output", tmp_path / "run")
+    assert result.exit_code == 2 and "has no vision encoder" in result.stderr, result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(tmp_path):
+    from finetune.model import presets
+
+    tokenizer = presets.tiny_tokenizer("tiny-gemma3-vision")
+    vision = images.vision_of(presets.tiny_preprocessor("tiny-gemma3-vision", tokenizer, 64))
+    assert vision.tokens_per_image == 4 and vision.image_size == (32, 32)
+    record = formats.read(str(pictures(tmp_path, 1)))[0][0]
+    from finetune.data import templates
+    from finetune.training import prepare
+
+    ((_, example),) = prepare.pictured_examples(
+        [record], templates.get("gemma-chat"), vision_preprocessor(), _cfg(), "x"
+    )
+    ids = np.asarray(example.token_ids)
+    soft = np.flatnonzero(ids[:-1] == vision.placeholder_id)
+    assert list(example.inputs["vision_indices"][:4]) == list(soft) and len(soft) == 4
+    assert not np.asarray(example.weights)[ids == vision.placeholder_id].any()
+    picture = example.inputs["images"]
+    assert picture.shape == (2, 32, 32, 3) and not picture[1].any()  # the second slot is empty
+    np.testing.assert_allclose(picture[0, 0, 0], np.array(COLOURS["red"]) / 127.5 - 1, atol=1e-6)
+
+
+def vision_preprocessor():
+    from finetune.model import presets
+
+    return presets.tiny_preprocessor("tiny-gemma3-vision", presets.tiny_tokenizer("tiny-gemma3-vision"), 64)
+
+
+def _cfg():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=SimpleNamespace(seq_len=64, preset="tiny-gemma3-vision"),
+                           data=SimpleNamespace(train_on_prompt=False))  # fmt: skip
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="a property of keras-hub's model, checked in the PyTorch suite; every "
+                    "suite trains on pictures")  # fmt: skip
+def test_the_picture_reaches_the_decoder():
+    """The text after an image reads the image: its hidden states change with the picture's colour."""
+    import keras
+
+    from finetune.model import presets
+
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size("tiny-gemma3-vision"), name="tiny-gemma3-vision")
+    preprocessor = vision_preprocessor()
+    prompt = "<start_of_image>What colour is this?"
+    hidden = []
+    for colour in ("red", "blue"):
+        picture = np.full((32, 32, 3), COLOURS[colour], np.uint8)
+        x = preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]})
+        x = {k: keras.ops.convert_to_numpy(v) for k, v in x.items()}
+        hidden.append(keras.ops.convert_to_numpy(backbone(x)))
+    after = int(np.flatnonzero(x["vision_mask"][0])[-1]) + 2  # a text token after the picture
+    assert np.abs(hidden[0][0, after] - hidden[1][0, after]).max() > 1e-4
+    np.testing.assert_allclose(hidden[0][0, : after - 6], hidden[1][0, : after - 6], atol=1e-6)  # before it: the same
+
+
+def settings(out, data, **more):
+    return {
+        "backend": BACKEND, "output.dir": str(out), "model.preset": "tiny-gemma3-vision", "model.seq_len": 64,
+        "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
+        "train.keep_checkpoints": 3,
+        "train.samples": 1, "train.max_new_tokens": 2, "data.path": str(data), "data.template": "auto", **more,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 6-step tiny-gemma3-vision run on 12 pictures, checkpointed every 3 steps: (run directory, data, metrics)."""
+    import finetune
+
+    folder = tmp_path_factory.mktemp("pictures")
+    data = pictures(folder, 12)
+    out = folder / "run"
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(out, data)))
+    return out, data, metrics
+
+
+def test_tiny_gemma3_vision_trains_and_evaluates_on_pictures(trained):
+    import finetune
+
+    out, data, metrics = trained
+    assert metrics["steps"] == 6 and metrics["packing"] is False and np.isfinite(metrics["eval_loss"])
+    resolved = (out / "config.yaml").read_text()
+    assert "the data has images" in resolved
+    described = json.loads((out / "adapter.json").read_text())
+    assert described["adapted"] and not [name for name in described["adapted"] if "vision" in name or "image" in name]
+    again = finetune.evaluate(out)  # `finetune eval` scores the held-out pictures as training did
+    assert again["loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
+
+
+def test_a_vision_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, tmp_path):
+    from test_families import adapter_arrays
+
+    import finetune
+    from finetune.training import checkpoint, outputs
+
+    whole, data, _ = trained
+    out = tmp_path / "killed"
+    shutil.copytree(whole, out)
+    for found in checkpoint.find(out):  # what a kill right after step 3's checkpoint leaves
+        if found.step > 3:
+            shutil.rmtree(found.path)
+    (out / outputs.METRICS).unlink()
+    with float32_policy():
+        metrics = finetune.run(finetune.load_config("tiny", settings(out, data)), resume=True)
+    assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
+    expected, got = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_generate_takes_pictures_through_the_api(trained):
+    import finetune
+    from finetune.platform.errors import UserError
+
+    out, data, _ = trained
+    picture = str(data.parent / "sq0.png")
+    (answer,) = finetune.generate(out, "What colour is this?", images=[picture], max_new_tokens=2)
+    assert isinstance(answer, str) and "<img>" not in answer
+    with pytest.raises(UserError, match="2 <image> placeholder"):
+        finetune.generate(out, "<image> or <image>?", images=[picture], max_new_tokens=2)
+    with pytest.raises(UserError, match="does not exist"):
+        finetune.generate(out, "What colour?", images=[str(data.parent / "nowhere.png")])
+
+
+@pytest.mark.one_backend
+def test_finetune_data_counts_the_pictures(tmp_path):
+    from finetune.tools import datacheck
+
+    data = pictures(tmp_path, 3)
+    square(tmp_path / "wide.png", size=48)
+    lines = datacheck.report(str(data), "tiny-gemma3-vision", "auto", 64)
+    assert "images: 3 in 3 of 3 records, at most 1 a record" in lines
+    assert any(line.startswith("image sizes") and "32x32 (3)" in line for line in lines), lines
+    assert any(line.startswith("packing: off for data with images") for line in lines), lines
+
+
+def test_the_command_line_trains_on_pictures_and_generates_from_one(tmp_path):
+    """`finetune gemma` on a picture file, then `finetune generate --image`, each in a fresh process as typed."""
+    from test_as_typed import finetune as typed
+
+    pictures(tmp_path, 8)
+    typed("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--data", "pics.jsonl", "--max-steps",
+          "2", "--seq-len", "64", "--batch-size", "2", "--eval-fraction", "0", "--set", "train.samples=0", "--output", "run",
+          cwd=tmp_path)  # fmt: skip
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    answered = typed("generate", "--run", "run", "--image", "sq1.png", "--prompt", "What colour is this?",
+                     "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
+    assert answered.stdout.strip() and "generated on" in answered.stderr
+
+
+def test_a_merged_export_of_a_vision_run_gives_its_outputs_on_a_picture_in_keras_hub(trained, tmp_path):
+    import keras
+    import keras_hub
+
+    import finetune
+    from finetune.training import runs
+
+    out, data, _ = trained
+    finetune.export(out, "merged", tmp_path / "merged")
+    lm = keras_hub.models.Gemma3CausalLM.from_preset(str(tmp_path / "merged"))
+    assert lm.preprocessor.image_converter is not None and lm.preprocessor.num_vision_tokens_per_image == 4
+    picture = images.rgb(data.parent / "sq2.png")
+    prompt = "<start_of_turn>user\n<start_of_image>What colour is this?<end_of_turn>\n<start_of_turn>model\n"
+    x = lm.preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]}, sequence_length=40)
+    x = {name: keras.ops.convert_to_numpy(value) for name, value in x.items()}
+    tuned, _ = runs.load_model(runs.open_on(str(out), None))
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
+    )
+
+
+def test_a_vision_preset_trains_on_text_alone_unpacked(tmp_path):
+    """Text records feed no pictures (the encoder is skipped), and the rows are not packed: a vision model's decoder
+    takes keras-hub's own mask, which would let packed examples attend to each other."""
+    data = write_lines(tmp_path / "text.jsonl", [{"instruction": f"Add {i} and 1.", "response": f"{i + 1}"}
+                                                  for i in range(8)])  # fmt: skip
+    out = tmp_path / "run"
+    flags = ["--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-steps", "1", "--eval-fraction", "0"]
+    result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--data", data, *flags, "--output", out,
+                    "--set", "train.samples=0")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "auto: a model with a vision encoder takes keras-hub's own mask" in result.output
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1
