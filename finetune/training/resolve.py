@@ -169,6 +169,7 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None) -> Resolve
                                                   else ""))  # fmt: skip
     decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
     decisions["alpha"] = alpha(cfg.lora)
+    decisions.update(method(cfg.train, data_format))
     limit, deadline = _time_limit(cfg.train.time_limit)
     decisions["time_limit"] = limit
     return Resolved(decided, decisions, source, device, runtime["device_name"], runtime, deadline, distributed,
@@ -202,6 +203,42 @@ def alpha(lora) -> Decision:
         return Decision(lora.resolved_alpha(), "set")
     why = "the rank: a scale of 1/sqrt(rank) with --rslora" if lora.rslora else "the rank: a scale of 1, keras-hub's"
     return Decision(lora.resolved_alpha(), why)
+
+
+# Each preference method's defaults, with where they come from (docs/preference.md, "Losses and defaults").
+BETA = {
+    "dpo": (0.1, "DPO's beta, as TRL's DPOConfig (the DPO paper's 0.1 to 0.5, at its low end)"),
+    "orpo": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
+    "simpo": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
+}
+SIMPO_GAMMA = (0.5, "SimPO's target margin, as TRL's CPOConfig's simpo_gamma")
+
+
+def method(train, data_format: str) -> dict:
+    """{method, beta, label_smoothing, simpo_gamma}: the objective and its constants, each with its reason.
+
+    train: config.TrainConfig. data_format: the records' format (formats.read): a preference method needs pairs,
+    and SFT refuses them, each with what to pass.
+    """
+    paired = data_format.startswith("preference")
+    if train.method == "sft":
+        if paired:
+            raise UserError(f"the data is {data_format} pairs (chosen and rejected answers); pass --method dpo, "
+                            "orpo or simpo to train on them, or give SFT records")  # fmt: skip
+        return {"method": Decision("sft", "set" if train.method else "the default")}
+    if not paired:
+        raise UserError(f"--method {train.method} trains on preference pairs ({{prompt, chosen, rejected}} "
+                        f"records); the data is {data_format}: give pairs, or pass --method sft")  # fmt: skip
+    decided = {"method": Decision(train.method, "set")}
+    beta, why = BETA[train.method]
+    decided["beta"] = Decision(train.beta, "set") if train.beta is not None else Decision(beta, why)
+    if train.method == "dpo":
+        smoothing = train.label_smoothing
+        decided["label_smoothing"] = Decision(smoothing or 0.0, "set" if smoothing is not None else "none asked")
+    if train.method == "simpo":
+        gamma = train.simpo_gamma
+        decided["simpo_gamma"] = Decision(gamma, "set") if gamma is not None else Decision(*SIMPO_GAMMA)
+    return decided
 
 
 def _threads(cfg: Config, saved: dict | None) -> int | None:
