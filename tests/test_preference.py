@@ -109,7 +109,7 @@ def test_dpo_starts_at_ln2_and_grad_accum_is_exact():
             trainer = preference.PreferenceView(lm, 8, preference.Objective("dpo", 0.1))
             sgd = keras.optimizers.SGD(0.5, gradient_accumulation_steps=accum if accum > 1 else None)
             trainer.compile(optimizer=sgd, loss=objective.TokenShare(), weighted_metrics=preference.metrics())
-            for pairs, (x, _, _) in pair_batches.batches(arrays, 4, feed):
+            for pairs, (x, _, _) in pair_batches.Batches(arrays, 4, feed):
                 arrays.reference[pairs] = trainer.predict_on_batch(x)[: len(pairs), 5:7]
             before = lora_values(lm)
             order = pair_batches.PairOrder(arrays, batch_size, 0, feed, accum)

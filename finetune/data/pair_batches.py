@@ -45,6 +45,11 @@ def pad(pairs, seq_len: int) -> PairArrays:
     return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32))
 
 
+def both_sides(arrays: PairArrays) -> dict:
+    """The chosen rows and the rejected rows as one padded array set (for padding shares and token counts)."""
+    return {key: np.concatenate([arrays.chosen[key], arrays.rejected[key]]) for key in arrays.chosen}
+
+
 def target_width(arrays: PairArrays, pairs_per_batch: int) -> int:
     """Target slots per row: room for the answer tokens of any `pairs_per_batch` pairs' 2B rows."""
     both = {"weights": np.concatenate([arrays.chosen["weights"], arrays.rejected["weights"]])}
@@ -123,13 +128,25 @@ class PairOrder:
                 sum(int(side["weights"][pairs].sum()) for side in sides))  # fmt: skip
 
 
-def batches(arrays: PairArrays, batch_size: int, feed: batching.Feed):
-    """Every pair once, in order, batch_size at a time (the last filled with weight-0 copies): (x, labels,
-    weights) for scoring and the reference pass."""
-    width = target_width(arrays, batch_size)
-    for start in range(0, len(arrays), batch_size):
-        pairs = np.arange(start, min(start + batch_size, len(arrays)))
-        real = np.ones(batch_size, bool)
-        real[len(pairs) :] = False
-        filled = np.concatenate([pairs, np.arange(batch_size - len(pairs)) % len(arrays)])
-        yield pairs, inputs(arrays, filled, width, feed.length_step, feed.inputs, real)
+@dataclass
+class Batches:
+    """Every pair of `arrays` once, in order, batch_size at a time, the last filled with weight-0 copies: for
+    scoring and the reference pass. Iterating gives (pair indices, (x, labels, weights))."""
+
+    arrays: PairArrays
+    batch_size: int
+    feed: batching.Feed
+
+    @property
+    def rows(self) -> int:
+        """The pairs (as batching.Batches' rows, which the run's log counts)."""
+        return len(self.arrays)
+
+    def __iter__(self):
+        arrays, size = self.arrays, self.batch_size
+        width = target_width(arrays, size)
+        for start in range(0, len(arrays), size):
+            pairs = np.arange(start, min(start + size, len(arrays)))
+            real = np.arange(size) < len(pairs)
+            filled = np.concatenate([pairs, np.arange(size - len(pairs)) % len(arrays)])
+            yield pairs, inputs(arrays, filled, width, self.feed.length_step, self.feed.inputs, real)

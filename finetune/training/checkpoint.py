@@ -53,6 +53,9 @@ class RunState:
         generated_before: list of str. The samples' generations before training.
         config: dict. The run's settings (outputs.run_config): a resume checks its own against them.
         data_fingerprint: str. The records' (data.fingerprint): a resume refuses data that changed.
+        reference: dict. DPO's reference log-probabilities, {"train": [[chosen, rejected], ...], "held_out": ...},
+            computed once before training: a resumed run reads them here and never recomputes them (its adapter
+            is no longer the base's). None for the other methods.
     """
 
     run_id: str
@@ -61,27 +64,33 @@ class RunState:
     generated_before: list
     config: dict
     data_fingerprint: str
+    reference: dict | None = None
 
     @classmethod
     def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
         """A checkpoint's state, taken up with this session's config (it may train further) and records."""
         progress = loop.Progress.from_state(state["progress"])
         progress.best_weights = state.get("best_weights")
-        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint)
+        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint,
+                   state.get("reference"))  # fmt: skip
 
     def to_state(self, progress: loop.Progress) -> dict:
         """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths; with the
         best weights (--keep-best), which save() writes to best.npz."""
         best = {} if progress.best_weights is None else {"best_weights": progress.best_weights}
-        return best | {
-            "run_id": self.run_id,
-            "step": progress.step,
-            "config": self.config,
-            "data_fingerprint": self.data_fingerprint,
-            "eval_before": self.eval_before,
-            "generated_before": self.generated_before,
-            "progress": progress.to_state(),
-        }
+        return (
+            best
+            | {
+                "run_id": self.run_id,
+                "step": progress.step,
+                "config": self.config,
+                "data_fingerprint": self.data_fingerprint,
+                "eval_before": self.eval_before,
+                "generated_before": self.generated_before,
+                "progress": progress.to_state(),
+            }
+            | ({} if self.reference is None else {"reference": self.reference})
+        )
 
 
 class CheckpointError(Exception):

@@ -99,6 +99,17 @@ class Resolved:
         decided = self.decisions.get("packing")
         return None if decided is None else decided.value
 
+    @property
+    def preference(self):
+        """The preference loss the run trains (model/preference.Objective); None for SFT."""
+        from finetune.model import preference  # keras: imported once the backend is chosen
+
+        decided = {name: d.value for name, d in self.decisions.items()}
+        if decided.get("method", "sft") == "sft":
+            return None
+        return preference.Objective(decided["method"], decided["beta"], decided.get("label_smoothing", 0.0),
+                                    decided.get("simpo_gamma", 0.0))  # fmt: skip
+
     def recipe(self, train: bool = True):
         """What builder.build_model makes of this run (a builder.Recipe): for training (LoRA fresh, compiled with
         AdamW), or to use a trained adapter (train=False: LoRA in the run's layout, nothing compiled)."""
@@ -113,7 +124,7 @@ class Resolved:
             lora=cfg.lora,
             seed=cfg.train.seed,
             neftune_alpha=cfg.train.neftune_alpha if train else None,
-            optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2])
+            optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.preference)
             if train
             else None,
         )
@@ -225,7 +236,7 @@ def method(train, data_format: str) -> dict:
         if paired:
             raise UserError(f"the data is {data_format} pairs (chosen and rejected answers); pass --method dpo, "
                             "orpo or simpo to train on them, or give SFT records")  # fmt: skip
-        return {"method": Decision("sft", "set" if train.method else "the default")}
+        return {"method": Decision("sft", "supervised: the response tokens' cross-entropy")}
     if not paired:
         raise UserError(f"--method {train.method} trains on preference pairs ({{prompt, chosen, rejected}} "
                         f"records); the data is {data_format}: give pairs, or pass --method sft")  # fmt: skip
@@ -349,12 +360,18 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
     return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
 
 
-def packing(lm, setting: str) -> Decision:
-    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask."""
+def packing(lm, setting: str, method: str = "sft") -> Decision:
+    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask, for
+    SFT; a preference method's pairs keep a row per answer (docs/preference.md says what packing would save)."""
     from finetune.model import attention
 
     if setting == "off":
         return Decision(False, "set")
+    if method != "sft":
+        why = f"--method {method}: each pair's two answers keep a row each (pairs are not packed yet)"
+        if setting == "on":
+            raise UserError(f"--packing on: {why}; pass --packing auto or off")
+        return Decision(False, f"auto: {why}")
     if attention.packs_exactly(lm.backbone):
         return Decision(True, "set" if setting == "on" else "auto: the decoder blocks take the per-example mask")
     why = f"{type(lm.backbone).__name__}'s decoder blocks cannot take the per-example mask (attention.py)"
