@@ -8,6 +8,7 @@ under it have it, so we set it on each adapted layer after enabling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -576,6 +577,27 @@ def train_with(view, controls: optimizer.Controls):
     metrics = preference.metrics() if isinstance(view, preference.PreferenceView) else None
     view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare(), weighted_metrics=metrics)
     return view
+
+
+def preference_view(lm, objective_) -> preference.PreferenceView:
+    """A view of `lm` that scores pairs with `objective_` (preference.Objective), uncompiled: for predict."""
+    return preference.PreferenceView(lm, chunk_for(lm), objective_, dtype=keras.config.dtype_policy())
+
+
+@contextlib.contextmanager
+def lora_off(lm):
+    """`lm` as its base for a while: every adapted layer's LoRA (and DoRA) switched off, as PEFT's
+    disable_adapter(); the factors stay as they are. A call traced before keeps what it traced: score with a
+    view made inside."""
+    layers = [layer for layer in lm.backbone._flatten_layers(include_self=False)
+              if getattr(layer, "lora_enabled", False)]  # fmt: skip
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield lm
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
 
 
 def scorer(lm, rows: int, shards: int = 1) -> keras.Model:

@@ -266,7 +266,8 @@ RESUME_KEYS = (
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
     ("train", "lr_schedule"), ("train", "warmup_steps"), ("train", "warmup_ratio"), ("train", "min_lr_ratio"),
-    ("train", "grad_accum"), ("train", "max_grad_norm"),
+    ("train", "grad_accum"), ("train", "max_grad_norm"), ("train", "method"), ("train", "beta"), ("train", "label_smoothing"),
+    ("train", "simpo_gamma"),
     ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 
@@ -344,6 +345,8 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Pa
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
         if key == "keep_best":  # a checkpoint from before the setting kept no best
             then = bool(then)
+        if key == "method":  # a checkpoint from before preference methods trained SFT
+            then = then or "sft"
         if key == "packing":  # auto is on
             then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:

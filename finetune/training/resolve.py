@@ -102,13 +102,7 @@ class Resolved:
     @property
     def preference(self):
         """The preference loss the run trains (model/preference.Objective); None for SFT."""
-        from finetune.model import preference  # keras: imported once the backend is chosen
-
-        decided = {name: d.value for name, d in self.decisions.items()}
-        if decided.get("method", "sft") == "sft":
-            return None
-        return preference.Objective(decided["method"], decided["beta"], decided.get("label_smoothing", 0.0),
-                                    decided.get("simpo_gamma", 0.0))  # fmt: skip
+        return objective(self.config.train)
 
     def recipe(self, train: bool = True):
         """What builder.build_model makes of this run (a builder.Recipe): for training (LoRA fresh, compiled with
@@ -181,6 +175,7 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None) -> Resolve
     decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
     decisions["alpha"] = alpha(cfg.lora)
     decisions.update(method(cfg.train, data_format))
+    decided = _replace(decided, "train", **{name: decisions[name].value for name in PREFERENCE if name in decisions})
     limit, deadline = _time_limit(cfg.train.time_limit)
     decisions["time_limit"] = limit
     return Resolved(decided, decisions, source, device, runtime["device_name"], runtime, deadline, distributed,
@@ -223,6 +218,19 @@ BETA = {
     "simpo": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
 }
 SIMPO_GAMMA = (0.5, "SimPO's target margin, as TRL's CPOConfig's simpo_gamma")
+
+
+PREFERENCE = ("beta", "label_smoothing", "simpo_gamma")  # the train settings method() decides
+
+
+def objective(train):
+    """The preference loss (model/preference.Objective) a decided config.TrainConfig trains; None for SFT. A
+    finished run's config.yaml holds the decided constants, so `finetune eval` rebuilds the same."""
+    if train.method == "sft":
+        return None
+    from finetune.model import preference  # keras: imported once the backend is chosen
+
+    return preference.Objective(train.method, train.beta, train.label_smoothing or 0.0, train.simpo_gamma or 0.0)
 
 
 def method(train, data_format: str) -> dict:
