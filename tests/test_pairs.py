@@ -106,6 +106,22 @@ def test_parquet_and_csv_read_as_json_lines_do(tmp_path):
     assert from_csv[1].where == f"{tmp_path / 'p.csv'}:3"
 
 
+def test_hh_and_ultrafeedback_read_from_the_hub_as_they_come(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from finetune.platform import platforms
+
+    monkeypatch.setattr(platforms, "reachable", lambda *a, **k: True)
+    hub = {"Anthropic/hh-rlhf": [FORMS["hh"][0]], "HuggingFaceH4/ultrafeedback_binarized": [FORMS["ultrafeedback"][0]]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: hub[name])
+    (hh,), found = formats.read("hf:Anthropic/hh-rlhf")
+    assert found == "preference" and (hh.instruction, hh.rejected) == (HH, " It is green.")
+    (uf,), found = formats.read("hf:HuggingFaceH4/ultrafeedback_binarized", "train_prefs")
+    assert found == "preference-chat" and (uf.response, uf.rejected) == ("Blue.", "Green.")
+    assert uf.where == "hf:HuggingFaceH4/ultrafeedback_binarized (train_prefs) row 0"
+    # A resume refuses pairs whose rejected answer changed.
+    assert formats.fingerprint([hh]) != formats.fingerprint([formats.Record(HH, " It is blue.", rejected=" Red.")])
+
+
 def test_the_implicit_prompt_is_trls():
     data_utils = pytest.importorskip("trl.data_utils")
     texts = [
