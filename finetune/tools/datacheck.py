@@ -101,7 +101,7 @@ def _pair_report(records, renderer, preset: str, seq_len: int, example: int) -> 
               f"{MARKS[1]}:"]  # fmt: skip
     for label, text in (("prompt", "".join(t for t, _ in chosen[:-1])), ("chosen", _marked(chosen[-1][0])),
                         ("rejected", _marked(rejected[-1][0]))):  # fmt: skip
-        lines += [f"  {label}:"] + ["    " + line for line in text.split("\n")]
+        lines += [f"  {label}:"] + [("    " + line).rstrip() for line in text.split("\n")]
     return lines
 
 
