@@ -174,6 +174,7 @@ BAD_CHAT = {
         "after the prompt, `chosen` must be one assistant message",
     ),
     "empty-answer": ({**CHAT_GOOD, "rejected": [message("assistant", " ")]}, "the rejected answer is empty"),
+    "answer-as-text": ({**CHAT_GOOD, "rejected": "Green."}, "`rejected` must be a non-empty list of {role, content}"),
 }
 
 
