@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,13 @@ from typer.testing import CliRunner
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# JAX compiles each new model's step with XLA, and the suite builds the same tiny models over and over, in its
+# workers and in the `finetune` processes it starts: one persistent compilation cache for the session (inherited
+# by the workers and the subprocesses) compiles each graph once. It only caches; a hit gives the same program.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-tests-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 BACKEND = os.environ["KERAS_BACKEND"]
 REPO = Path(__file__).resolve().parent.parent

@@ -700,8 +700,8 @@ def _chat_pair(obj: dict, where: str) -> Record:
     prompt = obj.get("prompt")
     for name in ("chosen", "rejected"):
         if not isinstance(obj[name], list) or not obj[name]:
-            raise UserError(f"{where}: `{name}` must be a non-empty list of {{role, content}} messages, as the "
-                            "first record's are")  # fmt: skip
+            kind = "an empty list" if obj[name] == [] else documents.kind_of(obj[name])
+            raise UserError(f"{where}: `{name}` must be a non-empty list of {{role, content}} messages, got {kind}")
     chosen, rejected = obj["chosen"], obj["rejected"]
     if chosen == rejected:
         raise UserError(f"{where}: chosen and rejected are the same answer; a pair must tell a better from a worse")
