@@ -412,8 +412,8 @@ PLAN_HELP = (
 )
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
-PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "distribution.parallel",
-           "distribution.mesh")  # fmt: skip
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "train.method",
+           "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 
 @app.command(help=PLAN_HELP)

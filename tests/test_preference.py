@@ -13,6 +13,7 @@ from conftest import float32_policy, lora_model
 
 from finetune.data import batching, pair_batches
 from finetune.model import builder, objective, preference, presets
+from finetune.training import scoring
 
 
 @dataclass
@@ -118,7 +119,32 @@ def test_dpo_starts_at_ln2_and_grad_accum_is_exact():
             results.append((lora_values(lm) - before, logs))
         (one, logs_one), (accumulated, _) = results
         assert logs_one[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
-        assert logs_one[0]["reward_accuracy"] == 0.0 and logs_one[0]["rewards_chosen"] == pytest.approx(0, abs=1e-6)
+        # The rewards are 0 to rounding (the training step is compiled apart from the reference pass on JAX).
+        assert logs_one[0]["rewards_chosen"] == pytest.approx(0, abs=1e-5)
+        assert logs_one[0]["reward_margin"] == pytest.approx(0, abs=1e-5)
         assert set(preference.METRICS) <= set(logs_one[0])
         assert np.abs(one).max() > 0
         np.testing.assert_allclose(accumulated, one, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_fresh_adapter_scores_as_the_base_with_lora_switched_off(dora):
+    """Why DPO's reference pass needs no second model: LoRA's B starts at zero and DoRA's magnitudes at the weights'
+    norms, so a fresh run's log-probabilities are the base's (builder.lora_off), to float32 rounding."""
+    from finetune.config import LoraConfig
+    from finetune.platform import backend
+
+    with float32_policy():
+        backend.set_seed(0)
+        lm, _ = builder.build(presets.Source("tiny", "tiny", "gemma"), 48, "float32")
+        builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"], dora=dora), seed=0)
+        arrays = pair_batches.pad(tiny_pairs(4), 48)
+        batches = pair_batches.Batches(arrays, 4, batching.Feed(inputs=builder.input_names(lm)))
+        objective_ = preference.Objective("dpo", 0.1)
+        ((_, fresh),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        with builder.lora_off(lm):
+            ((_, base),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        np.testing.assert_allclose(fresh[:, 5:7], base[:, 5:7], rtol=1e-6, atol=1e-5)
+        lm.trainable_variables[1].assign(np.ones(lm.trainable_variables[1].shape))  # an adapter that is not fresh
+        ((_, moved),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        assert np.abs(moved[:, 5:7] - base[:, 5:7]).max() > 1e-3

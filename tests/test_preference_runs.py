@@ -131,3 +131,18 @@ def test_a_method_and_data_that_do_not_match_are_refused(pairs_file, tmp_path):
         result = invoke("gemma", *FAST, *flags, "--max-steps", "1", "--output", tmp_path / "refused")
         assert result.exit_code == 2 and words in result.output, (flags, result.output)
         assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.one_backend
+def test_plan_counts_two_sequences_a_pair():
+    from finetune import config
+    from finetune.training import plan
+
+    def activations(method):
+        cfg = config.from_dict({"model": {"preset": "gemma_2b_en", "seq_len": 512},
+                                "train": {"batch_size": 4, "method": method}})  # fmt: skip
+        return plan.make(cfg).memory["activations"]
+
+    assert activations("dpo") == activations("orpo") == 2 * activations("sft")
+    shown = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo")
+    assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
