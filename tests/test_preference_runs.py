@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 from conftest import BACKEND, invoke, run_with_fault, train, write_jsonl
 
 import finetune
@@ -146,3 +147,34 @@ def test_plan_counts_two_sequences_a_pair():
     assert activations("dpo") == activations("orpo") == 2 * activations("sft")
     shown = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo")
     assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
+
+
+def test_conversational_pairs_train_on_a_gemma3_preset(tmp_path):
+    """TRL's conversational form (a prompt of messages, one assistant message each side), rendered in the family's
+    chat turns, trains with DPO on tiny-gemma3."""
+    chat = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"]}],
+             "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in learnable_pairs(16)]  # fmt: skip
+    data = write_jsonl(tmp_path / "chat.jsonl", chat)
+    settings = {"backend": BACKEND, "data.path": str(data), "data.template": "auto", "output.dir": str(tmp_path / "run"),
+                "model.seq_len": 64,
+                "train.batch_size": 4, "train.max_steps": 3, "train.samples": 0, "train.method": "dpo"}  # fmt: skip
+    metrics = finetune.run(finetune.load_config("tiny", {**settings, "model.preset": "tiny-gemma3"}))
+    assert metrics["steps"] == 3 and metrics["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    template = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["template"]
+    assert template == "gemma-chat"  # the family's turns, as SFT chat records take them
+
+
+@pytest.mark.one_backend  # the bench's worker process: the pair steps themselves are tested on every backend above
+def test_bench_trains_dpo_on_the_peer_s_pairs(tmp_path):
+    out = tmp_path / "rows.json"
+    args = [sys.executable, "-m", "finetune", "bench", "--arch", "tiny", "--seq-len", "64", "--batch-size", "2",
+            "--steps", "1", "--warmup", "1", "--recipes", "finetune", "--method", "dpo", "--backends", BACKEND,
+            "--json", str(out)]  # fmt: skip
+    env = {**__import__("os").environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "1024"}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and "dpo, 2 rows a pair" in row["settings"]
+    assert row["loss"] == pytest.approx(math.log(2), abs=0.05)  # two steps from ln 2
+    assert "pairs/s" in done.stdout

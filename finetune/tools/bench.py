@@ -537,7 +537,7 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     while timed < w.steps and step < w.warmup + w.steps + 16:
         ((x, y, sample_weight),) = order.micro_batches(step)
         started = time.perf_counter()
-        loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight)
+        loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
         elapsed = time.perf_counter() - started
         losses.append(float(loss))
         if step >= w.warmup and x["token_ids"].shape in shapes:
