@@ -119,7 +119,12 @@ class PreferenceView(objective.TrainingView):
         labels = ops.reshape(inputs["loss_labels"], (-1,))
         weights = ops.reshape(inputs["loss_weights"], (-1,))
         kernel, soft_cap = objective.logit_projection(backbone)
-        losses = objective.token_losses(hidden, ops.convert_to_tensor(kernel), labels, weights, self.chunk, soft_cap)
+        kernel = ops.convert_to_tensor(kernel)
+        if training:
+            losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        else:  # scoring (the reference pass, held-out pairs): no gradient, so no custom-gradient op, which
+            # TensorFlow refuses outside a training step when it reads the embedding variable
+            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
         rows = inputs["loss_labels"].shape[0]
         sequence = ops.reshape(inputs["loss_sequence"], (-1,))
         logp, count = sequence_logps(losses, weights, sequence, rows)

@@ -40,10 +40,15 @@ def eval_metrics(before: dict | None, after: dict | None) -> dict:
 def pair_outputs(view, batches):
     """(pair indices, the view's (pairs, 7) output) of each of `batches` (pair_batches.Batches), with the view in
     inference mode: each pair's loss and metrics (preference.COLUMNS)."""
+    import keras
     import numpy as np
 
+    # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
+    # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
+    eager = keras.config.backend() == "tensorflow"
     for pairs, (x, _, _) in batches:
-        yield pairs, np.asarray(view.predict_on_batch(x), np.float64)[: len(pairs)]
+        values = view(x, training=False) if eager else view.predict_on_batch(x)
+        yield pairs, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(pairs)]
 
 
 def pair_metrics(view, batches) -> dict:
