@@ -4,9 +4,12 @@ That the plan uses these counts is test_plan.py's; that the count is a real back
 the newer families, is test_layouts.py's.
 """
 
+import pytest
 from conftest import PUBLISHED, ROUNDED
 
 from finetune.model import archs
+
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
 
 
 def test_table_counts_every_weight_keras_hub_publishes():

@@ -5,6 +5,8 @@ from finetune.data import batching, templates
 from finetune.data.formats import Record
 from finetune.model import presets
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -5,6 +5,8 @@ import pytest
 from finetune import config
 from finetune.platform.errors import UserError
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 def test_defaults_match_the_documented_command(monkeypatch):
     monkeypatch.delenv("KERAS_BACKEND")  # set per suite; without it the default is jax

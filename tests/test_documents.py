@@ -8,6 +8,8 @@ import pytest
 from finetune.platform import documents
 from finetune.platform.documents import Document, DocumentError
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 def test_a_field_of_the_kind_asked_for_is_given_back():
     doc = Document({"rank": 4, "alpha": 8, "name": "x", "targets": ["query"], "pool": {"a": 1}}, "adapter.json")

@@ -1,5 +1,7 @@
 """TensorBoard event files written without TensorFlow (events.py), framed as TensorFlow frames them.
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 That TensorBoard's own reader charts what a run writes is test_callbacks.py's.
 """
 

@@ -20,6 +20,8 @@ from conftest import (
 from finetune.data import formats
 from finetune.platform.errors import UserError
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 def test_reads_records_and_ignores_extra_keys(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "response": "b", "id": 7, "context": None}])

@@ -27,6 +27,10 @@ from conftest import BACKEND, REPO
 
 from finetune import config
 
+# What is checked is the packaging, which no backend changes: the module runs once, in the PyTorch suite
+# (conftest's one_backend), where the quickstart trains on torch and the API example on its recipe's jax.
+pytestmark = pytest.mark.one_backend
+
 # --no-build-isolation builds with the venv's own setuptools, so the test needs no network;
 # Python 3.12+ venvs no longer come with setuptools preinstalled.
 pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools in this environment")

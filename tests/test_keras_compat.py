@@ -177,3 +177,17 @@ def test_the_learning_rate_ratio_steps_and_decays_the_chosen_variables_faster():
     np.testing.assert_allclose(values[(3.0, 0.1)][0], values[(None, 0.1)][0], rtol=1e-6)
     np.testing.assert_allclose(values[(3.0, 0.1)][1], values[(None, 0.3)][1], rtol=1e-6)
     assert not np.allclose(values[(None, 0.1)][1], values[(None, 0.3)][1])
+
+
+def test_keras_collects_garbage_when_a_layer_deletes_a_variable_and_the_build_scans_new_objects_only(monkeypatch):
+    """collections_of_new_objects_only exists because Layer.__delattr__ runs gc.collect() per deleted variable."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(gc.get_freeze_count()) or 0)
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    with keras_compat.collections_of_new_objects_only():
+        del layer._kernel  # what a quantized build does to each float kernel
+    assert len(calls) == 2 and calls[1] > 0  # its own collection before freezing, then keras' over the rest
+    assert gc.get_freeze_count() == 0  # unfrozen on the way out

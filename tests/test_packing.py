@@ -4,9 +4,12 @@ That a packed example then trains as it would alone is the segment mask's work: 
 """
 
 import numpy as np
+import pytest
 from conftest import examples_of
 
 from finetune.data import batching, packing
+
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
 
 
 def test_best_fit_decreasing_places_every_item_once_within_capacity():

@@ -9,6 +9,8 @@ from finetune.model import presets
 from finetune.platform.errors import UserError
 from finetune.training import prepare
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -5,6 +5,8 @@ import pytest
 from finetune.model import presets
 from finetune.platform.errors import UserError
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 
 def test_tiny_and_names_resolve_to_their_family(monkeypatch):
     assert presets.resolve("tiny") == presets.Source("tiny", "tiny", "gemma")

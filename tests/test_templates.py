@@ -8,6 +8,8 @@ from finetune.data.formats import Record
 from finetune.model import presets
 from finetune.platform.errors import UserError
 
+pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
+
 PLAIN = Record(instruction="Name a colour.", response="Blue.")
 WITH_CONTEXT = Record(instruction="Summarize.", context="It rained.", response="Rain.")
 

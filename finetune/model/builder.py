@@ -133,6 +133,11 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     dtype: str. The Keras dtype policy of the weights; None takes the global one.
     quantize: str. int4 or int8: the decoder kernels are quantized as they load (quantized.py).
     """
+    with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
+        return _load_base(source, seq_len, dtype, quantize)
+
+
+def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize: str | None):
     policy = dtype or keras.config.dtype_policy().name
     if quantize is not None:
         rules = layouts.RULES if source.kind == "random" else layouts.rules_for(presets.dims(source))
