@@ -45,7 +45,7 @@ REMAT = ("auto", "on", "off")
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 # The training objectives: SFT's token loss, or a preference loss over (chosen, rejected) pairs (docs/preference.md).
-METHODS = ("sft", "dpo", "orpo", "simpo")
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
 MODEL, LORA, DATA, TRAINING, EVALUATION, OUTPUT, SCALE_OUT = (
@@ -474,15 +474,15 @@ class TrainConfig:
     method: str = setting(
         "sft",
         "The objective: sft (the response tokens' cross-entropy), or a preference loss on (prompt, chosen, "
-        "rejected) pairs: dpo (against the base, scored once before training), orpo or simpo (no reference).",
+        "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference).",
         flag="--method", panel=TRAINING, choices=METHODS, metavar="NAME",
     )  # fmt: skip
     beta: Optional[float] = setting(
         None,
-        "The preference loss's beta: DPO's and SimPO's inverse temperature, ORPO's lambda (the weight of its "
-        "odds-ratio term).",
+        "The preference loss's beta: DPO's and SimPO's inverse temperature, IPO's regularisation tau, ORPO's "
+        "lambda (the weight of its odds-ratio term).",
         flag="--beta", panel=TRAINING, range=Range(0, low_open=True), metavar="B",
-        default_text="dpo 0.1, orpo 0.1, simpo 2.0 (docs/preference.md)",
+        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0 (docs/preference.md)",
     )  # fmt: skip
     label_smoothing: Optional[float] = setting(
         None,
@@ -555,7 +555,7 @@ class TrainConfig:
         if self.simpo_gamma is not None and self.method != "simpo":
             yield f"--simpo-gamma is SimPO's; --method {self.method} has none: leave it out or pass --method simpo"
         if self.beta is not None and self.method == "sft":
-            yield "--beta is a preference method's; pass --method dpo, orpo or simpo with it"
+            yield "--beta is a preference method's; pass --method dpo, ipo, orpo or simpo with it"
 
     def clip_norm(self) -> float | None:
         """max_grad_norm as the optimizer takes it: None when clipping is off (0 or `none`)."""

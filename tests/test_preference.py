@@ -51,6 +51,8 @@ def log_sigmoid(x):
 
 def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0):
     (c, nc), (r, nr) = chosen, rejected
+    if method == "ipo":
+        return (((c - reference[0]) / nc - (r - reference[1]) / nr) - 1 / (2 * beta)) ** 2
     if method == "dpo":
         logits = beta * ((c - reference[0]) - (r - reference[1]))
         return -(1 - smoothing) * log_sigmoid(logits) - smoothing * log_sigmoid(-logits)
@@ -64,11 +66,12 @@ def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smooth
 OBJECTIVES = {
     "dpo": preference.Objective("dpo", 0.1, label_smoothing=0.1),
     "orpo": preference.Objective("orpo", 0.1),
+    "ipo": preference.Objective("ipo", 0.1),
     "simpo": preference.Objective("simpo", 2.0, gamma=0.5),
 }
 
 
-@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+@pytest.mark.parametrize("method", ["dpo", "ipo", "orpo", "simpo"])
 def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
     """Four pairs of different lengths (padding slots, a filler pair): per-pair loss and log-probabilities."""
     with float32_policy():
@@ -87,7 +90,7 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         expected = expected_losses(method, objective.beta, chosen, rejected, (-3.0, -5.0), objective.label_smoothing,
                                    objective.gamma)  # fmt: skip
         np.testing.assert_allclose(got[:3, 0], expected, rtol=1e-5, atol=1e-6)
-        per_token = method != "dpo"
+        per_token = method in ("orpo", "simpo")
         np.testing.assert_allclose(got[:3, 5], chosen[0] / chosen[1] if per_token else chosen[0], rtol=1e-5)
         np.testing.assert_allclose(got[:3, 6], rejected[0] / rejected[1] if per_token else rejected[0], rtol=1e-5)
         assert np.all(got[4:] == 0) and weights[:, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]

@@ -104,13 +104,14 @@ def peft_model(exported):
     return model
 
 
-def test_dpo_matches_trl_s_dpo_trainer(exported, peft_model):
+@pytest.mark.parametrize("method, loss_type", [("dpo", "sigmoid"), ("ipo", "ipo")])
+def test_dpo_and_ipo_match_trl_s_dpo_trainer(method, loss_type, exported, peft_model):
     import accelerate
     import torch
     from trl import DPOTrainer
 
     run, _, _, made = exported
-    ours = finetune_outputs(run, made, preference.Objective("dpo", 0.1))
+    ours = finetune_outputs(run, made, preference.Objective(method, 0.1))
     # The smallest DPOTrainer _compute_loss runs on: sigmoid loss, the reference from the adapter disabled.
     shell = object.__new__(DPOTrainer)
     shell.__dict__.update(
@@ -121,7 +122,7 @@ def test_dpo_matches_trl_s_dpo_trainer(exported, peft_model):
         precompute_ref_logps=False,
         ref_model=None,
         f_divergence_type="reverse_kl",
-        loss_types=["sigmoid"],
+        loss_types=[loss_type],
         loss_weights=[1.0],
         beta=0.1,
         use_weighting=False,

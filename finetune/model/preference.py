@@ -50,7 +50,7 @@ class Objective:
 
     @property
     def needs_reference(self) -> bool:
-        return self.method == "dpo"
+        return self.method in ("dpo", "ipo")
 
 
 def sequence_logps(token_losses, weights, sequence, rows: int):
@@ -73,6 +73,15 @@ def pair_values(objective_: Objective, logp, count, reference):
     (DPO's; zeros otherwise). Rows 0..B-1 are the chosen answers, B..2B-1 the rejected.
     """
     half = logp.shape[0] // 2
+    if objective_.method == "ipo":  # TRL's IPO: the log ratios per answer token, squared against 1 / (2 tau)
+        ratios = (logp - reference) / ops.maximum(count, 1.0)
+        loss = ops.square(ratios[:half] - ratios[half:] - 1.0 / (2.0 * objective_.beta))
+        return _reported(
+            loss,
+            (objective_.beta * (logp - reference)[:half], objective_.beta * (logp - reference)[half:]),
+            logp[:half],
+            logp[half:],
+        )
     if objective_.method in AVERAGED:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
         logp = logp / ops.maximum(count, 1.0)
     chosen, rejected = logp[:half], logp[half:]
@@ -93,6 +102,11 @@ def pair_values(objective_: Objective, logp, count, reference):
         rewards = beta * chosen, beta * rejected
     else:
         raise ValueError(f"unknown preference method {objective_.method!r}")
+    return _reported(loss, rewards, chosen, rejected)
+
+
+def _reported(loss, rewards, chosen, rejected):
+    """(B, 7): the loss and TRL's metrics, which carry no gradient."""
     good, bad = (ops.stop_gradient(r) for r in rewards)
     accuracy = ops.cast(good > bad, "float32")
     reported = [good, bad, accuracy, good - bad, ops.stop_gradient(chosen), ops.stop_gradient(rejected)]

@@ -121,8 +121,8 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
             raise UserError(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(allowed)}")
     if workload.quantize not in ("", "int4", "int8"):
         raise UserError(f"unknown quantize mode {workload.quantize!r}; choose int4 or int8, or leave it out")
-    if workload.method not in ("sft", "dpo", "orpo", "simpo"):
-        raise UserError(f"unknown method {workload.method!r}; choose sft, dpo, orpo or simpo")
+    if workload.method not in ("sft", "dpo", "ipo", "orpo", "simpo"):
+        raise UserError(f"unknown method {workload.method!r}; choose sft, dpo, ipo, orpo or simpo")
     if workload.method != "sft" and ([r for r in recipes if r != "finetune"] or "packing" in levers):
         raise UserError(f"--method {workload.method} benches the finetune recipe alone (the tutorial and hf recipes "
                         "train SFT; pairs are not packed): pass --recipes finetune and no packing lever")  # fmt: skip

@@ -214,6 +214,7 @@ def alpha(lora) -> Decision:
 # Each preference method's defaults, with where they come from (docs/preference.md, "Losses and defaults").
 BETA = {
     "dpo": (0.1, "DPO's beta, as TRL's DPOConfig (the DPO paper's 0.1 to 0.5, at its low end)"),
+    "ipo": (0.1, "IPO's tau, as TRL's DPOConfig's beta for loss_type ipo"),
     "orpo": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
     "simpo": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
 }
@@ -243,7 +244,7 @@ def method(train, data_format: str) -> dict:
     if train.method == "sft":
         if paired:
             raise UserError(f"the data is {data_format} pairs (chosen and rejected answers); pass --method dpo, "
-                            "orpo or simpo to train on them, or give SFT records")  # fmt: skip
+                            "ipo, orpo or simpo to train on them, or give SFT records")  # fmt: skip
         return {"method": Decision("sft", "supervised: the response tokens' cross-entropy")}
     if not paired:
         raise UserError(f"--method {train.method} trains on preference pairs ({{prompt, chosen, rejected}} "
