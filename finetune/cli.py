@@ -412,8 +412,8 @@ PLAN_HELP = (
 )
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
-PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "distribution.parallel",
-           "distribution.mesh")  # fmt: skip
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "train.method",
+           "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 
 @app.command(help=PLAN_HELP)
@@ -523,10 +523,14 @@ def eval_(
     saved = runs.open_on(run, backend)
     result = runs.evaluate_run(saved, data, generate)
     rouge = f"  rougeL {result['rougeL']:.4f} ({result['generated']} answers)" if "rougeL" in result else ""
-    print(
-        f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
-        f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}{rouge}"
-    )
+    if "reward_accuracy" in result:  # a preference run: its pairs' loss and metrics, as TRL names them
+        print(f"eval_loss {result['loss']:.4f}  eval_reward_accuracy {result['reward_accuracy']:.4f}  "
+              f"eval_reward_margin {result['reward_margin']:.4f}  pairs {result['examples']}{rouge}")  # fmt: skip
+    else:
+        print(
+            f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
+            f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}{rouge}"
+        )
     print(f"evaluated on {runs.where(saved)}", file=sys.stderr)
 
 

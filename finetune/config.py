@@ -44,6 +44,8 @@ REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
+# The training objectives: SFT's token loss, or a preference loss over (chosen, rejected) pairs (docs/preference.md).
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
 MODEL, LORA, DATA, TRAINING, EVALUATION, OUTPUT, SCALE_OUT = (
@@ -469,6 +471,30 @@ class TrainConfig:
         "over all their response tokens.",
         flag="--grad-accum", panel=TRAINING, metavar="K", range=Range(1), label="gradient accumulation",
     )  # fmt: skip
+    method: str = setting(
+        "sft",
+        "The objective: sft (the response tokens' cross-entropy), or a preference loss on (prompt, chosen, "
+        "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference).",
+        flag="--method", panel=TRAINING, choices=METHODS, metavar="NAME",
+    )  # fmt: skip
+    beta: Optional[float] = setting(
+        None,
+        "The preference loss's beta: DPO's and SimPO's inverse temperature, IPO's regularisation tau, ORPO's "
+        "lambda (the weight of its odds-ratio term).",
+        flag="--beta", panel=TRAINING, range=Range(0, low_open=True), metavar="B",
+        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0 (docs/preference.md)",
+    )  # fmt: skip
+    label_smoothing: Optional[float] = setting(
+        None,
+        "DPO only: the assumed share of pairs whose labels are flipped (cDPO's epsilon).",
+        flag="--label-smoothing", panel=TRAINING, range=Range(0, 0.5, high_open=True), metavar="E",
+        default_text="0",
+    )  # fmt: skip
+    simpo_gamma: Optional[float] = setting(
+        None,
+        "SimPO only: the target reward margin gamma.",
+        flag="--simpo-gamma", panel=TRAINING, range=Range(0), metavar="G", default_text="0.5",
+    )  # fmt: skip
     max_grad_norm: Union[float, str] = setting(
         1.0,
         "Clip the gradients' global norm to this before each update (as torch's clip_grad_norm_); 0 or `none` "
@@ -524,6 +550,12 @@ class TrainConfig:
         """What these settings rule out together."""
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             yield "--warmup-steps and --warmup-ratio both set the warmup; pass one of them"
+        if self.label_smoothing is not None and self.method != "dpo":
+            yield f"--label-smoothing is DPO's; --method {self.method} has none: leave it out or pass --method dpo"
+        if self.simpo_gamma is not None and self.method != "simpo":
+            yield f"--simpo-gamma is SimPO's; --method {self.method} has none: leave it out or pass --method simpo"
+        if self.beta is not None and self.method == "sft":
+            yield "--beta is a preference method's; pass --method dpo, ipo, orpo or simpo with it"
 
     def clip_norm(self) -> float | None:
         """max_grad_norm as the optimizer takes it: None when clipping is off (0 or `none`)."""

@@ -55,10 +55,12 @@ NO_TEST_FILE = {
     "version": "one constant: test_cli.py checks `finetune --version` prints it, and the install test installs it",
     "adapter": "adapter.json's checks refuse edited runs end to end: test_bad_inputs.py and test_export.py",
     "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
+    "pair_batches": "the pairs' rows: test_preference.py checks them with the losses they feed",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
-    "test_notebook", "test_properties", "test_recipes", "test_evaluation",
+    "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
+    "test_preference_trl",
 }  # fmt: skip
 
 

@@ -50,11 +50,10 @@ def tokenize(items, tokenizer, seq_len: int, train_on_prompt: bool = False):
     An item cut at seq_len with no trained token left (its prompt alone fills
     the sequence) has nothing to learn from and is dropped.
     """
-    if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
-        raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
+    check_layout(tokenizer)
     items = [[(item[0], False), (item[1], True)] if isinstance(item, tuple) else list(item) for item in items]
     texts = [text for item in items for text, _ in item]
-    pieces = iter(_leading_ids(tokenizer, texts, seq_len))
+    pieces = iter(leading_ids(tokenizer, texts, seq_len))
     examples, dropped = [], []
     for index, item in enumerate(items):
         ids, weights, trained = [BOS], [0.0], [False]
@@ -72,7 +71,12 @@ def tokenize(items, tokenizer, seq_len: int, train_on_prompt: bool = False):
     return examples, dropped
 
 
-def _leading_ids(tokenizer, texts, seq_len: int):
+def check_layout(tokenizer) -> None:
+    if tokenizer.token_to_id("<bos>") != BOS or tokenizer.token_to_id("<eos>") != EOS:
+        raise ValueError("tokenizer does not have Gemma's <bos>=2 / <eos>=1 layout")
+
+
+def leading_ids(tokenizer, texts, seq_len: int):
     """The ids of each text, as far as seq_len + 1 of them can be kept; very long texts are cut first.
 
     Tokenizing takes time in the text's length (6.8 s for a 10 MB record with the

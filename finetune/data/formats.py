@@ -11,7 +11,13 @@ by the first record's keys (FORMATS):
 - sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
   read as chat; an optional top-level `system` string is its system turn;
 - completion: `prompt` and `completion` strings, trained on the completion;
-- text: `text`, trained on every token.
+- text: `text`, trained on every token;
+- preference: `chosen` and `rejected` texts, with a `prompt` text or without one
+  (TRL's implicit prompt: the texts' shared beginning, as Anthropic HH's are);
+- preference-chat: `chosen` and `rejected` as lists of messages, after a `prompt`
+  list of messages or sharing their leading messages (UltraFeedback's form).
+  A pair's record is an SFT record whose response is the chosen answer, plus
+  the rejected one (docs/preference.md).
 
 Any of these may be compressed, and is read as it is: gzip (.gz), bzip2 (.bz2)
 and xz (.xz) through Python's own modules, Zstandard (.zst) where the
@@ -34,7 +40,7 @@ import io
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.data import images
@@ -55,9 +61,12 @@ FORMATS = {
     "sharegpt": "conversations",
     "completion": "prompt, completion",
     "text": "text",
+    "preference": "chosen, rejected, and prompt or none, as text",
+    "preference-chat": "chosen, rejected, and prompt or none, as messages",
 }
 TITLES = {"dolly": "Dolly", "alpaca": "Alpaca", "sharegpt": "ShareGPT", "completion": "prompt/completion"}
-CHAT_FORMATS = ("chat", "sharegpt")  # records of turns, rendered by a chat template
+CHAT_FORMATS = ("chat", "sharegpt", "preference-chat")  # records of turns, rendered by a chat template
+PREFERENCE_FORMATS = ("preference", "preference-chat")  # pairs of a chosen and a rejected answer
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 # ShareGPT's speakers, as community sets name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
@@ -80,12 +89,25 @@ class Record:
     those, instruction is the first user turn and response the last assistant turn."""
     images: tuple = ()
     """The record's image files (absolute paths), one `<image>` placeholder in its text for each (images.py)."""
+    rejected: str = ""
+    """Preference pairs: the rejected answer, after the same prompt as the chosen one (`response`, and the last
+    assistant turn of `turns`)."""
+    where: str = field(default="", compare=False, repr=False)
+    """Preference pairs: file:line (or row) of the record, for errors found once it is tokenized."""
+
+    @property
+    def is_pair(self) -> bool:
+        """Whether this is a preference pair (it has a rejected answer)."""
+        return bool(self.rejected)
 
 
 def detect_format(obj) -> str | None:
     """The format (a key of FORMATS) one record's keys show, or None."""
     if not isinstance(obj, dict):
         return None
+    if "chosen" in obj or "rejected" in obj:  # before messages: UltraFeedback's pairs also hold `messages`
+        lists = isinstance(obj.get("chosen"), list) or isinstance(obj.get("rejected"), list)
+        return "preference-chat" if lists else "preference"
     if "messages" in obj:
         return "chat"
     if "conversations" in obj:
@@ -231,10 +253,24 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
                     f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
                     "give them as JSON Lines, a JSON array or Parquet"
                 )
+        elif _is_pair(obj) != (fmt in PREFERENCE_FORMATS):
+            raise UserError(_mixed(where, fmt))
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
     return records, fmt
+
+
+def _is_pair(obj) -> bool:
+    return isinstance(obj, dict) and ("chosen" in obj or "rejected" in obj)
+
+
+def _mixed(where: str, fmt: str) -> str:
+    if fmt in PREFERENCE_FORMATS:
+        found = "an SFT record, with no chosen or rejected answer, in a file of preference pairs"
+    else:
+        found = f"a preference pair (chosen, rejected) in a file of {fmt} records"
+    return f"{where}: {found}, as its first record is; a file holds preference pairs or SFT records, not both"
 
 
 def _json_lines(text: str, source: str):
@@ -518,6 +554,8 @@ def _names_or_none(lookup, *args) -> list[str]:
 def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if not isinstance(obj, dict):
         raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {documents.kind_of(obj)}")
+    if fmt in PREFERENCE_FORMATS:
+        return _pair_record(obj, where, fmt)
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -619,6 +657,105 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 
 
+# === Preference pairs: TRL's forms (docs/preference.md) ===
+
+HH_TURN = "\n\nAssistant:"  # Anthropic HH's texts end each human turn so; the answer follows the last
+
+
+def _pair_record(obj: dict, where: str, fmt: str) -> Record:
+    """A preference pair: prompt and chosen answer as an SFT record has them, plus the rejected answer."""
+    for name in ("chosen", "rejected"):
+        if name not in obj:
+            raise UserError(
+                f"{where}: record has no {name!r} field; this file holds preference pairs (chosen, rejected), "
+                "as its first record does"
+            )
+    record = _text_pair(obj, where) if fmt == "preference" else _chat_pair(obj, where)
+    if record.response == record.rejected:
+        raise UserError(f"{where}: chosen and rejected are the same answer; a pair must tell a better from a worse")
+    return record
+
+
+def _text_pair(obj: dict, where: str) -> Record:
+    if isinstance(obj.get("prompt"), list):
+        raise UserError(
+            f"{where}: the prompt is a list of messages but chosen and rejected are text; give all three as "
+            "messages, or all three as text"
+        )
+    chosen, rejected = _field(obj, "chosen", where), _field(obj, "rejected", where)
+    if obj.get("prompt") is not None:
+        prompt = _field(obj, "prompt", where, required=False)
+    elif chosen == rejected:
+        prompt = ""  # refused as identical by the caller
+    else:
+        prompt, chosen, rejected = implicit_prompt(chosen, rejected)
+        if not chosen.strip() or not rejected.strip():
+            empty = "chosen" if not chosen.strip() else "rejected"
+            raise UserError(f"{where}: the {empty} answer is empty once the prompt the two share is taken off")
+    return Record(instruction=prompt, response=chosen, rejected=rejected, where=where)
+
+
+def implicit_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of two full texts: the prompt is their longest shared beginning.
+
+    As TRL's extract_prompt: a space before the first difference goes with the answers, and where one text
+    begins the other the last shared character does too. Where the shared beginning holds Anthropic HH's
+    "\n\nAssistant:", the prompt ends after the last one, so that each answer is the assistant's whole turn
+    even where both open with the same words.
+    """
+    shortest = min(len(chosen), len(rejected))
+    cut = next((i for i in range(shortest) if chosen[i] != rejected[i]), shortest - 1)
+    if cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    turn = chosen.rfind(HH_TURN, 0, cut)
+    if turn >= 0:
+        cut = turn + len(HH_TURN)
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def _chat_pair(obj: dict, where: str) -> Record:
+    """Conversational pairs: a `prompt` of messages and one assistant message each in chosen and rejected, or
+    chosen and rejected as whole conversations whose leading messages (the prompt) are the same."""
+    prompt = obj.get("prompt")
+    for name in ("chosen", "rejected"):
+        if not isinstance(obj[name], list) or not obj[name]:
+            kind = "an empty list" if obj[name] == [] else documents.kind_of(obj[name])
+            raise UserError(f"{where}: `{name}` must be a non-empty list of {{role, content}} messages, got {kind}")
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if chosen == rejected:
+        raise UserError(f"{where}: chosen and rejected are the same answer; a pair must tell a better from a worse")
+    if isinstance(prompt, list):
+        messages = prompt
+    else:  # no prompt, or UltraFeedback's prompt text beside whole conversations: the shared messages are it
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        messages, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    answers = [_answer(side, name, where) for side, name in ((chosen, "chosen"), (rejected, "rejected"))]
+    if not messages:
+        raise UserError(f"{where}: the pair has no prompt: give `prompt` messages, or conversations that share them")
+    record = _chat_record([*messages, chosen[0]], where, "prompt", ("role", "content"), ROLES)
+    return Record(
+        instruction=record.instruction, response=answers[0], turns=record.turns, rejected=answers[1], where=where
+    )
+
+
+def _answer(messages: list, name: str, where: str) -> str:
+    """The text of the one assistant message a pair's `name` side adds after the prompt."""
+    message = messages[0] if len(messages) == 1 else None
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str) or ROLES.get(role) != "assistant" or not isinstance(message.get("content"), str):
+        raise UserError(
+            f"{where}: after the prompt, `{name}` must be one assistant message {{role: assistant, content}}; it "
+            f"is {len(messages)} message(s)" + (f", the first with role {role!r}" if messages else "")
+        )
+    content = message["content"]
+    _check_text(content, where, f"the {name} answer")
+    if not content.strip():
+        raise UserError(f"{where}: the {name} answer is empty; remove the pair or fill it in")
+    return content
+
+
 def filter_records(records, *, drop_context=False, categories=(), max_records=None, source="", fix=None):
     """Apply the data filters; an empty result is a user error, ending with `fix` (by default: the flags to relax)."""
     kept = [r for r in records if not (drop_context and r.context.strip())]
@@ -646,6 +783,7 @@ def fingerprint(records) -> str:
     for r in records:
         fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
         fields += [list(r.images)] if r.images else []
+        fields += [r.rejected] if r.rejected else []  # SFT records' fingerprints stay as they were
         digest.update(json.dumps(fields).encode("utf-8"))
     return digest.hexdigest()
 

@@ -7,6 +7,10 @@ class with an `apply()` method and pure string logic, easy to test.
 response for an instruction, and every turn for a multi-turn chat, whose
 assistant turns are all trained on.
 
+A preference pair (formats.Record with `rejected`) renders twice: segments()
+gives the prompt and the chosen answer, rejected_segments() the same prompt
+pieces and the rejected answer, so both begin with the same ids.
+
 `none` is no template: a completion record's prompt and completion as they
 are written, and a text record's text, all of it trained on.
 
@@ -18,6 +22,7 @@ cannot render it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from finetune.data.formats import CHAT_FORMATS, Record
@@ -35,6 +40,11 @@ class Template:
             raise UserError(f"chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}")
         prompt, response = self.apply(record)
         return [(prompt, False), (response, True)]
+
+    def rejected_segments(self, record: Record) -> list[tuple[str, bool]]:
+        """A preference pair's prompt, in the same pieces as segments() gives it, then the rejected answer."""
+        turns = (*record.turns[:-1], ("assistant", record.rejected)) if record.turns else ()
+        return self.segments(dataclasses.replace(record, response=record.rejected, turns=turns, rejected=""))
 
     def sample_prompt(self, record: Record) -> str:
         """What a sample generation before and after training is given for `record`."""
@@ -151,7 +161,12 @@ class NoTemplate(Template):
 TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat(), NoTemplate())}
 CHAT = ("gemma-chat", "gemma4-chat")
 # The template --template auto gives each format that is not chat.
-OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none"}
+OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none", "preference": "none"}
+
+
+def pair_segments(template: Template, record: Record) -> tuple[list, list]:
+    """(chosen, rejected) segments of a preference pair: the same prompt pieces, then each answer last."""
+    return template.segments(record), template.rejected_segments(record)
 
 
 def get(name: str):

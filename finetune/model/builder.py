@@ -8,6 +8,7 @@ under it have it, so we set it on each adapted layer after enabling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -17,7 +18,17 @@ import numpy as np
 from keras import ops
 
 from finetune.data import images
-from finetune.model import attention, checkpoints, families, layouts, objective, optimizer, presets, quantized
+from finetune.model import (
+    attention,
+    checkpoints,
+    families,
+    layouts,
+    objective,
+    optimizer,
+    preference,
+    presets,
+    quantized,
+)
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
 from finetune.platform.errors import UserError
@@ -30,6 +41,8 @@ class Optimizer:
     learning_rate: float
     weight_decay: float
     shards: int = 1
+    preference: object = None
+    """A preference loss (preference.Objective) in place of SFT's response-token loss; None: SFT."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,8 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     if recipe.optimizer is not None:
         settings = recipe.optimizer
         plus_ratio = getattr(recipe.lora, "plus_ratio", None)
-        trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio)
+        trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio,
+                          settings.preference)  # fmt: skip
     return Model(lm, preprocessor, trainer, adapted)
 
 
@@ -543,7 +557,8 @@ def _fan_in(shape) -> int:
     return shape[-2] * math.prod(shape[:-2])
 
 
-def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None):
+def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None,
+            preference_=None):  # fmt: skip
     """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
     Its loss is the mean over the weighted (response) tokens of each step,
@@ -555,15 +570,42 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     plus_ratio: float. LoRA+: the B factors learn at this many times the learning rate of the rest.
+    preference_: preference.Objective. Train a preference loss (a PreferenceView) in place of SFT's.
     """
-    view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
+    if preference_ is not None:
+        view = preference.PreferenceView(lm, chunk_for(lm), preference_, shards, dtype=keras.config.dtype_policy())
+    else:
+        view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
     return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio))
 
 
 def train_with(view, controls: optimizer.Controls):
     """`view` (a TrainingView) compiled again with the optimizer `controls` make: new, unbuilt state."""
-    view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare())
+    # A preference view also reports TRL's metrics, each a mean over the pairs weighted as the loss weighs them.
+    metrics = preference.metrics() if isinstance(view, preference.PreferenceView) else None
+    view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare(), weighted_metrics=metrics)
     return view
+
+
+def preference_view(lm, objective_) -> preference.PreferenceView:
+    """A view of `lm` that scores pairs with `objective_` (preference.Objective), uncompiled: for predict."""
+    return preference.PreferenceView(lm, chunk_for(lm), objective_, dtype=keras.config.dtype_policy())
+
+
+@contextlib.contextmanager
+def lora_off(lm):
+    """`lm` as its base for a while: every adapted layer's LoRA (and DoRA) switched off, as PEFT's
+    disable_adapter(); the factors stay as they are. A call traced before keeps what it traced: score with a
+    view made inside."""
+    layers = [layer for layer in lm.backbone._flatten_layers(include_self=False)
+              if getattr(layer, "lora_enabled", False)]  # fmt: skip
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield lm
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
 
 
 def scorer(lm, rows: int, shards: int = 1) -> keras.Model:

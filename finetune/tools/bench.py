@@ -82,6 +82,10 @@ class Workload:
     rank: int = setting(4, "LoRA rank, on query and value.", flag="--rank")
     quantize: str = setting("", "int4 or int8: the finetune rows' base built quantized (gemma-7b fits a 24 GB host "
                             "so).", flag="--quantize", metavar="int4|int8", default_text="none")  # fmt: skip
+    method: str = setting("sft", "sft, or dpo, orpo, simpo: the finetune rows train that loss on pairs made from the "
+                          "records as /work/shared/bench/peer_trl_dpo.py makes them (the chosen answer the response, "
+                          "the rejected its words shuffled); --batch-size counts pairs.", flag="--method",
+                          metavar="NAME")  # fmt: skip
 
 
 @dataclass
@@ -117,6 +121,11 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
             raise UserError(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(allowed)}")
     if workload.quantize not in ("", "int4", "int8"):
         raise UserError(f"unknown quantize mode {workload.quantize!r}; choose int4 or int8, or leave it out")
+    if workload.method not in ("sft", "dpo", "ipo", "orpo", "simpo"):
+        raise UserError(f"unknown method {workload.method!r}; choose sft, dpo, ipo, orpo or simpo")
+    if workload.method != "sft" and ([r for r in recipes if r != "finetune"] or "packing" in levers):
+        raise UserError(f"--method {workload.method} benches the finetune recipe alone (the tutorial and hf recipes "
+                        "train SFT; pairs are not packed): pass --recipes finetune and no packing lever")  # fmt: skip
     if not backends or not (recipes or levers):
         raise UserError("nothing to run: give at least one backend and one recipe")
     from finetune.tools import peer
@@ -173,7 +182,8 @@ def run(
         if "error" in row:
             print(f"  failed: {row['error']}", flush=True)
         else:
-            print(f"  {row['tokens_per_s']:.0f} tokens/s, loss {_loss(row)}", flush=True)
+            pairs = f", {row['pairs_per_s']:.2f} pairs/s" if "pairs_per_s" in row else ""
+            print(f"  {row['tokens_per_s']:.0f} tokens/s{pairs}, loss {_loss(row)}", flush=True)
     add_mfu(rows, workload, peaks)
     print()
     print(table(rows))
@@ -316,11 +326,18 @@ def _work(spec: Spec) -> dict:
         remat = spec.lever == "remat" or _auto_remat(spec, tweaks, quantize)
         tweaks["remat"] = remat
         lora = LoraConfig(rank=spec.workload.rank, targets=["query", "value"])
+        objective = None
+        if spec.workload.method != "sft":
+            from finetune.model import preference
+            from finetune.training import resolve
+
+            beta, _ = resolve.BETA[spec.workload.method]
+            objective = preference.Objective(spec.workload.method, beta, gamma=resolve.SIMPO_GAMMA[0])
         recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora, seed=0,
-                                optimizer=builder.Optimizer(1e-4, 0.01))  # fmt: skip
+                                optimizer=builder.Optimizer(1e-4, 0.01, preference=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
         lm = model.lm
-        result = _train_finetune(spec, model)
+        result = _train_pairs(spec, model, objective) if objective else _train_finetune(spec, model)
     policy = keras.config.dtype_policy()
     result.update(
         backend=spec.backend,
@@ -378,6 +395,8 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
+    if spec.workload.method != "sft":  # pairs: a row per answer
+        parts[0] = f"{spec.workload.method}, 2 rows a pair"
     quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
@@ -473,6 +492,64 @@ def _train_finetune(spec: Spec, model) -> dict:
         shapes.add(shape)
         step += 1
     return _measured(losses, seconds, tokens, positions)
+
+
+def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
+    """Pairs as peer_trl_dpo.py makes them from the records: the dolly prompt; chosen, the response's first
+    `max_words` words; rejected, the same words shuffled (random.Random(0), in record order); responses of under
+    3 words skipped."""
+    import random
+
+    from finetune.data import formats, pairs, templates
+
+    rng = random.Random(0)
+    made = []
+    for record in formats.load_records(workload.data):
+        words = record.response.split()[:max_words]
+        if len(words) < 3:
+            continue
+        bad = words[:]
+        while bad == words:
+            rng.shuffle(bad)
+        made.append(formats.Record(instruction=record.instruction, context=record.context,
+                                   response=" ".join(words), rejected=" ".join(bad)))  # fmt: skip
+    return pairs.pairs(made, templates.get("dolly"), tokenizer, workload.seq_len, strict=False)[0]
+
+
+def _train_pairs(spec: Spec, model, objective) -> dict:
+    """The steps `finetune gemma --method M` takes: pairs as 2B rows, DPO's reference scored first (untimed), one
+    train_on_batch per step. tokens: the non-padding tokens of both answers' rows, as the peer counts them."""
+    from finetune.data import batching, pair_batches
+    from finetune.model import builder
+    from finetune.platform import backend
+    from finetune.training import scoring
+
+    w = spec.workload
+    arrays = pair_batches.pad(bench_pairs(w, model.tokenizer), w.seq_len)
+    if len(arrays) < w.batch_size:
+        raise UserError(f"the data makes {len(arrays)} pairs, fewer than one batch of {w.batch_size}")
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
+                         inputs=builder.input_names(model.lm))  # fmt: skip
+    if objective.needs_reference:
+        scoring.reference_logps(model.trainer, pair_batches.Batches(arrays, w.batch_size, feed))
+    order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
+    losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
+    while timed < w.steps and step < w.warmup + w.steps + 16:
+        ((x, y, sample_weight),) = order.micro_batches(step)
+        started = time.perf_counter()
+        loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
+        elapsed = time.perf_counter() - started
+        losses.append(float(loss))
+        if step >= w.warmup and x["token_ids"].shape in shapes:
+            seconds += elapsed
+            tokens += order.tokens(step)[0]
+            positions += len(x["token_ids"]) * w.seq_len
+            timed += 1
+        shapes.add(x["token_ids"].shape)
+        step += 1
+    result = _measured(losses, seconds, tokens, positions)
+    result["pairs_per_s"] = round(timed * w.batch_size / seconds, 2)
+    return result
 
 
 def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from finetune.data import batching, formats, images, packing, templates
+from finetune.data import batching, formats, images, packing, pairs, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -30,13 +30,16 @@ def report(
     family_chat = families.get(presets.family_of(preset)).chat_template
     chosen, _ = templates.for_data(template, found, family_chat, preset, path)
     renderer = templates.get(chosen)
-    items = [renderer.segments(r) for r in records]
     how = "auto, for this format" if template == "auto" else "given"
+    kind = "pairs" if found in formats.PREFERENCE_FORMATS else "records"
     lines = [
         f"data: {path}",
-        f"format: {found} ({formats.FORMATS[found]}), {len(records)} records",
+        f"format: {found} ({formats.FORMATS[found]}), {len(records)} {kind}",
         f"template: {chosen} ({how})",
     ]
+    if kind == "pairs":
+        return lines + _pair_report(records, renderer, preset, seq_len, example)
+    items = [renderer.segments(r) for r in records]
     lines += images.summary(records)
     lines += _tokens(items, preset, seq_len, train_on_prompt, pictured=any(r.images for r in records))
     lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
@@ -91,4 +94,47 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, pictured: b
             f"packing at seq-len {seq_len}: {len(examples)} rows -> {len(packed['token_ids'])}, padding "
             f"{packing.padding_fraction(padded):.0%} -> {packing.padding_fraction(packed):.0%}"
         )
+    return lines
+
+
+def _pair_report(records, renderer, preset: str, seq_len: int, example: int) -> list[str]:
+    """The token counts of preference pairs' prompts and answers, how many --seq-len cuts, and one pair."""
+    lines = _pair_tokens(records, renderer, preset, seq_len)
+    chosen, rejected = templates.pair_segments(renderer, records[example - 1])
+    lines += [f"example: pair {example}, the prompt, then each answer with the text compared between {MARKS[0]} and "
+              f"{MARKS[1]}:"]  # fmt: skip
+    for label, text in (("prompt", "".join(t for t, _ in chosen[:-1])), ("chosen", _marked(chosen[-1][0])),
+                        ("rejected", _marked(rejected[-1][0]))):  # fmt: skip
+        lines += [f"  {label}:"] + [("    " + line).rstrip() for line in text.split("\n")]
+    return lines
+
+
+def _marked(answer: str) -> str:
+    return f"{MARKS[0]}{answer}<eos>{MARKS[1]}"
+
+
+def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
+    from finetune.model import builder  # imports keras: only once the data has been read
+
+    try:
+        tokenizer = builder.load_tokenizer(presets.resolve(preset))
+    except UserError as e:
+        first = re.split(r"[;\n]|\. ", str(e))[0]
+        return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
+    longest = max(8 * seq_len, 8192)
+    whole, _, _ = pairs.pairs(records, renderer, tokenizer, longest, strict=False)
+    _, _, truncated = pairs.pairs(records, renderer, tokenizer, seq_len)  # a prompt that fills seq_len is refused
+    prompt = np.array([p.prompt_length - 1 for p in whole])
+    answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
+               for side in ("chosen", "rejected")}  # fmt: skip
+    lines = [f"tokens ({preset}'s tokenizer; answers with <eos>, the prompt without <bos>):"]
+    for label, lengths in (("prompt", prompt), *answers.items()):
+        lines.append(
+            f"  {label}: min {lengths.min():,}, median {int(np.median(lengths)):,}, 95th percentile "
+            f"{int(np.percentile(lengths, 95)):,}, max {lengths.max():,}"
+        )
+    lines.append(
+        f"seq-len {seq_len}: {truncated} of {len(records)} pairs are cut (the prompt from its left, then the "
+        "answers at their end)"
+    )
     return lines

@@ -53,6 +53,9 @@ class RunState:
         generated_before: list of str. The samples' generations before training.
         config: dict. The run's settings (outputs.run_config): a resume checks its own against them.
         data_fingerprint: str. The records' (data.fingerprint): a resume refuses data that changed.
+        reference: dict. DPO's reference log-probabilities, {"train": [[chosen, rejected], ...], "held_out": ...},
+            computed once before training: a resumed run reads them here and never recomputes them (its adapter
+            is no longer the base's). None for the other methods.
     """
 
     run_id: str
@@ -61,27 +64,33 @@ class RunState:
     generated_before: list
     config: dict
     data_fingerprint: str
+    reference: dict | None = None
 
     @classmethod
     def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
         """A checkpoint's state, taken up with this session's config (it may train further) and records."""
         progress = loop.Progress.from_state(state["progress"])
         progress.best_weights = state.get("best_weights")
-        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint)
+        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint,
+                   state.get("reference"))  # fmt: skip
 
     def to_state(self, progress: loop.Progress) -> dict:
         """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths; with the
         best weights (--keep-best), which save() writes to best.npz."""
         best = {} if progress.best_weights is None else {"best_weights": progress.best_weights}
-        return best | {
-            "run_id": self.run_id,
-            "step": progress.step,
-            "config": self.config,
-            "data_fingerprint": self.data_fingerprint,
-            "eval_before": self.eval_before,
-            "generated_before": self.generated_before,
-            "progress": progress.to_state(),
-        }
+        return (
+            best
+            | {
+                "run_id": self.run_id,
+                "step": progress.step,
+                "config": self.config,
+                "data_fingerprint": self.data_fingerprint,
+                "eval_before": self.eval_before,
+                "generated_before": self.generated_before,
+                "progress": progress.to_state(),
+            }
+            | ({} if self.reference is None else {"reference": self.reference})
+        )
 
 
 class CheckpointError(Exception):
@@ -257,7 +266,8 @@ RESUME_KEYS = (
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
     ("train", "lr_schedule"), ("train", "warmup_steps"), ("train", "warmup_ratio"), ("train", "min_lr_ratio"),
-    ("train", "grad_accum"), ("train", "max_grad_norm"),
+    ("train", "grad_accum"), ("train", "max_grad_norm"), ("train", "method"), ("train", "beta"), ("train", "label_smoothing"),
+    ("train", "simpo_gamma"),
     ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 
@@ -335,6 +345,8 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Pa
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
         if key == "keep_best":  # a checkpoint from before the setting kept no best
             then = bool(then)
+        if key == "method":  # a checkpoint from before preference methods trained SFT
+            then = then or "sft"
         if key == "packing":  # auto is on
             then, now = ("off" if v == "off" else "on" for v in (then, now))
         if then != now:

@@ -264,9 +264,11 @@ class Loop:
         each weighted by its share of them (batching.TrainOrder), averaged. applied: the
         step's learning rate and gradient norm before clipping (optimizer.step_record).
         """
-        started, losses, shapes = time.perf_counter(), [], set()
+        started, losses, shapes, reported = time.perf_counter(), [], set(), []
         for x, y, w in self.order.micro_batches(step):
-            losses.append(float(self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]))
+            logs = self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)
+            losses.append(float(logs["loss"]))
+            reported.append({name: float(value) for name, value in logs.items() if name != "loss"})
             shapes.add(tuple(x["token_ids"].shape))
         seconds = time.perf_counter() - started
         loss = sum(losses) / len(losses)
@@ -274,7 +276,9 @@ class Loop:
             raise self._diverged(f"the training loss is {loss} at step {step + 1}")
         from finetune.model import optimizer  # keras: loop.py is read before the backend is chosen
 
-        applied = optimizer.step_record(self.trainer.optimizer, step)
+        # A preference view's metrics (rewards_chosen, reward_accuracy, ...), each the step's: its micro-batches'.
+        applied = {name: sum(r[name] for r in reported) / len(reported) for name in reported[0]}
+        applied.update(optimizer.step_record(self.trainer.optimizer, step))
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         return loss, seconds, shapes, applied
@@ -321,6 +325,7 @@ class Loop:
                 "epoch": epoch,
                 "eval_loss": result["loss"],
                 "eval_accuracy": result["accuracy"],
+                **{f"eval_{name}": result[name] for name in ("reward_accuracy", "reward_margin") if name in result},
             }
         )
         self._report.line(

@@ -694,6 +694,8 @@ def write_metrics(path: Path, metrics: dict) -> None:
 
 def write_history(path: Path, rows: list[dict]) -> None:
     columns = ["step", "epoch", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy"]
+    # A preference run's metrics (model/preference.METRICS and their held-out ones), in the order they come.
+    columns += [name for name in dict.fromkeys(key for row in rows for key in row) if name not in columns]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
@@ -767,11 +769,13 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
     if metrics.get("eval_loss") is None:
         return [("eval", "skipped: nothing held out (--eval-fraction 0)")]
     best = f" (best, step {metrics['best_step']})" if metrics.get("best_step") is not None else ""
-    rows = [
-        ("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}{best}"),
-        ("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
-        ("eval accuracy", f"{metrics['eval_accuracy']:.3f}"),
-    ]
+    rows = [("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}{best}")]
+    if "eval_reward_accuracy" in metrics:  # a preference run: its pairs' reward accuracy
+        before = metrics["eval_reward_accuracy_before"]
+        rows.append(("eval reward accuracy", f"{before:.3f} -> {metrics['eval_reward_accuracy']:.3f}"))
+    else:
+        rows += [("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
+                 ("eval accuracy", f"{metrics['eval_accuracy']:.3f}")]  # fmt: skip
     if metrics.get("stopped_early"):
         rows.append(("stopped early", f"at step {metrics['stopped_early']['at_step']}"))
     return rows

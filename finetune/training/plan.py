@@ -298,7 +298,15 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
-    memory["activations"] = per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
+    # A preference method's batch counts pairs: each is two sequences, chosen and rejected (pair_batches.py).
+    sequences = 1 if cfg.train.method == "sft" else 2
+    if sequences == 2:
+        notes.append(f"--method {cfg.train.method}: each of the batch's pairs is two sequences, so the activations are "
+                     "twice an SFT batch's" + (" (DPO's reference is 8 bytes a pair, scored once: no second base)"
+                                               if cfg.train.method == "dpo" else ""))  # fmt: skip
+    memory["activations"] = (
+        sequences * per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
+    )
     memory["dequantized_kernel"] = _dequantized_kernel(
         groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
     )

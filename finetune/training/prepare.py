@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.data import batching, formats, images, packing, templates
+from finetune.data import batching, formats, images, packing, pair_batches, pairs, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -81,6 +81,8 @@ def prepare(records, preprocessor, cfg, *, packed: bool | None = None, probe=Non
         every_record_of: str. Hold out every record, of this file (`finetune eval --data`), rather than the
             run's share of cfg.data.path's.
     """
+    if cfg.train.method != "sft":
+        return preference_pairs(records, _tokenizer(preprocessor), cfg, every_record_of)
     seq_len = cfg.model.seq_len
     template = templates.get(cfg.data.template)
     check_seq_len(_tokenizer(preprocessor), template, seq_len)
@@ -105,10 +107,57 @@ def prepare(records, preprocessor, cfg, *, packed: bool | None = None, probe=Non
     return prepared
 
 
+def preference_pairs(records, tokenizer, cfg, every_record_of: str | None = None) -> Prepared:
+    """prepare() for a preference method: records -> template -> a chosen and a rejected Example each (pairs.py)
+    -> split -> pairs padded a side to a row (pair_batches.py). The batch size counts pairs."""
+    seq_len = cfg.model.seq_len
+    template = templates.get(cfg.data.template)
+    check_seq_len(tokenizer, template, seq_len)
+    usable = pair_examples(records, template, tokenizer, seq_len)
+    batch_size = cfg.train.batch_size
+    if batch_size == "auto":
+        raise UserError(f"--batch-size auto does not probe --method {cfg.train.method} yet; pass --batch-size N "
+                        "(pairs per micro-batch: each is two sequences)")  # fmt: skip
+    train, held_out = [], usable
+    if every_record_of is None and cfg.data.eval_fraction == 0:
+        train, held_out = usable, []
+    elif every_record_of is None:
+        train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
+    held_out_rows = pair_batches.pad([p for _, p in held_out], seq_len)
+    prepared = Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
+    if every_record_of is None:
+        if len(train) < batch_size:
+            raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
+                            "--batch-size or add pairs")  # fmt: skip
+        prepared.rows = pair_batches.pad([p for _, p in train], seq_len)
+        share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
+        prepared.padding = {"padding_fraction": share, "unpacked": share}
+    return prepared
+
+
+def pair_examples(records, template, tokenizer, seq_len: int) -> list:
+    """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
+    made, _, truncated = pairs.pairs(records, template, tokenizer, seq_len)
+    if truncated:
+        print(f"note: {truncated} pairs cut to --seq-len {seq_len}: prompts from their left, as TRL cuts them")
+    return list(zip(records, made))
+
+
+def train_order(prepared: Prepared, cfg, feed: batching.Feed):
+    """The order the training rows go in: batching.TrainOrder, or pair_batches.PairOrder for pairs."""
+    if isinstance(prepared.rows, pair_batches.PairArrays):
+        return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
+    return batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
+
+
 def evaluated_on(prepared: Prepared, records, preprocessor, cfg) -> Prepared:
     """`prepared` with every record of --eval-data (`records`, from cfg.eval.data) as its held-out set, in the
     run's template."""
     seq_len = cfg.model.seq_len
+    if cfg.train.method != "sft":
+        prepared.held_out = pair_examples(records, prepared.template, _tokenizer(preprocessor), seq_len)
+        prepared.held_out_rows = pair_batches.pad([p for _, p in prepared.held_out], seq_len)
+        return prepared
     held_out = pictured_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
     prepared.held_out = held_out
     prepared.held_out_rows = batching.pad([e for _, e in held_out], seq_len)

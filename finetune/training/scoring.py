@@ -27,12 +27,51 @@ def metrics(scorer, batches) -> dict:
 
 def eval_metrics(before: dict | None, after: dict | None) -> dict:
     """metrics.json's held-out metrics: before training, and of the published adapter; None where nothing was
-    held out."""
+    held out. A preference run's add its pairs' reward accuracy and margin (pair_metrics)."""
     out = {}
-    for name in ("loss", "perplexity", "accuracy"):
-        out[f"eval_{name}_before"] = before[name] if before else None
-        out[f"eval_{name}"] = after[name] if after else None
+    names = ["loss", "perplexity", "accuracy"]
+    if "reward_accuracy" in (before or after or {}):
+        names = ["loss", "reward_accuracy", "reward_margin"]
+    for name in names:
+        out[f"eval_{name}_before"] = before.get(name) if before else None
+        out[f"eval_{name}"] = after.get(name) if after else None
     return out
+
+
+def pair_outputs(view, batches):
+    """(pair indices, the view's (pairs, 7) output) of each of `batches` (pair_batches.Batches), with the view in
+    inference mode: each pair's loss and metrics (preference.COLUMNS)."""
+    import keras
+    import numpy as np
+
+    # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
+    # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
+    eager = keras.config.backend() == "tensorflow"
+    for pairs, (x, _, _) in batches:
+        values = view(x, training=False) if eager else view.predict_on_batch(x)
+        yield pairs, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(pairs)]
+
+
+def pair_metrics(view, batches) -> dict:
+    """The mean of each preference.COLUMNS over the held-out pairs; `accuracy` is the reward accuracy (the loop
+    and the trackers name it so for every method)."""
+    from finetune.model import preference
+
+    total, count = 0.0, 0
+    for pairs, values in pair_outputs(view, batches):
+        total, count = total + values.sum(axis=0), count + len(pairs)
+    means = {name: float(value) for name, value in zip(preference.COLUMNS, total / max(count, 1))}
+    return {**means, "accuracy": means["reward_accuracy"]}
+
+
+def reference_logps(view, batches) -> None:
+    """DPO's reference pass: each pair's chosen and rejected log-probability under the model as it stands, into
+    arrays.reference. Run once, before training, on a fresh adapter (LoRA's B is zero, DoRA's magnitudes the
+    weights' norms), so the model scores as the base does; in the run's precision, in inference mode."""
+    reference = batches.arrays.reference
+    reference[:] = 0.0  # the view subtracts the reference: zeros leave the policy's own log-probabilities
+    for pairs, values in pair_outputs(view, batches):
+        reference[pairs] = values[:, 5:7]
 
 
 @contextlib.contextmanager
@@ -157,3 +196,11 @@ class HeldOut:
             {"prompt": p, "reference": r.response, "before": b, "after": a}
             for p, r, b, a in zip(self.prompts, self.samples, before, after)
         ]
+
+
+class PairHeldOut(HeldOut):
+    """HeldOut for a preference run: `scorer` is the run's PreferenceView and `batches` the held-out pairs
+    (pair_batches.Batches), scored as pair_metrics() says; samples generate from the prompts as for SFT."""
+
+    def metrics(self) -> dict:
+        return pair_metrics(self.scorer, self.batches)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from finetune.config import Config
-from finetune.data import batching, formats
+from finetune.data import batching, formats, pair_batches
 from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
@@ -104,7 +104,7 @@ class Session:
     run: resolve.Resolved
     model: builder.Model
     prepared: prepare.Prepared
-    order: batching.TrainOrder
+    order: batching.TrainOrder | pair_batches.PairOrder
     """The order the training rows are fed in; in a multi-process job, this process's slice of every batch."""
     total_steps: int
     held_out: scoring.HeldOut | None
@@ -122,7 +122,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     cfg = decided.config
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {decided.device_name}, {decided.precision}")
     model = builder.build_model(decided.source, decided.recipe())
-    packing = resolve.packing(model.lm, cfg.data.packing, any(r.images for r in data.records))
+    packing = resolve.packing(model.lm, cfg.data.packing, cfg.train.method, any(r.images for r in data.records))
     probe = functools.partial(
         auto_batch_size, model.trainer, device=decided.device, names=builder.input_names(model.lm)
     )
@@ -134,7 +134,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
     feed = batching.Feed(decided.part, step, builder.input_names(model.lm))
-    order = batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
+    order = prepare.train_order(prepared, cfg, feed)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
     print(run.table())
@@ -166,6 +166,9 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
     step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, run.device)
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
+    if run.preference is not None:  # scored by the training view itself, in inference mode
+        pairs = pair_batches.Batches(prepared.held_out_rows, prepared.batch_size, feed)
+        return scoring.PairHeldOut(model.trainer, pairs, model, samples, prepared.template, cfg.train.max_new_tokens)
     batches = batching.Batches(prepared.held_out_rows, prepared.batch_size, feed)
     scorer = builder.scorer(model.lm, prepared.batch_size, shards=run.part[2])
     return scoring.HeldOut(scorer, batches, model, samples, prepared.template, cfg.train.max_new_tokens)
@@ -176,20 +179,41 @@ def _start(session: Session, fingerprint: str, target: outputs.Target) -> checkp
     resumed run restores what its checkpoint kept."""
     started = time.perf_counter()
     config = outputs.run_config(session.run.config)
+    reference = _reference(session, session.found.state().get("reference") if session.found else None)
     if session.found is None and session.held_out is None:
-        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprint)
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprint, reference)
     elif session.found is None:
         session.phase(f"evaluating before training ({session.held_out.batches.rows} held-out records)")
         before = session.held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
         generated = session.held_out.generate("before", session.phase)
-        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprint)
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprint,
+                                    reference)  # fmt: skip
     else:
         restored = checkpoint.restore(session.model.trainer, session.found)
         start = checkpoint.RunState.resumed(restored, config, fingerprint)
         print(f"resuming {target} at step {start.progress.step}/{session.total_steps}")
     session.eval_seconds = time.perf_counter() - started
     return start
+
+
+def _reference(session: Session, saved: dict | None) -> dict | None:
+    """DPO's reference log-probabilities of every training and held-out pair (None for the other methods): scored
+    once by a fresh run, before training, or read back from the checkpoint a resumed run continues from."""
+    objective = session.run.preference
+    if objective is None or not objective.needs_reference:
+        return None
+    sets = {"train": session.prepared.rows, "held_out": session.prepared.held_out_rows}
+    if saved is not None:
+        for name, arrays in sets.items():
+            arrays.reference[:] = np.asarray(saved[name], np.float32).reshape(-1, 2)
+        return saved
+    session.phase(f"scoring the reference: {sum(map(len, sets.values()))} pairs under the base, once")
+    for arrays in sets.values():
+        scoring.reference_logps(
+            session.model.trainer, pair_batches.Batches(arrays, session.prepared.batch_size, session.order.feed)
+        )
+    return {name: arrays.reference.tolist() for name, arrays in sets.items()}
 
 
 def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, stack) -> loop.Loop:
@@ -262,6 +286,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "resumed_from_step": found.step if found else None,
         "train_loss": train_losses[-1],
         **scoring.eval_metrics(before, after),
+        **_preference_metrics(run, progress.rows),
         "best_step": after["step"] if cfg.eval.keep_best else None,
         "stopped_early": progress.stopped_early,
         "packing": prepared.packed,
@@ -280,6 +305,19 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "device_name": run.device_name,
         "distribution": run.distributed or {"parallel": "none", "devices": 1, "processes": 1},
     }
+
+
+def _preference_metrics(run: resolve.Resolved, rows: list) -> dict:
+    """A preference run's method, its constants, and its last step's metrics (model/preference.METRICS)."""
+    objective = run.preference
+    if objective is None:
+        return {"method": "sft"}
+    from finetune.model import preference
+
+    last = next((row for row in reversed(rows) if "rewards_chosen" in row), {})
+    constants = {name: run.decisions[name].value for name in ("beta", "label_smoothing", "simpo_gamma")
+                 if name in run.decisions}  # fmt: skip
+    return {"method": objective.method, **constants, **{name: last.get(name) for name in preference.METRICS}}
 
 
 def _resolved(run: resolve.Resolved, claim: outputs.Claim, run_id: str) -> dict:

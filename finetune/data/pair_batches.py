@@ -1,0 +1,152 @@
+"""Preference pairs in batches: B pairs are 2B rows, the chosen answers' then the rejected answers'.
+
+Each pair (anything with `.chosen` and `.rejected` batching.Examples, weighted
+1 on its answer) is padded to seq_len in two arrays, one per side. A batch
+takes the same pairs from both, so row i and row B + i are one pair's, as TRL's
+concatenated forward has them, and is cut to its longest row as SFT batches
+are. Beside the model inputs and the gathered targets it carries
+`loss_sequence` (each target slot's row) and `loss_reference` (each row's
+reference log-probability), which model/preference.py reads.
+
+Rows are not packed: each pair's two sequences keep a row each (docs/preference.md says what packing would save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from finetune.data import batching
+
+COLUMNS = 7  # model/preference.py's COLUMNS: the output's width, which the sample weights match
+
+
+@dataclass
+class PairArrays:
+    """N pairs, padded: chosen and rejected as batching.pad makes them, and each side's reference log-probability.
+
+    reference: (N, 2) float32, the chosen and rejected answers' summed log-probability under the base (DPO's);
+        zeros until reference() fills it, and for the methods without one.
+    """
+
+    chosen: dict
+    rejected: dict
+    reference: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.chosen["token_ids"])
+
+
+def pad(pairs, seq_len: int) -> PairArrays:
+    """The pairs' two sides, one sequence a row, right-padded."""
+    chosen = batching.pad([p.chosen for p in pairs], seq_len)
+    rejected = batching.pad([p.rejected for p in pairs], seq_len)
+    return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32))
+
+
+def both_sides(arrays: PairArrays) -> dict:
+    """The chosen rows and the rejected rows as one padded array set (for padding shares and token counts)."""
+    return {key: np.concatenate([arrays.chosen[key], arrays.rejected[key]]) for key in arrays.chosen}
+
+
+def target_width(arrays: PairArrays, pairs_per_batch: int) -> int:
+    """Target slots per row: room for the answer tokens of any `pairs_per_batch` pairs' 2B rows."""
+    both = {"weights": np.concatenate([arrays.chosen["weights"], arrays.rejected["weights"]])}
+    return batching.target_width(both, 2 * pairs_per_batch)
+
+
+def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int | None, names, real=None):
+    """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected.
+
+    real: bool per pair; False marks a filler (a copy that fills the last batch of an epoch), whose tokens and
+        weight are zeroed. The sample weights are (2B, COLUMNS): 1 in column 0 of each real pair's row, the rest 0.
+    """
+    real = np.ones(len(pairs), bool) if real is None else real
+    rows = {key: np.concatenate([arrays.chosen[key][pairs], arrays.rejected[key][pairs]]) for key in arrays.chosen}
+    both = np.concatenate([real, real])
+    rows["weights"] = np.where(both[:, None], rows["weights"], np.float32(0))
+    seq_len = rows["token_ids"].shape[1]
+    length = None
+    if length_step is not None:
+        length = batching.batch_length(np.count_nonzero(rows["padding_mask"], axis=1), length_step, seq_len)
+    x, labels, _ = batching.inputs(rows, np.arange(2 * len(pairs)), 1, width, length, names)
+    x["loss_sequence"] = (x["loss_positions"] // (length or seq_len)).astype(np.int32)
+    reference = arrays.reference[pairs]
+    x["loss_reference"] = np.concatenate([reference[:, 0], reference[:, 1]]).astype(np.float32)
+    weights = np.zeros((2 * len(pairs), COLUMNS), np.float32)
+    weights[: len(pairs), 0] = real
+    return x, np.zeros_like(weights), weights
+
+
+class PairOrder:
+    """batching.TrainOrder for pairs: the pairs of every optimizer step, a pure function of (seed, step).
+
+    Epoch e trains the pairs of permutation(seed + e), batch_size x grad_accum at a time; the last step of an
+    epoch is filled with weight-0 copies. Each real pair weighs grad_accum / (the step's real pairs): summed
+    (objective.TokenShare) and averaged over the micro-batches (Keras' accumulation), the loss is the mean over
+    the step's pairs, as one batch of them all gives.
+    """
+
+    def __init__(self, arrays: PairArrays, batch_size: int, seed: int, feed: batching.Feed, grad_accum: int = 1):
+        self.arrays = arrays
+        self.batch_size = batch_size
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.feed = feed
+        self.steps_per_epoch = -(-len(arrays) // (batch_size * grad_accum))
+        self.width = target_width(arrays, batch_size)
+        self._epoch, self._order = None, None
+
+    def rows(self, step: int) -> np.ndarray:
+        """The pairs optimizer step `step` trains."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.arrays))
+        size = self.batch_size * self.grad_accum
+        return self._order[index * size : (index + 1) * size]
+
+    def micro_batches(self, step: int) -> list:
+        pairs = self.rows(step)
+        size = self.batch_size * self.grad_accum
+        filled = np.concatenate([pairs, pairs[np.arange(size - len(pairs)) % len(pairs)]])
+        real = np.arange(size) < len(pairs)
+        share = np.float32(self.grad_accum / len(pairs))
+        out = []
+        for micro in range(self.grad_accum):
+            group = slice(micro * self.batch_size, (micro + 1) * self.batch_size)
+            x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed.length_step,
+                                        self.feed.inputs, real[group])  # fmt: skip
+            out.append((x, labels, weights * share))
+        return out
+
+    def tokens(self, step: int) -> tuple[int, int]:
+        """Non-padding input tokens and answer tokens of the step's pairs, both sides."""
+        pairs = self.rows(step)
+        sides = (self.arrays.chosen, self.arrays.rejected)
+        return (sum(int(side["padding_mask"][pairs].sum()) for side in sides),
+                sum(int(side["weights"][pairs].sum()) for side in sides))  # fmt: skip
+
+
+@dataclass
+class Batches:
+    """Every pair of `arrays` once, in order, batch_size at a time, the last filled with weight-0 copies: for
+    scoring and the reference pass. Iterating gives (pair indices, (x, labels, weights))."""
+
+    arrays: PairArrays
+    batch_size: int
+    feed: batching.Feed
+
+    @property
+    def rows(self) -> int:
+        """The pairs (as batching.Batches' rows, which the run's log counts)."""
+        return len(self.arrays)
+
+    def __iter__(self):
+        arrays, size = self.arrays, self.batch_size
+        width = target_width(arrays, size)
+        for start in range(0, len(arrays), size):
+            pairs = np.arange(start, min(start + size, len(arrays)))
+            real = np.arange(size) < len(pairs)
+            filled = np.concatenate([pairs, np.arange(size - len(pairs)) % len(arrays)])
+            yield pairs, inputs(arrays, filled, width, self.feed.length_step, self.feed.inputs, real)

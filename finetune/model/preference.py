@@ -1,0 +1,181 @@
+"""The preference objectives (DPO, ORPO, SimPO): a loss beside SFT's, on the same response-token machinery.
+
+A batch of B pairs is 2B rows, the chosen answers' then the rejected answers'
+(as TRL's concatenated forward lays them out), each weighted 1 on its answer's
+tokens. The backbone's hidden states are gathered at those positions and each
+position's loss comes from objective.token_losses, as for SFT, so the
+vocabulary projection costs what the loss needs; its custom gradient takes any
+upstream gradient, so the per-pair loss made of them trains as SFT's does.
+Summed per row (the `loss_sequence` input names each position's row), they
+are each answer's log-probability, log π(y | x); the pair's loss is made of
+those (docs/preference.md, "Losses and defaults").
+
+call() returns, for each pair i, in row i (rows B..2B-1 hold zeros):
+COLUMNS = loss, rewards_chosen, rewards_rejected, reward_accuracy,
+reward_margin, logps_chosen, logps_rejected. Training weighs column 0 alone
+(objective.TokenShare sums output times weight); the others are reported as
+TRL names them, through PairMean metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+from keras import ops
+
+from finetune.model import objective
+
+COLUMNS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
+           "logps_rejected")  # fmt: skip
+METRICS = COLUMNS[1:]
+AVERAGED = ("orpo", "simpo")
+"""The methods whose log-probabilities are per token (length-averaged); DPO's are summed over the answer."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A preference loss and its constants, as resolve.method decided them.
+
+    method: str. dpo, orpo or simpo.
+    beta: float. DPO's and SimPO's beta; ORPO's lambda.
+    label_smoothing: float. DPO's epsilon.
+    gamma: float. SimPO's target margin.
+    """
+
+    method: str
+    beta: float
+    label_smoothing: float = 0.0
+    gamma: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method in ("dpo", "ipo")
+
+
+def sequence_logps(token_losses, weights, sequence, rows: int):
+    """(each row's summed log-probability, each row's weighted token count), from the gathered positions'.
+
+    token_losses, weights, sequence: (N,): each position's loss, weight (1 on answers, 0 on padding slots) and
+    row. A one-hot matmul sums them: N x rows is small, and it has a gradient on every backend.
+    """
+    one_hot = ops.one_hot(ops.cast(sequence, "int32"), rows, dtype="float32")
+    mask = ops.cast(weights > 0, "float32")
+    logp = ops.matmul(ops.expand_dims(-token_losses * mask, 0), one_hot)[0]
+    count = ops.matmul(ops.expand_dims(mask, 0), one_hot)[0]
+    return logp, count
+
+
+def pair_values(objective_: Objective, logp, count, reference):
+    """(B, 7) float32: each pair's loss and metrics (COLUMNS) from its 2B rows' log-probabilities.
+
+    logp, count, reference: (2B,): each row's summed log-probability, answer tokens, and reference log-probability
+    (DPO's; zeros otherwise). Rows 0..B-1 are the chosen answers, B..2B-1 the rejected.
+    """
+    half = logp.shape[0] // 2
+    if objective_.method == "ipo":  # TRL's IPO: the log ratios per answer token, squared against 1 / (2 tau)
+        ratios = (logp - reference) / ops.maximum(count, 1.0)
+        loss = ops.square(ratios[:half] - ratios[half:] - 1.0 / (2.0 * objective_.beta))
+        return _reported(
+            loss,
+            (objective_.beta * (logp - reference)[:half], objective_.beta * (logp - reference)[half:]),
+            logp[:half],
+            logp[half:],
+        )
+    if objective_.method in AVERAGED:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
+        logp = logp / ops.maximum(count, 1.0)
+    chosen, rejected = logp[:half], logp[half:]
+    beta = objective_.beta
+    if objective_.method == "dpo":
+        chosen_ratio, rejected_ratio = chosen - reference[:half], rejected - reference[half:]
+        logits = beta * (chosen_ratio - rejected_ratio)
+        eps = objective_.label_smoothing
+        loss = -(1.0 - eps) * ops.log_sigmoid(logits) - eps * ops.log_sigmoid(-logits)
+        rewards = beta * chosen_ratio, beta * rejected_ratio
+    elif objective_.method == "orpo":
+        # The log odds ratio of the two answers' average token probabilities: log(p/(1-p)) of each, subtracted.
+        log_odds = (chosen - rejected) - (ops.log1p(-ops.exp(chosen)) - ops.log1p(-ops.exp(rejected)))
+        loss = -chosen - beta * ops.log_sigmoid(log_odds)
+        rewards = beta * chosen, beta * rejected
+    elif objective_.method == "simpo":
+        loss = -ops.log_sigmoid(beta * (chosen - rejected) - objective_.gamma)
+        rewards = beta * chosen, beta * rejected
+    else:
+        raise ValueError(f"unknown preference method {objective_.method!r}")
+    return _reported(loss, rewards, chosen, rejected)
+
+
+def _reported(loss, rewards, chosen, rejected):
+    """(B, 7): the loss and TRL's metrics, which carry no gradient."""
+    good, bad = (ops.stop_gradient(r) for r in rewards)
+    accuracy = ops.cast(good > bad, "float32")
+    reported = [good, bad, accuracy, good - bad, ops.stop_gradient(chosen), ops.stop_gradient(rejected)]
+    return ops.stack([loss, *reported], axis=1)
+
+
+class PreferenceView(objective.TrainingView):
+    """`lm`'s backbone with a preference loss: call() returns each pair's loss and metrics, (2B, 7), in its
+    first B rows.
+
+    Beside a TrainingView's inputs it takes `loss_sequence` (each gathered slot's row in the batch) and
+    `loss_reference` (each row's reference log-probability: DPO's, from reference(); zeros for the others).
+    Compiled with TokenShare and column-0 weights of each pair's share of its step, train_on_batch minimises the
+    mean pair loss of the step, however its pairs fall into micro-batches.
+    """
+
+    def __init__(self, lm, chunk: int, objective_: Objective, shards: int = 1, **kwargs):
+        super().__init__(lm, chunk, shards, **kwargs)
+        self.objective = objective_
+
+    def call(self, inputs, training=None):
+        backbone = self.lm.backbone
+        hidden = objective._gathered(backbone, inputs, self.shards, training=training)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        kernel, soft_cap = objective.logit_projection(backbone)
+        kernel = ops.convert_to_tensor(kernel)
+        if training:
+            losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        else:  # scoring (the reference pass, held-out pairs): no gradient, so no custom-gradient op, which
+            # TensorFlow refuses outside a training step when it reads the embedding variable
+            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        rows = inputs["loss_labels"].shape[0]
+        sequence = ops.reshape(inputs["loss_sequence"], (-1,))
+        logp, count = sequence_logps(losses, weights, sequence, rows)
+        values = pair_values(self.objective, logp, count, ops.cast(inputs["loss_reference"], "float32"))
+        return ops.concatenate([values, ops.zeros_like(values)], axis=0)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor((inputs["loss_labels"].shape[0], len(COLUMNS)), dtype="float32")
+
+
+class PairMean(keras.metrics.Metric):
+    """The mean of one column of a PreferenceView's output over the pairs, each weighted by its column-0 weight
+    (its share of the step; 0 for padding rows and filler pairs)."""
+
+    def __init__(self, column: int, name: str, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.column = column
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_true
+        weight = ops.cast(sample_weight[:, 0], "float32")
+        self.total.assign_add(ops.sum(ops.cast(y_pred[:, self.column], "float32") * weight))
+        self.count.assign_add(ops.sum(weight))
+
+    def result(self):
+        return self.total / ops.maximum(self.count, 1e-12)
+
+    def reset_state(self):
+        self.total.assign(0.0)
+        self.count.assign(0.0)
+
+    def get_config(self):
+        return {**super().get_config(), "column": self.column}
+
+
+def metrics() -> list:
+    """The step's TRL-named metrics, each a PairMean of its column."""
+    return [PairMean(index + 1, name) for index, name in enumerate(METRICS)]

@@ -1,0 +1,153 @@
+"""The preference losses (model/preference.py) on pairs laid out as data/pair_batches.py lays them out.
+
+Each is checked against the same quantities computed another way: every row's log-probability from the
+causal LM's full logits, the losses written out in numpy from their papers.
+"""
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import pytest
+from conftest import float32_policy, lora_model
+
+from finetune.data import batching, pair_batches
+from finetune.model import builder, objective, preference, presets
+from finetune.training import scoring
+
+
+@dataclass
+class Pair:
+    chosen: batching.Example
+    rejected: batching.Example
+
+
+def tiny_pairs(n=6, seq_len=48):
+    """Pairs whose chosen answer counts things and whose rejected answer does not; prompts and lengths vary."""
+    tokenizer = presets.tiny_tokenizer()
+    prompts = [f"Instruction:\nName {i} things.\n\nResponse:\n" for i in range(n)]
+    chosen, _ = batching.tokenize([(p, "thing " * (i % 3 + 1)) for i, p in enumerate(prompts)], tokenizer, seq_len)
+    rejected, _ = batching.tokenize([(p, "no " * (i % 4 + 2)) for i, p in enumerate(prompts)], tokenizer, seq_len)
+    return [Pair(c, r) for c, r in zip(chosen, rejected)]
+
+
+def full_logps(lm, arrays, pairs):
+    """Each pair's (chosen, rejected) summed log-probability and answer length, from the LM's full logits."""
+    out = []
+    for side in (arrays.chosen, arrays.rejected):
+        logits = keras.ops.convert_to_numpy(
+            lm({"token_ids": side["token_ids"][pairs], "padding_mask": side["padding_mask"][pairs]})
+        ).astype(np.float64)
+        logits = logits - logits.max(-1, keepdims=True)
+        log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        picked = np.take_along_axis(log_softmax, side["labels"][pairs][..., None], -1)[..., 0]
+        out.append(((picked * side["weights"][pairs]).sum(1), side["weights"][pairs].sum(1)))
+    return out
+
+
+def log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0):
+    (c, nc), (r, nr) = chosen, rejected
+    if method == "ipo":
+        return (((c - reference[0]) / nc - (r - reference[1]) / nr) - 1 / (2 * beta)) ** 2
+    if method == "dpo":
+        logits = beta * ((c - reference[0]) - (r - reference[1]))
+        return -(1 - smoothing) * log_sigmoid(logits) - smoothing * log_sigmoid(-logits)
+    c, r = c / nc, r / nr
+    if method == "orpo":
+        log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
+        return -c - beta * log_sigmoid(log_odds)
+    return -log_sigmoid(beta * (c - r) - gamma)
+
+
+OBJECTIVES = {
+    "dpo": preference.Objective("dpo", 0.1, label_smoothing=0.1),
+    "orpo": preference.Objective("orpo", 0.1),
+    "ipo": preference.Objective("ipo", 0.1),
+    "simpo": preference.Objective("simpo", 2.0, gamma=0.5),
+}
+
+
+@pytest.mark.parametrize("method", ["dpo", "ipo", "orpo", "simpo"])
+def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
+    """Four pairs of different lengths (padding slots, a filler pair): per-pair loss and log-probabilities."""
+    with float32_policy():
+        lm, _ = lora_model()
+        arrays = pair_batches.pad(tiny_pairs(), 48)
+        arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
+        objective = OBJECTIVES[method]
+        view = preference.PreferenceView(lm, 8, objective)
+        pairs = np.array([0, 3, 4, 4])
+        real = np.array([True, True, True, False])
+        feed = batching.Feed(length_step=16, inputs=builder.input_names(lm))
+        width = pair_batches.target_width(arrays, 4)
+        x, _, weights = pair_batches.inputs(arrays, pairs, width, feed.length_step, feed.inputs, real)
+        got = keras.ops.convert_to_numpy(view(x))
+        chosen, rejected = full_logps(lm, arrays, pairs[:3])
+        expected = expected_losses(method, objective.beta, chosen, rejected, (-3.0, -5.0), objective.label_smoothing,
+                                   objective.gamma)  # fmt: skip
+        np.testing.assert_allclose(got[:3, 0], expected, rtol=1e-5, atol=1e-6)
+        per_token = method in ("orpo", "simpo")
+        np.testing.assert_allclose(got[:3, 5], chosen[0] / chosen[1] if per_token else chosen[0], rtol=1e-5)
+        np.testing.assert_allclose(got[:3, 6], rejected[0] / rejected[1] if per_token else rejected[0], rtol=1e-5)
+        assert np.all(got[4:] == 0) and weights[:, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def lora_values(lm):
+    return np.concatenate([keras.ops.convert_to_numpy(v).ravel() for v in lm.trainable_variables])
+
+
+def test_dpo_starts_at_ln2_and_grad_accum_is_exact():
+    """With the reference the fresh model's own (LoRA's B is zero), every pair's DPO loss is ln 2; a step of 3 pairs
+    and a step of 2 x 2 micro-batches (a filler pair in the last) move LoRA alike under SGD; the metrics are
+    reported."""
+    with float32_policy():
+        results = []
+        for batch_size, accum in ((3, 1), (2, 2)):
+            lm, _ = lora_model()
+            feed = batching.Feed(inputs=builder.input_names(lm))
+            arrays = pair_batches.pad(tiny_pairs(3), 48)
+            trainer = preference.PreferenceView(lm, 8, preference.Objective("dpo", 0.1))
+            sgd = keras.optimizers.SGD(0.5, gradient_accumulation_steps=accum if accum > 1 else None)
+            trainer.compile(optimizer=sgd, loss=objective.TokenShare(), weighted_metrics=preference.metrics())
+            for pairs, (x, _, _) in pair_batches.Batches(arrays, 4, feed):
+                arrays.reference[pairs] = trainer.predict_on_batch(x)[: len(pairs), 5:7]
+            before = lora_values(lm)
+            order = pair_batches.PairOrder(arrays, batch_size, 0, feed, accum)
+            logs = [trainer.train_on_batch(x, y, sample_weight=w, return_dict=True) for x, y, w in
+                    order.micro_batches(0)]  # fmt: skip
+            results.append((lora_values(lm) - before, logs))
+        (one, logs_one), (accumulated, _) = results
+        assert logs_one[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+        # The rewards are 0 to rounding (the training step is compiled apart from the reference pass on JAX).
+        assert logs_one[0]["rewards_chosen"] == pytest.approx(0, abs=1e-5)
+        assert logs_one[0]["reward_margin"] == pytest.approx(0, abs=1e-5)
+        assert set(preference.METRICS) <= set(logs_one[0])
+        assert np.abs(one).max() > 0
+        np.testing.assert_allclose(accumulated, one, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_fresh_adapter_scores_as_the_base_with_lora_switched_off(dora):
+    """Why DPO's reference pass needs no second model: LoRA's B starts at zero and DoRA's magnitudes at the weights'
+    norms, so a fresh run's log-probabilities are the base's (builder.lora_off), to float32 rounding."""
+    from finetune.config import LoraConfig
+    from finetune.platform import backend
+
+    with float32_policy():
+        backend.set_seed(0)
+        lm, _ = builder.build(presets.Source("tiny", "tiny", "gemma"), 48, "float32")
+        builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"], dora=dora), seed=0)
+        arrays = pair_batches.pad(tiny_pairs(4), 48)
+        batches = pair_batches.Batches(arrays, 4, batching.Feed(inputs=builder.input_names(lm)))
+        objective_ = preference.Objective("dpo", 0.1)
+        ((_, fresh),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        with builder.lora_off(lm):
+            ((_, base),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        np.testing.assert_allclose(fresh[:, 5:7], base[:, 5:7], rtol=1e-6, atol=1e-5)
+        lm.trainable_variables[1].assign(np.ones(lm.trainable_variables[1].shape))  # an adapter that is not fresh
+        ((_, moved),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        assert np.abs(moved[:, 5:7] - base[:, 5:7]).max() > 1e-3

@@ -1,0 +1,180 @@
+"""Preference runs end to end: DPO from the command line in a fresh process, ORPO and SimPO through the Python API,
+a DPO run killed and resumed, and eval, generate and export of a DPO run; the refusals of a wrong method.
+
+The data is learnable by a tiny model: the chosen answer repeats the prompt's word as many times as it asks, the
+rejected answer is "no".
+"""
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from conftest import BACKEND, invoke, run_with_fault, train, write_jsonl
+
+import finetune
+from finetune.model import preference
+from finetune.training import checkpoint, scoring
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "music", "paper", "light", "table", "glass"]
+FAST = ["--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "4", "--lr", "1e-2",
+        "--set", "train.samples=1", "--set", "train.max_new_tokens=4"]  # fmt: skip
+
+
+def learnable_pairs(n=48, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        word, times = rng.choice(WORDS), rng.randint(1, 3)
+        out.append({"prompt": f"Say {word} {times} times.", "chosen": " ".join([word] * times), "rejected": "no"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", learnable_pairs())
+
+
+@pytest.fixture(scope="module")
+def dpo_run(pairs_file, tmp_path_factory):
+    """`finetune gemma --method dpo` as typed, in a fresh process: 20 steps of 4 pairs."""
+    out = tmp_path_factory.mktemp("dpo") / "run"
+    args = [sys.executable, "-m", "finetune", "gemma", *FAST, "--method", "dpo", "--data", str(pairs_file),
+            "--max-steps", "20", "--output", str(out)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, json.loads((out / "metrics.json").read_text()), done.stdout
+
+
+def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
+    """ln 2 before training (the policy is the reference), reward accuracy well above chance after; TRL's metrics
+    in each step's history row and in metrics.json; the reference scored once, before training."""
+    out, metrics, stdout = dpo_run
+    assert metrics["method"] == "dpo" and metrics["beta"] == 0.1
+    assert metrics["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    assert metrics["eval_reward_accuracy_before"] == 0.0  # every reward is 0: no pair is ahead yet
+    assert metrics["eval_reward_accuracy"] >= 0.75 and metrics["eval_loss"] < 0.5
+    assert stdout.count("scoring the reference") == 1
+    header = (out / "history.csv").read_text().splitlines()[0].split(",")
+    for name in preference.METRICS:
+        assert name in header and metrics[name] is not None, name
+    assert "eval_reward_accuracy" in header
+
+
+def test_eval_generate_and_export_work_on_a_dpo_run(dpo_run, tmp_path):
+    out, metrics, _ = dpo_run
+    evaluated = invoke("eval", "--run", out)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert f"eval_loss {metrics['eval_loss']:.4f}" in evaluated.output
+    assert f"eval_reward_accuracy {metrics['eval_reward_accuracy']:.4f}" in evaluated.output
+    generated = invoke("generate", "--run", out, "--prompt", "Say apple 2 times.", "--max-new-tokens", "4")
+    assert generated.exit_code == 0, generated.output
+    exported = invoke("export", "--run", out, "--format", "peft", "--output", tmp_path / "peft")
+    assert exported.exit_code == 0, exported.output
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("method", ["orpo", "simpo"])
+def test_orpo_and_simpo_lower_their_held_out_loss(method, pairs_file, tmp_path):
+    settings = {"backend": BACKEND, "data.path": str(pairs_file), "output.dir": str(tmp_path / method),
+                "model.seq_len": 64, "train.batch_size": 4, "train.max_steps": 12, "train.learning_rate": 1e-2,
+                "train.samples": 0, "train.method": method}  # fmt: skip
+    metrics = finetune.run(finetune.load_config("tiny", settings))
+    assert metrics["method"] == method
+    assert metrics["eval_loss"] < metrics["eval_loss_before"]
+
+
+def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_reference_again(
+    pairs_file, tmp_path, monkeypatch
+):
+    """SIGKILL right after the step-4 checkpoint; --resume reads the reference log-probabilities the checkpoint
+    kept (scoring them again is made to fail) and ends at the whole run's adapter and losses, bit for bit."""
+    flags = ["--method", "dpo", "--data", pairs_file, "--batch-size", "4", "--lr", "1e-2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    train(whole, *flags)  # conftest's SHORT run: 8 steps, a checkpoint every 2, 40 of the 48 pairs
+    stopped = run_with_fault(killed, "SIGKILL", 4, *flags)
+    assert stopped.returncode == -9, stopped.stderr[-2000:]
+    kept = checkpoint.latest(killed).state()["reference"]
+    assert len(kept["train"]) + len(kept["held_out"]) == 40
+
+    def refuse(*args):
+        raise AssertionError("a resumed run scored the reference again")
+
+    monkeypatch.setattr(scoring, "reference_logps", refuse)
+    resumed = invoke("gemma", "--resume", "--output", killed)
+    assert resumed.exit_code == 0, resumed.output
+    assert "scoring the reference" not in resumed.output
+    a, b = (json.loads((run / "metrics.json").read_text()) for run in (whole, killed))
+    assert a["eval_loss"] == b["eval_loss"] and a["eval_loss_before"] == b["eval_loss_before"]
+    assert a["train_loss"] == b["train_loss"] and a["reward_margin"] == b["reward_margin"]
+    import h5py
+
+    with h5py.File(whole / "adapter.lora.h5") as f, h5py.File(killed / "adapter.lora.h5") as g:
+        names = []
+        f.visit(names.append)
+        for name in names:
+            if hasattr(f[name], "shape"):
+                np.testing.assert_array_equal(g[name][()], f[name][()], err_msg=name)
+
+
+def test_a_method_and_data_that_do_not_match_are_refused(pairs_file, tmp_path):
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "Hi.", "response": "Hello."}] * 8)
+    for flags, words in [
+        (["--method", "dpo", "--data", sft], "--method dpo trains on preference pairs"),
+        (["--data", pairs_file], "pass --method dpo"),
+        (["--method", "orpo", "--label-smoothing", "0.1", "--data", pairs_file], "--label-smoothing is DPO's"),
+        (["--method", "dpo", "--packing", "on", "--data", pairs_file], "--packing on"),
+    ]:
+        result = invoke("gemma", *FAST, *flags, "--max-steps", "1", "--output", tmp_path / "refused")
+        assert result.exit_code == 2 and words in result.output, (flags, result.output)
+        assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.one_backend
+def test_plan_counts_two_sequences_a_pair():
+    from finetune import config
+    from finetune.training import plan
+
+    def activations(method):
+        cfg = config.from_dict({"model": {"preset": "gemma_2b_en", "seq_len": 512},
+                                "train": {"batch_size": 4, "method": method}})  # fmt: skip
+        return plan.make(cfg).memory["activations"]
+
+    assert activations("dpo") == activations("orpo") == 2 * activations("sft")
+    shown = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo")
+    assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
+
+
+def test_conversational_pairs_train_on_a_gemma3_preset(tmp_path):
+    """TRL's conversational form (a prompt of messages, one assistant message each side), rendered in the family's
+    chat turns, trains with DPO on tiny-gemma3."""
+    chat = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"]}],
+             "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in learnable_pairs(16)]  # fmt: skip
+    data = write_jsonl(tmp_path / "chat.jsonl", chat)
+    settings = {"backend": BACKEND, "data.path": str(data), "data.template": "auto", "output.dir": str(tmp_path / "run"),
+                "model.seq_len": 64,
+                "train.batch_size": 4, "train.max_steps": 3, "train.samples": 0, "train.method": "dpo"}  # fmt: skip
+    metrics = finetune.run(finetune.load_config("tiny", {**settings, "model.preset": "tiny-gemma3"}))
+    assert metrics["steps"] == 3 and metrics["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    template = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["template"]
+    assert template == "gemma-chat"  # the family's turns, as SFT chat records take them
+
+
+@pytest.mark.one_backend  # the bench's worker process: the pair steps themselves are tested on every backend above
+def test_bench_trains_dpo_on_the_peer_s_pairs(tmp_path):
+    out = tmp_path / "rows.json"
+    args = [sys.executable, "-m", "finetune", "bench", "--arch", "tiny", "--seq-len", "64", "--batch-size", "2",
+            "--steps", "1", "--warmup", "1", "--recipes", "finetune", "--method", "dpo", "--backends", BACKEND,
+            "--json", str(out)]  # fmt: skip
+    env = {**__import__("os").environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "1024"}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and "dpo, 2 rows a pair" in row["settings"]
+    assert row["loss"] == pytest.approx(math.log(2), abs=0.05)  # two steps from ln 2
+    assert "pairs/s" in done.stdout
