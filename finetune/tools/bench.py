@@ -83,7 +83,7 @@ class Workload:
     quantize: str = setting("", "int4 or int8: the finetune rows' base built quantized (gemma-7b fits a 24 GB host "
                             "so).", flag="--quantize", metavar="int4|int8", default_text="none")  # fmt: skip
     method: str = setting("sft", "sft, or dpo, orpo, simpo: the finetune rows train that loss on pairs made from the "
-                          "records as /work/shared/bench/peer_trl_dpo.py makes them (the chosen answer the response, "
+                          "records as the TRL DPO peer (peer_trl_dpo.py) makes them (the chosen answer the response, "
                           "the rejected its words shuffled); --batch-size counts pairs.", flag="--method",
                           metavar="NAME")  # fmt: skip
 
