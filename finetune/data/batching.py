@@ -244,6 +244,23 @@ class Feed:
     inputs: tuple = INPUTS
 
 
+class EpochRows:
+    """Which rows each optimizer step trains, a pure function of (seed, step): data epoch e takes the rows of
+    permutation(seed + e) in order, `size` at a time, every row once; the last step of an epoch may hold fewer.
+    TrainOrder (rows of tokens) and pair_batches.PairOrder (pairs) both draw their steps from it."""
+
+    def __init__(self, count: int, size: int, seed: int):
+        self.count, self.size, self.seed = count, size, seed
+        self.steps_per_epoch = -(-count // size)
+        self._epoch, self._order = None, None
+
+    def __call__(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(self.count)
+        return self._order[index * self.size : (index + 1) * self.size]
+
+
 class TrainOrder:
     """The training batches of every global optimizer step, a pure function of (seed, step).
 
@@ -271,21 +288,16 @@ class TrainOrder:
         self.grad_accum = grad_accum
         self.seed = seed
         self.part = feed.part
-        self.steps_per_epoch = -(-len(arrays["token_ids"]) // (batch_size * grad_accum))
+        self._rows = EpochRows(len(arrays["token_ids"]), batch_size * grad_accum, seed)
+        self.steps_per_epoch = self._rows.steps_per_epoch
         self.width = target_width(arrays, batch_size // feed.part[2])
         self.length_step = feed.length_step
         """Cut each micro-batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
         self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
-        self._epoch, self._order = None, None
 
     def rows(self, step: int) -> np.ndarray:
         """The rows optimizer step `step` trains: batch_size x grad_accum, or fewer at an epoch's end."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            rows = len(self.arrays["token_ids"])
-            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(rows)
-        size = self.batch_size * self.grad_accum
-        return self._order[index * size : (index + 1) * size]
+        return self._rows(step)
 
     def micro_batches(self, step: int) -> list:
         """[(inputs, labels, weights)] of global step `step` (0-based), one per micro-batch: this process's part."""

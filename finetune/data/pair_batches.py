@@ -94,17 +94,13 @@ class PairOrder:
         self.grad_accum = grad_accum
         self.seed = seed
         self.feed = feed
-        self.steps_per_epoch = -(-len(arrays) // (batch_size * grad_accum))
+        self._rows = batching.EpochRows(len(arrays), batch_size * grad_accum, seed)
+        self.steps_per_epoch = self._rows.steps_per_epoch
         self.width = target_width(arrays, batch_size)
-        self._epoch, self._order = None, None
 
     def rows(self, step: int) -> np.ndarray:
         """The pairs optimizer step `step` trains."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.arrays))
-        size = self.batch_size * self.grad_accum
-        return self._order[index * size : (index + 1) * size]
+        return self._rows(step)
 
     def micro_batches(self, step: int) -> list:
         pairs = self.rows(step)
