@@ -363,3 +363,20 @@ def pytest_collection_modifyitems(config, items):
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept
+
+
+# --- a killed run: tests/test_families.py, tests/test_images.py ---------------------------------------------
+
+
+def killed_after(whole, out, step: int):
+    """A copy of the finished run `whole` at `out`, as a kill right after step `step`'s checkpoint leaves it."""
+    import shutil
+
+    from finetune.training import checkpoint, outputs
+
+    shutil.copytree(whole, out)
+    for found in checkpoint.find(out):
+        if found.step > step:
+            shutil.rmtree(found.path)
+    (out / outputs.METRICS).unlink()
+    return out

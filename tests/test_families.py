@@ -14,14 +14,13 @@ End to end: families.py's knowledge of each family is checked through every modu
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import h5py
 import numpy as np
 import pytest
-from conftest import BACKEND, float32_policy, write_jsonl
+from conftest import BACKEND, float32_policy, killed_after, write_jsonl
 
 import finetune
 from finetune.config import LoraConfig
@@ -113,11 +112,7 @@ def test_a_tiny_family_preset_trains_and_packs(trained):
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, data, tmp_path):
     preset, whole, _, _ = trained
     out = tmp_path / "killed"
-    shutil.copytree(whole, out)
-    for found in checkpoint.find(out):  # what a kill right after step 3's checkpoint leaves
-        if found.step > 3:
-            shutil.rmtree(found.path)
-    (out / outputs.METRICS).unlink()
+    killed_after(whole, out, 3)
     resumes_to_the_same_adapter(preset, out, whole, data)
 
 

@@ -2,11 +2,10 @@
 (both forms, mixed in one file), resuming, evaluating, generating and exporting merged."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-from conftest import BACKEND, float32_policy, invoke
+from conftest import BACKEND, float32_policy, invoke, killed_after
 
 from finetune.data import formats, images
 
@@ -226,15 +225,10 @@ def test_a_vision_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trai
     from test_families import adapter_arrays
 
     import finetune
-    from finetune.training import checkpoint, outputs
 
     whole, data, _ = trained
     out = tmp_path / "killed"
-    shutil.copytree(whole, out)
-    for found in checkpoint.find(out):  # what a kill right after step 3's checkpoint leaves
-        if found.step > 3:
-            shutil.rmtree(found.path)
-    (out / outputs.METRICS).unlink()
+    killed_after(whole, out, 3)
     with float32_policy():
         metrics = finetune.run(finetune.load_config("tiny", settings(out, data)), resume=True)
     assert metrics["resumed_from_step"] == 3 and metrics["steps"] == 6
