@@ -517,12 +517,15 @@ def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
 
 
 def _train_pairs(spec: Spec, model, objective) -> dict:
-    """The steps `finetune gemma --method M` takes: pairs as 2B rows, DPO's reference scored first (untimed), one
-    train_on_batch per step. tokens: the non-padding tokens of both answers' rows, as the peer counts them."""
+    """The steps `finetune gemma --method M` takes: pairs as 2B rows, one train_on_batch per step. DPO's reference
+    is scored before a step, untimed, for that step's pairs only (a run scores every pair once, before training;
+    at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding tokens of both
+    answers' rows, as the peer counts them."""
+    import numpy as np
+
     from finetune.data import batching, pair_batches
     from finetune.model import builder
     from finetune.platform import backend
-    from finetune.training import scoring
 
     w = spec.workload
     arrays = pair_batches.pad(bench_pairs(w, model.tokenizer), w.seq_len)
@@ -530,11 +533,13 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
         raise UserError(f"the data makes {len(arrays)} pairs, fewer than one batch of {w.batch_size}")
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
                          inputs=builder.input_names(model.lm))  # fmt: skip
-    if objective.needs_reference:
-        scoring.reference_logps(model.trainer, pair_batches.Batches(arrays, w.batch_size, feed))
     order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
+    scored = np.zeros(len(arrays), bool)
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
+        if objective.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
+            _score_reference(model.trainer, arrays, order.rows(step)[~scored[order.rows(step)]], w.batch_size, feed)
+            scored[order.rows(step)] = True
         ((x, y, sample_weight),) = order.micro_batches(step)
         started = time.perf_counter()
         loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
@@ -550,6 +555,19 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     result = _measured(losses, seconds, tokens, positions)
     result["pairs_per_s"] = round(timed * w.batch_size / seconds, 2)
     return result
+
+
+def _score_reference(view, arrays, pairs, batch_size: int, feed) -> None:
+    """DPO's reference log-probabilities of `pairs` (indices into arrays), as the run's reference pass makes them."""
+    from finetune.data import pair_batches
+    from finetune.training import scoring
+
+    if not len(pairs):
+        return
+    some = pair_batches.PairArrays({k: v[pairs] for k, v in arrays.chosen.items()},
+                                   {k: v[pairs] for k, v in arrays.rejected.items()}, arrays.reference[pairs])  # fmt: skip
+    scoring.reference_logps(view, pair_batches.Batches(some, batch_size, feed))
+    arrays.reference[pairs] = some.reference
 
 
 def _train_tutorial(spec: Spec, lm, tokenizer) -> dict:
