@@ -219,8 +219,12 @@ def length_step(backend: str, seq_len: int, device: str = "cpu") -> int:
     with a dynamic length (objective.TrainingView) and PyTorch runs eagerly, so theirs
     follow the rows to within 16 positions.
     """
-    compiled = backend == "jax" or (backend == "tensorflow" and device != "cpu")
-    return max(16, seq_len // 8) if compiled else 16
+    return max(16, seq_len // 8) if compiles_per_length(backend, device) else 16
+
+
+def compiles_per_length(backend: str, device: str = "cpu") -> bool:
+    """Whether each new batch length compiles a new program (see length_step)."""
+    return backend == "jax" or (backend == "tensorflow" and device != "cpu")
 
 
 def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:

@@ -520,7 +520,8 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     """The steps `finetune gemma --method M` takes: pairs as 2B rows, one train_on_batch per step. DPO's reference
     is scored before a step, untimed, for that step's pairs only (a run scores every pair once, before training;
     at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding tokens of both
-    answers' rows, as the peer counts them."""
+    answers' rows, as the peer counts them. Where each batch length compiles a program (JAX), a step at a length
+    not seen before is not timed; elsewhere every step after the warm-up is."""
     import numpy as np
 
     from finetune.data import batching, pair_batches
@@ -534,6 +535,7 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
                          inputs=builder.input_names(model.lm))  # fmt: skip
     order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
+    compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
     scored = np.zeros(len(arrays), bool)
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
@@ -545,7 +547,7 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
         loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
         elapsed = time.perf_counter() - started
         losses.append(float(loss))
-        if step >= w.warmup and x["token_ids"].shape in shapes:
+        if step >= w.warmup and (x["token_ids"].shape in shapes or not compiles):
             seconds += elapsed
             tokens += order.tokens(step)[0]
             positions += len(x["token_ids"]) * w.seq_len
