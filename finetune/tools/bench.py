@@ -550,7 +550,7 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
         if step >= w.warmup and (x["token_ids"].shape in shapes or not compiles):
             seconds += elapsed
             tokens += order.tokens(step)[0]
-            positions += len(x["token_ids"]) * w.seq_len
+            positions += x["token_ids"].size  # the positions computed: each batch is cut to its longest row
             timed += 1
         shapes.add(x["token_ids"].shape)
         step += 1
