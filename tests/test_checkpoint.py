@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import SHORT, _history, invoke, run_with_fault, train, train_losses
+from conftest import SHORT, _history, invoke, make_records, run_with_fault, train, train_losses, write_jsonl
 
 from finetune.training import checkpoint, outputs, runs
 
@@ -106,6 +106,27 @@ def test_resume_refuses_data_that_changed(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     result = invoke("gemma", "--resume", "--output", out)
     assert result.exit_code == 2 and "differ from those the checkpoint was trained on" in result.stderr
+
+
+def test_resume_refuses_held_out_records_that_changed(tmp_path):
+    """The scores before and after training compare only on the same held-out records: a resume that would
+    evaluate on another --eval-data file, or on the checkpoint's file changed since, exits 2 and leaves the run
+    as it was."""
+    data = write_jsonl(tmp_path / "train.jsonl", make_records(20))
+    held = write_jsonl(tmp_path / "dev.jsonl", make_records(26)[20:])
+    out = tmp_path / "run"
+    train(out, "--data", data, "--eval-data", held, "--eval-fraction", "0", "--max-steps", "2")
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other = write_jsonl(tmp_path / "other.jsonl", make_records(30)[24:])
+    result = invoke("gemma", "--resume", "--eval-data", other, "--max-steps", "4", "--output", out)
+    assert result.exit_code == 2 and f"--eval-data {other} differ from those its checkpoint" in result.stderr
+    kept = held.read_bytes()
+    write_jsonl(held, make_records(27)[21:])  # the checkpoint's own --eval-data file, edited
+    result = invoke("gemma", "--resume", "--max-steps", "4", "--output", out)
+    assert result.exit_code == 2 and f"--eval-data {held} differ from those its checkpoint" in result.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    held.write_bytes(kept)
+    train(out, "--resume", "--max-steps", "4")
 
 
 def test_a_crash_between_writing_and_renaming_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

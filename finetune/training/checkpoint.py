@@ -56,6 +56,8 @@ class RunState:
         reference: dict. DPO's reference log-probabilities, {"train": [[chosen, rejected], ...], "held_out": ...},
             computed once before training: a resumed run reads them here and never recomputes them (its adapter
             is no longer the base's). None for the other methods.
+        eval_data_fingerprint: str. The --eval-data file's records' (None without one): a resume refuses a
+            held-out set that changed, since the scores before and after would not compare.
     """
 
     run_id: str
@@ -65,14 +67,16 @@ class RunState:
     config: dict
     data_fingerprint: str
     reference: dict | None = None
+    eval_data_fingerprint: str | None = None
 
     @classmethod
-    def resumed(cls, state: dict, config: dict, data_fingerprint: str) -> RunState:
-        """A checkpoint's state, taken up with this session's config (it may train further) and records."""
+    def resumed(cls, state: dict, config: dict, fingerprints: tuple) -> RunState:
+        """A checkpoint's state, taken up with this session's config (it may train further) and records
+        (fingerprints: the training records' and the --eval-data records', as check_compatible compared them)."""
         progress = loop.Progress.from_state(state["progress"])
         progress.best_weights = state.get("best_weights")
-        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, data_fingerprint,
-                   state.get("reference"))  # fmt: skip
+        return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, fingerprints[0],
+                   state.get("reference"), fingerprints[1])  # fmt: skip
 
     def to_state(self, progress: loop.Progress) -> dict:
         """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths; with the
@@ -85,6 +89,7 @@ class RunState:
                 "step": progress.step,
                 "config": self.config,
                 "data_fingerprint": self.data_fingerprint,
+                "eval_data_fingerprint": self.eval_data_fingerprint,
                 "eval_before": self.eval_before,
                 "generated_before": self.generated_before,
                 "progress": progress.to_state(),
@@ -334,9 +339,12 @@ def newest(run_dir: Path) -> Checkpoint | None:
     return found
 
 
-def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Path) -> None:
+def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target: Path) -> None:
     """Refuse a resume from `found` that would not continue the same training: `cfg` (the resolved run's, which
-    took up what the checkpoint decided) must ask for the same, on the same records."""
+    took up what the checkpoint decided) must ask for the same, on the same records and held-out records.
+
+    fingerprints: (the training records', the --eval-data records' or None), formats.fingerprint's.
+    """
     if found is None:
         return
     saved = found.state()
@@ -354,10 +362,21 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprint: str, target: Pa
                 f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
                 f"for {now!r}; drop that setting to continue, or start a new run with another --output"
             )
-    if saved["data_fingerprint"] != fingerprint:
+    if saved["data_fingerprint"] != fingerprints[0]:
         raise UserError(
             f"cannot resume {target}: the records in {cfg.data.path} differ from those the checkpoint was trained "
             "on; restore that data, or start a new run with another --output"
+        )
+    # A checkpoint from before this was recorded has no key: its held-out records cannot be checked.
+    if "eval_data_fingerprint" in saved and saved["eval_data_fingerprint"] != fingerprints[1]:
+        now = (
+            f"the records in --eval-data {cfg.eval.data}"
+            if cfg.eval.data
+            else "this run's held-out records (no --eval-data)"
+        )
+        raise UserError(
+            f"cannot resume {target}: {now} differ from those its checkpoint was evaluated on; "
+            "restore that data, or start a new run with another --output"
         )
 
 

@@ -47,7 +47,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
     decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None)
-    checkpoint.check_compatible(found, decided.config, data.fingerprint, target)
+    checkpoint.check_compatible(found, decided.config, data.fingerprints, target)
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
     session = _session(decided, data, job, found, phase)
@@ -55,7 +55,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     outputs.check_free_space(target.path, checkpoint_bytes(session.model.lm) * (cfg.train.keep_checkpoints + 2))
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
-    start = _start(session, data.fingerprint, target)
+    start = _start(session, data.fingerprints, target)
 
     # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
     with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
@@ -88,6 +88,11 @@ class Data:
     fingerprint: str
     """formats.fingerprint of the records: a resume must train on the same."""
     eval_records: list | None = None
+
+    @property
+    def fingerprints(self) -> tuple:
+        """The records' fingerprint and the --eval-data records' (None without them): a resume checks both."""
+        return self.fingerprint, formats.fingerprint(self.eval_records) if self.eval_records is not None else None
 
 
 def _read(cfg: Config) -> Data:
@@ -174,24 +179,25 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     return scoring.HeldOut(scorer, batches, model, samples, prepared.template, cfg.train.max_new_tokens)
 
 
-def _start(session: Session, fingerprint: str, target: outputs.Target) -> checkpoint.RunState:
+def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> checkpoint.RunState:
     """Where training starts: a new run scores the held-out records and generates its samples at step 0; a
     resumed run restores what its checkpoint kept."""
     started = time.perf_counter()
     config = outputs.run_config(session.run.config)
     reference = _reference(session, session.found.state().get("reference") if session.found else None)
     if session.found is None and session.held_out is None:
-        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprint, reference)
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprints[0],
+                                    reference, fingerprints[1])  # fmt: skip
     elif session.found is None:
         session.phase(f"evaluating before training ({session.held_out.batches.rows} held-out records)")
         before = session.held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
         generated = session.held_out.generate("before", session.phase)
-        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprint,
-                                    reference)  # fmt: skip
+        start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprints[0],
+                                    reference, fingerprints[1])  # fmt: skip
     else:
         restored = checkpoint.restore(session.model.trainer, session.found)
-        start = checkpoint.RunState.resumed(restored, config, fingerprint)
+        start = checkpoint.RunState.resumed(restored, config, fingerprints)
         print(f"resuming {target} at step {start.progress.step}/{session.total_steps}")
     session.eval_seconds = time.perf_counter() - started
     return start
