@@ -355,6 +355,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "one_backend: touches no Keras backend; runs in the PyTorch suite only")
 
 
+def pytest_collection_finish(session):
+    """Keep the garbage collections the tests cause off what collection imported: keras runs a full gc.collect()
+    for each variable a layer deletes, and each walks every object of the process, millions once TensorFlow and
+    the test modules are in (keras_compat.collections_of_new_objects_only). What exists now lives all session."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if BACKEND == ONE_BACKEND_SUITE:
         return

@@ -10,6 +10,15 @@ from conftest import float32_policy, lora_model
 from conftest import lora_train_losses as train_losses
 
 from finetune.model import builder, presets, quantized
+from finetune.platform import keras_compat
+
+
+@pytest.fixture(autouse=True)
+def _collections_walk_the_test_s_objects():
+    """These tests build quantized bases through presets.tiny_backbone, outside builder.load_base's guard: each
+    float kernel a quantized build deletes runs a full gc.collect() (keras_compat.collections_of_new_objects_only)."""
+    with keras_compat.collections_of_new_objects_only():
+        yield
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
