@@ -155,6 +155,7 @@ def export_run(run, request: Request, target: Path) -> Path:
 def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> Path:
     import keras
 
+    from finetune.data import images
     from finetune.model import builder, presets
     from finetune.platform import backend
     from finetune.training import outputs, resolve, runs
@@ -179,6 +180,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
         lm, preprocessor = builder.load_base(source, cfg.model.seq_len)
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
+    check_encoders(lm.backbone, fmt)
     if fmt == "gguf":
         llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
     factors = {} if base else runs.checked_factors(run, lm.backbone)
@@ -206,7 +208,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
                 # Without it, from_preset builds the task around the loaded backbone (tests/test_families.py).
                 (staging / "task.json").unlink(missing_ok=True)
         else:
-            write_transformers(staging, lm.backbone, preprocessor.tokenizer)
+            write_transformers(staging, lm.backbone, preprocessor.tokenizer, images.vision_of(preprocessor))
 
     def write_marked(staging: Path) -> None:
         from finetune.platform.version import __version__
@@ -292,11 +294,7 @@ def check_transformers_layout(backbone) -> None:
             "this is a Gemma 2 preset, and finetune exports Gemma 1, 3, 3n and 4 to transformers format; "
             "use --format merged or peft"
         )
-    if getattr(backbone, "vision_encoder", None) is not None or getattr(backbone, "audio_encoder", None) is not None:
-        raise UserError(
-            f"this {kind} has an image or audio encoder; finetune exports text-only Gemma to transformers; "
-            "use --format merged"
-        )
+    check_encoders(backbone, "hf")
     if kind == "Gemma3Backbone" and not (
         backbone.use_post_ffw_norm and backbone.use_post_attention_norm and backbone.use_query_key_norm
     ):  # transformers' Gemma 3 always has these norms; one missing here has no equivalent there
@@ -307,16 +305,46 @@ def check_transformers_layout(backbone) -> None:
         raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
 
 
-def write_transformers(directory: Path, backbone, tokenizer) -> None:
+def has_encoder(backbone) -> bool:
+    """Whether the model has an image (or audio) encoder beside its text decoder."""
+    return any(getattr(backbone, name, None) is not None for name in ("vision_encoder", "audio_encoder"))
+
+
+def check_encoders(backbone, fmt: str) -> None:
+    """Refuse the formats that cannot carry a model with an image or audio encoder; say which can."""
+    if not has_encoder(backbone):
+        return
+    kind = type(backbone).__name__
+    if fmt == "gguf":
+        # llama.cpp reads a picture encoder from a second file (mmproj), in a layout of its own that finetune's
+        # writer does not produce; a model.gguf of the decoder alone would drop what the run learned to see.
+        works = "merged, hf or peft" if kind == "Gemma3Backbone" else "merged or lora"
+        raise UserError(
+            f"this {kind} sees pictures, and finetune's GGUF writer has no picture encoder (llama.cpp reads one "
+            f"from a separate mmproj file); use --format {works}"
+        )
+    if fmt in ("hf", "peft") and kind != "Gemma3Backbone":
+        # transformers' Gemma 4 and 3n multimodal classes lay the decoder out under other module paths; unchecked.
+        raise UserError(
+            f"this {kind} has an image or audio encoder; finetune exports Gemma 3's image model to transformers "
+            "and PEFT, not this family's; use --format merged or lora"
+        )
+
+
+def write_transformers(directory: Path, backbone, tokenizer, vision=None) -> None:
     """config.json, model.safetensors and the tokenizer, for transformers' Gemma, Gemma 3, 3n or 4 causal LM.
 
     keras-hub's exporter writes the weights it reads from each layer's raw
     kernel, so merging first is what carries the fine-tuning. Its Gemma 1
     mapping takes only the first key/value head; we write every head. It has
-    no Gemma 3n mapping: ours is its transformers importer's, reversed.
+    no Gemma 3n mapping: ours is its transformers importer's, reversed. A Gemma 3 with a vision encoder is
+    Gemma3ForConditionalGeneration, with the image processor that scales pixels as the run's converter did.
+    vision: images.Vision. The preprocessor's image handling; None for a text model.
     """
     import json
 
+    if getattr(backbone, "vision_encoder", None) is None:
+        vision = None
     hf_exporter = keras_compat.transformers_exporter()
     kind = type(backbone).__name__
     if kind in ("Gemma3Backbone", "Gemma4Backbone"):
@@ -330,6 +358,8 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
             # keras-hub leaves out that global layers with their own key/value head count reuse K for V
             # (26b_a4b, 31b): without it, transformers builds them a value projection and K/V heads of their own.
             config["attention_k_eq_v"] = backbone.num_global_key_value_heads is not None
+        if vision is not None:
+            describe_pictures(config, backbone, tokenizer)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     else:
         gemma3n = kind == "Gemma3nBackbone"
@@ -341,6 +371,79 @@ def write_transformers(directory: Path, backbone, tokenizer) -> None:
     else:
         hf_exporter.export_tokenizer(tokenizer, str(directory))
     write_unigram_tokenizer(directory, tokenizer)
+    if vision is not None:
+        write_image_processor(directory, tokenizer, vision)
+
+
+def describe_pictures(config: dict, backbone, tokenizer) -> None:
+    """Gemma3ForConditionalGeneration's image settings in keras-hub's config.json, from the run's own tokenizer.
+
+    keras-hub writes them inside vision_config, with the ids of Gemma 3's
+    262k vocabulary and its `<image_soft_token>`; transformers reads them at
+    the top. keras-hub's soft token is `<img>`, whose positions the projected
+    image features take in both libraries.
+    """
+    vision = config["vision_config"]
+    for key in ("boi_token_index", "eoi_token_index", "image_token_index", "mm_tokens_per_image"):
+        vision.pop(key, None)
+    config.update(
+        boi_token_index=tokenizer.token_to_id(tokenizer.start_of_image_token),
+        eoi_token_index=tokenizer.token_to_id(tokenizer.end_of_image_token),
+        image_token_index=tokenizer.token_to_id(tokenizer.image_placeholder),
+        mm_tokens_per_image=backbone.vision_encoder.num_vision_tokens_per_image,
+    )
+    text = config["text_config"]  # keras-hub names the text decoder's special tokens as Gemma 3's ids, not ours
+    text.update(pad_token_id=tokenizer.pad_token_id, torch_dtype=config["torch_dtype"])
+    text.update({key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config})
+
+
+def write_image_processor(directory: Path, tokenizer, vision) -> None:
+    """preprocessor_config.json and processor_config.json for transformers' Gemma3Processor, and the image tokens
+    it reads from tokenizer_config.json.
+
+    keras-hub's converter computes pixels * scale + offset; transformers'
+    (pixels / 255 - mean) / std, so std = 1 / (255 scale) and mean = -offset
+    * std (SigLIP's 0.5 and 0.5 for Gemma 3's 1 / 127.5 and -1). keras-hub
+    crops a picture's middle to the model's aspect ratio before resizing;
+    transformers resizes the whole picture, so only pictures already square
+    reach both models as the same pixels.
+    """
+    import numpy as np
+
+    converter = vision.converter
+    scale = np.broadcast_to(np.asarray(1.0 if converter.scale is None else converter.scale, np.float64), (3,))
+    offset = np.broadcast_to(np.asarray(0.0 if converter.offset is None else converter.offset, np.float64), (3,))
+    std = 1.0 / (255.0 * scale)
+    height, width = vision.image_size
+    processor = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": "Gemma3Processor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": int(height), "width": int(width)},
+        "resample": 2,  # PIL's bilinear, keras-hub's converter's interpolation
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": (-offset * std).tolist(),
+        "image_std": std.tolist(),
+        "do_pan_and_scan": False,
+    }
+    _write_json(directory / "preprocessor_config.json", processor)
+    _write_json(directory / "processor_config.json",
+                {"processor_class": "Gemma3Processor", "image_seq_length": vision.tokens_per_image})  # fmt: skip
+    marks = {
+        "boi_token": tokenizer.start_of_image_token,
+        "eoi_token": tokenizer.end_of_image_token,
+        "image_token": tokenizer.image_placeholder,
+    }
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.update(marks, processor_class="Gemma3Processor", extra_special_tokens=marks)
+    _write_json(directory / "tokenizer_config.json", config)
+
+
+def _write_json(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
 
 def _write_sentencepiece_tokenizer(directory: Path, tokenizer) -> None:
@@ -574,6 +677,8 @@ def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
     def alpha_for(r: int) -> float:  # the alpha that PEFT turns into the scale s at rank r
         return lora.scale() * (math.sqrt(r) if lora.rslora else r)
 
+    # Gemma3ForConditionalGeneration keeps its decoder under model.language_model, beside the vision tower.
+    decoder = "model.language_model" if getattr(backbone, "vision_encoder", None) is not None else "model"
     layers = adapter.layers_with_weights(backbone)
     tensors, ranks = {}, {}
     for index, (a, b, *magnitude) in sorted(factors.items()):
@@ -589,7 +694,7 @@ def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
             lora_a = a.reshape(-1, rank).T  # (r, in): attention_output's in is heads * head_dim
             lora_b = b.T  # (out, r)
         ranks[f"layers.{block}.{module}"] = lora_a.shape[0]
-        prefix = f"base_model.model.model.layers.{block}.{module}"
+        prefix = f"base_model.model.{decoder}.layers.{block}.{module}"
         tensors[f"{prefix}.lora_A.weight"] = lora_a.astype(np.float32)
         tensors[f"{prefix}.lora_B.weight"] = lora_b.astype(np.float32)
         if magnitude:  # (heads, head_dim) or (out,): transformers' rows, head h's dim j at h * head_dim + j
@@ -602,7 +707,7 @@ def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
         "base_model_name_or_path": None,  # a keras-hub preset name is no transformers id; adapter.json names it
         "r": rank,
         "lora_alpha": alpha_for(rank),
-        "target_modules": sorted({path.rsplit(".", 1)[1] for path in ranks}),
+        "target_modules": _target_modules(sorted({path.rsplit(".", 1)[1] for path in ranks}), decoder),
         "rank_pattern": wider,
         "alpha_pattern": {name: alpha_for(r) for name, r in wider.items()},
         "lora_dropout": float(lora.dropout),
@@ -613,3 +718,11 @@ def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
         "inference_mode": True,
     }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _target_modules(names: list, decoder: str):
+    """PEFT's target_modules: the module names, or, beside a vision tower whose attention has q_proj, k_proj and
+    v_proj too, a pattern PEFT matches against the whole path, held to the decoder's layers."""
+    if decoder == "model":
+        return names
+    return rf"(.*\.)?language_model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(names)})"
