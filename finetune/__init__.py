@@ -109,7 +109,8 @@ def generate(
     """Completions from a finished run's model; each prompt goes in the run's template unless `raw`.
 
     images: paths of pictures that go with every prompt, where its `<image>` is (else before it), as
-        `finetune generate --image`; the run's preset must see images (tiny-gemma3-vision, gemma3_4b and up).
+        `finetune generate --image`; the run's preset must see images (tiny-gemma3-vision, tiny-gemma4-vision,
+        gemma3_4b and up).
 
     sampling: greedy by default; temperature (float), top_p (float), top_k (int) sample with keras-hub's
         samplers, and seed (int) makes the sampling repeatable, as `finetune generate`'s flags of the same names.

@@ -11,11 +11,10 @@ placeholder in its text where each goes, in order. Two forms are read:
 Paths are relative to the data file. Each image is opened with Pillow when the
 record is read, so a missing, broken or oversized picture stops the run with
 its line before anything is written; keras-hub's image converter of the preset
-(Gemma3ImageConverter) resizes and scales the pixels when the rows are made.
-Each placeholder becomes the family's image tokens (Gemma 3: `<start_of_image>`,
-num_vision_tokens_per_image `<img>` soft tokens, `<end_of_image>`, between blank
-lines, as keras-hub's Gemma3CausalLMPreprocessor writes it), and the model's
-image inputs (`images`, `vision_indices`, `vision_mask`) are made here.
+(Gemma3ImageConverter, Gemma4ImageConverter) resizes and scales the pixels when
+the rows are made. Each placeholder becomes the family's image tokens, as
+keras-hub's preprocessor writes them (LAYOUTS), and the model's image inputs
+(the converter's arrays, `vision_indices`, `vision_mask`) are made here.
 """
 
 from __future__ import annotations
@@ -29,9 +28,31 @@ import numpy as np
 from finetune.platform.errors import UserError
 
 PLACEHOLDER = "<image>"
-# The model inputs beside the tokens: per row, not per position (a batch cut to its longest row keeps them whole).
-PER_ROW = ("images", "vision_indices")
-INPUTS = ("images", "vision_indices", "vision_mask")
+# The model inputs beside the tokens: the pictures as each family's converter gives them (Gemma 3: `images`, the
+# resized pixels; Gemma 4: `pixel_values` and `pixel_position_ids`, its patches and their places), and where their
+# soft tokens sit: per row, not per position (a batch cut to its longest row keeps them whole). vision_mask is per
+# position.
+PER_ROW = ("images", "pixel_values", "pixel_position_ids", "vision_indices")
+INPUTS = (*PER_ROW, "vision_mask")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a family's keras-hub preprocessor writes a picture into the token ids."""
+
+    marker: str
+    """The tokenizer attribute naming the token its preprocessor expands into a picture's tokens: what a prompt
+    to keras-hub's generate() holds where a picture goes."""
+    margin: str
+    """What stands on each side of a picture's tokens."""
+
+
+LAYOUTS = {
+    # "\n\n<start_of_image>" + "<img>" x 256 + "<end_of_image>\n\n", from <start_of_image>.
+    "Gemma3CausalLMPreprocessor": Layout("start_of_image_token", "\n\n"),
+    # "<|image>" + "<|image|>" x 280 + "<image|>", from its soft token <|image|>, with no blank lines.
+    "Gemma4CausalLMPreprocessor": Layout("image_placeholder", ""),
+}
 
 
 @dataclass(frozen=True)
@@ -39,31 +60,46 @@ class Vision:
     """What a preset's preprocessor says of its images."""
 
     tokens_per_image: int
-    """Soft tokens each image becomes (Gemma 3: 256; tiny-gemma3-vision: 4)."""
+    """Soft tokens each image becomes (Gemma 3: 256; Gemma 4: 280; the tiny vision presets: 4)."""
     max_images: int
     """Images a record may hold (keras-hub's max_images_per_prompt)."""
-    image_size: tuple
-    """(height, width) the converter resizes to."""
     placeholder_id: int
     """The id of the soft token, whose positions the image embeddings take."""
     expansion: str
     """The text each `<image>` placeholder becomes."""
+    marker: str
+    """The token keras-hub's generate() expands into `expansion` (Layout.marker)."""
+    shown_as: str
+    """`expansion` as keras-hub's generate() gives it back: its special tokens stripped but the start-of-image one."""
     converter: object
     """keras-hub's image converter of the preset."""
+    blank: dict
+    """The converter's arrays for an empty image slot (zeros): input name -> array of one picture."""
+
+    @property
+    def image_size(self) -> tuple | None:
+        """(height, width) the converter resizes to; None where it keeps each picture's aspect (Gemma 4)."""
+        return tuple(self.blank["images"].shape[:2]) if "images" in self.blank else None
 
 
 def vision_of(preprocessor) -> Vision | None:
-    """The preprocessor's image handling; None for a text-only one (no image converter)."""
+    """The preprocessor's image handling; None for a text-only one (no image converter), or a family whose
+    pictures finetune does not lay out (LAYOUTS)."""
     converter = getattr(preprocessor, "image_converter", None)
-    if converter is None:
+    layout = next((LAYOUTS[c.__name__] for c in type(preprocessor).__mro__ if c.__name__ in LAYOUTS), None)
+    if converter is None or layout is None:
         return None
     tokenizer = preprocessor.tokenizer
     tokens = preprocessor.num_vision_tokens_per_image
     soft = tokenizer.image_placeholder
     # keras-hub's preprocessor writes each image so; the ids are the same whether it or we expand the text.
-    expansion = f"\n\n{tokenizer.start_of_image_token}{soft * tokens}{tokenizer.end_of_image_token}\n\n"
-    size = tuple(converter.image_size)
-    return Vision(tokens, preprocessor.max_images_per_prompt, size, tokenizer.token_to_id(soft), expansion, converter)
+    expansion = f"{layout.margin}{tokenizer.start_of_image_token}{soft * tokens}{tokenizer.end_of_image_token}"
+    expansion += layout.margin
+    blank = {name: np.zeros_like(array) for name, array in _converted(converter, np.zeros((32, 32, 3))).items()}
+    marker = getattr(tokenizer, layout.marker)
+    shown_as = expansion.replace(soft, "").replace(tokenizer.end_of_image_token, "")
+    return Vision(tokens, preprocessor.max_images_per_prompt, tokenizer.token_to_id(soft), expansion, marker,
+                  shown_as, converter, blank)  # fmt: skip
 
 
 def parts_to_text(messages, where: str):
@@ -142,27 +178,34 @@ def expand(segments, vision: Vision):
     return [(text.replace(PLACEHOLDER, vision.expansion), trained) for text, trained in segments]
 
 
-def pixels(paths, vision: Vision) -> np.ndarray:
-    """(max_images, height, width, 3) float32: each image converted by the preset's converter, then zeros."""
+def pixels(paths, vision: Vision, slots: int) -> dict:
+    """The converter's arrays of `slots` image slots: each picture converted by the preset's converter, in order,
+    then empty slots (zeros): input name -> (slots, ...) float32 or int32 array."""
     from PIL import Image
 
-    out = np.zeros((vision.max_images, *vision.image_size, 3), np.float32)
-    for slot, path in enumerate(paths):
+    out = {name: np.zeros((slots, *blank.shape), blank.dtype) for name, blank in vision.blank.items()}
+    for slot, path in enumerate(paths[:slots]):
         with Image.open(path) as image:
             rgb = np.asarray(image.convert("RGB"), np.float32)
-        out[slot] = _converted(vision.converter, rgb)
+        for name, array in _converted(vision.converter, rgb).items():
+            out[name][slot] = array
     return out
 
 
-def _converted(converter, rgb: np.ndarray) -> np.ndarray:
+def _converted(converter, rgb: np.ndarray) -> dict:
+    """One picture through keras-hub's converter: {input name: array}. Gemma 3's gives the resized pixels
+    (`images`); Gemma 4's a dict of its patches and their (x, y) places, padded to its most patches."""
     import keras
 
-    return keras.ops.convert_to_numpy(converter(rgb[None]))[0]
+    out = converter(rgb[None])
+    out = out if isinstance(out, dict) else {"images": out}
+    return {name: np.asarray(keras.ops.convert_to_numpy(value))[0] for name, value in out.items()}
 
 
 def model_inputs(paths, token_ids, vision: Vision, slots: int, source: str = "") -> dict:
-    """One example's image inputs: `images` (slots, h, w, 3) and `vision_indices` (slots x tokens_per_image), the
-    positions of its soft tokens among its input ids, in order, then 0 (a position keras-hub's model restores).
+    """One example's image inputs: the converter's arrays of its pictures (pixels()), and `vision_indices`
+    (slots x tokens_per_image), the positions of its soft tokens among its input ids, in order, then 0 (a position
+    keras-hub's model restores).
 
     slots: the images every row of the run has room for: the family's limit when the data has images, else 0.
     """
@@ -175,11 +218,12 @@ def model_inputs(paths, token_ids, vision: Vision, slots: int, source: str = "")
         )
     indices = np.zeros(slots * vision.tokens_per_image, np.int32)
     indices[: len(positions)] = positions
-    return {"images": pixels(paths, vision)[:slots], "vision_indices": indices}
+    return {**pixels(paths, vision, slots), "vision_indices": indices}
 
 
 def vision_mask(vision_indices: np.ndarray, seq_len: int) -> np.ndarray:
-    """(rows, seq_len) int32, 1 at each soft token: keras-hub's decoder lets an image's tokens see each other."""
+    """(rows, seq_len) int32, 1 at each soft token: where keras-hub's decoder places the picture (and Gemma 3's
+    lets its tokens see each other both ways)."""
     mask = np.zeros((len(vision_indices), seq_len), np.int32)
     rows, slots = np.nonzero(vision_indices > 0)
     mask[rows, vision_indices[rows, slots]] = 1
@@ -213,15 +257,14 @@ def attached(example, record, vision: Vision, slots: int, source: str = ""):
     return example
 
 
-def generation_input(prompts: list[str], pictures: list, preprocessor) -> dict:
-    """keras-hub's generate() input for prompts with pictures: each `<image>` written as the family's start-of-image
-    token, which keras-hub's preprocessor expands as training did, and each prompt's pictures as RGB arrays, which
-    its image converter resizes and scales.
+def generation_input(prompts: list[str], pictures: list, vision: Vision) -> dict:
+    """keras-hub's generate() input for prompts with pictures: each `<image>` written as the family's marker
+    (Layout.marker), which keras-hub's preprocessor expands as training did, and each prompt's pictures as RGB
+    arrays, which its image converter resizes and scales.
 
     pictures: per prompt, a list of image paths (checked with check()).
     """
-    start = preprocessor.tokenizer.start_of_image_token
-    written = [prompt.replace(PLACEHOLDER, start) for prompt in prompts]
+    written = [prompt.replace(PLACEHOLDER, vision.marker) for prompt in prompts]
     return {"prompts": written, "images": [[rgb(path) for path in paths] for paths in pictures]}
 
 
@@ -232,16 +275,15 @@ def rgb(path) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
-def shown(prompt: str, preprocessor) -> str:
-    """A prompt of generation_input() as keras-hub's generate() returns it: the soft tokens dropped, the
-    start-of-image token between the blank lines its expansion adds."""
-    start = preprocessor.tokenizer.start_of_image_token
-    return prompt.replace(start, f"\n\n{start}\n\n")
+def shown(prompt: str, vision: Vision) -> str:
+    """A prompt of generation_input() as keras-hub's generate() returns it: each marker as its expansion less the
+    special tokens keras-hub strips (all but the start-of-image token: Gemma 3 keeps the blank lines around it)."""
+    return prompt.replace(vision.marker, vision.shown_as)
 
 
-def written_prompt(prompt: str, tokenizer, vision: Vision) -> str:
-    """A generation_input() prompt as the model reads it: each start-of-image token expanded, for counting ids."""
-    return prompt.replace(tokenizer.start_of_image_token, vision.expansion)
+def written_prompt(prompt: str, vision: Vision) -> str:
+    """A generation_input() prompt as the model reads it: each marker expanded, for counting ids."""
+    return prompt.replace(vision.marker, vision.expansion)
 
 
 def with_placeholders(prompt: str, count: int) -> str:

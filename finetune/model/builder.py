@@ -306,7 +306,7 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
     names = lora_layer_names(backbone, lora.targets)
     choices = ", ".join(adaptable_targets(backbone))
     _adapter_dtype(backbone, names)
-    backbone.enable_lora(lora.rank, target_layer_names=names)
+    lora_on_the_decoder(backbone, lora.rank, names)
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
     unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
@@ -336,6 +336,26 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
                 layer.lora_dropout_seed = keras.random.SeedGenerator(int(rng.integers(2**31)))
         beside_the_kernel(layer, own_call=bool(lora.dora or lora.dropout))
     return len(adapted)
+
+
+def lora_on_the_decoder(backbone, rank: int, names: list[str]) -> None:
+    """keras-hub's backbone.enable_lora on the layers of these names outside the image and audio encoders.
+
+    keras-hub matches layer names across the whole backbone, and Gemma 4's vision encoder is made of Gemma 4
+    blocks whose layers bear the decoder's names (query, value, ffw_gating...): `--target query` would adapt the
+    encoder too. Its own bookkeeping (which layers are adapted, the rank) is what save_lora_weights and
+    load_lora_weights index by, so it is kept: the backbone enables no layer, then each chosen one is enabled
+    and counted as it would have.
+    """
+    encoders = [getattr(backbone, name, None) for name in ("vision_encoder", "audio_encoder")]
+    inside = {id(layer) for encoder in encoders if encoder is not None for layer in encoder._flatten_layers()}
+    backbone.enable_lora(rank, target_layer_names=[])  # freezes every layer, and counts none
+    with_weights = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
+    for index, layer in enumerate(with_weights):
+        if layer.name in names and id(layer) not in inside and hasattr(layer, "enable_lora"):
+            layer.trainable = True
+            layer.enable_lora(rank)
+            backbone._lora_enabled_layers.append(index)
 
 
 def beside_the_kernel(layer, own_call: bool = False) -> bool:

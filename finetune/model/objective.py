@@ -27,6 +27,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from finetune.data import images
 from finetune.platform.errors import UserError
 
 
@@ -260,7 +261,10 @@ def _one_graph(train_step, jit_compile: bool):
 
                 def spec(name, value):  # the loss_ inputs keep their static width: the loss's chunks need it
                     shape = tuple(value.shape)
-                    shape = shape if name.startswith("loss_") or len(shape) < 2 else (shape[0], None, *shape[2:])
+                    # So do the per-row image inputs: a run's image slots are fixed, and keras-hub's Gemma 4 layers
+                    # branch in Python on their count, which a traced graph cannot do on a dynamic one.
+                    kept = name.startswith("loss_") or name in images.PER_ROW or len(shape) < 2
+                    shape = shape if kept else (shape[0], None, *shape[2:])
                     return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
 
                 signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),

@@ -123,6 +123,22 @@ TINY_GEMMA4 = dict(
     use_double_wide_mlp=True,
     hidden_size_per_layer_input=4,
 )
+# tiny-gemma4-vision: tiny-gemma4's decoder with Gemma 4's vision encoder (keras-hub's Gemma4VisionEncoder: Gemma 4
+# blocks over patches with 2D positions, then average pooling and a projection) at toy size. A picture is resized,
+# keeping its aspect, to at most 4 soft tokens' worth of 8x8 patches (32x32 for a square one: 16 patches), and
+# pooled 2x2 into 4 soft tokens, so a record with two pictures spends 2 x (4 + 2 markers) tokens on them. Its global
+# layers let the answer see the picture through tiny-gemma4's sliding windows of 4.
+TINY_GEMMA4_VISION_ENCODER = dict(
+    image_size=32,
+    patch_size=8,
+    num_heads=2,
+    hidden_dim=16,
+    num_layers=2,
+    intermediate_dim=32,
+    head_dim=8,
+    pool_size=2,
+    position_embedding_size=16,
+)
 TINY_GEMMA4_MOE = dict(
     num_layers=2,
     num_query_heads=4,
@@ -156,6 +172,9 @@ TINY = {
         "gemma3", TINY_GEMMA3_VISION, ASSETS / "tiny-gemma3-vision" / "tokenizer.spm", vision=TINY_GEMMA3_VISION_ENCODER
     ),
     "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
+    "tiny-gemma4-vision": Tiny(
+        "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-vision" / "tokenizer.spm", vision=TINY_GEMMA4_VISION_ENCODER
+    ),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
 }
@@ -411,6 +430,8 @@ _TOKENIZER_ARGS = {"gemma3": dict(has_vision_tokens=False), "gemma4": dict(has_v
 _PREPROCESSOR_ARGS = {"gemma3": dict(image_converter=None), "gemma3n": dict(image_converter=None,
                       audio_converter=None), "gemma4": dict(image_converter=None, audio_converter=None,
                       video_converter=None)}  # fmt: skip
+# A vision preset's tokenizer has the image tokens; Gemma 4's would also look for video ones, which it lacks.
+_VISION_TOKENIZER_ARGS = {"gemma4": dict(has_video_tokens=False)}
 
 
 def tiny_tokenizer(name: str = "tiny"):
@@ -418,7 +439,7 @@ def tiny_tokenizer(name: str = "tiny"):
     spec = TINY[name]
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
-        return cls(proto=str(spec.tokenizer))
+        return cls(proto=str(spec.tokenizer), **_VISION_TOKENIZER_ARGS.get(spec.family, {}))
     return text_tokenizer(spec.family, spec.tokenizer)
 
 
@@ -432,25 +453,38 @@ def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
     if spec.vision is not None:
-        return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_vision_preprocessing(spec.vision))
+        arguments = _vision_preprocessing(spec.family, spec.vision)
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, **arguments)
     return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
 
 
-def _vision_preprocessing(vision: dict) -> dict:
-    """The preprocessor's image arguments for a tiny vision encoder: keras-hub's image converter at its size, with
-    Gemma 3's scaling of pixels to [-1, 1] (SigLIP's mean and deviation of 0.5), and its soft tokens per image."""
+def _vision_preprocessing(family: str, vision: dict) -> dict:
+    """The preprocessor's image arguments for a tiny vision encoder: keras-hub's image converter of the family at
+    its size, and its soft tokens per image.
+
+    Gemma 3's converter resizes to the encoder's square and scales pixels to [-1, 1] (SigLIP's mean and deviation
+    of 0.5). Gemma 4's keeps the aspect, resizing to at most `tokens` soft tokens' worth of patches, and scales to
+    [0, 1] (its encoder maps them to [-1, 1] itself), as transformers' Gemma 4 processor does.
+    """
     import keras_hub
 
-    size = vision["image_size"]
+    size, patch, pool = vision["image_size"], vision["patch_size"], vision["pool_size"]
+    tokens = (size // patch // pool) ** 2
+    if family == "gemma4":
+        converter = keras_hub.layers.Gemma4ImageConverter(
+            patch_size=patch, max_soft_tokens=tokens, pooling_kernel_size=pool, scale=1 / 255
+        )
+        return dict(image_converter=converter, num_vision_tokens_per_image=tokens, audio_converter=None,
+                    video_converter=None)  # fmt: skip
     converter = keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5, offset=-1.0)
-    tokens = (size // vision["patch_size"]) ** 2 // vision["pool_size"] ** 2
     return dict(image_converter=converter, num_vision_tokens_per_image=tokens)
 
 
-def _vision_encoder(vision: dict, output_dim: int, dtype):
+def _vision_encoder(family: str, vision: dict, output_dim: int, dtype):
     import keras_hub
 
-    return keras_hub.models.Gemma3VisionEncoder(output_dim=output_dim, dtype=dtype, **vision)
+    cls = keras_hub.models.Gemma4VisionEncoder if family == "gemma4" else keras_hub.models.Gemma3VisionEncoder
+    return cls(output_dim=output_dim, dtype=dtype, **vision)
 
 
 def tiny_config(name: str, vocabulary_size: int) -> dict:
@@ -487,7 +521,7 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
     config = tiny_config(name, vocabulary_size)
     if spec.vision is not None:
         # The encoder computes in float32 whatever the decoder's precision (keras-hub's choice for bfloat16).
-        encoder = _vision_encoder(spec.vision, config["hidden_dim"], None)
+        encoder = _vision_encoder(spec.family, spec.vision, config["hidden_dim"], None)
         config.update(vision_encoder=encoder, image_size=spec.vision["image_size"])
     backbone = cls(dtype=dtype, **config)
     stored = np.load(spec.weights) if spec.weights is not None else None

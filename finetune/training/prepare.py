@@ -185,6 +185,19 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
     return list(zip(kept, tokenized))
 
 
+# The presets that see images, named where pictures are refused.
+SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up"
+
+
+def no_vision_encoder(preset: str, what: str) -> UserError:
+    """The refusal of pictures (`what` has them) on a preset built without a vision encoder, with its family's
+    reason where it has one (families.Family.without_images)."""
+    why = families.get(presets.family_of(preset)).without_images
+    because = f" ({why})" if why else ""
+    return UserError(f"{what} has images, and {preset} has no vision encoder{because}; use a preset that sees "
+                     f"images ({SEE_IMAGES})")  # fmt: skip
+
+
 def pictured_examples(records, template, preprocessor, cfg, source: str) -> list:
     """examples() of records that may hold pictures: each placeholder written as the family's image tokens
     before tokenizing, and each example given its image inputs after (images.py)."""
@@ -193,10 +206,7 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
     pictured = any(r.images for r in records)
     if vision is None:
         if pictured:
-            raise UserError(
-                f"{source} has images, and {cfg.model.preset} has no vision encoder; use a preset that sees images "
-                "(tiny-gemma3-vision, gemma3_4b and up)"
-            )
+            raise no_vision_encoder(cfg.model.preset, source)
         return examples(records, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
     images.limit(records, vision, source)
     written = [images.written(record, vision) for record in records]

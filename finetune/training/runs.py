@@ -171,7 +171,7 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     """
     from finetune.data import images, templates
     from finetune.data.formats import Record
-    from finetune.training import scoring
+    from finetune.training import prepare, scoring
 
     cfg = run.config
     template = templates.get(cfg.data.template)
@@ -184,10 +184,9 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     if pictures:
         vision = images.vision_of(preprocessor)
         if vision is None:
-            raise UserError(f"{cfg.model.preset} has no vision encoder, so --image cannot be read; train a preset that "
-                            "sees images (tiny-gemma3-vision, gemma3_4b and up)")  # fmt: skip
+            raise prepare.no_vision_encoder(cfg.model.preset, "--image")
         images.limit([Record("", "", images=tuple(pictures))], vision, "--image")
-        prompts = images.generation_input(prompts, [pictures] * len(prompts), preprocessor)
+        prompts = images.generation_input(prompts, [pictures] * len(prompts), vision)
     tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
     return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
 

@@ -96,8 +96,8 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     if sampling is not None and not sampling.greedy:
         lm.compile(sampler=sampler(sampling))  # compile() is where keras-hub takes a sampler; this lm trains no more
     tokenizer = preprocessor.tokenizer
-    vision = images.vision_of(preprocessor)
-    counted = [images.written_prompt(p, tokenizer, vision) for p in texts] if pictured else texts
+    vision = images.vision_of(preprocessor) if pictured else None
+    counted = [images.written_prompt(p, vision) for p in texts] if pictured else texts
     longest = max(len(tokenizer.tokenize(p)) for p in counted) + 1  # + <bos>
     stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
     # Under a distribution the prompts are split over the data axis, which must divide their count.
@@ -111,7 +111,7 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     if isinstance(outputs, str):
         outputs = [outputs]
     outputs = outputs[: len(texts)]
-    shown = [images.shown(p, preprocessor) for p in texts] if pictured else texts
+    shown = [images.shown(p, vision) for p in texts] if pictured else texts
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(shown, outputs)]
 
 
@@ -176,7 +176,9 @@ class HeldOut:
         self.inputs = self.prompts
         """What generate() is given: the prompts, with their pictures where the samples have any."""
         if any(r.images for r in samples):
-            self.inputs = images.generation_input(self.prompts, [r.images for r in samples], self.preprocessor)
+            self.inputs = images.generation_input(
+                self.prompts, [r.images for r in samples], images.vision_of(self.preprocessor)
+            )
         self.stop_tokens = template.stop_tokens
         self.max_new_tokens = max_new_tokens
 
