@@ -73,6 +73,12 @@ def gemma3_4b_base(source, seq_len: int, dtype=None, quantize=None):
 def measure(args) -> float:
     """The run's peak resident memory in MiB (metrics.json's peak_memory_mb)."""
     import finetune
+    from finetune.model import presets
+    from finetune.platform import backend
+
+    # As `finetune gemma` does before keras loads: the backend, and the frameworks the family needs (TensorFlow
+    # for Gemma 3's preprocessor) kept, the others left out.
+    backend.select(args.backend, 1.0, presets.frameworks_needed("tiny-gemma3-vision"))
     from finetune.model import builder
 
     builder.load_base = gemma3_4b_base  # build() calls it by name: the tiny preset's model becomes gemma3_4b's
