@@ -438,7 +438,8 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
         f"images: the frozen vision encoder encodes all {slots} image slots of each row, blank ones too, at "
         f"{size}x{size}; its forward pass is let go before the decoder's, so the total counts the larger"
     )
-    notes.append(f"images: the data holds each record's converted pixels in host memory, {_size(pixels)} a record")
+    notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
+                 f"row: {_size(2 * pixels)} a record")  # fmt: skip
     return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, pixels_per_row=pixels,
                 forward_per_row=slots * _vision_forward_per_image(vision, compute))  # fmt: skip
 
@@ -668,6 +669,9 @@ def _advice(plan: Plan) -> str:
     m = plan.memory
     if m["weights"] > 0.5 * m["total"]:
         return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
+    if m.get("vision_forward", 0.0) > m["activations"] + m["logits"]:
+        slots = plan.images["slots"] if plan.images else 0
+        return f"the vision encoder's pass dominates ({slots} pictures a row): lower --batch-size, or spread the batch"
     return "the activations and logits dominate: lower --batch-size or --seq-len, or spread the batch (--parallel data)"
 
 
