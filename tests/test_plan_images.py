@@ -97,7 +97,7 @@ def test_the_command_plans_a_picture_in_a_fresh_process(tmp_path):
     args = [str(command), "plan", "--preset", "tiny-gemma3-vision", "--images", "1"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    for row in ("images 1 per example, 4 soft tokens each", "vision encoder's pass (frozen)", "pictures, the batch's"):
+    for row in ("images 1 per example, 4 soft tokens each", "vision encoder, forward", "pictures, the batch's"):
         assert row in done.stdout, row
     assert not list(tmp_path.iterdir())  # a plan writes nothing
 

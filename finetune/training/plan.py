@@ -737,7 +737,7 @@ _ROWS = {
     "dequantized_kernel": "one kernel dequantized",
     "logits": "logits, one chunk",
     "image_pixels": "pictures, the batch's",
-    "vision_forward": "vision encoder's pass (frozen)",
+    "vision_forward": "vision encoder, forward",
     "runtime": "framework runtime (host)",
     "tensorflow_step": "TensorFlow's step, measured",
     "tensorflow_preprocessing": "TensorFlow, for keras-hub's preprocessor (host)",
