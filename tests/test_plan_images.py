@@ -33,7 +33,8 @@ def test_gemma3_4b_with_a_picture_counts_256_soft_tokens_and_the_frozen_encoder_
     planned = make(**GEMMA3_4B, **{"data.images": 1})
     assert planned.images == {"per_example": 1, "tokens_per_image": 256, "slots": 2, "image_size": 896}
     assert any("260 of the 512 tokens" in note and "252 left for the text" in note for note in planned.notes)
-    # keras-hub builds the encoder in float32 under bfloat16; a run feeds it both of a row's image slots.
+    # keras-hub builds the encoder in float32 under bfloat16; a run feeds it both of a row's image slots. PyTorch
+    # holds the scores and their softmax at once (XLA, one of them: the JAX test below).
     per_picture = (2 * 16 * 4096**2 + 5 * 4096 * 1152) * 4
     m = planned.memory
     assert m["vision_forward"] == 2 * per_picture and m["image_pixels"] == 2 * 896 * 896 * 3 * 4

@@ -441,23 +441,25 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
     notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
                  f"row: {_size(2 * pixels)} a record")  # fmt: skip
     return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, pixels_per_row=pixels,
-                forward_per_row=slots * _vision_forward_per_image(vision, compute))  # fmt: skip
+                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend))  # fmt: skip
 
 
 # <start_of_image>, <end_of_image> and a blank line either side: Gemma 3's tokenizer has "\n\n" as one piece.
 _IMAGE_MARKERS = 4
 
 
-def _vision_forward_per_image(vision: dict, compute: int) -> float:
+def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> float:
     """Bytes Gemma3VisionEncoder's forward pass holds at its peak for one picture, in its compute dtype.
 
-    Inside a block's attention: the scores, then their softmax, each heads x patches² and both alive while the
-    softmax is taken; beside them the block's input, its norm and q, k, v (5 x patches x width). The MLP's
-    (patches x intermediate, twice) is the peak instead where it is larger. Nothing is kept from one block to the
-    next: the encoder is frozen and the pixels take no gradient, so autodiff records none of its pass.
+    Inside a block's attention: the scores, heads x patches², and their softmax, which PyTorch and TensorFlow
+    make beside them, and XLA in their buffer (JAX on a CPU: XLA's compiled step held 1.0x one copy for
+    tiny-gemma3-vision widened to 256 patches, tests/test_plan_images.py); beside them the block's input, its
+    norm and q, k, v (5 x patches x width). The MLP's (patches x intermediate, twice) is the peak instead where it
+    is larger. Nothing is kept from one block to the next: the encoder is frozen and the pixels take no gradient,
+    so autodiff records none of its pass.
     """
     patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-    attention = 2 * int(vision["num_heads"]) * patches**2
+    attention = (1 if framework == "jax" else 2) * int(vision["num_heads"]) * patches**2
     mlp = 2 * patches * int(vision["intermediate_dim"])
     return (max(attention, mlp) + 5 * patches * int(vision["hidden_dim"])) * compute
 
