@@ -65,8 +65,9 @@ def gemma3_4b_base(source, seq_len: int, dtype=None, quantize=None):
         tokenizer=presets.tiny_tokenizer("tiny-gemma3-vision"),
         image_converter=keras_hub.layers.Gemma3ImageConverter(image_size=(size, size), scale=1 / 127.5, offset=-1.0),
         num_vision_tokens_per_image=archs.tokens_per_image(arch.vision),
-        sequence_length=seq_len,
+        sequence_length=1024,  # its constructor wants room for max_images_per_prompt pictures; from_preset's has it
     )
+    preprocessor.sequence_length = seq_len  # as builder.load_base sets a preset's
     return keras_hub.models.Gemma3CausalLM(backbone=backbone, preprocessor=None), preprocessor
 
 
