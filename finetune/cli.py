@@ -412,7 +412,7 @@ PLAN_HELP = (
 )
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
-PLANNED = ("backend", "model", "lora.rank", "lora.targets", "train.batch_size", "train.method",
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "train.batch_size", "train.method",
            "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 

@@ -408,6 +408,13 @@ class DataConfig:
         "Also train on prompt tokens.",
         flag="--train-on-prompt", panel=DATA, default_text="response tokens only",
     )  # fmt: skip
+    images: Optional[int] = setting(
+        None,
+        "Pictures per example that `finetune plan` (and --plan-only) counts: their soft tokens in each sequence, "
+        "the vision encoder's pass over them. A run counts the most a record of --data holds, which wins.",
+        flag="--images", panel=DATA, metavar="N", range=Range(0), default_text="the data's; 0 without it",
+        label="images per example", hint="e.g. --images 1",
+    )  # fmt: skip
     packing: str = setting(
         "auto",
         "Several examples per training row, each attending only to itself (exact): auto (on: every Gemma family "

@@ -37,6 +37,8 @@ class Arch:
     """The backbone config's shape-deciding keys, as keras-hub names them."""
     vision_params: int = 0
     """Weights of the image encoder of a multimodal Gemma 3 preset; 0 for text-only ones."""
+    vision: dict | None = field(default=None, hash=False)
+    """That encoder's keras-hub config (Gemma3VisionEncoder's arguments), for the plan's image counts."""
     encoder_params: int = 0
     """Weights of a Gemma 4 or 3n preset's image and audio encoders, which a text run does not load."""
 
@@ -77,6 +79,17 @@ def _gemma3n(layers, intermediate, kv_shared) -> dict:
     )  # fmt: skip
 
 
+def _siglip(output_dim: int) -> dict:
+    """Gemma 3's SigLIP image encoder as its 4b-and-up presets configure keras-hub's Gemma3VisionEncoder: 896x896
+    pictures in 14x14 patches (4,096), 27 blocks of width 1152, average-pooled 4x4 into 256 soft tokens. It is
+    float32 whatever the decoder's dtype: keras-hub turns bfloat16 into float32 for it, and saves it so."""
+    return dict(image_size=896, patch_size=14, num_heads=16, hidden_dim=1152, num_layers=27, intermediate_dim=4304,
+                output_dim=output_dim, pool_size=4, dtype="float32")  # fmt: skip
+
+
+# keras-hub's Gemma3CausalLMPreprocessor takes up to this many pictures a prompt (its max_images_per_prompt), and
+# a run feeds every row that many image slots, the unused ones blank (data/images.py).
+MAX_IMAGES = 2
 _PLE = dict(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
 # The multimodal Gemma 3 presets carry a SigLIP image encoder (27 layers, width 1152) that the
 # decoder never uses on text, but from_preset builds and keeps it: it is counted, replicated.
@@ -92,9 +105,11 @@ ARCHS: dict[str, Arch] = {
     "gemma3_4b_text": Arch("gemma3", _gemma3(34, 8, 4, 2560, 10240, 256)),
     "gemma3_12b_text": Arch("gemma3", _gemma3(48, 16, 8, 3840, 15360, 256)),
     "gemma3_27b_text": Arch("gemma3", _gemma3(62, 32, 16, 5376, 21504, 128)),
-    "gemma3_4b": Arch("gemma3", _gemma3(34, 8, 4, 2560, 10240, 256), vision_params=419_816_304),
-    "gemma3_12b": Arch("gemma3", _gemma3(48, 16, 8, 3840, 15360, 256), vision_params=421_290_864),
-    "gemma3_27b": Arch("gemma3", _gemma3(62, 32, 16, 5376, 21504, 128), vision_params=423_060_336),
+    "gemma3_4b": Arch("gemma3", _gemma3(34, 8, 4, 2560, 10240, 256), vision_params=419_816_304, vision=_siglip(2560)),
+    "gemma3_12b": Arch("gemma3", _gemma3(48, 16, 8, 3840, 15360, 256), vision_params=421_290_864, vision=_siglip(3840)),
+    "gemma3_27b": Arch(
+        "gemma3", _gemma3(62, 32, 16, 5376, 21504, 128), vision_params=423_060_336, vision=_siglip(5376)
+    ),
     "gemma4_2b": Arch(
         "gemma4",
         _gemma4(35, 8, 1, 1536, 6144, 512, pattern=5, num_kv_shared_layers=20, use_double_wide_mlp=True, **_PLE),
@@ -192,3 +207,10 @@ def vision_parameter_count(config: dict) -> int:
     # The encoder's final layer norm, the soft-embedding RMS norm, and the projection to the decoder's width.
     head = 2 * width + width + width * int(config["output_dim"])
     return embedding + int(config["num_layers"]) * block + head
+
+
+def tokens_per_image(vision: dict) -> int:
+    """Soft tokens a picture becomes in the decoder's sequence: its patches, average-pooled (keras-hub's
+    Gemma3VisionEncoder.num_vision_tokens_per_image; 256 for Gemma 3)."""
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    return patches // int(vision.get("pool_size", 14)) ** 2

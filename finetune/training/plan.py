@@ -14,7 +14,9 @@ copies of the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -97,22 +99,32 @@ class Model:
     vision_params: int = 0
     encoder_params: int = 0
     """A Gemma 4 or 3n preset's image and audio encoders, which a text run does not load (archs.py)."""
+    vision: dict | None = field(default=None, hash=False)
+    """A Gemma 3 preset's image encoder config (Gemma3VisionEncoder's arguments, its dtype, and `max_images`, the
+    preprocessor's limit); None without one."""
 
 
 def model_of(preset: str) -> Model:
     """The architecture a --preset names, without loading or downloading it."""
     if preset in presets.TINY:
+        spec = presets.TINY[preset]
         config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
-        return _model(preset, presets.TINY[preset].family, config)
+        if spec.vision is None:
+            return _model(preset, spec.family, config)
+        # Built with the run's dtype policy (presets.tiny_backbone): no dtype here, so it computes as the run does.
+        vision = dict(spec.vision, output_dim=config["hidden_dim"], max_images=archs.MAX_IMAGES)
+        return _model(preset, spec.family, config, archs.vision_parameter_count(vision), vision=vision)
     path = Path(preset).expanduser()
     if path.is_dir():
         family, config = presets.directory_backbone(path)
-        vision = config.get("vision_encoder") if family == "gemma3" else None
+        vision = _directory_vision(path, config) if family == "gemma3" else None
         try:
-            vision_params = archs.vision_parameter_count(vision["config"]) if isinstance(vision, dict) else 0
-        except (KeyError, TypeError, ValueError) as e:
+            vision_params = archs.vision_parameter_count(vision) if vision else 0
+            if vision:
+                archs.tokens_per_image(vision)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise UserError(f"{path / 'config.json'}: its vision_encoder config lacks a usable {e}") from None
-        return _model(str(path), family, config, vision_params)
+        return _model(str(path), family, config, vision_params, vision=vision)
     if preset.startswith(checkpoints.PREFIX):
         return _hub_model(preset)
     # kaggle://keras/gemma/keras/gemma_2b_en/3 names the variant in its fourth part.
@@ -128,7 +140,27 @@ def model_of(preset: str) -> Model:
             f"{', '.join(presets.TINY)}, and preset directories"
         )
         raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
-    return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params)
+    vision = dict(arch.vision, max_images=archs.MAX_IMAGES) if arch.vision else None
+    return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params, vision)
+
+
+def _directory_vision(path: Path, config: dict) -> dict | None:
+    """A saved Gemma 3 preset's image encoder config, with its dtype's name and its preprocessor's picture limit."""
+    encoder = config.get("vision_encoder")
+    if not isinstance(encoder, dict):
+        return None
+    vision = dict(encoder.get("config") or {})
+    dtype = vision.get("dtype")
+    if isinstance(dtype, dict):  # a serialized DTypePolicy
+        dtype = (dtype.get("config") or {}).get("name")
+    vision["dtype"] = dtype if isinstance(dtype, str) else "float32"
+    vision["max_images"] = archs.MAX_IMAGES
+    preprocessor = path / "preprocessor.json"
+    if preprocessor.is_file():
+        with contextlib.suppress(ValueError, AttributeError):
+            saved = json.loads(preprocessor.read_text(encoding="utf-8")).get("config", {})
+            vision["max_images"] = int(saved.get("max_images_per_prompt", archs.MAX_IMAGES))
+    return vision
 
 
 def _hub_model(handle: str) -> Model:
@@ -146,12 +178,12 @@ def _hub_model(handle: str) -> Model:
     return _model(handle, family, checkpoints.backbone_config(described, family))
 
 
-def _model(name: str, family: str, config: dict, vision_params: int = 0, encoder_params: int = 0) -> Model:
+def _model(name: str, family: str, config: dict, vision_params=0, encoder_params=0, vision=None) -> Model:
     try:
         dims = layouts.Dims.from_backbone_config(config, family)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"preset {name}: its backbone config lacks a usable {e}") from None
-    return Model(name, family, dims, config, vision_params, encoder_params)
+    return Model(name, family, dims, config, vision_params, encoder_params, vision)
 
 
 @dataclass
@@ -183,6 +215,8 @@ class Plan:
     notes: list[str]
     remat: bool = False
     """Whether each decoder block is recomputed in the backward pass (--remat, or auto's choice)."""
+    images: dict | None = None
+    """With --images: per_example, tokens_per_image, slots (the pictures each row feeds the encoder), image_size."""
     device_name: str | None = None
     usable: float | None = None
     fits: bool | None = None
@@ -311,6 +345,10 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
     )
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
+    pictured = _pictures(model, cfg, precision, notes)
+    if pictured:
+        memory["image_pixels"] = per_device * pictured.pop("pixels_per_row")
+        memory["vision_forward"] = per_device * pictured.pop("forward_per_row")
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
         if cfg.backend != "tensorflow" and "tensorflow" in presets.frameworks_needed(cfg.model.preset):
@@ -320,7 +358,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         # transposed copy for the logits nor the embedding lookup makes it.
         if cfg.backend == "tensorflow":
             memory["tensorflow_step"] = sum(g.bytes_per_device for g in groups if g.name == "embedding")
-    memory["total"] = sum(memory.values())
+    memory["total"] = _total(memory)
     plan = Plan(
         model=model,
         parameters=_parameters(model, notes),
@@ -337,6 +375,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         memory=memory,
         notes=notes + [p.rule.group + ": " + p.note for p in kernels if p.note.startswith("dimension")],
         remat=remat,
+        images=pictured,
     )
     if target is not None:
         _judge(plan, target, cfg)
@@ -345,6 +384,84 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     elif cfg.train.batch_size == "auto":
         plan.notes.append("batch auto: planned at one sequence per device; --device-memory finds the largest that fits")
     return plan
+
+
+# What the decoder's pass holds at its peak, the start of the backward; the rest is held throughout.
+_DECODER_PASS = ("activations", "logits", "dequantized_kernel")
+
+
+def _total(memory: dict[str, float]) -> float:
+    """The peak: what is held throughout, plus the larger of the vision encoder's forward pass and the decoder's.
+
+    The encoder runs first and lets go before the decoder starts: it is frozen and its input (the pixels) takes
+    no gradient, so autodiff keeps nothing of its pass for the backward but its output, the soft tokens' embeddings.
+    """
+    passes = (*_DECODER_PASS, "vision_forward", "total")
+    held = sum(v for k, v in memory.items() if k not in passes)
+    return held + max(memory.get("vision_forward", 0.0), sum(memory.get(k, 0.0) for k in _DECODER_PASS))
+
+
+def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> dict | None:
+    """--images N: the pictures' place in each sequence, and what feeding them costs per row; None for text.
+
+    Each picture becomes tokens_per_image soft tokens between <start_of_image> and <end_of_image>, with a blank
+    line either side (images.py, as keras-hub's Gemma3CausalLMPreprocessor writes it): they take their room
+    out of --seq-len, and a record's text is cut to the rest. A run feeds every row the preprocessor's limit
+    of image slots, blank ones beside its pictures, and the encoder encodes them all.
+    """
+    count = cfg.data.images or 0
+    if not count:
+        return None
+    vision = model.vision
+    if vision is None:
+        why = "finetune trains its text decoder alone, for now" if model.encoder_params else "it has no vision encoder"
+        raise UserError(
+            f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that does: "
+            "gemma3_4b, gemma3_12b, gemma3_27b or tiny-gemma3-vision"
+        )
+    slots, tokens = int(vision["max_images"]), archs.tokens_per_image(vision)
+    if count > slots:
+        raise UserError(f"--images {count}: {model.name} takes at most {slots} pictures an example "
+                        "(keras-hub's max_images_per_prompt)")  # fmt: skip
+    spent = count * (tokens + _IMAGE_MARKERS)
+    if spent >= cfg.model.seq_len:
+        raise UserError(
+            f"--images {count} take {spent} tokens ({tokens} soft tokens and {_IMAGE_MARKERS} markers each), "
+            f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len"
+        )
+    size = int(vision["image_size"])
+    pixels = slots * size * size * 3 * 4  # float32, as images.pixels converts them
+    compute = {"float32": 4, None: _BYTES[precision][1]}.get(vision.get("dtype"), 2)
+    notes.append(f"images: {count} an example, {tokens} soft tokens each: {spent} of the {cfg.model.seq_len} "
+                 f"tokens with their markers, {cfg.model.seq_len - spent} left for the text (a longer record is cut)")  # fmt: skip
+    notes.append(
+        f"images: the frozen vision encoder encodes all {slots} image slots of each row, blank ones too, at "
+        f"{size}x{size}; its forward pass is let go before the decoder's, so the total counts the larger"
+    )
+    notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
+                 f"row: {_size(2 * pixels)} a record")  # fmt: skip
+    return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, pixels_per_row=pixels,
+                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend))  # fmt: skip
+
+
+# <start_of_image>, <end_of_image> and a blank line either side: Gemma 3's tokenizer has "\n\n" as one piece.
+_IMAGE_MARKERS = 4
+
+
+def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> float:
+    """Bytes Gemma3VisionEncoder's forward pass holds at its peak for one picture, in its compute dtype.
+
+    Inside a block's attention: the scores, heads x patches², and their softmax, which PyTorch and TensorFlow
+    make beside them, and XLA in their buffer (JAX on a CPU: XLA's compiled step held 1.0x one copy for
+    tiny-gemma3-vision widened to 256 patches, tests/test_plan_images.py); beside them the block's input, its
+    norm and q, k, v (5 x patches x width). The MLP's (patches x intermediate, twice) is the peak instead where it
+    is larger. Nothing is kept from one block to the next: the encoder is frozen and the pixels take no gradient,
+    so autodiff records none of its pass.
+    """
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    attention = (1 if framework == "jax" else 2) * int(vision["num_heads"]) * patches**2
+    mlp = 2 * patches * int(vision["intermediate_dim"])
+    return (max(attention, mlp) + 5 * patches * int(vision["hidden_dim"])) * compute
 
 
 def _mesh(cfg: Config, devices: int | None) -> tuple[int, int]:
@@ -554,13 +671,19 @@ def _advice(plan: Plan) -> str:
     m = plan.memory
     if m["weights"] > 0.5 * m["total"]:
         return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
+    if m.get("vision_forward", 0.0) > m["activations"] + m["logits"]:
+        slots = plan.images["slots"] if plan.images else 0
+        return f"the vision encoder's pass dominates ({slots} pictures a row): lower --batch-size, or spread the batch"
     return "the activations and logits dominate: lower --batch-size or --seq-len, or spread the batch (--parallel data)"
 
 
 def _largest_batch(plan: Plan) -> None:
     """For --batch-size auto: the largest batch whose plan fits, in steps of the data axis."""
-    fixed = sum(v for k, v in plan.memory.items() if k not in ("activations", "logits", "total"))
-    per_row = plan.memory["activations"] + plan.memory["logits"]  # planned at one row per device
+    m = plan.memory
+    rows_scale = ("activations", "logits", "image_pixels", "vision_forward", "total")
+    fixed = sum(v for k, v in m.items() if k not in rows_scale)
+    # planned at one row per device; a row's pictures are fed, then encoded before the decoder's pass
+    per_row = m.get("image_pixels", 0.0) + max(m.get("vision_forward", 0.0), m["activations"] + m["logits"])
     room = plan.usable * (1 - HEADROOM) - fixed
     rows = int(room // per_row) if per_row > 0 and room > 0 else 0
     plan.notes.append(
@@ -598,6 +721,7 @@ def as_dict(plan: Plan) -> dict:
         ],
         "bytes_per_device": {k: round(v) for k, v in plan.memory.items()},
         "remat": plan.remat,
+        "images": plan.images,
         "device": plan.device_name,
         "usable_bytes": None if plan.usable is None else round(plan.usable),
         "fits": plan.fits,
@@ -614,6 +738,8 @@ _ROWS = {
     "activations": "activations",
     "dequantized_kernel": "one kernel dequantized",
     "logits": "logits, one chunk",
+    "image_pixels": "pictures, the batch's",
+    "vision_forward": "vision encoder, forward",
     "runtime": "framework runtime (host)",
     "tensorflow_step": "TensorFlow's step, measured",
     "tensorflow_preprocessing": "TensorFlow, for keras-hub's preprocessor (host)",
@@ -637,6 +763,12 @@ def table(plan: Plan) -> str:
         f"on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)",
         "",
     ]
+    if plan.images:
+        shown = plan.images
+        lines[-1:-1] = [
+            f"images {shown['per_example']} per example, {shown['tokens_per_image']} soft tokens each; "
+            f"{shown['slots']} slots of {shown['image_size']}x{shown['image_size']} a row through the vision encoder"
+        ]
     shapes = [_shape(g) for g in plan.groups]
     width = max(len(s) for s in shapes)
     names = max(18, *(len(g.name) for g in plan.groups))  # Gemma 4's kinds of block name their groups longer

@@ -144,11 +144,12 @@ class Resolved:
         return {name: {"value": d.value, "why": d.why} for name, d in self.decisions.items()}
 
 
-def resolve(cfg: Config, data_format: str, saved: dict | None = None) -> Resolved:
+def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: int = 0) -> Resolved:
     """Decide every `auto` and unset setting of `cfg` for data of `data_format`, and set the process up for them.
 
     saved: dict. The config a checkpoint recorded (state.json's), for a resumed run: what it decided then is
         kept, so the run trains on as it started.
+    images: int. The most pictures a record of the data holds: what --remat auto's plan counts.
     """
     source = presets.resolve(cfg.model.preset)
     decisions: dict[str, Decision] = {}
@@ -164,6 +165,8 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None) -> Resolve
     backend.set_seed(cfg.train.seed)
     decisions["batch_size"] = _batch_size(cfg, saved)
     decisions["learning_rate"] = _learning_rate(cfg, source, saved)
+    if images or cfg.data.images is not None:
+        decisions["images"] = _images(cfg.data.images, images)
     decided = _decided(cfg, decisions)
     distributed = None
     if cfg.distribution.parallel != "none":  # before the model is built: its weights are made sharded
@@ -299,7 +302,9 @@ def _decided(cfg: Config, decisions: dict) -> Config:
     """`cfg` with the decided values in place of its `auto` and unset ones."""
     value = {name: d.value for name, d in decisions.items()}
     cfg = _replace(cfg, "model", precision=value["precision"])
-    cfg = _replace(cfg, "data", template=value["template"])
+    cfg = _replace(
+        cfg, "data", template=value["template"], **({"images": value["images"]} if "images" in value else {})
+    )
     train = dict(batch_size=value["batch_size"], learning_rate=value["learning_rate"])
     if "threads" in value:
         train["threads"] = value["threads"]
@@ -349,6 +354,13 @@ def _batch_size(cfg: Config, saved: dict | None) -> Decision:
     why = f"the {cfg.backend} default"
     batch_size, fitted = distribution.fit_to_data_axis(cfg.distribution, batch_size)
     return Decision(batch_size, f"{why}; {fitted}" if fitted else why)
+
+
+def _images(chosen: int | None, found: int) -> Decision:
+    """Pictures per example, as the plan counts them: the data's, which wins over --images (a setting for plans)."""
+    if chosen is None or chosen == found:
+        return Decision(found, "the most a record of the data holds")
+    return Decision(found, f"the most a record of the data holds; --images {chosen} is for plans without the data")
 
 
 def _learning_rate(cfg: Config, source: presets.Source, saved: dict | None) -> Decision:

@@ -46,7 +46,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
     data = _read(cfg)
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
-    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None)
+    images = max((len(r.images) for r in data.records), default=0)
+    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None, images)
     checkpoint.check_compatible(found, decided.config, data.fingerprints, target)
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
