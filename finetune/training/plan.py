@@ -453,7 +453,7 @@ def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> flo
 
     Inside a block's attention: the scores, heads x patches², and their softmax, which PyTorch and TensorFlow
     make beside them, and XLA in their buffer (JAX on a CPU: XLA's compiled step held 1.0x one copy for
-    tiny-gemma3-vision widened to 256 patches, tests/test_plan_images.py); beside them the block's input, its
+    tiny-gemma3-vision widened to 256 patches, tests/test_plan.py); beside them the block's input, its
     norm and q, k, v (5 x patches x width). The MLP's (patches x intermediate, twice) is the peak instead where it
     is larger. Nothing is kept from one block to the next: the encoder is frozen and the pixels take no gradient,
     so autodiff records none of its pass.
