@@ -540,8 +540,9 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
         if objective.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
-            _score_reference(model.trainer, arrays, order.rows(step)[~scored[order.rows(step)]], w.batch_size, feed)
-            scored[order.rows(step)] = True
+            pairs = order.rows(step)
+            _score_reference(model.trainer, arrays, pairs[~scored[pairs]], w.batch_size, feed)
+            scored[pairs] = True
         ((x, y, sample_weight),) = order.micro_batches(step)
         started = time.perf_counter()
         loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
