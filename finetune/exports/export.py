@@ -305,14 +305,11 @@ def check_transformers_layout(backbone) -> None:
         raise UserError(f"finetune cannot export a {kind} to transformers format; use --format merged")
 
 
-def has_encoder(backbone) -> bool:
-    """Whether the model has an image (or audio) encoder beside its text decoder."""
-    return any(getattr(backbone, name, None) is not None for name in ("vision_encoder", "audio_encoder"))
-
-
 def check_encoders(backbone, fmt: str) -> None:
     """Refuse the formats that cannot carry a model with an image or audio encoder; say which can."""
-    if not has_encoder(backbone):
+    from finetune.model import builder
+
+    if not builder.encoders(backbone):
         return
     kind = type(backbone).__name__
     if fmt == "gguf":

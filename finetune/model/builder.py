@@ -338,6 +338,12 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
     return len(adapted)
 
 
+def encoders(backbone) -> list:
+    """The backbone's image and audio encoders it has (Gemma 3 and 4 with pictures, 3n), beside its text decoder."""
+    found = (getattr(backbone, name, None) for name in ("vision_encoder", "audio_encoder"))
+    return [encoder for encoder in found if encoder is not None]
+
+
 def lora_on_the_decoder(backbone, rank: int, names: list[str]) -> None:
     """keras-hub's backbone.enable_lora on the layers of these names outside the image and audio encoders.
 
@@ -347,8 +353,7 @@ def lora_on_the_decoder(backbone, rank: int, names: list[str]) -> None:
     load_lora_weights index by, so it is kept: the backbone enables no layer, then each chosen one is enabled
     and counted as it would have.
     """
-    encoders = [getattr(backbone, name, None) for name in ("vision_encoder", "audio_encoder")]
-    inside = {id(layer) for encoder in encoders if encoder is not None for layer in encoder._flatten_layers()}
+    inside = {id(layer) for encoder in encoders(backbone) for layer in encoder._flatten_layers()}
     backbone.enable_lora(rank, target_layer_names=[])  # freezes every layer, and counts none
     with_weights = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
     for index, layer in enumerate(with_weights):
