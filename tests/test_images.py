@@ -165,16 +165,35 @@ def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(preset, tmp_pat
     if preset != GEMMA4:
         assert vision.image_size == (32, 32)
         picture = example.inputs["images"]
-        assert picture.shape == (2, 32, 32, 3) and not picture[1].any()  # the second slot is empty
+        assert picture.shape == (1, 32, 32, 3)  # one slot a row: the most pictures a record of the data holds
         np.testing.assert_allclose(picture[0, 0, 0], red / 127.5 - 1, atol=1e-6)
         return
     # Gemma 4's converter: the 32x32 square as 16 patches of 8x8 (each flattened row by row, then channels) with
-    # their (x, y) places, then an empty slot. It scales to [0, 1]; the encoder maps that to [-1, 1] itself.
+    # their (x, y) places. It scales to [0, 1]; the encoder maps that to [-1, 1] itself.
     patches, places = example.inputs["pixel_values"], example.inputs["pixel_position_ids"]
-    assert patches.shape == (2, 16, 192) and places.shape == (2, 16, 2) and not patches[1].any()
+    assert patches.shape == (1, 16, 192) and places.shape == (1, 16, 2)
     np.testing.assert_allclose(patches[0, 5, :3], red / 255, atol=1e-5)
     assert places[0, :5].tolist() == [[0, 0], [1, 0], [2, 0], [3, 0], [0, 1]]
     assert vision.image_size is None and "<|image>" in images.shown("<|image|>x", vision)
+
+
+@pytest.mark.one_backend
+def test_every_row_has_room_for_the_most_pictures_a_record_holds(tmp_path):
+    from finetune.data import templates
+    from finetune.training import prepare
+
+    two = trl(square(tmp_path / "b.png", "blue"), "blue")
+    two["messages"][0]["content"].insert(0, {"type": "image"})
+    two["images"].insert(0, square(tmp_path / "c.png", "green"))
+    text = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}], "images": []}
+    path = write_lines(tmp_path / "mixed.jsonl", [trl(square(tmp_path / "a.png")), two, text])
+    records = formats.read(str(path))[0]
+    made = prepare.pictured_examples(records, templates.get("gemma-chat"), vision_preprocessor(), _cfg("tiny-gemma3-vision"), "x")
+    (_, one), (_, both), (_, text) = made
+    assert [e.inputs["images"].shape[0] for e in (one, both, text)] == [2, 2, 2]
+    assert one.inputs["images"][0].any() and not one.inputs["images"][1].any()  # its second slot is blank
+    assert both.inputs["images"][1].any() and not text.inputs["images"].any()
+    assert not one.inputs["vision_indices"][4:].any() and both.inputs["vision_indices"][4:].all()
 
 
 def vision_preprocessor(preset="tiny-gemma3-vision"):

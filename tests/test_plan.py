@@ -321,13 +321,15 @@ def plan_torch(device=None, **settings):
 @pytest.mark.one_backend
 def test_gemma3_4b_with_a_picture_counts_256_soft_tokens_and_the_frozen_encoder_s_pass():
     planned = plan_torch(**GEMMA3_4B, **{"data.images": 1})
-    assert planned.images == {"per_example": 1, "tokens_per_image": 256, "slots": 2, "image_size": 896}
+    assert planned.images == {"per_example": 1, "tokens_per_image": 256, "slots": 1, "image_size": 896}
     assert any("260 of the 512 tokens" in note and "252 left for the text" in note for note in planned.notes)
-    # keras-hub builds the encoder in float32 under bfloat16; a run feeds it both of a row's image slots. PyTorch
+    # keras-hub builds the encoder in float32 under bfloat16; a run feeds it the one picture a row. PyTorch
     # holds the scores and their softmax at once (XLA, one of them: the JAX test below).
     per_picture = (2 * 16 * 4096**2 + 5 * 4096 * 1152) * 4
     m = planned.memory
-    assert m["vision_forward"] == 2 * per_picture and m["image_pixels"] == 2 * 896 * 896 * 3 * 4
+    assert m["vision_forward"] == per_picture and m["image_pixels"] == 896 * 896 * 3 * 4
+    two = plan_torch(**{**GEMMA3_4B, "model.seq_len": 1024, "data.images": 2})  # two pictures: two slots a row
+    assert two.images["slots"] == 2 and two.memory["vision_forward"] == 2 * per_picture
     assert {g.name: g for g in planned.groups}["vision encoder"].bytes_per_device == 419_816_304 * 4
     held = sum(v for k, v in m.items() if k not in PASSES)
     decoder = m["activations"] + m["logits"] + m["dequantized_kernel"]
@@ -338,9 +340,9 @@ def test_gemma3_4b_with_a_picture_counts_256_soft_tokens_and_the_frozen_encoder_
 
 
 @pytest.mark.one_backend
-def test_batch_size_auto_fits_fewer_rows_with_pictures():
-    def rows(**settings):
-        planned = plan_torch("l4", **{**GEMMA3_4B, "train.batch_size": "auto"}, **settings)
+def test_batch_size_auto_fits_fewer_rows_with_pictures_where_the_encoder_s_pass_is_the_larger():
+    def rows(**settings):  # 272 tokens: one picture's 260 and a short text, whose decoder pass is the smaller
+        planned = plan_torch("l4", **{**GEMMA3_4B, "train.batch_size": "auto", "model.seq_len": 272}, **settings)
         (note,) = [n for n in planned.notes if n.startswith("batch auto")]
         return int(re.search(r"up to (\d+) sequences", note).group(1))
 

@@ -207,7 +207,7 @@ def model_inputs(paths, token_ids, vision: Vision, slots: int, source: str = "")
     (slots x tokens_per_image), the positions of its soft tokens among its input ids, in order, then 0 (a position
     keras-hub's model restores).
 
-    slots: the images every row of the run has room for: the family's limit when the data has images, else 0.
+    slots: the images every row of the run has room for: the most a record of its data holds (0 without).
     """
     inputs = np.asarray(token_ids[:-1])
     positions = np.flatnonzero(inputs == vision.placeholder_id).astype(np.int32)

@@ -406,8 +406,8 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
 
     Each picture becomes tokens_per_image soft tokens between <start_of_image> and <end_of_image>, with a blank
     line either side (images.py, as keras-hub's Gemma3CausalLMPreprocessor writes it): they take their room
-    out of --seq-len, and a record's text is cut to the rest. A run feeds every row the preprocessor's limit
-    of image slots, blank ones beside its pictures, and the encoder encodes them all.
+    out of --seq-len, and a record's text is cut to the rest. A run feeds every row as many image slots as the
+    data's most pictured record holds (N), blank ones beside a row's fewer pictures, and the encoder encodes them.
     """
     count = cfg.data.images or 0
     if not count:
@@ -419,9 +419,9 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
             f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that does: "
             "gemma3_4b, gemma3_12b, gemma3_27b or tiny-gemma3-vision"
         )
-    slots, tokens = int(vision["max_images"]), archs.tokens_per_image(vision)
-    if count > slots:
-        raise UserError(f"--images {count}: {model.name} takes at most {slots} pictures an example "
+    most, tokens = int(vision["max_images"]), archs.tokens_per_image(vision)
+    if count > most:
+        raise UserError(f"--images {count}: {model.name} takes at most {most} pictures an example "
                         "(keras-hub's max_images_per_prompt)")  # fmt: skip
     spent = count * (tokens + _IMAGE_MARKERS)
     if spent >= cfg.model.seq_len:
@@ -429,14 +429,14 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
             f"--images {count} take {spent} tokens ({tokens} soft tokens and {_IMAGE_MARKERS} markers each), "
             f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len"
         )
-    size = int(vision["image_size"])
+    size, slots = int(vision["image_size"]), count
     pixels = slots * size * size * 3 * 4  # float32, as images.pixels converts them
     compute = {"float32": 4, None: _BYTES[precision][1]}.get(vision.get("dtype"), 2)
     notes.append(f"images: {count} an example, {tokens} soft tokens each: {spent} of the {cfg.model.seq_len} "
                  f"tokens with their markers, {cfg.model.seq_len - spent} left for the text (a longer record is cut)")  # fmt: skip
     notes.append(
-        f"images: the frozen vision encoder encodes all {slots} image slots of each row, blank ones too, at "
-        f"{size}x{size}; its forward pass is let go before the decoder's, so the total counts the larger"
+        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, at {size}x{size}; its forward pass "
+        "is let go before the decoder's, so the total counts the larger"
     )
     notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
                  f"row: {_size(2 * pixels)} a record")  # fmt: skip
@@ -767,7 +767,7 @@ def table(plan: Plan) -> str:
         shown = plan.images
         lines[-1:-1] = [
             f"images {shown['per_example']} per example, {shown['tokens_per_image']} soft tokens each; "
-            f"{shown['slots']} slots of {shown['image_size']}x{shown['image_size']} a row through the vision encoder"
+            f"{shown['slots']} of {shown['image_size']}x{shown['image_size']} a row through the vision encoder"
         ]
     shapes = [_shape(g) for g in plan.groups]
     width = max(len(s) for s in shapes)

@@ -212,7 +212,9 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
     written = [images.written(record, vision) for record in records]
     original = {id(w): record for w, record in zip(written, records)}
     pairs = examples(written, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
-    slots = vision.max_images if pictured else 0  # a text-only file feeds no pictures: the encoder is skipped
+    # Every row has room for the most pictures a record holds, the rest blank: one picture a record encodes one
+    # slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
+    slots = max(len(r.images) for r in records)
     return [(original[id(w)], images.attached(example, original[id(w)], vision, slots, source)) for w, example in pairs]
 
 
