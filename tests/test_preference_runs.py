@@ -88,6 +88,7 @@ def test_orpo_and_simpo_lower_their_held_out_loss(method, pairs_file, tmp_path):
     assert metrics["eval_loss"] < metrics["eval_loss_before"]
 
 
+@pytest.mark.backend_neutral  # the reference's log-probabilities are numpy; exact resume: test_checkpoint
 def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_reference_again(
     pairs_file, tmp_path, monkeypatch
 ):
@@ -149,6 +150,7 @@ def test_plan_counts_two_sequences_a_pair():
     assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
 
 
+@pytest.mark.backend_neutral  # pairs and template: Python; DPO's ln 2 start: test_preference
 def test_conversational_pairs_train_on_a_gemma3_preset(tmp_path):
     """TRL's conversational form (a prompt of messages, one assistant message each side), rendered in the family's
     chat turns, trains with DPO on tiny-gemma3."""
