@@ -65,6 +65,7 @@ def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
     assert "eval_reward_accuracy" in header
 
 
+@pytest.mark.backend_neutral  # DPO's scoring runs on every backend above
 def test_eval_generate_and_export_work_on_a_dpo_run(dpo_run, tmp_path):
     out, metrics, _ = dpo_run
     evaluated = invoke("eval", "--run", out)

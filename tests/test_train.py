@@ -140,6 +140,7 @@ def test_overwrite_replaces_a_run(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"  # the user's own files stay
 
 
+@pytest.mark.backend_neutral  # a local preset loads on every backend: test_builder
 def test_training_from_a_local_preset_directory(tmp_path):
     lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=64)
     lm.preprocessor = preprocessor
