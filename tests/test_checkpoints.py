@@ -202,6 +202,7 @@ def tiny_run_and_its_base(tmp_path_factory):
     return metrics, root / "base"
 
 
+@pytest.mark.backend_neutral  # the converted base's logits: the test above
 def test_a_run_on_the_exported_base_starts_at_the_tiny_runs_loss(tiny_run_and_its_base, tmp_path):
     metrics, base = tiny_run_and_its_base
     settings = dict(SETTINGS, **{"model.preset": str(base), "output.dir": str(tmp_path / "run")})
