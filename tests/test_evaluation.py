@@ -122,11 +122,21 @@ def test_no_held_out_records_means_no_evaluation():
 # === Whole runs ===
 
 
+# A high learning rate makes the held-out loss go up and down, so the best is not always the last.
+KEEP_BEST = ("--eval-every", "2", "--keep-best", "--lr", "0.3")
+
+
+@pytest.fixture(scope="module")
+def best_run(tmp_path_factory):
+    """A --keep-best run, never stopped: the tests below only read it."""
+    out = tmp_path_factory.mktemp("best") / "run"
+    train(out, *KEEP_BEST)
+    return out
+
+
 @pytest.mark.backend_neutral
-def test_keep_best_publishes_the_best_held_out_loss_in_history(tmp_path):
-    out = tmp_path / "best"
-    # A high learning rate makes the held-out loss go up and down, so the best is not always the last.
-    train(out, "--eval-every", "2", "--keep-best", "--lr", "0.3")
+def test_keep_best_publishes_the_best_held_out_loss_in_history(best_run):
+    out = best_run
     rows = eval_rows(out)  # history.csv: the evaluations after steps 2, 4, 6 and 8
     best_step, best_loss = min(rows, key=lambda r: r[1])
     published = metrics(out)
@@ -137,12 +147,9 @@ def test_keep_best_publishes_the_best_held_out_loss_in_history(tmp_path):
 
 
 @pytest.mark.backend_neutral
-def test_keep_best_survives_a_kill_and_resume(tmp_path):
-    flags = ("--eval-every", "2", "--keep-best", "--lr", "0.3")
-    whole = tmp_path / "whole"
-    train(whole, *flags)
-    out = tmp_path / "killed"
-    assert run_with_fault(out, "SIGKILL", 6, *flags).returncode == -9
+def test_keep_best_survives_a_kill_and_resume(best_run, tmp_path):
+    whole, out = best_run, tmp_path / "killed"
+    assert run_with_fault(out, "SIGKILL", 6, *KEEP_BEST).returncode == -9
     assert (sorted((out / "checkpoints").iterdir())[-1] / "best.npz").is_file()
     result = invoke("gemma", "--resume", "--output", out)
     assert result.exit_code == 0, result.output + (result.stderr or "")
