@@ -14,6 +14,7 @@ from conftest import SHORT, invoke, run_with_fault, train, train_losses
 from finetune.training import checkpoint, outputs, runs
 
 
+@pytest.mark.backend_neutral  # Ctrl-C's handler, checked on every backend below
 def test_sigterm_saves_a_checkpoint_and_exits_within_the_bound(tmp_path):
     out, mark = tmp_path / "term", tmp_path / "sent"
     result = run_with_fault(out, "SIGTERM", 2, mark=mark)
