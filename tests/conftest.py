@@ -344,15 +344,27 @@ def lora_train_losses(lm, steps=6, learning_rate=1e-2):
     return [float(trainer.train_on_batch(*order.batch(s)[:2], sample_weight=order.batch(s)[2])) for s in range(steps)]
 
 
-# --- one_backend: tests that touch no Keras backend run once, in the PyTorch suite (the fastest) ------------
-# CI runs the suite once per backend; a test of pure-Python code (formats, templates, config, packing, the CLI's
-# parsing) checks the same thing in each, so the JAX and TensorFlow suites leave it out (deselected, not
-# skipped). Mark a module with `pytestmark = pytest.mark.one_backend`, or one test with the decorator.
+# --- one_backend and backend_neutral: tests that run once, in the PyTorch suite (the fastest) ---------------
+# CI runs the suite once per backend; a test that would check the same thing in each runs in one, and the JAX and
+# TensorFlow suites leave it out (deselected, not skipped). Mark a module with `pytestmark = pytest.mark.X`, or
+# one test with the decorator.
+# - one_backend: the test touches no Keras backend (formats, templates, config, packing, the CLI's parsing).
+# - backend_neutral: the test trains or loads a model on a backend, but the behaviour it checks is decided by code
+#   that does not branch on the backend (a run folder's lifecycle, a refusal before or after training, tracking
+#   writers, reports, labels), and another test checks on every backend the backend-dependent part it relies on
+#   (exact resume: test_checkpoint's kill-and-resume tests; numerics: test_backends_agree, test_objective...).
+#   Say which in a comment beside the mark when it is not obvious.
 ONE_BACKEND_SUITE = "torch"
+ONCE = ("one_backend", "backend_neutral")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_backend: touches no Keras backend; runs in the PyTorch suite only")
+    config.addinivalue_line(
+        "markers",
+        "backend_neutral: trains on a backend, but what it checks is decided by code that does not branch on the "
+        "backend, and another test checks the backend-dependent part on every backend; runs in the PyTorch suite only",
+    )
 
 
 def pytest_collection_finish(session):
@@ -368,8 +380,9 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(config, items):
     if BACKEND == ONE_BACKEND_SUITE:
         return
-    kept = [item for item in items if item.get_closest_marker("one_backend") is None]
-    left = [item for item in items if item.get_closest_marker("one_backend") is not None]
+    once = [any(item.get_closest_marker(name) for name in ONCE) for item in items]
+    left = [item for item, marked in zip(items, once) if marked]
+    kept = [item for item, marked in zip(items, once) if not marked]
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

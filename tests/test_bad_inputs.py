@@ -487,6 +487,7 @@ def test_the_corpus_is_large_and_its_names_unique():
     assert len(names) == len(set(names)) and len(names) >= 40
 
 
+@pytest.mark.backend_neutral  # the refusals are Python, before or after a model is built
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_exits_2_with_a_message_and_writes_nothing(case, tmp_path, tiny_args, monkeypatch, request):
     uses_runs = case.command != "gemma" or not case.prefix or case.name.startswith("output-holds")

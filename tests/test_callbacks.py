@@ -11,6 +11,7 @@ from conftest import tensorboard_scalars
 from finetune.training import callbacks
 
 
+@pytest.mark.backend_neutral
 def test_tensorboard_log_writes_train_and_eval_tensorboard_scalars(tmp_path):
     board = callbacks.TensorBoardLog(tmp_path, types.SimpleNamespace(learning_rate=0.5))
     board.on_test_end({"step": 0, "loss": 3.0, "accuracy": 0.25, "perplexity": 20.0, "examples": 4})

@@ -52,6 +52,7 @@ def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
     assert runs.describe(out)["state"] == "finished"
 
 
+@pytest.mark.backend_neutral
 def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_path):
     out = tmp_path / "extend"
     train(out, "--max-steps", "4")
@@ -70,6 +71,7 @@ def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_p
     assert result.exit_code == 2 and "already trained 8 of 8 steps" in result.stderr
 
 
+@pytest.mark.backend_neutral
 def test_resume_to_an_earlier_end(tmp_path):
     """A stop at step 3 (mid-epoch, no evaluation yet) resumed with --max-steps 3 evaluates and publishes;
     an end before the checkpoint is refused; a recipe's `batch_size: null` keeps the run's batch."""
@@ -83,6 +85,7 @@ def test_resume_to_an_earlier_end(tmp_path):
     assert rows[-1]["step"] == "3" and rows[-1]["eval_loss"]
 
 
+@pytest.mark.backend_neutral
 def test_an_overwrite_killed_before_publishing_is_published_by_resume(tmp_path, monkeypatch):
     out = tmp_path / "run"
     train(out, "--max-steps", "2")
@@ -95,6 +98,7 @@ def test_an_overwrite_killed_before_publishing_is_published_by_resume(tmp_path, 
     assert metrics(out)["steps"] == 8 and yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
 
 
+@pytest.mark.backend_neutral
 def test_resume_refuses_data_that_changed(tmp_path):
     data = tmp_path / "data.jsonl"
     records = [{"instruction": f"Say {i}.", "response": f"{i} it is."} for i in range(30)]
@@ -108,6 +112,7 @@ def test_resume_refuses_data_that_changed(tmp_path):
     assert result.exit_code == 2 and "differ from those the checkpoint was trained on" in result.stderr
 
 
+@pytest.mark.backend_neutral
 def test_resume_refuses_held_out_records_that_changed(tmp_path):
     """The scores before and after training compare only on the same held-out records: a resume that would
     evaluate on another --eval-data file, or on the checkpoint's file changed since, exits 2 and leaves the run
@@ -129,6 +134,7 @@ def test_resume_refuses_held_out_records_that_changed(tmp_path):
     train(out, "--resume", "--max-steps", "4")
 
 
+@pytest.mark.one_backend  # numpy arrays and files only
 def test_a_crash_between_writing_and_renaming_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     weights, optimizer = [np.arange(6, dtype=np.float32)], [np.ones(3, np.float32)]
     checkpoint.save(tmp_path, "abc", 2, weights, optimizer, {"step": 2})
@@ -146,6 +152,7 @@ def test_a_crash_between_writing_and_renaming_keeps_the_previous_checkpoint(tmp_
     assert state == {"step": 2}
 
 
+@pytest.mark.one_backend  # numpy arrays and files only
 def test_a_torn_or_corrupt_checkpoint_is_never_loaded(tmp_path):
     for step in (2, 4, 6):
         checkpoint.save(tmp_path, "abc", step, [np.full(4, step, np.float32)], [], {"step": step})
@@ -160,12 +167,14 @@ def test_a_torn_or_corrupt_checkpoint_is_never_loaded(tmp_path):
     assert checkpoint.load(found)[0][0][0] == 2
 
 
+@pytest.mark.backend_neutral
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     out = tmp_path / "kept"
     train(out, "--keep-checkpoints", "1")
     assert [c.step for c in checkpoint.find(out)] == [8]
 
 
+@pytest.mark.backend_neutral
 def test_a_run_that_fails_while_writing_its_results_is_published_by_resume(uninterrupted, tmp_path, monkeypatch):
     out = tmp_path / "late"
 
@@ -184,6 +193,7 @@ def test_a_run_that_fails_while_writing_its_results_is_published_by_resume(unint
         np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
 
 
+@pytest.mark.backend_neutral
 def test_a_full_disk_mid_run_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "full"
     save = checkpoint.save

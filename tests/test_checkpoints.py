@@ -202,6 +202,7 @@ def tiny_run_and_its_base(tmp_path_factory):
     return metrics, root / "base"
 
 
+@pytest.mark.backend_neutral  # the converted base's logits: the test above
 def test_a_run_on_the_exported_base_starts_at_the_tiny_runs_loss(tiny_run_and_its_base, tmp_path):
     metrics, base = tiny_run_and_its_base
     settings = dict(SETTINGS, **{"model.preset": str(base), "output.dir": str(tmp_path / "run")})
@@ -211,6 +212,7 @@ def test_a_run_on_the_exported_base_starts_at_the_tiny_runs_loss(tiny_run_and_it
     assert again["steps"] == 1
 
 
+@pytest.mark.backend_neutral  # the exported base's loss is checked on every backend above
 def test_the_command_trains_on_an_exported_base_in_a_fresh_process(tiny_run_and_its_base, tmp_path):
     metrics, base = tiny_run_and_its_base
     command = Path(sys.executable).with_name("finetune")
@@ -224,6 +226,7 @@ def test_the_command_trains_on_an_exported_base_in_a_fresh_process(tiny_run_and_
     assert abs(typed["eval_loss_before"] - metrics["eval_loss_before"]) < 1e-3
 
 
+@pytest.mark.backend_neutral
 def test_the_command_refuses_an_unreachable_hf_handle_in_seconds(tmp_path):
     command = Path(sys.executable).with_name("finetune")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "empty-cache"), HF_TOKEN="")

@@ -122,10 +122,21 @@ def test_no_held_out_records_means_no_evaluation():
 # === Whole runs ===
 
 
-def test_keep_best_publishes_the_best_held_out_loss_in_history(tmp_path):
-    out = tmp_path / "best"
-    # A high learning rate makes the held-out loss go up and down, so the best is not always the last.
-    train(out, "--eval-every", "2", "--keep-best", "--lr", "0.3")
+# A high learning rate makes the held-out loss go up and down, so the best is not always the last.
+KEEP_BEST = ("--eval-every", "2", "--keep-best", "--lr", "0.3")
+
+
+@pytest.fixture(scope="module")
+def best_run(tmp_path_factory):
+    """A --keep-best run, never stopped: the tests below only read it."""
+    out = tmp_path_factory.mktemp("best") / "run"
+    train(out, *KEEP_BEST)
+    return out
+
+
+@pytest.mark.backend_neutral
+def test_keep_best_publishes_the_best_held_out_loss_in_history(best_run):
+    out = best_run
     rows = eval_rows(out)  # history.csv: the evaluations after steps 2, 4, 6 and 8
     best_step, best_loss = min(rows, key=lambda r: r[1])
     published = metrics(out)
@@ -135,12 +146,10 @@ def test_keep_best_publishes_the_best_held_out_loss_in_history(tmp_path):
     assert finetune.evaluate(out)["loss"] == pytest.approx(best_loss, abs=1e-3)
 
 
-def test_keep_best_survives_a_kill_and_resume(tmp_path):
-    flags = ("--eval-every", "2", "--keep-best", "--lr", "0.3")
-    whole = tmp_path / "whole"
-    train(whole, *flags)
-    out = tmp_path / "killed"
-    assert run_with_fault(out, "SIGKILL", 6, *flags).returncode == -9
+@pytest.mark.backend_neutral
+def test_keep_best_survives_a_kill_and_resume(best_run, tmp_path):
+    whole, out = best_run, tmp_path / "killed"
+    assert run_with_fault(out, "SIGKILL", 6, *KEEP_BEST).returncode == -9
     assert (sorted((out / "checkpoints").iterdir())[-1] / "best.npz").is_file()
     result = invoke("gemma", "--resume", "--output", out)
     assert result.exit_code == 0, result.output + (result.stderr or "")
@@ -151,6 +160,7 @@ def test_keep_best_survives_a_kill_and_resume(tmp_path):
     assert all(np.array_equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
+@pytest.mark.backend_neutral
 def test_early_stop_publishes_the_run_with_the_reason(tmp_path, monkeypatch):
     from finetune.training import scoring
 
@@ -167,6 +177,7 @@ def test_early_stop_publishes_the_run_with_the_reason(tmp_path, monkeypatch):
     assert refused.exit_code == 2 and "stopped early" in refused.stderr
 
 
+@pytest.mark.backend_neutral
 def test_eval_data_with_eval_fraction_0_trains_on_every_record_typed(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", make_records(20))
     held = write_jsonl(tmp_path / "dev.jsonl", make_records(26)[20:])
@@ -182,6 +193,7 @@ def test_eval_data_with_eval_fraction_0_trains_on_every_record_typed(tmp_path):
     assert reported == pytest.approx(metrics(out)["eval_loss"], abs=1e-3)
 
 
+@pytest.mark.backend_neutral
 def test_eval_data_needs_eval_fraction_0(tmp_path):
     held = write_jsonl(tmp_path / "dev.jsonl", make_records(4))
     result = invoke("gemma", *SHORT, "--eval-data", held, "--output", tmp_path / "run")
@@ -189,6 +201,7 @@ def test_eval_data_needs_eval_fraction_0(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.backend_neutral
 def test_eval_fraction_0_without_eval_data_skips_evaluation(tmp_path, small_data):
     out = tmp_path / "none-held"
     result = train(out, "--data", small_data, "--eval-fraction", "0", "--max-records", "24")
@@ -203,6 +216,7 @@ def test_eval_fraction_0_without_eval_data_skips_evaluation(tmp_path, small_data
     assert invoke("runs", out).exit_code == 0
 
 
+@pytest.mark.backend_neutral
 def test_keep_best_without_held_out_records_is_refused(tmp_path):
     result = invoke("gemma", *SHORT, "--eval-fraction", "0", "--keep-best", "--output", tmp_path / "run")
     assert result.exit_code == 2 and "--keep-best needs held-out records" in result.stderr
@@ -218,6 +232,7 @@ def tiny_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.backend_neutral  # generation runs on every backend in test_as_typed; ROUGE-L is Python
 def test_eval_generate_reports_rouge_l_typed(tiny_run):
     pytest.importorskip("rouge_score")
     result = typed("eval", "--run", tiny_run, "--generate", "2", "--backend", BACKEND)
@@ -264,6 +279,7 @@ def test_a_seed_makes_sampling_repeatable_and_greedy_stays_the_default(tiny_run)
         finetune.generate(tiny_run, prompts, top_p=2.0)
 
 
+@pytest.mark.backend_neutral  # the labels are Python; seeded sampling is checked on every backend above
 def test_generate_typed_labels_several_prompts_and_samples(tiny_run):
     flags = ["--run", tiny_run, "--max-new-tokens", "4", "--backend", BACKEND]
     result = typed("generate", *flags, "--prompt", "one", "--prompt", "two", "--top-p", "0.9", "--seed", "3")

@@ -428,6 +428,7 @@ def trained_gemma3(tmp_path_factory):
     return root / "run", tuned, base
 
 
+@pytest.mark.backend_neutral  # Gemma 3's export logits: test_families
 def test_a_gemma3_run_exports_lora_and_merged_for_keras_hub(trained_gemma3, tmp_path):
     """lora (onto the preset with plain keras-hub) and merged (a preset of its own) give the run's logits."""
     import keras_hub
@@ -505,6 +506,7 @@ def variant(request, tmp_path_factory):
     return request.param, out, tuned
 
 
+@pytest.mark.backend_neutral  # the merge is numpy; each variant's forward: test_builder
 def test_a_variant_is_recorded_and_merges_into_the_run_s_logits(variant, tmp_path):
     import keras_hub
 
@@ -687,6 +689,7 @@ def test_gguf_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(trained, tm
 
 
 @gguf_marks
+@pytest.mark.backend_neutral  # the GGUF writer is numpy
 def test_a_gemma3_run_exports_gguf_with_its_norms_and_windows(trained_gemma3, tmp_path):
     import keras
 

@@ -109,6 +109,7 @@ def test_a_tiny_family_preset_trains_and_packs(trained):
     assert len(described["adapted"]) > len(TARGETS)  # every kind of block took its adapters
 
 
+@pytest.mark.backend_neutral  # exact replay: test_checkpoint, and the family killed for real below
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trained, data, tmp_path):
     preset, whole, _, _ = trained
     out = tmp_path / "killed"

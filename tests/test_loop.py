@@ -8,11 +8,13 @@ checkpoint); the rest run in-process through the CLI, on this process' backend.
 import time
 
 import numpy as np
+import pytest
 from conftest import SHORT, invoke, run_with_fault, train, train_losses
 
 from finetune.training import checkpoint, outputs, runs
 
 
+@pytest.mark.backend_neutral  # Ctrl-C's handler, checked on every backend below
 def test_sigterm_saves_a_checkpoint_and_exits_within_the_bound(tmp_path):
     out, mark = tmp_path / "term", tmp_path / "sent"
     result = run_with_fault(out, "SIGTERM", 2, mark=mark)
@@ -34,6 +36,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130_then_resumes(uninterrupted, tmp
     assert train_losses(out) == train_losses(uninterrupted)
 
 
+@pytest.mark.backend_neutral
 def test_the_time_limit_stops_with_a_checkpoint(tmp_path):
     out = tmp_path / "limited"
     result = invoke("gemma", *SHORT, "--time-limit", "1s", "--output", out)
@@ -54,6 +57,7 @@ def test_a_nan_run_is_never_published(tmp_path):
     assert runs.describe(out)["state"] == "failed"
 
 
+@pytest.mark.backend_neutral  # the divergence itself: the test above
 def test_a_nan_run_before_any_checkpoint_leaves_nothing(tmp_path):
     out = tmp_path / "nan"
     result = invoke("gemma", *SHORT, "--lr", "1e9", "--checkpoint-every", "100", "--output", out)
@@ -65,6 +69,7 @@ def test_a_nan_run_before_any_checkpoint_leaves_nothing(tmp_path):
     assert result.exit_code == 2 and [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.backend_neutral  # each backend's out-of-memory error is recognised in test_bad_inputs
 def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     import keras
 

@@ -10,6 +10,10 @@ from finetune.cli import app
 from finetune.platform.errors import UserError
 from finetune.training import checkpoint, outputs, runs
 
+pytestmark = (
+    pytest.mark.backend_neutral
+)  # the run directory's lifecycle is Python; exact resume is checked on every backend in test_checkpoint
+
 
 def test_check_target(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

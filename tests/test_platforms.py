@@ -148,6 +148,7 @@ def test_kaggle_secrets_become_credentials_only_when_none_are_set(kaggle_secrets
     assert not platforms.use_kaggle_secrets() and "KAGGLE_USERNAME" not in os.environ
 
 
+@pytest.mark.backend_neutral
 def test_a_run_with_kaggle_secrets_never_shows_or_writes_them(kaggle_secrets, monkeypatch):
     """gemma_2b_en in a notebook: credentials from the secrets; the tiny model stands in for the download."""
     tiny_build = builder.build

@@ -65,6 +65,7 @@ def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
     assert "eval_reward_accuracy" in header
 
 
+@pytest.mark.backend_neutral  # DPO's scoring runs on every backend above
 def test_eval_generate_and_export_work_on_a_dpo_run(dpo_run, tmp_path):
     out, metrics, _ = dpo_run
     evaluated = invoke("eval", "--run", out)
@@ -88,6 +89,7 @@ def test_orpo_and_simpo_lower_their_held_out_loss(method, pairs_file, tmp_path):
     assert metrics["eval_loss"] < metrics["eval_loss_before"]
 
 
+@pytest.mark.backend_neutral  # the reference's log-probabilities are numpy; exact resume: test_checkpoint
 def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_reference_again(
     pairs_file, tmp_path, monkeypatch
 ):
@@ -149,6 +151,7 @@ def test_plan_counts_two_sequences_a_pair():
     assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
 
 
+@pytest.mark.backend_neutral  # pairs and template: Python; DPO's ln 2 start: test_preference
 def test_conversational_pairs_train_on_a_gemma3_preset(tmp_path):
     """TRL's conversational form (a prompt of messages, one assistant message each side), rendered in the family's
     chat turns, trains with DPO on tiny-gemma3."""

@@ -6,10 +6,13 @@ its two-step run, and through the Python API in test_api.py.
 
 import types
 
+import pytest
 from conftest import SHORT, invoke, run_with_fault, runner
 
 from finetune.cli import app
 from finetune.training import checkpoint, loop, outputs, runs
+
+pytestmark = pytest.mark.backend_neutral  # listing a run's state reads its files
 
 
 def test_runs_lists_each_state(uninterrupted, tmp_path):

@@ -23,6 +23,10 @@ from finetune.platform import storage
 from finetune.platform.errors import UserError
 from finetune.training import outputs
 
+pytestmark = (
+    pytest.mark.backend_neutral
+)  # staging and copying are Python; exact resume is checked on every backend in test_checkpoint
+
 runner = CliRunner()
 SHORT = [
     "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",

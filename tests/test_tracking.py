@@ -11,6 +11,8 @@ from conftest import SHORT, invoke, train
 
 from finetune.training import tracking
 
+pytestmark = pytest.mark.backend_neutral  # the trackers' writers are Python
+
 
 def metrics(out):
     return json.loads((out / "metrics.json").read_text())

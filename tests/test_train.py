@@ -95,6 +95,7 @@ def test_a_two_step_run_writes_every_output(two_step_run):
     ]
 
 
+@pytest.mark.backend_neutral  # packing is data; packed rows' losses: test_attention
 def test_rows_are_packed_by_default_and_padded_with_packing_off(tmp_path):
     # At seq-len 256 several sample records share a row (at 64 none fit together).
     train(tmp_path / "packed", "--seq-len", "256")
@@ -128,6 +129,7 @@ def test_generate_command(two_step_run):
     assert result.exit_code == 0
 
 
+@pytest.mark.backend_neutral
 def test_overwrite_replaces_a_run(tmp_path):
     out = tmp_path / "again"
     train(out, "--max-steps", "1")
@@ -138,6 +140,7 @@ def test_overwrite_replaces_a_run(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"  # the user's own files stay
 
 
+@pytest.mark.backend_neutral  # a local preset loads on every backend: test_builder
 def test_training_from_a_local_preset_directory(tmp_path):
     lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=64)
     lm.preprocessor = preprocessor
@@ -148,6 +151,7 @@ def test_training_from_a_local_preset_directory(tmp_path):
     assert config["resolved"]["preset_kind"] == "local"
 
 
+@pytest.mark.backend_neutral  # Gemma 3 is built on every backend in test_families; the template is Python
 def test_gemma3_preset_directory_with_the_chat_template(tmp_path):
     """The Gemma3CausalLM path, offline: a tiny text-only Gemma 3 saved as a preset."""
     import keras_hub
@@ -175,6 +179,7 @@ def test_default_tiny_run_lowers_the_held_out_loss(tmp_path):
     assert metrics["eval_accuracy"] > metrics["eval_accuracy_before"]
 
 
+@pytest.mark.backend_neutral
 @pytest.mark.skipif(not SHARED_DOLLY.exists(), reason="../shared/data is not beside the checkout")
 def test_real_dolly_records_train(tmp_path):
     train(tmp_path / "dolly", "--data", SHARED_DOLLY, "--seq-len", "256", "--max-steps", "3")
@@ -196,6 +201,7 @@ def test_batch_size_auto_picks_a_size_and_leaves_the_model_untouched(tmp_path):
     assert auto["eval_loss"] == pytest.approx(fixed["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.backend_neutral
 def test_every_epoch_is_evaluated(tmp_path):
     # Without SHORT's --max-steps, which since it follows Hugging Face's would override --epochs.
     flags = SHORT.format(b=BACKEND).replace("--max-steps 2 ", "").split()
@@ -206,6 +212,7 @@ def test_every_epoch_is_evaluated(tmp_path):
     assert float(evals[-1]["eval_loss"]) == pytest.approx(read(tmp_path / "epochs")[0]["eval_loss"])
 
 
+@pytest.mark.backend_neutral
 def test_eval_on_another_file_names_that_file_in_errors(two_step_run, tmp_path):
     long_prompts = tmp_path / "long.jsonl"
     long_prompts.write_text(json.dumps({"instruction": "word " * 200, "response": "ok"}) + "\n")
@@ -230,6 +237,7 @@ def test_an_int4_base_trains_saves_and_reloads_its_adapter(tmp_path):
     assert refused.exit_code == 2 and "trained on an int4 base" in refused.stderr and not (tmp_path / "m").exists()
 
 
+@pytest.mark.backend_neutral
 def test_a_run_trained_on_a_relative_path_evaluates_from_anywhere(tmp_path, monkeypatch):
     from conftest import make_records, write_jsonl
 
@@ -243,6 +251,7 @@ def test_a_run_trained_on_a_relative_path_evaluates_from_anywhere(tmp_path, monk
     invoke("eval", "--run", tmp_path / "run")
 
 
+@pytest.mark.backend_neutral
 def test_a_users_folder_is_refused_and_left_as_it_was(tmp_path):
     """--output . in a notes folder: its samples.md and history.csv are the user's, with or without --overwrite."""
     folder = tmp_path / "notes"
@@ -258,6 +267,7 @@ def test_a_users_folder_is_refused_and_left_as_it_was(tmp_path):
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == mine
 
 
+@pytest.mark.backend_neutral
 def test_chat_records_train_with_no_template_given(tmp_path):
     from conftest import write_jsonl
 
@@ -279,6 +289,7 @@ def test_chat_records_train_with_no_template_given(tmp_path):
         ("chat.json", [chat(i) for i in range(23)] + [CHAT], "gemma-chat"),
     ],
 )
+@pytest.mark.backend_neutral
 def test_every_format_trains(tmp_path, name, rows, template):
     path = tmp_path / name
     if name.endswith(".json"):
@@ -297,16 +308,11 @@ def test_every_format_trains(tmp_path, name, rows, template):
 TRAIN_RUNS = [(fmt, c) for fmt in sorted(BUILDERS) for c in CONTAINERS if c != "csv" or fmt in FLAT]
 
 
-# One container per format on every backend; the whole matrix on JAX, the quickest to build (test_data.py's read
-# test shows every container gives the same records).
-DIAGONAL = {("chat", "json"), ("sharegpt", "parquet"), ("dolly", "csv"), ("alpaca", "jsonl"), ("completion", "csv"),
-            ("text", "parquet")}  # fmt: skip
-
-
+# The whole matrix, once, in the PyTorch suite: which template a format gets is decided in Python, and the run it
+# trains is the same on every backend (test_data.py's read test shows every container gives the same records).
+@pytest.mark.backend_neutral
 @pytest.mark.parametrize("fmt, container", TRAIN_RUNS)
 def test_every_format_trains_with_no_template(tmp_path, fmt, container):
-    if BACKEND != "jax" and (fmt, container) not in DIAGONAL:
-        pytest.skip("the whole matrix runs on JAX; one container per format on the other backends")
     rows = [BUILDERS[fmt](i) for i in range(24)]
     path = write(tmp_path / f"{fmt}.{container}", rows)
     args = f"gemma --preset tiny --backend {BACKEND} --seq-len 128 --batch-size 2 --max-steps 1"
@@ -324,6 +330,7 @@ def test_every_format_trains_with_no_template(tmp_path, fmt, container):
         assert "The number after" in (tmp_path / "r" / "samples.md").read_text()
 
 
+@pytest.mark.backend_neutral
 def test_a_gzipped_jsonl_trains_and_evaluates(tmp_path):
     import gzip
 
