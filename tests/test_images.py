@@ -188,7 +188,9 @@ def test_every_row_has_room_for_the_most_pictures_a_record_holds(tmp_path):
     text = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}], "images": []}
     path = write_lines(tmp_path / "mixed.jsonl", [trl(square(tmp_path / "a.png")), two, text])
     records = formats.read(str(path))[0]
-    made = prepare.pictured_examples(records, templates.get("gemma-chat"), vision_preprocessor(), _cfg("tiny-gemma3-vision"), "x")
+    made = prepare.pictured_examples(
+        records, templates.get("gemma-chat"), vision_preprocessor(), _cfg("tiny-gemma3-vision"), "x"
+    )
     (_, one), (_, both), (_, text) = made
     assert [e.inputs["images"].shape[0] for e in (one, both, text)] == [2, 2, 2]
     assert one.inputs["images"][0].any() and not one.inputs["images"][1].any()  # its second slot is blank
