@@ -8,7 +8,7 @@ import struct
 import time
 
 import pytest
-from conftest import SHORT, invoke, tensorboard_scalars, train
+from conftest import SHORT, invoke, run_with_fault, tensorboard_scalars, train
 
 from finetune.training import tracking
 
@@ -46,6 +46,32 @@ def test_mlflow_logs_params_steps_final_metrics_and_the_adapter(tmp_path, monkey
     assert {m.step: m.value for m in logged} == pytest.approx(rates, rel=1e-6)
     board = tensorboard_scalars(out / "tensorboard" / "train")
     assert board["learning_rate"] == pytest.approx(rates, rel=1e-6) and set(board["grad_norm"]) == set(rates)
+
+
+def test_a_resumed_run_carries_on_its_mlflow_and_wandb_runs(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this test's own client, as a run sets it
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in, so offline
+    out = tmp_path / "run"
+    assert run_with_fault(out, "SIGKILL", 6, "--report-to", "mlflow,wandb").returncode == -9
+    result = invoke("gemma", "--resume", "--output", out)  # --report-to is the run's: the checkpoint keeps it
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    assert not (out / "tensorboard").exists()
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])  # one run, not two
+    assert run.info.status == "FINISHED" and run.info.run_name == metrics(out)["run_id"]
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")}
+    assert steps == set(range(1, 9))  # the steps before the kill, and those after the resume
+    assert run.data.params["lora.rank"] == "4"
+    # W&B: a run file for each session, both of finetune's run id, which `wandb sync` makes one run.
+    files = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2 and all(f.endswith(f"run-{metrics(out)['run_id']}.wandb") for f in files)
 
 
 def wandb_records(run_dir):
