@@ -1,8 +1,8 @@
 # The training container for Vertex AI custom jobs (README: Scale out). It runs `finetune ARGS`:
 #
 #   docker build -t REGION-docker.pkg.dev/PROJECT/finetune/finetune .                          # JAX on CPU
-#   docker build --build-arg JAX_EXTRA=cuda12 -t REGION-docker.pkg.dev/PROJECT/finetune/finetune .  # NVIDIA GPUs
-#   docker build --build-arg JAX_EXTRA=tpu -t REGION-docker.pkg.dev/PROJECT/finetune/finetune .     # Cloud TPUs
+#   docker build --build-arg ACCELERATOR=jax-cuda -t REGION-docker.pkg.dev/PROJECT/finetune/finetune .  # NVIDIA GPUs
+#   docker build --build-arg ACCELERATOR=tpu -t REGION-docker.pkg.dev/PROJECT/finetune/finetune .       # Cloud TPUs
 #   docker push REGION-docker.pkg.dev/PROJECT/finetune/finetune
 #   docker run --rm REGION-docker.pkg.dev/PROJECT/finetune/finetune gemma --recipe tiny      # a smoke test
 #
@@ -24,11 +24,13 @@ WORKDIR /opt/finetune
 COPY pyproject.toml README.md ./
 COPY finetune ./finetune
 
-# Empty: JAX for the CPU. cuda12 for NVIDIA GPUs, tpu for Cloud TPUs.
-ARG JAX_EXTRA=""
-# gcs: --output gs://... (gcsfs); vertex: the tuning metric (cloudml-hypertune).
-RUN pip install ".[jax,gcs,vertex]" \
- && if [ -n "$JAX_EXTRA" ]; then pip install "jax[$JAX_EXTRA]"; fi
+# Empty: JAX for the CPU. jax-cuda for NVIDIA GPUs, tpu for Cloud TPUs: pyproject's own extras, whose pins
+# name the accelerator builds (jax[cuda12], jax[tpu]).
+ARG ACCELERATOR=""
+# gcs: --output gs://... (gcsfs); vertex: the tuning metric (cloudml-hypertune); eval: ROUGE-L for eval --generate;
+# hf: export --format hf and peft. The trackers (mlflow, wandb) are left to an image that reports to them.
+RUN pip install ".[jax,gcs,vertex,eval,hf]" \
+ && if [ -n "$ACCELERATOR" ]; then pip install ".[$ACCELERATOR]"; fi
 
 # Runs without --output land here, inside the container, and are lost with it: give --output gs://BUCKET/PATH
 # (finetune vertex-spec does), or let Vertex AI's AIP_MODEL_DIR choose.
