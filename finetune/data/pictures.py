@@ -66,9 +66,16 @@ def undecoded(rows):
     import datasets
 
     features = getattr(rows, "features", None) or {}
-    if not any(_holds_images(features.get(name), datasets) for name in COLUMNS):
+    held = [name for name in COLUMNS if _holds_images(features.get(name), datasets)]
+    if not held:
         return rows
-    return rows.to_iterable_dataset().decode(False)
+    iterable = rows.to_iterable_dataset()
+    if hasattr(iterable, "decode"):
+        return iterable.decode(False)
+    for name in held:  # datasets before 3.x: a cast, which writes its cache file in the datasets cache
+        plain = datasets.Image(decode=False)
+        rows = rows.cast_column(name, plain if isinstance(features[name], datasets.Image) else [plain])
+    return rows
 
 
 def _holds_images(feature, datasets) -> bool:
