@@ -113,7 +113,8 @@ class MLflowLog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        self.client.log_metric(self.run_id, "train_loss", logs["loss"], step=batch)
+        for name, value in _step_scalars(logs).items():
+            self.client.log_metric(self.run_id, f"train_{name}", value, step=batch)
 
     def on_test_end(self, logs=None):
         step = logs.get("step", self._step)
@@ -179,7 +180,7 @@ class WandbLog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        self.run.log({"train/loss": logs["loss"]}, step=batch)
+        self.run.log({f"train/{name}": value for name, value in _step_scalars(logs).items()}, step=batch)
 
     def on_test_end(self, logs=None):
         names = ("loss", "accuracy", "perplexity")
@@ -202,3 +203,8 @@ class WandbLog(keras.callbacks.Callback):
 
     def __exit__(self, kind, error, trace) -> None:
         self._end(1 if kind is not None else 0)
+
+
+def _step_scalars(logs: dict) -> dict:
+    """A step's loss, and the learning rate and gradient norm it applied where the loop knows them."""
+    return {name: logs[name] for name in ("loss", "learning_rate", "grad_norm") if logs.get(name) is not None}
