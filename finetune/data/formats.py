@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.data import images
+from finetune.data import images, pictures
 from finetune.platform import documents, platforms
 from finetune.platform.errors import UserError
 
@@ -521,6 +521,7 @@ def _from_hugging_face(spec: str, split: str = "train") -> tuple[list[Record], s
     except Exception as e:  # noqa: BLE001 - hub and network errors come in many types
         raise UserError(_hugging_face_refusal(datasets, label, config, split, e)) from None
     where = label if split == "train" else f"{label} ({split})"
+    rows = pictures.undecoded(rows)
     return _records(((f"{where} row {i}", dict(row)) for i, row in enumerate(rows)), where)
 
 
@@ -590,13 +591,27 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
         return _record(obj, where, fmt)
     if fmt == "chat" and "messages" in obj:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
-    paths = images.image_paths(obj, where, source)
+    paths = _pictures(obj, where, source)
     record = _record(obj, where, fmt)
-    if not paths and "images" not in obj:
+    if not paths and "images" not in obj and not (source.startswith("hf:") and "image" in obj):
         return record
     texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
     images.check_placeholders(texts, paths, where)
     return dataclasses.replace(record, images=paths)
+
+
+def _pictures(obj: dict, where: str, source: str) -> tuple:
+    """The record's pictures: image file paths from a file, each checked with Pillow; from hf:NAME, its Image
+    columns' pictures, held in memory (pictures.py) and checked alike."""
+    if not source.startswith("hf:"):
+        return images.image_paths(obj, where, source)
+    held = pictures.in_row(obj, where)
+    if held is None and isinstance(obj.get("images"), list) and obj["images"]:
+        raise UserError(
+            f"{where}: `images` holds file paths, which hf: does not resolve; give the pictures as an Image "
+            "column (datasets.Image), or the records as a JSONL file beside them"
+        )
+    return tuple(images.check(picture, where) for picture in held or ())
 
 
 def _field(obj: dict, name: str, where: str, required: bool = True) -> str:
@@ -782,7 +797,7 @@ def fingerprint(records) -> str:
     digest = hashlib.sha256()
     for r in records:
         fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
-        fields += [list(r.images)] if r.images else []
+        fields += [[pictures.key(p) for p in r.images]] if r.images else []
         fields += [r.rejected] if r.rejected else []  # SFT records' fingerprints stay as they were
         digest.update(json.dumps(fields).encode("utf-8"))
     return digest.hexdigest()

@@ -1,7 +1,8 @@
 """Pictures in training records: read, checked, converted, and laid out beside the token ids.
 
-A record with images carries their paths (Record.images) and one `<image>`
-placeholder in its text where each goes, in order. Two forms are read:
+A record with images carries their paths (Record.images; from hf:NAME, the
+pictures themselves, pictures.py) and one `<image>` placeholder in its text
+where each goes, in order. Two forms are read:
 
 - TRL's: a message's `content` is a list of parts, `{"type": "image"}` or
   `{"type": "text", "text": ...}`, and the record's `images` lists the files;
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from finetune.data import pictures
 from finetune.platform.errors import UserError
 
 PLACEHOLDER = "<image>"
@@ -139,17 +141,19 @@ def image_paths(obj: dict, where: str, source: str) -> tuple[str, ...]:
     return tuple(str(check(folder / p, where)) for p in listed)
 
 
-def check(path: Path, where: str, hint: str = "; paths are relative to the data file") -> Path:
-    """`path` if Pillow can open it as a whole image of a size it decodes within its decompression-bomb limit."""
+def check(path, where: str, hint: str = "; paths are relative to the data file"):
+    """`path` (a Path, or a pictures.Picture held in memory) if Pillow can open it as a whole image of a size it
+    decodes within its decompression-bomb limit."""
     from PIL import Image
 
-    if not path.is_file():
+    held = isinstance(path, pictures.Picture)
+    if not held and not path.is_file():
         raise UserError(f"{where}: image {path} does not exist{hint}")
     try:
         with warnings.catch_warnings():
             # Pillow warns past MAX_IMAGE_PIXELS and raises past twice it; either is too large to train on.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
+            with pictures.opened(path) as image:
                 image.verify()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise UserError(
@@ -160,7 +164,7 @@ def check(path: Path, where: str, hint: str = "; paths are relative to the data 
         raise UserError(f"{where}: {path} is not an image Pillow reads (PNG, JPEG, WebP...)") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt: verify() raises these
         raise UserError(f"{where}: image {path} cannot be read ({str(e).splitlines()[0][:100]})") from None
-    return path.resolve()
+    return path if held else path.resolve()
 
 
 def check_placeholders(texts, images: tuple, where: str) -> None:
@@ -181,11 +185,9 @@ def expand(segments, vision: Vision):
 def pixels(paths, vision: Vision, slots: int) -> dict:
     """The converter's arrays of `slots` image slots: each picture converted by the preset's converter, in order,
     then empty slots (zeros): input name -> (slots, ...) float32 or int32 array."""
-    from PIL import Image
-
     out = {name: np.zeros((slots, *blank.shape), blank.dtype) for name, blank in vision.blank.items()}
     for slot, path in enumerate(paths[:slots]):
-        with Image.open(path) as image:
+        with pictures.opened(path) as image:
             rgb = np.asarray(image.convert("RGB"), np.float32)
         for name, array in _converted(vision.converter, rgb).items():
             out[name][slot] = array
@@ -269,9 +271,7 @@ def generation_input(prompts: list[str], pictures: list, vision: Vision) -> dict
 
 
 def rgb(path) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as image:
+    with pictures.opened(path) as image:
         return np.asarray(image.convert("RGB"))
 
 
@@ -303,15 +303,13 @@ def summary(records) -> list[str]:
     their headers, before the converter resizes them); none for text-only records."""
     from collections import Counter
 
-    from PIL import Image
-
     pictured = [r for r in records if r.images]
     if not pictured:
         return []
     sizes = Counter()
     for record in pictured:
         for path in record.images:
-            with Image.open(path) as image:
+            with pictures.opened(path) as image:
                 sizes["{}x{}".format(*image.size)] += 1
     count = sum(sizes.values())
     most = max(len(r.images) for r in pictured)
