@@ -93,5 +93,7 @@ def test_the_dockerfile_copies_what_pip_install_needs_and_runs_finetune():
     copied = [source for line in lines if line.startswith("COPY ") for source in line.split()[1:-1]]
     assert {"pyproject.toml", "README.md", "finetune"} <= set(copied)  # the readme: pyproject names it
     assert all((REPO / source).exists() and source not in ignored for source in copied)
-    assert 'ENTRYPOINT ["finetune"]' in lines and any('pip install ".[jax,gcs,vertex,eval,hf]"' in line for line in lines)
+    assert 'ENTRYPOINT ["finetune"]' in lines and any(
+        'pip install ".[jax,gcs,vertex,eval,hf]"' in line for line in lines
+    )
     assert 'ARG ACCELERATOR=""' in lines and any('pip install ".[$ACCELERATOR]"' in line for line in lines)
