@@ -201,8 +201,7 @@ def vision_parameter_count(config: dict) -> int:
     """Weights of a Gemma3VisionEncoder from its config: patch convolution, positions, ViT blocks, projection."""
     width, inner = int(config["hidden_dim"]), int(config["intermediate_dim"])
     patch = int(config["patch_size"])
-    patches = (int(config["image_size"]) // patch) ** 2
-    embedding = patch * patch * 3 * width + width + patches * width
+    embedding = patch * patch * 3 * width + width + patches_per_image(config) * width
     # Each block: q, k, v and output projections with biases, two layer norms (scale and bias), the MLP.
     block = 4 * (width * width + width) + 2 * 2 * width + 2 * width * inner + inner + width
     # The encoder's final layer norm, the soft-embedding RMS norm, and the projection to the decoder's width.
@@ -210,8 +209,12 @@ def vision_parameter_count(config: dict) -> int:
     return embedding + int(config["num_layers"]) * block + head
 
 
+def patches_per_image(vision: dict) -> int:
+    """The encoder's sequence for one picture: its square patches (4,096 for Gemma 3's 896x896 in 14x14)."""
+    return (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+
+
 def tokens_per_image(vision: dict) -> int:
     """Soft tokens a picture becomes in the decoder's sequence: its patches, average-pooled (keras-hub's
     Gemma3VisionEncoder.num_vision_tokens_per_image; 256 for Gemma 3)."""
-    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-    return patches // int(vision.get("pool_size", 14)) ** 2
+    return patches_per_image(vision) // int(vision.get("pool_size", 14)) ** 2

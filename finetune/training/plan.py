@@ -458,7 +458,7 @@ def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> flo
     is larger. Nothing is kept from one block to the next: the encoder is frozen and the pixels take no gradient,
     so autodiff records none of its pass.
     """
-    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    patches = archs.patches_per_image(vision)
     attention = (1 if framework == "jax" else 2) * int(vision["num_heads"]) * patches**2
     mlp = 2 * patches * int(vision["intermediate_dim"])
     return (max(attention, mlp) + 5 * patches * int(vision["hidden_dim"])) * compute
