@@ -20,16 +20,10 @@ from finetune.platform.errors import UserError
 MARKS = ("«", "»")  # around the text the loss is taken on
 
 
-def report(
-    path: str,
-    preset: str,
-    template: str,
-    seq_len: int,
-    train_on_prompt: bool = False,
-    example: int = 1,
-    split: str = "train",
-) -> list[str]:
-    """The report's lines. split: of an hf:NAME dataset, the split read (--data-split), as a run reads it."""
+def report(path: str, preset: str, template: str, seq_len: int, example: int = 1, split: str = "train") -> list[str]:
+    """The report's lines, for a run's defaults (the loss on the responses). split: of an hf:NAME dataset, the
+    split read (--data-split), as a run reads it."""
+    train_on_prompt = False
     records, found = formats.read(path, split=split)
     if not 1 <= example <= len(records):
         raise UserError(f"--example {example} is out of range: {path} holds {len(records)} records")
