@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import keras
 import pytest
@@ -126,3 +128,33 @@ def test_a_process_of_ours_keeps_only_the_frameworks_its_run_needs(needed, left_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     # A framework left out is a None in sys.modules, which `import` takes as not installed.
     assert done.stdout.split() == [str(left_out), str(bool(left_out))], done.stdout + done.stderr
+
+
+HEAP = """
+import ctypes, sys
+from finetune.platform import backend
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+libc.free(libc.malloc(16 << 20))  # a freed mapped block raises glibc's mapping threshold: smaller blocks stay in the heap
+blocks = [libc.malloc(8 << 20) for _ in range(64)]
+for block in blocks:
+    ctypes.memset(block, 1, 8 << 20)
+for block in blocks[:-1]:  # the last one stays, so the heap cannot shrink from its top
+    libc.free(block)
+before = resident()
+released = backend.release_freed_host_memory()
+print(released, before - resident())
+"""
+
+
+@pytest.mark.one_backend
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+def test_freed_heap_pages_go_back_to_the_os():
+    done = subprocess.run([sys.executable, "-c", HEAP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    released, returned = done.stdout.split()
+    assert released == "True" and int(returned) > 400 << 20  # most of the 504 MiB freed in the heap

@@ -248,22 +248,26 @@ def settings(out, data, preset="tiny-gemma3-vision", **more):
 @pytest.fixture(scope="module", params=EVERY_BACKEND)
 def trained(request, tmp_path_factory):
     """A 6-step run of a tiny vision preset on 12 pictures, checkpointed every 3 steps: (run directory, data,
-    metrics, preset)."""
+    metrics, preset, the times it handed freed host memory back)."""
     import finetune
+    from finetune.platform import backend
 
     folder = tmp_path_factory.mktemp("pictures")
     data = pictures(folder, 12)
     out = folder / "run"
-    with float32_policy():
+    released = []
+    with float32_policy(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "release_freed_host_memory", lambda: released.append(1) or True)
         metrics = finetune.run(finetune.load_config("tiny", settings(out, data, request.param)))
-    return out, data, metrics, request.param
+    return out, data, metrics, request.param, len(released)
 
 
 def test_a_tiny_vision_preset_trains_and_evaluates_on_pictures(trained):
     import finetune
 
-    out, data, metrics, _ = trained
+    out, data, metrics, _, released = trained
     assert metrics["steps"] == 6 and metrics["packing"] is False and np.isfinite(metrics["eval_loss"])
+    assert released == 6  # on a CPU, after each step: the next step's encoder pass does not stack on its leftovers
     resolved = (out / "config.yaml").read_text()
     assert "the data has images" in resolved
     adapted = [entry["layer"] for entry in json.loads((out / "adapter.json").read_text())["adapted"]]
@@ -277,7 +281,7 @@ def test_a_vision_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(trai
 
     import finetune
 
-    whole, data, _, preset = trained
+    whole, data, _, preset, _ = trained
     if preset == GEMMA4 and BACKEND != "torch":
         pytest.skip("resuming is the same for both families: tiny-gemma4-vision resumes in the PyTorch suite")
     out = tmp_path / "killed"
@@ -295,7 +299,7 @@ def test_generate_takes_pictures_through_the_api(trained):
     import finetune
     from finetune.platform.errors import UserError
 
-    out, data, _, _ = trained
+    out, data, _, _, _ = trained
     picture = str(data.parent / "sq0.png")
     (answer,) = finetune.generate(out, "What colour is this?", images=[picture], max_new_tokens=2)
     assert isinstance(answer, str) and "<img>" not in answer and "<|image|>" not in answer, answer  # soft tokens
@@ -339,7 +343,7 @@ def test_a_merged_export_of_a_vision_run_gives_its_outputs_on_a_picture_in_keras
     import finetune
     from finetune.training import runs
 
-    out, data, _, preset = trained
+    out, data, _, preset, _ = trained
     if preset == GEMMA4:
         pytest.skip("keras-hub 0.32's Gemma4ImageConverter.get_config leaves out max_soft_tokens and "
                     "pooling_kernel_size: a saved tiny-gemma4-vision reloads a converter of Gemma 4's sizes")  # fmt: skip

@@ -89,3 +89,21 @@ def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoint(tmp_p
     assert "out of memory at step 3 with batch 2, seq-len 64, rank 4" in message and "--batch-size" in message
     assert "checkpoint at step 2 is kept" in message and "Traceback" not in result.output
     assert checkpoint.latest(out).step == 2 and outputs.read_status(out)["state"] == "failed"
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize("release", [True, False])
+def test_a_run_that_asks_hands_freed_host_memory_back_after_each_micro_batch(release, monkeypatch):
+    import os
+
+    from test_evaluation import Order, Trainer
+
+    from finetune.platform import backend
+    from finetune.training import loop
+
+    calls = []
+    monkeypatch.setattr(backend, "release_freed_host_memory", lambda: calls.append(1) or True)
+    hooks = loop.Hooks(loop.Evaluation(None), lambda progress: None, out=open(os.devnull, "w"))
+    plan = loop.Plan(3, checkpoint_every=100, release_host_memory=release)
+    loop.Loop(Trainer(), Order(), loop.Progress(), plan, hooks).run()
+    assert len(calls) == (3 if release else 0)

@@ -144,6 +144,9 @@ class Plan:
         and saves are timed, and the loop stops when the next of them might not end in time.
     divergence_advice: str. What to try when the loss is not finite.
     settings: str. The batch size, seq-len and rank, named when a step runs out of memory.
+    release_host_memory: bool. Hand the heap's freed pages back to the OS after each micro-batch
+        (backend.release_freed_host_memory): a run with pictures on a CPU, whose encoder's pass would otherwise
+        stack on the last micro-batch's freed activations.
     """
 
     total_steps: int
@@ -151,6 +154,7 @@ class Plan:
     deadline: float | None = None
     divergence_advice: str = ""
     settings: str = ""
+    release_host_memory: bool = False
 
 
 @dataclass
@@ -191,6 +195,7 @@ class Loop:
         self.deadline = plan.deadline
         self.divergence_advice = plan.divergence_advice
         self.settings = plan.settings
+        self.release_host_memory = plan.release_host_memory
         self.last_saved = hooks.last_saved
         self.callbacks = list(hooks.callbacks)
         self.out = hooks.out or sys.stdout  # looked up now: notebooks and tests swap sys.stdout
@@ -270,6 +275,8 @@ class Loop:
             losses.append(float(logs["loss"]))
             reported.append({name: float(value) for name, value in logs.items() if name != "loss"})
             shapes.add(tuple(x["token_ids"].shape))
+            if self.release_host_memory:
+                backend.release_freed_host_memory()
         seconds = time.perf_counter() - started
         loss = sum(losses) / len(losses)
         if not math.isfinite(loss):

@@ -235,7 +235,8 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
             tracker.on_test_end({"step": 0, **start.eval_before})
     advice = divergence_advice(run)
     plan = loop.Plan(session.total_steps, cfg.train.checkpoint_every, run.deadline, advice,
-                     f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}")  # fmt: skip
+                     f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}",
+                     release_host_memory=run.device == "cpu" and bool(cfg.data.images))  # fmt: skip
     scores = session.held_out.metrics if session.held_out else None
     hooks = loop.Hooks(
         evaluation=loop.Evaluation(scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop),
