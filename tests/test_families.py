@@ -299,7 +299,8 @@ def coloured_squares(directory, n=4):
 
 def test_a_gemma4_preset_keeps_its_vision_encoder_for_a_run_on_pictures_alone(gemma4_vision_dir, tmp_path):
     """Pictures build the preset with its vision encoder and image converter (no audio encoder); the run's
-    recorded decision brings them back for load, generate and export; a text run's model has neither."""
+    recorded decision brings them back to load it (eval and generate) and export it; a text run's model has neither.
+    Generating from a picture: the command-line test below, and tests/test_images.py on every backend."""
     import keras
     import yaml
 
@@ -315,8 +316,8 @@ def test_a_gemma4_preset_keeps_its_vision_encoder_for_a_run_on_pictures_alone(ge
                  "data.eval_fraction": 0, "train.samples": 0, "backend": BACKEND, "output.dir": str(out)}  # fmt: skip
         assert finetune.run(finetune.load_config("tiny", flags))["steps"] == 2
         loaded = finetune.load(out)
-        answer = finetune.generate(out, "What colour is this?", images=[str(tmp_path / "sq1.png")], max_new_tokens=2)
         finetune.export(out, "lora", tmp_path / "lora")  # the base rebuilt with its encoder: adapter.json fits it
+        finetune.export(out, "merged", tmp_path / "merged")
         cfg = runs.open_run(out).config  # the same run's, as a text file would have recorded it
         text = resolve.finished(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, images=None)))
         text_model = builder.build_model(source, text.recipe(train=False))
@@ -329,7 +330,9 @@ def test_a_gemma4_preset_keeps_its_vision_encoder_for_a_run_on_pictures_alone(ge
     assert yaml.safe_load((out / "config.yaml").read_text())["data"]["images"] == 1
     adapted = [entry["layer"] for entry in json.loads((out / "adapter.json").read_text())["adapted"]]
     assert adapted and all(name.startswith("decoder_block_") for name in adapted), adapted
-    assert loaded.backbone.vision_encoder is not None and answer[0]
+    assert loaded.backbone.vision_encoder is not None
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())["config"]
+    assert merged["vision_encoder"] is not None and merged["audio_encoder"] is None
     assert builder.encoders(text_model.lm.backbone) == [] and text_model.preprocessor.image_converter is None
 
 
