@@ -535,7 +535,7 @@ def eval_(
 
 
 @app.command("data")
-@with_settings(config_module.Config, "model.preset", "data.template", "model.seq_len")
+@with_settings(config_module.Config, "model.preset", "data.template", "model.seq_len", "data.split")
 @funneled("out of memory while counting tokens; lower --seq-len, or check a part of the file")
 def data_(
     settings: dict,
@@ -558,10 +558,12 @@ def data_(
     preset = typed.get("model.preset", D.model.preset)
     template = typed.get("data.template", D.data.template)
     seq_len = typed.get("model.seq_len", D.model.seq_len)
+    split = typed.get("data.split", D.data.split)
     config_module.check("model.preset", preset)
     config_module.check("data.template", template)
     config_module.check("model.seq_len", seq_len, name="--seq-len")
-    for line in datacheck.report(file, preset, template, seq_len, example=example):
+    config_module.check("data.split", split, name="--data-split")
+    for line in datacheck.report(file, preset, template, seq_len, example=example, split=split):
         print(line)
 
 

@@ -223,3 +223,21 @@ def test_a_run_with_lora_s_variants_resumes_to_the_same_adapter(tmp_path):
     for name in expected:
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
     assert train_losses(split) == train_losses(whole)
+
+
+@pytest.mark.one_backend  # the saved config's keys only
+def test_a_checkpoint_of_finetune_0_1_0_is_refused_naming_the_version(tmp_path):
+    from types import SimpleNamespace
+
+    from finetune import config as config_module
+    from finetune.platform.errors import UserError
+
+    cfg = config_module.load(None, {})
+    saved = cfg.to_dict()
+    for key in ("lr_schedule", "max_grad_norm", "warmup_steps", "warmup_ratio", "min_lr_ratio", "grad_accum"):
+        del saved["train"][key]  # 0.1.0 had none of these
+    found = SimpleNamespace(state=lambda: {"config": saved, "data_fingerprint": "x"})
+    with pytest.raises(UserError, match=r"written by finetune 0\.1\.0, whose optimizer state this version"):
+        checkpoint.check_compatible(found, cfg, ("x", None), tmp_path)
+    found = SimpleNamespace(state=lambda: {"config": cfg.to_dict(), "data_fingerprint": "x"})
+    checkpoint.check_compatible(found, cfg, ("x", None), tmp_path)  # this version's: nothing to refuse

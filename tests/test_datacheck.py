@@ -4,6 +4,7 @@ trained text marked.
 How each format is read is test_data.py's; how each is rendered and weighted is test_templates.py's.
 """
 
+import pytest
 from conftest import CHAT, completion, text, write
 from typer.testing import CliRunner
 
@@ -51,3 +52,22 @@ def test_finetune_data_reads_a_compressed_file(tmp_path):
     result = CliRunner().invoke(app, ["data", str(packed), "--preset", "tiny", "--seq-len", "64"])
     assert result.exit_code == 0, result.output
     assert "format: completion (prompt, completion), 5 records" in result.output.splitlines()
+
+
+@pytest.mark.backend_neutral  # the split is read by `datasets`; the tokens are counted as in the tests above
+def test_finetune_data_reads_the_split_a_run_would(tmp_path, monkeypatch):
+    from test_formats import dolly, hub_layout
+
+    pytest.importorskip("datasets")
+    for name, value in (("HF_DATASETS_CACHE", str(tmp_path / "cache")), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_DATASETS_OFFLINE", "1")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    folder = hub_layout(tmp_path / "set", {"main": {"train": [dolly(i) for i in range(4)], "test": [dolly(9)]}})
+    command = ["data", f"hf:{folder}:main", "--preset", "tiny", "--seq-len", "64"]
+    result = CliRunner().invoke(app, [*command, "--data-split", "test"])
+    assert result.exit_code == 0, result.output
+    assert ", 1 records" in result.output  # the test split's
+    assert "What is 9 plus 10?" in result.output
+    assert "4 records" in CliRunner().invoke(app, command).output  # train, as a run reads by default
+    refused = CliRunner().invoke(app, [*command, "--data-split", "validation"])
+    assert refused.exit_code == 2 and "choose one of train, test with --data-split" in refused.output

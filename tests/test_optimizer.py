@@ -205,6 +205,14 @@ def test_four_micro_batches_of_one_train_as_one_batch_of_four(tmp_path):
     assert split["eval_loss"] != pytest.approx(split["eval_loss_before"], rel=1e-3)  # it did train
     norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in zip(whole_rows, split_rows) if a["grad_norm"]]
     assert len(norms) == 4 and all(a == pytest.approx(b, rel=1e-3) for a, b in norms)
+    # The free-space check sizes a checkpoint with the summed gradients that --grad-accum keeps (one copy more).
+    from finetune.training import train
+
+    for out, run in ((tmp_path / "whole", whole), (tmp_path / "split", split)):
+        newest = sorted((out / "checkpoints").iterdir())[-1]
+        written = sum(f.stat().st_size for f in newest.glob("*.npz"))
+        planned = train.checkpoint_bytes(run["trainable_parameters"], run["grad_accum"]) - 2**20
+        assert 0.95 * planned < written <= planned + 2**20, (out.name, written, planned)
 
 
 def test_history_logs_each_step_s_learning_rate_and_finite_gradient_norm(tmp_path):

@@ -179,7 +179,7 @@ def metrics_run_id(out):
 
 def test_a_run_config_used_as_a_recipe_never_replaces_the_run(uninterrupted, tmp_path):
     config = yaml.safe_load((uninterrupted / "config.yaml").read_text())
-    assert config["output"] == {"dir": None, "overwrite": False}
+    assert config["output"] == {"dir": None, "overwrite": False, "report_to": ["tensorboard"]}
     result = invoke("gemma", "--recipe", uninterrupted / "config.yaml", "--output", uninterrupted)
     assert result.exit_code == 2 and "already holds a run" in result.stderr
 

@@ -145,6 +145,19 @@ def test_lora_counts_follow_the_factor_shapes():
     assert planned.memory["optimizer"] == 2 * planned.memory["lora_weights"] == 2 * planned.lora_parameters * 4
 
 
+@pytest.mark.backend_neutral  # the count is the plan's Python; DoRA's magnitudes are built on every backend: test_builder
+def test_dora_adds_a_magnitude_for_each_output_of_each_adapted_kernel():
+    from finetune.config import LoraConfig
+    from finetune.model import builder, presets
+
+    targets = ["query", "value", "attention_output", "ffw_gating", "ffw_linear"]
+    settings = {"model.preset": "tiny", "lora.targets": targets, "lora.rank": 2}
+    plain, dora = make(**settings), make(**settings, **{"lora.dora": True})
+    lm, _ = builder.build(presets.resolve("tiny"), seq_len=32)
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=targets, dora=True))
+    assert dora.lora_parameters == builder.trainable_parameters(lm) > plain.lora_parameters
+
+
 def test_refusals_exit_2_with_a_message():
     for args, message in [
         (["--target", "query,mlp"], "unknown LoRA target 'mlp'"),

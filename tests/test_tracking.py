@@ -1,5 +1,6 @@
 """--report-to: MLflow and Weights & Biases runs, each read back from its local store; a missing extra is refused."""
 
+import csv
 import glob
 import importlib.util
 import json
@@ -7,7 +8,7 @@ import struct
 import time
 
 import pytest
-from conftest import SHORT, invoke, train
+from conftest import SHORT, invoke, run_with_fault, tensorboard_scalars, train
 
 from finetune.training import tracking
 
@@ -24,7 +25,9 @@ def test_mlflow_logs_params_steps_final_metrics_and_the_adapter(tmp_path, monkey
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    train(out, "--report-to", "tensorboard,mlflow", "--eval-every", "4")
+    train(
+        out, "--report-to", "tensorboard,mlflow", "--eval-every", "4", "--lr-schedule", "linear", "--warmup-steps", "2"
+    )
     client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == metrics(out)["run_id"]
@@ -34,7 +37,41 @@ def test_mlflow_logs_params_steps_final_metrics_and_the_adapter(tmp_path, monkey
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")) == [0, 4, 8]
     assert run.data.metrics["final.eval_loss"] == pytest.approx(metrics(out)["eval_loss"])
     assert "adapter.lora.h5" in [a.path for a in client.list_artifacts(run.info.run_id)]
-    assert (out / "tensorboard").is_dir()
+    # Each step's own learning rate, as history.csv has it (checked against transformers' schedules in
+    # test_optimizer), in both trackers: warm-up and decay make every step's differ from the next one's.
+    rows = csv.DictReader((out / "history.csv").open())
+    rates = {int(r["step"]): float(r["learning_rate"]) for r in rows if r["train_loss"]}
+    assert len(rates) == 8 and all(rates[step] != rates[step + 1] for step in range(1, 8))
+    logged = client.get_metric_history(run.info.run_id, "train_learning_rate")
+    assert {m.step: m.value for m in logged} == pytest.approx(rates, rel=1e-6)
+    board = tensorboard_scalars(out / "tensorboard" / "train")
+    assert board["learning_rate"] == pytest.approx(rates, rel=1e-6) and set(board["grad_norm"]) == set(rates)
+
+
+def test_a_resumed_run_carries_on_its_mlflow_and_wandb_runs(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this test's own client, as a run sets it
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in, so offline
+    out = tmp_path / "run"
+    assert run_with_fault(out, "SIGKILL", 6, "--report-to", "mlflow,wandb").returncode == -9
+    result = invoke("gemma", "--resume", "--output", out)  # --report-to is the run's: the checkpoint keeps it
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    assert not (out / "tensorboard").exists()
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])  # one run, not two
+    assert run.info.status == "FINISHED" and run.info.run_name == metrics(out)["run_id"]
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")}
+    assert steps == set(range(1, 9))  # the steps before the kill, and those after the resume
+    assert run.data.params["lora.rank"] == "4"
+    # W&B: a run file for each session, both of finetune's run id, which `wandb sync` makes one run.
+    files = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(files) == 2 and all(f.endswith(f"run-{metrics(out)['run_id']}.wandb") for f in files)
 
 
 def wandb_records(run_dir):

@@ -21,10 +21,16 @@ MARKS = ("«", "»")  # around the text the loss is taken on
 
 
 def report(
-    path: str, preset: str, template: str, seq_len: int, train_on_prompt: bool = False, example: int = 1
+    path: str,
+    preset: str,
+    template: str,
+    seq_len: int,
+    train_on_prompt: bool = False,
+    example: int = 1,
+    split: str = "train",
 ) -> list[str]:
-    """The report's lines."""
-    records, found = formats.read(path)
+    """The report's lines. split: of an hf:NAME dataset, the split read (--data-split), as a run reads it."""
+    records, found = formats.read(path, split=split)
     if not 1 <= example <= len(records):
         raise UserError(f"--example {example} is out of range: {path} holds {len(records)} records")
     family_chat = families.get(presets.family_of(preset)).chat_template

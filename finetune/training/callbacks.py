@@ -26,8 +26,8 @@ class TensorBoardLog(keras.callbacks.Callback):
 
     Args:
         log_dir: Path. The TensorBoard log directory (`<run>/tensorboard`).
-        optimizer: keras.optimizers.Optimizer. Its learning rate is logged as it
-            is at each step, so a schedule shows as one.
+        optimizer: keras.optimizers.Optimizer. Its learning rate is logged for a step whose logs do not
+            name the rate the step applied.
     """
 
     def __init__(self, log_dir: Path, optimizer):
@@ -40,10 +40,15 @@ class TensorBoardLog(keras.callbacks.Callback):
         self._step = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        """batch: int. The run's step just taken; logs: loss, tokens and seconds of that step."""
+        """batch: int. The run's step just taken; logs: loss, tokens and seconds of that step, and the learning
+        rate and gradient norm it applied (optimizer.step_record) where the optimizer reports them."""
         self._step = batch
-        learning_rate = float(np.asarray(keras.ops.convert_to_numpy(self.optimizer.learning_rate)))
+        learning_rate = logs.get("learning_rate")
+        if learning_rate is None:  # by now the optimizer's rate is the next step's: the best there is
+            learning_rate = float(np.asarray(keras.ops.convert_to_numpy(self.optimizer.learning_rate)))
         scalars = {"loss": logs["loss"], "learning_rate": learning_rate}
+        if logs.get("grad_norm") is not None:
+            scalars["grad_norm"] = logs["grad_norm"]
         if logs.get("seconds"):
             scalars["tokens_per_second"] = logs["tokens"] / logs["seconds"]
         self._files["train"].scalars(batch, scalars)

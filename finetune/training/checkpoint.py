@@ -33,6 +33,7 @@ import numpy as np
 
 from finetune.platform import storage
 from finetune.platform.errors import UserError
+from finetune.platform.version import __version__
 from finetune.training import loop
 
 DIRECTORY = "checkpoints"
@@ -348,6 +349,13 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
     if found is None:
         return
     saved = found.state()
+    if "lr_schedule" not in saved["config"].get("train", {}):
+        # finetune 0.1.0 wrote checkpoints before learning-rate schedules and clipping: its optimizer state is
+        # another optimizer's, so no setting could make this run continue it.
+        raise UserError(
+            f"cannot resume {target}: its checkpoint was written by finetune 0.1.0, whose optimizer state this "
+            f"version ({__version__}) cannot continue; start a new run with another --output"
+        )
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since

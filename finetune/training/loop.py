@@ -165,7 +165,8 @@ class Hooks:
         `evaluation.every` steps and after the last step.
     save_checkpoint: callable(progress), called every `checkpoint_every` steps, after each evaluation, and
         before stopping on a signal or the time limit.
-    callbacks: keras Callbacks (callbacks.py) told of each step (on_train_batch_end, with the run's step),
+    callbacks: keras Callbacks (callbacks.py) told of each step (on_train_batch_end, with the run's step, and
+        logs of its loss, tokens, seconds, and the learning rate and gradient norm it applied where known),
         evaluation (on_test_end) and the end of training (on_train_end).
     last_saved: int or None. The step of the checkpoint a resumed run started from.
     eval_seconds: float. How long the evaluation before training took: the first guess of the next one's.
@@ -239,7 +240,8 @@ class Loop:
                 self._shapes.update(shapes)
                 self._report.step(progress.step, loss, self.tokens_per_second())
                 for callback in self.callbacks:
-                    callback.on_train_batch_end(progress.step, {"loss": loss, "tokens": tokens, "seconds": seconds})
+                    logs = {"loss": loss, "tokens": tokens, "seconds": seconds, **applied}
+                    callback.on_train_batch_end(progress.step, logs)
 
                 evaluate = self.evaluation.due(progress.step, order.steps_per_epoch, self.total_steps)
                 if evaluate:

@@ -662,8 +662,9 @@ def _document(path: Path) -> documents.Document | None:
 def run_config(cfg) -> dict:
     """config.yaml's settings: the run's config as resolved, a recipe for a new run."""
     config = cfg.to_dict()
-    # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it.
-    config["output"] = {"dir": None, "overwrite": False}
+    # A run's config.yaml is a recipe for a new run: it must not name this directory or replace it. Its trackers
+    # stay: a resumed run (whose base this is) reports where it began, and so does a run made from the recipe.
+    config["output"] = {**config["output"], "dir": None, "overwrite": False}
     return config
 
 

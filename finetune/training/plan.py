@@ -316,7 +316,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         notes += [fitted] if fitted else []
     kernels = [p for p in placements if p.shape]
     groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
-    lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank)
+    lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank, cfg.lora.dora)
     memory = {
         "weights": sum(g.bytes_per_device for g in groups),
         # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each,
@@ -522,8 +522,9 @@ def _dequantized_kernel(groups: list[Group], quantize: str | None, layers: int, 
     return weights * ((1 if quantize == "int4" else 0) + 3 * compute)
 
 
-def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> int:
-    """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis)."""
+def _lora_parameters(model: Model, kernels, targets: list[str], rank: int, dora: bool = False) -> int:
+    """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis); with
+    DoRA, a magnitude for each of the kernel's outputs beside them (_outputs)."""
     family = families.get(model.family)
     own_names = {layer: target for target, layer in family.layers.items()}  # Gemma 3n's q_proj is query
     adaptable = list(dict.fromkeys(p.rule.target for p in kernels if p.rule.target))
@@ -539,8 +540,19 @@ def _lora_parameters(model: Model, kernels, targets: list[str], rank: int) -> in
             )
         for p in kernels:
             if p.rule.target == target:
-                total += p.copies * (math.prod(p.shape[:-1]) * rank + rank * p.shape[-1])
+                factors = math.prod(p.shape[:-1]) * rank + rank * p.shape[-1]
+                total += p.copies * (factors + (_outputs(p) if dora else 0))
     return total
+
+
+def _outputs(kernel) -> int:
+    """A kernel's outputs: its shape without the axis it sums over, the hidden one (D) of a kernel that reads the
+    residual stream (query H,D,h gives H*h), or, for one that writes it (attention_output H,h,D, ffw_linear F,D),
+    its last."""
+    symbols = kernel.rule.shape_of.split(",") if kernel.rule.shape_of else []
+    if len(symbols) == len(kernel.shape) and "D" in symbols[:-1]:
+        return math.prod(kernel.shape) // kernel.shape[symbols.index("D")]
+    return kernel.shape[-1]
 
 
 def _parameters(model: Model, notes: list[str]) -> int:

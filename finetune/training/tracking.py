@@ -52,14 +52,15 @@ def flat(settings: dict, prefix: str = "") -> dict:
 def open_trackers(report_to: list[str], stack: contextlib.ExitStack, run_dir: Path, optimizer, run: dict) -> list:
     """The trackers --report-to names, entered on `stack` so that each ends with the run, however it ends.
 
-    run: dict. name (the run's id) and params (its config, as config.yaml holds it).
+    run: dict. name (the run's id), params (its config, as config.yaml holds it) and resumed (whether this
+        session resumes it from a checkpoint: MLflow and W&B then carry on the tracker's run it began).
     """
     found = []
     for name in report_to:
         if name == "tensorboard":
             found.append(callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, optimizer))
         elif name == "mlflow":
-            found.append(MLflowLog(run_dir, run["name"], flat(run["params"])))
+            found.append(MLflowLog(run_dir, run["name"], flat(run["params"]), run.get("resumed", False)))
         elif name == "wandb":
             found.append(WandbLog(run_dir, run["name"], flat(run["params"])))
     return [stack.enter_context(tracker) for tracker in found]
@@ -89,9 +90,11 @@ class MLflowLog(keras.callbacks.Callback):
         run_dir: Path. The run directory; its `mlruns/` is the store unless MLFLOW_TRACKING_URI is set.
         name: str. The MLflow run's name: finetune's run id.
         params: dict. Dotted setting keys to values.
+        resumed: bool. The run resumes from a checkpoint: the MLflow run of that name carries on (its params as
+            they were logged), or a new one starts where none is found (another store).
     """
 
-    def __init__(self, run_dir: Path, name: str, params: dict):
+    def __init__(self, run_dir: Path, name: str, params: dict, resumed: bool = False):
         super().__init__()
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -104,16 +107,29 @@ class MLflowLog(keras.callbacks.Callback):
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(EXPERIMENT)
-        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        for start in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
+        earlier = self._earlier_run(experiment_id, name) if resumed else None
+        if earlier is not None:
+            self.run_id = earlier
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            for start in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+                self.client.log_batch(self.run_id, params=items[start : start + 100])
         self._step = 0
         self._ended = False
 
+    def _earlier_run(self, experiment_id: str, name: str) -> str | None:
+        """The id of the newest MLflow run named `name` (a run id is 8 hex digits: nothing to quote)."""
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"]
+        )
+        return found[0].info.run_id if found else None
+
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        self.client.log_metric(self.run_id, "train_loss", logs["loss"], step=batch)
+        for name, value in _step_scalars(logs).items():
+            self.client.log_metric(self.run_id, f"train_{name}", value, step=batch)
 
     def on_test_end(self, logs=None):
         step = logs.get("step", self._step)
@@ -170,16 +186,18 @@ class WandbLog(keras.callbacks.Callback):
         mode = os.environ.get("WANDB_MODE") or ("online" if _logged_in() else "offline")
         settings = wandb.Settings(silent=True, console="off")
         self.wandb = wandb
+        # The run's id is finetune's: a resumed run carries on the W&B run it began (offline, a second run file
+        # of the same id, which `wandb sync` adds to it).
         self.run = wandb.init(
-            dir=str(run_dir), project=EXPERIMENT, name=name, config=params, mode=mode, settings=settings,
-            reinit="create_new",
+            dir=str(run_dir), project=EXPERIMENT, name=name, id=name, resume="allow", config=params, mode=mode,
+            settings=settings, reinit="create_new",
         )  # fmt: skip
         self._step = 0
         self._ended = False
 
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        self.run.log({"train/loss": logs["loss"]}, step=batch)
+        self.run.log({f"train/{name}": value for name, value in _step_scalars(logs).items()}, step=batch)
 
     def on_test_end(self, logs=None):
         names = ("loss", "accuracy", "perplexity")
@@ -202,3 +220,8 @@ class WandbLog(keras.callbacks.Callback):
 
     def __exit__(self, kind, error, trace) -> None:
         self._end(1 if kind is not None else 0)
+
+
+def _step_scalars(logs: dict) -> dict:
+    """A step's loss, and the learning rate and gradient norm it applied where the loop knows them."""
+    return {name: logs[name] for name in ("loss", "learning_rate", "grad_norm") if logs.get(name) is not None}

@@ -53,7 +53,8 @@ def run(cfg: Config, resume: bool = False) -> dict:
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
     session = _session(decided, data, job, found, phase)
     checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
-    outputs.check_free_space(target.path, checkpoint_bytes(session.model.lm) * (cfg.train.keep_checkpoints + 2))
+    size = checkpoint_bytes(builder.trainable_parameters(session.model.lm), cfg.train.grad_accum, cfg.eval.keep_best)
+    outputs.check_free_space(target.path, size * (cfg.train.keep_checkpoints + 2))
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
     start = _start(session, data.fingerprints, target)
@@ -228,7 +229,7 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
     status.json as it goes."""
     run, trainer = session.run, session.model.trainer
     cfg = run.config
-    about = {"name": start.run_id, "params": start.config}
+    about = {"name": start.run_id, "params": start.config, "resumed": session.found is not None}
     trackers = tracking.open_trackers(cfg.output.report_to, stack, claim.path, trainer.optimizer, about)
     if session.found is None and start.eval_before:  # None: nothing held out
         for tracker in trackers:
@@ -365,9 +366,12 @@ def divergence_advice(run: resolve.Resolved) -> str:
     return f"Try a lower learning rate (--lr {lower}; this run used {run.learning_rate:g}){precision}."
 
 
-def checkpoint_bytes(lm) -> int:
-    """A checkpoint's size: the trainable weights and AdamW's two moments, in float32."""
-    return 3 * 4 * builder.trainable_parameters(lm) + 2**20
+def checkpoint_bytes(trainable: int, grad_accum: int = 1, keep_best: bool = False) -> int:
+    """A checkpoint's size, in float32: the `trainable` weights and AdamW's two moments, the gradients summed so
+    far with --grad-accum above 1 (keras keeps them in the optimizer's state), and the best weights with
+    --keep-best (best.npz); 1 MiB for the rest."""
+    copies = 3 + (grad_accum > 1) + bool(keep_best)
+    return copies * 4 * trainable + 2**20
 
 
 AUTO_BATCH_CAP = 64
