@@ -285,7 +285,9 @@ def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str
     tokenizer = _transformers_tokenizer(source)
     kept = {}
     if "image_converter" in family.converters and "image_converter" not in converters:
-        kept["image_converter"] = loader.load_image_converter(cls.preprocessor_cls.image_converter_cls)
+        converter = loader.load_image_converter(cls.preprocessor_cls.image_converter_cls)  # None: no vision_config
+        if converter is not None:  # keras-hub's preprocessor would take Gemma 4's 280 soft tokens, whatever it says
+            kept = dict(image_converter=converter, num_vision_tokens_per_image=converter.max_soft_tokens)
     preprocessor = cls.preprocessor_cls(tokenizer=tokenizer, **dict.fromkeys(converters), **kept)
     return cls(backbone=backbone, preprocessor=preprocessor)
 
