@@ -12,6 +12,7 @@ tests/test_attention.py.
 End to end: families.py's knowledge of each family is checked through every module a run passes.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -262,3 +263,90 @@ def test_a_multimodal_preset_loads_its_text_decoder_alone(tmp_path):
                   "position_ids": np.arange(6)[None].astype("int32"), **empty_images})
         )  # fmt: skip
         np.testing.assert_allclose(logits(text, tokens), with_images, atol=1e-5)
+
+
+# --- a Gemma 4 preset with its vision encoder, saved as keras-hub saves the real ones -----------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4_vision_dir(tmp_path_factory):
+    """tiny-gemma4-vision saved with keras-hub's save_to_preset: a Gemma 4 preset directory with a vision encoder,
+    loaded as a real preset is (builder._from_preset), not built in-process as the tiny one is; and its encoder's
+    weights."""
+    import keras
+
+    with float32_policy():
+        lm, preprocessor = builder.load_base(presets.resolve("tiny-gemma4-vision"), 64)
+        lm.preprocessor = preprocessor
+        path = tmp_path_factory.mktemp("gemma4-vision") / "preset"
+        lm.save_to_preset(str(path))
+    return path, {w.path: keras.ops.convert_to_numpy(w) for w in lm.backbone.vision_encoder.weights}
+
+
+def coloured_squares(directory, n=4):
+    """n records, each a 32x32 square and its colour, in directory/pics.jsonl."""
+    from PIL import Image
+
+    colours = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+    records = []
+    for i in range(n):
+        name = list(colours)[i % 3]
+        Image.new("RGB", (32, 32), colours[name]).save(directory / f"sq{i}.png")
+        turns = [{"role": "user", "content": "<image>What colour is this?"}, {"role": "assistant", "content": name}]
+        records.append({"messages": turns, "images": [f"sq{i}.png"]})
+    return write_jsonl(directory / "pics.jsonl", records)
+
+
+def test_a_gemma4_preset_keeps_its_vision_encoder_for_a_run_on_pictures_alone(gemma4_vision_dir, tmp_path):
+    """Pictures build the preset with its vision encoder and image converter (no audio encoder); the run's
+    recorded decision brings them back to load it (eval and generate) and export it; a text run's model has neither.
+    Generating from a picture: the command-line test below, and tests/test_images.py on every backend."""
+    import keras
+    import yaml
+
+    from finetune.training import resolve, runs
+
+    directory, encoder_weights = gemma4_vision_dir
+    source = presets.resolve(str(directory))
+    out = tmp_path / "run"
+    with float32_policy():
+        seeing, preprocessor = builder.load_base(source, 64, images=True)
+        flags = {"model.preset": str(directory), "data.path": str(coloured_squares(tmp_path)), "data.template": "auto",
+                 "model.seq_len": 64, "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 2,
+                 "data.eval_fraction": 0, "train.samples": 0, "backend": BACKEND, "output.dir": str(out)}  # fmt: skip
+        assert finetune.run(finetune.load_config("tiny", flags))["steps"] == 2
+        loaded = finetune.load(out)
+        finetune.export(out, "lora", tmp_path / "lora")  # the base rebuilt with its encoder: adapter.json fits it
+        finetune.export(out, "merged", tmp_path / "merged")
+        cfg = runs.open_run(out).config  # the same run's, as a text file would have recorded it
+        text = resolve.finished(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, images=None)))
+        text_model = builder.build_model(source, text.recipe(train=False))
+    assert seeing.backbone.vision_encoder is not None and seeing.backbone.audio_encoder is None
+    for weight in seeing.backbone.vision_encoder.weights:  # the preset's encoder weights, read
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(weight), encoder_weights[weight.path])
+    converter = preprocessor.image_converter  # keras-hub 0.32 reloads it with Gemma 4's 280 tokens, pooled 3x3
+    assert (converter.max_soft_tokens, converter.pooling_kernel_size) == (4, 2)
+    assert preprocessor.audio_converter is None and preprocessor.video_converter is None
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["images"] == 1
+    adapted = [entry["layer"] for entry in json.loads((out / "adapter.json").read_text())["adapted"]]
+    assert adapted and all(name.startswith("decoder_block_") for name in adapted), adapted
+    assert loaded.backbone.vision_encoder is not None
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())["config"]
+    assert merged["vision_encoder"] is not None and merged["audio_encoder"] is None
+    assert builder.encoders(text_model.lm.backbone) == [] and text_model.preprocessor.image_converter is None
+
+
+@pytest.mark.backend_neutral  # the build with the encoder: the test above, on every backend; the command line on
+# pictures: tests/test_images.py, on every backend
+def test_the_command_line_trains_a_gemma4_preset_directory_on_pictures_and_generates(gemma4_vision_dir, tmp_path):
+    from test_as_typed import finetune as typed
+
+    directory, _ = gemma4_vision_dir
+    coloured_squares(tmp_path)
+    typed("gemma", "--preset", str(directory), "--backend", BACKEND, "--data", "pics.jsonl", "--max-steps", "2",
+          "--seq-len", "64", "--batch-size", "2", "--eval-fraction", "0", "--set", "train.samples=0", "--output",
+          "run", cwd=tmp_path)  # fmt: skip
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    answered = typed("generate", "--run", "run", "--image", "sq2.png", "--prompt", "What colour is this?",
+                     "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
+    assert answered.stdout.strip() and "generated on" in answered.stderr

@@ -63,6 +63,9 @@ class Recipe:
     """NEFTune's noise on the embeddings while training (add_embedding_noise); None: none."""
     optimizer: Optimizer | None = None
     """None: nothing compiled for training (eval, generate, export)."""
+    images: bool = False
+    """The run's data has pictures (resolve's `images`): a preset whose family leaves its encoders out of a text
+    run (Gemma 4) is built with its image encoder and converter, still without its audio encoder."""
 
 
 @dataclass
@@ -85,7 +88,7 @@ class Model:
 def build_model(source: presets.Source, recipe: Recipe) -> Model:
     """The one builder: the preset's base (quantized as it loads), LoRA on it, the response-token loss and
     AdamW. Training, `finetune eval`, `generate`, `export` and `bench` all build their model here."""
-    lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat)
+    lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat, recipe.images)
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
@@ -101,7 +104,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
-          remat: bool = False):  # fmt: skip
+          remat: bool = False, images: bool = False):  # fmt: skip
     """The causal LM (without preprocessor attached) and its preprocessor, ready for LoRA.
 
     Its decoder blocks take segment ids where keras-hub takes `padding_mask`
@@ -113,11 +116,12 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
         factors stay in float.
     remat: bool. Recompute each decoder block's activations in the backward
         pass instead of keeping them (remat.py).
+    images: bool. The run's data has pictures: see load_base.
     """
     why = families.get(source.family).no_quantize if quantize is not None else None
     if why:
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
-    lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize)
+    lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
     for layer in quantized.quantized_layers(lm.backbone):
         beside_the_kernel(layer)  # its kernel dequantized only when its input arrives
@@ -127,18 +131,21 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
     return lm, preprocessor
 
 
-def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, quantize: str | None = None):
+def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, quantize: str | None = None,
+              images: bool = False):  # fmt: skip
     """The preset's causal LM (preprocessor detached) and its preprocessor, as keras-hub builds them.
 
     No hooks: what `finetune export` merges into and saves.
     dtype: str. The Keras dtype policy of the weights; None takes the global one.
     quantize: str. int4 or int8: the decoder kernels are quantized as they load (quantized.py).
+    images: bool. The run's data has pictures: a multimodal preset keeps its image encoder and converter
+        (families.Family.left_out). A tiny preset is built as it is either way.
     """
     with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
-        return _load_base(source, seq_len, dtype, quantize)
+        return _load_base(source, seq_len, dtype, quantize, images)
 
 
-def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize: str | None):
+def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize: str | None, images: bool):
     policy = dtype or keras.config.dtype_policy().name
     if quantize is not None:
         rules = layouts.RULES if source.kind == "random" else layouts.rules_for(presets.dims(source))
@@ -156,9 +163,9 @@ def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize
     try:
         with zeros_until_loaded():
             if source.transformers:
-                lm = _from_transformers(cls, family, source, policy, quantize)
+                lm = _from_transformers(cls, family, source, policy, quantize, images)
             else:
-                lm = _from_preset(cls, family, source.handle, policy, quantize)
+                lm = _from_preset(cls, family, source.handle, policy, quantize, images)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load preset {source.handle}: {str(e).splitlines()[0]}") from None
     except KeyError as e:  # a converter's weight name the safetensors lack
@@ -208,37 +215,62 @@ def load_tokenizer(source: presets.Source):
         raise UserError(f"could not load the tokenizer of {source.handle}: {str(e).splitlines()[0]}") from None
 
 
-def _from_preset(cls, family, handle: str, dtype, quantize: str | None):
-    """The preset's causal LM as keras-hub's from_preset builds it, text-only, and quantized as it loads.
+def _from_preset(cls, family, handle: str, dtype, quantize: str | None, images: bool):
+    """The preset's causal LM as keras-hub's from_preset builds it, without the encoders the run does not feed,
+    and quantized as it loads.
 
-    A multimodal preset (Gemma 4, 3n) is built without its image and audio
-    encoders: finetune trains on text, and the encoders' inputs would have to
-    be fed to every step. The backbone is built from the preset's config with
-    them left out and takes the preset's weights (the encoders' are not read),
-    and the preprocessor goes without its converters; its text logits are the
-    full model's (tests/test_families.py). With `quantize`, each decoder kernel
-    is quantized as keras reads it from the weights file (quantized.py).
+    A multimodal preset (Gemma 4, 3n) is built for text without its image and
+    audio encoders: their inputs would have to be fed to every step. The
+    backbone is built from the preset's config with them left out and takes the
+    preset's weights (the encoders' are not read), and the preprocessor goes
+    without its converters; its text logits are the full model's
+    (tests/test_families.py). A run on pictures keeps Gemma 4's image encoder
+    and converter (family.left_out). With `quantize`, each decoder kernel is
+    quantized as keras reads it from the weights file (quantized.py).
     """
-    if not family.encoders and quantize is None:
+    encoders, converters = family.left_out(images)
+    if not encoders and quantize is None:
         return cls.from_preset(handle, dtype=dtype)
     loader = keras_compat.preset_loader(handle)
-    loader.config["config"].update(family.encoders)
+    loader.config["config"].update(encoders)
     backbone = loader.load_backbone(cls.backbone_cls, load_weights=quantize is None, dtype=dtype)
     if quantize is not None:
         quantized.weights_only(backbone)
         quantized.load_while_quantizing(backbone)
         keras_compat.load_backbone_weights(loader, backbone)
-    preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(family.converters))
+    preprocessor = cls.preprocessor_cls.from_preset(handle, **dict.fromkeys(converters))
+    pooled_as_encoded(preprocessor, backbone)
     return cls(backbone=backbone, preprocessor=preprocessor)
 
 
-def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str | None):
-    """A transformers checkpoint's causal LM, converted by keras-hub as it loads (checkpoints.py), text-only.
+def pooled_as_encoded(preprocessor, backbone) -> None:
+    """Make a Gemma 4 image converter resize pictures to the patches its vision encoder pools into the
+    preprocessor's soft tokens.
 
-    keras-hub's loader lets keyword arguments override the config its converter maps, so the encoders a text
-    run leaves out (family.encoders) are never built, and its converter ports no weights to them. The
-    preprocessor is made from the tokenizer alone: a transformers checkpoint has no keras-hub preprocessor
-    config, and load_base sets its sequence length.
+    keras-hub 0.32's Gemma4ImageConverter.get_config saves its patch size alone, so a saved preset's converter
+    comes back with Gemma 4's 280 soft tokens pooled 3x3, whatever its encoder pools: a picture of another
+    preset (tiny-gemma4-vision saved, or its merged export) would be cut into patches its encoder cannot place.
+    The real presets' sizes are those defaults, and keep them.
+    """
+    converter = getattr(preprocessor, "image_converter", None)
+    encoder = getattr(backbone, "vision_encoder", None)
+    if converter is None or encoder is None or not hasattr(converter, "pooling_kernel_size"):
+        return
+    tokens, pool = preprocessor.num_vision_tokens_per_image, encoder.pool_size
+    if (converter.max_soft_tokens, converter.pooling_kernel_size) != (tokens, pool):
+        config = dict(converter.get_config(), max_soft_tokens=tokens, pooling_kernel_size=pool)
+        preprocessor.image_converter = type(converter).from_config(config)
+
+
+def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str | None, images: bool):
+    """A transformers checkpoint's causal LM, converted by keras-hub as it loads (checkpoints.py), without the
+    encoders the run does not feed.
+
+    keras-hub's loader lets keyword arguments override the config its converter maps, so the encoders a run
+    leaves out (family.left_out) are never built, and its converter ports no weights to them; a run on pictures
+    keeps Gemma 4's vision tower, which the converter ports. The preprocessor is made from the tokenizer, and
+    for pictures the image converter keras-hub maps from processor_config.json: a transformers checkpoint has
+    no keras-hub preprocessor config, and load_base sets its sequence length.
     """
     if quantize is not None:
         raise UserError(
@@ -247,10 +279,16 @@ def _from_transformers(cls, family, source: presets.Source, dtype, quantize: str
             "preset (keras_hub.models.CausalLM.from_preset(...).save_to_preset(DIR)) and pass DIR"
         )
     loader = keras_compat.preset_loader(source.handle)
-    overrides = {**family.encoders, **checkpoints.converter_overrides(loader.config, family.name)}
+    encoders, converters = family.left_out(images)
+    overrides = {**encoders, **checkpoints.converter_overrides(loader.config, family.name)}
     backbone = loader.load_backbone(cls.backbone_cls, load_weights=True, dtype=dtype, **overrides)
     tokenizer = _transformers_tokenizer(source)
-    preprocessor = cls.preprocessor_cls(tokenizer=tokenizer, **dict.fromkeys(family.converters))
+    kept = {}
+    if "image_converter" in family.converters and "image_converter" not in converters:
+        converter = loader.load_image_converter(cls.preprocessor_cls.image_converter_cls)  # None: no vision_config
+        if converter is not None:  # keras-hub's preprocessor would take Gemma 4's 280 soft tokens, whatever it says
+            kept = dict(image_converter=converter, num_vision_tokens_per_image=converter.max_soft_tokens)
+    preprocessor = cls.preprocessor_cls(tokenizer=tokenizer, **dict.fromkeys(converters), **kept)
     return cls(backbone=backbone, preprocessor=preprocessor)
 
 

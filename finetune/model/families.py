@@ -63,11 +63,14 @@ class Family:
     """Backbone config keys of the image and audio encoders a text run leaves out (set to None)."""
     converters: tuple = ()
     """The preprocessor's image, audio and video converters, left out with them."""
+    seeing: tuple = ()
+    """Of `encoders` and `converters`, the image encoder's and converter's keys that a run whose data has pictures
+    keeps (Gemma 4's); empty where pictures are refused or the preset keeps its encoder anyway (Gemma 3)."""
     no_quantize: str | None = None
     """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
     without_images: str | None = None
-    """Why this family's presets train on text alone, said where data with pictures is refused; None where the
-    only reason is a preset without a vision encoder."""
+    """Why this family's model may be built without the vision encoder its preset has, said where pictures are
+    refused; None where the only reason is a preset without one."""
     needs_tensorflow: bool = True
     """Whether keras-hub's preprocessor of this family needs TensorFlow on every backend. keras-hub 0.32's Gemma 3,
     3n and 4 preprocessors assert it when they are made, and prepare text and images with tf ops; Gemma 1 and 2's
@@ -78,6 +81,14 @@ class Family:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
         target = PEFT_NAMES.get(target, target)
         return self.layers.get(target, target)
+
+    def left_out(self, images: bool) -> tuple[dict, tuple]:
+        """(the backbone config keys set to None, the preprocessor's converters set to None) of a build for a run
+        with pictures or without: a run on pictures keeps the image encoder and its converter (`seeing`), never
+        the audio encoder, whose inputs finetune does not feed."""
+        kept = self.seeing if images else ()
+        encoders = {key: value for key, value in self.encoders.items() if key not in kept}
+        return encoders, tuple(name for name in self.converters if name not in kept)
 
     def frozen_reason(self, layer: str) -> str | None:
         for name, why in self.frozen.items():
@@ -110,7 +121,8 @@ FAMILIES = {
         chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",),
         encoders=dict(vision_encoder=None, audio_encoder=None),
         converters=("image_converter", "audio_converter", "video_converter"),
-        without_images="finetune builds Gemma 4's presets without their image encoder yet; tiny-gemma4-vision has one",
+        seeing=("vision_encoder", "image_converter"),
+        without_images="a run on text builds Gemma 4 without its image encoder; a run on pictures keeps it",
         no_quantize=(
             "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and a quantized layer's kernel "
             "comes without its scales"

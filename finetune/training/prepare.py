@@ -186,7 +186,7 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
 
 
 # The presets that see images, named where pictures are refused.
-SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up"
+SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up, the Gemma 4 presets"
 
 
 def no_vision_encoder(preset: str, what: str) -> UserError:

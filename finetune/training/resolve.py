@@ -121,6 +121,8 @@ class Resolved:
             optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.preference)
             if train
             else None,
+            # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
+            images=bool(cfg.data.images),
         )
 
     def settled(self, **decided: Decision) -> Resolved:
