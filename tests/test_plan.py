@@ -386,7 +386,8 @@ def test_a_run_counts_its_data_s_pictures_over_images():
         (["--preset", "tiny-gemma3-vision", "--images", "-1"], "images per example must not be negative"),
         (["--preset", "tiny-gemma3-vision", "--images", "2", "--seq-len", "16"], "raise --seq-len"),
         (["--preset", "gemma_2b_en", "--images", "1"], "it has no vision encoder"),
-        (["--preset", "gemma4_4b", "--images", "1"], "trains its text decoder alone"),
+        (["--preset", "gemma4_4b", "--images", "1"], "the plan does not count yet"),
+        (["--preset", "gemma3n_e2b", "--images", "1"], "does not see pictures here"),
         (["--preset", "tiny-gemma3-vision", "--images", "one"], "--images"),
     ],
 )

@@ -414,11 +414,13 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
         return None
     vision = model.vision
     if vision is None:
-        why = "finetune trains its text decoder alone, for now" if model.encoder_params else "it has no vision encoder"
-        raise UserError(
-            f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that does: "
-            "gemma3_4b, gemma3_12b, gemma3_27b or tiny-gemma3-vision"
-        )
+        planned = "gemma3_4b, gemma3_12b, gemma3_27b or tiny-gemma3-vision"
+        if model.family == "gemma4":
+            raise UserError(f"--images {count}: a run on pictures loads {model.name}'s image encoder, which the plan "
+                            f"does not count yet; the plan counts Gemma 3's: {planned}")  # fmt: skip
+        why = families.get(model.family).without_images if model.encoder_params else "it has no vision encoder"
+        raise UserError(f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that "
+                        f"does: {planned}")  # fmt: skip
     most, tokens = int(vision["max_images"]), archs.tokens_per_image(vision)
     if count > most:
         raise UserError(f"--images {count}: {model.name} takes at most {most} pictures an example "
