@@ -44,8 +44,8 @@ REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
-# The training objectives: SFT's token loss, or a preference loss over (chosen, rejected) pairs (docs/preference.md).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")
+# The training methods: SFT's token loss, or a preference loss over (chosen, rejected) pairs (docs/preference.md).
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")  # methods/registry.py's names (a test keeps the two equal)
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
 MODEL, LORA, DATA, TRAINING, EVALUATION, OUTPUT, SCALE_OUT = (
@@ -557,12 +557,7 @@ class TrainConfig:
         """What these settings rule out together."""
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             yield "--warmup-steps and --warmup-ratio both set the warmup; pass one of them"
-        if self.label_smoothing is not None and self.method != "dpo":
-            yield f"--label-smoothing is DPO's; --method {self.method} has none: leave it out or pass --method dpo"
-        if self.simpo_gamma is not None and self.method != "simpo":
-            yield f"--simpo-gamma is SimPO's; --method {self.method} has none: leave it out or pass --method simpo"
-        if self.beta is not None and self.method == "sft":
-            yield "--beta is a preference method's; pass --method dpo, ipo, orpo or simpo with it"
+        # A method's own constants (--beta, --label-smoothing, ...) are checked by the method (Method.decide).
 
     def clip_norm(self) -> float | None:
         """max_grad_norm as the optimizer takes it: None when clipping is off (0 or `none`)."""

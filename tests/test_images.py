@@ -150,7 +150,7 @@ def test_pictures_on_a_preset_without_a_vision_encoder_exit_2_naming_those_with_
 @pytest.mark.parametrize("preset", EVERY_BACKEND)
 def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(preset, tmp_path):
     from finetune.data import templates
-    from finetune.training import prepare
+    from finetune.methods import prepare
 
     vision = images.vision_of(vision_preprocessor(preset))
     assert vision.tokens_per_image == 4
@@ -180,7 +180,7 @@ def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(preset, tmp_pat
 @pytest.mark.one_backend
 def test_every_row_has_room_for_the_most_pictures_a_record_holds(tmp_path):
     from finetune.data import templates
-    from finetune.training import prepare
+    from finetune.methods import prepare
 
     two = trl(square(tmp_path / "b.png", "blue"), "blue")
     two["messages"][0]["content"].insert(0, {"type": "image"})

@@ -27,12 +27,23 @@ a whole (most run the CLI or API end to end) and is in END_TO_END.
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 TESTS = Path(__file__).resolve().parent
 FRONT = {"cli", "__init__", "__main__"}
-LAYERS = ["front doors", "tools", "exports", "training", "config", "model", "data", "platform"]  # top to bottom
+LAYERS = [
+    "front doors",
+    "tools",
+    "exports",
+    "training",
+    "methods",
+    "config",
+    "model",
+    "data",
+    "platform",
+]  # top to bottom
 
 
 def layer_of(path: Path) -> str:
@@ -56,6 +67,8 @@ NO_TEST_FILE = {
     "adapter": "adapter.json's checks refuse edited runs end to end: test_bad_inputs.py and test_export.py",
     "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
     "pair_batches": "the pairs' rows: test_preference.py checks them with the losses they feed",
+    "method": "the base of every method: test_registry.py checks each method overrides what it leaves to them",
+    "pair_view": "the view the preference losses train through: test_preference.py checks each loss by it",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
@@ -208,3 +221,12 @@ def test_what_runs_before_the_backend_is_chosen_imports_no_framework():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_docs_architecture_names_every_module():
+    """docs/architecture.md is a newcomer's map: each module of the package is named in it (as `stem`), and each
+    name in its layer table is a module."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([a-z_]+)`", text))
+    missing = sorted(stem for stem in MODULES - FRONT - {"config"} if stem not in named)
+    assert missing == [], f"docs/architecture.md does not name {missing}"

@@ -422,8 +422,8 @@ def test_the_plan_of_a_frozen_encoder_s_pass_is_within_15_percent_of_what_xla_al
     from PIL import Image
 
     from finetune.data import batching, formats, templates
+    from finetune.methods import prepare
     from finetune.model import builder, presets
-    from finetune.training import prepare
 
     heavy = dict(presets.TINY_GEMMA3_VISION_ENCODER, image_size=64, num_heads=4, hidden_dim=32, num_layers=4)
     spec = dataclasses.replace(presets.TINY["tiny-gemma3-vision"], vision=heavy)

@@ -1,4 +1,5 @@
-"""The preference losses (model/preference.py) on pairs laid out as data/pair_batches.py lays them out.
+"""The preference methods' losses (methods/preference.py, trained through model/pair_view.py) on pairs laid out
+as data/pair_batches.py lays them out.
 
 Each is checked against the same quantities computed another way: every row's log-probability from the
 causal LM's full logits, the losses written out in numpy from their papers.
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 from conftest import float32_policy, lora_model
 
+from finetune.config import TrainConfig
 from finetune.data import batching, pair_batches
-from finetune.model import builder, objective, preference, presets
-from finetune.training import scoring
+from finetune.methods import preference, registry
+from finetune.model import builder, objective, pair_view, presets
 
 
 @dataclass
@@ -63,11 +65,16 @@ def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smooth
     return -log_sigmoid(beta * (c - r) - gamma)
 
 
+def objective_of(method: str, **constants):
+    """The method's objective with its default constants, but those given (TrainConfig's names)."""
+    return registry.get(method).objective(TrainConfig(method=method, **constants))
+
+
 OBJECTIVES = {
-    "dpo": preference.Objective("dpo", 0.1, label_smoothing=0.1),
-    "orpo": preference.Objective("orpo", 0.1),
-    "ipo": preference.Objective("ipo", 0.1),
-    "simpo": preference.Objective("simpo", 2.0, gamma=0.5),
+    "dpo": objective_of("dpo", label_smoothing=0.1),
+    "orpo": objective_of("orpo"),
+    "ipo": objective_of("ipo"),
+    "simpo": objective_of("simpo"),
 }
 
 
@@ -79,7 +86,7 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         arrays = pair_batches.pad(tiny_pairs(), 48)
         arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
         objective = OBJECTIVES[method]
-        view = preference.PreferenceView(lm, 8, objective)
+        view = pair_view.PreferenceView(lm, 8, objective)
         pairs = np.array([0, 3, 4, 4])
         real = np.array([True, True, True, False])
         feed = batching.Feed(length_step=16, inputs=builder.input_names(lm))
@@ -110,9 +117,9 @@ def test_dpo_starts_at_ln2_and_grad_accum_is_exact():
             lm, _ = lora_model()
             feed = batching.Feed(inputs=builder.input_names(lm))
             arrays = pair_batches.pad(tiny_pairs(3), 48)
-            trainer = preference.PreferenceView(lm, 8, preference.Objective("dpo", 0.1))
+            trainer = pair_view.PreferenceView(lm, 8, objective_of("dpo"))
             sgd = keras.optimizers.SGD(0.5, gradient_accumulation_steps=accum if accum > 1 else None)
-            trainer.compile(optimizer=sgd, loss=objective.TokenShare(), weighted_metrics=preference.metrics())
+            trainer.compile(optimizer=sgd, loss=objective.TokenShare(), weighted_metrics=pair_view.metrics())
             for pairs, (x, _, _) in pair_batches.Batches(arrays, 4, feed):
                 arrays.reference[pairs] = trainer.predict_on_batch(x)[: len(pairs), 5:7]
             before = lora_values(lm)
@@ -143,11 +150,34 @@ def test_a_fresh_adapter_scores_as_the_base_with_lora_switched_off(dora):
         builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"], dora=dora), seed=0)
         arrays = pair_batches.pad(tiny_pairs(4), 48)
         batches = pair_batches.Batches(arrays, 4, batching.Feed(inputs=builder.input_names(lm)))
-        objective_ = preference.Objective("dpo", 0.1)
-        ((_, fresh),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        objective_ = objective_of("dpo")
+        ((_, fresh),) = preference.pair_outputs(builder.objective_view(lm, objective_), batches)
         with builder.lora_off(lm):
-            ((_, base),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+            ((_, base),) = preference.pair_outputs(builder.objective_view(lm, objective_), batches)
         np.testing.assert_allclose(fresh[:, 5:7], base[:, 5:7], rtol=1e-6, atol=1e-5)
         lm.trainable_variables[1].assign(np.ones(lm.trainable_variables[1].shape))  # an adapter that is not fresh
-        ((_, moved),) = scoring.pair_outputs(builder.preference_view(lm, objective_), batches)
+        ((_, moved),) = preference.pair_outputs(builder.objective_view(lm, objective_), batches)
         assert np.abs(moved[:, 5:7] - base[:, 5:7]).max() > 1e-3
+
+
+def test_the_reference_keeps_float32_in_a_bfloat16_run():
+    """keras casts a view's float inputs to the compute dtype: the reference log-probabilities (sums over an answer)
+    lost up to 0.5 nats in bfloat16, and a fresh DPO run scored 0.696, not ln 2. They stay float32 now."""
+    import keras
+
+    before = keras.config.dtype_policy()
+    try:
+        lm, _ = lora_model("bfloat16")
+        feed = batching.Feed(inputs=builder.input_names(lm))
+        tokenizer = presets.tiny_tokenizer()
+        long = [(f"Instruction:\nWrite {i}.\n\nResponse:\n", "word " * (20 + i)) for i in range(4)]
+        sides = [batching.tokenize(long, tokenizer, 64)[0], batching.tokenize(long[::-1], tokenizer, 64)[0]]
+        arrays = pair_batches.pad([Pair(c, r) for c, r in zip(*sides)], 64)
+        view = builder.objective_view(lm, objective_of("dpo"))
+        batches = pair_batches.Batches(arrays, 4, feed)
+        preference.reference_logps(view, batches)
+        assert np.abs(arrays.reference).max() > 20  # sums large enough for bfloat16 to round away a tenth
+        scored = preference.pair_metrics(view, batches)
+        assert scored["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    finally:
+        keras.config.set_dtype_policy(before)

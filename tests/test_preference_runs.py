@@ -17,7 +17,7 @@ import yaml
 from conftest import BACKEND, invoke, run_with_fault, train, write_jsonl
 
 import finetune
-from finetune.model import preference
+from finetune.methods import preference
 from finetune.training import checkpoint, scoring
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "music", "paper", "light", "table", "glass"]

@@ -15,9 +15,10 @@ from conftest import BACKEND, float32_policy, invoke
 from test_preference_runs import learnable_pairs
 
 import finetune
+from finetune.config import TrainConfig
 from finetune.data import batching, formats, pair_batches, pairs, templates
-from finetune.model import builder, preference, presets
-from finetune.training import scoring
+from finetune.methods import preference, registry
+from finetune.model import builder, presets
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="TRL is checked in the PyTorch suite")
 TOLERANCE = 1e-4
@@ -62,16 +63,21 @@ def exported(tmp_path_factory):
     return out, root / "base", root / "peft", made
 
 
+def objective_of(method: str):
+    """The method's objective with its default constants (dpo, ipo, orpo 0.1; simpo 2.0 and gamma 0.5)."""
+    return registry.get(method).objective(TrainConfig(method=method))
+
+
 def finetune_outputs(run, made, objective):
-    """Each pair's (preference.COLUMNS) from the run's adapter, DPO's reference scored with LoRA off."""
+    """Each pair's (pair_batches.COLUMNS) from the run's adapter, DPO's reference scored with LoRA off."""
     with float32_policy():
         lm = finetune.load(run)
         arrays = pair_batches.pad(made, 64)
         batches = pair_batches.Batches(arrays, 3, batching.Feed(inputs=builder.input_names(lm)))
         if objective.needs_reference:
             with builder.lora_off(lm):
-                scoring.reference_logps(builder.preference_view(lm, objective), batches)
-        return np.concatenate([v for _, v in scoring.pair_outputs(builder.preference_view(lm, objective), batches)])
+                preference.reference_logps(builder.objective_view(lm, objective), batches)
+        return np.concatenate([v for _, v in preference.pair_outputs(builder.objective_view(lm, objective), batches)])
 
 
 def trl_batch(pair):
@@ -111,7 +117,7 @@ def test_dpo_and_ipo_match_trl_s_dpo_trainer(method, loss_type, exported, peft_m
     from trl import DPOTrainer
 
     run, _, _, made = exported
-    ours = finetune_outputs(run, made, preference.Objective(method, 0.1))
+    ours = finetune_outputs(run, made, objective_of(method))
     # The smallest DPOTrainer _compute_loss runs on: sigmoid loss, the reference from the adapter disabled.
     shell = object.__new__(DPOTrainer)
     shell.__dict__.update(
@@ -158,8 +164,8 @@ def test_orpo_and_simpo_match_trl_s(exported, peft_model):
 
     run, _, _, made = exported
     device = SimpleNamespace(device="cpu")
-    orpo = finetune_outputs(run, made, preference.Objective("orpo", 0.1))
-    simpo = finetune_outputs(run, made, preference.Objective("simpo", 2.0, gamma=0.5))
+    orpo = finetune_outputs(run, made, objective_of("orpo"))
+    simpo = finetune_outputs(run, made, objective_of("simpo"))
     orpo_shell = SimpleNamespace(beta=0.1, accelerator=device)
     cpo_shell = SimpleNamespace(beta=2.0, simpo_gamma=0.5, label_smoothing=0.0, loss_type="simpo", alpha=0.0,
                                 accelerator=device)  # fmt: skip

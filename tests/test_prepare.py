@@ -1,14 +1,16 @@
-"""prepare.prepare: one way from records to rows, for training, `finetune eval` and the bench."""
+"""Records to rows through a method (SFT's here), one way for training, `finetune eval` and the bench; the held-out
+split below every method."""
 
 import pytest
 from conftest import make_records
 
 from finetune.config import Config
 from finetune.data.formats import Record
+from finetune.methods import registry
 from finetune.model import presets
 from finetune.platform.errors import UserError
-from finetune.training import prepare
 
+SFT = registry.get("sft")
 pytestmark = pytest.mark.one_backend  # no Keras backend in these: they run in one suite
 
 
@@ -31,14 +33,14 @@ def records(n: int) -> list[Record]:
 
 def test_eval_scores_exactly_the_records_training_held_out(tokenizer):
     cfg = config()
-    trained = prepare.prepare(records(24), tokenizer, cfg, packed=True)
-    scored = prepare.prepare(records(24), tokenizer, cfg)  # as `finetune eval` calls it
+    trained = SFT.prepare(records(24), tokenizer, cfg, packed=True)
+    scored = SFT.prepare(records(24), tokenizer, cfg)  # as `finetune eval` calls it
     assert [r for r, _ in scored.held_out] == [r for r, _ in trained.held_out] and len(trained.held_out) == 6
     assert not {r.instruction for r, _ in trained.train} & {r.instruction for r, _ in trained.held_out}
     assert (scored.held_out_rows["token_ids"] == trained.held_out_rows["token_ids"]).all()
     assert scored.rows is None and trained.rows["token_ids"].shape[1] == 64
     assert (
-        len(prepare.prepare(records(24), tokenizer, cfg, every_record_of="other.jsonl").held_out) == 24
+        len(SFT.prepare(records(24), tokenizer, cfg, every_record_of="other.jsonl").held_out) == 24
     )  # another file: all of it
 
 
@@ -49,7 +51,7 @@ def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
         seen.update(trial=len(arrays["token_ids"]), rows=rows)
         return 4, "the probe's reason"
 
-    prepared = prepare.prepare(records(80), tokenizer, config(batch_size="auto"), packed=False, probe=probe)
+    prepared = SFT.prepare(records(80), tokenizer, config(batch_size="auto"), packed=False, probe=probe)
     assert seen == {"trial": 64, "rows": 80} and prepared.batch_size == 4  # unpacked: a row per example
     assert len(prepared.held_out) == 20 and not prepared.packed
     assert prepared.batch_size_why == "the probe's reason"
@@ -57,4 +59,17 @@ def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
 
 def test_too_few_training_records_for_a_batch_are_refused(tokenizer):
     with pytest.raises(UserError, match="fewer than one batch of 8"):
-        prepare.prepare(records(10), tokenizer, config(batch_size=8), packed=False)
+        SFT.prepare(records(9), tokenizer, config(batch_size=8), packed=False)  # 2 held out, 7 left
+
+
+def test_the_held_out_split_does_not_depend_on_the_batch_size(tokenizer):
+    """64 records held out 4 at --batch-size 4 and 3 at --batch-size 1 --grad-accum 4: runs compared by their
+    held-out loss were scored on different records, and trained on different ones."""
+    cfg = config(batch_size=4)
+    cfg.data.eval_fraction = 0.05
+    four = SFT.prepare(records(64), tokenizer, cfg, packed=False)
+    cfg = config(batch_size=1, grad_accum=4)
+    cfg.data.eval_fraction = 0.05
+    one = SFT.prepare(records(64), tokenizer, cfg, packed=False)
+    assert [r for r, _ in four.held_out] == [r for r, _ in one.held_out] and len(one.held_out) == 3
+    assert [r for r, _ in four.train] == [r for r, _ in one.train]

@@ -126,18 +126,21 @@ def test_settled_fills_in_what_needed_the_model_and_the_table_shows_every_decisi
 
 
 def test_packing_is_decided_from_the_built_model(monkeypatch):
+    from finetune.methods.supervised import SFT
     from finetune.model import attention
 
     class LM:
         backbone = object()
 
     monkeypatch.setattr(attention, "packs_exactly", lambda backbone: True)
-    assert resolve.packing(LM(), "auto").value is True and resolve.packing(LM(), "on") == resolve.Decision(True, "set")
+    assert resolve.packing(LM(), "auto", SFT).value is True and resolve.packing(LM(), "on", SFT) == resolve.Decision(
+        True, "set"
+    )
     monkeypatch.setattr(attention, "packs_exactly", lambda backbone: False)  # blocks without the per-example mask
-    assert resolve.packing(LM(), "off") == resolve.Decision(False, "set")
+    assert resolve.packing(LM(), "off", SFT) == resolve.Decision(False, "set")
     with pytest.raises(UserError, match="--packing on"):
-        resolve.packing(LM(), "on")
-    assert resolve.packing(LM(), "auto").value is False
+        resolve.packing(LM(), "on", SFT)
+    assert resolve.packing(LM(), "auto", SFT).value is False
 
 
 def test_a_finished_run_is_rebuilt_as_it_trained():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import keras
 import numpy as np
 
 from finetune.data import images
@@ -340,46 +339,60 @@ class TrainOrder:
         return int(self.arrays["padding_mask"][rows].sum()), int(self.arrays["weights"][rows].sum())
 
 
-class Batches(keras.utils.PyDataset):
-    """Held-out batches for model.scorer()'s evaluate(): every row once, in order, in batches of one shape.
+def _batches_class():
+    """Batches, made on first use: a keras PyDataset, so that importing this module imports no framework (the plan
+    and the method registry read it before a backend is chosen)."""
+    import keras
 
-    The ragged last batch is filled with weight-0 copies of other rows, so XLA
-    compiles once and the weighted averages ignore the copies.
-    """
+    class Batches(keras.utils.PyDataset):
+        """Held-out batches for model.scorer()'s evaluate(): every row once, in order, in batches of one shape.
 
-    def __init__(self, arrays, batch_size: int, feed: Feed = None):
-        super().__init__()
-        feed = feed or Feed()
-        self.arrays = arrays
-        self.inputs = feed.inputs
-        self.batch_size = batch_size
-        self.rows = len(arrays["token_ids"])
-        self.part = feed.part
-        self.width = target_width(arrays, batch_size // feed.part[2])
-        self.length_step = feed.length_step
-        """As TrainOrder's: held-out rows hold one example each, so most of a row is padding."""
+        The ragged last batch is filled with weight-0 copies of other rows, so XLA
+        compiles once and the weighted averages ignore the copies.
+        """
 
-    def __len__(self):
-        return -(-self.rows // self.batch_size)
+        def __init__(self, arrays, batch_size: int, feed: Feed = None):
+            super().__init__()
+            feed = feed or Feed()
+            self.arrays = arrays
+            self.inputs = feed.inputs
+            self.batch_size = batch_size
+            self.rows = len(arrays["token_ids"])
+            self.part = feed.part
+            self.width = target_width(arrays, batch_size // feed.part[2])
+            self.length_step = feed.length_step
+            """As TrainOrder's: held-out rows hold one example each, so most of a row is padding."""
 
-    def __getitem__(self, index):
-        rows = np.arange(index * self.batch_size, min((index + 1) * self.batch_size, self.rows))
-        short = self.batch_size - len(rows)
-        arrays = self.arrays
-        if short:  # filler rows: copies of earlier ones, their weights zeroed
-            rows = np.concatenate([rows, np.arange(short) % self.rows])
-            arrays = {k: v[rows] for k, v in arrays.items()}
-            arrays["weights"] = arrays["weights"].copy()
-            arrays["weights"][len(rows) - short :] = 0
-            rows = np.arange(self.batch_size)
-        first, end, _ = self.part
-        length = None
-        if self.length_step is not None:
-            lengths = np.count_nonzero(arrays["padding_mask"][rows], axis=1)
-            length = batch_length(lengths, self.length_step, arrays["token_ids"].shape[1])
-        x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length, self.inputs)
-        # A ScoringView has two outputs, each averaged with the same weights.
-        return x, {"loss": labels, "correct": labels}, {"loss": weights, "correct": weights}
+        def __len__(self):
+            return -(-self.rows // self.batch_size)
+
+        def __getitem__(self, index):
+            rows = np.arange(index * self.batch_size, min((index + 1) * self.batch_size, self.rows))
+            short = self.batch_size - len(rows)
+            arrays = self.arrays
+            if short:  # filler rows: copies of earlier ones, their weights zeroed
+                rows = np.concatenate([rows, np.arange(short) % self.rows])
+                arrays = {k: v[rows] for k, v in arrays.items()}
+                arrays["weights"] = arrays["weights"].copy()
+                arrays["weights"][len(rows) - short :] = 0
+                rows = np.arange(self.batch_size)
+            first, end, _ = self.part
+            length = None
+            if self.length_step is not None:
+                lengths = np.count_nonzero(arrays["padding_mask"][rows], axis=1)
+                length = batch_length(lengths, self.length_step, arrays["token_ids"].shape[1])
+            x, labels, weights = inputs(arrays, local(rows, self.part), end - first, self.width, length, self.inputs)
+            # A ScoringView has two outputs, each averaged with the same weights.
+            return x, {"loss": labels, "correct": labels}, {"loss": weights, "correct": weights}
+
+    return Batches
+
+
+def __getattr__(name: str):
+    if name == "Batches":
+        globals()["Batches"] = _batches_class()
+        return globals()["Batches"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def local(rows: np.ndarray, part: tuple[int, int, int]) -> np.ndarray:

@@ -6,7 +6,7 @@ takes the same pairs from both, so row i and row B + i are one pair's, as TRL's
 concatenated forward has them, and is cut to its longest row as SFT batches
 are. Beside the model inputs and the gathered targets it carries
 `loss_sequence` (each target slot's row) and `loss_reference` (each row's
-reference log-probability), which model/preference.py reads.
+reference log-probability), which model/pair_view.py reads.
 
 Rows are not packed: each pair's two sequences keep a row each (docs/preference.md says what packing would save).
 """
@@ -19,7 +19,11 @@ import numpy as np
 
 from finetune.data import batching
 
-COLUMNS = 7  # model/preference.py's COLUMNS: the output's width, which the sample weights match
+# What each column of a pair view's output holds (model/pair_view.py), for each pair: its loss, then TRL's metrics.
+# The sample weights have as many columns, column 0 the loss's.
+COLUMNS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
+           "logps_rejected")  # fmt: skip
+METRICS = COLUMNS[1:]
 
 
 @dataclass
@@ -60,7 +64,7 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int |
     """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected.
 
     real: bool per pair; False marks a filler (a copy that fills the last batch of an epoch), whose tokens and
-        weight are zeroed. The sample weights are (2B, COLUMNS): 1 in column 0 of each real pair's row, the rest 0.
+        weight are zeroed. The sample weights are (2B, len(COLUMNS)): 1 in column 0 of each real pair's row, the rest 0.
     """
     real = np.ones(len(pairs), bool) if real is None else real
     rows = {key: np.concatenate([arrays.chosen[key][pairs], arrays.rejected[key][pairs]]) for key in arrays.chosen}
@@ -74,7 +78,7 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int |
     x["loss_sequence"] = (x["loss_positions"] // (length or seq_len)).astype(np.int32)
     reference = arrays.reference[pairs]
     x["loss_reference"] = np.concatenate([reference[:, 0], reference[:, 1]]).astype(np.float32)
-    weights = np.zeros((2 * len(pairs), COLUMNS), np.float32)
+    weights = np.zeros((2 * len(pairs), len(COLUMNS)), np.float32)
     weights[: len(pairs), 0] = real
     return x, np.zeros_like(weights), weights
 

@@ -89,7 +89,7 @@ def _siglip(output_dim: int) -> dict:
 
 # keras-hub's Gemma3CausalLMPreprocessor takes up to this many pictures a prompt (its max_images_per_prompt). A
 # run feeds every row as many image slots as the data's most pictured record holds, the unused ones blank
-# (training/prepare.py).
+# (methods/prepare.py).
 MAX_IMAGES = 2
 _PLE = dict(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
 # The multimodal Gemma 3 presets carry a SigLIP image encoder (27 layers, width 1152) that the

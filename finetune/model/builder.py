@@ -25,7 +25,6 @@ from finetune.model import (
     layouts,
     objective,
     optimizer,
-    preference,
     presets,
     quantized,
 )
@@ -41,8 +40,9 @@ class Optimizer:
     learning_rate: float
     weight_decay: float
     shards: int = 1
-    preference: object = None
-    """A preference loss (preference.Objective) in place of SFT's response-token loss; None: SFT."""
+    objective: object = None
+    """What the run minimises (its method's: objective.ResponseTokens, pair_view.Objective, ...): an object whose
+    view(lm, chunk, shards) is the keras.Model that trains it; None: SFT's response tokens."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
         settings = recipe.optimizer
         plus_ratio = getattr(recipe.lora, "plus_ratio", None)
         trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio,
-                          settings.preference)  # fmt: skip
+                          settings.objective)  # fmt: skip
     return Model(lm, preprocessor, trainer, adapted)
 
 
@@ -621,7 +621,7 @@ def _fan_in(shape) -> int:
 
 
 def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None,
-            preference_=None):  # fmt: skip
+            objective_=None):  # fmt: skip
     """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
     Its loss is the mean over the weighted (response) tokens of each step,
@@ -633,26 +633,22 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     plus_ratio: float. LoRA+: the B factors learn at this many times the learning rate of the rest.
-    preference_: preference.Objective. Train a preference loss (a PreferenceView) in place of SFT's.
+    objective_: the method's objective (Optimizer.objective), whose view trains; None: SFT's response tokens.
     """
-    if preference_ is not None:
-        view = preference.PreferenceView(lm, chunk_for(lm), preference_, shards, dtype=keras.config.dtype_policy())
-    else:
-        view = objective.TrainingView(lm, chunk_for(lm), shards, dtype=keras.config.dtype_policy())
+    view = (objective_ or objective.ResponseTokens()).view(lm, chunk_for(lm), shards)
     return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio))
 
 
 def train_with(view, controls: optimizer.Controls):
     """`view` (a TrainingView) compiled again with the optimizer `controls` make: new, unbuilt state."""
-    # A preference view also reports TRL's metrics, each a mean over the pairs weighted as the loss weighs them.
-    metrics = preference.metrics() if isinstance(view, preference.PreferenceView) else None
-    view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare(), weighted_metrics=metrics)
+    weighted = view.step_metrics()  # a preference view's TRL metrics, weighted as the loss weighs its pairs
+    view.compile(optimizer=optimizer.adamw(controls), loss=objective.TokenShare(), weighted_metrics=weighted)
     return view
 
 
-def preference_view(lm, objective_) -> preference.PreferenceView:
-    """A view of `lm` that scores pairs with `objective_` (preference.Objective), uncompiled: for predict."""
-    return preference.PreferenceView(lm, chunk_for(lm), objective_, dtype=keras.config.dtype_policy())
+def objective_view(lm, objective_):
+    """The view of `lm` that `objective_` (a method's objective) trains with, uncompiled: for scoring."""
+    return objective_.view(lm, chunk_for(lm))
 
 
 @contextlib.contextmanager

@@ -202,6 +202,14 @@ def _gathered(backbone, inputs, shards: int, rows: int | None = None, training=N
     return ops.reshape(gathered, (count * positions.shape[1] if count else -1, width))
 
 
+class ResponseTokens:
+    """SFT's objective: the mean cross-entropy of the response tokens (methods/supervised.py)."""
+
+    def view(self, lm, chunk: int, shards: int = 1) -> TrainingView:
+        """The view of `lm` that trains this loss."""
+        return TrainingView(lm, chunk, shards, dtype=keras.config.dtype_policy())
+
+
 class TrainingView(keras.Model):
     """`lm`'s backbone with the response-token loss: call() returns each gathered position's loss.
 
@@ -231,6 +239,10 @@ class TrainingView(keras.Model):
 
     def compute_output_spec(self, inputs):
         return keras.KerasTensor(inputs["loss_labels"].shape, dtype="float32")
+
+    def step_metrics(self) -> list | None:
+        """The metrics compile() reports beside the loss, each step; None: the loss alone."""
+        return None
 
     def make_train_function(self, force=False):
         """On TensorFlow, one graph for every batch length, traced on the first step.

@@ -37,7 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from finetune.config import LoraConfig, setting
+from finetune.config import LoraConfig, TrainConfig, setting
+from finetune.methods import registry
 from finetune.model import archs, presets
 from finetune.platform.errors import UserError
 
@@ -121,9 +122,8 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
             raise UserError(f"unknown {kind} {unknown[0]!r}; choose from {', '.join(allowed)}")
     if workload.quantize not in ("", "int4", "int8"):
         raise UserError(f"unknown quantize mode {workload.quantize!r}; choose int4 or int8, or leave it out")
-    if workload.method not in ("sft", "dpo", "ipo", "orpo", "simpo"):
-        raise UserError(f"unknown method {workload.method!r}; choose sft, dpo, ipo, orpo or simpo")
-    if workload.method != "sft" and ([r for r in recipes if r != "finetune"] or "packing" in levers):
+    method = registry.get(workload.method)
+    if method.paired and ([r for r in recipes if r != "finetune"] or "packing" in levers):
         raise UserError(f"--method {workload.method} benches the finetune recipe alone (the tutorial and hf recipes "
                         "train SFT; pairs are not packed): pass --recipes finetune and no packing lever")  # fmt: skip
     if not backends or not (recipes or levers):
@@ -326,18 +326,13 @@ def _work(spec: Spec) -> dict:
         remat = spec.lever == "remat" or _auto_remat(spec, tweaks, quantize)
         tweaks["remat"] = remat
         lora = LoraConfig(rank=spec.workload.rank, targets=["query", "value"])
-        objective = None
-        if spec.workload.method != "sft":
-            from finetune.model import preference
-            from finetune.training import resolve
-
-            beta, _ = resolve.BETA[spec.workload.method]
-            objective = preference.Objective(spec.workload.method, beta, gamma=resolve.SIMPO_GAMMA[0])
+        method = registry.get(spec.workload.method)
+        objective = method.objective(TrainConfig())  # the method's default constants
         recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora, seed=0,
-                                optimizer=builder.Optimizer(1e-4, 0.01, preference=objective))  # fmt: skip
+                                optimizer=builder.Optimizer(1e-4, 0.01, objective=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
         lm = model.lm
-        result = _train_pairs(spec, model, objective) if objective else _train_finetune(spec, model)
+        result = _train_pairs(spec, model, method) if method.paired else _train_finetune(spec, model)
     policy = keras.config.dtype_policy()
     result.update(
         backend=spec.backend,
@@ -395,7 +390,7 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
-    if spec.workload.method != "sft":  # pairs: a row per answer
+    if registry.get(spec.workload.method).paired:  # pairs: a row per answer
         parts[0] = f"{spec.workload.method}, 2 rows a pair"
     quantize = _quantize(spec)
     if quantize:
@@ -450,9 +445,9 @@ def _random_source(workload: Workload):
 
 
 def _examples(workload: Workload, tokenizer):
-    """(records, template, examples): the workload's data, tokenized as a run tokenizes it (prepare.py)."""
+    """(records, template, examples): the workload's data, tokenized as a run tokenizes it (methods/prepare.py)."""
     from finetune.data import formats, templates
-    from finetune.training import prepare
+    from finetune.methods import prepare
 
     template = templates.get("dolly")
     records = formats.load_records(workload.data)
@@ -464,8 +459,8 @@ def _train_finetune(spec: Spec, model) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
     from finetune.data import batching
+    from finetune.methods import prepare
     from finetune.platform import backend
-    from finetune.training import prepare
 
     w = spec.workload
     trainer = model.trainer
@@ -516,7 +511,7 @@ def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
     return pairs.pairs(made, templates.get("dolly"), tokenizer, workload.seq_len, strict=False)[0]
 
 
-def _train_pairs(spec: Spec, model, objective) -> dict:
+def _train_pairs(spec: Spec, model, method) -> dict:
     """The steps `finetune gemma --method M` takes: pairs as 2B rows, one train_on_batch per step. DPO's reference
     is scored before a step, untimed, for that step's pairs only (a run scores every pair once, before training;
     at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding tokens of both
@@ -539,7 +534,7 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
     scored = np.zeros(len(arrays), bool)
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
-        if objective.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
+        if method.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
             pairs = order.rows(step)
             _score_reference(model.trainer, arrays, pairs[~scored[pairs]], w.batch_size, feed)
             scored[pairs] = True
@@ -563,13 +558,13 @@ def _train_pairs(spec: Spec, model, objective) -> dict:
 def _score_reference(view, arrays, pairs, batch_size: int, feed) -> None:
     """DPO's reference log-probabilities of `pairs` (indices into arrays), as the run's reference pass makes them."""
     from finetune.data import pair_batches
-    from finetune.training import scoring
+    from finetune.methods import preference
 
     if not len(pairs):
         return
     some = pair_batches.PairArrays({k: v[pairs] for k, v in arrays.chosen.items()},
                                    {k: v[pairs] for k, v in arrays.rejected.items()}, arrays.reference[pairs])  # fmt: skip
-    scoring.reference_logps(view, pair_batches.Batches(some, batch_size, feed))
+    preference.reference_logps(view, pair_batches.Batches(some, batch_size, feed))
     arrays.reference[pairs] = some.reference
 
 

@@ -695,7 +695,7 @@ def write_metrics(path: Path, metrics: dict) -> None:
 
 def write_history(path: Path, rows: list[dict]) -> None:
     columns = ["step", "epoch", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy"]
-    # A preference run's metrics (model/preference.METRICS and their held-out ones), in the order they come.
+    # A preference run's metrics (data/pair_batches.METRICS and their held-out ones), in the order they come.
     columns += [name for name in dict.fromkeys(key for row in rows for key in row) if name not in columns]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)

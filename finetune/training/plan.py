@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.config import Config
+from finetune.methods import registry
 from finetune.model import archs, checkpoints, families, layouts, presets
 from finetune.platform.backend import DEFAULT_BATCH_SIZE
 from finetune.platform.errors import UserError
@@ -332,12 +333,12 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
-    # A preference method's batch counts pairs: each is two sequences, chosen and rejected (pair_batches.py).
-    sequences = 1 if cfg.train.method == "sft" else 2
-    if sequences == 2:
-        notes.append(f"--method {cfg.train.method}: each of the batch's pairs is two sequences, so the activations are "
-                     "twice an SFT batch's" + (" (DPO's reference is 8 bytes a pair, scored once: no second base)"
-                                               if cfg.train.method == "dpo" else ""))  # fmt: skip
+    # The batch counts the method's examples: a preference pair is two sequences, chosen and rejected.
+    method = registry.get(cfg.train.method)
+    sequences = method.sequences_per_example
+    note = method.plan_note(cfg)
+    if note:
+        notes.append(note)
     memory["activations"] = (
         sequences * per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 from finetune.config import Config, parse_duration
 from finetune.data import templates
+from finetune.methods import registry
 from finetune.model import distribution, families, presets
 from finetune.platform import backend, platforms
 from finetune.platform.errors import UserError
@@ -100,9 +101,9 @@ class Resolved:
         return None if decided is None else decided.value
 
     @property
-    def preference(self):
-        """The preference loss the run trains (model/preference.Objective); None for SFT."""
-        return objective(self.config.train)
+    def method(self):
+        """The training method (methods/method.Method), as --method named it and decide() checked it."""
+        return registry.get(self.config.train.method)
 
     def recipe(self, train: bool = True):
         """What builder.build_model makes of this run (a builder.Recipe): for training (LoRA fresh, compiled with
@@ -118,7 +119,9 @@ class Resolved:
             lora=cfg.lora,
             seed=cfg.train.seed,
             neftune_alpha=cfg.train.neftune_alpha if train else None,
-            optimizer=builder.Optimizer(cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.preference)
+            optimizer=builder.Optimizer(
+                cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.method.objective(cfg.train)
+            )
             if train
             else None,
             # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
@@ -179,8 +182,9 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
                                                   else ""))  # fmt: skip
     decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
     decisions["alpha"] = alpha(cfg.lora)
-    decisions.update(method(cfg.train, data_format))
-    decided = _replace(decided, "train", **{name: decisions[name].value for name in PREFERENCE if name in decisions})
+    chosen = registry.get(cfg.train.method)
+    decisions.update({name: Decision(*made) for name, made in registry.decide(cfg.train, data_format).items()})
+    decided = _replace(decided, "train", **{name: decisions[name].value for name in chosen.defaults})
     limit, deadline = _time_limit(cfg.train.time_limit)
     decisions["time_limit"] = limit
     return Resolved(decided, decisions, source, device, runtime["device_name"], runtime, deadline, distributed,
@@ -214,56 +218,6 @@ def alpha(lora) -> Decision:
         return Decision(lora.resolved_alpha(), "set")
     why = "the rank: a scale of 1/sqrt(rank) with --rslora" if lora.rslora else "the rank: a scale of 1, keras-hub's"
     return Decision(lora.resolved_alpha(), why)
-
-
-# Each preference method's defaults, with where they come from (docs/preference.md, "Losses and defaults").
-BETA = {
-    "dpo": (0.1, "DPO's beta, as TRL's DPOConfig (the DPO paper's 0.1 to 0.5, at its low end)"),
-    "ipo": (0.1, "IPO's tau, as TRL's DPOConfig's beta for loss_type ipo"),
-    "orpo": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
-    "simpo": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
-}
-SIMPO_GAMMA = (0.5, "SimPO's target margin, as TRL's CPOConfig's simpo_gamma")
-
-
-PREFERENCE = ("beta", "label_smoothing", "simpo_gamma")  # the train settings method() decides
-
-
-def objective(train):
-    """The preference loss (model/preference.Objective) a decided config.TrainConfig trains; None for SFT. A
-    finished run's config.yaml holds the decided constants, so `finetune eval` rebuilds the same."""
-    if train.method == "sft":
-        return None
-    from finetune.model import preference  # keras: imported once the backend is chosen
-
-    return preference.Objective(train.method, train.beta, train.label_smoothing or 0.0, train.simpo_gamma or 0.0)
-
-
-def method(train, data_format: str) -> dict:
-    """{method, beta, label_smoothing, simpo_gamma}: the objective and its constants, each with its reason.
-
-    train: config.TrainConfig. data_format: the records' format (formats.read): a preference method needs pairs,
-    and SFT refuses them, each with what to pass.
-    """
-    paired = data_format.startswith("preference")
-    if train.method == "sft":
-        if paired:
-            raise UserError(f"the data is {data_format} pairs (chosen and rejected answers); pass --method dpo, "
-                            "ipo, orpo or simpo to train on them, or give SFT records")  # fmt: skip
-        return {"method": Decision("sft", "supervised: the response tokens' cross-entropy")}
-    if not paired:
-        raise UserError(f"--method {train.method} trains on preference pairs ({{prompt, chosen, rejected}} "
-                        f"records); the data is {data_format}: give pairs, or pass --method sft")  # fmt: skip
-    decided = {"method": Decision(train.method, "set")}
-    beta, why = BETA[train.method]
-    decided["beta"] = Decision(train.beta, "set") if train.beta is not None else Decision(beta, why)
-    if train.method == "dpo":
-        smoothing = train.label_smoothing
-        decided["label_smoothing"] = Decision(smoothing or 0.0, "set" if smoothing is not None else "none asked")
-    if train.method == "simpo":
-        gamma = train.simpo_gamma
-        decided["simpo_gamma"] = Decision(gamma, "set") if gamma is not None else Decision(*SIMPO_GAMMA)
-    return decided
 
 
 def _threads(cfg: Config, saved: dict | None) -> int | None:
@@ -383,12 +337,12 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
     return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
 
 
-def packing(lm, setting: str, method: str = "sft", pictured: bool = False) -> Decision:
+def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
     """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask, for
     SFT on text.
 
-    method: str. A preference method's pairs keep a row per answer (docs/preference.md says what packing would
-        save).
+    method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why), e.g. a
+        preference method's pairs keep a row per answer.
     pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
         so rows of several examples would attend across them; its rows are not packed.
     """
@@ -396,8 +350,8 @@ def packing(lm, setting: str, method: str = "sft", pictured: bool = False) -> De
 
     if setting == "off":
         return Decision(False, "set")
-    if method != "sft":
-        why = f"--method {method}: each pair's two answers keep a row each (pairs are not packed yet)"
+    why = method.unpacked_why()
+    if why:
         if setting == "on":
             raise UserError(f"--packing on: {why}; pass --packing auto or off")
         return Decision(False, f"auto: {why}")

@@ -105,9 +105,8 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     generate: int. Also answer the first this many of those records' prompts, greedily, and score the answers
         against their responses with ROUGE-L (`rougeL`).
     """
-    from finetune.data import batching
-    from finetune.model import builder
-    from finetune.training import prepare, scoring
+    from finetune.methods import prepare, registry
+    from finetune.training import scoring
 
     cfg = run.config
     if data_path is None and cfg.eval.data is None and cfg.data.eval_fraction == 0:
@@ -122,32 +121,13 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
-    prepared = prepare.prepare(records, preprocessor, cfg, every_record_of=other_file)
-    inputs = builder.input_names(lm)
-    if cfg.train.method != "sft":
-        result = _pair_scores(lm, cfg, prepared.held_out_rows)
-    else:
-        batches = batching.Batches(prepared.held_out_rows, cfg.train.batch_size, batching.Feed(inputs=inputs))
-        result = scoring.metrics(builder.scorer(lm, cfg.train.batch_size), batches)
+    method = registry.get(cfg.train.method)
+    prepared = method.prepare(records, preprocessor, cfg, every_record_of=other_file)
+    result = method.evaluate(lm, cfg, prepared.held_out_rows)
     result["examples"] = len(prepared.held_out)
     if generate:
         result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))
     return result
-
-
-def _pair_scores(lm, cfg, arrays) -> dict:
-    """A preference run's held-out metrics (scoring.pair_metrics) of the adapted `lm`; DPO's reference scored
-    first with LoRA switched off (the base, as the run scored it before training)."""
-    from finetune.data import batching, pair_batches
-    from finetune.model import builder
-    from finetune.training import resolve, scoring
-
-    objective = resolve.objective(cfg.train)
-    batches = pair_batches.Batches(arrays, cfg.train.batch_size, batching.Feed(inputs=builder.input_names(lm)))
-    if objective.needs_reference:
-        with builder.lora_off(lm):  # a view of its own: a compiled call keeps the LoRA state it was traced with
-            scoring.reference_logps(builder.preference_view(lm, objective), batches)
-    return scoring.pair_metrics(builder.preference_view(lm, objective), batches)
 
 
 def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
@@ -171,7 +151,8 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     """
     from finetune.data import images, templates
     from finetune.data.formats import Record
-    from finetune.training import prepare, scoring
+    from finetune.methods import prepare
+    from finetune.training import scoring
 
     cfg = run.config
     template = templates.get(cfg.data.template)

@@ -1,28 +1,14 @@
-"""Held-out metrics over response tokens, generations (greedy, or sampled by keras-hub's samplers), and ROUGE-L.
-
-Loss and accuracy come from the weighted metrics of model.scorer(): each
-accumulates sum(weight * value) / sum(weight) over every held-out gathered
-position, so padding and prompt positions (weight 0) never enter the average,
-and a ragged last batch's filler rows neither.
+"""What a run is scored on: its held-out records (scored as its method says: Method.held_out_scores), generations
+(greedy, or sampled by keras-hub's samplers) and ROUGE-L.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 
 from finetune.data import images
 from finetune.platform.errors import UserError
-
-
-def metrics(scorer, batches) -> dict:
-    """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`."""
-    logs = scorer.evaluate(batches, verbose=0, return_dict=True)
-    # Keras names each output's metric after the output: loss_token_loss, correct_token_accuracy.
-    loss = float(next(v for k, v in logs.items() if k.endswith("token_loss")))
-    accuracy = float(next(v for k, v in logs.items() if k.endswith("token_accuracy")))
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy}
 
 
 def eval_metrics(before: dict | None, after: dict | None) -> dict:
@@ -36,42 +22,6 @@ def eval_metrics(before: dict | None, after: dict | None) -> dict:
         out[f"eval_{name}_before"] = before.get(name) if before else None
         out[f"eval_{name}"] = after.get(name) if after else None
     return out
-
-
-def pair_outputs(view, batches):
-    """(pair indices, the view's (pairs, 7) output) of each of `batches` (pair_batches.Batches), with the view in
-    inference mode: each pair's loss and metrics (preference.COLUMNS)."""
-    import keras
-    import numpy as np
-
-    # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
-    # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
-    eager = keras.config.backend() == "tensorflow"
-    for pairs, (x, _, _) in batches:
-        values = view(x, training=False) if eager else view.predict_on_batch(x)
-        yield pairs, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(pairs)]
-
-
-def pair_metrics(view, batches) -> dict:
-    """The mean of each preference.COLUMNS over the held-out pairs; `accuracy` is the reward accuracy (the loop
-    and the trackers name it so for every method)."""
-    from finetune.model import preference
-
-    total, count = 0.0, 0
-    for pairs, values in pair_outputs(view, batches):
-        total, count = total + values.sum(axis=0), count + len(pairs)
-    means = {name: float(value) for name, value in zip(preference.COLUMNS, total / max(count, 1))}
-    return {**means, "accuracy": means["reward_accuracy"]}
-
-
-def reference_logps(view, batches) -> None:
-    """DPO's reference pass: each pair's chosen and rejected log-probability under the model as it stands, into
-    arrays.reference. Run once, before training, on a fresh adapter (LoRA's B is zero, DoRA's magnitudes the
-    weights' norms), so the model scores as the base does; in the run's precision, in inference mode."""
-    reference = batches.arrays.reference
-    reference[:] = 0.0  # the view subtracts the reference: zeros leave the policy's own log-probabilities
-    for pairs, values in pair_outputs(view, batches):
-        reference[pairs] = values[:, 5:7]
 
 
 @contextlib.contextmanager
@@ -158,17 +108,17 @@ class HeldOut:
     """The records a run holds out: metrics over them, and generations on the first few's prompts (samples.md).
 
     Args:
-        scorer: keras.Model. builder.scorer() of the run's model.
-        batches: batching.Batches. The held-out rows, one record each.
+        score: callable() -> dict. The held-out metrics as the model stands (the method's held_out_scores).
+        rows: int. The held-out examples scored.
         model: builder.Model. The run's model: its causal LM and preprocessor generate the samples.
         samples: list of data.Record. The held-out records to generate for; their responses are the references.
         template: templates.Template. Puts each sample's prompt in the run's format.
         max_new_tokens: int. The longest generation.
     """
 
-    def __init__(self, scorer, batches, model, samples, template, max_new_tokens: int):
-        self.scorer = scorer
-        self.batches = batches
+    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int):
+        self.score = score
+        self.rows = rows
         self.lm = model.lm
         self.preprocessor = model.preprocessor
         self.samples = samples
@@ -183,8 +133,8 @@ class HeldOut:
         self.max_new_tokens = max_new_tokens
 
     def metrics(self) -> dict:
-        """Per-token loss, perplexity and accuracy over the held-out records, as the model stands."""
-        return metrics(self.scorer, self.batches)
+        """The held-out metrics (loss, accuracy and the method's own), as the model stands."""
+        return self.score()
 
     def generate(self, when: str, phase=print) -> list[str]:
         """The samples' generations as the model stands; `when` (before, after) names the phase in the log."""
@@ -198,11 +148,3 @@ class HeldOut:
             {"prompt": p, "reference": r.response, "before": b, "after": a}
             for p, r, b, a in zip(self.prompts, self.samples, before, after)
         ]
-
-
-class PairHeldOut(HeldOut):
-    """HeldOut for a preference run: `scorer` is the run's PreferenceView and `batches` the held-out pairs
-    (pair_batches.Batches), scored as pair_metrics() says; samples generate from the prompts as for SFT."""
-
-    def metrics(self) -> dict:
-        return pair_metrics(self.scorer, self.batches)

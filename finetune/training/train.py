@@ -5,7 +5,7 @@ AdamW, train, then save the adapter. What it adds: response-only loss on
 pre-tokenized batches, evaluation before and after on a held-out split,
 checkpoints to resume from after a kill, guards that never publish a broken
 run, and a run directory that records everything the run did. Each step is a
-call into the module that owns it: prepare.py makes the rows, checkpoint.py
+call into the module that owns it: the method (methods/) makes the rows, checkpoint.py
 resumes, loop.py trains, outputs.py keeps the run directory.
 """
 
@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from finetune.config import Config
-from finetune.data import batching, formats, pair_batches
+from finetune.data import batching, formats
+from finetune.methods import prepare
 from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
-from finetune.training import adapter, checkpoint, loop, outputs, prepare, resolve, scoring, tracking
+from finetune.training import adapter, checkpoint, loop, outputs, resolve, scoring, tracking
 
 
 def run(cfg: Config, resume: bool = False) -> dict:
@@ -111,8 +112,9 @@ class Session:
     run: resolve.Resolved
     model: builder.Model
     prepared: prepare.Prepared
-    order: batching.TrainOrder | pair_batches.PairOrder
-    """The order the training rows are fed in; in a multi-process job, this process's slice of every batch."""
+    order: object
+    """The order the training rows are fed in (the method's: batching.TrainOrder, pair_batches.PairOrder); in a
+    multi-process job, this process's slice of every batch."""
     total_steps: int
     held_out: scoring.HeldOut | None
     """None when nothing is held out (--eval-fraction 0 without --eval-data)."""
@@ -129,19 +131,20 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     cfg = decided.config
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {decided.device_name}, {decided.precision}")
     model = builder.build_model(decided.source, decided.recipe())
-    packing = resolve.packing(model.lm, cfg.data.packing, cfg.train.method, any(r.images for r in data.records))
+    method = decided.method
+    packing = resolve.packing(model.lm, cfg.data.packing, method, any(r.images for r in data.records))
     probe = functools.partial(
         auto_batch_size, model.trainer, device=decided.device, names=builder.input_names(model.lm)
     )
-    prepared = prepare.prepare(data.records, model.preprocessor, cfg, packed=packing.value, probe=probe)
+    prepared = method.prepare(data.records, model.preprocessor, cfg, packed=packing.value, probe=probe)
     if data.eval_records is not None:
-        prepared = prepare.evaluated_on(prepared, data.eval_records, model.preprocessor, cfg)
+        prepared = method.evaluated_on(prepared, data.eval_records, model.preprocessor, cfg)
     settled = {"packing": packing}
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
     feed = batching.Feed(decided.part, step, builder.input_names(model.lm))
-    order = prepare.train_order(prepared, cfg, feed)
+    order = method.order(prepared, cfg, feed)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
     print(run.table())
@@ -173,12 +176,9 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
     step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, run.device)
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
-    if run.preference is not None:  # scored by the training view itself, in inference mode
-        pairs = pair_batches.Batches(prepared.held_out_rows, prepared.batch_size, feed)
-        return scoring.PairHeldOut(model.trainer, pairs, model, samples, prepared.template, cfg.train.max_new_tokens)
-    batches = batching.Batches(prepared.held_out_rows, prepared.batch_size, feed)
-    scorer = builder.scorer(model.lm, prepared.batch_size, shards=run.part[2])
-    return scoring.HeldOut(scorer, batches, model, samples, prepared.template, cfg.train.max_new_tokens)
+    rows = prepared.held_out_rows
+    scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
+    return scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens)
 
 
 def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> checkpoint.RunState:
@@ -191,7 +191,7 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
         start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprints[0],
                                     reference, fingerprints[1])  # fmt: skip
     elif session.found is None:
-        session.phase(f"evaluating before training ({session.held_out.batches.rows} held-out records)")
+        session.phase(f"evaluating before training ({session.held_out.rows} held-out records)")
         before = session.held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
         generated = session.held_out.generate("before", session.phase)
@@ -206,22 +206,11 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
 
 
 def _reference(session: Session, saved: dict | None) -> dict | None:
-    """DPO's reference log-probabilities of every training and held-out pair (None for the other methods): scored
-    once by a fresh run, before training, or read back from the checkpoint a resumed run continues from."""
-    objective = session.run.preference
-    if objective is None or not objective.needs_reference:
-        return None
+    """What the method scores once before training (DPO's reference log-probabilities of every training and
+    held-out pair), or reads back from the checkpoint a resumed run continues from; None for most methods."""
     sets = {"train": session.prepared.rows, "held_out": session.prepared.held_out_rows}
-    if saved is not None:
-        for name, arrays in sets.items():
-            arrays.reference[:] = np.asarray(saved[name], np.float32).reshape(-1, 2)
-        return saved
-    session.phase(f"scoring the reference: {sum(map(len, sets.values()))} pairs under the base, once")
-    for arrays in sets.values():
-        scoring.reference_logps(
-            session.model.trainer, pair_batches.Batches(arrays, session.prepared.batch_size, session.order.feed)
-        )
-    return {name: arrays.reference.tolist() for name, arrays in sets.items()}
+    return session.run.method.reference(session.model.trainer, sets, session.prepared.batch_size, session.order.feed,
+                                        saved, session.phase)  # fmt: skip
 
 
 def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, stack) -> loop.Loop:
@@ -295,7 +284,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "resumed_from_step": found.step if found else None,
         "train_loss": train_losses[-1],
         **scoring.eval_metrics(before, after),
-        **_preference_metrics(run, progress.rows),
+        **run.method.run_metrics(cfg.train, progress.rows),
         "best_step": after["step"] if cfg.eval.keep_best else None,
         "stopped_early": progress.stopped_early,
         "packing": prepared.packed,
@@ -314,19 +303,6 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "device_name": run.device_name,
         "distribution": run.distributed or {"parallel": "none", "devices": 1, "processes": 1},
     }
-
-
-def _preference_metrics(run: resolve.Resolved, rows: list) -> dict:
-    """A preference run's method, its constants, and its last step's metrics (model/preference.METRICS)."""
-    objective = run.preference
-    if objective is None:
-        return {"method": "sft"}
-    from finetune.model import preference
-
-    last = next((row for row in reversed(rows) if "rewards_chosen" in row), {})
-    constants = {name: run.decisions[name].value for name in ("beta", "label_smoothing", "simpo_gamma")
-                 if name in run.decisions}  # fmt: skip
-    return {"method": objective.method, **constants, **{name: last.get(name) for name in preference.METRICS}}
 
 
 def _resolved(run: resolve.Resolved, claim: outputs.Claim, run_id: str) -> dict:

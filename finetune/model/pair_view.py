@@ -1,4 +1,5 @@
-"""The preference objectives (DPO, ORPO, SimPO): a loss beside SFT's, on the same response-token machinery.
+"""The view that trains a preference loss (methods/preference.py: DPO, IPO, ORPO, SimPO) on SFT's response-token
+machinery.
 
 A batch of B pairs is 2B rows, the chosen answers' then the rejected answers'
 (as TRL's concatenated forward lays them out), each weighted 1 on its answer's
@@ -19,38 +20,44 @@ TRL names them, through PairMean metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
 from keras import ops
 
+from finetune.data import pair_batches
 from finetune.model import objective
 
-COLUMNS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen",
-           "logps_rejected")  # fmt: skip
-METRICS = COLUMNS[1:]
-AVERAGED = ("orpo", "simpo")
-"""The methods whose log-probabilities are per token (length-averaged); DPO's are summed over the answer."""
+COLUMNS, METRICS = pair_batches.COLUMNS, pair_batches.METRICS
 
 
 @dataclass(frozen=True)
 class Objective:
-    """A preference loss and its constants, as resolve.method decided them.
+    """A preference loss and its constants, as the method (methods/preference.py) decided them.
 
-    method: str. dpo, orpo or simpo.
-    beta: float. DPO's and SimPO's beta; ORPO's lambda.
+    name: str. The method's name, as config.yaml records it.
+    loss: callable(chosen, rejected, reference, count, objective) -> (loss, (reward_chosen, reward_rejected)), each
+        (B,): the pair loss from each answer's log-probability (length-averaged where `averaged`), the reference
+        log-probabilities and the answers' token counts, each (2B,) with the chosen rows first.
+    beta: float. DPO's and SimPO's beta; IPO's tau; ORPO's lambda.
     label_smoothing: float. DPO's epsilon.
     gamma: float. SimPO's target margin.
+    averaged: bool. The log-probabilities are per answer token (ORPO, SimPO); else summed over the answer.
+    needs_reference: bool. The loss compares against the base's log-probabilities, scored once before training.
     """
 
-    method: str
+    name: str
+    loss: Callable
     beta: float
     label_smoothing: float = 0.0
     gamma: float = 0.0
+    averaged: bool = False
+    needs_reference: bool = False
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.method in ("dpo", "ipo")
+    def view(self, lm, chunk: int, shards: int = 1) -> PreferenceView:
+        """The view of `lm` that trains (and scores) this loss."""
+        return PreferenceView(lm, chunk, self, shards, dtype=keras.config.dtype_policy())
 
 
 def sequence_logps(token_losses, weights, sequence, rows: int):
@@ -73,36 +80,10 @@ def pair_values(objective_: Objective, logp, count, reference):
     (DPO's; zeros otherwise). Rows 0..B-1 are the chosen answers, B..2B-1 the rejected.
     """
     half = logp.shape[0] // 2
-    if objective_.method == "ipo":  # TRL's IPO: the log ratios per answer token, squared against 1 / (2 tau)
-        ratios = (logp - reference) / ops.maximum(count, 1.0)
-        loss = ops.square(ratios[:half] - ratios[half:] - 1.0 / (2.0 * objective_.beta))
-        return _reported(
-            loss,
-            (objective_.beta * (logp - reference)[:half], objective_.beta * (logp - reference)[half:]),
-            logp[:half],
-            logp[half:],
-        )
-    if objective_.method in AVERAGED:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
+    if objective_.averaged:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
         logp = logp / ops.maximum(count, 1.0)
-    chosen, rejected = logp[:half], logp[half:]
-    beta = objective_.beta
-    if objective_.method == "dpo":
-        chosen_ratio, rejected_ratio = chosen - reference[:half], rejected - reference[half:]
-        logits = beta * (chosen_ratio - rejected_ratio)
-        eps = objective_.label_smoothing
-        loss = -(1.0 - eps) * ops.log_sigmoid(logits) - eps * ops.log_sigmoid(-logits)
-        rewards = beta * chosen_ratio, beta * rejected_ratio
-    elif objective_.method == "orpo":
-        # The log odds ratio of the two answers' average token probabilities: log(p/(1-p)) of each, subtracted.
-        log_odds = (chosen - rejected) - (ops.log1p(-ops.exp(chosen)) - ops.log1p(-ops.exp(rejected)))
-        loss = -chosen - beta * ops.log_sigmoid(log_odds)
-        rewards = beta * chosen, beta * rejected
-    elif objective_.method == "simpo":
-        loss = -ops.log_sigmoid(beta * (chosen - rejected) - objective_.gamma)
-        rewards = beta * chosen, beta * rejected
-    else:
-        raise ValueError(f"unknown preference method {objective_.method!r}")
-    return _reported(loss, rewards, chosen, rejected)
+    loss, rewards = objective_.loss(logp[:half], logp[half:], reference, count, objective_)
+    return _reported(loss, rewards, logp[:half], logp[half:])
 
 
 def _reported(loss, rewards, chosen, rejected):
@@ -127,6 +108,14 @@ class PreferenceView(objective.TrainingView):
         super().__init__(lm, chunk, shards, **kwargs)
         self.objective = objective_
 
+    @property
+    def input_dtype(self):
+        """float32 for the view's float inputs, whatever the policy: keras casts them to the compute dtype, and a
+        reference log-probability (a sum over an answer, -40 or -200) cast to bfloat16 is off by up to 0.1 or 0.5
+        nats, which the loss took for a margin (a fresh DPO run scored 0.696, not ln 2, in bfloat16). The backbone
+        casts what it computes itself."""
+        return "float32"
+
     def call(self, inputs, training=None):
         backbone = self.lm.backbone
         hidden = objective._gathered(backbone, inputs, self.shards, training=training)
@@ -144,6 +133,10 @@ class PreferenceView(objective.TrainingView):
         logp, count = sequence_logps(losses, weights, sequence, rows)
         values = pair_values(self.objective, logp, count, ops.cast(inputs["loss_reference"], "float32"))
         return ops.concatenate([values, ops.zeros_like(values)], axis=0)
+
+    def step_metrics(self) -> list:
+        """TRL's metrics of the step's pairs, each a mean weighted as the loss weighs them."""
+        return metrics()
 
     def compute_output_spec(self, inputs):
         return keras.KerasTensor((inputs["loss_labels"].shape[0], len(COLUMNS)), dtype="float32")

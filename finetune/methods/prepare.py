@@ -1,15 +1,16 @@
-"""Records to rows, one way for every caller: records → template → token ids → split → rows.
+"""Records to examples, below every method: reading, the template's room, pictures, the held-out split, rows.
 
-Training, `finetune eval` and `finetune bench` prepare their data here, so an
-evaluation scores exactly the records its run held out, and the bench trains on
-rows made as a run makes them.
+Each method (methods/supervised.py, methods/preference.py) makes its examples
+and rows from these pieces, and training, `finetune eval` and `finetune bench`
+all prepare through the method, so an evaluation scores exactly the records its
+run held out, and the bench trains on rows made as a run makes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.data import batching, formats, images, packing, pair_batches, pairs, templates
+from finetune.data import batching, formats, images, packing, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -38,6 +39,20 @@ class Prepared:
     """Why `--batch-size auto` probed to batch_size; None when it was decided before (resolve.py)."""
 
 
+def split(usable: list, cfg, every_record_of: str | None = None) -> tuple[list, list]:
+    """(train, held out) of the usable examples: a function of the data, --eval-fraction and the seed alone.
+
+    The held-out share never depends on --batch-size (a batch larger than it is scored with weight-0 filler rows),
+    so two runs compared by their held-out loss are scored on the same records and train on the same rest.
+    every_record_of: a file all of whose records are held out (`finetune eval --data`).
+    """
+    if every_record_of is not None:
+        return [], usable
+    if cfg.data.eval_fraction == 0:  # nothing held out: --eval-data, or no evaluation
+        return usable, []
+    return formats.split(usable, cfg.data.eval_fraction, cfg.train.seed)
+
+
 def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], str]:
     """(the records of `path`, checked and filtered as the config says; their format).
 
@@ -60,108 +75,6 @@ def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], s
         fix="evaluate on a file with records the run's filters keep" if trained else None,
     )
     return kept, found
-
-
-def prepare(records, preprocessor, cfg, *, packed: bool | None = None, probe=None, every_record_of: str | None = None):
-    """records → template → token ids → split → rows: what a run trains on, and the records it holds out.
-
-    At least one batch of records is held out: the batch size is the config's,
-    or for `--batch-size auto` the one `probe` picks.
-
-    Args:
-        records: list of formats.Record, as read() returns them.
-        preprocessor: the preset's keras-hub preprocessor (its tokenizer, and its image handling where it has
-            any), or a tokenizer alone for text.
-        cfg: Config. The run's, resolved: its template and batch size decided (resolve.py).
-        packed: bool. Make the training rows, packed (True) or padded (False);
-            None makes none (`finetune eval`).
-        probe: callable(arrays, rows) -> (int, str). Picks the batch size, and says why, from trial
-            steps on `arrays` (the first 64 usable examples, padded), for data
-            that fills `rows` rows (train.auto_batch_size).
-        every_record_of: str. Hold out every record, of this file (`finetune eval --data`), rather than the
-            run's share of cfg.data.path's.
-    """
-    if cfg.train.method != "sft":
-        return preference_pairs(records, _tokenizer(preprocessor), cfg, every_record_of)
-    seq_len = cfg.model.seq_len
-    template = templates.get(cfg.data.template)
-    check_seq_len(_tokenizer(preprocessor), template, seq_len)
-    usable = pictured_examples(records, template, preprocessor, cfg, every_record_of or cfg.data.path)
-    batch_size, why = cfg.train.batch_size, None
-    if batch_size == "auto":
-        tokenized = [e for _, e in usable]
-        # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
-        rows = row_count(tokenized, seq_len, packed) // cfg.train.grad_accum
-        batch_size, why = probe(batching.pad(tokenized[:64], seq_len), rows)
-        print(f"batch size auto: {batch_size} ({why})")
-    train, held_out = [], usable
-    if every_record_of is None and cfg.data.eval_fraction == 0:  # nothing held out: --eval-data, or no evaluation
-        train, held_out = usable, []
-    elif every_record_of is None:
-        train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
-    prepared = Prepared(template, train, held_out, batch_size, batching.pad([e for _, e in held_out], seq_len))
-    prepared.batch_size_why = why
-    if packed is not None:
-        prepared.rows, prepared.padding = training_rows(train, batch_size, seq_len, packed)
-        prepared.packed = packed
-    return prepared
-
-
-def preference_pairs(records, tokenizer, cfg, every_record_of: str | None = None) -> Prepared:
-    """prepare() for a preference method: records -> template -> a chosen and a rejected Example each (pairs.py)
-    -> split -> pairs padded a side to a row (pair_batches.py). The batch size counts pairs."""
-    seq_len = cfg.model.seq_len
-    template = templates.get(cfg.data.template)
-    check_seq_len(tokenizer, template, seq_len)
-    usable = pair_examples(records, template, tokenizer, seq_len)
-    batch_size = cfg.train.batch_size
-    if batch_size == "auto":
-        raise UserError(f"--batch-size auto does not probe --method {cfg.train.method} yet; pass --batch-size N "
-                        "(pairs per micro-batch: each is two sequences)")  # fmt: skip
-    train, held_out = [], usable
-    if every_record_of is None and cfg.data.eval_fraction == 0:
-        train, held_out = usable, []
-    elif every_record_of is None:
-        train, held_out = formats.split(usable, cfg.data.eval_fraction, cfg.train.seed, min_eval=batch_size)
-    held_out_rows = pair_batches.pad([p for _, p in held_out], seq_len)
-    prepared = Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
-    if every_record_of is None:
-        if len(train) < batch_size:
-            raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
-                            "--batch-size or add pairs")  # fmt: skip
-        prepared.rows = pair_batches.pad([p for _, p in train], seq_len)
-        share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
-        prepared.padding = {"padding_fraction": share, "unpacked": share}
-    return prepared
-
-
-def pair_examples(records, template, tokenizer, seq_len: int) -> list:
-    """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
-    made, _, truncated = pairs.pairs(records, template, tokenizer, seq_len)
-    if truncated:
-        print(f"note: {truncated} pairs cut to --seq-len {seq_len}: prompts from their left, as TRL cuts them")
-    return list(zip(records, made))
-
-
-def train_order(prepared: Prepared, cfg, feed: batching.Feed):
-    """The order the training rows go in: batching.TrainOrder, or pair_batches.PairOrder for pairs."""
-    if isinstance(prepared.rows, pair_batches.PairArrays):
-        return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
-    return batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
-
-
-def evaluated_on(prepared: Prepared, records, preprocessor, cfg) -> Prepared:
-    """`prepared` with every record of --eval-data (`records`, from cfg.eval.data) as its held-out set, in the
-    run's template."""
-    seq_len = cfg.model.seq_len
-    if cfg.train.method != "sft":
-        prepared.held_out = pair_examples(records, prepared.template, _tokenizer(preprocessor), seq_len)
-        prepared.held_out_rows = pair_batches.pad([p for _, p in prepared.held_out], seq_len)
-        return prepared
-    held_out = pictured_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
-    prepared.held_out = held_out
-    prepared.held_out_rows = batching.pad([e for _, e in held_out], seq_len)
-    return prepared
 
 
 def check_seq_len(tokenizer, template, seq_len: int) -> None:
@@ -207,18 +120,19 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
     if vision is None:
         if pictured:
             raise no_vision_encoder(cfg.model.preset, source)
-        return examples(records, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
+        return examples(records, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
     images.limit(records, vision, source)
     written = [images.written(record, vision) for record in records]
     original = {id(w): record for w, record in zip(written, records)}
-    pairs = examples(written, template, _tokenizer(preprocessor), seq_len, on_prompt, source)
+    pairs = examples(written, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
     # Every row has room for the most pictures a record holds, the rest blank: one picture a record encodes one
     # slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
     slots = max(len(r.images) for r in records)
     return [(original[id(w)], images.attached(example, original[id(w)], vision, slots, source)) for w, example in pairs]
 
 
-def _tokenizer(preprocessor):
+def tokenizer_of(preprocessor):
+    """The preprocessor's tokenizer (a text run may be given the tokenizer itself)."""
     return getattr(preprocessor, "tokenizer", preprocessor)
 
 

@@ -1,0 +1,116 @@
+"""Method: what a training method is, as the run asks for it. Each family of methods is a module of its own
+(supervised.py, preference.py), and the registry (registry.py) names them.
+
+A run decides its method once (training/resolve.py) and then asks this object
+for everything that differs between methods: its constants and their reasons,
+the objective it compiles, how records become examples and rows, the order the
+rows train in (filler rows included), the held-out scorer, the reference pass
+before training, the metrics metrics.json keeps, what `finetune eval` reports,
+and the plan's terms. Nothing outside finetune/methods/ asks which method runs.
+
+What does not depend on the method is written once, below it, and holds for
+every method: the split across processes and data shards (batching.Feed), the
+held-out split (prepare.split), gradient accumulation, remat, dropout, NEFTune,
+checkpoints and resume.
+"""
+
+from __future__ import annotations
+
+
+class Method:
+    """One training method. The defaults here are what most methods share; a family's module overrides the rest.
+
+    name: str. As --method names it, and config.yaml records it.
+    title: str. As people write it (DPO, SFT), in messages.
+    paired: bool. It trains on preference pairs ({prompt, chosen, rejected} records), not SFT records.
+    sequences_per_example: int. The sequences each entry of a batch computes (a pair is two): the plan's
+        activations, and what --batch-size counts.
+    defaults: dict. The train settings this method decides (beta, ...), each name to (default, why).
+    """
+
+    name = ""
+    title = ""
+    paired = False
+    sequences_per_example = 1
+    defaults: dict = {}
+
+    def __repr__(self) -> str:
+        return f"<method {self.name}>"
+
+    # === Resolve ===
+
+    def decide(self, train) -> dict:
+        """{setting: (value, why)}: the method and its constants, each with its reason (registry.decide checks the
+        data's form and the other methods' constants first).
+
+        train: config.TrainConfig.
+        """
+        decided = {"method": (self.name, self.why)}
+        for name, (default, why) in self.defaults.items():
+            given = getattr(train, name, None)
+            decided[name] = (given, "set") if given is not None else (default, why)
+        return decided
+
+    why = ""
+    """The method's line in the run's table of decisions."""
+
+    def unpacked_why(self) -> str | None:
+        """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
+        return None
+
+    def objective(self, train):
+        """What the run minimises, for builder.Optimizer: an object whose view(lm, chunk, shards) trains it.
+
+        train: config.TrainConfig, with this method's constants decided (None ones take their defaults).
+        """
+        raise NotImplementedError
+
+    # === Prepare ===
+
+    def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
+        """records -> examples -> split -> rows: a prepare.Prepared of what the run trains on and holds out.
+
+        packed: bool. Make the training rows, packed or not; None makes none (`finetune eval`).
+        probe: callable(arrays, rows) -> (batch size, why), for --batch-size auto.
+        every_record_of: str. Hold out every record, of this file (`finetune eval --data`).
+        """
+        raise NotImplementedError
+
+    def evaluated_on(self, prepared, records, preprocessor, cfg):
+        """`prepared` with every record of --eval-data (`records`) as its held-out set, in the run's template."""
+        raise NotImplementedError
+
+    def order(self, prepared, cfg, feed):
+        """The order the training rows go in: every optimizer step's micro-batches, a function of (seed, step)."""
+        raise NotImplementedError
+
+    # === Score ===
+
+    def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):
+        """callable() -> dict: the held-out metrics (loss, accuracy, and the method's own) as the model stands.
+
+        model: builder.Model of the run (its trainer compiled).
+        """
+        raise NotImplementedError
+
+    def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
+        """Whatever the method scores once before training (DPO's reference log-probabilities), into the rows of
+        `sets` (name -> rows); read back from `saved` (a checkpoint's) when a run resumes. None: nothing."""
+        return None
+
+    def evaluate(self, lm, cfg, rows) -> dict:
+        """`finetune eval`'s metrics of a trained run's `lm` (adapter loaded) on the held-out `rows`."""
+        raise NotImplementedError
+
+    def run_metrics(self, train, rows: list) -> dict:
+        """metrics.json's entries of this method: its name and constants, and its last step's own metrics.
+
+        rows: history.csv's rows (loop.Progress.rows).
+        """
+        return {"method": self.name, **{name: getattr(train, name) for name in self.defaults}}
+
+    # === Plan ===
+
+    def plan_note(self, cfg) -> str | None:
+        """What `finetune plan` says of this method's memory; None: nothing."""
+        return None

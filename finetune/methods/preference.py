@@ -1,0 +1,238 @@
+"""Preference tuning: DPO, IPO, ORPO and SimPO, on pairs of a chosen and a rejected answer to one prompt.
+
+Records become Pairs (data/pairs.py): two Examples that begin with the same
+prompt ids, weighted on their answers. A batch of B pairs is 2B rows
+(data/pair_batches.py), and model/pair_view.py turns each row's answer
+log-probability into the pair's loss with the method's `loss` below. The
+constants and their defaults are TRL's where TRL has the method
+(docs/preference.md, "Losses and defaults").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from finetune.data import batching, packing, pair_batches, pairs, templates
+from finetune.methods import prepare
+from finetune.methods.method import Method
+from finetune.platform.errors import UserError
+
+COLUMNS, METRICS = pair_batches.COLUMNS, pair_batches.METRICS  # the pair view's output, and TRL's metrics
+
+
+class Preference(Method):
+    """A preference method: its loss, its constants' defaults, and whether it needs the base's log-probabilities.
+
+    loss: callable(chosen, rejected, reference, count, objective) -> (loss, rewards), in keras ops: see
+        model/pair_view.Objective.
+    averaged: bool. The answers' log-probabilities are per token (ORPO, SimPO), else summed.
+    needs_reference: bool. Scored against the base, once, before training (DPO, IPO).
+    """
+
+    paired = True
+    sequences_per_example = 2
+    why = "set"  # --method is how a preference method is chosen
+
+    def __init__(self, name, title, loss, defaults, averaged=False, needs_reference=False):
+        self.name, self.title, self.loss, self.defaults = name, title, loss, defaults
+        self.averaged, self.needs_reference = averaged, needs_reference
+
+    def unpacked_why(self) -> str | None:
+        return f"--method {self.name}: each pair's two answers keep a row each (pairs are not packed yet)"
+
+    def objective(self, train):
+        from finetune.model import pair_view  # keras: imported once the backend is chosen
+
+        constants = {name: getattr(train, name, None) for name in self.defaults}
+        beta, smoothing, gamma = (constants.get(name) for name in ("beta", "label_smoothing", "simpo_gamma"))
+        default = {name: value for name, (value, _) in self.defaults.items()}
+        return pair_view.Objective(self.name, self.loss, beta if beta is not None else default["beta"],
+                                   smoothing or 0.0, gamma if gamma is not None else default.get("simpo_gamma", 0.0),
+                                   self.averaged, self.needs_reference)  # fmt: skip
+
+    # === Prepare ===
+
+    def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
+        """records -> template -> a chosen and a rejected Example each -> split -> pairs padded a side to a row.
+        The batch size counts pairs."""
+        seq_len = cfg.model.seq_len
+        template = templates.get(cfg.data.template)
+        tokenizer = prepare.tokenizer_of(preprocessor)
+        prepare.check_seq_len(tokenizer, template, seq_len)
+        usable = pair_examples(records, template, tokenizer, seq_len, every_record_of or cfg.data.path)
+        batch_size = cfg.train.batch_size
+        if batch_size == "auto":
+            raise UserError(f"--batch-size auto does not probe --method {self.name} yet; pass --batch-size N "
+                            "(pairs per micro-batch: each is two sequences)")  # fmt: skip
+        train, held_out = prepare.split(usable, cfg, every_record_of)
+        held_out_rows = pair_batches.pad([p for _, p in held_out], seq_len)
+        prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
+        if packed is not None:
+            if len(train) < batch_size:
+                raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
+                                "--batch-size or add pairs")  # fmt: skip
+            prepared.rows = pair_batches.pad([p for _, p in train], seq_len)
+            share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
+            prepared.padding = {"padding_fraction": share, "unpacked": share}
+        return prepared
+
+    def evaluated_on(self, prepared, records, preprocessor, cfg):
+        seq_len = cfg.model.seq_len
+        tokenizer = prepare.tokenizer_of(preprocessor)
+        prepared.held_out = pair_examples(records, prepared.template, tokenizer, seq_len, cfg.eval.data)
+        prepared.held_out_rows = pair_batches.pad([p for _, p in prepared.held_out], seq_len)
+        return prepared
+
+    def order(self, prepared, cfg, feed):
+        return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
+
+    # === Score ===
+
+    def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):
+        # Scored by the training view itself, in inference mode.
+        batches = pair_batches.Batches(rows, batch_size, feed)
+        return lambda: pair_metrics(model.trainer, batches)
+
+    def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
+        """DPO's reference log-probabilities of every training and held-out pair: scored once by a fresh run,
+        before training, or read back from the checkpoint a resumed run continues from."""
+        if not self.needs_reference:
+            return None
+        if saved is not None:
+            for name, arrays in sets.items():
+                arrays.reference[:] = np.asarray(saved[name], np.float32).reshape(-1, 2)
+            return saved
+        phase(f"scoring the reference: {sum(map(len, sets.values()))} pairs under the base, once")
+        for arrays in sets.values():
+            reference_logps(trainer, pair_batches.Batches(arrays, batch_size, feed))
+        return {name: arrays.reference.tolist() for name, arrays in sets.items()}
+
+    def evaluate(self, lm, cfg, rows) -> dict:
+        """The held-out metrics of the adapted `lm`; DPO's reference scored first with LoRA switched off (the
+        base, as the run scored it before training)."""
+        from finetune.model import builder
+
+        objective = self.objective(cfg.train)
+        batches = pair_batches.Batches(rows, cfg.train.batch_size, batching.Feed(inputs=builder.input_names(lm)))
+        if self.needs_reference:
+            with builder.lora_off(lm):  # a view of its own: a compiled call keeps the LoRA state it was traced with
+                reference_logps(builder.objective_view(lm, objective), batches)
+        return pair_metrics(builder.objective_view(lm, objective), batches)
+
+    def run_metrics(self, train, rows: list) -> dict:
+        last = next((row for row in reversed(rows) if "rewards_chosen" in row), {})
+        return {**super().run_metrics(train, rows), **{name: last.get(name) for name in METRICS}}
+
+    # === Plan ===
+
+    def plan_note(self, cfg) -> str | None:
+        reference = (
+            f" ({self.title}'s reference is 8 bytes a pair, scored once: no second base)"
+            if self.needs_reference
+            else ""
+        )
+        return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
+                f"SFT batch's{reference}")  # fmt: skip
+
+
+def pair_examples(records, template, tokenizer, seq_len: int, source: str = "") -> list:
+    """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
+    made, _, truncated = pairs.pairs(records, template, tokenizer, seq_len)
+    if truncated:
+        print(f"note: {truncated} pairs cut to --seq-len {seq_len}: prompts from their left, as TRL cuts them")
+    return list(zip(records, made))
+
+
+# === Scoring pairs ===
+
+
+def pair_outputs(view, batches):
+    """(pair indices, the view's (pairs, 7) output) of each of `batches` (pair_batches.Batches), with the view in
+    inference mode: each pair's loss and metrics (COLUMNS)."""
+    import keras
+
+    # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
+    # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
+    eager = keras.config.backend() == "tensorflow"
+    for indices, (x, _, _) in batches:
+        values = view(x, training=False) if eager else view.predict_on_batch(x)
+        yield indices, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(indices)]
+
+
+def pair_metrics(view, batches) -> dict:
+    """The mean of each COLUMNS over the held-out pairs; `accuracy` is the reward accuracy (the loop and the
+    trackers name it so for every method)."""
+    total, count = 0.0, 0
+    for indices, values in pair_outputs(view, batches):
+        total, count = total + values.sum(axis=0), count + len(indices)
+    means = {name: float(value) for name, value in zip(COLUMNS, total / max(count, 1))}
+    return {**means, "accuracy": means["reward_accuracy"]}
+
+
+def reference_logps(view, batches) -> None:
+    """DPO's reference pass: each pair's chosen and rejected log-probability under the model as it stands, into
+    arrays.reference. Run once, before training, on a fresh adapter (LoRA's B is zero, DoRA's magnitudes the
+    weights' norms), so the model scores as the base does; in the run's precision, in inference mode."""
+    reference = batches.arrays.reference
+    reference[:] = 0.0  # the view subtracts the reference: zeros leave the policy's own log-probabilities
+    for indices, values in pair_outputs(view, batches):
+        reference[indices] = values[:, 5:7]
+
+
+# === The losses: each (chosen, rejected, reference, count, objective) -> (loss, (reward chosen, reward rejected)) ===
+
+
+def dpo_loss(chosen, rejected, reference, count, objective):
+    """DPO's sigmoid loss on the log-ratio margin, with label smoothing (cDPO) as TRL's loss_type sigmoid."""
+    from keras import ops
+
+    half = chosen.shape[0]
+    chosen_ratio, rejected_ratio = chosen - reference[:half], rejected - reference[half:]
+    logits = objective.beta * (chosen_ratio - rejected_ratio)
+    eps = objective.label_smoothing
+    loss = -(1.0 - eps) * ops.log_sigmoid(logits) - eps * ops.log_sigmoid(-logits)
+    return loss, (objective.beta * chosen_ratio, objective.beta * rejected_ratio)
+
+
+def ipo_loss(chosen, rejected, reference, count, objective):
+    """TRL's IPO: the log ratios per answer token, squared against 1 / (2 tau)."""
+    from keras import ops
+
+    half = chosen.shape[0]
+    ratios = (ops.concatenate([chosen, rejected]) - reference) / ops.maximum(count, 1.0)
+    loss = ops.square(ratios[:half] - ratios[half:] - 1.0 / (2.0 * objective.beta))
+    return loss, (objective.beta * (chosen - reference[:half]), objective.beta * (rejected - reference[half:]))
+
+
+def orpo_loss(chosen, rejected, reference, count, objective):
+    """ORPO: the chosen answer's NLL plus lambda times the log odds ratio's loss, of the two answers' average token
+    probabilities: log(p / (1 - p)) of each, subtracted."""
+    from keras import ops
+
+    log_odds = (chosen - rejected) - (ops.log1p(-ops.exp(chosen)) - ops.log1p(-ops.exp(rejected)))
+    loss = -chosen - objective.beta * ops.log_sigmoid(log_odds)
+    return loss, (objective.beta * chosen, objective.beta * rejected)
+
+
+def simpo_loss(chosen, rejected, reference, count, objective):
+    """SimPO: the sigmoid loss on the length-averaged margin, less the target margin gamma."""
+    from keras import ops
+
+    loss = -ops.log_sigmoid(objective.beta * (chosen - rejected) - objective.gamma)
+    return loss, (objective.beta * chosen, objective.beta * rejected)
+
+
+DPO = Preference("dpo", "DPO", dpo_loss, needs_reference=True, defaults={
+    "beta": (0.1, "DPO's beta, as TRL's DPOConfig (the DPO paper's 0.1 to 0.5, at its low end)"),
+    "label_smoothing": (0.0, "none asked"),
+})  # fmt: skip
+IPO = Preference("ipo", "IPO", ipo_loss, needs_reference=True, defaults={
+    "beta": (0.1, "IPO's tau, as TRL's DPOConfig's beta for loss_type ipo"),
+})  # fmt: skip
+ORPO = Preference("orpo", "ORPO", orpo_loss, averaged=True, defaults={
+    "beta": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
+})  # fmt: skip
+SIMPO = Preference("simpo", "SimPO", simpo_loss, averaged=True, defaults={
+    "beta": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
+    "simpo_gamma": (0.5, "SimPO's target margin, as TRL's CPOConfig's simpo_gamma"),
+})  # fmt: skip
