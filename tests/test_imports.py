@@ -73,7 +73,7 @@ NO_TEST_FILE = {
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
-    "test_preference_trl",
+    "test_preference_trl", "test_method_matrix",
 }  # fmt: skip
 
 

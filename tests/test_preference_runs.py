@@ -18,7 +18,7 @@ from conftest import BACKEND, invoke, run_with_fault, train, write_jsonl
 
 import finetune
 from finetune.methods import preference
-from finetune.training import checkpoint, scoring
+from finetune.training import checkpoint
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "music", "paper", "light", "table", "glass"]
 FAST = ["--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "4", "--lr", "1e-2",
@@ -106,7 +106,7 @@ def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_refere
     def refuse(*args):
         raise AssertionError("a resumed run scored the reference again")
 
-    monkeypatch.setattr(scoring, "reference_logps", refuse)
+    monkeypatch.setattr(preference, "reference_logps", refuse)
     resumed = invoke("gemma", "--resume", "--output", killed)
     assert resumed.exit_code == 0, resumed.output
     assert "scoring the reference" not in resumed.output

@@ -284,6 +284,7 @@ class TrainOrder:
     def __init__(self, arrays, batch_size: int, seed: int, feed: Feed = None, grad_accum: int = 1):
         feed = feed or Feed()
         self.arrays = arrays
+        self.feed = feed
         self.inputs = feed.inputs
         """The model's input names (model.input_names)."""
         self.batch_size = batch_size

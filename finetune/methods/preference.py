@@ -55,6 +55,7 @@ class Preference(Method):
     def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
         """records -> template -> a chosen and a rejected Example each -> split -> pairs padded a side to a row.
         The batch size counts pairs."""
+        refuse_pictures(records, self, every_record_of or cfg.data.path)
         seq_len = cfg.model.seq_len
         template = templates.get(cfg.data.template)
         tokenizer = prepare.tokenizer_of(preprocessor)
@@ -77,6 +78,7 @@ class Preference(Method):
         return prepared
 
     def evaluated_on(self, prepared, records, preprocessor, cfg):
+        refuse_pictures(records, self, cfg.eval.data)
         seq_len = cfg.model.seq_len
         tokenizer = prepare.tokenizer_of(preprocessor)
         prepared.held_out = pair_examples(records, prepared.template, tokenizer, seq_len, cfg.eval.data)
@@ -133,6 +135,17 @@ class Preference(Method):
         )
         return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
                 f"SFT batch's{reference}")  # fmt: skip
+
+
+def refuse_pictures(records, method: Method, source: str) -> None:
+    """Pairs with pictures are refused before anything is written: their rows would hold the literal text
+    `<image>`, not the picture (docs/not-yet.md)."""
+    pictured = next((r for r in records if r.images), None)
+    if pictured is not None:
+        where = pictured.where or source
+        raise UserError(f"{where}: the pair has pictures, and --method {method.name} does not train on pictures yet "
+                        "(its rows would hold the text <image>); give pairs without images, or train on them with "
+                        "--method sft")  # fmt: skip
 
 
 def pair_examples(records, template, tokenizer, seq_len: int, source: str = "") -> list:
