@@ -514,6 +514,7 @@ def eval_(
 ):
     """Evaluate a saved adapter: per-token loss, perplexity and accuracy over response tokens; with --generate,
     ROUGE-L of its answers."""
+    from finetune.methods import registry
     from finetune.training import runs
 
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
@@ -523,14 +524,9 @@ def eval_(
     saved = runs.open_on(run, backend)
     result = runs.evaluate_run(saved, data, generate)
     rouge = f"  rougeL {result['rougeL']:.4f} ({result['generated']} answers)" if "rougeL" in result else ""
-    if "reward_accuracy" in result:  # a preference run: its pairs' loss and metrics, as TRL names them
-        print(f"eval_loss {result['loss']:.4f}  eval_reward_accuracy {result['reward_accuracy']:.4f}  "
-              f"eval_reward_margin {result['reward_margin']:.4f}  pairs {result['examples']}{rouge}")  # fmt: skip
-    else:
-        print(
-            f"eval_loss {result['loss']:.4f}  eval_perplexity {result['perplexity']:.2f}  "
-            f"eval_accuracy {result['accuracy']:.4f}  examples {result['examples']}{rouge}"
-        )
+    method = registry.get(saved.config.train.method)
+    shown = "  ".join(f"eval_{name} {result[name]:.{2 if name == 'perplexity' else 4}f}" for name in method.held_out)
+    print(f"eval_loss {result['loss']:.4f}  {shown}  {method.examples} {result['examples']}{rouge}")
     print(f"evaluated on {runs.where(saved)}", file=sys.stderr)
 
 

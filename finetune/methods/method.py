@@ -33,6 +33,13 @@ class Method:
     paired = False
     sequences_per_example = 1
     defaults: dict = {}
+    held_out = ("perplexity", "accuracy")
+    """The held-out metrics beside the loss that metrics.json (eval_NAME, eval_NAME_before), the summary and
+    `finetune eval` report, in order."""
+    held_out_history = ()
+    """The held-out metrics history.csv keeps beside eval_loss and eval_accuracy, as eval_NAME."""
+    examples = "examples"
+    """What the method's held-out examples are called where they are counted."""
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"

@@ -31,6 +31,8 @@ class Preference(Method):
 
     paired = True
     sequences_per_example = 2
+    held_out = held_out_history = ("reward_accuracy", "reward_margin")
+    examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
 
     def __init__(self, name, title, loss, defaults, averaged=False, needs_reference=False):

@@ -83,6 +83,8 @@ class Evaluation:
     every: int | None = None
     keep_best: bool = False
     early_stop: int | None = None
+    history: tuple = ()
+    """The held-out metrics history.csv keeps beside the loss and accuracy (the method's held_out_history)."""
 
     def due(self, step: int, steps_per_epoch: int, total_steps: int) -> bool:
         """Whether to evaluate after `step`."""
@@ -334,7 +336,7 @@ class Loop:
                 "epoch": epoch,
                 "eval_loss": result["loss"],
                 "eval_accuracy": result["accuracy"],
-                **{f"eval_{name}": result[name] for name in ("reward_accuracy", "reward_margin") if name in result},
+                **{f"eval_{name}": result[name] for name in self.evaluation.history},
             }
         )
         self._report.line(

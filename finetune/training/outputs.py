@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.methods import registry
 from finetune.platform import documents, platforms, storage
 from finetune.platform.errors import RunStopped, UserError
 from finetune.training import checkpoint
@@ -771,12 +772,11 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
         return [("eval", "skipped: nothing held out (--eval-fraction 0)")]
     best = f" (best, step {metrics['best_step']})" if metrics.get("best_step") is not None else ""
     rows = [("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}{best}")]
-    if "eval_reward_accuracy" in metrics:  # a preference run: its pairs' reward accuracy
-        before = metrics["eval_reward_accuracy_before"]
-        rows.append(("eval reward accuracy", f"{before:.3f} -> {metrics['eval_reward_accuracy']:.3f}"))
-    else:
-        rows += [("eval perplexity", f"{metrics['eval_perplexity']:.2f}"),
-                 ("eval accuracy", f"{metrics['eval_accuracy']:.3f}")]  # fmt: skip
+    digits = {"perplexity": 2}
+    for name in registry.get(metrics.get("method", "sft")).held_out:  # a run from before methods trained SFT
+        before, after = metrics.get(f"eval_{name}_before"), metrics[f"eval_{name}"]
+        shown = [f"{value:.{digits.get(name, 3)}f}" for value in (before, after) if value is not None]
+        rows.append((f"eval {name.replace('_', ' ')}", " -> ".join(shown)))
     if metrics.get("stopped_early"):
         rows.append(("stopped early", f"at step {metrics['stopped_early']['at_step']}"))
     return rows

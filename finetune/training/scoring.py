@@ -11,14 +11,11 @@ from finetune.data import images
 from finetune.platform.errors import UserError
 
 
-def eval_metrics(before: dict | None, after: dict | None) -> dict:
-    """metrics.json's held-out metrics: before training, and of the published adapter; None where nothing was
-    held out. A preference run's add its pairs' reward accuracy and margin (pair_metrics)."""
+def eval_metrics(before: dict | None, after: dict | None, names=("perplexity", "accuracy")) -> dict:
+    """metrics.json's held-out metrics: the loss and the method's `names` (Method.held_out), before training and
+    of the published adapter; None where nothing was held out."""
     out = {}
-    names = ["loss", "perplexity", "accuracy"]
-    if "reward_accuracy" in (before or after or {}):
-        names = ["loss", "reward_accuracy", "reward_margin"]
-    for name in names:
+    for name in ("loss", *names):
         out[f"eval_{name}_before"] = before.get(name) if before else None
         out[f"eval_{name}"] = after.get(name) if after else None
     return out

@@ -229,7 +229,9 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
                      release_host_memory=run.device == "cpu" and bool(cfg.data.images))  # fmt: skip
     scores = session.held_out.metrics if session.held_out else None
     hooks = loop.Hooks(
-        evaluation=loop.Evaluation(scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop),
+        evaluation=loop.Evaluation(
+            scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop, run.method.held_out_history
+        ),
         save_checkpoint=functools.partial(claim.checkpoint, trainer, start, cfg.train.keep_checkpoints, advice),
         callbacks=trackers,
         last_saved=session.found.step if session.found else None,
@@ -283,7 +285,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
         "resumed_from_step": found.step if found else None,
         "train_loss": train_losses[-1],
-        **scoring.eval_metrics(before, after),
+        **scoring.eval_metrics(before, after, run.method.held_out),
         **run.method.run_metrics(cfg.train, progress.rows),
         "best_step": after["step"] if cfg.eval.keep_best else None,
         "stopped_early": progress.stopped_early,
