@@ -47,12 +47,13 @@ def test_eval_scores_exactly_the_records_training_held_out(tokenizer):
 def test_auto_batch_size_is_probed_on_the_usable_examples(tokenizer):
     seen = {}
 
-    def probe(arrays, rows):
-        seen.update(trial=len(arrays["token_ids"]), rows=rows)
+    def probe(batch_of, rows):
+        x, _, _ = batch_of(8, ("token_ids", "padding_mask"))
+        seen.update(trial=len(x["token_ids"]), rows=rows)
         return 4, "the probe's reason"
 
     prepared = SFT.prepare(records(80), tokenizer, config(batch_size="auto"), packed=False, probe=probe)
-    assert seen == {"trial": 64, "rows": 80} and prepared.batch_size == 4  # unpacked: a row per example
+    assert seen == {"trial": 8, "rows": 80} and prepared.batch_size == 4  # unpacked: a row per example
     assert len(prepared.held_out) == 20 and not prepared.packed
     assert prepared.batch_size_why == "the probe's reason"
 

@@ -78,7 +78,9 @@ class Method:
         """records -> examples -> split -> rows: a prepare.Prepared of what the run trains on and holds out.
 
         packed: bool. Make the training rows, packed or not; None makes none (`finetune eval`).
-        probe: callable(arrays, rows) -> (batch size, why), for --batch-size auto.
+        probe: callable(batch_of, rows) -> (batch size, why), for --batch-size auto: trial steps on
+            batch_of(size, input names) -> (x, y, sample weights), the method's batch of `size` of its first usable
+            examples, for data that fills `rows` batch entries (train.auto_batch_size).
         every_record_of: str. Hold out every record, of this file (`finetune eval --data`).
         """
         raise NotImplementedError

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from finetune.data import batching, templates
 from finetune.methods import prepare
 from finetune.methods.method import Method
@@ -35,7 +37,12 @@ class Supervised(Method):
             tokenized = [e for _, e in usable]
             # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
             rows = prepare.row_count(tokenized, seq_len, packed) // cfg.train.grad_accum
-            batch_size, why = probe(batching.pad(tokenized[:64], seq_len), rows)
+            trial = batching.pad(tokenized[:64], seq_len)
+
+            def batch_of(size, names):
+                return batching.inputs(trial, np.arange(size), 1, batching.target_width(trial, size), names=names)
+
+            batch_size, why = probe(batch_of, rows)
             print(f"batch size auto: {batch_size} ({why})")
         train, held_out = prepare.split(usable, cfg, every_record_of)
         prepared = prepare.Prepared(template, train, held_out, batch_size,

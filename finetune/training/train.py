@@ -356,7 +356,7 @@ AUTO_BATCH_CAP = 64
 AUTO_MIN_STEPS = 8  # an epoch of fewer steps barely trains
 
 
-def auto_batch_size(trainer, arrays, rows: int, *, device: str, names=batching.INPUTS) -> tuple[int, str]:
+def auto_batch_size(trainer, batch_of, rows: int, *, device: str, names=batching.INPUTS) -> tuple[int, str]:
     """`--batch-size auto`: (batch size, why), never so large that an epoch has under 8 steps.
 
     On an accelerator: the largest power of two whose trial step fits in memory.
@@ -372,7 +372,7 @@ def auto_batch_size(trainer, arrays, rows: int, *, device: str, names=batching.I
     best, size, speeds = None, 1, {}
     try:
         while size <= limit:
-            x, y, w = batching.inputs(arrays, np.arange(size), 1, batching.target_width(arrays, size), names=names)
+            x, y, w = batch_of(size, names)
             try:
                 trainer.train_on_batch(x, y, sample_weight=w)  # the first step of a shape compiles it
                 if device == "cpu":
