@@ -209,8 +209,14 @@ def orpo_loss(chosen, rejected, reference, count, objective):
     probabilities: log(p / (1 - p)) of each, subtracted."""
     from keras import ops
 
+    # A filler pair (count 0) has a mean log-probability of 0: log(1 - 1) is -inf, and its zero weight times the
+    # NaN it makes is still NaN, in the loss and in the gradient. Its rows read -1 instead, before the log, so
+    # neither path ever sees the infinity, and its loss is an exact 0.
+    half = chosen.shape[0]
+    real = ops.logical_and(count[:half] > 0, count[half:] > 0)
+    chosen, rejected = ops.where(real, chosen, -1.0), ops.where(real, rejected, -1.0)
     log_odds = (chosen - rejected) - (ops.log1p(-ops.exp(chosen)) - ops.log1p(-ops.exp(rejected)))
-    loss = -chosen - objective.beta * ops.log_sigmoid(log_odds)
+    loss = ops.where(real, -chosen - objective.beta * ops.log_sigmoid(log_odds), 0.0)
     return loss, (objective.beta * chosen, objective.beta * rejected)
 
 
