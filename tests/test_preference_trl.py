@@ -59,7 +59,7 @@ def exported(tmp_path_factory):
         result = invoke(*args)
         assert result.exit_code == 0, result.output
     records, _ = formats.read(str(data))
-    made, _, _ = pairs.pairs(records[:6], templates.get("none"), presets.tiny_tokenizer(), 64)
+    made, _ = pairs.pairs(records[:6], templates.get("none"), presets.tiny_tokenizer(), 64)
     return out, root / "base", root / "peft", made
 
 

@@ -137,9 +137,10 @@ class Preference(Method):
 
 def pair_examples(records, template, tokenizer, seq_len: int, source: str = "") -> list:
     """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
-    made, _, truncated = pairs.pairs(records, template, tokenizer, seq_len)
-    if truncated:
-        print(f"note: {truncated} pairs cut to --seq-len {seq_len}: prompts from their left, as TRL cuts them")
+    made, cut = pairs.pairs(records, template, tokenizer, seq_len)
+    if cut:
+        print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping at "
+              "least half the sequence), then the answers at their end; none skipped")  # fmt: skip
     return list(zip(records, made))
 
 
