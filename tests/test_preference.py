@@ -181,3 +181,32 @@ def test_the_reference_keeps_float32_in_a_bfloat16_run():
         assert scored["loss"] == pytest.approx(np.log(2), abs=1e-5)
     finally:
         keras.config.set_dtype_policy(before)
+
+
+def test_a_step_s_metrics_are_means_over_its_real_pairs_when_a_micro_batch_is_all_filler():
+    """6 pairs, batch 2, --grad-accum 2: the epoch's second step holds 2 pairs, so its second micro-batch is filler
+    alone and reports 0s. Weighed equally, it halved the step's rewards_chosen and reward_accuracy; the step's
+    metrics are the means over its 2 real pairs, as TRL's (computed here from the view's own per-pair output)."""
+    import os
+
+    from finetune.training import loop
+
+    with float32_policy():
+        lm, _ = lora_model()
+        feed = batching.Feed(inputs=builder.input_names(lm))
+        arrays = pair_batches.pad(tiny_pairs(6), 48)
+        arrays.reference[:] = np.array([[-30.0, -20.0]])  # any reference: the rewards are not 0
+        trainer = pair_view.PreferenceView(lm, 8, objective_of("dpo"))
+        trainer.compile(optimizer=keras.optimizers.SGD(0.0, gradient_accumulation_steps=2),
+                        loss=objective.TokenShare(), weighted_metrics=pair_view.metrics())  # fmt: skip
+        order = pair_batches.PairOrder(arrays, 2, 0, feed, 2)
+        real = order.rows(1)
+        assert len(real) == 2 and order.metric_weights(1) == [2, 0]
+        x, _, _ = pair_batches.inputs(arrays, real, order.width, None, feed.inputs)
+        expected = np.asarray(keras.ops.convert_to_numpy(trainer(x)), np.float64)[:2].mean(axis=0)
+        hooks = loop.Hooks(loop.Evaluation(None), lambda progress: None, out=open(os.devnull, "w"))
+        progress = loop.Loop(trainer, order, loop.Progress(step=1), loop.Plan(2, checkpoint_every=100), hooks).run()
+        row = progress.rows[-1]
+        for index, name in enumerate(preference.METRICS, start=1):
+            assert row[name] == pytest.approx(expected[index], rel=1e-5, abs=1e-6), name
+        assert row["reward_accuracy"] > 0 and abs(row["rewards_chosen"]) > 0.1  # a real comparison: not zeros

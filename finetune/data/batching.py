@@ -284,6 +284,7 @@ class TrainOrder:
     def __init__(self, arrays, batch_size: int, seed: int, feed: Feed = None, grad_accum: int = 1):
         feed = feed or Feed()
         self.arrays = arrays
+        self.feed = feed
         self.inputs = feed.inputs
         """The model's input names (model.input_names)."""
         self.batch_size = batch_size
@@ -326,6 +327,11 @@ class TrainOrder:
         if self.grad_accum != 1:
             raise ValueError("a step of several micro-batches has no one batch; use micro_batches(step)")
         return self.micro_batches(step)[0]
+
+    def metric_weights(self, step: int) -> list[float]:
+        """The weight of each micro-batch's reported metrics in the step's mean (PairOrder's are its real pairs).
+        The response-token loss reports none beside the loss, which its sample weights average already."""
+        return [1.0] * self.grad_accum
 
     def length(self, rows: np.ndarray) -> int | None:
         """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
