@@ -210,3 +210,28 @@ def test_a_step_s_metrics_are_means_over_its_real_pairs_when_a_micro_batch_is_al
         for index, name in enumerate(preference.METRICS, start=1):
             assert row[name] == pytest.approx(expected[index], rel=1e-5, abs=1e-6), name
         assert row["reward_accuracy"] > 0 and abs(row["rewards_chosen"]) > 0.1  # a real comparison: not zeros
+
+
+@pytest.mark.one_backend  # numpy layout: the view on two devices is test_distribution's DPO run
+def test_each_process_feeds_its_shards_of_a_pair_batch():
+    """Two processes of one shard each feed the two halves of the rows one process of both shards feeds, the
+    loss positions local to each shard and `loss_sequence` naming each slot's row in the whole batch; the pairs
+    path fed every process the whole batch."""
+    arrays = pair_batches.pad(tiny_pairs(6), 48)
+    arrays.reference[:] = np.arange(12, dtype=np.float32).reshape(6, 2)
+    pairs, real = np.array([0, 3, 5, 5]), np.array([True, True, True, False])
+    width = pair_batches.target_width(arrays, 4, 2)
+    whole = pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (0, 2, 2))
+    halves = [pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (k, k + 1, 2)) for k in (0, 1)]
+    assert len(halves[0][0]["token_ids"]) == 4
+    for index in range(3):
+        if index == 0:
+            for key in whole[0]:
+                np.testing.assert_array_equal(np.concatenate([h[0][key] for h in halves]), whole[0][key], key)
+        else:
+            np.testing.assert_array_equal(np.concatenate([h[index] for h in halves]), whole[index])
+    x = whole[0]
+    assert x["loss_positions"][4:].max() < 4 * x["token_ids"].shape[1]  # the second shard's own rows
+    weighted = x["loss_weights"] > 0
+    assert set(x["loss_sequence"][4:][weighted[4:]]) == {4, 5, 6}  # its rejected rows (the filler's weigh 0)
+    assert x["loss_reference"].tolist() == [0, 6, 10, 10, 1, 7, 11, 11]
