@@ -33,10 +33,12 @@ def tiny_pairs(n=6, seq_len=48):
     return [Pair(c, r) for c, r in zip(chosen, rejected)]
 
 
-def full_logps(lm, arrays, pairs):
-    """Each pair's (chosen, rejected) summed log-probability and answer length, from the LM's full logits."""
+def full_logps(lm, arrays, pairs, whole=False):
+    """Each pair's (chosen, rejected) summed log-probability and answer length, from the LM's full logits; whole:
+    of every token, prompt and answer."""
     out = []
     for side in (arrays.chosen, arrays.rejected):
+        side = {**side, "weights": side["padding_mask"].astype(np.float32)} if whole else side
         logits = keras.ops.convert_to_numpy(
             lm({"token_ids": side["token_ids"][pairs], "padding_mask": side["padding_mask"][pairs]})
         ).astype(np.float64)
@@ -51,7 +53,7 @@ def log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
-def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0):
+def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0, whole=None):
     (c, nc), (r, nr) = chosen, rejected
     if method == "ipo":
         return (((c - reference[0]) / nc - (r - reference[1]) / nr) - 1 / (2 * beta)) ** 2
@@ -61,7 +63,8 @@ def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smooth
     c, r = c / nc, r / nr
     if method == "orpo":
         log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
-        return -c - beta * log_sigmoid(log_odds)
+        nll = -whole[0].sum() / whole[1].sum()  # TRL's: every token of the chosen sequences, a mean over them
+        return nll - beta * log_sigmoid(log_odds)
     return -log_sigmoid(beta * (c - r) - gamma)
 
 
@@ -83,9 +86,9 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
     """Four pairs of different lengths (padding slots, a filler pair): per-pair loss and log-probabilities."""
     with float32_policy():
         lm, _ = lora_model()
-        arrays = pair_batches.pad(tiny_pairs(), 48)
-        arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
         objective = OBJECTIVES[method]
+        arrays = pair_batches.pad(tiny_pairs(), 48, objective.whole_chosen)
+        arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
         view = pair_view.PreferenceView(lm, 8, objective)
         pairs = np.array([0, 3, 4, 4])
         real = np.array([True, True, True, False])
@@ -94,8 +97,9 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         x, _, weights = pair_batches.inputs(arrays, pairs, width, feed.length_step, feed.inputs, real)
         got = keras.ops.convert_to_numpy(view(x))
         chosen, rejected = full_logps(lm, arrays, pairs[:3])
+        whole = full_logps(lm, arrays, pairs[:3], whole=True)[0]
         expected = expected_losses(method, objective.beta, chosen, rejected, (-3.0, -5.0), objective.label_smoothing,
-                                   objective.gamma)  # fmt: skip
+                                   objective.gamma, whole)  # fmt: skip
         np.testing.assert_allclose(got[:3, 0], expected, rtol=1e-5, atol=1e-6)
         per_token = method in ("orpo", "simpo")
         np.testing.assert_allclose(got[:3, 5], chosen[0] / chosen[1] if per_token else chosen[0], rtol=1e-5)

@@ -32,21 +32,32 @@ class PairArrays:
 
     reference: (N, 2) float32, the chosen and rejected answers' summed log-probability under the base (DPO's);
         zeros until reference() fills it, and for the methods without one.
+    whole_chosen: bool. Every token of the chosen sequences is a target too, prompt and answer (ORPO's NLL, as
+        TRL's ORPOTrainer takes it); `loss_answer` then marks the answer's slots.
     """
 
     chosen: dict
     rejected: dict
     reference: np.ndarray
+    whole_chosen: bool = False
 
     def __len__(self) -> int:
         return len(self.chosen["token_ids"])
 
 
-def pad(pairs, seq_len: int) -> PairArrays:
-    """The pairs' two sides, one sequence a row, right-padded."""
+def pad(pairs, seq_len: int, whole_chosen: bool = False) -> PairArrays:
+    """The pairs' two sides, one sequence a row, right-padded. whole_chosen: see PairArrays."""
     chosen = batching.pad([p.chosen for p in pairs], seq_len)
     rejected = batching.pad([p.rejected for p in pairs], seq_len)
-    return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32))
+    return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32), whole_chosen)
+
+
+def _targets(arrays: PairArrays, side: str) -> np.ndarray:
+    """Each row's target weights: its answer's, or every real token of a chosen row where whole_chosen."""
+    rows = getattr(arrays, side)
+    if side == "chosen" and arrays.whole_chosen:
+        return rows["padding_mask"].astype(np.float32)
+    return rows["weights"]
 
 
 def both_sides(arrays: PairArrays) -> dict:
@@ -57,7 +68,7 @@ def both_sides(arrays: PairArrays) -> dict:
 def target_width(arrays: PairArrays, pairs_per_batch: int, shards: int = 1) -> int:
     """Target slots per row: room for the answer tokens of any of a data shard's rows, a batch of `pairs_per_batch`
     pairs (2B rows) split over `shards`."""
-    both = {"weights": np.concatenate([arrays.chosen["weights"], arrays.rejected["weights"]])}
+    both = {"weights": np.concatenate([_targets(arrays, "chosen"), _targets(arrays, "rejected")])}
     return batching.target_width(both, 2 * pairs_per_batch // shards)
 
 
@@ -75,7 +86,9 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int |
     real = np.ones(len(pairs), bool) if real is None else real
     rows = {key: np.concatenate([arrays.chosen[key][pairs], arrays.rejected[key][pairs]]) for key in arrays.chosen}
     both = np.concatenate([real, real])
-    rows["weights"] = np.where(both[:, None], rows["weights"], np.float32(0))
+    answers = np.where(both[:, None], rows["weights"], np.float32(0))
+    targets = np.concatenate([_targets(arrays, "chosen")[pairs], _targets(arrays, "rejected")[pairs]])
+    rows["weights"] = np.where(both[:, None], targets, np.float32(0))
     seq_len = rows["token_ids"].shape[1]
     length = None
     if length_step is not None:
@@ -83,6 +96,10 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int |
     first, end, shards = part
     local = batching.local(np.arange(2 * len(pairs)), part)
     x, labels, _ = batching.inputs(rows, local, end - first, width, length, names)
+    if arrays.whole_chosen:  # the answers' slots among every target's, laid out as the targets are
+        marked = batching.inputs({**rows, "labels": (answers > 0).astype(np.int32)}, local, end - first, width, length,
+                                 names)[1]  # fmt: skip
+        x["loss_answer"] = marked.astype(np.float32)
     per_shard = 2 * len(pairs) // shards
     first_row = (first + np.arange(len(local)) // per_shard) * per_shard  # each slot row's shard, in the batch
     x["loss_sequence"] = (first_row[:, None] + x["loss_positions"] // (length or seq_len)).astype(np.int32)
