@@ -386,3 +386,28 @@ def test_kaggle_recipes_shard_from_the_cli_and_the_python_api(tmp_path):
     assert "DISTRIBUTION data 2" in _finish(api)
     for run in ("tpu", "t4"):
         assert (tmp_path / run / "metrics.json").is_file()
+
+
+@jax_only
+def test_dpo_with_data_parallel_scores_and_trains_as_one_device(tmp_path):
+    """The pairs' loss positions were laid out for one shard while the view gathered from two: the reference, the
+    held-out loss and the training loss were NaN. A fresh DPO run scores ln 2 before training, and its first
+    steps' losses are the one-device run's."""
+    from test_preference_runs import learnable_pairs
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in learnable_pairs(40)), encoding="utf-8")
+    runs = {}
+    for name, devices, flags in (("one", 1, []), ("data", 2, ["--parallel", "data"])):
+        args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", "jax", "--method", "dpo",
+                "--data", str(data), "--max-steps", "3", "--precision", "float32", "--batch-size", "4",
+                "--seq-len", "32", "--lr", "1e-2", "--set", "train.samples=0", "--output", str(tmp_path / name),
+                *flags]  # fmt: skip
+        runs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=_env(devices))  # fmt: skip
+    output = {name: _finish(proc) for name, proc in runs.items()}
+    assert "mesh 2 batch" in output["data"]
+    metrics = json.loads((tmp_path / "data" / "metrics.json").read_text())
+    assert abs(metrics["eval_loss_before"] - 0.6931471805599453) < 1e-3
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "data")
+    assert len(one) >= 3 and two == pytest.approx(one, abs=1e-5)

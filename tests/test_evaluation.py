@@ -75,6 +75,9 @@ class Order:
     def micro_batches(self, step):
         return [self.batch(step)]
 
+    def metric_weights(self, step):
+        return [1.0]
+
     def tokens(self, step):
         return 4, 2
 

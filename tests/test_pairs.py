@@ -210,8 +210,8 @@ def test_chosen_and_rejected_share_their_prompt_ids_and_weigh_only_the_answer(to
     multi_turn = {**CHAT_GOOD, "prompt": [*SKY, message("assistant", "Blue."), message("user", "And grass?")]}
     for record, template in ((GOOD, "none"), (GOOD, "dolly"), (multi_turn, "gemma-chat")):
         read = formats._record(record, "x:1", formats.detect_format(record))
-        [pair], dropped, truncated = pairs.pairs([read], templates.get(template), tokenizer, 128)
-        assert (dropped, truncated) == ([], 0)
+        [pair], cut = pairs.pairs([read], templates.get(template), tokenizer, 128)
+        assert cut == 0
         n = pair.prompt_length
         assert pair.chosen.token_ids[:n] == pair.rejected.token_ids[:n]
         assert pair.chosen.token_ids[n:] != pair.rejected.token_ids[n:]
@@ -229,8 +229,8 @@ def test_a_long_prompt_is_cut_from_its_left_and_both_sides_keep_the_same_cut(tok
     seq_len = len(whole) + 4  # the prompt fits alone, not with the answer
     long = formats.Record(instruction=prompt, response=" yes it is", rejected=" no", where="p.jsonl:1")
     short = formats.Record(instruction="Hi", response=" yes", rejected=" no", where="p.jsonl:2")
-    made, dropped, truncated = pairs.pairs([long, short], templates.get("none"), tokenizer, seq_len)
-    assert (dropped, truncated) == ([], 1)
+    made, cut = pairs.pairs([long, short], templates.get("none"), tokenizer, seq_len)
+    assert cut == 1
     pair = made[0]
     kept = pair.chosen.token_ids[1 : pair.prompt_length]
     assert kept == whole[len(whole) - len(kept) :] and len(kept) < len(whole)
@@ -240,12 +240,20 @@ def test_a_long_prompt_is_cut_from_its_left_and_both_sides_keep_the_same_cut(tok
     assert made[1].chosen.token_ids == [batching.BOS, *ids(tokenizer, "Hi"), *ids(tokenizer, " yes"), batching.EOS]
 
 
-def test_a_prompt_that_fills_seq_len_is_named_or_dropped(tokenizer):
+def test_a_prompt_longer_than_seq_len_is_cut_to_half_the_sequence_and_keeps_its_answers(tokenizer):
+    """A prompt that alone fills --seq-len was a UserError that stopped the whole run; it is cut as any long prompt
+    is: from its left, to half the sequence, then the answers at their end."""
     prompt = " ".join(f"word{i}" for i in range(80))
-    record = formats.Record(instruction=prompt, response=" yes", rejected=" no", where="p.jsonl:7")
-    with pytest.raises(UserError, match="p.jsonl:7: the prompt alone fills --seq-len 32"):
-        pairs.pairs([record], templates.get("none"), tokenizer, 32)
-    assert pairs.pairs([record], templates.get("none"), tokenizer, 32, strict=False) == ([], [0], 0)
+    whole = ids(tokenizer, prompt)
+    assert len(whole) > 32
+    record = formats.Record(instruction=prompt, response=" yes " * 30, rejected=" no", where="p.jsonl:7")
+    [pair], cut = pairs.pairs([record], templates.get("none"), tokenizer, 32)
+    assert cut == 1 and pair.prompt_length == 1 + 31 // 2
+    assert pair.chosen.token_ids[1 : pair.prompt_length] == whole[-(31 // 2) :]
+    assert pair.rejected.token_ids[: pair.prompt_length] == pair.chosen.token_ids[: pair.prompt_length]
+    assert len(pair.chosen.token_ids) == 33 and pair.rejected.token_ids[-1] == batching.EOS
+    for side in (pair.chosen, pair.rejected):
+        assert sum(side.weights[1:]) >= 1  # an answer token to compare
 
 
 def test_finetune_data_reports_pairs_tokens_cuts_and_an_example(tmp_path):
@@ -261,11 +269,15 @@ def test_finetune_data_reports_pairs_tokens_cuts_and_an_example(tmp_path):
         "  chosen",
         "  rejected",
     ]
-    assert "seq-len 64: 1 of 2 pairs are cut (the prompt from its left, then the answers at their end)" in lines
+    assert (
+        "seq-len 64: 1 of 2 pairs are cut (the prompt from its left, keeping at least half the sequence, then the "
+        "answers at their end), none skipped"
+    ) in lines
     assert lines[-4:] == ["  chosen:", "    « It is blue.<eos>»", "  rejected:", "    « It is green.<eos>»"]
 
 
-def test_a_prompt_over_seq_len_exits_2_from_the_command_naming_its_line(tmp_path):
+def test_finetune_data_counts_a_prompt_over_seq_len_as_cut(tmp_path):
+    """`finetune data` exited 2 on a prompt that alone fills --seq-len; it reports it among the cut pairs."""
     rows = [GOOD, {**GOOD, "prompt": "The sky, " * 40 + "is"}]
     path = write(tmp_path / "long.jsonl", rows)
     command = Path(sys.executable).with_name("finetune")
@@ -274,7 +286,6 @@ def test_a_prompt_over_seq_len_exits_2_from_the_command_naming_its_line(tmp_path
         [str(command), "data", str(path), "--preset", "tiny", "--seq-len", "32"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
     )  # fmt: skip
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr
-    assert f"{path}:2: the prompt alone fills --seq-len 32" in done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "seq-len 32: 1 of 2 pairs are cut" in done.stdout and "none skipped" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.jsonl"]

@@ -33,10 +33,12 @@ def tiny_pairs(n=6, seq_len=48):
     return [Pair(c, r) for c, r in zip(chosen, rejected)]
 
 
-def full_logps(lm, arrays, pairs):
-    """Each pair's (chosen, rejected) summed log-probability and answer length, from the LM's full logits."""
+def full_logps(lm, arrays, pairs, whole=False):
+    """Each pair's (chosen, rejected) summed log-probability and answer length, from the LM's full logits; whole:
+    of every token, prompt and answer."""
     out = []
     for side in (arrays.chosen, arrays.rejected):
+        side = {**side, "weights": side["padding_mask"].astype(np.float32)} if whole else side
         logits = keras.ops.convert_to_numpy(
             lm({"token_ids": side["token_ids"][pairs], "padding_mask": side["padding_mask"][pairs]})
         ).astype(np.float64)
@@ -51,7 +53,7 @@ def log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
-def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0):
+def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smoothing=0.0, gamma=0.0, whole=None):
     (c, nc), (r, nr) = chosen, rejected
     if method == "ipo":
         return (((c - reference[0]) / nc - (r - reference[1]) / nr) - 1 / (2 * beta)) ** 2
@@ -61,7 +63,8 @@ def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smooth
     c, r = c / nc, r / nr
     if method == "orpo":
         log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
-        return -c - beta * log_sigmoid(log_odds)
+        nll = -whole[0].sum() / whole[1].sum()  # TRL's: every token of the chosen sequences, a mean over them
+        return nll - beta * log_sigmoid(log_odds)
     return -log_sigmoid(beta * (c - r) - gamma)
 
 
@@ -83,9 +86,9 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
     """Four pairs of different lengths (padding slots, a filler pair): per-pair loss and log-probabilities."""
     with float32_policy():
         lm, _ = lora_model()
-        arrays = pair_batches.pad(tiny_pairs(), 48)
-        arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
         objective = OBJECTIVES[method]
+        arrays = pair_batches.pad(tiny_pairs(), 48, objective.whole_chosen)
+        arrays.reference[:] = np.array([[-3.0, -5.0]])  # any reference: DPO subtracts it
         view = pair_view.PreferenceView(lm, 8, objective)
         pairs = np.array([0, 3, 4, 4])
         real = np.array([True, True, True, False])
@@ -94,8 +97,9 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         x, _, weights = pair_batches.inputs(arrays, pairs, width, feed.length_step, feed.inputs, real)
         got = keras.ops.convert_to_numpy(view(x))
         chosen, rejected = full_logps(lm, arrays, pairs[:3])
+        whole = full_logps(lm, arrays, pairs[:3], whole=True)[0]
         expected = expected_losses(method, objective.beta, chosen, rejected, (-3.0, -5.0), objective.label_smoothing,
-                                   objective.gamma)  # fmt: skip
+                                   objective.gamma, whole)  # fmt: skip
         np.testing.assert_allclose(got[:3, 0], expected, rtol=1e-5, atol=1e-6)
         per_token = method in ("orpo", "simpo")
         np.testing.assert_allclose(got[:3, 5], chosen[0] / chosen[1] if per_token else chosen[0], rtol=1e-5)
@@ -181,3 +185,57 @@ def test_the_reference_keeps_float32_in_a_bfloat16_run():
         assert scored["loss"] == pytest.approx(np.log(2), abs=1e-5)
     finally:
         keras.config.set_dtype_policy(before)
+
+
+def test_a_step_s_metrics_are_means_over_its_real_pairs_when_a_micro_batch_is_all_filler():
+    """6 pairs, batch 2, --grad-accum 2: the epoch's second step holds 2 pairs, so its second micro-batch is filler
+    alone and reports 0s. Weighed equally, it halved the step's rewards_chosen and reward_accuracy; the step's
+    metrics are the means over its 2 real pairs, as TRL's (computed here from the view's own per-pair output)."""
+    import os
+
+    from finetune.training import loop
+
+    with float32_policy():
+        lm, _ = lora_model()
+        feed = batching.Feed(inputs=builder.input_names(lm))
+        arrays = pair_batches.pad(tiny_pairs(6), 48)
+        arrays.reference[:] = np.array([[-30.0, -20.0]])  # any reference: the rewards are not 0
+        trainer = pair_view.PreferenceView(lm, 8, objective_of("dpo"))
+        trainer.compile(optimizer=keras.optimizers.SGD(0.0, gradient_accumulation_steps=2),
+                        loss=objective.TokenShare(), weighted_metrics=pair_view.metrics())  # fmt: skip
+        order = pair_batches.PairOrder(arrays, 2, 0, feed, 2)
+        real = order.rows(1)
+        assert len(real) == 2 and order.metric_weights(1) == [2, 0]
+        x, _, _ = pair_batches.inputs(arrays, real, order.width, None, feed.inputs)
+        expected = np.asarray(keras.ops.convert_to_numpy(trainer(x)), np.float64)[:2].mean(axis=0)
+        hooks = loop.Hooks(loop.Evaluation(None), lambda progress: None, out=open(os.devnull, "w"))
+        progress = loop.Loop(trainer, order, loop.Progress(step=1), loop.Plan(2, checkpoint_every=100), hooks).run()
+        row = progress.rows[-1]
+        for index, name in enumerate(preference.METRICS, start=1):
+            assert row[name] == pytest.approx(expected[index], rel=1e-5, abs=1e-6), name
+        assert row["reward_accuracy"] > 0 and abs(row["rewards_chosen"]) > 0.1  # a real comparison: not zeros
+
+
+@pytest.mark.one_backend  # numpy layout: the view on two devices is test_distribution's DPO run
+def test_each_process_feeds_its_shards_of_a_pair_batch():
+    """Two processes of one shard each feed the two halves of the rows one process of both shards feeds, the
+    loss positions local to each shard and `loss_sequence` naming each slot's row in the whole batch; the pairs
+    path fed every process the whole batch."""
+    arrays = pair_batches.pad(tiny_pairs(6), 48)
+    arrays.reference[:] = np.arange(12, dtype=np.float32).reshape(6, 2)
+    pairs, real = np.array([0, 3, 5, 5]), np.array([True, True, True, False])
+    width = pair_batches.target_width(arrays, 4, 2)
+    whole = pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (0, 2, 2))
+    halves = [pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (k, k + 1, 2)) for k in (0, 1)]
+    assert len(halves[0][0]["token_ids"]) == 4
+    for index in range(3):
+        if index == 0:
+            for key in whole[0]:
+                np.testing.assert_array_equal(np.concatenate([h[0][key] for h in halves]), whole[0][key], key)
+        else:
+            np.testing.assert_array_equal(np.concatenate([h[index] for h in halves]), whole[index])
+    x = whole[0]
+    assert x["loss_positions"][4:].max() < 4 * x["token_ids"].shape[1]  # the second shard's own rows
+    weighted = x["loss_weights"] > 0
+    assert set(x["loss_sequence"][4:][weighted[4:]]) == {4, 5, 6}  # its rejected rows (the filler's weigh 0)
+    assert x["loss_reference"].tolist() == [0, 6, 10, 10, 1, 7, 11, 11]

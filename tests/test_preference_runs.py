@@ -181,3 +181,32 @@ def test_bench_trains_dpo_on_the_peer_s_pairs(tmp_path):
     assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and "dpo, 2 rows a pair" in row["settings"]
     assert row["loss"] == pytest.approx(math.log(2), abs=0.05)  # two steps from ln 2
     assert "pairs/s" in done.stdout
+
+
+def test_orpo_trains_through_an_epoch_whose_last_step_has_filler_pairs(tmp_path):
+    """45 pairs: 2 held out, 43 to train, so the epoch's last step of 4 holds 3 pairs and a filler. A filler pair's
+    mean log-probability is 0, and ORPO's log(1 - p) of it was -inf: the step's loss was NaN ("training diverged")."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", learnable_pairs(45))
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "finetune", "gemma", *FAST, "--seq-len", "32", "--method", "orpo", "--data",
+            str(data), "--epochs", "1", "--output", str(out)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 11 and math.isfinite(metrics["train_loss"])  # ceil(43 / 4): the last step is ragged
+
+
+@pytest.mark.backend_neutral  # pairs are cut in Python before any model; each method's loss: test_preference
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+def test_a_prompt_longer_than_seq_len_is_cut_and_the_run_trains(method, tmp_path):
+    """One prompt that alone filled --seq-len stopped the whole run with a UserError; it is cut, and said so."""
+    rows = learnable_pairs(16)
+    for row in rows[:3]:
+        row["prompt"] = "Think of many things, " * 20 + row["prompt"]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    args = [sys.executable, "-m", "finetune", "gemma", *FAST, "--seq-len", "32", "--method", method, "--data",
+            str(data), "--max-steps", "2", "--output", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "note: 3 of 16 pairs cut to --seq-len 32" in done.stdout
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2

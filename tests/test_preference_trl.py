@@ -59,7 +59,7 @@ def exported(tmp_path_factory):
         result = invoke(*args)
         assert result.exit_code == 0, result.output
     records, _ = formats.read(str(data))
-    made, _, _ = pairs.pairs(records[:6], templates.get("none"), presets.tiny_tokenizer(), 64)
+    made, _ = pairs.pairs(records[:6], templates.get("none"), presets.tiny_tokenizer(), 64)
     return out, root / "base", root / "peft", made
 
 
@@ -72,7 +72,7 @@ def finetune_outputs(run, made, objective):
     """Each pair's (pair_batches.COLUMNS) from the run's adapter, DPO's reference scored with LoRA off."""
     with float32_policy():
         lm = finetune.load(run)
-        arrays = pair_batches.pad(made, 64)
+        arrays = pair_batches.pad(made, 64, objective.whole_chosen)
         batches = pair_batches.Batches(arrays, 3, batching.Feed(inputs=builder.input_names(lm)))
         if objective.needs_reference:
             with builder.lora_off(lm):
@@ -158,7 +158,33 @@ def average_logps(model, pair, get_batch_logps):
     return get_batch_logps(logits, labels, average_log_prob=True)
 
 
+def orpo_batch(pairs):
+    """ORPOTrainer's batch of `pairs`: chosen_ and rejected_ input_ids, attention_mask and labels (-100 on the prompt
+    and the padding), right-padded."""
+    import torch
+
+    out = {}
+    length = max(len(getattr(p, side).token_ids) for p in pairs for side in ("chosen", "rejected"))
+    for side in ("chosen", "rejected"):
+        ids = torch.zeros((len(pairs), length), dtype=torch.long)
+        attention, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+        for row, pair in enumerate(pairs):
+            example = getattr(pair, side)
+            n = len(example.token_ids)
+            ids[row, :n] = torch.tensor(example.token_ids)
+            attention[row, :n] = 1
+            answer = torch.tensor(example.weights) > 0
+            labels[row, :n] = torch.where(answer, ids[row, :n], -100)
+        out.update({f"{side}_input_ids": ids, f"{side}_attention_mask": attention, f"{side}_labels": labels})
+    return out
+
+
 def test_orpo_and_simpo_match_trl_s(exported, peft_model):
+    """Each pair's log-probabilities, ORPO's odds-ratio term and SimPO's loss; and ORPO's loss of a batch, its NLL
+    over the chosen sequences' every token (prompt and answer, a token mean over the batch) included, as
+    ORPOTrainer.get_batch_loss_metrics computes it."""
+    import accelerate
+    import torch
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
@@ -166,15 +192,20 @@ def test_orpo_and_simpo_match_trl_s(exported, peft_model):
     device = SimpleNamespace(device="cpu")
     orpo = finetune_outputs(run, made, objective_of("orpo"))
     simpo = finetune_outputs(run, made, objective_of("simpo"))
-    orpo_shell = SimpleNamespace(beta=0.1, accelerator=device)
     cpo_shell = SimpleNamespace(beta=2.0, simpo_gamma=0.5, label_smoothing=0.0, loss_type="simpo", alpha=0.0,
                                 accelerator=device)  # fmt: skip
     for index, pair in enumerate(made):
         chosen, rejected = average_logps(peft_model, pair, ORPOTrainer.get_batch_logps)
         assert orpo[index, 5] == pytest.approx(float(chosen), abs=TOLERANCE)
         assert orpo[index, 6] == pytest.approx(float(rejected), abs=TOLERANCE)
-        ratio_term = ORPOTrainer.odds_ratio_loss(orpo_shell, chosen[None], rejected[None])[0]
-        # ORPOTrainer's loss: the chosen answer's NLL (its mean token cross-entropy) minus beta * log sigma(log odds).
-        assert orpo[index, 0] == pytest.approx(float(-chosen - ratio_term[0]), abs=TOLERANCE)
         losses = CPOTrainer.cpo_loss(cpo_shell, chosen[None], rejected[None])[0]  # cpo_alpha 0: SimPO alone
         assert simpo[index, 0] == pytest.approx(float(losses[0]), abs=TOLERANCE)
+    # The whole loss, on the batches finetune_outputs scored (3 pairs each): ORPOTrainer's own forward and loss.
+    trainer = object.__new__(ORPOTrainer)
+    trainer.__dict__.update(is_encoder_decoder=False, aux_loss_enabled=False, padding_value=0,
+                            label_pad_token_id=-100, beta=0.1, accelerator=accelerate.Accelerator(cpu=True))  # fmt: skip
+    for start in (0, 3):
+        with torch.no_grad():
+            loss, logged = ORPOTrainer.get_batch_loss_metrics(trainer, peft_model, orpo_batch(made[start : start + 3]))
+        assert orpo[start : start + 3, 0].mean() == pytest.approx(float(loss), abs=TOLERANCE)
+        assert logged["nll_loss"] > 0.5  # the prompt's tokens are in it: a real part of the loss

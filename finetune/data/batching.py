@@ -328,6 +328,11 @@ class TrainOrder:
             raise ValueError("a step of several micro-batches has no one batch; use micro_batches(step)")
         return self.micro_batches(step)[0]
 
+    def metric_weights(self, step: int) -> list[float]:
+        """The weight of each micro-batch's reported metrics in the step's mean (PairOrder's are its real pairs).
+        The response-token loss reports none beside the loss, which its sample weights average already."""
+        return [1.0] * self.grad_accum
+
     def length(self, rows: np.ndarray) -> int | None:
         """The positions the batch of `rows` is cut to: the same in every process, from the global rows."""
         if self.length_step is None:

@@ -32,21 +32,32 @@ class PairArrays:
 
     reference: (N, 2) float32, the chosen and rejected answers' summed log-probability under the base (DPO's);
         zeros until reference() fills it, and for the methods without one.
+    whole_chosen: bool. Every token of the chosen sequences is a target too, prompt and answer (ORPO's NLL, as
+        TRL's ORPOTrainer takes it); `loss_answer` then marks the answer's slots.
     """
 
     chosen: dict
     rejected: dict
     reference: np.ndarray
+    whole_chosen: bool = False
 
     def __len__(self) -> int:
         return len(self.chosen["token_ids"])
 
 
-def pad(pairs, seq_len: int) -> PairArrays:
-    """The pairs' two sides, one sequence a row, right-padded."""
+def pad(pairs, seq_len: int, whole_chosen: bool = False) -> PairArrays:
+    """The pairs' two sides, one sequence a row, right-padded. whole_chosen: see PairArrays."""
     chosen = batching.pad([p.chosen for p in pairs], seq_len)
     rejected = batching.pad([p.rejected for p in pairs], seq_len)
-    return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32))
+    return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32), whole_chosen)
+
+
+def _targets(arrays: PairArrays, side: str) -> np.ndarray:
+    """Each row's target weights: its answer's, or every real token of a chosen row where whole_chosen."""
+    rows = getattr(arrays, side)
+    if side == "chosen" and arrays.whole_chosen:
+        return rows["padding_mask"].astype(np.float32)
+    return rows["weights"]
 
 
 def both_sides(arrays: PairArrays) -> dict:
@@ -54,33 +65,49 @@ def both_sides(arrays: PairArrays) -> dict:
     return {key: np.concatenate([arrays.chosen[key], arrays.rejected[key]]) for key in arrays.chosen}
 
 
-def target_width(arrays: PairArrays, pairs_per_batch: int) -> int:
-    """Target slots per row: room for the answer tokens of any `pairs_per_batch` pairs' 2B rows."""
-    both = {"weights": np.concatenate([arrays.chosen["weights"], arrays.rejected["weights"]])}
-    return batching.target_width(both, 2 * pairs_per_batch)
+def target_width(arrays: PairArrays, pairs_per_batch: int, shards: int = 1) -> int:
+    """Target slots per row: room for the answer tokens of any of a data shard's rows, a batch of `pairs_per_batch`
+    pairs (2B rows) split over `shards`."""
+    both = {"weights": np.concatenate([_targets(arrays, "chosen"), _targets(arrays, "rejected")])}
+    return batching.target_width(both, 2 * pairs_per_batch // shards)
 
 
-def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int | None, names, real=None):
-    """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected.
+def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int | None, names, real=None,
+           part=(0, 1, 1)):  # fmt: skip
+    """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected, this process's
+    part of them.
 
     real: bool per pair; False marks a filler (a copy that fills the last batch of an epoch), whose tokens and
         weight are zeroed. The sample weights are (2B, len(COLUMNS)): 1 in column 0 of each real pair's row, the rest 0.
+    part: (first, end, n). The data shards of the 2B rows this process feeds (batching.Feed.part). Each shard's
+        loss positions index its own rows, as SFT's do (batching.targets); `loss_sequence` names each slot's row
+        in the whole batch, which the view sums each answer's log-probability over.
     """
     real = np.ones(len(pairs), bool) if real is None else real
     rows = {key: np.concatenate([arrays.chosen[key][pairs], arrays.rejected[key][pairs]]) for key in arrays.chosen}
     both = np.concatenate([real, real])
-    rows["weights"] = np.where(both[:, None], rows["weights"], np.float32(0))
+    answers = np.where(both[:, None], rows["weights"], np.float32(0))
+    targets = np.concatenate([_targets(arrays, "chosen")[pairs], _targets(arrays, "rejected")[pairs]])
+    rows["weights"] = np.where(both[:, None], targets, np.float32(0))
     seq_len = rows["token_ids"].shape[1]
     length = None
     if length_step is not None:
         length = batching.batch_length(np.count_nonzero(rows["padding_mask"], axis=1), length_step, seq_len)
-    x, labels, _ = batching.inputs(rows, np.arange(2 * len(pairs)), 1, width, length, names)
-    x["loss_sequence"] = (x["loss_positions"] // (length or seq_len)).astype(np.int32)
+    first, end, shards = part
+    local = batching.local(np.arange(2 * len(pairs)), part)
+    x, labels, _ = batching.inputs(rows, local, end - first, width, length, names)
+    if arrays.whole_chosen:  # the answers' slots among every target's, laid out as the targets are
+        marked = batching.inputs({**rows, "labels": (answers > 0).astype(np.int32)}, local, end - first, width, length,
+                                 names)[1]  # fmt: skip
+        x["loss_answer"] = marked.astype(np.float32)
+    per_shard = 2 * len(pairs) // shards
+    first_row = (first + np.arange(len(local)) // per_shard) * per_shard  # each slot row's shard, in the batch
+    x["loss_sequence"] = (first_row[:, None] + x["loss_positions"] // (length or seq_len)).astype(np.int32)
     reference = arrays.reference[pairs]
-    x["loss_reference"] = np.concatenate([reference[:, 0], reference[:, 1]]).astype(np.float32)
+    x["loss_reference"] = np.concatenate([reference[:, 0], reference[:, 1]])[local].astype(np.float32)
     weights = np.zeros((2 * len(pairs), len(COLUMNS)), np.float32)
     weights[: len(pairs), 0] = real
-    return x, np.zeros_like(weights), weights
+    return x, np.zeros_like(weights[local]), weights[local]
 
 
 class PairOrder:
@@ -100,7 +127,7 @@ class PairOrder:
         self.feed = feed
         self._rows = batching.EpochRows(len(arrays), batch_size * grad_accum, seed)
         self.steps_per_epoch = self._rows.steps_per_epoch
-        self.width = target_width(arrays, batch_size)
+        self.width = target_width(arrays, batch_size, feed.part[2])
 
     def rows(self, step: int) -> np.ndarray:
         """The pairs optimizer step `step` trains."""
@@ -116,9 +143,16 @@ class PairOrder:
         for micro in range(self.grad_accum):
             group = slice(micro * self.batch_size, (micro + 1) * self.batch_size)
             x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed.length_step,
-                                        self.feed.inputs, real[group])  # fmt: skip
+                                        self.feed.inputs, real[group], self.feed.part)  # fmt: skip
             out.append((x, labels, weights * share))
         return out
+
+    def metric_weights(self, step: int) -> list[int]:
+        """The real pairs of each of the step's micro-batches: the weight of its reported metrics (each a mean over
+        its own real pairs, PairMean) in the step's mean. A micro-batch of filler pairs alone reports 0s, which
+        weigh nothing."""
+        real = len(self.rows(step))
+        return [min(max(real - micro * self.batch_size, 0), self.batch_size) for micro in range(self.grad_accum)]
 
     def tokens(self, step: int) -> tuple[int, int]:
         """Non-padding input tokens and answer tokens of the step's pairs, both sides."""
@@ -144,9 +178,9 @@ class Batches:
 
     def __iter__(self):
         arrays, size = self.arrays, self.batch_size
-        width = target_width(arrays, size)
+        width = target_width(arrays, size, self.feed.part[2])
         for start in range(0, len(arrays), size):
             pairs = np.arange(start, min(start + size, len(arrays)))
             real = np.arange(size) < len(pairs)
             filled = np.concatenate([pairs, np.arange(size - len(pairs)) % len(arrays)])
-            yield pairs, inputs(arrays, filled, width, self.feed.length_step, self.feed.inputs, real)
+            yield pairs, inputs(arrays, filled, width, self.feed.length_step, self.feed.inputs, real, self.feed.part)

@@ -27,6 +27,7 @@ class Preference(Method):
         model/pair_view.Objective.
     averaged: bool. The answers' log-probabilities are per token (ORPO, SimPO), else summed.
     needs_reference: bool. Scored against the base, once, before training (DPO, IPO).
+    whole_chosen: bool. The loss takes the NLL of the chosen sequences' every token, prompt and answer (ORPO).
     """
 
     paired = True
@@ -35,9 +36,9 @@ class Preference(Method):
     examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
 
-    def __init__(self, name, title, loss, defaults, averaged=False, needs_reference=False):
+    def __init__(self, name, title, loss, defaults, averaged=False, needs_reference=False, whole_chosen=False):
         self.name, self.title, self.loss, self.defaults = name, title, loss, defaults
-        self.averaged, self.needs_reference = averaged, needs_reference
+        self.averaged, self.needs_reference, self.whole_chosen = averaged, needs_reference, whole_chosen
 
     def unpacked_why(self) -> str | None:
         return f"--method {self.name}: each pair's two answers keep a row each (pairs are not packed yet)"
@@ -50,7 +51,7 @@ class Preference(Method):
         default = {name: value for name, (value, _) in self.defaults.items()}
         return pair_view.Objective(self.name, self.loss, beta if beta is not None else default["beta"],
                                    smoothing or 0.0, gamma if gamma is not None else default.get("simpo_gamma", 0.0),
-                                   self.averaged, self.needs_reference)  # fmt: skip
+                                   self.averaged, self.needs_reference, self.whole_chosen)  # fmt: skip
 
     # === Prepare ===
 
@@ -68,13 +69,13 @@ class Preference(Method):
             raise UserError(f"--batch-size auto does not probe --method {self.name} yet; pass --batch-size N "
                             "(pairs per micro-batch: each is two sequences)")  # fmt: skip
         train, held_out = prepare.split(usable, cfg, every_record_of)
-        held_out_rows = pair_batches.pad([p for _, p in held_out], seq_len)
+        held_out_rows = self.pad([p for _, p in held_out], seq_len)
         prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
         if packed is not None:
             if len(train) < batch_size:
                 raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
                                 "--batch-size or add pairs")  # fmt: skip
-            prepared.rows = pair_batches.pad([p for _, p in train], seq_len)
+            prepared.rows = self.pad([p for _, p in train], seq_len)
             share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
             prepared.padding = {"padding_fraction": share, "unpacked": share}
         return prepared
@@ -84,8 +85,12 @@ class Preference(Method):
         seq_len = cfg.model.seq_len
         tokenizer = prepare.tokenizer_of(preprocessor)
         prepared.held_out = pair_examples(records, prepared.template, tokenizer, seq_len, cfg.eval.data)
-        prepared.held_out_rows = pair_batches.pad([p for _, p in prepared.held_out], seq_len)
+        prepared.held_out_rows = self.pad([p for _, p in prepared.held_out], seq_len)
         return prepared
+
+    def pad(self, pairs, seq_len: int):
+        """The pairs padded as this method's view reads them (pair_batches.pad)."""
+        return pair_batches.pad(pairs, seq_len, self.whole_chosen)
 
     def order(self, prepared, cfg, feed):
         return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
@@ -152,9 +157,10 @@ def refuse_pictures(records, method: Method, source: str) -> None:
 
 def pair_examples(records, template, tokenizer, seq_len: int, source: str = "") -> list:
     """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
-    made, _, truncated = pairs.pairs(records, template, tokenizer, seq_len)
-    if truncated:
-        print(f"note: {truncated} pairs cut to --seq-len {seq_len}: prompts from their left, as TRL cuts them")
+    made, cut = pairs.pairs(records, template, tokenizer, seq_len)
+    if cut:
+        print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping at "
+              "least half the sequence), then the answers at their end; none skipped")  # fmt: skip
     return list(zip(records, made))
 
 
@@ -194,10 +200,10 @@ def reference_logps(view, batches) -> None:
         reference[indices] = values[:, 5:7]
 
 
-# === The losses: each (chosen, rejected, reference, count, objective) -> (loss, (reward chosen, reward rejected)) ===
+# === The losses: each (chosen, rejected, reference, count, objective, nll) -> (loss, (reward chosen, reward rejected))
 
 
-def dpo_loss(chosen, rejected, reference, count, objective):
+def dpo_loss(chosen, rejected, reference, count, objective, nll=None):
     """DPO's sigmoid loss on the log-ratio margin, with label smoothing (cDPO) as TRL's loss_type sigmoid."""
     from keras import ops
 
@@ -209,7 +215,7 @@ def dpo_loss(chosen, rejected, reference, count, objective):
     return loss, (objective.beta * chosen_ratio, objective.beta * rejected_ratio)
 
 
-def ipo_loss(chosen, rejected, reference, count, objective):
+def ipo_loss(chosen, rejected, reference, count, objective, nll=None):
     """TRL's IPO: the log ratios per answer token, squared against 1 / (2 tau)."""
     from keras import ops
 
@@ -219,17 +225,24 @@ def ipo_loss(chosen, rejected, reference, count, objective):
     return loss, (objective.beta * (chosen - reference[:half]), objective.beta * (rejected - reference[half:]))
 
 
-def orpo_loss(chosen, rejected, reference, count, objective):
-    """ORPO: the chosen answer's NLL plus lambda times the log odds ratio's loss, of the two answers' average token
-    probabilities: log(p / (1 - p)) of each, subtracted."""
+def orpo_loss(chosen, rejected, reference, count, objective, nll=None):
+    """ORPO: the chosen sequences' NLL plus lambda times the log odds ratio's loss, of the two answers' average token
+    probabilities: log(p / (1 - p)) of each, subtracted. The NLL is TRL's: the mean cross-entropy of every token
+    of the batch's chosen sequences, prompt and answer (Objective.whole_chosen), the same for each pair."""
     from keras import ops
 
+    # A filler pair (count 0) has a mean log-probability of 0: log(1 - 1) is -inf, and its zero weight times the
+    # NaN it makes is still NaN, in the loss and in the gradient. Its rows read -1 instead, before the log, so
+    # neither path ever sees the infinity, and its loss is an exact 0.
+    half = chosen.shape[0]
+    real = ops.logical_and(count[:half] > 0, count[half:] > 0)
+    chosen, rejected = ops.where(real, chosen, -1.0), ops.where(real, rejected, -1.0)
     log_odds = (chosen - rejected) - (ops.log1p(-ops.exp(chosen)) - ops.log1p(-ops.exp(rejected)))
-    loss = -chosen - objective.beta * ops.log_sigmoid(log_odds)
+    loss = ops.where(real, nll - objective.beta * ops.log_sigmoid(log_odds), 0.0)
     return loss, (objective.beta * chosen, objective.beta * rejected)
 
 
-def simpo_loss(chosen, rejected, reference, count, objective):
+def simpo_loss(chosen, rejected, reference, count, objective, nll=None):
     """SimPO: the sigmoid loss on the length-averaged margin, less the target margin gamma."""
     from keras import ops
 
@@ -244,7 +257,7 @@ DPO = Preference("dpo", "DPO", dpo_loss, needs_reference=True, defaults={
 IPO = Preference("ipo", "IPO", ipo_loss, needs_reference=True, defaults={
     "beta": (0.1, "IPO's tau, as TRL's DPOConfig's beta for loss_type ipo"),
 })  # fmt: skip
-ORPO = Preference("orpo", "ORPO", orpo_loss, averaged=True, defaults={
+ORPO = Preference("orpo", "ORPO", orpo_loss, averaged=True, whole_chosen=True, defaults={
     "beta": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
 })  # fmt: skip
 SIMPO = Preference("simpo", "SimPO", simpo_loss, averaged=True, defaults={

@@ -37,14 +37,18 @@ class Objective:
     """A preference loss and its constants, as the method (methods/preference.py) decided them.
 
     name: str. The method's name, as config.yaml records it.
-    loss: callable(chosen, rejected, reference, count, objective) -> (loss, (reward_chosen, reward_rejected)), each
-        (B,): the pair loss from each answer's log-probability (length-averaged where `averaged`), the reference
-        log-probabilities and the answers' token counts, each (2B,) with the chosen rows first.
+    loss: callable(chosen, rejected, reference, count, objective, nll) -> (loss, (reward_chosen, reward_rejected)),
+        each (B,): the pair loss from each answer's log-probability (length-averaged where `averaged`), the
+        reference log-probabilities and the answers' token counts, each (2B,) with the chosen rows first, and the
+        chosen sequences' NLL (a scalar where `whole_chosen`, else None).
     beta: float. DPO's and SimPO's beta; IPO's tau; ORPO's lambda.
     label_smoothing: float. DPO's epsilon.
     gamma: float. SimPO's target margin.
     averaged: bool. The log-probabilities are per answer token (ORPO, SimPO); else summed over the answer.
     needs_reference: bool. The loss compares against the base's log-probabilities, scored once before training.
+    whole_chosen: bool. The loss takes the NLL of the chosen sequences' every token, prompt and answer (ORPO, as
+        TRL's ORPOTrainer), a token mean over the batch: its rows carry every target (pair_batches.PairArrays),
+        and `loss_answer` marks the answers' slots among them.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Objective:
     gamma: float = 0.0
     averaged: bool = False
     needs_reference: bool = False
+    whole_chosen: bool = False
 
     def view(self, lm, chunk: int, shards: int = 1) -> PreferenceView:
         """The view of `lm` that trains (and scores) this loss."""
@@ -73,16 +78,20 @@ def sequence_logps(token_losses, weights, sequence, rows: int):
     return logp, count
 
 
-def pair_values(objective_: Objective, logp, count, reference):
+def pair_values(objective_: Objective, logp, count, reference, whole=None):
     """(B, 7) float32: each pair's loss and metrics (COLUMNS) from its 2B rows' log-probabilities.
 
     logp, count, reference: (2B,): each row's summed log-probability, answer tokens, and reference log-probability
     (DPO's; zeros otherwise). Rows 0..B-1 are the chosen answers, B..2B-1 the rejected.
+    whole: (logp, count) of each row's every target, prompt and answer, where the objective is `whole_chosen`.
     """
     half = logp.shape[0] // 2
+    nll = None
+    if whole is not None:  # every token of the batch's chosen sequences, a mean over them (filler rows have none)
+        nll = -ops.sum(whole[0][:half]) / ops.maximum(ops.sum(whole[1][:half]), 1.0)
     if objective_.averaged:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
         logp = logp / ops.maximum(count, 1.0)
-    loss, rewards = objective_.loss(logp[:half], logp[half:], reference, count, objective_)
+    loss, rewards = objective_.loss(logp[:half], logp[half:], reference, count, objective_, nll)
     return _reported(loss, rewards, logp[:half], logp[half:])
 
 
@@ -130,8 +139,12 @@ class PreferenceView(objective.TrainingView):
             losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
         rows = inputs["loss_labels"].shape[0]
         sequence = ops.reshape(inputs["loss_sequence"], (-1,))
+        whole = None
+        if self.objective.whole_chosen:
+            whole = sequence_logps(losses, weights, sequence, rows)
+            weights = weights * ops.reshape(ops.cast(inputs["loss_answer"], weights.dtype), (-1,))
         logp, count = sequence_logps(losses, weights, sequence, rows)
-        values = pair_values(self.objective, logp, count, ops.cast(inputs["loss_reference"], "float32"))
+        values = pair_values(self.objective, logp, count, ops.cast(inputs["loss_reference"], "float32"), whole)
         return ops.concatenate([values, ops.zeros_like(values)], axis=0)
 
     def step_metrics(self) -> list:

@@ -508,7 +508,7 @@ def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
             rng.shuffle(bad)
         made.append(formats.Record(instruction=record.instruction, context=record.context,
                                    response=" ".join(words), rejected=" ".join(bad)))  # fmt: skip
-    return pairs.pairs(made, templates.get("dolly"), tokenizer, workload.seq_len, strict=False)[0]
+    return pairs.pairs(made, templates.get("dolly"), tokenizer, workload.seq_len)[0]
 
 
 def _train_pairs(spec: Spec, model, method) -> dict:

@@ -122,8 +122,8 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
         first = re.split(r"[;\n]|\. ", str(e))[0]
         return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
     longest = max(8 * seq_len, 8192)
-    whole, _, _ = pairs.pairs(records, renderer, tokenizer, longest, strict=False)
-    _, _, truncated = pairs.pairs(records, renderer, tokenizer, seq_len)  # a prompt that fills seq_len is refused
+    whole, _ = pairs.pairs(records, renderer, tokenizer, longest)
+    _, cut = pairs.pairs(records, renderer, tokenizer, seq_len)
     prompt = np.array([p.prompt_length - 1 for p in whole])
     answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
                for side in ("chosen", "rejected")}  # fmt: skip
@@ -134,7 +134,7 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
             f"{int(np.percentile(lengths, 95)):,}, max {lengths.max():,}"
         )
     lines.append(
-        f"seq-len {seq_len}: {truncated} of {len(records)} pairs are cut (the prompt from its left, then the "
-        "answers at their end)"
+        f"seq-len {seq_len}: {cut} of {len(records)} pairs are cut (the prompt from its left, keeping at least half "
+        "the sequence, then the answers at their end), none skipped"
     )
     return lines

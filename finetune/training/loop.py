@@ -287,8 +287,11 @@ class Loop:
             raise self._diverged(f"the training loss is {loss} at step {step + 1}")
         from finetune.model import optimizer  # keras: loop.py is read before the backend is chosen
 
-        # A preference view's metrics (rewards_chosen, reward_accuracy, ...), each the step's: its micro-batches'.
-        applied = {name: sum(r[name] for r in reported) / len(reported) for name in reported[0]}
+        # A preference view's metrics (rewards_chosen, reward_accuracy, ...), each the step's: its micro-batches',
+        # weighed as the order says (a micro-batch of filler pairs alone weighs nothing).
+        weights = self.order.metric_weights(step)
+        total = sum(weights)
+        applied = {name: sum(w * r[name] for w, r in zip(weights, reported)) / total for name in reported[0]}
         applied.update(optimizer.step_record(self.trainer.optimizer, step))
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
