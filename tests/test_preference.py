@@ -94,7 +94,7 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         real = np.array([True, True, True, False])
         feed = batching.Feed(length_step=16, inputs=builder.input_names(lm))
         width = pair_batches.target_width(arrays, 4)
-        x, _, weights = pair_batches.inputs(arrays, pairs, width, feed.length_step, feed.inputs, real)
+        x, _, weights = pair_batches.inputs(arrays, pairs, width, feed, real)
         got = keras.ops.convert_to_numpy(view(x))
         chosen, rejected = full_logps(lm, arrays, pairs[:3])
         whole = full_logps(lm, arrays, pairs[:3], whole=True)[0]
@@ -206,7 +206,7 @@ def test_a_step_s_metrics_are_means_over_its_real_pairs_when_a_micro_batch_is_al
         order = pair_batches.PairOrder(arrays, 2, 0, feed, 2)
         real = order.rows(1)
         assert len(real) == 2 and order.metric_weights(1) == [2, 0]
-        x, _, _ = pair_batches.inputs(arrays, real, order.width, None, feed.inputs)
+        x, _, _ = pair_batches.inputs(arrays, real, order.width, batching.Feed(inputs=feed.inputs))
         expected = np.asarray(keras.ops.convert_to_numpy(trainer(x)), np.float64)[:2].mean(axis=0)
         hooks = loop.Hooks(loop.Evaluation(None), lambda progress: None, out=open(os.devnull, "w"))
         progress = loop.Loop(trainer, order, loop.Progress(step=1), loop.Plan(2, checkpoint_every=100), hooks).run()
@@ -225,8 +225,8 @@ def test_each_process_feeds_its_shards_of_a_pair_batch():
     arrays.reference[:] = np.arange(12, dtype=np.float32).reshape(6, 2)
     pairs, real = np.array([0, 3, 5, 5]), np.array([True, True, True, False])
     width = pair_batches.target_width(arrays, 4, 2)
-    whole = pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (0, 2, 2))
-    halves = [pair_batches.inputs(arrays, pairs, width, 16, batching.INPUTS, real, (k, k + 1, 2)) for k in (0, 1)]
+    whole = pair_batches.inputs(arrays, pairs, width, batching.Feed((0, 2, 2), 16), real)
+    halves = [pair_batches.inputs(arrays, pairs, width, batching.Feed((k, k + 1, 2), 16), real) for k in (0, 1)]
     assert len(halves[0][0]["token_ids"]) == 4
     for index in range(3):
         if index == 0:

@@ -72,17 +72,17 @@ def target_width(arrays: PairArrays, pairs_per_batch: int, shards: int = 1) -> i
     return batching.target_width(both, 2 * pairs_per_batch // shards)
 
 
-def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, length_step: int | None, names, real=None,
-           part=(0, 1, 1)):  # fmt: skip
+def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, feed: batching.Feed, real=None):
     """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected, this process's
-    part of them.
+    part of them, fed as `feed` says (its length step, the model's inputs, this process's data shards).
 
     real: bool per pair; False marks a filler (a copy that fills the last batch of an epoch), whose tokens and
         weight are zeroed. The sample weights are (2B, len(COLUMNS)): 1 in column 0 of each real pair's row, the rest 0.
-    part: (first, end, n). The data shards of the 2B rows this process feeds (batching.Feed.part). Each shard's
+    feed.part: (first, end, n). The data shards of the 2B rows this process feeds. Each shard's
         loss positions index its own rows, as SFT's do (batching.targets); `loss_sequence` names each slot's row
         in the whole batch, which the view sums each answer's log-probability over.
     """
+    length_step, names, part = feed.length_step, feed.inputs, feed.part
     real = np.ones(len(pairs), bool) if real is None else real
     rows = {key: np.concatenate([arrays.chosen[key][pairs], arrays.rejected[key][pairs]]) for key in arrays.chosen}
     both = np.concatenate([real, real])
@@ -142,8 +142,7 @@ class PairOrder:
         out = []
         for micro in range(self.grad_accum):
             group = slice(micro * self.batch_size, (micro + 1) * self.batch_size)
-            x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed.length_step,
-                                        self.feed.inputs, real[group], self.feed.part)  # fmt: skip
+            x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed, real[group])
             out.append((x, labels, weights * share))
         return out
 
@@ -183,4 +182,4 @@ class Batches:
             pairs = np.arange(start, min(start + size, len(arrays)))
             real = np.arange(size) < len(pairs)
             filled = np.concatenate([pairs, np.arange(size - len(pairs)) % len(arrays)])
-            yield pairs, inputs(arrays, filled, width, self.feed.length_step, self.feed.inputs, real, self.feed.part)
+            yield pairs, inputs(arrays, filled, width, self.feed, real)

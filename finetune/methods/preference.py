@@ -20,6 +20,9 @@ from finetune.platform.errors import UserError
 COLUMNS, METRICS = pair_batches.COLUMNS, pair_batches.METRICS  # the pair view's output, and TRL's metrics
 
 
+TRAITS = ("averaged", "needs_reference", "whole_chosen")
+
+
 class Preference(Method):
     """A preference method: its loss, its constants' defaults, and whether it needs the base's log-probabilities.
 
@@ -36,9 +39,10 @@ class Preference(Method):
     examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
 
-    def __init__(self, name, title, loss, defaults, averaged=False, needs_reference=False, whole_chosen=False):
+    def __init__(self, name: str, title: str, loss, defaults: dict, traits: tuple = ()):
+        """traits: of "averaged", "needs_reference" and "whole_chosen", the ones this method has (each above)."""
         self.name, self.title, self.loss, self.defaults = name, title, loss, defaults
-        self.averaged, self.needs_reference, self.whole_chosen = averaged, needs_reference, whole_chosen
+        self.averaged, self.needs_reference, self.whole_chosen = (t in traits for t in TRAITS)
 
     def unpacked_why(self) -> str | None:
         return f"--method {self.name}: each pair's two answers keep a row each (pairs are not packed yet)"
@@ -64,13 +68,21 @@ class Preference(Method):
         tokenizer = prepare.tokenizer_of(preprocessor)
         prepare.check_seq_len(tokenizer, template, seq_len)
         usable = pair_examples(records, template, tokenizer, seq_len, every_record_of or cfg.data.path)
-        batch_size = cfg.train.batch_size
-        if batch_size == "auto":
-            raise UserError(f"--batch-size auto does not probe --method {self.name} yet; pass --batch-size N "
-                            "(pairs per micro-batch: each is two sequences)")  # fmt: skip
+        batch_size, why = cfg.train.batch_size, None
+        if batch_size == "auto":  # trial steps on the first pairs, 2B rows each, as SFT probes its rows
+            trial = self.pad([p for _, p in usable[:64]], seq_len)
+
+            def batch_of(size, names):
+                feed = batching.Feed(inputs=names)
+                return pair_batches.inputs(trial, np.arange(size), pair_batches.target_width(trial, size), feed)
+
+            # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
+            batch_size, why = probe(batch_of, len(usable) // cfg.train.grad_accum)
+            print(f"batch size auto: {batch_size} pairs ({why})")
         train, held_out = prepare.split(usable, cfg, every_record_of)
         held_out_rows = self.pad([p for _, p in held_out], seq_len)
         prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
+        prepared.batch_size_why = why
         if packed is not None:
             if len(train) < batch_size:
                 raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
@@ -250,17 +262,17 @@ def simpo_loss(chosen, rejected, reference, count, objective, nll=None):
     return loss, (objective.beta * chosen, objective.beta * rejected)
 
 
-DPO = Preference("dpo", "DPO", dpo_loss, needs_reference=True, defaults={
+DPO = Preference("dpo", "DPO", dpo_loss, traits=("needs_reference",), defaults={
     "beta": (0.1, "DPO's beta, as TRL's DPOConfig (the DPO paper's 0.1 to 0.5, at its low end)"),
     "label_smoothing": (0.0, "none asked"),
 })  # fmt: skip
-IPO = Preference("ipo", "IPO", ipo_loss, needs_reference=True, defaults={
+IPO = Preference("ipo", "IPO", ipo_loss, traits=("needs_reference",), defaults={
     "beta": (0.1, "IPO's tau, as TRL's DPOConfig's beta for loss_type ipo"),
 })  # fmt: skip
-ORPO = Preference("orpo", "ORPO", orpo_loss, averaged=True, whole_chosen=True, defaults={
+ORPO = Preference("orpo", "ORPO", orpo_loss, traits=("averaged", "whole_chosen"), defaults={
     "beta": (0.1, "ORPO's lambda, as TRL's ORPOConfig's beta (the ORPO paper's 0.1)"),
 })  # fmt: skip
-SIMPO = Preference("simpo", "SimPO", simpo_loss, averaged=True, defaults={
+SIMPO = Preference("simpo", "SimPO", simpo_loss, traits=("averaged",), defaults={
     "beta": (2.0, "SimPO's beta, as the SimPO paper (2.0 to 2.5; TRL's CPOConfig's 0.1 is CPO's)"),
     "simpo_gamma": (0.5, "SimPO's target margin, as TRL's CPOConfig's simpo_gamma"),
 })  # fmt: skip
