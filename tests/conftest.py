@@ -256,7 +256,8 @@ def tiny_args():
     ]
 
 
-# === Runs trained, killed and resumed through the CLI (test_checkpoint, test_loop, test_outputs, test_runs) ===
+# === Runs trained, killed and resumed through the CLI (test_checkpoint, test_loop, test_outputs, test_remat,
+# test_runs) ===
 
 runner = CliRunner()
 TESTS = Path(__file__).resolve().parent
@@ -291,6 +292,16 @@ def train_losses(out):
     return [r["train_loss"] for r in _history(out) if r["train_loss"]]
 
 
+def adapter_arrays(path) -> dict:
+    """Every array of an adapter file (adapter.lora.h5), by its path in the file."""
+    import h5py
+
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: arrays.__setitem__(name, item[()]) if isinstance(item, h5py.Dataset) else None)
+    return arrays
+
+
 def _history(out):
     import csv
 
@@ -317,8 +328,9 @@ def packed_rows(tokenizer, seq_len=48, n=12):
     return packing.pack(examples, seq_len)
 
 
-def lora_model(precision="float32", quantize=None, remat=False):
-    """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value."""
+def lora_model(precision="float32", quantize=None, remat=False, dropout=0.0):
+    """The tiny Gemma built in `precision` (quantized, with remat, if asked), LoRA of rank 2 on query and value
+    (with `dropout` on their input while training)."""
     import keras
 
     from finetune.config import LoraConfig
@@ -328,7 +340,7 @@ def lora_model(precision="float32", quantize=None, remat=False):
     backend.set_seed(0)
     keras.config.set_dtype_policy(backend.POLICIES[precision][1])
     lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), 48, precision, quantize, remat)
-    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"], dropout=dropout), seed=0)
     return lm, preprocessor
 
 

@@ -152,6 +152,24 @@ def test_a_replaced_call_can_take_the_training_flag_the_layers_own_call_lacks():
     assert seen == [True, None]
 
 
+def test_a_layer_called_outside_every_call_reads_the_training_flag_of_the_context_entered():
+    seen = []
+
+    class Reads(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            seen.append(training)
+            return inputs
+
+    inner, outer = Reads(), keras.layers.Identity()
+    x = np.ones((1, 2), "float32")
+    inner(x)
+    with keras_compat.calling(outer, training=True):
+        inner(x)
+        inner(x)  # the context outlives each inner call
+    inner(x)
+    assert seen == [None, True, True, None]
+
+
 def test_a_built_layer_takes_new_variables_and_seeds_only_while_unlocked():
     layer = keras.layers.Dense(3)
     layer.build((None, 2))

@@ -201,6 +201,22 @@ def test_batch_size_auto_picks_a_size_and_leaves_the_model_untouched(tmp_path):
     assert auto["eval_loss"] == pytest.approx(fixed["eval_loss"], rel=1e-4)
 
 
+def test_the_batch_size_probe_leaves_lora_dropout_s_count_of_training_passes_as_it_was():
+    """The probe's trial steps count as training passes: left counted, the run's masks would hang on how many
+    sizes the CPU's timings tried."""
+    from conftest import float32_policy, lora_model, packed_rows
+    from test_lora_dropout import counted
+
+    from finetune.training import train as training
+
+    with float32_policy():
+        lm, _ = lora_model(dropout=0.1)
+        trainer = builder.compile(lm, 1e-3, 0.0)
+        rows = packed_rows(presets.tiny_tokenizer(), n=24)
+        size, _ = training.auto_batch_size(trainer, rows, 8, device="cpu")  # 8 rows: batch 1 only, timed twice
+    assert size == 1 and counted(lm) == 0
+
+
 @pytest.mark.backend_neutral
 def test_every_epoch_is_evaluated(tmp_path):
     # Without SHORT's --max-steps, which since it follows Hugging Face's would override --epochs.

@@ -23,6 +23,7 @@ from finetune.model import (
     checkpoints,
     families,
     layouts,
+    lora_dropout,
     objective,
     optimizer,
     presets,
@@ -357,7 +358,8 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
         # then both scale by alpha / rank, or alpha / sqrt(rank) with rslora.
         layer.lora_alpha = lora.scale() * lora.rank
     initialise_lora(adapted, seed)
-    rng = np.random.default_rng([seed, 1])  # the dropout seeds: apart from the factors' draws
+    if lora.dropout:
+        lora_dropout.enable(backbone, adapted, lora.dropout, seed)
     for layer in adapted:
         if lora.dora and quantized.policy_of(layer).quantization_mode is not None:
             raise UserError(
@@ -369,9 +371,6 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
                     name="lora_magnitude", shape=magnitude_shape(layer), initializer="zeros", dtype="float32"
                 )
                 layer.lora_magnitude.assign(keras.ops.convert_to_numpy(_column_norm(layer, with_update=False)))
-            if lora.dropout:
-                layer.lora_dropout = lora.dropout
-                layer.lora_dropout_seed = keras.random.SeedGenerator(int(rng.integers(2**31)))
         beside_the_kernel(layer, own_call=bool(lora.dora or lora.dropout))
     return len(adapted)
 
@@ -470,7 +469,7 @@ def _with_lora(layer, projections: tuple, inputs, projected, training):
     dropout = getattr(layer, "lora_dropout", 0.0)
     x = inputs
     if dropout and training:
-        x = keras.random.dropout(inputs, dropout, seed=layer.lora_dropout_seed)
+        x = lora_dropout.dropped(inputs, dropout, layer.lora_dropout_seed)
     low = _einsum(down, x, weight=lambda: ops.cast(layer.lora_kernel_a, compute))
     update = ops.matmul(low, ops.cast(layer.lora_kernel_b, compute))
     update = ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update

@@ -13,7 +13,10 @@ keras.RematScope cannot do it for keras-hub's blocks on TensorFlow: they are
 called with keyword arguments, which tf.recompute_grad refuses in a graph. So
 each block's `call` is wrapped (on the instance, as attention.py does) to pass
 its tensors positionally to `keras.remat`. Generation, which passes a cache,
-runs the block as it is.
+runs the block as it is. The recomputation runs in the backward, outside the
+block's call, so it re-enters keras' call context with the forward's training
+flag (keras_compat.calling): LoRA dropout reads it there, and draws the
+forward's masks (lora_dropout.py).
 """
 
 from __future__ import annotations
@@ -33,26 +36,30 @@ def enable(backbone) -> int:
     for block in families.decoder_blocks(backbone):
         if getattr(block.call, "rematerialized", False):
             continue
-        keras_compat.replace_call(block, _recomputed(block.call))
+        keras_compat.replace_call(block, _recomputed(block, block.call), takes_training=True)
         wrapped += 1
     return wrapped
 
 
-def _recomputed(call):
+def _recomputed(block, call):
     names = list(inspect.signature(call).parameters)
+    takes_training = "training" in names  # Gemma 3n's blocks do
 
     @functools.wraps(call)
-    def recomputed_call(*args, **kwargs):
+    def recomputed_call(*args, training=None, **kwargs):
+        if takes_training:
+            kwargs["training"] = training
         bound = {**dict(zip(names, args)), **kwargs}
         if bound.get("cache") is not None:
             return call(*args, **kwargs)
         tensors = {name: value for name, value in bound.items() if _is_tensor(value)}
         others = {name: value for name, value in bound.items() if name not in tensors}
 
-        def block(*values):
-            return call(**dict(zip(tensors, values)), **others)
+        def recomputable(*values):
+            with keras_compat.calling(block, training):
+                return call(**dict(zip(tensors, values)), **others)
 
-        return keras.remat(block)(*tensors.values())
+        return keras.remat(recomputable)(*tensors.values())
 
     recomputed_call.rematerialized = True
     return recomputed_call

@@ -206,9 +206,36 @@ def replace_call(layer, call, takes_training: bool = False) -> None:
 
 
 @contextlib.contextmanager
+def calling(layer, training):
+    """Run what follows as inside `layer`'s call, for the layers it calls: with keras' call context, whose
+    `training` flag a layer called without one reads.
+
+    keras-hub's decoder blocks pass no `training` to their layers; Layer.__call__ keeps it in a call context
+    (global_state's current_call_ctx, per thread) from which they read it. remat's recomputation of a block
+    runs in the backward, outside every call (on PyTorch, in autograd's thread), where its layers would read
+    none and LoRA dropout would drop nothing. Inside a call already, that call's context stays. keras has no
+    public way to enter one.
+    """
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+
+    if global_state.get_global_attribute("current_call_ctx") is not None:
+        yield
+        return
+    context = CallContext(entry_layer=layer)
+    context.set_value("training", training)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", None)
+
+
+@contextlib.contextmanager
 def adding_variables(layer):
-    """Let a built `layer` take new variables and seed generators (DoRA's magnitude, LoRA dropout's seed), as
-    keras' own enable_lora does: a built layer's tracker is locked against new state."""
+    """Let a built `layer` take new variables and seed generators (DoRA's magnitude, LoRA dropout's count of
+    training passes, NEFTune's seed), as keras' own enable_lora does: a built layer's tracker is locked against
+    new state."""
     layer._tracker.unlock()
     try:
         yield layer

@@ -362,12 +362,14 @@ def auto_batch_size(trainer, batch_of, rows: int, *, device: str, names=batching
     On an accelerator: the largest power of two whose trial step fits in memory.
     On a CPU nothing runs out of memory, so the largest would always be the cap:
     there the trial steps are timed, and the batch grows while doubling it still
-    adds 10% to tokens/s. Trial steps change the LoRA weights and the optimizer
-    state, so both are put back afterwards: the probe must not leak into the run.
+    adds 10% to tokens/s. Trial steps change the LoRA weights, the optimizer
+    state and what the random draws come from (LoRA dropout's count of training
+    passes, NEFTune's seed), so all are put back afterwards (what a checkpoint
+    keeps): the probe must not leak into the run.
     """
     limit = max(1, min(AUTO_BATCH_CAP, rows // AUTO_MIN_STEPS))
     trainer.optimizer.build(trainer.trainable_variables)
-    state = trainer.trainable_variables + list(trainer.optimizer.variables)
+    state = checkpoint.kept(trainer) + list(trainer.optimizer.variables)
     saved = [v.numpy() for v in state]
     best, size, speeds = None, 1, {}
     try:
