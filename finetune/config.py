@@ -336,7 +336,8 @@ class LoraConfig:
     )  # fmt: skip
     plus_ratio: Optional[float] = setting(
         None,
-        "LoRA+: the B factors learn at this many times the A factors' learning rate (the paper suggests 16).",
+        "LoRA+: the B factors (and DoRA's magnitudes, as PEFT) learn at this many times the A factors' learning rate "
+        "(the paper suggests 16).",
         flag="--lora-plus-ratio", panel=LORA, metavar="R", range=Range(0, low_open=True), label="LoRA+ ratio",
         default_text="off: one learning rate", hint="try --lora-plus-ratio 16",
     )  # fmt: skip

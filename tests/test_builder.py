@@ -256,6 +256,56 @@ def test_lora_plus_steps_b_at_ratio_times_the_learning_rate():
     assert any(not np.allclose(fast[p], slow[p]) for p in plus)  # the two learning rates do differ
 
 
+def peft_loraplus_rates(ratio: float) -> dict:
+    """Our variable name -> the learning rates (over lr) PEFT's create_loraplus_optimizer gives its parameters of that
+    kind, on a toy transformers Gemma with LoRA and DoRA on every linear layer."""
+    import peft
+    import torch
+    import transformers
+    from peft.optimizers import create_loraplus_optimizer
+
+    config = transformers.GemmaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True)
+    model = peft.get_peft_model(transformers.GemmaForCausalLM(config), lora)
+    optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1.0, loraplus_lr_ratio=ratio)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = {"lora_A": "lora_kernel_a", "lora_B": "lora_kernel_b", "lora_magnitude_vector": "lora_magnitude"}
+    rates = {}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            kind = next(v for k, v in ours.items() if f".{k}." in names[id(parameter)])
+            rates.setdefault(kind, set()).add(group["lr"])
+    return rates
+
+
+def test_lora_plus_gives_each_dora_variable_peft_s_learning_rate():
+    """PEFT's LoRA+ steps B and DoRA's magnitudes (its vectors) at ratio * lr and A at lr; one AdamW step of ours
+    moves each variable as a plain step at the rate PEFT gives its kind does."""
+    from conftest import float32_policy
+
+    ratio, learning_rate = 4.0, 1e-3
+    expected = peft_loraplus_rates(ratio)
+    assert expected == {"lora_kernel_a": {1.0}, "lora_kernel_b": {ratio}, "lora_magnitude": {ratio}}
+
+    def one_step(rate, plus=None):
+        with float32_policy():
+            lm, preprocessor = build(targets=("query", "ffw_linear"), dora=True)
+            random_b(lm)
+            trainer = builder.compile(lm, rate, weight_decay=0.1, plus_ratio=plus)
+            trainer.train_on_batch(*a_batch(preprocessor))
+        return {v.path: keras.ops.convert_to_numpy(v) for v in lm.trainable_weights}
+
+    plus, slow, fast = one_step(learning_rate, ratio), one_step(learning_rate), one_step(learning_rate * ratio)
+    assert {p.rsplit("/", 1)[-1] for p in plus} == set(expected)
+    for path, value in plus.items():
+        assert not np.allclose(fast[path], slow[path], rtol=1e-5, atol=1e-7), path  # the two rates tell apart
+        (rate,) = expected[path.rsplit("/", 1)[-1]]
+        np.testing.assert_allclose(value, fast[path] if rate == ratio else slow[path], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{path} should step at {rate} * lr, as PEFT's LoRA+ steps it")  # fmt: skip
+
+
 def test_neftune_adds_bounded_noise_to_real_tokens_while_training_only():
     from conftest import float32_policy
 

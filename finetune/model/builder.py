@@ -632,7 +632,7 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
     accumulation once it knows its steps (train_with).
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
-    plus_ratio: float. LoRA+: the B factors learn at this many times the learning rate of the rest.
+    plus_ratio: float. LoRA+: the B factors and DoRA's magnitudes learn at this many times the A factors' rate.
     preference_: preference.Objective. Train a preference loss (a PreferenceView) in place of SFT's.
     """
     if preference_ is not None:
