@@ -517,8 +517,8 @@ class TrainConfig:
     )  # fmt: skip
     neftune_alpha: Optional[float] = setting(
         None,
-        "NEFTune: uniform noise on the token embeddings while training, of size alpha / sqrt(tokens * width) "
-        "for each row's non-padding tokens (the paper uses 5).",
+        "NEFTune: uniform noise on the token embeddings entering the first block while training, of size "
+        "alpha / sqrt(tokens * width) for each row's non-padding tokens, as transformers' (the paper uses 5).",
         flag="--neftune-alpha", panel=TRAINING, metavar="A", range=Range(0), label="NEFTune alpha",
         default_text="off", hint="try --neftune-alpha 5",
     )  # fmt: skip
