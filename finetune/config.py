@@ -336,7 +336,8 @@ class LoraConfig:
     )  # fmt: skip
     plus_ratio: Optional[float] = setting(
         None,
-        "LoRA+: the B factors learn at this many times the A factors' learning rate (the paper suggests 16).",
+        "LoRA+: the B factors (and DoRA's magnitudes, as PEFT) learn at this many times the A factors' learning rate "
+        "(the paper suggests 16).",
         flag="--lora-plus-ratio", panel=LORA, metavar="R", range=Range(0, low_open=True), label="LoRA+ ratio",
         default_text="off: one learning rate", hint="try --lora-plus-ratio 16",
     )  # fmt: skip
@@ -516,8 +517,8 @@ class TrainConfig:
     )  # fmt: skip
     neftune_alpha: Optional[float] = setting(
         None,
-        "NEFTune: uniform noise on the token embeddings while training, of size alpha / sqrt(tokens * width) "
-        "for each row's non-padding tokens (the paper uses 5).",
+        "NEFTune: uniform noise on the token embeddings entering the first block while training, of size "
+        "alpha / sqrt(tokens * width) for each row's non-padding tokens, as transformers' (the paper uses 5).",
         flag="--neftune-alpha", panel=TRAINING, metavar="A", range=Range(0), label="NEFTune alpha",
         default_text="off", hint="try --neftune-alpha 5",
     )  # fmt: skip

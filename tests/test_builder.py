@@ -4,7 +4,7 @@ import pytest
 
 from finetune.config import LoraConfig
 from finetune.data import batching
-from finetune.model import builder, presets
+from finetune.model import builder, families, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 
@@ -256,18 +256,136 @@ def test_lora_plus_steps_b_at_ratio_times_the_learning_rate():
     assert any(not np.allclose(fast[p], slow[p]) for p in plus)  # the two learning rates do differ
 
 
+def peft_loraplus_rates(ratio: float) -> dict:
+    """Our variable name -> the learning rates (over lr) PEFT's create_loraplus_optimizer gives its parameters of that
+    kind, on a toy transformers Gemma with LoRA and DoRA on every linear layer."""
+    import peft
+    import torch
+    import transformers
+    from peft.optimizers import create_loraplus_optimizer
+
+    config = transformers.GemmaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, target_modules="all-linear", use_dora=True)
+    model = peft.get_peft_model(transformers.GemmaForCausalLM(config), lora)
+    optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1.0, loraplus_lr_ratio=ratio)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = {"lora_A": "lora_kernel_a", "lora_B": "lora_kernel_b", "lora_magnitude_vector": "lora_magnitude"}
+    rates = {}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            kind = next(v for k, v in ours.items() if f".{k}." in names[id(parameter)])
+            rates.setdefault(kind, set()).add(group["lr"])
+    return rates
+
+
+def test_lora_plus_gives_each_dora_variable_peft_s_learning_rate():
+    """PEFT's LoRA+ steps B and DoRA's magnitudes (its vectors) at ratio * lr and A at lr; one AdamW step of ours
+    moves each variable as a plain step at the rate PEFT gives its kind does."""
+    from conftest import float32_policy
+
+    ratio, learning_rate = 4.0, 1e-3
+    expected = peft_loraplus_rates(ratio)
+    assert expected == {"lora_kernel_a": {1.0}, "lora_kernel_b": {ratio}, "lora_magnitude": {ratio}}
+
+    def one_step(rate, plus=None):
+        with float32_policy():
+            lm, preprocessor = build(targets=("query", "ffw_linear"), dora=True)
+            random_b(lm)
+            trainer = builder.compile(lm, rate, weight_decay=0.1, plus_ratio=plus)
+            trainer.train_on_batch(*a_batch(preprocessor))
+        return {v.path: keras.ops.convert_to_numpy(v) for v in lm.trainable_weights}
+
+    plus, slow, fast = one_step(learning_rate, ratio), one_step(learning_rate), one_step(learning_rate * ratio)
+    assert {p.rsplit("/", 1)[-1] for p in plus} == set(expected)
+    for path, value in plus.items():
+        assert not np.allclose(fast[path], slow[path], rtol=1e-5, atol=1e-7), path  # the two rates tell apart
+        (rate,) = expected[path.rsplit("/", 1)[-1]]
+        np.testing.assert_allclose(value, fast[path] if rate == ratio else slow[path], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{path} should step at {rate} * lr, as PEFT's LoRA+ steps it")  # fmt: skip
+
+
+def first_block_inputs(lm, tokens, training: bool) -> np.ndarray:
+    """The hidden states entering lm's first decoder block when it runs on `tokens` (0 is padding); Gemma 3n's
+    block takes its AltUp streams, the first of which is the embeddings."""
+    backbone = lm.backbone
+    block = families.decoder_blocks(backbone)[0]
+    own, seen = block.call, []
+
+    def call(x, *args, **kwargs):
+        seen.append(keras.ops.convert_to_numpy(x[0][0] if isinstance(x, (tuple, list)) else x))
+        return own(x, *args, **kwargs)
+
+    inputs = {"token_ids": tokens, "padding_mask": (tokens != 0).astype("int32")}
+    if "position_ids" in [t.name for t in backbone.inputs]:  # Gemma 4
+        inputs["position_ids"] = np.broadcast_to(np.arange(tokens.shape[1], dtype="int32"), tokens.shape)
+    block.call = call
+    try:
+        lm(inputs, training=training)
+    finally:
+        block.call = own
+    return seen[0]
+
+
+def transformers_block_inputs(embeddings: np.ndarray, tokens, alpha: float) -> tuple:
+    """The hidden states entering the first decoder layer of a transformers Gemma whose token embeddings are
+    `embeddings`, in eval and then in training with transformers' NEFTune hook (activate_neftune) at `alpha`."""
+    import torch
+    import transformers
+    from transformers.integrations.neftune import activate_neftune
+
+    vocab, width = embeddings.shape
+    config = transformers.GemmaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=8, num_hidden_layers=1,
+                                      num_attention_heads=1, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GemmaModel(config)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.from_numpy(embeddings))
+    activate_neftune(model, alpha)
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda layer, args: seen.append(args[0].detach().numpy().copy()))
+    ids = torch.from_numpy(tokens).long()
+    with torch.no_grad():
+        model.eval()
+        model(input_ids=ids)
+        model.train()
+        model(input_ids=ids)
+    return seen[0], seen[1]
+
+
+def test_neftune_noise_is_transformers_size_where_it_enters_the_first_block():
+    """On rows without padding (transformers divides by the padded length, we by each row's real tokens), the noise
+    on the hidden states entering the first block has the standard deviation of transformers' hook's on the same
+    embeddings and alpha: alpha / sqrt(3 L d), before and after Gemma's sqrt(d) scale alike."""
+    from conftest import float32_policy
+
+    alpha = 5.0
+    with float32_policy():
+        lm, _ = build()
+        tokens = np.random.default_rng(0).integers(1, 811, size=(16, 32)).astype("int32")
+        clean = first_block_inputs(lm, tokens, training=False)
+        builder.add_embedding_noise(lm, alpha=alpha, seed=0)
+        noisy = first_block_inputs(lm, tokens, training=True)
+        embeddings = keras.ops.convert_to_numpy(lm.backbone.token_embedding.embeddings)
+    their_clean, their_noisy = transformers_block_inputs(embeddings, tokens, alpha)
+    np.testing.assert_allclose(clean, their_clean, rtol=1e-5, atol=1e-5)  # the same embeddings, scaled alike
+    ours, theirs = (noisy - clean).std(), (their_noisy - their_clean).std()
+    expected = alpha / np.sqrt(3 * tokens.shape[1] * embeddings.shape[1])  # a uniform's std: its half-width / sqrt 3
+    assert theirs == pytest.approx(expected, rel=0.02)  # 65536 draws: the std's sampling error is about 0.3%
+    assert ours == pytest.approx(theirs, rel=0.02), f"finetune's noise std {ours:.3g}, transformers' {theirs:.3g}"
+
+
 def test_neftune_adds_bounded_noise_to_real_tokens_while_training_only():
     from conftest import float32_policy
 
     with float32_policy():
-        lm, preprocessor = build()
-        embedding = lm.backbone.token_embedding
+        lm, _ = build()
         tokens = np.array([[2, 50, 61, 72, 0, 0], [2, 50, 61, 72, 83, 94]], dtype="int32")
-        clean = keras.ops.convert_to_numpy(embedding(tokens))
+        clean = first_block_inputs(lm, tokens, training=False)
         builder.add_embedding_noise(lm, alpha=5.0, seed=0)
-        noisy = keras.ops.convert_to_numpy(embedding(tokens, training=True))
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(embedding(tokens)), clean)  # eval: none
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(embedding(tokens, training=False)), clean)
+        noisy = first_block_inputs(lm, tokens, training=True)
+        np.testing.assert_array_equal(first_block_inputs(lm, tokens, training=False), clean)  # eval: none
     noise, width = noisy - clean, clean.shape[-1]
     assert not np.any(noise[0, 4:])  # padding takes none
     for row, real in ((0, 4), (1, 6)):
@@ -275,3 +393,20 @@ def test_neftune_adds_bounded_noise_to_real_tokens_while_training_only():
         assert np.abs(noise[row, :real]).max() <= bound * (1 + 1e-5)
         assert np.abs(noise[row, :real]).max() > 0.9 * bound  # uniform over the whole interval
         assert abs(noise[row, :real].mean()) < 0.1 * bound
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gemma4", "tiny-gemma3n"])
+def test_neftune_noise_entering_the_first_block_is_the_same_size_in_every_family(preset):
+    """alpha / sqrt(3 L d), transformers' size: keras-hub scales the embeddings by sqrt(d) after token_embedding in
+    Gemma 3 and 4, and inside embed_tokens in Gemma 3n, as transformers does in all of them."""
+    from conftest import float32_policy
+
+    with float32_policy():
+        backend.set_seed(0)
+        lm, _ = builder.build(presets.Source("tiny", preset, presets.TINY[preset].family), seq_len=32)
+        tokens = np.random.default_rng(0).integers(1, 100, size=(8, 32)).astype("int32")
+        clean = first_block_inputs(lm, tokens, training=False)
+        builder.add_embedding_noise(lm, alpha=5.0, seed=0)
+        noise = first_block_inputs(lm, tokens, training=True) - clean
+    expected = 5.0 / np.sqrt(3 * tokens.shape[1] * noise.shape[-1])  # 8192 draws: the std's error is about 0.7%
+    assert noise.std() == pytest.approx(expected, rel=0.04)

@@ -514,13 +514,22 @@ def _column_norm(layer, with_update: bool):
 
 
 def add_embedding_noise(lm, alpha: float, seed: int = 0) -> None:
-    """NEFTune: uniform noise on the token embeddings while training, in [-1, 1] times alpha / sqrt(L d), L a
-    row's non-padding tokens and d the width, as the NEFTune authors' code scales it per example; padding
-    positions get none. transformers' neftune_post_forward_hook divides by the padded length instead. The noise
-    goes on the embedding layer's output, before keras-hub's Gemma multiplies it by sqrt(d), where
-    transformers' Gemma hook puts it too. Eval and generation see none."""
+    """NEFTune: uniform noise in [-1, 1] times alpha / sqrt(L d) on the embeddings entering the first decoder
+    block while training, L a row's non-padding tokens and d the width, as the NEFTune authors' code scales it per
+    example; padding positions get none. Eval and generation see none.
+
+    transformers' neftune_post_forward_hook adds its noise to the embedding layer's output, and transformers'
+    Gemma embedding layers multiply by sqrt(d) inside, so it enters the first block at that size (divided by the
+    padded length, where we take L). keras-hub's Gemma, Gemma 3 and 4 multiply by sqrt(d) after token_embedding,
+    so the noise is drawn sqrt(d) smaller there: added at full size it entered the block sqrt(d) times
+    transformers' (11x on the tiny preset, 45x on gemma-2b). Gemma 3n's embed_tokens scales inside, as
+    transformers' does.
+    """
     backbone = lm.backbone
-    layer = backbone.language_model.embed_tokens if hasattr(backbone, "language_model") else backbone.token_embedding
+    if hasattr(backbone, "language_model"):  # Gemma 3n
+        layer, scaled_after = backbone.language_model.embed_tokens, False
+    else:
+        layer, scaled_after = backbone.token_embedding, True
     own = layer.call
     with keras_compat.adding_variables(layer):
         layer.neftune_seed = keras.random.SeedGenerator(seed)
@@ -531,7 +540,10 @@ def add_embedding_noise(lm, alpha: float, seed: int = 0) -> None:
             return x
         real = ops.cast(ops.not_equal(inputs, 0), x.dtype)[..., None]  # batching pads rows with id 0 (<pad>)
         tokens = ops.maximum(ops.sum(real, axis=-2, keepdims=True), 1)
-        size = ops.cast(alpha, x.dtype) / ops.sqrt(tokens * ops.cast(ops.shape(x)[-1], x.dtype))
+        width = ops.cast(ops.shape(x)[-1], x.dtype)
+        size = ops.cast(alpha, x.dtype) / ops.sqrt(tokens * width)
+        if scaled_after:
+            size = size / ops.sqrt(width)
         noise = keras.random.uniform(ops.shape(x), -1.0, 1.0, dtype=x.dtype, seed=layer.neftune_seed)
         return ops.add(x, noise * size * real)
 
@@ -631,7 +643,7 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
     accumulation once it knows its steps (train_with).
 
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
-    plus_ratio: float. LoRA+: the B factors learn at this many times the learning rate of the rest.
+    plus_ratio: float. LoRA+: the B factors and DoRA's magnitudes learn at this many times the A factors' rate.
     objective_: the method's objective (Optimizer.objective), whose view trains; None: SFT's response tokens.
     """
     view = (objective_ or objective.ResponseTokens()).view(lm, chunk_for(lm), shards)

@@ -43,7 +43,8 @@ class Controls:
         grad_accum: int. Micro-batches per optimizer step.
         max_grad_norm: float or None. Clip the gradients' global norm to this; None does not clip.
         min_lr_ratio: float. cosine_with_min_lr's floor, a fraction of the peak.
-        plus_ratio: float or None. LoRA+: the B factors learn at this many times the learning rate of the rest.
+        plus_ratio: float or None. LoRA+: the B factors and DoRA's magnitudes learn at this many times the learning
+            rate of the A factors (steps_fast_under_lora_plus).
     """
 
     learning_rate: float
@@ -191,8 +192,15 @@ def adamw(controls: Controls) -> Clipping:
     # DoRA's magnitudes are per-output scales, kept from decay like the norms' (decay would shrink each output).
     optimizer.exclude_from_weight_decay(var_names=["bias", "scale", "lora_magnitude"])
     if controls.plus_ratio is not None:
-        keras_compat.learning_rate_ratio(optimizer, lambda v: v.path.endswith("lora_kernel_b"), controls.plus_ratio)
+        keras_compat.learning_rate_ratio(optimizer, steps_fast_under_lora_plus, controls.plus_ratio)
     return optimizer
+
+
+def steps_fast_under_lora_plus(variable) -> bool:
+    """Whether LoRA+ steps `variable` at the plus ratio times the learning rate, as PEFT's create_loraplus_optimizer
+    sorts parameters: its fast group holds the B factors and every vector, DoRA's magnitudes among them. Its third
+    group, LoRA factors of an embedding at their own rate, has nothing here: LoRA adapts no embedding (builder)."""
+    return variable.path.endswith(("lora_kernel_b", "lora_magnitude"))
 
 
 def step_record(optimizer, step: int) -> dict:
