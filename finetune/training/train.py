@@ -38,7 +38,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
     """
     phase = loop.Phases()
     job = _join(cfg, resume)
-    tracking.check_installed(cfg.output.report_to)
+    tracking.check(cfg.output.report_to)
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
