@@ -14,11 +14,17 @@ import math
 
 from finetune.data import images
 from finetune.platform.errors import UserError
+from finetune.training import loop
 
 
 def metrics(scorer, batches) -> dict:
-    """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`."""
-    logs = scorer.evaluate(batches, verbose=0, return_dict=True)
+    """Per-token loss, perplexity and accuracy over the weighted tokens of `batches`; a run's stop is taken after
+    any batch (loop.StopSignals)."""
+    import keras
+
+    stop = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: loop.check_stop())
+    with loop.StopSignals.deferred():
+        logs = scorer.evaluate(batches, verbose=0, return_dict=True, callbacks=[stop])
     # Keras names each output's metric after the output: loss_token_loss, correct_token_accuracy.
     loss = float(next(v for k, v in logs.items() if k.endswith("token_loss")))
     accuracy = float(next(v for k, v in logs.items() if k.endswith("token_accuracy")))
@@ -48,7 +54,9 @@ def pair_outputs(view, batches):
     # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
     eager = keras.config.backend() == "tensorflow"
     for pairs, (x, _, _) in batches:
-        values = view(x, training=False) if eager else view.predict_on_batch(x)
+        loop.check_stop()  # a run's stop (loop.StopSignals), between two batches
+        with loop.StopSignals.deferred():
+            values = view(x, training=False) if eager else view.predict_on_batch(x)
         yield pairs, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(pairs)]
 
 
@@ -106,8 +114,9 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     replicas = distribution.data_replicas()
     extra = -len(texts) % replicas
     padded = {k: v + [v[-1]] * extra for k, v in prompts.items()} if pictured else texts + [texts[-1]] * extra
-    with preprocessor_attached(lm, preprocessor):
+    with preprocessor_attached(lm, preprocessor), loop.StopSignals.deferred():
         outputs = lm.generate(padded, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
+    loop.check_stop()  # a run's stop (loop.StopSignals) that came while generating
     if isinstance(outputs, str):
         outputs = [outputs]
     outputs = outputs[: len(texts)]

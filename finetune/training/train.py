@@ -35,7 +35,15 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     resume: bool. Continue from the newest valid checkpoint in cfg.output.dir;
         without one, start there afresh.
+
+    SIGTERM and Ctrl-C stop it at any moment (loop.StopSignals): at once with nothing written before training, after
+    the step under way with a checkpoint from the claimed run directory on, at once while the results are written.
     """
+    with loop.StopSignals():
+        return _run(cfg, resume)
+
+
+def _run(cfg: Config, resume: bool) -> dict:
     phase = loop.Phases()
     job = _join(cfg, resume)
     tracking.check(cfg.output.report_to)
@@ -59,7 +67,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
     start = _start(session, data.fingerprints, target)
 
-    # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
+    # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes. From here on,
+    # SIGTERM and Ctrl-C stop the run after a training step, with a checkpoint; until here they stopped it at once.
+    loop.stop_after_steps()
     with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
         steps = _train(session, claim, start, stack)
 
