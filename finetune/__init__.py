@@ -51,7 +51,8 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     cfg: Config, or a nested dict of settings as in a recipe.
     resume: bool. Continue the run in cfg.output.dir from its newest checkpoint
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
-        limit stops training early, after saving a checkpoint.
+        limit stops training early, after saving a checkpoint; SIGTERM or Ctrl-C
+        before training stops the run with nothing written.
     """
     with _in_python_words(_argument("resume", "--resume", bool), with_settings=True):
         return run_as_command(cfg, resume)

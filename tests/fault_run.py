@@ -2,10 +2,13 @@
 
 Used by conftest.run_with_fault in a subprocess: FAULT names a signal (SIGKILL, SIGTERM,
 SIGINT) that the process sends itself at FAULT_STEP: a step number, right after the
-checkpoint of that step is saved; or `publish:NAME`, while the results are published,
+checkpoint of that step is saved; `publish:NAME`, while the results are published,
 right after result NAME (adapter.lora.h5, metrics.json, ...) is written under its
-temporary name and before it is renamed into place. FAULT_MARK, if set, is a file
-that receives the time of sending.
+temporary name and before it is renamed into place; or `finalizer:evaluate`, as the
+held-out records are evaluated before training, from inside a finalizer (a `__del__`),
+where Python drops whatever the signal's handler raises: what a garbage collection in
+keras' evaluate() on JAX did to a Ctrl-C. FAULT_MARK, if set, is a file that receives
+the time of sending.
 """
 
 import os
@@ -13,7 +16,7 @@ import signal
 import time
 
 from finetune import cli
-from finetune.training import checkpoint, outputs
+from finetune.training import checkpoint, outputs, scoring
 
 fault = getattr(signal, os.environ["FAULT"])
 at = os.environ["FAULT_STEP"]
@@ -38,6 +41,23 @@ if at.startswith("publish:"):
         return write_atomic(path, written)
 
     outputs.write_atomic = write_then_signal
+elif at == "finalizer:evaluate":
+    metrics, sent = scoring.HeldOut.metrics, []
+
+    class Finalized:
+        def __del__(self):
+            send()
+            for _ in range(1000):  # bytecodes after the signal: its handler runs among them, in this finalizer
+                pass
+
+    def metrics_after_a_finalizer(self):
+        if not sent:
+            sent.append(Finalized())
+            sent.clear()  # the object's last reference: CPython finalizes it here
+            sent.append(True)
+        return metrics(self)
+
+    scoring.HeldOut.metrics = metrics_after_a_finalizer
 else:
     at_step, save = int(at), checkpoint.save
 

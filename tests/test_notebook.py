@@ -34,10 +34,11 @@ CELLS = [
     # Keras is loaded with JAX now: another backend is refused with a message, not a traceback.
     ("finetune.run(finetune.load_config('tiny', {**settings, 'backend': 'torch', 'output.dir': 'other'}))",
      ["raises-exception"]),
-    # The stop button: SIGINT to the kernel process, once training has begun (the loop's handler is in place).
+    # The stop button: SIGINT to the kernel process, once training has begun (the run's signals stop after a step).
     ("import os, signal, threading, time\n"
+     "from finetune.training import loop\n"
      "def stop_button():\n"
-     "    while 'StopSignals' not in getattr(signal.getsignal(signal.SIGINT), '__qualname__', ''):\n"
+     "    while loop.StopSignals.active is None or loop.StopSignals.active.at_once is not None:\n"
      "        time.sleep(0.005)\n"
      "    time.sleep(0.2)\n"
      "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -1,11 +1,19 @@
 """--report-to: MLflow and Weights & Biases runs, each read back from its local store; a missing extra is refused."""
 
+import contextlib
 import csv
 import glob
 import importlib.util
 import json
+import os
+import signal
+import socket
 import struct
+import subprocess
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import SHORT, invoke, run_with_fault, tensorboard_scalars, train
@@ -46,6 +54,114 @@ def test_mlflow_logs_params_steps_final_metrics_and_the_adapter(tmp_path, monkey
     assert {m.step: m.value for m in logged} == pytest.approx(rates, rel=1e-6)
     board = tensorboard_scalars(out / "tensorboard" / "train")
     assert board["learning_rate"] == pytest.approx(rates, rel=1e-6) and set(board["grad_norm"]) == set(rates)
+
+
+def finetune_process(cwd: Path, *flags: str, env: dict) -> subprocess.CompletedProcess:
+    """`finetune gemma` (SHORT) into cwd/run, in a fresh process as a shell starts it, with `env` added to this one's."""
+    command = Path(sys.executable).with_name("finetune")
+    args = [str(command), "gemma", *SHORT, *flags, "--output", "run"]
+    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env={**os.environ, **env}, timeout=300)
+
+
+def check_mlflow_run(client, out: Path) -> None:
+    """The MLflow run of the finished run in `out`, as `client` reads it: its steps, final metrics and adapter."""
+    (run,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == metrics(out)["run_id"]
+    assert run.data.params["lora.rank"] == "4"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss")) == list(range(1, 9))
+    assert run.data.metrics["final.eval_loss"] == pytest.approx(metrics(out)["eval_loss"])
+    assert "adapter.lora.h5" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert not (out / "mlruns").exists()  # the user's store, not the run directory's
+
+
+def test_mlflow_logs_into_a_sqlite_store(tmp_path):
+    """MLflow 3's recommended local store: mlflow-skinny reaches it through SQLAlchemy and alembic (the extra)."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = finetune_process(tmp_path, "--report-to", "mlflow", env={"MLFLOW_TRACKING_URI": uri})
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_mlflow_run(MlflowClient(tracking_uri=uri), tmp_path / "run")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """The address of an `mlflow server` on 127.0.0.1 (sqlite behind it, artifacts in tmp_path), ended after.
+
+    It needs the full mlflow (Flask and the rest that mlflow-skinny leaves out): this Python's, or the `mlflow` command
+    FINETUNE_TEST_MLFLOW names (one installed apart, as `pip install mlflow` in a venv of its own); skipped without."""
+    command = os.environ.get("FINETUNE_TEST_MLFLOW") or f"{sys.executable} -m mlflow"
+    port = free_port()
+    args = [*command.split(), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination", str(tmp_path / "server-artifacts")]  # fmt: skip
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    address = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            if server.poll() is not None:
+                pytest.skip(f"mlflow server does not start here: {(tmp_path / 'server.log').read_text()[-300:]}")
+            try:
+                with urllib.request.urlopen(f"{address}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail(f"mlflow server did not answer in 2 minutes: {(tmp_path / 'server.log').read_text()[-1000:]}")
+        yield address
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone when the server could not start
+            os.killpg(server.pid, signal.SIGTERM)  # the server, its uvicorn and its job workers: the group it leads
+        server.wait(timeout=60)
+        log.close()
+
+
+def test_mlflow_logs_to_a_tracking_server(tmp_path, mlflow_server):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    done = finetune_process(tmp_path, "--report-to", "mlflow", env={"MLFLOW_TRACKING_URI": mlflow_server})
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_mlflow_run(MlflowClient(tracking_uri=mlflow_server), tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "store, fix",
+    [
+        ("file:{tmp}/store", "MLFLOW_ALLOW_FILE_STORE=true"),  # MLflow 3 refuses its file store unless opted in
+        ("http://127.0.0.1:{port}", "start the tracking server"),  # nobody answers
+        ("nonsense://store", "MLFLOW_TRACKING_URI takes sqlite:///"),
+    ],
+)
+def test_a_store_mlflow_refuses_is_refused_before_anything_is_written(tmp_path, monkeypatch, store, fix):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # an in-process run sets it for its own mlruns/
+    uri = store.format(tmp=tmp_path, port=free_port())
+    env = {"MLFLOW_TRACKING_URI": uri}
+    started = time.monotonic()
+    done = finetune_process(tmp_path, "--report-to", "mlflow", env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert fix in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "unset MLFLOW_TRACKING_URI" in done.stderr and "loading" not in done.stdout  # before the model
+    assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()
+    assert time.monotonic() - started < 120
+
+
+def test_a_password_in_the_store_address_is_never_shown(tmp_path):
+    pytest.importorskip("mlflow")
+    secret = "s3cret-pass"
+    env = {"MLFLOW_TRACKING_URI": f"http://user:{secret}@127.0.0.1:{free_port()}"}
+    done = finetune_process(tmp_path, "--report-to", "mlflow", env=env)
+    assert done.returncode == 2 and secret not in done.stdout + done.stderr and "user:***@" in done.stderr
 
 
 def test_a_resumed_run_carries_on_its_mlflow_and_wandb_runs(tmp_path, monkeypatch):

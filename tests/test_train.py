@@ -359,15 +359,16 @@ def test_a_gzipped_jsonl_trains_and_evaluates(tmp_path):
 
 
 def test_run_reads_top_to_bottom_on_few_names_and_never_rebinds_its_config():
-    """train.run is the spine: resolve, build, prepare, train, publish. The settings are decided once (resolve.py),
-    so the user's config is never rebound, and each stage hands the next one value, not a dozen."""
+    """train.run is the spine (train._run, inside the run's signal handler): resolve, build, prepare, train,
+    publish. The settings are decided once (resolve.py), so the user's config is never rebound, and each stage hands
+    the next one value, not a dozen."""
     import ast
     import inspect
 
     from finetune.training import train as train_module
 
-    tree = ast.parse(inspect.getsource(train_module.run))
-    names = set(train_module.run.__code__.co_varnames)
+    tree = ast.parse(inspect.getsource(train_module._run))
+    names = set(train_module._run.__code__.co_varnames)
     assert len(names) <= 15, sorted(names)
     rebound = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "cfg" and isinstance(n.ctx, ast.Store)]
     assert not rebound

@@ -16,7 +16,8 @@ class UserError(_Message):
 
 
 class RunStopped(_Message):
-    """Training stopped early on request, with a checkpoint saved to resume from.
+    """A run stopped on request: once training has begun, with a checkpoint saved to resume from; before it, with
+    nothing written (training/loop.py StopSignals).
 
     exit_code: int. 130 for Ctrl-C, 143 for SIGTERM (128 + the signal), 75
         (EX_TEMPFAIL: try again later) for the time limit.

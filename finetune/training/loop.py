@@ -14,6 +14,7 @@ signals, the time limit, progress lines) is small and lives here too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -105,35 +106,160 @@ class Evaluation:
         )
 
 
-class StopSignals:
-    """SIGTERM or Ctrl-C during training asks the loop to stop after the current step, with a checkpoint.
+def _stopped_before_training(name: str) -> str:
+    return f"{name}: stopped before training; nothing was written, so rerunning the same command starts it again"
 
-    A second Ctrl-C raises KeyboardInterrupt at once. Signal handlers can only be
-    set from the main thread; elsewhere the defaults stay.
+
+class StopSignals:
+    """SIGTERM and Ctrl-C over a whole run, from loading the model to publishing it: train.run installs one.
+
+    What a signal does depends on where the run is (mode()):
+    - before training (the default: loading, preparing, evaluating, the reference pass, the first samples) it stops
+      the run at once, with nothing written (RunStopped, exit 130 or 143);
+    - from the claimed run directory on, the loop stops after the step under way, with a checkpoint; a second Ctrl-C
+      raises KeyboardInterrupt at once;
+    - while the results are written (outputs.Claim.finishing) it stops at once, the last checkpoint kept, and a
+      second signal is ignored while the first unwinds.
+
+    Python runs a handler between two bytecodes of the main thread, and an exception raised there is lost when those
+    are a finalizer's: a `__del__` that a garbage collection runs prints "Exception ignored in" and drops it. On
+    JAX, keras' evaluate() runs enough of them (regex's Group.__del__ in the trace) that a Ctrl-C while evaluating
+    before training was lost in up to 4 of 6 tries (the tiny preset on a CPU), and the run trained on. So the
+    handler records the signal too, and the run checks the record where it may stop (check_stop): at each phase
+    line (Phases), after each held-out batch (scoring), before the run directory is claimed (train.run) and after
+    each step (Loop).
+
+    Inside keras' evaluation, prediction and generation (deferred()) a first signal is only recorded, and the stop
+    is taken after the batch or generation under way: a compiled call runs to its end whatever is raised, and a
+    KeyboardInterrupt raised inside keras-hub's generate() on JAX left the process to crash as it exited (SIGSEGV
+    in XLA's thread pools as Python finalized: 22 of 40 runs whose Ctrl-C came while generating, 0 of 14 deferred).
+
+    Signal handlers can only be set from the main thread; elsewhere the defaults stay and nothing is recorded.
+
+    Args:
+        at_once: callable(name) -> str or None. What a stop at once says (name: Ctrl-C or SIGTERM); None: the loop
+            stops after its step instead. The default is a stop before training.
+        again: bool. A second signal stops at once again; False ignores it while the first stop unwinds.
     """
 
-    def __init__(self):
+    active: StopSignals | None = None
+    """The installed one, which check_stop() reads: signal handlers are the process's, so is this."""
+
+    def __init__(self, at_once: Callable[[str], str] | None = _stopped_before_training, again: bool = True):
         self.received = None
+        self.at_once = at_once
+        self.again = again
         self._previous = {}
+        self._outer = None
+        self._interrupted = None
+        """What the stop at once the handler raised as a KeyboardInterrupt says: _raise_as_stopped's."""
+        self._deferred = 0
+        """How many deferred() blocks the main thread is in."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def mode(cls, at_once: Callable[[str], str] | None, again: bool = True):
+        """The active StopSignals stopping as `at_once` and `again` say in the block (a new one installed if none
+        is: the loop and the results of a run that train.run did not start). A signal already received and not
+        acted on stops the run on entering a mode that stops at once."""
+        signals = cls.active
+        if signals is None:
+            with cls(at_once, again) as signals:
+                yield signals
+            return
+        before = signals.at_once, signals.again
+        signals.at_once, signals.again = at_once, again
+        try:
+            signals.check()
+            yield signals
+        except KeyboardInterrupt:
+            signals._raise_as_stopped()
+            raise
+        finally:
+            signals.at_once, signals.again = before
+
+    @classmethod
+    @contextlib.contextmanager
+    def deferred(cls):
+        """Around a keras call that compiles or runs compiled code: a first signal is recorded, not raised, and the
+        caller's check_stop() after each batch takes it."""
+        signals = cls.active
+        if signals is None:
+            yield
+            return
+        signals._deferred += 1
+        try:
+            yield
+        finally:
+            signals._deferred -= 1
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._outer, StopSignals.active = StopSignals.active, self
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, trace):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous:
+            StopSignals.active = self._outer
         self._previous = {}
+        if isinstance(error, KeyboardInterrupt):
+            self._raise_as_stopped()
+
+    def stop_after_steps(self) -> None:
+        """From now on a signal stops the run after a training step, with a checkpoint (Loop), not at once; a stop
+        asked for before, whose raise was lost, is taken first."""
+        self.check()
+        self.at_once = None
+
+    def check(self) -> None:
+        """Stop at once if a signal asked to and this mode stops at once: the handler's own raise may have been lost."""
+        if self.received is not None and self.at_once is not None:
+            self._interrupted = None  # the handler's raise, if it made one, was lost: this is its stop
+            raise self._stopped(self.at_once)
+
+    def _stopped(self, said: Callable[[str], str]) -> RunStopped:
+        name, code = ("SIGTERM", 143) if self.received == signal.SIGTERM else ("Ctrl-C", 130)
+        return RunStopped(said(name), code)
+
+    def _raise_as_stopped(self) -> None:
+        """Raise the RunStopped that the KeyboardInterrupt the handler raised at once stands for, if it raised one."""
+        said, self._interrupted = self._interrupted, None
+        if said is not None:
+            raise self._stopped(said) from None
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
+        earlier, self.received = self.received, signum
+        if self.at_once is not None:
+            if self._deferred and earlier is None:
+                return  # check_stop() after the batch under way takes it
+            if earlier is None or self.again:
+                # A KeyboardInterrupt, which mode() and __exit__ make the RunStopped: keras wraps an Exception raised
+                # inside a layer's call in a RuntimeError of its own ("Exception encountered when calling
+                # Softmax.call()", seen on JAX), and any `except Exception` on the way would keep it.
+                self._interrupted = self.at_once
+                raise KeyboardInterrupt
+            return
+        if signum == signal.SIGINT and earlier == signal.SIGINT:
             raise KeyboardInterrupt
-        self.received = signum
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         hint = " (Ctrl-C again to quit at once)" if signum == signal.SIGINT else ""
         print(f"\n{name}: saving a checkpoint after this step, then stopping{hint}", file=sys.stderr, flush=True)
+
+
+def check_stop() -> None:
+    """Stop the run here if a signal asked for a stop at once (StopSignals); nothing outside a run."""
+    if StopSignals.active is not None:
+        StopSignals.active.check()
+
+
+def stop_after_steps() -> None:
+    """From now on a signal stops the run after a training step, with a checkpoint (StopSignals.stop_after_steps)."""
+    if StopSignals.active is not None:
+        StopSignals.active.stop_after_steps()
 
 
 @dataclass(frozen=True)
@@ -224,7 +350,7 @@ class Loop:
 
     def _run(self) -> Progress:
         progress, order = self.progress, self.order
-        with StopSignals() as signals:
+        with StopSignals.mode(None) as signals:
             while progress.step < self.total_steps and not progress.stopped_early:
                 step = progress.step
                 loss, seconds, shapes, applied = self._optimizer_step(step)
@@ -429,6 +555,7 @@ class Phases:
         self.started = time.perf_counter()
 
     def __call__(self, text: str) -> None:
+        check_stop()  # between two phases: a stop the signal handler's raise lost is taken here
         print(f"[{clock(self.seconds())}] {text}", flush=True)
 
     def seconds(self) -> float:

@@ -24,9 +24,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import yaml
 from finetune.methods import registry
 from finetune.platform import documents, platforms, storage
 from finetune.platform.errors import RunStopped, UserError
-from finetune.training import checkpoint
+from finetune.training import checkpoint, loop
 
 ADAPTER = "adapter.lora.h5"
 ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
@@ -429,32 +427,17 @@ class Claim:
             self.release()
 
 
-@contextlib.contextmanager
 def _stopping_at_once(step: int):
-    """SIGTERM and Ctrl-C raise RunStopped where the main thread is; a second signal, while it stops, is ignored.
-    Elsewhere than in the main thread, which alone may set handlers, the defaults stay."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stopping = []
+    """The run's signals (loop.StopSignals) while its results are written: SIGTERM and Ctrl-C raise RunStopped where
+    the main thread is, and a second signal, while the first stops it, is ignored."""
 
-    def stop(signum, frame):
-        if stopping:
-            return
-        stopping.append(signum)
-        name, code = ("SIGTERM", 143) if signum == signal.SIGTERM else ("Ctrl-C", 130)
-        raise RunStopped(
+    def stopped(name: str) -> str:
+        return (
             f"{name}: stopped while writing the results of step {step}, whose checkpoint is kept; rerun the same "
-            "command with --resume to write them (in Python: finetune.run(cfg, resume=True))",
-            code,
+            "command with --resume to write them (in Python: finetune.run(cfg, resume=True))"
         )
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return loop.StopSignals.mode(stopped, again=False)
 
 
 def claim_run(target: Target, overwrite: bool, resume: bool) -> Claim:

@@ -9,6 +9,7 @@ import importlib.util
 
 from finetune.data import images
 from finetune.platform.errors import UserError
+from finetune.training import loop
 
 
 def eval_metrics(before: dict | None, after: dict | None, names=("perplexity", "accuracy")) -> dict:
@@ -53,8 +54,9 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     replicas = distribution.data_replicas()
     extra = -len(texts) % replicas
     padded = {k: v + [v[-1]] * extra for k, v in prompts.items()} if pictured else texts + [texts[-1]] * extra
-    with preprocessor_attached(lm, preprocessor):
+    with preprocessor_attached(lm, preprocessor), loop.StopSignals.deferred():
         outputs = lm.generate(padded, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
+    loop.check_stop()  # a run's stop (loop.StopSignals) that came while generating
     if isinstance(outputs, str):
         outputs = [outputs]
     outputs = outputs[: len(texts)]
@@ -130,8 +132,12 @@ class HeldOut:
         self.max_new_tokens = max_new_tokens
 
     def metrics(self) -> dict:
-        """The held-out metrics (loss, accuracy and the method's own), as the model stands."""
-        return self.score()
+        """The held-out metrics (loss, accuracy and the method's own), as the model stands; a run's stop asked for
+        meanwhile is taken once the compiled evaluation is done (loop.StopSignals)."""
+        with loop.StopSignals.deferred():
+            scores = self.score()
+        loop.check_stop()
+        return scores
 
     def generate(self, when: str, phase=print) -> list[str]:
         """The samples' generations as the model stands; `when` (before, after) names the phase in the log."""

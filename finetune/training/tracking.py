@@ -3,10 +3,11 @@
 Each tracker is a keras Callback told what TensorBoardLog (callbacks.py) is told: each step's loss, each
 evaluation, with the run's step. MLflow and W&B also get the run's settings as params when it starts, and, once
 it is published, its final metrics and the adapter as an artifact. Both are optional extras; a missing one is
-refused before anything is written (check_installed).
+refused before anything is written (check).
 
-MLflow writes to `mlruns/` in the run directory unless MLFLOW_TRACKING_URI names a store; W&B runs offline, into
-`wandb/` in the run directory, unless the user is logged in (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry) or
+MLflow writes to `mlruns/` in the run directory unless MLFLOW_TRACKING_URI names a store (a sqlite:/// file, a
+tracking server, Databricks); a store MLflow refuses is refused before anything is written (check). W&B runs offline,
+into `wandb/` in the run directory, unless the user is logged in (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry) or
 sets WANDB_MODE. No key is ever read out, printed or written by finetune.
 """
 
@@ -16,6 +17,7 @@ import contextlib
 import importlib.util
 import netrc
 import os
+import urllib.parse
 from pathlib import Path
 
 import keras
@@ -28,14 +30,82 @@ EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
 EXPERIMENT = "finetune"
 
 
-def check_installed(report_to: list[str]) -> None:
-    """Refuse a tracker whose package is not installed, before the run writes anything."""
+def check(report_to: list[str]) -> None:
+    """Refuse a tracker that cannot run, before the run writes anything: its package is not installed, or MLflow
+    refuses the store MLFLOW_TRACKING_URI names."""
     for name in report_to:
         if name in EXTRAS and importlib.util.find_spec(EXTRAS[name]) is None:
             raise UserError(
                 f"--report-to {name} needs the {name} package, which is not installed: pip install 'finetune[{name}]'"
                 f", or leave {name} out of --report-to"
             )
+    if "mlflow" in report_to and os.environ.get("MLFLOW_TRACKING_URI"):
+        check_mlflow_store(os.environ["MLFLOW_TRACKING_URI"])
+
+
+# Asked once, without MLflow's retries (7, backing off for minutes): a server that does not answer is refused now.
+QUICK_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+def check_mlflow_store(uri: str) -> None:
+    """Refuse the MLflow store at `uri` where MLflow refuses it (a file store without MLflow 3's opt-in, a database
+    whose packages are missing, a server that does not answer, a scheme MLflow does not know), naming the fix.
+
+    It asks the store for finetune's experiment, as the run will: a sqlite store is created here, a server is asked.
+    """
+    from mlflow import MlflowClient
+
+    saved = {name: os.environ.get(name) for name in QUICK_REQUESTS}
+    os.environ.update(QUICK_REQUESTS)
+    try:
+        MlflowClient(tracking_uri=uri).get_experiment_by_name(EXPERIMENT)
+    except Exception as e:  # noqa: BLE001 - each store raises its own (MlflowException, ImportError, requests')
+        raise UserError(
+            f"--report-to mlflow cannot use MLFLOW_TRACKING_URI={_shown(uri)}: {_shown(_store_fix(uri, e), uri)}, "
+            "or unset MLFLOW_TRACKING_URI to log into the run directory's mlruns/"
+        ) from None
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# The schemes MLFLOW_TRACKING_URI takes (a database's past its driver: postgresql+psycopg2): MLflow's stores.
+DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+STORE_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc", *DATABASES)
+
+
+def _store_fix(uri: str, error: Exception) -> str:
+    """Why MLflow refused the store at `uri`, and what to do about it."""
+    scheme, _, _ = uri.partition(":")
+    scheme = scheme.lower().split("+")[0] if ":" in uri and len(scheme) > 1 else ""  # C:\ is a path
+    if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        return (
+            "MLflow 3 keeps its file store only with MLFLOW_ALLOW_FILE_STORE=true: set it, or use sqlite:///mlflow.db"
+        )
+    said = str(error).strip().split(". ")[0].splitlines()[0][:200] if str(error).strip() else ""
+    reason = f"{type(error).__name__}: {said}" if said else type(error).__name__
+    if scheme in DATABASES and any(importlib.util.find_spec(name) is None for name in ("sqlalchemy", "alembic")):
+        return "MLflow's database stores need sqlalchemy and alembic, which mlflow-skinny leaves out: pip install " \
+               "'finetune[mlflow]'"  # fmt: skip
+    if isinstance(error, ImportError):
+        return f"{reason}; install the {scheme} driver it names"
+    if scheme in ("http", "https"):
+        return f"{reason}; start the tracking server, or fix the address"
+    if scheme in STORE_SCHEMES:
+        return f"{reason}; fix the store it names"
+    return f"{reason}; MLFLOW_TRACKING_URI takes sqlite:///FILE, http(s)://SERVER, databricks or a database's URL"
+
+
+def _shown(text: str, uri: str | None = None) -> str:
+    """`text` with the password a URI may hold (https://user:password@host) left out."""
+    try:
+        password = urllib.parse.urlsplit(uri or text).password
+    except ValueError:  # not a URI urllib can read: no password to find in it either
+        return text
+    return text.replace(password, "***") if password else text
 
 
 def flat(settings: dict, prefix: str = "") -> dict:

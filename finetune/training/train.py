@@ -36,10 +36,18 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     resume: bool. Continue from the newest valid checkpoint in cfg.output.dir;
         without one, start there afresh.
+
+    SIGTERM and Ctrl-C stop it at any moment (loop.StopSignals): at once with nothing written before training, after
+    the step under way with a checkpoint from the claimed run directory on, at once while the results are written.
     """
+    with loop.StopSignals():
+        return _run(cfg, resume)
+
+
+def _run(cfg: Config, resume: bool) -> dict:
     phase = loop.Phases()
     job = _join(cfg, resume)
-    tracking.check_installed(cfg.output.report_to)
+    tracking.check(cfg.output.report_to)
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
@@ -60,7 +68,9 @@ def run(cfg: Config, resume: bool = False) -> dict:
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
     start = _start(session, data.fingerprints, target)
 
-    # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes.
+    # Train with callbacks, in the claimed run directory: checkpoints, and status.json, as it goes. From here on,
+    # SIGTERM and Ctrl-C stop the run after a training step, with a checkpoint; until here they stopped it at once.
+    loop.stop_after_steps()
     with outputs.claim_run(target, cfg.output.overwrite, resume) as claim, contextlib.ExitStack() as stack:
         steps = _train(session, claim, start, stack)
 
@@ -209,8 +219,11 @@ def _reference(session: Session, saved: dict | None) -> dict | None:
     """What the method scores once before training (DPO's reference log-probabilities of every training and
     held-out pair), or reads back from the checkpoint a resumed run continues from; None for most methods."""
     sets = {"train": session.prepared.rows, "held_out": session.prepared.held_out_rows}
-    return session.run.method.reference(session.model.trainer, sets, session.prepared.batch_size, session.order.feed,
-                                        saved, session.phase)  # fmt: skip
+    with loop.StopSignals.deferred():  # a stop asked for meanwhile is taken once the compiled pass is done
+        scored = session.run.method.reference(session.model.trainer, sets, session.prepared.batch_size,
+                                              session.order.feed, saved, session.phase)  # fmt: skip
+    loop.check_stop()
+    return scored
 
 
 def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, stack) -> loop.Loop:
