@@ -97,6 +97,12 @@ class Spec:
     workload: Workload = field(default_factory=Workload)
 
 
+def default_recipes(workload: Workload) -> str:
+    """The recipes benched when none are named: finetune's and the Keras tutorial's, or finetune's alone for a
+    preference method (the tutorial trains SFT)."""
+    return "finetune" if registry.get(workload.method).paired else "finetune,tutorial"
+
+
 def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
     """Everything a user can get wrong, before any process starts."""
     if workload.arch not in ARCHS:
