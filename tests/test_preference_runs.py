@@ -95,7 +95,7 @@ def test_orpo_and_simpo_lower_their_held_out_loss(method, pairs_file, tmp_path):
 def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_reference_again(
     pairs_file, tmp_path, monkeypatch
 ):
-    """SIGKILL right after the step-4 checkpoint; --resume reads the reference log-probabilities the checkpoint
+    """Packed pairs (issue 34). SIGKILL right after the step-4 checkpoint; --resume reads the reference log-probabilities the checkpoint
     kept (scoring them again is made to fail) and ends at the whole run's adapter and losses, bit for bit."""
     flags = ["--method", "dpo", "--data", pairs_file, "--batch-size", "4", "--lr", "1e-2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
@@ -112,6 +112,7 @@ def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_refere
     resumed = invoke("gemma", "--resume", "--output", killed)
     assert resumed.exit_code == 0, resumed.output
     assert "scoring the reference" not in resumed.output
+    assert "packing: 38 pairs in " in resumed.output  # --packing auto: the pairs train packed, and resume exactly
     a, b = (json.loads((run / "metrics.json").read_text()) for run in (whole, killed))
     assert a["eval_loss"] == b["eval_loss"] and a["eval_loss_before"] == b["eval_loss_before"]
     assert a["train_loss"] == b["train_loss"] and a["reward_margin"] == b["reward_margin"]
