@@ -473,10 +473,11 @@ def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: b
 def bench(
     settings: dict,
     backends: Optional[str] = _flag("Comma-separated backends. (default: every installed one)"),
-    recipes: str = typer.Option(
-        "finetune,tutorial",
+    recipes: Optional[str] = typer.Option(
+        None,
         help="finetune (this tool's settings), tutorial (the Keras tutorial's), hf (the peer: transformers + PEFT, "
-        "packed, bf16 base; needs the hf extra). (default: finetune,tutorial)",
+        "packed, bf16 base; needs the hf extra); a preference --method benches finetune alone. "
+        "(default: finetune,tutorial)",
         show_default=False,
     ),
     levers: str = typer.Option(
@@ -490,6 +491,7 @@ def bench(
     """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
     workload = bench_module.Workload(**_typed(bench_module.Workload, settings))
     chosen = _split_list([backends]) if backends else bench_module.installed_backends()
+    recipes = bench_module.default_recipes(workload) if recipes is None else recipes
     bench_module.run(workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path)
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import float32_policy, lora_model
 
 from finetune.config import TrainConfig
-from finetune.data import batching, pair_batches
+from finetune.data import batching, pair_batches, pair_packing
 from finetune.methods import preference, registry
 from finetune.model import builder, objective, pair_view, presets
 
@@ -239,3 +239,57 @@ def test_each_process_feeds_its_shards_of_a_pair_batch():
     weighted = x["loss_weights"] > 0
     assert set(x["loss_sequence"][4:][weighted[4:]]) == {4, 5, 6}  # its rejected rows (the filler's weigh 0)
     assert x["loss_reference"].tolist() == [0, 6, 10, 10, 1, 7, 11, 11]
+
+
+@pytest.mark.parametrize("method", ["dpo", "ipo", "orpo", "simpo"])
+def test_packed_pairs_score_each_pair_as_unpacked(method):
+    """Issue 34: 7 pairs packed into micro-batches of 2 rows of 96, each sequence a segment of its own, give each
+    pair the log-probabilities and loss it has a sequence a row, within 1e-5 in float32 (ORPO's NLL, a mean over a
+    micro-batch's chosen sequences, compared over the same pairs); the filler slots weigh 0."""
+    with float32_policy():
+        lm, _ = lora_model()
+        objective = OBJECTIVES[method]
+        arrays = pair_batches.pad(tiny_pairs(7), 96, objective.whole_chosen)
+        arrays.reference[:] = -3.0 - 1.5 * np.arange(14, dtype=np.float32).reshape(7, 2)
+        view = pair_view.PreferenceView(lm, 8, objective)
+        feed = batching.Feed(length_step=16, inputs=builder.input_names(lm))
+        packed = pair_packing.pack(arrays, 2)
+        assert len(packed.bundles) < 7 and packed.slots >= 2  # several pairs a micro-batch of 2 rows
+        seen = []
+        for bundle in packed.bundles:
+            x, y, weights = pair_packing.inputs(packed, bundle, feed)
+            held = len(bundle.pairs)
+            assert x["token_ids"].shape[0] == 2 and y.shape == weights.shape == (2 * packed.slots, 7)
+            got = keras.ops.convert_to_numpy(view(x))
+            width = pair_batches.target_width(arrays, held)
+            unpacked = keras.ops.convert_to_numpy(view(pair_batches.inputs(arrays, bundle.pairs, width, feed)[0]))
+            np.testing.assert_allclose(got[:held], unpacked[:held], rtol=1e-5, atol=1e-5)
+            assert weights[:, 0].tolist() == [1.0] * held + [0.0] * (2 * packed.slots - held)
+            seen += bundle.pairs.tolist()
+        assert sorted(seen) == list(range(7))
+
+
+def test_packed_order_trains_every_pair_once_an_epoch_and_a_step_is_the_mean_over_its_pairs():
+    """PackedPairOrder: the micro-batches of an epoch hold every pair once; with --grad-accum 2 the last step of an
+    epoch may end on a weight-0 copy; a step's loss (learning rate 0) is the mean of its pairs' unpacked losses."""
+    with float32_policy():
+        lm, _ = lora_model()
+        feed = batching.Feed(inputs=builder.input_names(lm))
+        arrays = pair_batches.pad(tiny_pairs(9), 96)
+        arrays.reference[:] = np.array([[-30.0, -20.0]])
+        packed = pair_packing.pack(arrays, 2)
+        order = pair_packing.PackedPairOrder(packed, 3, feed, grad_accum=2)
+        assert order.steps_per_epoch == -(-len(packed.bundles) // 2)
+        epoch = [order.rows(step) for step in range(order.steps_per_epoch)]
+        assert sorted(np.concatenate(epoch).tolist()) == list(range(9))
+        trainer = pair_view.PreferenceView(lm, 8, objective_of("dpo"))
+        trainer.compile(optimizer=keras.optimizers.SGD(0.0, gradient_accumulation_steps=2),
+                        loss=objective.TokenShare(), weighted_metrics=pair_view.metrics())  # fmt: skip
+        for step in range(order.steps_per_epoch):
+            losses = [float(trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"])
+                      for x, y, w in order.micro_batches(step)]  # fmt: skip
+            pairs = order.rows(step)
+            x = pair_batches.inputs(arrays, pairs, pair_batches.target_width(arrays, len(pairs)), feed)[0]
+            expected = keras.ops.convert_to_numpy(trainer(x))[: len(pairs), 0].mean()
+            assert np.mean(losses) == pytest.approx(expected, rel=1e-5)
+            assert sum(order.metric_weights(step)) == len(pairs)

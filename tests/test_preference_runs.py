@@ -59,6 +59,8 @@ def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
     assert metrics["eval_reward_accuracy_before"] == 0.0  # every reward is 0: no pair is ahead yet
     assert metrics["eval_reward_accuracy"] >= 0.75 and metrics["eval_loss"] < 0.5
     assert stdout.count("scoring the reference") == 1
+    # --packing auto packs the pairs (issue 34): a packed micro-batch of 4 rows holds several pairs
+    assert "packing: 46 pairs in " in stdout and "pairs packed" in stdout, stdout[-3000:]
     header = (out / "history.csv").read_text().splitlines()[0].split(",")
     for name in preference.METRICS:
         assert name in header and metrics[name] is not None, name
@@ -93,7 +95,7 @@ def test_orpo_and_simpo_lower_their_held_out_loss(method, pairs_file, tmp_path):
 def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_reference_again(
     pairs_file, tmp_path, monkeypatch
 ):
-    """SIGKILL right after the step-4 checkpoint; --resume reads the reference log-probabilities the checkpoint
+    """Packed pairs (issue 34). SIGKILL right after the step-4 checkpoint; --resume reads the reference log-probabilities the checkpoint
     kept (scoring them again is made to fail) and ends at the whole run's adapter and losses, bit for bit."""
     flags = ["--method", "dpo", "--data", pairs_file, "--batch-size", "4", "--lr", "1e-2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
@@ -110,6 +112,7 @@ def test_a_killed_dpo_run_resumes_to_the_same_adapter_without_scoring_the_refere
     resumed = invoke("gemma", "--resume", "--output", killed)
     assert resumed.exit_code == 0, resumed.output
     assert "scoring the reference" not in resumed.output
+    assert "packing: 38 pairs in " in resumed.output  # --packing auto: the pairs train packed, and resume exactly
     a, b = (json.loads((run / "metrics.json").read_text()) for run in (whole, killed))
     assert a["eval_loss"] == b["eval_loss"] and a["eval_loss_before"] == b["eval_loss_before"]
     assert a["train_loss"] == b["train_loss"] and a["reward_margin"] == b["reward_margin"]
@@ -129,7 +132,6 @@ def test_a_method_and_data_that_do_not_match_are_refused(pairs_file, tmp_path):
         (["--method", "dpo", "--data", sft], "--method dpo trains on preference pairs"),
         (["--data", pairs_file], "pass --method dpo"),
         (["--method", "orpo", "--label-smoothing", "0.1", "--data", pairs_file], "--label-smoothing is DPO's"),
-        (["--method", "dpo", "--packing", "on", "--data", pairs_file], "--packing on"),
     ]:
         result = invoke("gemma", *FAST, *flags, "--max-steps", "1", "--output", tmp_path / "refused")
         assert result.exit_code == 2 and words in result.output, (flags, result.output)
@@ -178,7 +180,7 @@ def test_bench_trains_dpo_on_the_peer_s_pairs(tmp_path):
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (row,) = json.loads(out.read_text())
-    assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and "dpo, 2 rows a pair" in row["settings"]
+    assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > 0 and "dpo, pairs packed" in row["settings"]
     assert row["loss"] == pytest.approx(math.log(2), abs=0.05)  # two steps from ln 2
     assert "pairs/s" in done.stdout
 
@@ -189,7 +191,7 @@ def test_orpo_trains_through_an_epoch_whose_last_step_has_filler_pairs(tmp_path)
     data = write_jsonl(tmp_path / "pairs.jsonl", learnable_pairs(45))
     out = tmp_path / "run"
     args = [sys.executable, "-m", "finetune", "gemma", *FAST, "--seq-len", "32", "--method", "orpo", "--data",
-            str(data), "--epochs", "1", "--output", str(out)]  # fmt: skip
+            str(data), "--epochs", "1", "--packing", "off", "--output", str(out)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())

@@ -156,3 +156,22 @@ def test_records_in_any_format_resolve(tmp_path):
     cfg.data.template = "auto"
     for found in ("dolly", "alpaca", "chat", "sharegpt", "completion", "text"):
         assert resolve._template(cfg, found, None).why.startswith("auto")
+
+
+def test_pairs_pack_unless_parallel(monkeypatch):
+    """Pairs pack as SFT's examples do (issue 34); under --parallel their packed micro-batches would need a layout
+    per data shard, so auto turns packing off there and says why, and on is refused."""
+    from finetune.methods.preference import DPO
+    from finetune.model import attention
+
+    class LM:
+        backbone = object()
+
+    monkeypatch.setattr(attention, "packs_exactly", lambda backbone: True)
+    packed = resolve.packing(LM(), "auto", DPO)
+    assert packed.value is True and "pairs packed" in packed.why
+    assert resolve.packing(LM(), "on", DPO).value is True
+    off = resolve.packing(LM(), "auto", DPO, parallel="data")
+    assert off.value is False and "--parallel data" in off.why
+    with pytest.raises(UserError, match="--packing on: --method dpo with --parallel data"):
+        resolve.packing(LM(), "on", DPO, parallel="data")

@@ -8,7 +8,8 @@ are. Beside the model inputs and the gathered targets it carries
 `loss_sequence` (each target slot's row) and `loss_reference` (each row's
 reference log-probability), which model/pair_view.py reads.
 
-Rows are not packed: each pair's two sequences keep a row each (docs/preference.md says what packing would save).
+Packed, the pairs' sequences lie end to end instead, R rows a micro-batch (pair_packing.py); held-out scoring and
+DPO's reference pass keep these batches.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ class PairArrays:
         zeros until reference() fills it, and for the methods without one.
     whole_chosen: bool. Every token of the chosen sequences is a target too, prompt and answer (ORPO's NLL, as
         TRL's ORPOTrainer takes it); `loss_answer` then marks the answer's slots.
+    packed: pair_packing.Packed, where the pairs train packed (its micro-batches); None where they train a
+        sequence a row.
     """
 
     chosen: dict
     rejected: dict
     reference: np.ndarray
     whole_chosen: bool = False
+    packed: object = None
 
     def __len__(self) -> int:
         return len(self.chosen["token_ids"])
@@ -50,6 +54,13 @@ def pad(pairs, seq_len: int, whole_chosen: bool = False) -> PairArrays:
     chosen = batching.pad([p.chosen for p in pairs], seq_len)
     rejected = batching.pad([p.rejected for p in pairs], seq_len)
     return PairArrays(chosen, rejected, np.zeros((len(pairs), 2), np.float32), whole_chosen)
+
+
+def subset(arrays: PairArrays, pairs: np.ndarray) -> PairArrays:
+    """The pairs `pairs` (indices) of `arrays`, with their reference log-probabilities."""
+    return PairArrays({key: value[pairs] for key, value in arrays.chosen.items()},
+                      {key: value[pairs] for key, value in arrays.rejected.items()}, arrays.reference[pairs],
+                      arrays.whole_chosen)  # fmt: skip
 
 
 def _targets(arrays: PairArrays, side: str) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from finetune.data import batching, packing, pair_batches, pairs, templates
+from finetune.data import batching, packing, pair_batches, pair_packing, pairs, templates
 from finetune.methods import prepare
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
@@ -38,14 +38,12 @@ class Preference(Method):
     held_out = held_out_history = ("reward_accuracy", "reward_margin")
     examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
+    packs_with_parallel = False  # a packed micro-batch is laid out for one data shard (data/pair_packing.py)
 
     def __init__(self, name: str, title: str, loss, defaults: dict, traits: tuple = ()):
         """traits: of "averaged", "needs_reference" and "whole_chosen", the ones this method has (each above)."""
         self.name, self.title, self.loss, self.defaults = name, title, loss, defaults
         self.averaged, self.needs_reference, self.whole_chosen = (t in traits for t in TRAITS)
-
-    def unpacked_why(self) -> str | None:
-        return f"--method {self.name}: each pair's two answers keep a row each (pairs are not packed yet)"
 
     def objective(self, train):
         from finetune.model import pair_view  # keras: imported once the backend is chosen
@@ -60,8 +58,8 @@ class Preference(Method):
     # === Prepare ===
 
     def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
-        """records -> template -> a chosen and a rejected Example each -> split -> pairs padded a side to a row.
-        The batch size counts pairs."""
+        """records -> template -> a chosen and a rejected Example each -> split -> pairs padded a side to a row, and
+        packed where `packed` (pair_packing.py). The batch size counts pairs, or rows where packed."""
         refuse_pictures(records, self, every_record_of or cfg.data.path)
         seq_len = cfg.model.seq_len
         template = templates.get(cfg.data.template)
@@ -69,28 +67,50 @@ class Preference(Method):
         prepare.check_seq_len(tokenizer, template, seq_len)
         usable = pair_examples(records, template, tokenizer, seq_len, every_record_of or cfg.data.path)
         batch_size, why = cfg.train.batch_size, None
-        if batch_size == "auto":  # trial steps on the first pairs, 2B rows each, as SFT probes its rows
-            trial = self.pad([p for _, p in usable[:64]], seq_len)
-
-            def batch_of(size, names):
-                feed = batching.Feed(inputs=names)
-                return pair_batches.inputs(trial, np.arange(size), pair_batches.target_width(trial, size), feed)
-
-            # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
-            batch_size, why = probe(batch_of, len(usable) // cfg.train.grad_accum)
-            print(f"batch size auto: {batch_size} pairs ({why})")
+        if batch_size == "auto":
+            batch_size, why = self._probe(usable, seq_len, bool(packed), probe, cfg.train.grad_accum)
         train, held_out = prepare.split(usable, cfg, every_record_of)
         held_out_rows = self.pad([p for _, p in held_out], seq_len)
-        prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=False)
+        prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=bool(packed))
         prepared.batch_size_why = why
         if packed is not None:
-            if len(train) < batch_size:
-                raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
-                                "--batch-size or add pairs")  # fmt: skip
             prepared.rows = self.pad([p for _, p in train], seq_len)
             share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
             prepared.padding = {"padding_fraction": share, "unpacked": share}
+            if packed:
+                prepared.rows.packed = _packed(prepared.rows, batch_size, seq_len)
+                prepared.padding["padding_fraction"] = prepared.rows.packed.padding_fraction()
+                print(f"packing: {len(train)} pairs in {len(prepared.rows.packed.bundles)} micro-batches of "
+                      f"{batch_size} rows of {seq_len} tokens (--batch-size counts rows), each sequence a segment; "
+                      f"padding {share:.0%} -> {prepared.padding['padding_fraction']:.0%}")  # fmt: skip
+            elif len(train) < batch_size:
+                raise UserError(f"{len(train)} training pairs are fewer than one batch of {batch_size}; lower "
+                                "--batch-size or add pairs")  # fmt: skip
         return prepared
+
+    def _probe(self, usable, seq_len: int, packed: bool, probe, grad_accum: int) -> tuple[int, str]:
+        """--batch-size auto: trial steps on the first pairs, as SFT probes its rows: batches of 2B rows, or
+        packed micro-batches of B rows (the first, of the longest pairs)."""
+        trial = self.pad([p for _, p in usable[:64]], seq_len)
+
+        def batch_of(size, names):
+            feed = batching.Feed(inputs=names)
+            fits = pair_packing.sequence_lengths(trial).sum(1) <= size * seq_len  # a pair in one micro-batch
+            if packed and fits.any():
+                laid = pair_packing.pack(pair_batches.subset(trial, np.flatnonzero(fits)), size)
+                return pair_packing.inputs(laid, laid.bundles[0], feed)
+            return pair_batches.inputs(trial, np.arange(size), pair_batches.target_width(trial, size), feed)
+
+        if packed:  # the rows all the pairs' sequences fill, packed
+            every = self.pad([p for _, p in usable], seq_len)
+            lengths = pair_packing.sequence_lengths(every).ravel().tolist()
+            entries = len(packing.best_fit_decreasing(lengths, seq_len))
+        else:
+            entries = len(usable)
+        # With --grad-accum K a step takes K micro-batches: the probe sizes one, for steps enough of K.
+        batch_size, why = probe(batch_of, entries // grad_accum)
+        print(f"batch size auto: {batch_size} {'rows' if packed else 'pairs'} ({why})")
+        return batch_size, why
 
     def evaluated_on(self, prepared, records, preprocessor, cfg):
         refuse_pictures(records, self, cfg.eval.data)
@@ -105,6 +125,8 @@ class Preference(Method):
         return pair_batches.pad(pairs, seq_len, self.whole_chosen)
 
     def order(self, prepared, cfg, feed):
+        if prepared.packed:
+            return pair_packing.PackedPairOrder(prepared.rows.packed, cfg.train.seed, feed, cfg.train.grad_accum)
         return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
 
     # === Score ===
@@ -154,6 +176,16 @@ class Preference(Method):
         )
         return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
                 f"SFT batch's{reference}")  # fmt: skip
+
+
+def _packed(arrays, rows: int, seq_len: int):
+    """The training pairs packed into micro-batches of `rows` rows; refuses a pair one micro-batch cannot hold."""
+    lengths = pair_packing.sequence_lengths(arrays)
+    if rows == 1 and int(lengths.sum(1).max()) > seq_len:
+        raise UserError(f"a pair of {int(lengths.sum(1).max())} tokens does not fit one row of --seq-len {seq_len}, "
+                        "and packed pairs keep both sequences in one micro-batch of --batch-size rows; pass "
+                        "--batch-size 2 or more, or --packing off")  # fmt: skip
+    return pair_packing.pack(arrays, rows)
 
 
 def refuse_pictures(records, method: Method, source: str) -> None:

@@ -7,9 +7,12 @@ tokens. The backbone's hidden states are gathered at those positions and each
 position's loss comes from objective.token_losses, as for SFT, so the
 vocabulary projection costs what the loss needs; its custom gradient takes any
 upstream gradient, so the per-pair loss made of them trains as SFT's does.
-Summed per row (the `loss_sequence` input names each position's row), they
-are each answer's log-probability, log π(y | x); the pair's loss is made of
-those (docs/preference.md, "Losses and defaults").
+Summed per sequence (the `loss_sequence` input names each position's
+sequence: its row, or, packed, its segment: data/pair_packing.py), they are
+each answer's log-probability, log π(y | x); the pair's loss is made of those
+(docs/preference.md, "Losses and defaults"). The sequences are counted by
+`loss_reference`, one per sequence, not by the rows: a packed micro-batch of R
+rows holds 2S sequences, and its labels and sample weights have 2S rows.
 
 call() returns, for each pair i, in row i (rows B..2B-1 hold zeros):
 COLUMNS = loss, rewards_chosen, rewards_rejected, reward_accuracy,
@@ -137,7 +140,7 @@ class PreferenceView(objective.TrainingView):
         else:  # scoring (the reference pass, held-out pairs): no gradient, so no custom-gradient op, which
             # TensorFlow refuses outside a training step when it reads the embedding variable
             losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
-        rows = inputs["loss_labels"].shape[0]
+        rows = inputs["loss_reference"].shape[0]  # the sequences: 2B, or 2S of a packed micro-batch's R rows
         sequence = ops.reshape(inputs["loss_sequence"], (-1,))
         whole = None
         if self.objective.whole_chosen:
@@ -152,7 +155,7 @@ class PreferenceView(objective.TrainingView):
         return metrics()
 
     def compute_output_spec(self, inputs):
-        return keras.KerasTensor((inputs["loss_labels"].shape[0], len(COLUMNS)), dtype="float32")
+        return keras.KerasTensor((inputs["loss_reference"].shape[0], len(COLUMNS)), dtype="float32")
 
 
 class PairMean(keras.metrics.Metric):

@@ -97,6 +97,12 @@ class Spec:
     workload: Workload = field(default_factory=Workload)
 
 
+def default_recipes(workload: Workload) -> str:
+    """The recipes benched when none are named: finetune's and the Keras tutorial's, or finetune's alone for a
+    preference method (the tutorial trains SFT)."""
+    return "finetune" if registry.get(workload.method).paired else "finetune,tutorial"
+
+
 def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
     """Everything a user can get wrong, before any process starts."""
     if workload.arch not in ARCHS:
@@ -123,9 +129,9 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
     if workload.quantize not in ("", "int4", "int8"):
         raise UserError(f"unknown quantize mode {workload.quantize!r}; choose int4 or int8, or leave it out")
     method = registry.get(workload.method)
-    if method.paired and ([r for r in recipes if r != "finetune"] or "packing" in levers):
+    if method.paired and [r for r in recipes if r != "finetune"]:
         raise UserError(f"--method {workload.method} benches the finetune recipe alone (the tutorial and hf recipes "
-                        "train SFT; pairs are not packed): pass --recipes finetune and no packing lever")  # fmt: skip
+                        "train SFT): pass --recipes finetune")  # fmt: skip
     if not backends or not (recipes or levers):
         raise UserError("nothing to run: give at least one backend and one recipe")
     from finetune.tools import peer
@@ -390,8 +396,9 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
-    if registry.get(spec.workload.method).paired:  # pairs: a row per answer
-        parts[0] = f"{spec.workload.method}, 2 rows a pair"
+    if registry.get(spec.workload.method).paired:  # pairs: packed whole, or a row per answer
+        packed = "pairs packed" if spec.lever != "packing" else "2 rows a pair"
+        parts[0] = f"{spec.workload.method}, {packed}"
     quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
@@ -512,14 +519,16 @@ def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
 
 
 def _train_pairs(spec: Spec, model, method) -> dict:
-    """The steps `finetune gemma --method M` takes: pairs as 2B rows, one train_on_batch per step. DPO's reference
-    is scored before a step, untimed, for that step's pairs only (a run scores every pair once, before training;
-    at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding tokens of both
-    answers' rows, as the peer counts them. Where each batch length compiles a program (JAX), a step at a length
-    not seen before is not timed; elsewhere every step after the warm-up is."""
+    """The steps `finetune gemma --method M` takes: packed micro-batches of --batch-size rows, whole pairs each
+    sequence a segment (data/pair_packing.py), or with the packing lever pairs as 2B rows; one train_on_batch a
+    step. DPO's reference is scored before a step, untimed, for that step's pairs only (a run scores every pair
+    once, before training; at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding
+    tokens of both answers' sequences, as the peer counts them; the padding share is of the positions the timed
+    steps computed. Where each batch length compiles a program (JAX), a step at a length not seen before is not
+    timed; elsewhere every step after the warm-up is."""
     import numpy as np
 
-    from finetune.data import batching, pair_batches
+    from finetune.data import batching, pair_batches, pair_packing
     from finetune.model import builder
     from finetune.platform import backend
 
@@ -529,10 +538,13 @@ def _train_pairs(spec: Spec, model, method) -> dict:
         raise UserError(f"the data makes {len(arrays)} pairs, fewer than one batch of {w.batch_size}")
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
                          inputs=builder.input_names(model.lm))  # fmt: skip
-    order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
+    if spec.lever == "packing":
+        order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
+    else:
+        order = pair_packing.PackedPairOrder(pair_packing.pack(arrays, w.batch_size), 0, feed)
     compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
     scored = np.zeros(len(arrays), bool)
-    losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
+    losses, seconds, tokens, positions, timed, shapes, step, pairs_timed = [], 0.0, 0, 0, 0, set(), 0, 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
         if method.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
             pairs = order.rows(step)
@@ -547,11 +559,12 @@ def _train_pairs(spec: Spec, model, method) -> dict:
             seconds += elapsed
             tokens += order.tokens(step)[0]
             positions += x["token_ids"].size  # the positions computed: each batch is cut to its longest row
+            pairs_timed += len(order.rows(step))
             timed += 1
         shapes.add(x["token_ids"].shape)
         step += 1
     result = _measured(losses, seconds, tokens, positions)
-    result["pairs_per_s"] = round(timed * w.batch_size / seconds, 2)
+    result["pairs_per_s"] = round(pairs_timed / seconds, 2)
     return result
 
 

@@ -337,23 +337,27 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
     return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
 
 
-def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
-    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask, for
-    SFT on text.
+def packing(lm, setting: str, method, pictured: bool = False, parallel: str = "none") -> Decision:
+    """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask, on
+    text: SFT's examples several to a row, a preference method's pairs as data/pair_packing.py lays them.
 
-    method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why), e.g. a
-        preference method's pairs keep a row per answer.
+    method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why), and one
+        whose packed rows are not split over devices says so (Method.packs_with_parallel).
     pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
         so rows of several examples would attend across them; its rows are not packed.
+    parallel: str. --parallel: packed pairs are laid out for one data shard.
     """
     from finetune.model import attention
 
     if setting == "off":
         return Decision(False, "set")
     why = method.unpacked_why()
+    if not why and parallel != "none" and not method.packs_with_parallel:
+        why = f"--method {method.name} with --parallel {parallel}: packed pairs are not split over devices yet"
     if why:
         if setting == "on":
             raise UserError(f"--packing on: {why}; pass --packing auto or off")
+        print(f"note: packing off: {why}")
         return Decision(False, f"auto: {why}")
     sees = getattr(lm.backbone, "vision_encoder", None) is not None  # keras-hub's Gemma 3 backbone names it so
     if pictured or sees:
@@ -364,7 +368,8 @@ def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
         print(f"note: packing off: {why}")
         return Decision(False, f"auto: {why}")
     if attention.packs_exactly(lm.backbone):
-        return Decision(True, "set" if setting == "on" else "auto: the decoder blocks take the per-example mask")
+        why = f"auto: the decoder blocks take the per-example mask ({method.examples} packed)"
+        return Decision(True, "set" if setting == "on" else why)
     why = f"{type(lm.backbone).__name__}'s decoder blocks cannot take the per-example mask (attention.py)"
     if setting == "on":
         raise UserError(f"--packing on: {why}; pass --packing off or auto")
