@@ -74,14 +74,15 @@ def test_grad_accum_equals_the_whole_batch(method, data, plain, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "2", "--grad-accum", "2", "--remat", "off",
                  "--packing", "off")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert losses(tmp_path / "run") == pytest.approx(plain[method], abs=1e-5)
+    # Within 1e-5, or float32's rounding of IPO's squared losses (about 25 at the start).
+    assert losses(tmp_path / "run") == pytest.approx(plain[method], rel=1e-6, abs=1e-5)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_remat_equals_no_remat(method, data, plain, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "4", "--remat", "on", "--packing", "off")
     assert result.exit_code == 0, result.output
-    assert losses(tmp_path / "run") == pytest.approx(plain[method], abs=1e-5)
+    assert losses(tmp_path / "run") == pytest.approx(plain[method], rel=1e-6, abs=1e-5)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -63,7 +63,9 @@ def expected_losses(method, beta, chosen, rejected, reference=(0.0, 0.0), smooth
     c, r = c / nc, r / nr
     if method == "orpo":
         log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
-        nll = -whole[0].sum() / whole[1].sum()  # TRL's: every token of the chosen sequences, a mean over them
+        # TRL's NLL, every token of the batch's chosen sequences, a mean over them: each pair carries its chosen
+        # tokens' share of it, so the pairs' mean loss is TRL's batch loss.
+        nll = -whole[0] * len(whole[0]) / whole[1].sum()
         return nll - beta * log_sigmoid(log_odds)
     return -log_sigmoid(beta * (c - r) - gamma)
 

@@ -83,10 +83,18 @@ def target_width(arrays: PairArrays, pairs_per_batch: int, shards: int = 1) -> i
     return batching.target_width(both, 2 * pairs_per_batch // shards)
 
 
-def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, feed: batching.Feed, real=None):
+def nll_scale(arrays: PairArrays, pairs: np.ndarray) -> float:
+    """ORPO's NLL weight of each chosen token, as a pair's share: `pairs`' count over their chosen sequences' tokens.
+    Summed over a step's pairs at each pair's share (1 / its pairs), a pair's chosen tokens times this make the
+    token mean over the step's chosen sequences, TRL's NLL over one batch, however the step is split."""
+    return len(pairs) / max(float(_targets(arrays, "chosen")[pairs].sum()), 1.0)
+
+
+def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, feed: batching.Feed, real=None, scale=None):
     """(x, labels, sample weights) of the batch of `pairs` (indices): 2B rows, chosen then rejected, this process's
     part of them, fed as `feed` says (its length step, the model's inputs, this process's data shards).
 
+    scale: float. nll_scale of the step's pairs (ORPO); None takes this batch's real pairs'.
     real: bool per pair; False marks a filler (a copy that fills the last batch of an epoch), whose tokens and
         weight are zeroed. The sample weights are (2B, len(COLUMNS)): 1 in column 0 of each real pair's row, the rest 0.
     feed.part: (first, end, n). The data shards of the 2B rows this process feeds. Each shard's
@@ -111,6 +119,8 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, feed: batching.Fee
         marked = batching.inputs({**rows, "labels": (answers > 0).astype(np.int32)}, local, end - first, width, length,
                                  names)[1]  # fmt: skip
         x["loss_answer"] = marked.astype(np.float32)
+        scale = nll_scale(arrays, pairs[real]) if scale is None else scale
+        x["loss_nll_scale"] = np.full(len(local), scale, np.float32)
     per_shard = 2 * len(pairs) // shards
     first_row = (first + np.arange(len(local)) // per_shard) * per_shard  # each slot row's shard, in the batch
     x["loss_sequence"] = (first_row[:, None] + x["loss_positions"] // (length or seq_len)).astype(np.int32)
@@ -153,7 +163,8 @@ class PairOrder:
         out = []
         for micro in range(self.grad_accum):
             group = slice(micro * self.batch_size, (micro + 1) * self.batch_size)
-            x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed, real[group])
+            x, labels, weights = inputs(self.arrays, filled[group], self.width, self.feed, real[group],
+                                        nll_scale(self.arrays, pairs))  # fmt: skip
             out.append((x, labels, weights * share))
         return out
 

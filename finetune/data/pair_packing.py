@@ -125,7 +125,7 @@ def _side_targets(arrays: pair_batches.PairArrays, side: str) -> np.ndarray:
     return pair_batches._targets(arrays, side)
 
 
-def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = True):
+def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = True, scale: float | None = None):
     """(x, labels, sample weights) of one packed micro-batch: `packed.rows` rows of its pairs' sequences.
 
     Beside the model inputs and the gathered targets, as batching.inputs makes them, x carries `loss_sequence`
@@ -164,6 +164,8 @@ def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = Tru
     x["loss_sequence"] = laid["sequence"][:, :cut].reshape(-1)[positions].astype(np.int32)
     if arrays.whole_chosen:  # the answers' slots among every target's
         x["loss_answer"] = (laid["answers"][:, :cut].reshape(-1)[positions] > 0).astype(np.float32)
+        scale = pair_batches.nll_scale(arrays, bundle.pairs) if scale is None else scale  # the step's, in training
+        x["loss_nll_scale"] = np.full(2 * slots, scale, np.float32)
     reference = np.zeros((2, slots), np.float32)
     reference[:, : len(bundle.pairs)] = arrays.reference[bundle.pairs].T
     x["loss_reference"] = reference.reshape(-1)
@@ -208,7 +210,8 @@ class PackedPairOrder:
         out = []
         for micro in range(self.grad_accum):
             real = micro < len(bundles)
-            x, labels, weights = inputs(self.packed, bundles[micro % len(bundles)], self.feed, real)
+            x, labels, weights = inputs(self.packed, bundles[micro % len(bundles)], self.feed, real,
+                                        pair_batches.nll_scale(self.arrays, self.rows(step)))  # fmt: skip
             out.append((x, labels, weights * share))
         return out
 

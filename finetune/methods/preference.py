@@ -272,7 +272,8 @@ def ipo_loss(chosen, rejected, reference, count, objective, nll=None):
 def orpo_loss(chosen, rejected, reference, count, objective, nll=None):
     """ORPO: the chosen sequences' NLL plus lambda times the log odds ratio's loss, of the two answers' average token
     probabilities: log(p / (1 - p)) of each, subtracted. The NLL is TRL's: the mean cross-entropy of every token
-    of the batch's chosen sequences, prompt and answer (Objective.whole_chosen), the same for each pair."""
+    of the step's chosen sequences, prompt and answer (Objective.whole_chosen): each pair carries its chosen tokens'
+    share of it (pair_batches.nll_scale), so the step's mean is TRL's token mean however the step is split."""
     from keras import ops
 
     # A filler pair (count 0) has a mean log-probability of 0: log(1 - 1) is -inf, and its zero weight times the

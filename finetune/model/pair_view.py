@@ -86,12 +86,14 @@ def pair_values(objective_: Objective, logp, count, reference, whole=None):
 
     logp, count, reference: (2B,): each row's summed log-probability, answer tokens, and reference log-probability
     (DPO's; zeros otherwise). Rows 0..B-1 are the chosen answers, B..2B-1 the rejected.
-    whole: (logp, count) of each row's every target, prompt and answer, where the objective is `whole_chosen`.
+    whole: (logp, scale) where the objective is `whole_chosen`: each row's log-probability over its every target,
+        prompt and answer, and each chosen token's NLL weight (pair_batches.nll_scale: the step's pairs over its
+        chosen tokens), so that the pairs' mean is the token mean over the step's chosen sequences.
     """
     half = logp.shape[0] // 2
     nll = None
     if whole is not None:  # every token of the batch's chosen sequences, a mean over them (filler rows have none)
-        nll = -ops.sum(whole[0][:half]) / ops.maximum(ops.sum(whole[1][:half]), 1.0)
+        nll = -whole[0][:half] * whole[1][:half]
     if objective_.averaged:  # a filler row has no tokens: 1 keeps its (unweighted) value finite
         logp = logp / ops.maximum(count, 1.0)
     loss, rewards = objective_.loss(logp[:half], logp[half:], reference, count, objective_, nll)
@@ -144,7 +146,7 @@ class PreferenceView(objective.TrainingView):
         sequence = ops.reshape(inputs["loss_sequence"], (-1,))
         whole = None
         if self.objective.whole_chosen:
-            whole = sequence_logps(losses, weights, sequence, rows)
+            whole = (sequence_logps(losses, weights, sequence, rows)[0], ops.cast(inputs["loss_nll_scale"], "float32"))
             weights = weights * ops.reshape(ops.cast(inputs["loss_answer"], weights.dtype), (-1,))
         logp, count = sequence_logps(losses, weights, sequence, rows)
         values = pair_values(self.objective, logp, count, ops.cast(inputs["loss_reference"], "float32"), whole)
