@@ -53,7 +53,7 @@ def settings(preset, out, data, **more):
     return {
         "backend": BACKEND, "output.dir": str(out), "model.preset": preset, "model.seq_len": 32,
         "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
-        "train.samples": 0, "data.path": str(data), "data.max_records": 24,
+        "train.samples": 0, "data.path": str(data), "data.max_records": 24, "data.eval_fraction": 0.25,
         "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": TARGETS, **more,
     }  # fmt: skip
 

@@ -4,6 +4,7 @@ adapter."""
 import csv
 import json
 
+import numpy as np
 import pytest
 import yaml
 from conftest import (
@@ -22,6 +23,7 @@ from conftest import (
 from typer.testing import CliRunner
 
 from finetune.cli import app
+from finetune.data import batching
 from finetune.model import builder, presets
 from finetune.platform import backend
 from finetune.training import runs
@@ -213,7 +215,11 @@ def test_the_batch_size_probe_leaves_lora_dropout_s_count_of_training_passes_as_
         lm, _ = lora_model(dropout=0.1)
         trainer = builder.compile(lm, 1e-3, 0.0)
         rows = packed_rows(presets.tiny_tokenizer(), n=24)
-        size, _ = training.auto_batch_size(trainer, rows, 8, device="cpu")  # 8 rows: batch 1 only, timed twice
+
+        def batch_of(size, names):
+            return batching.inputs(rows, np.arange(size), 1, batching.target_width(rows, size), names=names)
+
+        size, _ = training.auto_batch_size(trainer, batch_of, 8, device="cpu")  # 8 rows: batch 1 only, timed twice
     assert size == 1 and counted(lm) == 0
 
 

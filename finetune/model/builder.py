@@ -509,7 +509,10 @@ def _column_norm(layer, with_update: bool):
     weight = ops.cast(layer._kernel, "float32")
     if with_update:
         scale = layer.lora_alpha / layer.lora_rank
-        weight = weight + scale * ops.matmul(layer.lora_kernel_a, layer.lora_kernel_b)
+        # In float32 whatever the policy: under bfloat16 keras autocasts the factors, and TensorFlow refused to add
+        # the bfloat16 product to the float32 kernel (AddV2), so DoRA did not train on TensorFlow in bfloat16.
+        factors = [ops.cast(ops.convert_to_tensor(k), "float32") for k in (layer.lora_kernel_a, layer.lora_kernel_b)]
+        weight = weight + scale * ops.matmul(*factors)
     return ops.sqrt(ops.sum(ops.square(weight), axis=reduced_axes(layer)))
 
 
