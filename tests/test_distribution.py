@@ -398,11 +398,12 @@ def test_dpo_with_data_parallel_scores_and_trains_as_one_device(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in learnable_pairs(40)), encoding="utf-8")
     runs = {}
+    # --packing off on both: pairs pack on one device and not under --parallel, which would train other batches.
     for name, devices, flags in (("one", 1, []), ("data", 2, ["--parallel", "data"])):
         args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", "jax", "--method", "dpo",
                 "--data", str(data), "--max-steps", "3", "--precision", "float32", "--batch-size", "4",
                 "--seq-len", "32", "--lr", "1e-2", "--set", "train.samples=0", "--output", str(tmp_path / name),
-                *flags]  # fmt: skip
+                "--packing", "off", *flags]  # fmt: skip
         runs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=_env(devices))  # fmt: skip
     output = {name: _finish(proc) for name, proc in runs.items()}
