@@ -13,26 +13,16 @@ split across processes (test_distribution.py, SFT only; docs/not-yet.md).
 
 import csv
 import math
-import random
 
 import pytest
 from conftest import BACKEND, invoke, make_records, write_jsonl
+from test_preference_runs import learnable_pairs
 
 from finetune.methods import registry
 
 pytestmark = pytest.mark.backend_neutral  # the features' backend parts: the tests named above
 
 METHODS = list(registry.METHODS)
-WORDS = ["apple", "river", "stone", "cloud", "green", "music", "paper", "light", "table", "glass"]
-
-
-def pairs(n: int, seed: int = 0) -> list:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        word, times = rng.choice(WORDS), rng.randint(1, 3)
-        out.append({"prompt": f"Say {word} {times} times.", "chosen": " ".join([word] * times), "rejected": "no"})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +30,7 @@ def data(tmp_path_factory):
     """Each method's records: 21 of them, so that no batch of 4 divides the training share (filler rows)."""
     root = tmp_path_factory.mktemp("matrix")
     sft = write_jsonl(root / "sft.jsonl", make_records(21))
-    paired = write_jsonl(root / "pairs.jsonl", pairs(21))
+    paired = write_jsonl(root / "pairs.jsonl", learnable_pairs(21))
     return {name: sft if not registry.get(name).paired else paired for name in METHODS}
 
 
