@@ -107,7 +107,10 @@ class Method:
 
     def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
         """Whatever the method scores once before training (DPO's reference log-probabilities), into the rows of
-        `sets` (name -> rows); read back from `saved` (a checkpoint's) when a run resumes. None: nothing."""
+        `sets` (name -> rows); read back from `saved` (a checkpoint's) when a run resumes. None: nothing.
+
+        phase: loop.Phases. Says the pass's line, and guards each batch (Phases.guarded: a stop between batches).
+        """
         return None
 
     def evaluate(self, lm, cfg, rows) -> dict:

@@ -147,7 +147,7 @@ class Preference(Method):
             return saved
         phase(f"scoring the reference: {sum(map(len, sets.values()))} pairs under the base, once")
         for arrays in sets.values():
-            reference_logps(trainer, pair_batches.Batches(arrays, batch_size, feed))
+            reference_logps(trainer, pair_batches.Batches(arrays, batch_size, feed), phase.guarded)
         return {name: arrays.reference.tolist() for name, arrays in sets.items()}
 
     def evaluate(self, lm, cfg, rows) -> dict:
@@ -234,13 +234,13 @@ def pair_metrics(view, batches) -> dict:
     return {**means, "accuracy": means["reward_accuracy"]}
 
 
-def reference_logps(view, batches) -> None:
+def reference_logps(view, batches, guard=iter) -> None:
     """DPO's reference pass: each pair's chosen and rejected log-probability under the model as it stands, into
     arrays.reference. Run once, before training, on a fresh adapter (LoRA's B is zero, DoRA's magnitudes the
     weights' norms), so the model scores as the base does; in the run's precision, in inference mode."""
     reference = batches.arrays.reference
     reference[:] = 0.0  # the view subtracts the reference: zeros leave the policy's own log-probabilities
-    for indices, values in pair_outputs(view, batches):
+    for indices, values in pair_outputs(view, guard(batches)):  # guard: a run's stop between batches (Phases)
         reference[indices] = values[:, 5:7]
 
 

@@ -561,6 +561,14 @@ class Phases:
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 
+    def guarded(self, items):
+        """`items`, each consumed inside StopSignals.deferred() and followed by a stop check: a compiled call on
+        one (a batch scored) runs to its end, and a stop asked for meanwhile is taken after it."""
+        for item in items:
+            with StopSignals.deferred():
+                yield item
+            check_stop()
+
 
 def _is_interactive(out) -> bool:
     return bool(getattr(out, "isatty", lambda: False)()) or "ipykernel" in sys.modules

@@ -220,11 +220,9 @@ def _reference(session: Session, saved: dict | None) -> dict | None:
     """What the method scores once before training (DPO's reference log-probabilities of every training and
     held-out pair), or reads back from the checkpoint a resumed run continues from; None for most methods."""
     sets = {"train": session.prepared.rows, "held_out": session.prepared.held_out_rows}
-    with loop.StopSignals.deferred():  # a stop asked for meanwhile is taken once the compiled pass is done
-        scored = session.run.method.reference(session.model.trainer, sets, session.prepared.batch_size,
-                                              session.order.feed, saved, session.phase)  # fmt: skip
-    loop.check_stop()
-    return scored
+    # session.phase.guarded: a stop asked for during the pass is taken after the batch under way.
+    return session.run.method.reference(session.model.trainer, sets, session.prepared.batch_size, session.order.feed,
+                                        saved, session.phase)  # fmt: skip
 
 
 def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, stack) -> loop.Loop:
