@@ -99,7 +99,8 @@ class Method:
     # === Score ===
 
     def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):
-        """callable() -> dict: the held-out metrics (loss, accuracy, and the method's own) as the model stands.
+        """callable(after_batch=None) -> dict: the held-out metrics (loss, accuracy, and the method's own) as the
+        model stands; after_batch() is called after each batch (a run's stop check).
 
         model: builder.Model of the run (its trainer compiled).
         """

@@ -134,7 +134,7 @@ class Preference(Method):
     def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):
         # Scored by the training view itself, in inference mode.
         batches = pair_batches.Batches(rows, batch_size, feed)
-        return lambda: pair_metrics(model.trainer, batches)
+        return lambda after_batch=None: pair_metrics(model.trainer, batches, after_batch)
 
     def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
         """DPO's reference log-probabilities of every training and held-out pair: scored once by a fresh run,
@@ -224,12 +224,14 @@ def pair_outputs(view, batches):
         yield indices, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(indices)]
 
 
-def pair_metrics(view, batches) -> dict:
+def pair_metrics(view, batches, after_batch=None) -> dict:
     """The mean of each COLUMNS over the held-out pairs; `accuracy` is the reward accuracy (the loop and the
     trackers name it so for every method)."""
     total, count = 0.0, 0
     for indices, values in pair_outputs(view, batches):
         total, count = total + values.sum(axis=0), count + len(indices)
+        if after_batch is not None:  # a run's stop check (loop.check_stop)
+            after_batch()
     means = {name: float(value) for name, value in zip(COLUMNS, total / max(count, 1))}
     return {**means, "accuracy": means["reward_accuracy"]}
 

@@ -67,7 +67,7 @@ class Supervised(Method):
 
         scorer = builder.scorer(model.lm, batch_size, shards=shards)
         batches = batching.Batches(rows, batch_size, feed)
-        return lambda: scores(scorer, batches)
+        return lambda after_batch=None: scores(scorer, batches, after_batch)
 
     def evaluate(self, lm, cfg, rows) -> dict:
         from finetune.model import builder
@@ -76,10 +76,14 @@ class Supervised(Method):
         return scores(builder.scorer(lm, cfg.train.batch_size), batches)
 
 
-def scores(scorer, batches) -> dict:
+def scores(scorer, batches, after_batch=None) -> dict:
     """Per-token loss, perplexity and accuracy over the weighted tokens of `batches` (batching.Batches), by
     `scorer` (builder.scorer)."""
-    logs = scorer.evaluate(batches, verbose=0, return_dict=True)
+    import keras
+
+    # after_batch: a run's stop check (loop.check_stop), after each compiled batch.
+    hooks = [keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: after_batch())] if after_batch else []
+    logs = scorer.evaluate(batches, verbose=0, return_dict=True, callbacks=hooks)
     # Keras names each output's metric after the output: loss_token_loss, correct_token_accuracy.
     loss = float(next(v for k, v in logs.items() if k.endswith("token_loss")))
     accuracy = float(next(v for k, v in logs.items() if k.endswith("token_accuracy")))

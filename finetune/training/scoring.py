@@ -135,7 +135,7 @@ class HeldOut:
         """The held-out metrics (loss, accuracy and the method's own), as the model stands; a run's stop asked for
         meanwhile is taken once the compiled evaluation is done (loop.StopSignals)."""
         with loop.StopSignals.deferred():
-            scores = self.score()
+            scores = self.score(after_batch=loop.check_stop)
         loop.check_stop()
         return scores
 
