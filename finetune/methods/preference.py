@@ -48,12 +48,12 @@ class Preference(Method):
     def objective(self, train):
         from finetune.model import pair_view  # keras: imported once the backend is chosen
 
-        constants = {name: getattr(train, name, None) for name in self.defaults}
-        beta, smoothing, gamma = (constants.get(name) for name in ("beta", "label_smoothing", "simpo_gamma"))
-        default = {name: value for name, (value, _) in self.defaults.items()}
-        return pair_view.Objective(self.name, self.loss, beta if beta is not None else default["beta"],
-                                   smoothing or 0.0, gamma if gamma is not None else default.get("simpo_gamma", 0.0),
-                                   self.averaged, self.needs_reference, self.whole_chosen)  # fmt: skip
+        # Each constant as decided, or its default where `train` leaves it unset (the bench's TrainConfig()).
+        given = {name: getattr(train, name, None) for name in self.defaults}
+        value = {name: default if given[name] is None else given[name] for name, (default, _) in self.defaults.items()}
+        return pair_view.Objective(self.name, self.loss, value["beta"], value.get("label_smoothing", 0.0),
+                                   value.get("simpo_gamma", 0.0), self.averaged, self.needs_reference,
+                                   self.whole_chosen)  # fmt: skip
 
     # === Prepare ===
 
