@@ -212,3 +212,43 @@ def test_a_prompt_longer_than_seq_len_is_cut_and_the_run_trains(method, tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "note: 3 of 16 pairs cut to --seq-len 32" in done.stdout
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.backend_neutral  # the bench's own loop; lora_off itself is tested on every backend (test_preference)
+def test_the_bench_scores_dpo_s_reference_under_the_base_however_many_steps_have_trained(monkeypatch):
+    """The bench scores each step's pairs just before the step. It scored them with the policy as trained so far, so
+    from the second step on the reference was the policy itself and DPO's loss sat at ln 2 (on JAX, to every digit).
+    Each pair's reference must be the base's: the same as a fresh model's, scored before any step."""
+    from finetune.tools import bench
+
+    scored, real = {}, bench._score_reference
+
+    def record(view, arrays, pairs, batch_size, feed):
+        real(view, arrays, pairs, batch_size, feed)
+        scored.update({int(i): arrays.reference[i].copy() for i in pairs})
+
+    monkeypatch.setattr(bench, "_score_reference", record)
+    workload = bench.Workload(arch="tiny", seq_len=64, batch_size=2, steps=4, warmup=1, method="dpo")
+    bench._work(bench.Spec(BACKEND, "finetune", "precision", workload))  # float32
+    assert len(scored) >= 4  # five steps' pairs, all but the first scored after a step has trained
+
+    def base_scores(spec, model, method, *_):  # the same model, untrained: every pair scored at once
+        from finetune.data import batching, pair_batches
+        from finetune.model import builder
+
+        arrays = pair_batches.pad(bench.bench_pairs(spec.workload, model.tokenizer), spec.workload.seq_len)
+        feed = batching.Feed(inputs=builder.input_names(model.lm))
+        view = builder.objective_view(model.lm, method.objective(bench.TrainConfig()))
+        real(view, arrays, np.array(sorted(scored)), 2, feed)
+        raise _Stop(arrays.reference)
+
+    monkeypatch.setattr(bench, "_train_pairs", base_scores)
+    with pytest.raises(_Stop) as stop:
+        bench._work(bench.Spec(BACKEND, "finetune", "precision", workload))
+    base = stop.value.args[0]
+    for i, reference in scored.items():
+        np.testing.assert_allclose(reference, base[i], rtol=0, atol=1e-4)  # it drifted 2e-3 in 4 steps

@@ -338,7 +338,7 @@ def _work(spec: Spec) -> dict:
                                 optimizer=builder.Optimizer(1e-4, 0.01, objective=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
         lm = model.lm
-        result = _train_pairs(spec, model, method) if method.paired else _train_finetune(spec, model)
+        result = _train_pairs(spec, model, method, objective) if method.paired else _train_finetune(spec, model)
     policy = keras.config.dtype_policy()
     result.update(
         backend=spec.backend,
@@ -518,11 +518,12 @@ def bench_pairs(workload: Workload, tokenizer, max_words: int = 64) -> list:
     return pairs.pairs(made, templates.get("dolly"), tokenizer, workload.seq_len)[0]
 
 
-def _train_pairs(spec: Spec, model, method) -> dict:
+def _train_pairs(spec: Spec, model, method, objective) -> dict:
     """The steps `finetune gemma --method M` takes: packed micro-batches of --batch-size rows, whole pairs each
     sequence a segment (data/pair_packing.py), or with the packing lever pairs as 2B rows; one train_on_batch a
-    step. DPO's reference is scored before a step, untimed, for that step's pairs only (a run scores every pair
-    once, before training; at gemma-2b dims on a CPU that pass alone takes many minutes). tokens: the non-padding
+    step. DPO's reference is scored before a step, untimed, for that step's pairs only, under the base: LoRA
+    switched off, so that it is what a run scores once before training (a run scores every pair then; at gemma-2b
+    dims on a CPU that pass alone takes many minutes). tokens: the non-padding
     tokens of both answers' sequences, as the peer counts them; the padding share is of the positions the timed
     steps computed. Where each batch length compiles a program (JAX), a step at a length not seen before is not
     timed; elsewhere every step after the warm-up is."""
@@ -544,11 +545,15 @@ def _train_pairs(spec: Spec, model, method) -> dict:
         order = pair_packing.PackedPairOrder(pair_packing.pack(arrays, w.batch_size), 0, feed)
     compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
     scored = np.zeros(len(arrays), bool)
+    if method.needs_reference:
+        with builder.lora_off(model.lm):  # a view made inside, so a compiled call traces the base
+            reference = builder.objective_view(model.lm, objective)
     losses, seconds, tokens, positions, timed, shapes, step, pairs_timed = [], 0.0, 0, 0, 0, set(), 0, 0
     while timed < w.steps and step < w.warmup + w.steps + 16:
         if method.needs_reference:  # untimed, and only for the pairs the bench trains: a run scores all, once
             pairs = order.rows(step)
-            _score_reference(model.trainer, arrays, pairs[~scored[pairs]], w.batch_size, feed)
+            with builder.lora_off(model.lm):
+                _score_reference(reference, arrays, pairs[~scored[pairs]], w.batch_size, feed)
             scored[pairs] = True
         ((x, y, sample_weight),) = order.micro_batches(step)
         started = time.perf_counter()
