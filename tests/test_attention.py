@@ -130,3 +130,29 @@ def _locate(packed, example):
             if len(where) == n and list(packed["token_ids"][row, where]) == example.token_ids[:-1]:
                 return row, where
     raise AssertionError("example not found in the packed rows")
+
+
+@pytest.mark.parametrize("layout", ["gemma", "gemma2"])
+def test_one_key_head_attention_equals_keras_hub_s_own_layout(layout):
+    """gemma_2b's multi-query attention is computed in the (batch, query, head, key) layout (attention.py), which
+    needs no transpose of the scores: the same outputs as keras-hub's einsum path, with its mask, soft cap and
+    sliding window."""
+    gemma2 = layout == "gemma2"
+    with float32_policy():
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=1, hidden_dim=32,
+            intermediate_dim=64, head_dim=8, query_head_dim_normalize=not gemma2,
+            attention_logit_soft_cap=50.0 if gemma2 else None, use_sliding_window_attention=gemma2,
+            sliding_window_size=4,
+        )  # fmt: skip
+    layer = families.decoder_blocks(backbone)[0].attention
+    original = layer._compute_attention
+    attention.enable(backbone)
+    assert layer._compute_attention is not original and getattr(layer._compute_attention, "one_key_head", False)
+    rng = np.random.default_rng(0)
+    q, k, v = (keras.ops.convert_to_tensor(rng.standard_normal((2, 12, n, 8)).astype("float32")) for n in (4, 1, 1))
+    mask = attention.segment_mask(np.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3]))
+    ours = keras.ops.convert_to_numpy(layer._compute_attention(q, k, v, mask))
+    theirs = keras.ops.convert_to_numpy(original(q, k, v, mask))
+    assert ours.shape == theirs.shape == (2, 12, 4, 8)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)

@@ -280,6 +280,12 @@ def replace_attention_mask(block, compute_attention_mask) -> None:
     block._compute_attention_mask = compute_attention_mask
 
 
+def replace_compute_attention(layer, compute_attention) -> None:
+    """A keras-hub Gemma attention layer's `_compute_attention(q, k, v, attention_mask, training,
+    cache_update_index)`, the scores and their weighted sum: attention.py lays them out for one key head."""
+    layer._compute_attention = compute_attention
+
+
 def widen_input_dtype(tensor, dtype: str) -> bool:
     """Declare a symbolic input tensor `dtype`; False where this keras has no such field (nothing changed).
 
