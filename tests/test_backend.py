@@ -75,6 +75,21 @@ def test_idle_cores_counts_a_busy_core(monkeypatch):
     assert backend.idle_cores(interval=0) == 1
 
 
+def test_idle_cores_counts_this_process_s_own_work_as_idle(monkeypatch):
+    """The run's own threads (its imports', a bench worker's start) hold no core from it: only other processes do.
+    Counted busy, a bench's PyTorch row took 1 thread of 2 on a quiet machine."""
+    # 1000 jiffies over the interval, 500 idle, and 500 of them this process's: every core is free for it.
+    stat = iter([[100, 0, 0, 200, 0, 0, 0, 700], [600, 0, 0, 700, 0, 0, 0, 700]])
+    own = iter([0, 500])
+    monkeypatch.setattr(backend, "_proc_stat", lambda: next(stat))
+    monkeypatch.setattr(backend, "_own_jiffies", lambda: next(own))
+    monkeypatch.setattr(backend, "physical_cores", lambda: 2)
+    assert backend.idle_cores(interval=0) == 2
+    stat = iter([[100, 0, 0, 200, 0, 0, 0, 700], [600, 0, 0, 700, 0, 0, 0, 700]])
+    own = iter([0, 0])  # the same 500 busy jiffies, another process's: one core left
+    assert backend.idle_cores(interval=0) == 1
+
+
 def test_out_of_memory_errors_are_recognised_on_every_backend():
     assert backend.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert backend.is_out_of_memory(Exception("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
