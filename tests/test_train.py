@@ -378,3 +378,19 @@ def test_run_reads_top_to_bottom_on_few_names_and_never_rebinds_its_config():
     assert len(names) <= 15, sorted(names)
     rebound = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "cfg" and isinstance(n.ctx, ast.Store)]
     assert not rebound
+
+
+def test_one_trainer_steps_batches_of_two_sizes_as_the_batch_size_probe_does():
+    """The probe steps one trainer at several sizes. TensorFlow's step was traced for the first size alone, so the
+    second was refused and `--batch-size auto` failed whenever the CPU's timings tried more than one size."""
+    from conftest import float32_policy, lora_model, packed_rows
+
+    with float32_policy():
+        lm, _ = lora_model()
+        trainer = builder.compile(lm, 1e-3, 0.0)
+        rows = packed_rows(presets.tiny_tokenizer(), n=8)
+        for size in (1, 2, 1):
+            x, y, w = batching.inputs(rows, np.arange(size), 1, batching.target_width(rows, size),
+                                      names=builder.input_names(lm))  # fmt: skip
+            loss = trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]
+            assert np.isfinite(float(loss))

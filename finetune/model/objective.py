@@ -260,32 +260,34 @@ class TrainingView(keras.Model):
 
 
 def _one_graph(train_step, jit_compile: bool):
-    """train_on_batch's function: `train_step` traced once, with every input's length (axis 1) left dynamic.
+    """train_on_batch's function: `train_step` traced once for each batch size and loss width, with every other
+    input's length (axis 1) left dynamic, so a run's steps share one graph.
 
-    jit_compile: Keras' choice (XLA on a GPU, where XLA compiles each length on its own, as under JAX)."""
+    A run's micro-batches all have one size; `--batch-size auto` tries several, and each traces its own (a graph
+    traced for one size refused the next). jit_compile: Keras' choice (XLA on a GPU, where XLA compiles each
+    length on its own, as under JAX)."""
     import tensorflow as tf
 
-    traced = []
+    traced = {}
+
+    def spec(name, value):  # the loss_ inputs keep their static width: the loss's chunks need it
+        shape = tuple(value.shape)
+        # So do the per-row image inputs: a run's image slots are fixed, and keras-hub's Gemma 4 layers branch in
+        # Python on their count, which a traced graph cannot do on a dynamic one.
+        kept = name.startswith("loss_") or name in images.PER_ROW or len(shape) < 2
+        shape = shape if kept else (shape[0], None, *shape[2:])
+        return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
 
     def function(batches):
         for x, y, weights in batches:
-            if not traced:
-
-                def spec(name, value):  # the loss_ inputs keep their static width: the loss's chunks need it
-                    shape = tuple(value.shape)
-                    # So do the per-row image inputs: a run's image slots are fixed, and keras-hub's Gemma 4 layers
-                    # branch in Python on their count, which a traced graph cannot do on a dynamic one.
-                    kept = name.startswith("loss_") or name in images.PER_ROW or len(shape) < 2
-                    shape = shape if kept else (shape[0], None, *shape[2:])
-                    return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
-
-                signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),
-                             spec("loss_", weights)]  # fmt: skip
-                step = tf.function(
+            signature = [{name: spec(name, value) for name, value in x.items()}, spec("loss_", y),
+                         spec("loss_", weights)]  # fmt: skip
+            key = repr(signature)
+            if key not in traced:
+                traced[key] = tf.function(
                     lambda x, y, w: train_step((x, y, w)), input_signature=signature, jit_compile=jit_compile
                 )
-                traced.append(step)
-            return traced[0](x, y, weights)
+            return traced[key](x, y, weights)
 
     return function
 
