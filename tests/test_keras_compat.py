@@ -117,6 +117,11 @@ def test_every_familys_decoder_blocks_compute_their_mask_where_attention_replace
     assert len(seen) >= len(families.decoder_blocks(backbone)), f"{preset}: keras-hub no longer calls the mask"
 
 
+def test_the_gemma_attention_class_is_what_gemma_1_blocks_hold():
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size("tiny"), name="tiny")
+    assert all(type(b.attention) is keras_compat.gemma_attention_class() for b in families.decoder_blocks(backbone))
+
+
 def test_a_symbolic_inputs_dtype_can_be_widened():
     tensor = keras.Input((4,), dtype="bool", name="padding_mask")
     assert keras_compat.widen_input_dtype(tensor, "int32") and tensor.dtype == "int32"

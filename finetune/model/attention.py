@@ -69,10 +69,8 @@ def enable(backbone) -> int:
 def _one_key_head_layout(block) -> None:
     """keras-hub's Gemma 1/2 attention with one key-value head: its einsum path in the (batch, query, head, key)
     layout (the module's docstring); the fused op, when keras-hub takes it, as it was."""
-    from keras_hub.src.models.gemma.gemma_attention import CachedGemmaAttention
-
     layer = getattr(block, "attention", None)
-    if type(layer) is not CachedGemmaAttention or layer.num_key_value_heads != 1:
+    if type(layer) is not keras_compat.gemma_attention_class() or layer.num_key_value_heads != 1:
         return
     original = layer._compute_attention
     if getattr(original, "one_key_head", False):

@@ -280,6 +280,14 @@ def replace_attention_mask(block, compute_attention_mask) -> None:
     block._compute_attention_mask = compute_attention_mask
 
 
+def gemma_attention_class():
+    """keras-hub's Gemma 1/2 attention layer class (keras_hub.src.models.gemma.gemma_attention), which has no
+    public name: attention.py recognises its layers to lay out one key head."""
+    from keras_hub.src.models.gemma.gemma_attention import CachedGemmaAttention
+
+    return CachedGemmaAttention
+
+
 def replace_compute_attention(layer, compute_attention) -> None:
     """A keras-hub Gemma attention layer's `_compute_attention(q, k, v, attention_mask, training,
     cache_update_index)`, the scores and their weighted sum: attention.py lays them out for one key head."""
