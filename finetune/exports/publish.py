@@ -249,9 +249,14 @@ def upload(where: Destination, folder: Path, form: Form, private: bool) -> None:
 
 
 def _upload_failures(hub: str) -> tuple:
-    """What the uploading libraries raise for a refused or failed upload (their HTTP errors are OSErrors)."""
+    """What the uploading libraries raise for a refused or failed upload: kagglehub's HTTP errors are OSErrors, and
+    huggingface_hub's refusals too, but not its client's connection errors (httpx's, which it names HTTPError)."""
     failures = [OSError, ValueError]
-    if hub == KAGGLE:
+    if hub == HF:
+        from huggingface_hub import errors
+
+        failures.append(getattr(errors, "HTTPError", OSError))
+    else:
         from kagglehub import exceptions
 
         failures += [exceptions.BackendError, exceptions.CredentialError, exceptions.NotFoundError,
