@@ -640,7 +640,8 @@ def publish_(
     to: str = typer.Option(
         ...,
         "--to",
-        help="Where to: hf://USER/NAME (the Hugging Face Hub) or kaggle://OWNER/MODEL/keras/VARIATION (Kaggle Models).",
+        help="Where to: hf://USER/NAME on the Hugging Face Hub, or kaggle://OWNER/MODEL/keras/VARIANT for a "
+        "variation of a model on Kaggle Models.",
         metavar="HANDLE",
     ),
     format: str = typer.Option(
@@ -648,7 +649,7 @@ def publish_(
         "--format",
         help="keras (a keras-hub preset with the adapter merged in; merged is the same), lora, hf, peft or gguf, as "
         "finetune export writes them; Kaggle takes keras. (default: keras)",
-        metavar="keras|merged|lora|hf|peft|gguf",
+        metavar="FORMAT",
         show_default=False,
     ),
     dry_run: bool = typer.Option(
