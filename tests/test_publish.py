@@ -218,7 +218,7 @@ def test_a_failed_upload_is_a_message_not_a_traceback(uninterrupted, credentials
     no_secret_in(result.output)
 
 
-def test_a_missing_library_names_what_to_install(uninterrupted, credentials, monkeypatch):
+def test_a_missing_library_names_what_to_install(credentials, monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
