@@ -9,6 +9,7 @@ Notebook use:
     finetune.generate("runs/first", ["What is LoRA?"])  # completions with its adapter
     lm = finetune.load("runs/first")                    # the keras-hub model, adapter loaded
     finetune.export("runs/first", "merged", "exported/first")  # also lora, hf, peft, gguf
+    finetune.publish("runs/first", "hf://you/first", dry_run=True)  # the files and the model card
 
 Nothing here imports keras, so the backend named in the config can still be
 chosen; import keras yourself only after `run`, or with the same backend.
@@ -22,7 +23,18 @@ from finetune.config import load as load_config
 from finetune.platform.errors import RunStopped, UserError
 from finetune.platform.version import __version__ as __version__
 
-__all__ = ["Config", "RunStopped", "UserError", "evaluate", "export", "generate", "load", "load_config", "run"]
+__all__ = [
+    "Config",
+    "RunStopped",
+    "UserError",
+    "evaluate",
+    "export",
+    "generate",
+    "load",
+    "load_config",
+    "publish",
+    "run",
+]
 
 
 def _argument(name: str, flag: str, kind=str, **declared) -> _config.Setting:
@@ -166,3 +178,25 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
     )  # fmt: skip
     with _in_python_words(*arguments):
         return export(run_dir, Request(format, output, overwrite, base, dtype), backend)
+
+
+def publish(run_dir, to: str, format: str = "keras", dry_run: bool = False, private: bool = False, backend=None):
+    """Upload a finished run to the Hugging Face Hub or Kaggle Models with a model card written from its record;
+    returns what went up (`files`: (name, bytes) pairs, `card`: the README.md, `url`).
+
+    to: str. hf://USER/NAME or kaggle://OWNER/MODEL/keras/VARIATION.
+    format: str. keras (a keras-hub preset with the adapter merged in; merged is the same), lora, hf, peft or
+        gguf, as `export` writes them; Kaggle takes keras.
+    dry_run: bool. Make the files and the card, upload nothing; no credentials needed.
+    private: bool. Make a new Hugging Face repository private.
+    backend: str. The Keras backend to export on; by default the one keras is loaded with, else the run's.
+    Every check runs first: a refusal raises UserError with nothing uploaded.
+    """
+    from finetune.exports.publish import FORMS, Request, publish
+
+    arguments = (
+        _RUN_DIR, _BACKEND, _argument("to", "--to", metavar="HANDLE"), _argument("format", "--format",
+        choices=tuple(FORMS)), _argument("dry_run", "--dry-run", bool), _argument("private", "--private", bool),
+    )  # fmt: skip
+    with _in_python_words(*arguments):
+        return publish(run_dir, Request(to, format, dry_run, private), backend)

@@ -633,6 +633,52 @@ def export_(
     print(f"exported {run} as {format}{' (base model)' if base else ''} to {target}")
 
 
+@app.command("publish")
+@funneled("out of memory while exporting for the upload; publish on a machine with more memory")
+def publish_(
+    run: RunDir,
+    to: str = typer.Option(
+        ...,
+        "--to",
+        help="Where to: hf://USER/NAME on the Hugging Face Hub, or kaggle://OWNER/MODEL/keras/VARIANT for a "
+        "variation of a model on Kaggle Models.",
+        metavar="HANDLE",
+    ),
+    format: str = typer.Option(
+        "keras",
+        "--format",
+        help="keras (a keras-hub preset with the adapter merged in; merged is the same), lora, hf, peft or gguf, as "
+        "finetune export writes them; Kaggle takes keras. (default: keras)",
+        metavar="FORMAT",
+        show_default=False,
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="List the files and where they would go, and print the model card; upload nothing."
+    ),
+    private: bool = typer.Option(False, "--private", help="Make a new Hugging Face repository private."),
+    backend: RunBackend = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
+):
+    """Upload a finished run to the Hugging Face Hub or Kaggle Models, with a model card written from its record.
+
+    The files are exported into a temporary directory; the credentials are HF_TOKEN (or `hf auth login`) and
+    KAGGLE_USERNAME with KAGGLE_KEY (or ~/.kaggle/kaggle.json), never printed or written.
+    """
+    from finetune.exports import publish
+
+    _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+    _refuse_empty({"--to": to}, fix=f"pass {publish.HANDLES}")
+    done = publish.publish(run, publish.Request(to, format, dry_run, private), backend)
+    print(publish.listing(done))
+    if dry_run:
+        print(f"\n{publish.README}:\n")
+        print(done.card, end="")
+        print("dry run: nothing was uploaded", file=sys.stderr)
+    else:
+        print(f"published {run} to {done.destination}: {done.url}")
+
+
 @app.command("vertex-spec")
 @funneled()
 def vertex_spec(

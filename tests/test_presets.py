@@ -90,3 +90,11 @@ def test_the_frameworks_a_preset_needs_are_told_offline(tmp_path):
     assert presets.frameworks_needed(str(tmp_path)) == ("tensorflow",)
     (tmp_path / "config.json").write_text(json.dumps({"class_name": "keras_hub>GemmaBackbone", "config": {}}))
     assert presets.frameworks_needed(str(tmp_path)) == ()
+
+
+def test_the_licence_is_a_field_of_the_preset_record():
+    assert presets.licence_of("tiny", "gemma").spdx == "apache-2.0"  # finetune's own test model
+    assert presets.licence_of("gemma_2b_en", "gemma").spdx == "gemma"
+    assert presets.licence_of("gemma3n_e2b", "gemma3n").spdx == "gemma"
+    assert presets.licence_of("gemma4_2b", "gemma4").spdx == "apache-2.0"
+    assert all(presets.licence_of(name, spec.family).redistribution for name, spec in presets.TINY.items())

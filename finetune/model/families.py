@@ -42,6 +42,33 @@ def spelled_out(targets, adaptable) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Licence:
+    """The terms a model's weights come under, as `finetune publish` passes them on to a model built on them."""
+
+    name: str
+    """What people call it: Gemma Terms of Use, Apache License 2.0."""
+    spdx: str
+    """The Hugging Face Hub's `license:` id for a model card: gemma, apache-2.0."""
+    link: str
+    """Where the terms are read in full."""
+    redistribution: bool = True
+    """Whether a model built on these weights may be given to others; publish refuses one whose terms say no."""
+    notice: str = ""
+    """What the terms ask a redistributed copy to say, put in its model card."""
+
+
+# Gemma 1, 2, 3 and 3n come under Google's Gemma Terms of Use, which let a fine-tuned model be shared if it carries
+# their use restrictions and this notice (section 3.1); Gemma 4 came out under Apache 2.0 (April 2026).
+GEMMA_TERMS = Licence(
+    "Gemma Terms of Use", "gemma", "https://ai.google.dev/gemma/terms",
+    notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms. "
+    "Its use restrictions (the Gemma Prohibited Use Policy, ai.google.dev/gemma/prohibited_use_policy) apply to "
+    "this model too.",
+)  # fmt: skip
+APACHE = Licence("Apache License 2.0", "apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     title: str
@@ -76,6 +103,8 @@ class Family:
     3n and 4 preprocessors assert it when they are made, and prepare text and images with tf ops; Gemma 1 and 2's
     tokenize through the sentencepiece package alone. A process on JAX or PyTorch keeps TensorFlow for them only
     (backend.leave_out_other_frameworks)."""
+    licence: Licence = GEMMA_TERMS
+    """The terms Google released the family's weights under, which a model fine-tuned from them carries."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
@@ -118,7 +147,7 @@ FAMILIES = {
             "per_layer_up_proj": _PER_LAYER,
             "per_layer_model_projection": _PER_LAYER,
         },
-        chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",),
+        chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",), licence=APACHE,
         encoders=dict(vision_encoder=None, audio_encoder=None),
         converters=("image_converter", "audio_converter", "video_converter"),
         seeing=("vision_encoder", "image_converter"),

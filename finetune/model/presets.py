@@ -68,6 +68,8 @@ class Tiny:
     """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
     vision: dict | None = field(default=None, hash=False)
     """The vision encoder's keras-hub arguments (its output width is the decoder's); None: text only."""
+    licence: families.Licence = families.APACHE
+    """finetune's own: `tiny`'s weights were pretrained by tools/make_tiny_weights.py, the others' are random."""
 
 
 # The newer families' tiny presets: decoder blocks of width 32, laid out as the family's presets are (norms,
@@ -231,6 +233,15 @@ def resolve(preset: str) -> Source:
         source = Source("hub", preset, _family_of_name(preset))
     _check_hub_access(source.handle)
     return source
+
+
+def licence_of(preset: str, family: str) -> families.Licence:
+    """The terms the weights of `preset` come under: a tiny preset's own, else those of its family (a key of
+    families.FAMILIES, as a run records it): a preset directory or hf:// checkpoint of a family is taken to be
+    Google's release of it, or a model built on one, which carries the same terms."""
+    if preset in TINY:
+        return TINY[preset].licence
+    return families.get(family).licence
 
 
 def family_of(preset: str) -> str:

@@ -1,0 +1,87 @@
+"""The model card `finetune publish` uploads, written from a run's record: here, run directories written by hand, as
+a run writes them (config.yaml with its `resolved:` record, metrics.json), so that each part of the card is pinned
+to what the run said."""
+
+import json
+
+import pytest
+import yaml
+
+from finetune import config as config_module
+from finetune.exports import card
+from finetune.model import presets
+from finetune.training import outputs, runs
+
+pytestmark = pytest.mark.one_backend  # pure Python: no Keras backend
+
+RESOLVED = {
+    "learning_rate": {"value": 0.0001, "why": "the default for a pretrained preset"},
+    "packing": {"value": True, "why": "auto: examples packed | padding 3% of 16%"},
+    "output_dir": "/home/alice/runs/a",
+    "versions": {"finetune": "0.2.0", "keras": "3.15.1", "keras-hub": "0.32.0"},
+}
+METRICS = {
+    "steps": 40, "train_examples": 380, "eval_examples": 20, "eval_loss_before": 1.5, "eval_loss": 1.25,
+    "eval_accuracy_before": 0.5, "eval_accuracy": 0.625, "eval_perplexity": 3.4903,
+}  # fmt: skip
+
+
+def run_directory(tmp_path, settings: dict, family: str, metrics=METRICS) -> runs.Run:
+    cfg = config_module.from_dict(settings)
+    directory = tmp_path / "run"
+    directory.mkdir()
+    written = {**outputs.run_config(cfg), "resolved": RESOLVED}
+    (directory / outputs.CONFIG).write_text(yaml.safe_dump(written, sort_keys=False), encoding="utf-8")
+    (directory / outputs.METRICS).write_text(json.dumps(metrics), encoding="utf-8")
+    return runs.Run(directory, cfg, {"preset": {"name": cfg.model.preset, "family": family}})
+
+
+def card_of(run: runs.Run, library="peft", to="hf://someone/gemma3-sft") -> tuple[dict, str]:
+    licence = presets.licence_of(run.config.model.preset, run.adapter["preset"]["family"])
+    text = card.model_card(run, card.Upload("the adapter for PEFT", library, to), licence)
+    assert text.startswith("---\n")
+    _, front, body = text.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def test_a_gemma_3_card_carries_the_gemma_terms_its_base_and_its_data(tmp_path):
+    settings = {
+        "model": {"preset": "hf://google/gemma-3-1b-it"},
+        "data": {"path": "hf:databricks/databricks-dolly-15k"},
+    }
+    metadata, body = card_of(run_directory(tmp_path, settings, "gemma3"))
+    assert metadata["license"] == "gemma" and metadata["license_link"] == "https://ai.google.dev/gemma/terms"
+    assert metadata["base_model"] == "google/gemma-3-1b-it"
+    assert metadata["datasets"] == ["databricks/databricks-dolly-15k"]
+    assert metadata["library_name"] == "peft" and {"gemma3", "lora", "sft"} <= set(metadata["tags"])
+    assert "Gemma is provided under and subject to the Gemma Terms of Use" in body  # the notice the terms ask for
+    assert body.startswith("\n# gemma3-sft\n")
+
+
+def test_a_gemma_4_card_is_apache_and_names_no_base_model_the_hub_lacks(tmp_path):
+    metadata, body = card_of(run_directory(tmp_path, {"model": {"preset": "gemma4_2b"}}, "gemma4"))
+    assert metadata["license"] == "apache-2.0" and "base_model" not in metadata
+    assert "Gemma Terms of Use" not in body and "`gemma4_2b` (Gemma 4)" in body
+
+
+def test_a_local_data_file_is_named_by_its_name_alone(tmp_path):
+    settings = {"model": {"preset": "tiny"}, "data": {"path": "/home/alice/secret-project/train.jsonl"}}
+    _, body = card_of(run_directory(tmp_path, settings, "gemma"))
+    assert "`train.jsonl`" in body and "secret-project" not in body
+    assert "/home/alice" not in body  # nor the run's own directory, which config.yaml's record names
+
+
+def test_every_decision_and_held_out_metric_is_in_the_card(tmp_path):
+    _, body = card_of(run_directory(tmp_path, {"model": {"preset": "tiny"}}, "gemma"))
+    assert "| learning_rate | 0.0001 | the default for a pretrained preset |" in body
+    assert "| packing | on | auto: examples packed \\| padding 3% of 16% |" in body  # a | in a reason stays in its cell
+    assert "| loss | 1.5000 | 1.2500 |" in body and "| accuracy | 0.5000 | 0.6250 |" in body
+    assert "| perplexity |  | 3.4903 |" in body  # no value before training: an empty cell
+    assert "Held-out examples: 20." in body and "380 trained on, 20 held out" in body
+    assert "- keras-hub 0.32.0" in body and "made with finetune 0.2.0" in body
+
+
+def test_a_run_that_held_nothing_out_says_so(tmp_path):
+    metrics = {"steps": 4, "train_examples": 40, "eval_examples": 0}
+    _, body = card_of(run_directory(tmp_path, {"model": {"preset": "tiny"}}, "gemma", metrics))
+    assert "The run held nothing out, so it has no held-out metrics." in body and "| loss |" not in body
