@@ -43,11 +43,14 @@ def open_run(directory: str | Path) -> Run:
 
 def where(run: Run) -> str:
     """Where `run` was just loaded, as the console says it: `jax: cpu (AMD EPYC, 2 cores), float32`."""
+    from finetune.model import families, presets
     from finetune.platform import backend
 
     device = backend.accelerator()
     precision = run.config.model.precision
-    precision = backend.auto_precision(device) if precision == "auto" else precision  # as load_model decides it
+    if precision == "auto":  # as load_model decides it
+        overflows = families.get(presets.family_of(run.config.model.preset)).float16_overflows
+        precision = backend.auto_precision(device, overflows)
     return f"{sys.modules['keras'].config.backend()}: {backend.device_name(device)}, {precision}"
 
 
