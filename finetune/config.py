@@ -274,7 +274,8 @@ class ModelConfig:
         "auto",
         "The frozen base's dtype; LoRA factors and their optimizer state are float32 in every case. auto is "
         "bfloat16 on a TPU, a bf16 GPU (A100, L4, H100) or a CPU with bf16 units (AVX512-BF16 or AMX), float16 on "
-        "other GPUs (T4, V100), else float32; mixed_bfloat16 keeps the base in float32 and computes in bf16 "
+        "other GPUs (T4, V100) but float32 for Gemma 3, 3n and 4 (their activations pass float16's range), else "
+        "float32; mixed_bfloat16 keeps the base in float32 and computes in bf16 "
         "(Keras' mixed precision: twice the memory).",
         flag="--precision", panel=MODEL, choices=PRECISIONS,
     )  # fmt: skip

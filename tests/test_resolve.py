@@ -26,13 +26,66 @@ def test_auto_precision_is_the_one_rule_here_and_in_the_plan():
     """backend.precision_rule decides for this process and for the plan of a device elsewhere."""
     from finetune.training import plan
 
-    assert backend.precision_rule("gpu", True, "torch")[0] == "bfloat16"
-    assert backend.precision_rule("gpu", False, "torch") == ("float16", "auto: the gpu has no bf16 units (T4, V100)")
-    assert backend.precision_rule("cpu", False, "jax")[0] == "float32"
+    assert backend.precision_rule("gpu", True, "torch", None)[0] == "bfloat16"
+    assert backend.precision_rule("gpu", False, "torch", None) == (
+        "float16",
+        "auto: the gpu has no bf16 units (T4, V100)",
+    )
+    assert backend.precision_rule("cpu", False, "jax", None)[0] == "float32"
     assert plan.auto_precision(plan.device("t4")) == "float16"
     assert plan.auto_precision(plan.device("a100")) == "bfloat16"
     decided, why = backend.auto_precision_why("cpu")
     assert decided == backend.cpu_precision(BACKEND) and why.startswith("auto: ")
+
+
+OVERFLOWING = ("gemma3", "gemma3n", "gemma4")
+
+
+@pytest.mark.one_backend
+def test_auto_never_picks_float16_for_gemma_3_3n_or_4(monkeypatch):
+    """Their activations pass float16's 65,504 (keras-hub clamps Gemma 3 and 4 there, silently, and leaves 3n
+    unclamped): where float16 is the fast dtype, auto picks float32 for them and says why; Gemma 1 and 2 keep it."""
+    from finetune.model import families
+
+    assert {name for name, f in families.FAMILIES.items() if f.float16_overflows} == set(OVERFLOWING)
+    for name in OVERFLOWING:
+        overflows = families.get(name).float16_overflows
+        chosen, why = backend.precision_rule("gpu", False, "torch", overflows)  # a T4
+        assert chosen == "float32" and "65,504" in why and families.get(name).title in why, why
+        assert backend.precision_rule("gpu", True, "jax", overflows)[0] == "bfloat16"  # an A100: bf16 has the range
+        assert backend.precision_rule("tpu", True, "jax", overflows)[0] == "bfloat16"
+    # An Intel CPU with AVX512-FP16 but no AMX, where float16 is the fast dtype under PyTorch and TensorFlow.
+    monkeypatch.setattr(backend, "cpu_flags", lambda: {"avx512_fp16", "avx512_bf16"})
+    assert backend.precision_rule("cpu", False, "torch", None)[0] == "float16"
+    chosen, why = backend.precision_rule("cpu", False, "torch", families.get("gemma3n").float16_overflows)
+    assert chosen == "float32" and "does not clamp" in why
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma3n", "tiny-gemma4"])
+@pytest.mark.parametrize("card, bf16", [("t4", False), ("a100", True)])
+def test_the_plan_and_the_run_pick_the_same_precision(monkeypatch, preset, card, bf16):
+    """`finetune plan --device-memory t4` says what a run on a T4 decides: float32 for Gemma 3, 3n and 4, float16
+    for Gemma 1 and 2 (the run asks the framework whether the gpu has bf16: here it is told)."""
+    from finetune.training import plan
+
+    cfg = config.load("tiny", {"backend": "torch", "model.preset": preset})
+    planned = plan.make(cfg, target=plan.device(card))
+    monkeypatch.setattr(backend, "supports_bfloat16", lambda device: bf16)
+    decided = resolve._precision(cfg, "gpu", None)
+    assert planned.precision == decided.value
+    assert decided.value == ("bfloat16" if bf16 else "float16" if preset == "tiny" else "float32"), decided
+    assert any(note.startswith(f"precision auto is {decided.value} on {card}") for note in planned.notes)
+
+
+@pytest.mark.one_backend
+def test_explicit_float16_on_gemma_3_is_warned_once_and_kept(capsys):
+    cfg = config.load("tiny", {"backend": "torch", "model.preset": "tiny-gemma3", "model.precision": "float16"})
+    decided = resolve._precision(cfg, "gpu", None)
+    assert decided.value == "float16" and decided.why.startswith("set; warned: ") and "65,504" in decided.why
+    assert capsys.readouterr().out.count("warning: --precision float16") == 1
+    resolve._precision(config.load("tiny", {"backend": "torch", "model.precision": "float16"}), "gpu", None)
+    assert "warning" not in capsys.readouterr().out  # Gemma 1 and 2 compute right in float16
 
 
 def test_precision_is_the_user_s_the_checkpoint_s_or_auto_s():

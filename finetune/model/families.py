@@ -105,6 +105,9 @@ class Family:
     (backend.leave_out_other_frameworks)."""
     licence: Licence = GEMMA_TERMS
     """The terms Google released the family's weights under, which a model fine-tuned from them carries."""
+    float16_overflows: str | None = None
+    """Why float16 computes this family wrong (its activations pass float16's largest value, 65,504), said where
+    --precision auto picks float32 instead and where --precision float16 is given; None where float16 is safe."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
@@ -127,6 +130,12 @@ class Family:
 
 
 _PER_LAYER = "a per-layer embedding projection, kept as pretrained"
+# transformers #45242, unsloth #5230: Gemma 3 fine-tuned in float16 on a T4 "trains" and learns nothing. A clamp
+# saturates without a NaN, so the run's NaN stop never fires.
+_CLAMPED = (
+    "{title}'s activations pass float16's largest value, 65,504, and keras-hub clamps them there "
+    "(gemma{n}_decoder_block.py) without a NaN, so a float16 run can train on wrong values without stopping"
+)
 FAMILIES = {
     "gemma": Family(
         "gemma", "Gemma 1 and 2", "GemmaBackbone", "GemmaCausalLM", "GemmaTokenizer", "GemmaCausalLMPreprocessor",
@@ -136,6 +145,7 @@ FAMILIES = {
     "gemma3": Family(
         "gemma3", "Gemma 3", "Gemma3Backbone", "Gemma3CausalLM", "Gemma3Tokenizer", "Gemma3CausalLMPreprocessor",
         _SAME, transformers="Gemma3ForCausalLM", kaggle_models=("gemma3",),
+        float16_overflows=_CLAMPED.format(title="Gemma 3", n="3"),
     ),
     "gemma4": Family(
         "gemma4", "Gemma 4", "Gemma4Backbone", "Gemma4CausalLM", "Gemma4Tokenizer", "Gemma4CausalLMPreprocessor",
@@ -156,6 +166,7 @@ FAMILIES = {
             "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and a quantized layer's kernel "
             "comes without its scales"
         ),
+        float16_overflows=_CLAMPED.format(title="Gemma 4", n="4"),
     ),
     "gemma3n": Family(
         "gemma3n", "Gemma 3n", "Gemma3nBackbone", "Gemma3nCausalLM", "Gemma3nTokenizer", "Gemma3nCausalLMPreprocessor",
@@ -180,6 +191,10 @@ FAMILIES = {
             "keras-hub 0.32's Gemma 3n backbone places the encoder's outputs by their count in the batch, not by "
             "record, so a record beside one with fewer pictures would read another's; its own Gemma3nCausalLM tests "
             "are skipped on Keras after 3.8"
+        ),
+        float16_overflows=(
+            "Gemma 3n's activations pass float16's largest value, 65,504, and keras-hub does not clamp them: a "
+            "float16 run computes infinities and NaNs"
         ),
     ),
 }  # fmt: skip

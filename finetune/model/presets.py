@@ -210,6 +210,12 @@ def default_learning_rate(source: Source) -> tuple[float, str]:
     return LEARNING_RATE[kind], LEARNING_RATE_WHY[kind]
 
 
+def pretrained(source: Source) -> bool:
+    """Whether `source`'s base weights were trained on text: not a tiny preset's (random, or briefly trained on
+    generated text) nor a bench architecture's random ones."""
+    return source.kind not in ("tiny", "random")
+
+
 def resolve(preset: str) -> Source:
     """Classify `preset` and check that it can be loaded, without loading it."""
     if preset in TINY:

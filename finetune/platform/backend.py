@@ -228,34 +228,43 @@ def cpu_precision(framework: str) -> str:
     return "float32"
 
 
-def auto_precision(device: str) -> str:
+def auto_precision(device: str, float16_overflows: str | None = None) -> str:
     """--precision auto on this process's `device` (cpu, gpu or tpu): precision_rule's precision."""
-    return auto_precision_why(device)[0]
+    return auto_precision_why(device, float16_overflows)[0]
 
 
-def auto_precision_why(device: str) -> tuple[str, str]:
-    """(what --precision auto becomes on this process's `device`, why)."""
+def auto_precision_why(device: str, float16_overflows: str | None = None) -> tuple[str, str]:
+    """(what --precision auto becomes on this process's `device`, why), for a family that `float16_overflows` (the
+    family's families.Family.float16_overflows; None: Gemma 1 and 2, which float16 computes right)."""
     import keras
 
-    return precision_rule(device, device != "cpu" and supports_bfloat16(device), keras.config.backend())
+    bfloat16 = device != "cpu" and supports_bfloat16(device)
+    return precision_rule(device, bfloat16, keras.config.backend(), float16_overflows)
 
 
-def precision_rule(kind: str, bfloat16: bool, framework: str) -> tuple[str, str]:
+def precision_rule(kind: str, bfloat16: bool, framework: str, float16_overflows: str | None) -> tuple[str, str]:
     """The one rule of --precision auto, for a run here and for the plan of a device elsewhere: (precision, why).
 
     kind: cpu, gpu or tpu; bfloat16: whether the accelerator computes in bf16 (ignored for a CPU, whose own
-    flags decide: cpu_precision); framework: jax, torch or tensorflow.
+    flags decide: cpu_precision); framework: jax, torch or tensorflow; float16_overflows: why the family's
+    activations pass float16's range (families.Family.float16_overflows), or None where float16 is safe. auto
+    never picks float16 for such a family: where float16 would be the fast dtype (a T4, a V100, a CPU with
+    AVX512-FP16 but no AMX) it picks float32, which holds them, in twice float16's memory.
     """
     if kind == "cpu":
         chosen = cpu_precision(framework)
+        why = f"this CPU's fastest matmul under {framework}"
         if framework == "jax":
-            return chosen, "auto: JAX on a CPU has no fast 16-bit matmul"
-        return chosen, f"auto: this CPU's fastest matmul under {framework}"
-    if bfloat16:
-        return "bfloat16", f"auto: the {kind} computes in bf16"
-    if kind == "gpu":
-        return "float16", "auto: the gpu has no bf16 units (T4, V100)"
-    return "float32", f"auto: the {kind} has no 16-bit rule"
+            why = "JAX on a CPU has no fast 16-bit matmul"
+    elif bfloat16:
+        chosen, why = "bfloat16", f"the {kind} computes in bf16"
+    elif kind == "gpu":
+        chosen, why = "float16", "the gpu has no bf16 units (T4, V100)"
+    else:
+        chosen, why = "float32", f"the {kind} has no 16-bit rule"
+    if chosen == "float16" and float16_overflows:
+        return "float32", f"auto: float16 is this device's fast dtype, but {float16_overflows}"
+    return chosen, f"auto: {why}"
 
 
 def _cpuinfo() -> list[tuple[str, str]]:

@@ -739,6 +739,8 @@ def summary_table(metrics: dict, run_dir) -> str:
         ("padding", _padding(metrics)),
         ("train loss", f"{metrics['train_loss']:.4f}"),
         *_eval_rows(metrics),
+        # False: the warning below says why; None: a run from before the guards (guards.py) recorded it.
+        *([("adapter", "did not change")] if metrics.get("adapter_changed") is False else []),
         # None when this session trained a single step: that step compiles, so it is not timed.
         ("tokens/s", "n/a" if metrics["tokens_per_second"] is None else f"{metrics['tokens_per_second']:.0f}"),
         ("seconds", f"{metrics['seconds']:.1f}"),
@@ -746,7 +748,17 @@ def summary_table(metrics: dict, run_dir) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
-    return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])
+    return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line] + _guard_warnings(metrics))
+
+
+def _guard_warnings(metrics: dict) -> list[str]:
+    """The summary's closing warnings: what the guards (guards.py) found, each with its reason."""
+    warnings = []
+    if metrics.get("adapter_changed") is False:
+        warnings.append(f"warning: the adapter did not change: {metrics['adapter_changed_why']}")
+    if metrics.get("forward_warning"):
+        warnings.append(f"warning: {metrics['forward_warning']}")
+    return warnings
 
 
 def _eval_rows(metrics: dict) -> list[tuple[str, str]]:

@@ -242,16 +242,22 @@ _DIM_NAMES = {"V": "vocabulary", "D": "hidden", "H": "heads", "K": "kv heads", "
               "E": "experts", "I": "expert ffw", "N": "per-layer inputs"}  # fmt: skip
 
 
-def auto_precision(target: tuple[str, Device] | None, framework: str = "") -> str:
-    """What precision `auto` becomes on the device under `framework`: backend.precision_rule, offline.
+def auto_precision(target: tuple[str, Device] | None, framework: str = "", family: str = "gemma") -> str:
+    """What precision `auto` becomes on the device under `framework` for `family`: backend.precision_rule, offline.
 
     Without a device (`finetune plan` with no --device-memory) the plan assumes a bf16 accelerator.
     """
+    return auto_precision_why(target, framework, family)[0]
+
+
+def auto_precision_why(target: tuple[str, Device] | None, framework: str, family: str) -> tuple[str, str]:
+    """(auto_precision, why), as a run on that device decides it (resolve.py)."""
     from finetune.platform import backend
 
     if target is None:
-        return "bfloat16"
-    return backend.precision_rule(target[1].kind, target[1].bfloat16, framework)[0]
+        return "bfloat16", "name a device to decide"
+    overflows = families.get(family).float16_overflows
+    return backend.precision_rule(target[1].kind, target[1].bfloat16, framework, overflows)
 
 
 def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | None = None) -> Plan:
@@ -309,8 +315,15 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     notes: list[str] = []
     precision = cfg.model.precision
     if precision == "auto":
-        precision = auto_precision(target, cfg.backend)
-        notes.append(f"precision auto is {precision} " + (f"on {target[0]}" if target else "(name a device to decide)"))
+        precision, why = auto_precision_why(target, cfg.backend, model.family)
+        if target is None:
+            notes.append(f"precision auto is {precision} ({why})")
+        elif precision == "float32" and families.get(model.family).float16_overflows:
+            notes.append(f"precision auto is {precision} on {target[0]} ({why.removeprefix('auto: ')})")
+        else:
+            notes.append(f"precision auto is {precision} on {target[0]}")
+    elif precision == "float16" and families.get(model.family).float16_overflows:
+        notes.append(f"warning: --precision float16: {families.get(model.family).float16_overflows}")
     batch = cfg.train.batch_size
     if batch is None:  # the run's own choice, made to split over the data axis as the run makes it
         batch, fitted = layouts.fit_default_batch(DEFAULT_BATCH_SIZE[cfg.backend], data)

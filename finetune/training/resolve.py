@@ -198,7 +198,7 @@ def finished(cfg: Config) -> Resolved:
     device = backend.accelerator()
     precision = cfg.model.precision
     if precision == "auto":  # a config.yaml written by hand
-        precision = backend.auto_precision(device)
+        precision = backend.auto_precision(device, families.get(source.family).float16_overflows)
     runtime = backend.apply_runtime_tweaks(precision, cfg.train.threads)
     decisions = {
         "precision": Decision(precision, "as the run trained"),
@@ -288,12 +288,20 @@ def _template(cfg: Config, data_format: str, saved: dict | None) -> Decision:
 
 def _precision(cfg: Config, device: str, saved: dict | None) -> Decision:
     """The base's dtype: the user's, the one auto became when a resumed run started (wherever it resumes), or
-    backend.precision_rule's for this device."""
+    backend.precision_rule's for this device and the preset's family, which never picks float16 for a family whose
+    activations pass its range. float16 on such a family is the user's to ask for: it is warned about, once, here."""
+    overflows = families.get(presets.family_of(cfg.model.preset)).float16_overflows
     if cfg.model.precision != "auto":
-        return Decision(cfg.model.precision, "set")
-    if saved is not None:
-        return Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
-    return Decision(*backend.auto_precision_why(device))
+        decided = Decision(cfg.model.precision, "set")
+    elif saved is not None:
+        decided = Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
+    else:
+        return Decision(*backend.auto_precision_why(device, overflows))
+    if decided.value == "float16" and overflows:
+        print(f"warning: --precision float16: {overflows}; --precision float32 (or bfloat16 on a bf16 device) "
+              "computes it right")  # fmt: skip
+        return Decision(decided.value, f"{decided.why}; warned: {overflows}")
+    return decided
 
 
 def _batch_size(cfg: Config, saved: dict | None) -> Decision:

@@ -43,11 +43,14 @@ def open_run(directory: str | Path) -> Run:
 
 def where(run: Run) -> str:
     """Where `run` was just loaded, as the console says it: `jax: cpu (AMD EPYC, 2 cores), float32`."""
+    from finetune.model import families, presets
     from finetune.platform import backend
 
     device = backend.accelerator()
     precision = run.config.model.precision
-    precision = backend.auto_precision(device) if precision == "auto" else precision  # as load_model decides it
+    if precision == "auto":  # as load_model decides it
+        overflows = families.get(presets.family_of(run.config.model.preset)).float16_overflows
+        precision = backend.auto_precision(device, overflows)
     return f"{sys.modules['keras'].config.backend()}: {backend.device_name(device)}, {precision}"
 
 
@@ -219,6 +222,7 @@ def describe(path: Path) -> dict | None:
     if metrics is not None:
         loss = metrics.get("eval_loss")  # None: the run held nothing out
         row.update(state="finished", step=metrics["steps"], eval_loss="" if loss is None else f"{loss:.4f}")
+        row["note"] = guard_note(metrics)
         return row
     if not found:
         row["step"] = status.get("step", "")
@@ -234,6 +238,16 @@ def describe(path: Path) -> dict | None:
     if found:
         row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
     return row
+
+
+def guard_note(metrics: dict) -> str:
+    """A finished run's note: what the guards (guards.py) found, in short; the summary and metrics.json say why."""
+    found = []
+    if metrics.get("adapter_changed") is False:
+        found.append("the adapter did not change")
+    if metrics.get("forward_warning"):
+        found.append("held-out loss near ln(vocabulary) before training: a broken forward?")
+    return "; ".join(found)
 
 
 def short_note(message: str, limit: int = 100) -> str:

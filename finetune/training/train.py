@@ -28,7 +28,7 @@ from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
-from finetune.training import adapter, checkpoint, loop, outputs, resolve, scoring, tracking
+from finetune.training import adapter, checkpoint, guards, loop, outputs, resolve, scoring, tracking
 
 
 def run(cfg: Config, resume: bool = False) -> dict:
@@ -205,6 +205,9 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
         session.phase(f"evaluating before training ({session.held_out.rows} held-out records)")
         before = session.held_out.metrics()
         print(f"eval loss before training: {before['loss']:.4f}")
+        warning = _broken_forward(session, before)
+        if warning:
+            print(f"warning: {warning}")
         generated = session.held_out.generate("before", session.phase)
         start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), before, generated, config, fingerprints[0],
                                     reference, fingerprints[1])  # fmt: skip
@@ -214,6 +217,15 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
         print(f"resuming {target} at step {start.progress.step}/{session.total_steps}")
     session.eval_seconds = time.perf_counter() - started
     return start
+
+
+def _broken_forward(session: Session, before: dict | None) -> str | None:
+    """guards.broken_forward of the held-out loss before training, for a pretrained preset (presets.pretrained) whose
+    method's loss is the tokens' cross-entropy (it reports perplexity); None otherwise."""
+    run = session.run
+    if before is None or not presets.pretrained(run.source) or "perplexity" not in run.method.held_out:
+        return None
+    return guards.broken_forward(before["loss"], session.model.preprocessor.tokenizer.vocabulary_size())
 
 
 def _reference(session: Session, saved: dict | None) -> dict | None:
@@ -277,6 +289,11 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
     # The published adapter's: with --keep-best the best evaluation's, else the last's (None: nothing held out).
     after = progress.best() if cfg.eval.keep_best else (progress.evaluations or [None])[-1]
     train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
+    trained = [r for r in progress.rows if "train_loss" in r]
+    unchanged = guards.adapter_unchanged(
+        guards.b_factors_all_zero(session.model.lm.backbone), before and before["loss"], after and after["loss"],
+        trained, progress.response_tokens, cfg.train.learning_rate,
+    )  # fmt: skip
     return {
         "backend": cfg.backend,
         "preset": cfg.model.preset,
@@ -301,6 +318,10 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         **run.method.run_metrics(cfg.train, progress.rows),
         "best_step": after["step"] if cfg.eval.keep_best else None,
         "stopped_early": progress.stopped_early,
+        # The guards against a run that trains and learns nothing (guards.py), each with its reason.
+        "adapter_changed": unchanged is None,
+        "adapter_changed_why": unchanged or "the LoRA B factors moved and the held-out loss changed",
+        "forward_warning": _broken_forward(session, before),
         "packing": prepared.packed,
         "padding_fraction": prepared.padding["padding_fraction"],
         "padding_fraction_unpacked": prepared.padding["unpacked"],
