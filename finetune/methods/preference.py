@@ -168,12 +168,15 @@ class Preference(Method):
 
     # === Plan ===
 
-    def plan_note(self, cfg) -> str | None:
+    def plan_note(self, cfg, packed: bool = False) -> str | None:
         reference = (
             f" ({self.title}'s reference is 8 bytes a pair, scored once: no second base)"
             if self.needs_reference
             else ""
         )
+        if packed:
+            return (f"--method {self.name} packed: --batch-size counts rows of --seq-len, whole pairs laid in them, so "
+                    f"the activations are an SFT batch's of as many rows{reference}")  # fmt: skip
         return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
                 f"SFT batch's{reference}")  # fmt: skip
 
