@@ -65,9 +65,6 @@ class Method:
         """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
         return None
 
-    packs_with_parallel = True
-    """Its packed rows can be split over --parallel's devices (resolve.packing turns packing off where not)."""
-
     def objective(self, train):
         """What the run minimises, for builder.Optimizer: an object whose view(lm, chunk, shards) trains it.
 

@@ -38,7 +38,6 @@ class Preference(Method):
     held_out = held_out_history = ("reward_accuracy", "reward_margin")
     examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
-    packs_with_parallel = False  # a packed micro-batch is laid out for one data shard (data/pair_packing.py)
 
     def __init__(self, name: str, title: str, loss, defaults: dict, traits: tuple = ()):
         """traits: of "averaged", "needs_reference" and "whole_chosen", the ones this method has (each above)."""
