@@ -200,17 +200,19 @@ def test_each_process_is_fed_its_part_and_the_parts_are_the_whole_batch(method, 
 # === --parallel data on 2 simulated devices (JAX) ===
 
 PARALLEL_RUNS = """
-import csv, json, sys
+import csv, json, os, sys
 import finetune
 from finetune.methods import registry
 
 data, root, flags = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-for method in registry.METHODS:
+for method in json.loads(sys.argv[4]) or registry.METHODS:
     out = f"{root}/{method}"
     settings = {"model.preset": "tiny", "backend": "jax", "model.precision": "float32", "model.seq_len": 32,
                 "train.method": method, "data.path": data[method], "train.max_steps": 2, "train.samples": 0,
                 "train.learning_rate": 1e-2, "train.batch_size": 4, "output.dir": out, **flags}
     metrics = finetune.run(finetune.load_config(None, settings))
+    if not os.path.exists(f"{out}/history.csv"):  # a job's process 1: process 0 writes the run
+        continue
     with open(f"{out}/history.csv") as f:
         trained = [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
     found = {k: metrics[k] for k in ("eval_loss_before", "eval_loss", "packing")}
@@ -218,20 +220,40 @@ for method in registry.METHODS:
 """
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def parallel_runs(data, tmp_path_factory):
-    """Every method on one device and with --parallel data on 2, packing on (pairs and SFT's rows alike): two
-    processes, side by side, each training the methods in turn through the Python API."""
+    """Every method on one device and with --parallel data on 2, packing on (pairs and SFT's rows alike), each
+    process training the methods in turn through the Python API; beside them, DPO in a job of two processes of one
+    device each (its reference pass and held-out scores gather every process's part). All side by side."""
     if BACKEND != "jax":
         pytest.skip("the distribution API is JAX-only; runs once, in the JAX suite")
     root = tmp_path_factory.mktemp("parallel")
     paths = json.dumps({method: str(path) for method, path in data.items()})
+    port = _free_port()
+    job = {"distribution.parallel": "data", "distribution.coordinator": f"127.0.0.1:{port}",
+           "distribution.num_processes": 2}  # fmt: skip
     procs = {}
-    for name, devices, flags in (("one", 1, {}), ("data", 2, {"distribution.parallel": "data"})):
+    for name, devices, flags, methods in (
+        ("one", 1, {}, []),
+        ("data", 2, {"distribution.parallel": "data"}, []),
+        ("job", 1, {**job, "distribution.process_id": 0}, ["dpo"]),
+        ("job 1", 1, {**job, "distribution.process_id": 1}, ["dpo"]),
+    ):
         env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-        args = [sys.executable, "-c", PARALLEL_RUNS, paths, str(root / name), json.dumps(flags)]
-        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        (root / f"tmp-{name}").mkdir()
+        env["TMPDIR"] = str(root / f"tmp-{name}")  # process 1's scratch run directory
+        args = [sys.executable, "-c", PARALLEL_RUNS, paths, str(root / name), json.dumps(flags), json.dumps(methods)]
+        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                       cwd=root)  # fmt: skip
     found = {}
     for name, proc in procs.items():
         try:
@@ -247,13 +269,28 @@ def parallel_runs(data, tmp_path_factory):
     return found
 
 
+def same_steps(one: dict, other: dict) -> None:
+    """`other`'s training losses and held-out scores before and after are `one`'s within 1e-5, and finite."""
+    assert len(other["losses"]) == 2 and all(math.isfinite(v) for v in other["losses"])
+    assert other["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-5)
+    for name in ("eval_loss_before", "eval_loss"):
+        assert math.isfinite(other[name]) and other[name] == pytest.approx(one[name], rel=1e-6, abs=1e-5), name
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_parallel_data_on_two_devices_trains_as_one_device(method, parallel_runs):
     """Each method's packed steps and held-out scores before and after, on 2 data shards, are one device's."""
     one, two = parallel_runs["one"][method], parallel_runs["data"][method]
     assert "mesh 2 batch" in parallel_runs["data output"]
     assert two["packing"] is True and one["packing"] is True  # pairs pack under --parallel too
-    assert len(two["losses"]) == 2 and all(math.isfinite(v) for v in two["losses"])
-    assert two["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-5)
-    for name in ("eval_loss_before", "eval_loss"):
-        assert math.isfinite(two[name]) and two[name] == pytest.approx(one[name], rel=1e-6, abs=1e-5), name
+    same_steps(one, two)
+
+
+def test_a_pair_job_of_two_processes_trains_and_scores_as_one_device(parallel_runs):
+    """Each process fed its part of every pair batch, and keras' predict_on_batch took that part for the whole
+    batch: the reference and the held-out scores were each process's own (6.58 and ln 2 before training, then
+    NaN). Now the whole batch is scored and every process gathers it (distribution.predicted)."""
+    assert "2 processes" in parallel_runs["job output"] and "as process 1" in parallel_runs["job 1 output"]
+    job = parallel_runs["job"]["dpo"]
+    assert job["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    same_steps(parallel_runs["one"]["dpo"], job)

@@ -218,12 +218,15 @@ def pair_outputs(view, batches):
     inference mode: each pair's loss and metrics (COLUMNS)."""
     import keras
 
+    from finetune.model import distribution
+
     # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
     # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
     eager = keras.config.backend() == "tensorflow"
     for indices, (x, _, _) in batches:
-        values = view(x, training=False) if eager else view.predict_on_batch(x)
-        yield indices, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(indices)]
+        # distribution.predicted: in a job of several processes, x is this process's part of the batch
+        values = keras.ops.convert_to_numpy(view(x, training=False)) if eager else distribution.predicted(view, x)
+        yield indices, np.asarray(values, np.float64)[: len(indices)]
 
 
 def pair_metrics(view, batches, after_batch=None) -> dict:
