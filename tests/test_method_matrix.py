@@ -6,8 +6,8 @@ new method is a new row here. Each cell trains the tiny preset for a few steps i
 as typed. The backend-dependent parts of each feature have their own tests on every backend (remat and dropout:
 test_remat.py; accumulation: test_optimizer.py, test_preference.py; resume: test_checkpoint.py), so most cells
 run in one suite (backend_neutral). --parallel data runs in the JAX suite, on 2 simulated devices (the distribution
-API is JAX-only), and the split across processes is checked on what each process is fed (a real two-process job:
-test_distribution.py, SFT).
+API is JAX-only). The split across processes is checked for every method on what each process is fed, and in real
+jobs of two processes for DPO (below: the pairs' scoring) and SFT (test_distribution.py).
 """
 
 import csv
