@@ -398,7 +398,7 @@ def test_dpo_with_data_parallel_scores_and_trains_as_one_device(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in learnable_pairs(40)), encoding="utf-8")
     runs = {}
-    # --packing off on both: pairs pack on one device and not under --parallel, which would train other batches.
+    # --packing off on both: the unpacked pairs (the matrix, test_method_matrix.py, runs every method packed).
     for name, devices, flags in (("one", 1, []), ("data", 2, ["--parallel", "data"])):
         args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", "jax", "--method", "dpo",
                 "--data", str(data), "--max-steps", "3", "--precision", "float32", "--batch-size", "4",

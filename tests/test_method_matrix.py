@@ -4,23 +4,28 @@ refusal (exit 2, nothing written) that names the combination.
 A feature written once below the methods holds for every method; this matrix is where that is checked, so a
 new method is a new row here. Each cell trains the tiny preset for a few steps in float32, from the command line
 as typed. The backend-dependent parts of each feature have their own tests on every backend (remat and dropout:
-test_remat.py; accumulation: test_optimizer.py, test_preference.py; resume: test_checkpoint.py), so the matrix
-runs in one suite.
-
-Not in the matrix yet: --parallel data (test_distribution.py for SFT; pairs: test_preference_runs.py) and the
-split across processes (test_distribution.py, SFT only; docs/not-yet.md).
+test_remat.py; accumulation: test_optimizer.py, test_preference.py; resume: test_checkpoint.py), so most cells
+run in one suite (backend_neutral). --parallel data runs in the JAX suite, on 2 simulated devices (the distribution
+API is JAX-only). The split across processes is checked for every method on what each process is fed, and in real
+jobs of two processes for DPO (below: the pairs' scoring) and SFT (test_distribution.py).
 """
 
 import csv
+import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
-from conftest import BACKEND, invoke, make_records, write_jsonl
+from conftest import BACKEND, REPO, adapter_arrays, invoke, killed_after, make_records, write_jsonl
 from test_preference_runs import learnable_pairs
 
 from finetune.methods import registry
 
-pytestmark = pytest.mark.backend_neutral  # the features' backend parts: the tests named above
+neutral = pytest.mark.backend_neutral  # the features' backend parts: the tests named above
 
 METHODS = list(registry.METHODS)
 
@@ -47,18 +52,28 @@ def losses(out) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def plain(data, tmp_path_factory):
-    """Each method's run with no feature: batch 4, no accumulation, remat off, no dropout or noise."""
+def plain_runs(data, tmp_path_factory):
+    """Each method's run with no feature: batch 4, no accumulation, remat off, no dropout or noise; a checkpoint
+    every 2 steps (what resume takes up)."""
     out = {}
     for method in METHODS:
         path = tmp_path_factory.mktemp(f"plain-{method}") / "run"
-        result = run(method, data, path, "--batch-size", "4", "--remat", "off", "--packing", "off")
+        result = run(method, data, path, "--batch-size", "4", "--remat", "off", "--packing", "off",
+                     "--checkpoint-every", "2")  # fmt: skip
         assert result.exit_code == 0, result.output
-        out[method] = losses(path)
-        assert len(out[method]) == 3 and all(math.isfinite(v) for v in out[method])
+        trained = losses(path)
+        assert len(trained) == 3 and all(math.isfinite(v) for v in trained)
+        out[method] = path
     return out
 
 
+@pytest.fixture(scope="module")
+def plain(plain_runs):
+    """Each method's plain run's training losses."""
+    return {method: losses(path) for method, path in plain_runs.items()}
+
+
+@neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_grad_accum_equals_the_whole_batch(method, data, plain, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "2", "--grad-accum", "2", "--remat", "off",
@@ -68,6 +83,7 @@ def test_grad_accum_equals_the_whole_batch(method, data, plain, tmp_path):
     assert losses(tmp_path / "run") == pytest.approx(plain[method], rel=1e-6, abs=1e-5)
 
 
+@neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_remat_equals_no_remat(method, data, plain, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "4", "--remat", "on", "--packing", "off")
@@ -75,6 +91,7 @@ def test_remat_equals_no_remat(method, data, plain, tmp_path):
     assert losses(tmp_path / "run") == pytest.approx(plain[method], rel=1e-6, abs=1e-5)
 
 
+@neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_dropout_and_neftune_train_finite_to_the_end_with_filler_rows(method, data, tmp_path):
     """Three epochs of 4 on a training share no batch divides: each epoch ends on a step with filler rows."""
@@ -85,6 +102,7 @@ def test_dropout_and_neftune_train_finite_to_the_end_with_filler_rows(method, da
     assert len(trained) == 15 and all(math.isfinite(v) for v in trained)
 
 
+@neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_auto_batch_size_probes_the_method_s_own_batches(method, data, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "auto")
@@ -92,6 +110,7 @@ def test_auto_batch_size_probes_the_method_s_own_batches(method, data, tmp_path)
     assert "batch size auto: " in result.output and math.isfinite(losses(tmp_path / "run")[-1])
 
 
+@neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_packing_trains(method, data, tmp_path):
     """--packing on: SFT's examples several to a row, pairs whole in micro-batches of 4 rows (issue 34)."""
@@ -102,6 +121,7 @@ def test_packing_trains(method, data, tmp_path):
     assert len(trained) == 3 and all(math.isfinite(v) for v in trained)
 
 
+@neutral
 @pytest.mark.parametrize("method", [m for m in METHODS if registry.get(m).paired])
 def test_pairs_with_pictures_are_refused_before_anything_is_written(method, tmp_path):
     """They trained on the literal text `<image>`: the pairs path never read the pictures."""
@@ -115,3 +135,162 @@ def test_pairs_with_pictures_are_refused_before_anything_is_written(method, tmp_
     assert result.exit_code == 2, result.output
     assert f"--method {method} does not train on pictures" in result.output
     assert not (tmp_path / "run").exists()
+
+
+# === Resume ===
+
+
+@neutral
+@pytest.mark.parametrize("method", METHODS)
+def test_a_run_stopped_after_a_checkpoint_resumes_to_the_plain_run(method, plain_runs, tmp_path):
+    """The plain run as a stop right after step 2's checkpoint leaves it (its results, history and adapter gone),
+    resumed: step 3 and the adapter are the uninterrupted run's."""
+    whole = plain_runs[method]
+    out = killed_after(whole, tmp_path / "stopped", 2)
+    for name in ("history.csv", "adapter.lora.h5"):
+        (out / name).unlink()
+    result = invoke("gemma", "--resume", "--output", out)  # every other setting comes from the checkpoint
+    assert result.exit_code == 0, result.output
+    assert "resuming" in result.output
+    assert losses(out) == pytest.approx(losses(whole), rel=1e-6, abs=1e-5) and len(losses(out)) == 3
+    expected, resumed = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert expected.keys() == resumed.keys() and len(expected) > 1
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] == 2
+
+
+# === The split across processes ===
+
+
+@pytest.mark.one_backend  # numpy: what each process is fed; the view on a split batch: the --parallel cell below
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("method", METHODS)
+def test_each_process_is_fed_its_part_and_the_parts_are_the_whole_batch(method, packed, data):
+    """Two processes of a data-parallel job, each holding one of 2 data shards (Feed.part): every micro-batch of
+    every step, an epoch's end with filler rows included, is the two processes' parts put together, and each part
+    is half of it."""
+    from finetune import config
+    from finetune.data import batching
+    from finetune.methods import prepare
+    from finetune.model import presets
+
+    chosen = registry.get(method)
+    cfg = config.from_dict({"model": {"preset": "tiny", "seq_len": 48},
+                            "data": {"path": str(data[method]), "template": "none" if chosen.paired else "dolly"},
+                            "train": {"method": method, "batch_size": 4, "grad_accum": 2}})  # fmt: skip
+    records, _ = prepare.read(cfg, cfg.data.path)
+    prepared = chosen.prepare(records, presets.tiny_tokenizer(), cfg, packed=packed)
+    whole = chosen.order(prepared, cfg, batching.Feed((0, 2, 2), 16))
+    parts = [chosen.order(prepared, cfg, batching.Feed((i, i + 1, 2), 16)) for i in range(2)]
+    assert whole.steps_per_epoch >= 2
+    for step in range(whole.steps_per_epoch + 1):  # an epoch, its last step filled, and the next epoch's first
+        split = [part.micro_batches(step) for part in parts]
+        for micro, (x, labels, weights) in enumerate(whole.micro_batches(step)):
+            first, second = split[0][micro], split[1][micro]
+            assert first[0]["token_ids"].shape[0] == second[0]["token_ids"].shape[0] == len(x["token_ids"]) // 2
+            assert len(first[2]) == len(weights) // 2
+            for name in x:
+                np.testing.assert_array_equal(np.concatenate([first[0][name], second[0][name]]), x[name], name)
+            np.testing.assert_array_equal(np.concatenate([first[1], second[1]]), labels)
+            np.testing.assert_array_equal(np.concatenate([first[2], second[2]]), weights)
+        assert whole.metric_weights(step) == parts[0].metric_weights(step)
+
+
+# === --parallel data on 2 simulated devices (JAX) ===
+
+PARALLEL_RUNS = """
+import csv, json, os, sys
+import finetune
+from finetune.methods import registry
+
+data, root, flags = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+for method in json.loads(sys.argv[4]) or registry.METHODS:
+    out = f"{root}/{method}"
+    settings = {"model.preset": "tiny", "backend": "jax", "model.precision": "float32", "model.seq_len": 32,
+                "train.method": method, "data.path": data[method], "train.max_steps": 2, "train.samples": 0,
+                "train.learning_rate": 1e-2, "train.batch_size": 4, "output.dir": out, **flags}
+    metrics = finetune.run(finetune.load_config(None, settings))
+    if not os.path.exists(f"{out}/history.csv"):  # a job's process 1: process 0 writes the run
+        continue
+    with open(f"{out}/history.csv") as f:
+        trained = [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
+    found = {k: metrics[k] for k in ("eval_loss_before", "eval_loss", "packing")}
+    print("RESULT", json.dumps({"method": method, "losses": trained, **found}), flush=True)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(data, tmp_path_factory):
+    """Every method on one device and with --parallel data on 2, packing on (pairs and SFT's rows alike), each
+    process training the methods in turn through the Python API; beside them, DPO in a job of two processes of one
+    device each (its reference pass and held-out scores gather every process's part). All side by side."""
+    if BACKEND != "jax":
+        pytest.skip("the distribution API is JAX-only; runs once, in the JAX suite")
+    root = tmp_path_factory.mktemp("parallel")
+    paths = json.dumps({method: str(path) for method, path in data.items()})
+    port = _free_port()
+    job = {"distribution.parallel": "data", "distribution.coordinator": f"127.0.0.1:{port}",
+           "distribution.num_processes": 2}  # fmt: skip
+    procs = {}
+    for name, devices, flags, methods in (
+        ("one", 1, {}, []),
+        ("data", 2, {"distribution.parallel": "data"}, []),
+        ("job", 1, {**job, "distribution.process_id": 0}, ["dpo"]),
+        ("job 1", 1, {**job, "distribution.process_id": 1}, ["dpo"]),
+    ):
+        env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        (root / f"tmp-{name}").mkdir()
+        env["TMPDIR"] = str(root / f"tmp-{name}")  # process 1's scratch run directory
+        args = [sys.executable, "-c", PARALLEL_RUNS, paths, str(root / name), json.dumps(flags), json.dumps(methods)]
+        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                       cwd=root)  # fmt: skip
+    found = {}
+    for name, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        assert proc.returncode == 0, output[-3000:]
+        results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+        found[name] = {r["method"]: r for r in results}
+        found[name + " output"] = output
+    shutil.rmtree(root)
+    return found
+
+
+def same_steps(one: dict, other: dict) -> None:
+    """`other`'s training losses and held-out scores before and after are `one`'s within 1e-5, and finite."""
+    assert len(other["losses"]) == 2 and all(math.isfinite(v) for v in other["losses"])
+    assert other["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-5)
+    for name in ("eval_loss_before", "eval_loss"):
+        assert math.isfinite(other[name]) and other[name] == pytest.approx(one[name], rel=1e-6, abs=1e-5), name
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parallel_data_on_two_devices_trains_as_one_device(method, parallel_runs):
+    """Each method's packed steps and held-out scores before and after, on 2 data shards, are one device's."""
+    one, two = parallel_runs["one"][method], parallel_runs["data"][method]
+    assert "mesh 2 batch" in parallel_runs["data output"]
+    assert two["packing"] is True and one["packing"] is True  # pairs pack under --parallel too
+    same_steps(one, two)
+
+
+def test_a_pair_job_of_two_processes_trains_and_scores_as_one_device(parallel_runs):
+    """Each process fed its part of every pair batch, and keras' predict_on_batch took that part for the whole
+    batch: the reference and the held-out scores were each process's own (6.58 and ln 2 before training, then
+    NaN). Now the whole batch is scored and every process gathers it (distribution.predicted)."""
+    assert "2 processes" in parallel_runs["job output"] and "as process 1" in parallel_runs["job 1 output"]
+    job = parallel_runs["job"]["dpo"]
+    assert job["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    same_steps(parallel_runs["one"]["dpo"], job)

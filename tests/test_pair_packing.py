@@ -57,3 +57,32 @@ def test_a_packed_micro_batch_lays_each_sequence_as_a_segment_with_its_slot():
     assert (x["position_ids"][0, starts] == 0).all()
     filler = pair_packing.inputs(packed, bundle, batching.Feed(), real=False)
     assert not filler[0]["loss_weights"].any() and not filler[2].any()
+
+
+def test_a_packed_micro_batch_splits_over_data_shards_and_processes():
+    """--parallel data: each shard's R / n rows gather their own targets, each slot still names its sequence in the
+    whole micro-batch, and the 2S outputs split evenly; two processes' parts, together, are the whole."""
+    arrays = pair_batches.pad(tiny_pairs(9), 64, whole_chosen=True)
+    arrays.reference[:] = np.arange(18, dtype=np.float32).reshape(9, 2)
+    packed = pair_packing.pack(arrays, 4)
+    assert packed.slots_for(4) % 2 == 0 and packed.slots_for(2) == packed.slots_for(1) == packed.slots
+
+    def targets(x):  # (sequence, label, answer) of each weighted slot, each sequence's in order
+        weighted = x["loss_weights"].ravel() > 0
+        found = zip(x["loss_sequence"].ravel()[weighted], x["loss_labels"].ravel()[weighted],
+                    x["loss_answer"].ravel()[weighted])  # fmt: skip
+        return sorted(found, key=lambda t: t[0])  # stable: each sequence's slots keep their order
+
+    for bundle in packed.bundles:
+        one = pair_packing.inputs(packed, bundle, batching.Feed(length_step=16), scale=0.5)
+        whole = pair_packing.inputs(packed, bundle, batching.Feed((0, 2, 2), 16), scale=0.5)
+        assert targets(whole[0]) == targets(one[0]) and len(targets(one[0])) > 0
+        assert whole[0]["loss_positions"].max() < 2 * whole[0]["token_ids"].shape[1]  # within a shard's 2 rows
+        for name in ("token_ids", "padding_mask", "loss_reference", "loss_nll_scale"):
+            np.testing.assert_array_equal(whole[0][name], one[0][name], err_msg=name)
+        np.testing.assert_array_equal(whole[2], one[2])
+        parts = [pair_packing.inputs(packed, bundle, batching.Feed((i, i + 1, 2), 16), scale=0.5) for i in range(2)]
+        for name, value in whole[0].items():
+            np.testing.assert_array_equal(np.concatenate([p[0][name] for p in parts]), value, err_msg=name)
+        np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), whole[2])
+        assert parts[0][0]["token_ids"].shape[0] == 2 and parts[0][2].shape[0] == packed.slots

@@ -139,17 +139,26 @@ def test_a_method_and_data_that_do_not_match_are_refused(pairs_file, tmp_path):
 
 
 @pytest.mark.one_backend
-def test_plan_counts_two_sequences_a_pair():
+def test_plan_counts_packed_rows_or_two_sequences_a_pair():
+    """Packed, --batch-size counts rows of --seq-len, whole pairs laid in them: an SFT batch's activations. It
+    counted two sequences a row there too, 2x too many. Unpacked, each of the batch's pairs is two sequences."""
     from finetune import config
     from finetune.training import plan
 
-    def activations(method):
-        cfg = config.from_dict({"model": {"preset": "gemma_2b_en", "seq_len": 512},
+    def activations(method, packing="auto", preset="gemma_2b_en"):
+        cfg = config.from_dict({"model": {"preset": preset, "seq_len": 512}, "data": {"packing": packing},
                                 "train": {"batch_size": 4, "method": method}})  # fmt: skip
         return plan.make(cfg).memory["activations"]
 
-    assert activations("dpo") == activations("orpo") == 2 * activations("sft")
-    shown = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo")
+    sft = activations("sft")
+    assert activations("dpo") == activations("orpo") == activations("dpo", "on") == sft
+    assert activations("dpo", "off") == activations("simpo", "off") == 2 * sft == 2 * activations("sft", "off")
+    # A model with a vision encoder takes keras-hub's own mask, so its rows are not packed (resolve.packing).
+    assert activations("dpo", preset="gemma3_4b") == 2 * activations("sft", preset="gemma3_4b")
+    packed = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo")
+    assert packed.exit_code == 0 and "counts rows of --seq-len" in packed.output, packed.output
+    shown = invoke("plan", "--preset", "gemma_2b_en", "--batch-size", "4", "--method", "dpo", "--set",
+                   "data.packing=off")  # fmt: skip
     assert shown.exit_code == 0 and "two sequences" in shown.output, shown.output
 
 

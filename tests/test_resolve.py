@@ -211,9 +211,9 @@ def test_records_in_any_format_resolve(tmp_path):
         assert resolve._template(cfg, found, None).why.startswith("auto")
 
 
-def test_pairs_pack_unless_parallel(monkeypatch):
-    """Pairs pack as SFT's examples do (issue 34); under --parallel their packed micro-batches would need a layout
-    per data shard, so auto turns packing off there and says why, and on is refused."""
+def test_pairs_pack_as_sft_s_examples_do(monkeypatch):
+    """Pairs pack as SFT's examples do (issue 34), --parallel or not: a packed micro-batch splits over the data
+    shards (pair_packing.inputs), where packing used to be turned off."""
     from finetune.methods.preference import DPO
     from finetune.model import attention
 
@@ -224,7 +224,3 @@ def test_pairs_pack_unless_parallel(monkeypatch):
     packed = resolve.packing(LM(), "auto", DPO)
     assert packed.value is True and "pairs packed" in packed.why
     assert resolve.packing(LM(), "on", DPO).value is True
-    off = resolve.packing(LM(), "auto", DPO, parallel="data")
-    assert off.value is False and "--parallel data" in off.why
-    with pytest.raises(UserError, match="--packing on: --method dpo with --parallel data"):
-        resolve.packing(LM(), "on", DPO, parallel="data")

@@ -12,11 +12,13 @@ micro-batches (EpochRows, seed + epoch), not the pairs: each epoch has the same 
 a pure function of (seed, step), which exact resume needs. A micro-batch holds P pairs, up to S (the most any
 holds): the chosen sequence of its j-th pair is sequence j and the rejected one S + j of 2S, so
 `loss_reference` (2S,) and the view's output (2S, 7) keep one shape; the S - P slots left are fillers of
-weight 0.
+weight 0. Under --parallel data the R rows split over the n data shards, R / n each, as padded rows do, and the
+2S outputs into n equal parts (S rounded up for it), each process feeding its own shards' (batching.Feed.part).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,18 +46,36 @@ class Packed:
     and the micro-batches that lay them `rows` rows of seq_len.
 
     slots: int. S, the most pairs a micro-batch holds: each micro-batch has 2S sequences.
-    width: int. Gathered-target slots per row: room for the targets of any micro-batch.
+    targets: (micro-batches, rows) int. The target positions each row of each micro-batch holds.
     """
 
     arrays: pair_batches.PairArrays
     rows: int
     bundles: list
     slots: int
-    width: int
+    targets: np.ndarray
 
     @property
     def seq_len(self) -> int:
         return self.arrays.chosen["token_ids"].shape[1]
+
+    @property
+    def width(self) -> int:
+        """Gathered-target slots per row, fed by one data shard: room for the targets of any micro-batch."""
+        return self.width_for(1)
+
+    def width_for(self, shards: int) -> int:
+        """Gathered-target slots per row of a micro-batch split over `shards` data shards (--parallel data), R / n
+        rows each: room for the targets of any shard's rows of any micro-batch, as batching.target_width."""
+        per_shard = self.rows // shards
+        most = int(self.targets.reshape(len(self.bundles), shards, per_shard).sum(2).max())
+        return max(8, -(-most // (8 * per_shard)) * 8)
+
+    def slots_for(self, shards: int) -> int:
+        """S over `shards` data shards: the most pairs a micro-batch holds, rounded up so that its 2S sequences'
+        outputs (and their sample weights) split evenly over the shards; the slots added are fillers."""
+        step = shards // math.gcd(shards, 2)
+        return -(-self.slots // step) * step
 
     def padding_fraction(self) -> float:
         """The share of the packed micro-batches' positions that hold no token."""
@@ -115,10 +135,11 @@ def pack(arrays: pair_batches.PairArrays, rows: int) -> Packed:
     if rows * seq_len < 2:
         raise ValueError("a micro-batch needs room for a pair")
     bundles = place(sequence_lengths(arrays), rows, seq_len)
-    targets = np.stack([(_side_targets(arrays, side) > 0).sum(1) for side in ("chosen", "rejected")], axis=1).sum(1)
-    most = max(int(targets[b.pairs].sum()) for b in bundles)
-    width = max(8, -(-most // (8 * rows)) * 8)
-    return Packed(arrays, rows, bundles, max(len(b.pairs) for b in bundles), width)
+    targets = np.stack([(_side_targets(arrays, side) > 0).sum(1) for side in ("chosen", "rejected")], axis=1)
+    per_row = np.zeros((len(bundles), rows), np.int64)  # each row's targets, in each micro-batch
+    for index, bundle in enumerate(bundles):
+        np.add.at(per_row[index], bundle.rows.ravel(), targets[bundle.pairs].ravel())
+    return Packed(arrays, rows, bundles, max(len(b.pairs) for b in bundles), per_row)
 
 
 def _side_targets(arrays: pair_batches.PairArrays, side: str) -> np.ndarray:
@@ -126,17 +147,23 @@ def _side_targets(arrays: pair_batches.PairArrays, side: str) -> np.ndarray:
 
 
 def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = True, scale: float | None = None):
-    """(x, labels, sample weights) of one packed micro-batch: `packed.rows` rows of its pairs' sequences.
+    """(x, labels, sample weights) of one packed micro-batch: `packed.rows` rows of its pairs' sequences, this
+    process's part of them (feed.part, as pair_batches.inputs feeds it).
 
     Beside the model inputs and the gathered targets, as batching.inputs makes them, x carries `loss_sequence`
     (each target slot's sequence, 0..2S-1: the chosen of slot j is j, its rejected S + j), `loss_reference`
     (2S,) and, where the method takes the chosen sequences whole, `loss_answer`, as pair_batches.inputs does
     unpacked. The sample weights are (2S, len(COLUMNS)): 1 in column 0 of each of the bundle's pairs, 0 for the
     filler slots, and 0 everywhere where `real` is False (a filler micro-batch, a copy of a real one).
+
+    Under --parallel data the R rows split into n data shards of R / n rows (each shard's loss positions index
+    its own rows, batching.targets) and the 2S sequences' outputs into n equal parts (Packed.slots_for); a
+    sequence's slot names it in the whole micro-batch, wherever its row lies, so each pair's loss is the one it
+    has on one device.
     """
-    arrays, rows, slots, seq_len = packed.arrays, packed.rows, packed.slots, packed.seq_len
-    if feed.part != (0, 1, 1):
-        raise ValueError("packed pairs are fed whole by one process (resolve.packing turns them off under --parallel)")
+    arrays, rows, seq_len = packed.arrays, packed.rows, packed.seq_len
+    first, end, shards = feed.part
+    slots, width = packed.slots_for(shards), packed.width_for(shards)
     laid = {name: np.zeros((rows, seq_len), dtype) for name, dtype in
             (("token_ids", np.int32), ("segment_ids", np.int32), ("labels", np.int32), ("weights", np.float32),
              ("answers", np.float32), ("sequence", np.int32))}  # fmt: skip
@@ -158,20 +185,26 @@ def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = Tru
     length = None
     if feed.length_step is not None:
         length = batching.batch_length(np.count_nonzero(laid["padding_mask"], axis=1), feed.length_step, seq_len)
-    x, _, _ = batching.inputs(laid, np.arange(rows), 1, packed.width, length, feed.inputs)
-    positions = x["loss_positions"]
+    mine = batching.local(np.arange(rows), feed.part)  # this process's rows: its shards', R / n each
+    x, _, _ = batching.inputs(laid, mine, end - first, width, length, feed.inputs)
     cut = length or seq_len
-    x["loss_sequence"] = laid["sequence"][:, :cut].reshape(-1)[positions].astype(np.int32)
+    per_shard = rows // shards
+    # Each slot row's shard's first row in the micro-batch, plus the row its position indexes within the shard.
+    shard_first = (first + np.arange(len(mine)) // per_shard) * per_shard
+    row, column = shard_first[:, None] + x["loss_positions"] // cut, x["loss_positions"] % cut
+    x["loss_sequence"] = laid["sequence"][row, column].astype(np.int32)
     if arrays.whole_chosen:  # the answers' slots among every target's
-        x["loss_answer"] = (laid["answers"][:, :cut].reshape(-1)[positions] > 0).astype(np.float32)
+        x["loss_answer"] = (laid["answers"][row, column] > 0).astype(np.float32)
+    outputs = batching.local(np.arange(2 * slots), feed.part)  # this process's part of the 2S sequences
+    if arrays.whole_chosen:
         scale = pair_batches.nll_scale(arrays, bundle.pairs) if scale is None else scale  # the step's, in training
-        x["loss_nll_scale"] = np.full(2 * slots, scale, np.float32)
+        x["loss_nll_scale"] = np.full(len(outputs), scale, np.float32)
     reference = np.zeros((2, slots), np.float32)
     reference[:, : len(bundle.pairs)] = arrays.reference[bundle.pairs].T
-    x["loss_reference"] = reference.reshape(-1)
+    x["loss_reference"] = reference.reshape(-1)[outputs]
     weights = np.zeros((2 * slots, len(pair_batches.COLUMNS)), np.float32)
     weights[: len(bundle.pairs), 0] = 1.0 if real else 0.0
-    return x, np.zeros_like(weights), weights
+    return x, np.zeros_like(weights[outputs]), weights[outputs]
 
 
 class PackedPairOrder:
@@ -192,7 +225,7 @@ class PackedPairOrder:
         self.grad_accum = grad_accum
         self.seed = seed
         self.feed = feed
-        self.width = packed.width
+        self.width = packed.width_for(feed.part[2])
         self._bundles = batching.EpochRows(len(packed.bundles), grad_accum, seed)
         self.steps_per_epoch = self._bundles.steps_per_epoch
 

@@ -65,9 +65,6 @@ class Method:
         """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
         return None
 
-    packs_with_parallel = True
-    """Its packed rows can be split over --parallel's devices (resolve.packing turns packing off where not)."""
-
     def objective(self, train):
         """What the run minimises, for builder.Optimizer: an object whose view(lm, chunk, shards) trains it.
 
@@ -127,6 +124,11 @@ class Method:
 
     # === Plan ===
 
-    def plan_note(self, cfg) -> str | None:
-        """What `finetune plan` says of this method's memory; None: nothing."""
+    def sequences_per_entry(self, packed: bool) -> int:
+        """The sequences of seq_len each entry of --batch-size computes: the method's per example, or one where the
+        rows are packed (--batch-size then counts rows, whole examples laid in them)."""
+        return 1 if packed else self.sequences_per_example
+
+    def plan_note(self, cfg, packed: bool = False) -> str | None:
+        """What `finetune plan` says of this method's memory, with its rows packed or not; None: nothing."""
         return None

@@ -38,7 +38,6 @@ class Preference(Method):
     held_out = held_out_history = ("reward_accuracy", "reward_margin")
     examples = "pairs"
     why = "set"  # --method is how a preference method is chosen
-    packs_with_parallel = False  # a packed micro-batch is laid out for one data shard (data/pair_packing.py)
 
     def __init__(self, name: str, title: str, loss, defaults: dict, traits: tuple = ()):
         """traits: of "averaged", "needs_reference" and "whole_chosen", the ones this method has (each above)."""
@@ -168,12 +167,15 @@ class Preference(Method):
 
     # === Plan ===
 
-    def plan_note(self, cfg) -> str | None:
+    def plan_note(self, cfg, packed: bool = False) -> str | None:
         reference = (
             f" ({self.title}'s reference is 8 bytes a pair, scored once: no second base)"
             if self.needs_reference
             else ""
         )
+        if packed:
+            return (f"--method {self.name} packed: --batch-size counts rows of --seq-len, whole pairs laid in them, so "
+                    f"the activations are an SFT batch's of as many rows{reference}")  # fmt: skip
         return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
                 f"SFT batch's{reference}")  # fmt: skip
 
@@ -216,12 +218,15 @@ def pair_outputs(view, batches):
     inference mode: each pair's loss and metrics (COLUMNS)."""
     import keras
 
+    from finetune.model import distribution
+
     # TensorFlow's predict function relaxes the target width to unknown once it sees a second one (the held-out
     # pairs' after the training pairs'), which the loss's chunks cannot take: there the view is called as it is.
     eager = keras.config.backend() == "tensorflow"
     for indices, (x, _, _) in batches:
-        values = view(x, training=False) if eager else view.predict_on_batch(x)
-        yield indices, np.asarray(keras.ops.convert_to_numpy(values), np.float64)[: len(indices)]
+        # distribution.predicted: in a job of several processes, x is this process's part of the batch
+        values = keras.ops.convert_to_numpy(view(x, training=False)) if eager else distribution.predicted(view, x)
+        yield indices, np.asarray(values, np.float64)[: len(indices)]
 
 
 def pair_metrics(view, batches, after_batch=None) -> dict:

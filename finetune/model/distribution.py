@@ -157,6 +157,46 @@ def process() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def predicted(model, x: dict):
+    """`model`'s output on the batch `x`, in inference mode, as numpy: in a job of several processes, the whole
+    batch's, on every process.
+
+    x: this process's part of the batch (data_part, batching.Feed.part). keras' predict_on_batch takes x for the
+    whole batch, which a process's part is not (train_on_batch and test_on_batch distribute their batch;
+    predict_on_batch does not): there each input becomes one global array, split on the batch axis as a training
+    step's are, the model runs on the whole batch, and every process gathers its whole output.
+    """
+    import keras
+    import numpy as np
+
+    current = keras.distribution.distribution()
+    if current is None or process()[1] == 1:
+        return np.asarray(keras.ops.convert_to_numpy(model.predict_on_batch(x)))
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    first, end, shards = data_part()
+    sharding = NamedSharding(current.device_mesh.backend_mesh, PartitionSpec(current.batch_dim_name))
+
+    def whole(value):
+        value = np.asarray(value)
+        shape = (len(value) * shards // (end - first), *value.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, value, shape)
+
+    if not model.built:  # as predict_on_batch builds it: its variables, nothing assigned
+        with keras.StatelessScope():
+            model(x, training=False)
+    call = getattr(model, "_finetune_predicted", None)
+    if call is None:  # compiled once per model, as predict_on_batch's function is
+        call = jax.jit(lambda trainable, frozen, inputs: model.stateless_call(trainable, frozen, inputs,
+                                                                              training=False)[0])  # fmt: skip
+        model._finetune_predicted = call
+    out = call([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+               {name: whole(value) for name, value in x.items()})  # fmt: skip
+    return np.asarray(multihost_utils.process_allgather(out, tiled=True))
+
+
 def fit_to_data_axis(dist, batch_size: int) -> tuple[int, str | None]:
     """A default batch size the user did not choose, made to split over the mesh's data axis: the next multiple
     of its devices. Returns (batch size, a note saying so, or None when it already split)."""

@@ -346,10 +346,12 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
-    # The batch counts the method's examples: a preference pair is two sequences, chosen and rejected.
+    # The batch counts the method's examples (a preference pair is two sequences, chosen and rejected), or rows
+    # of seq_len where they are packed.
     method = registry.get(cfg.train.method)
-    sequences = method.sequences_per_example
-    note = method.plan_note(cfg)
+    packed = _packed(cfg, model, method)
+    sequences = method.sequences_per_entry(packed)
+    note = method.plan_note(cfg, packed)
     if note:
         notes.append(note)
     memory["activations"] = (
@@ -398,6 +400,15 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     elif cfg.train.batch_size == "auto":
         plan.notes.append("batch auto: planned at one sequence per device; --device-memory finds the largest that fits")
     return plan
+
+
+def _packed(cfg: Config, model: Model, method) -> bool:
+    """Whether the run would pack its rows, as resolve.packing decides on the built model: not with --packing off,
+    nor for a method whose rows cannot pack, nor on pictures or a model with a vision encoder (keras-hub's own
+    mask); every text decoder finetune builds takes the per-example mask."""
+    if cfg.data.packing == "off" or method.unpacked_why() is not None:
+        return False
+    return model.vision is None and not cfg.data.images
 
 
 # What the decoder's pass holds at its peak, the start of the backward; the rest is held throughout.

@@ -345,23 +345,21 @@ def _time_limit(time_limit: str | None) -> tuple[Decision, float | None]:
     return Decision(time_limit, why), time.monotonic() + parse_duration(time_limit)
 
 
-def packing(lm, setting: str, method, pictured: bool = False, parallel: str = "none") -> Decision:
+def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
     """Whether the run packs rows: `auto` and `on` do, when every decoder block takes the per-example mask, on
     text: SFT's examples several to a row, a preference method's pairs as data/pair_packing.py lays them.
 
-    method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why), and one
-        whose packed rows are not split over devices says so (Method.packs_with_parallel).
+    method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why).
     pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
         so rows of several examples would attend across them; its rows are not packed.
-    parallel: str. --parallel: packed pairs are laid out for one data shard.
+    Packed rows split over --parallel's data shards as padded ones do (a packed micro-batch of pairs too:
+    pair_packing.inputs), so the mesh decides nothing here.
     """
     from finetune.model import attention
 
     if setting == "off":
         return Decision(False, "set")
     why = method.unpacked_why()
-    if not why and parallel != "none" and not method.packs_with_parallel:
-        why = f"--method {method.name} with --parallel {parallel}: packed pairs are not split over devices yet"
     if why:
         if setting == "on":
             raise UserError(f"--packing on: {why}; pass --packing auto or off")
