@@ -170,7 +170,8 @@ def _is_under(key: str, prefixes: tuple[str, ...]) -> bool:
 def _parameter(name: str, item: config_module.Setting) -> inspect.Parameter:
     """The Typer option for a setting: defaulting to None (or off), so only flags the user typed override a recipe."""
     kind = _flag_type(item.type)
-    help_text = item.help + (" Repeat it or comma-separate." if kind == list[str] else "")
+    repeat = " Repeat it." if item.whole or kind == list[float] else " Repeat it or comma-separate."
+    help_text = item.help + (repeat if typing.get_origin(kind) is list else "")
     if item.default_words():
         help_text += f" (default: {item.default_words()})"
     option = typer.Option(
@@ -202,7 +203,7 @@ def _typed(schema, settings: dict) -> dict:
     for item in config_module.settings(schema):
         value = settings.get(item.key)
         if isinstance(value, list):
-            value = _split_list(value)
+            value = value if item.whole or item.type != list[str] else _split_list(value)
         elif value is not None and {int, str} <= set(typing.get_args(item.type)):
             value = _number_or_word(item, value)
         if value is not None and value is not False:

@@ -44,8 +44,11 @@ REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
-# The training methods: SFT's token loss, or a preference loss over (chosen, rejected) pairs (docs/preference.md).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")  # methods/registry.py's names (a test keeps the two equal)
+# The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md), or
+# online RL on prompts with reward functions (docs/rl.md).
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo")  # methods/registry.py's names (a test keeps the two equal)
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's GRPOConfig.loss_type values we train
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards values
 
 # The panels of `finetune gemma --help`, in the order the fields below first name them.
 MODEL, LORA, DATA, TRAINING, EVALUATION, OUTPUT, SCALE_OUT = (
@@ -96,6 +99,7 @@ class Setting:
     label: str or None. What messages call the setting; by default its name, in words.
     default_text: str or None. The default in words, where the value alone would mislead (None, computed).
     env: str or None. The environment variable the default comes from, which messages name.
+    whole: bool. A list flag's every value is one item, never split at commas (a regex may hold them).
     """
 
     key: str
@@ -112,6 +116,7 @@ class Setting:
     label: Optional[str] = None
     default_text: Optional[str] = None
     env: Optional[str] = None
+    whole: bool = False
 
     @property
     def name(self) -> str:
@@ -482,16 +487,17 @@ class TrainConfig:
     )  # fmt: skip
     method: str = setting(
         "sft",
-        "The objective: sft (the response tokens' cross-entropy), or a preference loss on (prompt, chosen, "
-        "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference).",
+        "The objective: sft (the response tokens' cross-entropy), a preference loss on (prompt, chosen, "
+        "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference), "
+        "or grpo: online RL on prompts, scored by --reward functions.",
         flag="--method", panel=TRAINING, choices=METHODS, metavar="NAME",
     )  # fmt: skip
     beta: Optional[float] = setting(
         None,
         "The preference loss's beta: DPO's and SimPO's inverse temperature, IPO's regularisation tau, ORPO's "
-        "lambda (the weight of its odds-ratio term).",
-        flag="--beta", panel=TRAINING, range=Range(0, low_open=True), metavar="B",
-        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0 (docs/preference.md)",
+        "lambda (the weight of its odds-ratio term); GRPO's KL weight (0: no reference).",
+        flag="--beta", panel=TRAINING, range=Range(0), metavar="B",
+        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0, grpo 0 (docs/preference.md, docs/rl.md)",
     )  # fmt: skip
     label_smoothing: Optional[float] = setting(
         None,
@@ -503,6 +509,63 @@ class TrainConfig:
         None,
         "SimPO only: the target reward margin gamma.",
         flag="--simpo-gamma", panel=TRAINING, range=Range(0), metavar="G", default_text="0.5",
+    )  # fmt: skip
+    reward: list[str] = setting(
+        [],
+        "GRPO: a reward function, FILE.py:FUNCTION or module:function, f(prompts, completions, **columns) -> "
+        "list of float or None, as TRL's; or a built-in: format:REGEX, length[:TOKENS], exact, math (docs/rl.md).",
+        flag="--reward", panel=TRAINING, metavar="SPEC", default_text="none", whole=True,
+    )  # fmt: skip
+    reward_weights: list[float] = setting(
+        [],
+        "GRPO: each --reward's weight in the total reward, in order.",
+        flag="--reward-weights", panel=TRAINING, metavar="W", default_text="1 each",
+    )  # fmt: skip
+    num_generations: Optional[int] = setting(
+        None,
+        "GRPO: completions sampled for each prompt, the group its advantages are normalised in.",
+        flag="--num-generations", panel=TRAINING, metavar="G", range=Range(2), default_text="8, as TRL",
+    )  # fmt: skip
+    max_completion_length: Optional[int] = setting(
+        None,
+        "GRPO: the most tokens sampled for a completion.",
+        flag="--max-completion-length", panel=TRAINING, metavar="N", range=Range(1), default_text="256",
+    )  # fmt: skip
+    temperature: Optional[float] = setting(
+        None,
+        "GRPO: the sampling temperature of the rollouts (the log-probabilities are taken at it too, as TRL's).",
+        flag="--temperature", panel=TRAINING, metavar="T", range=Range(0, low_open=True), default_text="1.0",
+    )  # fmt: skip
+    top_p: Optional[float] = setting(
+        None,
+        "GRPO: nucleus sampling of the rollouts.",
+        flag="--top-p", panel=TRAINING, metavar="P", range=Range(0, 1, low_open=True), default_text="1.0",
+    )  # fmt: skip
+    epsilon: Optional[float] = setting(
+        None,
+        "GRPO: the clip range's lower side: the ratio is kept above 1 - epsilon.",
+        flag="--epsilon", panel=TRAINING, metavar="E", range=Range(0, 1, low_open=True), default_text="0.2",
+    )  # fmt: skip
+    epsilon_high: Optional[float] = setting(
+        None,
+        "GRPO: the clip range's upper side, 1 + epsilon_high (DAPO's paper: 0.28).",
+        flag="--epsilon-high", panel=TRAINING, metavar="E", range=Range(0, low_open=True), default_text="--epsilon",
+    )  # fmt: skip
+    num_iterations: Optional[int] = setting(
+        None,
+        "GRPO: optimizer steps on each batch of rollouts (mu).",
+        flag="--num-iterations", panel=TRAINING, metavar="MU", range=Range(1), default_text="1",
+    )  # fmt: skip
+    loss_type: Optional[str] = setting(
+        None,
+        "GRPO: how the per-token losses are averaged: grpo (per sequence), dapo (per token of the step), "
+        "dr_grpo (over rows x --max-completion-length), bnpo (per token of the micro-batch).",
+        flag="--loss-type", panel=TRAINING, choices=LOSS_TYPES, metavar="NAME", default_text="dapo, as TRL",
+    )  # fmt: skip
+    scale_rewards: Optional[str] = setting(
+        None,
+        "GRPO: divide the advantages by the rewards' std in each group, the batch's, or not at all.",
+        flag="--scale-rewards", panel=TRAINING, choices=SCALE_REWARDS, metavar="HOW", default_text="group",
     )  # fmt: skip
     max_grad_norm: Union[float, str] = setting(
         1.0,

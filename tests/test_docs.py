@@ -4,7 +4,8 @@ What runs. Each ```sh block of README.md and docs/*.md is read as shell commands
 continues a line; blank and comment-only lines are skipped). The README's commands run first, once, in the
 JAX suite, in a fresh directory: its quickstart leaves `runs/first`, a finished tiny run. Then each guide's commands
 run in order in a directory of their own that starts with a copy of `runs/first`, so a guide can evaluate,
-generate, export and resume without training again. A `finetune` command runs in this process through Typer's
+generate, export and resume without training again, and a copy of the repository's `examples/` (docs/rl.md's
+prompts and reward functions), as a reader in the repository root has them. A `finetune` command runs in this process through Typer's
 CliRunner, so keras is imported once; anything else, or a command with shell syntax (`>`, `|`, `$`, an
 environment assignment), runs in bash with this environment's `finetune` on PATH. A command that names a
 backend (`--backend X`, `KERAS_BACKEND=X`, or a recipe's `backend: X`) runs in X's suite only; one that names
@@ -314,6 +315,7 @@ def test_the_guide_commands_run(guide, request, tmp_path):
         pytest.skip(f"no command of {guide.name} names {BACKEND}; the others run in the {DOCS_SUITE} suite")
     if BACKEND == DOCS_SUITE:  # the guides go on from the README's quickstart run
         shutil.copytree(request.getfixturevalue("readme_dir") / "runs" / "first", tmp_path / "runs" / "first")
+    shutil.copytree(REPO / "examples", tmp_path / "examples")  # a guide's commands run from the repository root
     problems = run_all(guide, tmp_path)
     assert not problems, "\n\n".join(problems)
 

@@ -7,7 +7,10 @@ as typed. The backend-dependent parts of each feature have their own tests on ev
 test_remat.py; accumulation: test_optimizer.py, test_preference.py; resume: test_checkpoint.py), so most cells
 run in one suite (backend_neutral). --parallel data runs in the JAX suite, on 2 simulated devices (the distribution
 API is JAX-only). The split across processes is checked for every method on what each process is fed, and in real
-jobs of two processes for DPO (below: the pairs' scoring) and SFT (test_distribution.py).
+jobs of two processes for DPO (below: the pairs' scoring) and SFT (test_distribution.py). GRPO's rows are its
+own rollouts, a prompt and one completion each, sampled in one process: `--batch-size auto`, `--packing on`, a
+job of several processes are refused there (docs/not-yet.md); its sampled rollouts' resume on
+every backend: test_grpo.py.
 """
 
 import csv
@@ -21,6 +24,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import BACKEND, REPO, adapter_arrays, invoke, killed_after, make_records, write_jsonl
+from test_grpo import story_prompts
 from test_preference_runs import learnable_pairs
 
 from finetune.methods import registry
@@ -28,6 +32,14 @@ from finetune.methods import registry
 neutral = pytest.mark.backend_neutral  # the features' backend parts: the tests named above
 
 METHODS = list(registry.METHODS)
+# Each method's own flags: GRPO's rollouts, 4 completions of 4 tokens a prompt, scored by a built-in reward.
+OWN_FLAGS = {name: ["--reward", "format:The", "--num-generations", "4", "--max-completion-length", "4"]
+             if registry.get(name).prompted else [] for name in METHODS}  # fmt: skip
+# The same, as the Python API's settings (the --parallel runs below).
+OWN_SETTINGS = {name: {"train.reward": ["format:The"], "train.num_generations": 4, "train.max_completion_length": 4}
+                for name in METHODS if registry.get(name).prompted}  # fmt: skip
+ROWS_OF_THEIR_OWN = [m for m in METHODS if registry.get(m).prompted]  # GRPO: each rollout is a row (not-yet.md)
+PACKED = [m for m in METHODS if m not in ROWS_OF_THEIR_OWN]
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +48,24 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     sft = write_jsonl(root / "sft.jsonl", make_records(21))
     paired = write_jsonl(root / "pairs.jsonl", learnable_pairs(21))
-    return {name: sft if not registry.get(name).paired else paired for name in METHODS}
+    prompts = write_jsonl(root / "prompts.jsonl", story_prompts()[:21])
+    return {name: paired if registry.get(name).paired else prompts if registry.get(name).prompted else sft
+            for name in METHODS}  # fmt: skip
 
 
 def run(method, data, out, *flags):
     """`finetune gemma` as typed: the tiny preset, float32, 3 steps of 4 (pairs), the method's records."""
     return invoke("gemma", "--preset", "tiny", "--backend", BACKEND, "--precision", "float32", "--seq-len", "48",
                   "--method", method, "--data", data[method], "--max-steps", "3", "--set", "train.samples=0",
-                  "--lr", "1e-2", "--output", out, *flags)  # fmt: skip
+                  "--lr", "1e-2", "--output", out, *OWN_FLAGS[method], *flags)  # fmt: skip
 
 
 def losses(out) -> list[float]:
+    """Each step's loss, then its gradient's norm: GRPO's loss is about 0 at every step (its ratio is 1 where each
+    batch of rollouts trains one step), so its gradient is what a feature would change."""
     with (out / "history.csv").open() as f:
-        return [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
+        rows = [r for r in csv.DictReader(f) if r["train_loss"]]
+    return [float(r["train_loss"]) for r in rows] + [float(r["grad_norm"]) for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +79,7 @@ def plain_runs(data, tmp_path_factory):
                      "--checkpoint-every", "2")  # fmt: skip
         assert result.exit_code == 0, result.output
         trained = losses(path)
-        assert len(trained) == 3 and all(math.isfinite(v) for v in trained)
+        assert len(trained) == 6 and all(math.isfinite(v) for v in trained)
         out[method] = path
     return out
 
@@ -99,11 +116,11 @@ def test_dropout_and_neftune_train_finite_to_the_end_with_filler_rows(method, da
                  "5", "--max-steps", "15", "--packing", "off")  # fmt: skip
     assert result.exit_code == 0, result.output
     trained = losses(tmp_path / "run")
-    assert len(trained) == 15 and all(math.isfinite(v) for v in trained)
+    assert len(trained) == 30 and all(math.isfinite(v) for v in trained)
 
 
 @neutral
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PACKED)
 def test_auto_batch_size_probes_the_method_s_own_batches(method, data, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "auto")
     assert result.exit_code == 0, result.output
@@ -111,14 +128,24 @@ def test_auto_batch_size_probes_the_method_s_own_batches(method, data, tmp_path)
 
 
 @neutral
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PACKED)
 def test_packing_trains(method, data, tmp_path):
     """--packing on: SFT's examples several to a row, pairs whole in micro-batches of 4 rows (issue 34)."""
     result = run(method, data, tmp_path / "run", "--batch-size", "4", "--packing", "on")
     assert result.exit_code == 0, result.output
     assert "packing: " in result.output and "padding " in result.output, result.output
     trained = losses(tmp_path / "run")
-    assert len(trained) == 3 and all(math.isfinite(v) for v in trained)
+    assert len(trained) == 6 and all(math.isfinite(v) for v in trained)
+
+
+@neutral
+@pytest.mark.parametrize("method", ROWS_OF_THEIR_OWN)
+@pytest.mark.parametrize("flags, said", [(["--batch-size", "auto"], "--batch-size counts prompts"),
+                                         (["--packing", "on"], "is a row of its own")])  # fmt: skip
+def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(method, data, tmp_path, flags, said):
+    result = run(method, data, tmp_path / "run", *flags)
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert not (tmp_path / "run").exists()
 
 
 @neutral
@@ -152,7 +179,7 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_plain_run(method, plain
     result = invoke("gemma", "--resume", "--output", out)  # every other setting comes from the checkpoint
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output
-    assert losses(out) == pytest.approx(losses(whole), rel=1e-6, abs=1e-5) and len(losses(out)) == 3
+    assert losses(out) == pytest.approx(losses(whole), rel=1e-6, abs=1e-5) and len(losses(out)) == 6
     expected, resumed = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
     assert expected.keys() == resumed.keys() and len(expected) > 1
     for name in expected:
@@ -165,7 +192,7 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_plain_run(method, plain
 
 @pytest.mark.one_backend  # numpy: what each process is fed; the view on a split batch: the --parallel cell below
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PACKED)
 def test_each_process_is_fed_its_part_and_the_parts_are_the_whole_batch(method, packed, data):
     """Two processes of a data-parallel job, each holding one of 2 data shards (Feed.part): every micro-batch of
     every step, an epoch's end with filler rows included, is the two processes' parts put together, and each part
@@ -197,6 +224,19 @@ def test_each_process_is_fed_its_part_and_the_parts_are_the_whole_batch(method, 
         assert whole.metric_weights(step) == parts[0].metric_weights(step)
 
 
+@pytest.mark.one_backend  # the order's own check, before anything is sampled
+@pytest.mark.parametrize("method", ROWS_OF_THEIR_OWN)
+def test_rollouts_refuse_a_split_across_processes(method, data):
+    from finetune import config
+    from finetune.data import batching
+    from finetune.platform.errors import UserError
+
+    cfg = config.from_dict({"model": {"preset": "tiny", "seq_len": 48}, "data": {"path": str(data[method])},
+                            "train": {"method": method, "batch_size": 4, "reward": ["format:The"]}})  # fmt: skip
+    with pytest.raises(UserError, match="samples its rollouts in one process"):
+        registry.get(method).order(None, cfg, batching.Feed((0, 1, 2), 16))
+
+
 # === --parallel data on 2 simulated devices (JAX) ===
 
 PARALLEL_RUNS = """
@@ -204,12 +244,12 @@ import csv, json, os, sys
 import finetune
 from finetune.methods import registry
 
-data, root, flags = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+data, root, flags, own = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[5])
 for method in json.loads(sys.argv[4]) or registry.METHODS:
     out = f"{root}/{method}"
     settings = {"model.preset": "tiny", "backend": "jax", "model.precision": "float32", "model.seq_len": 32,
                 "train.method": method, "data.path": data[method], "train.max_steps": 2, "train.samples": 0,
-                "train.learning_rate": 1e-2, "train.batch_size": 4, "output.dir": out, **flags}
+                "train.learning_rate": 1e-2, "train.batch_size": 4, "output.dir": out, **flags, **own.get(method, {})}
     metrics = finetune.run(finetune.load_config(None, settings))
     if not os.path.exists(f"{out}/history.csv"):  # a job's process 1: process 0 writes the run
         continue
@@ -251,7 +291,8 @@ def parallel_runs(data, tmp_path_factory):
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
         (root / f"tmp-{name}").mkdir()
         env["TMPDIR"] = str(root / f"tmp-{name}")  # process 1's scratch run directory
-        args = [sys.executable, "-c", PARALLEL_RUNS, paths, str(root / name), json.dumps(flags), json.dumps(methods)]
+        args = [sys.executable, "-c", PARALLEL_RUNS, paths, str(root / name), json.dumps(flags), json.dumps(methods),
+                json.dumps(OWN_SETTINGS)]  # fmt: skip
         procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                        cwd=root)  # fmt: skip
     found = {}
@@ -279,10 +320,12 @@ def same_steps(one: dict, other: dict) -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_parallel_data_on_two_devices_trains_as_one_device(method, parallel_runs):
-    """Each method's packed steps and held-out scores before and after, on 2 data shards, are one device's."""
+    """Each method's steps (packed where it packs) and held-out scores before and after, on 2 data shards, are one
+    device's."""
     one, two = parallel_runs["one"][method], parallel_runs["data"][method]
     assert "mesh 2 batch" in parallel_runs["data output"]
-    assert two["packing"] is True and one["packing"] is True  # pairs pack under --parallel too
+    packs = method in PACKED  # pairs pack under --parallel too; GRPO's rollouts are rows of their own
+    assert two["packing"] is packs and one["packing"] is packs
     same_steps(one, two)
 
 

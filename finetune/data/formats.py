@@ -18,6 +18,11 @@ by the first record's keys (FORMATS):
   list of messages or sharing their leading messages (UltraFeedback's form).
   A pair's record is an SFT record whose response is the chosen answer, plus
   the rejected one (docs/preference.md).
+- prompts: `prompt` text alone, no completion (TRL's prompt-only form), for
+  online RL (--method grpo), which writes its own completions;
+- prompts-chat: `prompt` as a list of messages ending with the user's.
+  A prompt record keeps its other keys (`answer`, `solution`...) in `columns`,
+  for the reward functions (docs/rl.md).
 
 Any of these may be compressed, and is read as it is: gzip (.gz), bzip2 (.bz2)
 and xz (.xz) through Python's own modules, Zstandard (.zst) where the
@@ -63,10 +68,13 @@ FORMATS = {
     "text": "text",
     "preference": "chosen, rejected, and prompt or none, as text",
     "preference-chat": "chosen, rejected, and prompt or none, as messages",
+    "prompts": "prompt alone, as text",
+    "prompts-chat": "prompt alone, as messages",
 }
 TITLES = {"dolly": "Dolly", "alpaca": "Alpaca", "sharegpt": "ShareGPT", "completion": "prompt/completion"}
-CHAT_FORMATS = ("chat", "sharegpt", "preference-chat")  # records of turns, rendered by a chat template
+CHAT_FORMATS = ("chat", "sharegpt", "preference-chat", "prompts-chat")  # records of turns, rendered by a chat template
 PREFERENCE_FORMATS = ("preference", "preference-chat")  # pairs of a chosen and a rejected answer
+PROMPT_FORMATS = ("prompts", "prompts-chat")  # prompts alone: online RL writes the completions
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 # ShareGPT's speakers, as community sets name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
@@ -93,7 +101,9 @@ class Record:
     """Preference pairs: the rejected answer, after the same prompt as the chosen one (`response`, and the last
     assistant turn of `turns`)."""
     where: str = field(default="", compare=False, repr=False)
-    """Preference pairs: file:line (or row) of the record, for errors found once it is tokenized."""
+    """Preference pairs and prompts: file:line (or row) of the record, for errors found once it is tokenized."""
+    columns: dict = field(default_factory=dict, compare=False, repr=False)
+    """Prompts: the record's other keys (answer, solution...), as read, for the reward functions."""
 
     @property
     def is_pair(self) -> bool:
@@ -116,6 +126,8 @@ def detect_format(obj) -> str | None:
         return "alpaca" if "output" in obj and "response" not in obj else "dolly"
     if "prompt" in obj and "completion" in obj:
         return "completion"
+    if "prompt" in obj and "text" not in obj:
+        return "prompts-chat" if isinstance(obj["prompt"], list) else "prompts"
     if "text" in obj:
         return "text"
     return None
@@ -255,6 +267,9 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
                 )
         elif _is_pair(obj) != (fmt in PREFERENCE_FORMATS):
             raise UserError(_mixed(where, fmt))
+        elif fmt in PROMPT_FORMATS and detect_format(obj) not in PROMPT_FORMATS:
+            raise UserError(f"{where}: a record with an answer in a file of prompts alone, as its first record is; "
+                            "a file holds prompts alone (for --method grpo) or records with answers, not both")  # fmt: skip
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
@@ -557,6 +572,8 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
         raise UserError(f"{where}: expected a record (an object with {FORMATS[fmt]}), got {documents.kind_of(obj)}")
     if fmt in PREFERENCE_FORMATS:
         return _pair_record(obj, where, fmt)
+    if fmt in PROMPT_FORMATS:
+        return _prompt_record(obj, where)
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -670,6 +687,22 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
         _check_text(system, where, "the system turn")
         turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
+
+
+def _prompt_record(obj: dict, where: str) -> Record:
+    """A prompt alone (TRL's prompt-only form): text, or messages ending with the user's; its other keys kept."""
+    if "completion" in obj or "chosen" in obj:
+        raise UserError(f"{where}: a file of prompts (for --method grpo) holds no answers; this record has one")
+    columns = {key: value for key, value in obj.items() if key not in ("prompt", "images")}
+    if isinstance(obj["prompt"], list):
+        # Read as a chat whose answer is still to come: checked as one with an answer, which is then taken off.
+        last = obj["prompt"][-1] if obj["prompt"] else None
+        if not isinstance(last, dict) or ROLES.get(last.get("role")) != "user":
+            raise UserError(f"{where}: a prompt's last message must be the user's, which the model answers")
+        answered = [*obj["prompt"], {"role": "assistant", "content": "-"}]
+        record = _chat_record(answered, where, "prompt", ("role", "content"), ROLES)
+        return dataclasses.replace(record, response="", turns=record.turns[:-1], where=where, columns=columns)
+    return Record(instruction=_field(obj, "prompt", where), response="", where=where, columns=columns)
 
 
 # === Preference pairs: TRL's forms (docs/preference.md) ===
@@ -799,7 +832,8 @@ def fingerprint(records) -> str:
         fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
         fields += [[pictures.key(p) for p in r.images]] if r.images else []
         fields += [r.rejected] if r.rejected else []  # SFT records' fingerprints stay as they were
-        digest.update(json.dumps(fields).encode("utf-8"))
+        fields += [r.columns] if r.columns else []
+        digest.update(json.dumps(fields, default=str).encode("utf-8"))
     return digest.hexdigest()
 
 

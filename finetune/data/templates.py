@@ -101,6 +101,8 @@ class GemmaChat(Template):
 
     def apply(self, record: Record) -> tuple[str, str]:
         pieces = self.segments(record)
+        if record.turns and record.turns[-1][0] == "user":  # a prompt alone (GRPO's): every turn, the model's opened
+            return "".join(text for text, _ in pieces), ""
         return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
 
     def segments(self, record: Record) -> list[tuple[str, bool]]:
@@ -161,7 +163,8 @@ class NoTemplate(Template):
 TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat(), NoTemplate())}
 CHAT = ("gemma-chat", "gemma4-chat")
 # The template --template auto gives each format that is not chat.
-OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none", "preference": "none"}
+OWN = {"dolly": "dolly", "alpaca": "alpaca", "completion": "none", "text": "none", "preference": "none",
+       "prompts": "none"}  # fmt: skip
 
 
 def pair_segments(template: Template, record: Record) -> tuple[list, list]:

@@ -23,6 +23,7 @@ class Method:
     name: str. As --method names it, and config.yaml records it.
     title: str. As people write it (DPO, SFT), in messages.
     paired: bool. It trains on preference pairs ({prompt, chosen, rejected} records), not SFT records.
+    prompted: bool. It trains on prompts alone (formats.PROMPT_FORMATS) and writes its own completions (GRPO).
     sequences_per_example: int. The sequences each entry of a batch computes (a pair is two): the plan's
         activations, and what --batch-size counts.
     defaults: dict. The train settings this method decides (beta, ...), each name to (default, why).
@@ -31,6 +32,7 @@ class Method:
     name = ""
     title = ""
     paired = False
+    prompted = False
     sequences_per_example = 1
     defaults: dict = {}
     held_out = ("perplexity", "accuracy")
@@ -89,8 +91,11 @@ class Method:
         """`prepared` with every record of --eval-data (`records`) as its held-out set, in the run's template."""
         raise NotImplementedError
 
-    def order(self, prepared, cfg, feed):
-        """The order the training rows go in: every optimizer step's micro-batches, a function of (seed, step)."""
+    def order(self, prepared, cfg, feed, model=None):
+        """The order the training rows go in: every optimizer step's micro-batches, a function of (seed, step).
+
+        model: builder.Model. The run's model, for a method whose rows are its own samples (GRPO's rollouts).
+        """
         raise NotImplementedError
 
     # === Score ===

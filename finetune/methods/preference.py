@@ -123,7 +123,7 @@ class Preference(Method):
         """The pairs padded as this method's view reads them (pair_batches.pad)."""
         return pair_batches.pad(pairs, seq_len, self.whole_chosen)
 
-    def order(self, prepared, cfg, feed):
+    def order(self, prepared, cfg, feed, model=None):
         if prepared.packed:
             return pair_packing.PackedPairOrder(prepared.rows.packed, cfg.train.seed, feed, cfg.train.grad_accum)
         return pair_batches.PairOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)

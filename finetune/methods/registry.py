@@ -7,12 +7,12 @@ asks which method runs (tests/test_methods.py walks the code for such a question
 from __future__ import annotations
 
 from finetune.data import formats
-from finetune.methods import preference, supervised
+from finetune.methods import grpo, preference, supervised
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
 
 METHODS: dict[str, Method] = {m.name: m for m in (supervised.SFT, preference.DPO, preference.IPO, preference.ORPO,
-                                                   preference.SIMPO)}  # fmt: skip
+                                                   preference.SIMPO, grpo.GRPO_METHOD)}  # fmt: skip
 
 
 def get(name: str) -> Method:
@@ -24,7 +24,13 @@ def get(name: str) -> Method:
 
 
 # The train settings that belong to some methods and not to others, by flag (each method's `defaults` names its own).
-CONSTANT_FLAGS = {"beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma"}
+CONSTANT_FLAGS = {"beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma",
+                  "num_generations": "--num-generations", "max_completion_length": "--max-completion-length",
+                  "temperature": "--temperature", "top_p": "--top-p", "epsilon": "--epsilon",
+                  "epsilon_high": "--epsilon-high", "num_iterations": "--num-iterations", "loss_type": "--loss-type",
+                  "scale_rewards": "--scale-rewards"}  # fmt: skip
+# GRPO's reward functions: lists, empty when not given.
+REWARD_FLAGS = {"reward": "--reward", "reward_weights": "--reward-weights"}
 
 
 def decide(train, data_format: str) -> dict:
@@ -34,6 +40,18 @@ def decide(train, data_format: str) -> dict:
     train: config.TrainConfig. data_format: the records' format (formats.read).
     """
     method = get(train.method)
+    prompts = data_format in formats.PROMPT_FORMATS
+    if prompts and not method.prompted:
+        takers = ", ".join(m.name for m in METHODS.values() if m.prompted)
+        raise UserError(f"the data is {data_format}: prompts alone, with no answers to learn from; pass --method "
+                        f"{takers} (online RL with --reward functions), or give records with answers")  # fmt: skip
+    if method.prompted and not prompts:
+        raise UserError(f"--method {method.name} trains on prompts alone ({{\"prompt\": ...}} records, text or "
+                        f"messages) and writes its own completions; the data is {data_format}: give prompts")  # fmt: skip
+    for name, flag in REWARD_FLAGS.items():
+        if getattr(train, name, None) and not method.prompted:
+            raise UserError(f"{flag} scores GRPO's completions; --method {method.name} has none: leave it out or "
+                            "pass --method grpo")  # fmt: skip
     paired = data_format in formats.PREFERENCE_FORMATS
     if paired and not method.paired:
         takers = ", ".join(m.name for m in METHODS.values() if m.paired)
@@ -47,4 +65,6 @@ def decide(train, data_format: str) -> dict:
             owners = [m for m in METHODS.values() if name in m.defaults]
             raise UserError(f"{flag} is {', '.join(m.title for m in owners)}'s; --method {method.name} has none: "
                             f"leave it out or pass --method {' or '.join(m.name for m in owners)}")  # fmt: skip
+    if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one
+        raise UserError(f"--beta 0 leaves {method.title}'s loss nothing to weigh; give a positive --beta")
     return method.decide(train)

@@ -59,7 +59,7 @@ class Supervised(Method):
         prepared.held_out_rows = batching.pad([e for _, e in held_out], cfg.model.seq_len)
         return prepared
 
-    def order(self, prepared, cfg, feed):
+    def order(self, prepared, cfg, feed, model=None):
         return batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)
 
     def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):

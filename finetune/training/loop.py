@@ -400,7 +400,9 @@ class Loop:
         step's learning rate and gradient norm before clipping (optimizer.step_record).
         """
         started, losses, shapes, reported = time.perf_counter(), [], set(), []
-        for x, y, w in self.order.micro_batches(step):
+        with self._naming_the_checkpoint():
+            batches = self.order.micro_batches(step)
+        for x, y, w in batches:
             logs = self.trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)
             losses.append(float(logs["loss"]))
             reported.append({name: float(value) for name, value in logs.items() if name != "loss"})
@@ -419,6 +421,7 @@ class Loop:
         total = sum(weights)
         applied = {name: sum(w * r[name] for w, r in zip(weights, reported)) / total for name in reported[0]}
         applied.update(optimizer.step_record(self.trainer.optimizer, step))
+        applied.update(getattr(self.order, "step_metrics", lambda _: {})(step))  # GRPO's rollouts: rewards, lengths
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         return loss, seconds, shapes, applied
@@ -449,7 +452,8 @@ class Loop:
 
     def _evaluate(self, epoch: int) -> None:
         started = time.perf_counter()
-        result = self.evaluation.score()
+        with self._naming_the_checkpoint():
+            result = self.evaluation.score()
         self._longest["eval"] = max(self._longest["eval"], time.perf_counter() - started)
         if not math.isfinite(result["loss"]):
             raise self._diverged(f"the held-out loss is {result['loss']} after step {self.progress.step}")
@@ -496,6 +500,16 @@ class Loop:
             f"{why}: stopped at step {self.progress.step}/{self.total_steps} with a checkpoint; "
             "rerun the same command with --resume to continue (in Python: finetune.run(cfg, resume=True))"
         )
+
+    @contextlib.contextmanager
+    def _naming_the_checkpoint(self):
+        """A UserError of the data met mid-run (a GRPO reward function that raised) says what a resume takes up."""
+        try:
+            yield
+        except UserError as error:
+            kept = (f"the checkpoint at step {self.last_saved} is kept: fix the cause and rerun with --resume"
+                    if self.last_saved else "no checkpoint had been saved yet: fix the cause and run again")  # fmt: skip
+            raise UserError(f"{error}; {kept}") from error
 
     def _diverged(self, what: str) -> UserError:
         kept = (

@@ -779,7 +779,7 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
 
 def _padding(metrics: dict) -> str:
     """The share of trained positions that were padding, and what packing saved."""
-    if "padding_fraction" not in metrics:
+    if metrics.get("padding_fraction") is None:  # a run from before it was measured, or GRPO's rollouts
         return "n/a"
     if metrics.get("packing"):
         return f"{metrics['padding_fraction_unpacked']:.0%} -> {metrics['padding_fraction']:.0%} (packed)"

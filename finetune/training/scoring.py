@@ -37,12 +37,16 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
 
     prompts: list of str, or images.generation_input()'s {"prompts", "images"} for prompts with pictures.
     """
+    import keras_hub
+
     pictured = isinstance(prompts, dict)
     texts = prompts["prompts"] if pictured else prompts
     if not texts:
         return []
     if sampling is not None and not sampling.greedy:
         lm.compile(sampler=sampler(sampling))  # compile() is where keras-hub takes a sampler; this lm trains no more
+    elif not isinstance(lm.sampler, keras_hub.samplers.GreedySampler):  # a GRPO run's rollouts compiled theirs in
+        lm.compile(sampler="greedy")
     tokenizer = preprocessor.tokenizer
     vision = images.vision_of(preprocessor) if pictured else None
     counted = [images.written_prompt(p, vision) for p in texts] if pictured else texts

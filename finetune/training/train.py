@@ -154,7 +154,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
     feed = batching.Feed(decided.part, step, builder.input_names(model.lm))
-    order = method.order(prepared, cfg, feed)
+    order = method.order(prepared, cfg, feed, model)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
     print(run.table())

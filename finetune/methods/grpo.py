@@ -1,0 +1,141 @@
+"""GRPO: online RL on prompts. The model samples completions of each prompt, reward functions score them, and the
+clipped policy-gradient objective moves it toward the completions that scored above their group's mean.
+
+Records are prompts alone (TRL's prompt-only form, formats.PROMPT_FORMATS); their
+other keys go to the reward functions (rewards.py). The rows come from the
+model's own samples (rollouts.py), made by the order as the loop asks for each
+step's micro-batches, and model/grpo_view.py trains TRL's per-token loss on them.
+The constants, their names and defaults are TRL's GRPOConfig's (docs/rl.md).
+The held-out score is the mean reward of one seeded completion of each
+held-out prompt.
+"""
+
+from __future__ import annotations
+
+from finetune.data import templates
+from finetune.methods import prepare, rewards, rollouts
+from finetune.methods.method import Method
+from finetune.platform.errors import UserError
+
+
+class GRPO(Method):
+    name = "grpo"
+    title = "GRPO"
+    prompted = True
+    sequences_per_example = 8  # --num-generations' default: each prompt is G rows
+    why = "set"
+    held_out = held_out_history = ("reward",)
+    examples = "prompts"
+    defaults = {
+        "beta": (0.0, "TRL's GRPOConfig: no KL term, so no reference pass"),
+        "num_generations": (8, "TRL's GRPOConfig"),
+        "max_completion_length": (256, "half of TRL's 512: a LoRA run on one device"),
+        "temperature": (1.0, "TRL's GRPOConfig"),
+        "top_p": (1.0, "TRL's GRPOConfig"),
+        "epsilon": (0.2, "TRL's GRPOConfig"),
+        "epsilon_high": (None, "--epsilon's, as TRL's"),
+        "num_iterations": (1, "TRL's GRPOConfig"),
+        "loss_type": ("dapo", "TRL's GRPOConfig's default"),
+        "scale_rewards": ("group", "TRL's GRPOConfig"),
+    }
+
+    def decide(self, train) -> dict:
+        decided = super().decide(train)
+        if decided["epsilon_high"][0] is None:
+            decided["epsilon_high"] = (decided["epsilon"][0], "--epsilon's, as TRL's")
+        rewards.load(train.reward, train.reward_weights, decided["max_completion_length"][0])  # refused here, early
+        decided["reward"] = (list(train.reward), "set")
+        return decided
+
+    def unpacked_why(self) -> str | None:
+        return "--method grpo: each rollout (a prompt and one completion) is a row of its own"
+
+    def constants(self, train) -> dict:
+        """This method's constants as decided (unset ones take their defaults)."""
+        out = {name: getattr(train, name, None) for name in self.defaults}
+        out = {name: value if value is not None else self.defaults[name][0] for name, value in out.items()}
+        out["epsilon_high"] = out["epsilon_high"] if out["epsilon_high"] is not None else out["epsilon"]
+        return out
+
+    def objective(self, train):
+        from finetune.model import grpo_view  # keras: imported once the backend is chosen
+
+        c = self.constants(train)
+        return grpo_view.Objective(c["beta"], c["epsilon"], c["epsilon_high"], c["temperature"],
+                                   fresh=c["num_iterations"] == 1)  # fmt: skip
+
+    # === Prepare ===
+
+    def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
+        """records -> the template's prompt -> ids -> split. The batch size counts prompts."""
+        if any(r.images for r in records):
+            raise UserError("--method grpo does not train on pictures yet; give prompts without images")
+        if cfg.train.batch_size == "auto":
+            raise UserError("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number "
+                            "(auto is not probed for rollouts yet)")  # fmt: skip
+        template = templates.get(cfg.data.template)
+        tokenizer = prepare.tokenizer_of(preprocessor)
+        usable = [(record, None) for record in records]
+        train, held_out = prepare.split(usable, cfg, every_record_of)
+        sampling = self.sampling(cfg, template, tokenizer)
+        rows = rollouts.prompts_of(train, template, tokenizer, sampling, cfg.model.seq_len)
+        held_out_rows = rollouts.prompts_of(held_out, template, tokenizer, sampling, cfg.model.seq_len,
+                                            rows.ids.shape[1] if train else None)  # fmt: skip
+        prepared = prepare.Prepared(template, train, held_out, cfg.train.batch_size, held_out_rows, packed=False)
+        if packed is not None:
+            if not train:
+                raise UserError("no training prompts are left once the held-out ones are taken; add prompts")
+            prepared.rows = rows
+            prepared.padding = {"padding_fraction": None, "unpacked": None}  # the rollouts' own, not known before
+        return prepared
+
+    def sampling(self, cfg, template, tokenizer) -> rollouts.Sampling:
+        c = self.constants(cfg.train)
+        loaded = rewards.load(cfg.train.reward, cfg.train.reward_weights, c["max_completion_length"])
+        stop_ids = tuple(tokenizer.token_to_id(t) for t in template.stop_tokens)
+        batch = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 1
+        return rollouts.Sampling(c["num_generations"], c["max_completion_length"], c["temperature"], c["top_p"],
+                                 cfg.train.seed, tuple(loaded), stop_ids, batch * cfg.train.grad_accum)  # fmt: skip
+
+    def evaluated_on(self, prepared, records, preprocessor, cfg):
+        tokenizer = prepare.tokenizer_of(preprocessor)
+        pairs = [(record, None) for record in records]
+        sampling = self.sampling(cfg, prepared.template, tokenizer)
+        prepared.held_out = pairs
+        width = prepared.rows.ids.shape[1] if prepared.rows is not None else None
+        prepared.held_out_rows = rollouts.prompts_of(pairs, prepared.template, tokenizer, sampling, cfg.model.seq_len,
+                                                     width)  # fmt: skip
+        return prepared
+
+    def order(self, prepared, cfg, feed, model=None):
+        if feed.part[1] - feed.part[0] != feed.part[2]:
+            raise UserError("--method grpo samples its rollouts in one process; run it on one host")
+        constants = self.constants(cfg.train)
+        return rollouts.RolloutOrder(prepared.rows, prepared.batch_size, cfg, feed, model, constants)
+
+    # === Score ===
+
+    def held_out_scores(self, model, rows, batch_size: int, feed, shards: int = 1):
+        sampler = rollouts.Sampler(model.lm, rows.sampling)
+        return lambda after_batch=None: rollouts.held_out_reward(sampler, rows, after_batch)
+
+    def evaluate(self, lm, cfg, rows) -> dict:
+        return rollouts.held_out_reward(rollouts.Sampler(lm, rows.sampling), rows)
+
+    def run_metrics(self, train, rows: list) -> dict:
+        last = next((row for row in reversed(rows) if "reward" in row and "train_loss" in row), {})
+        shown = ("reward", "reward_std", "completion_length", "kl", "clip_ratio_region")
+        return {**super().run_metrics(train, rows), "reward": list(train.reward),
+                **{f"train_{name}": last.get(name) for name in shown}}  # fmt: skip
+
+    # === Plan ===
+
+    def plan_note(self, cfg, packed: bool = False) -> str | None:
+        c = self.constants(cfg.train)  # never packed: each rollout is a row of its own
+        return (f"--method grpo: each prompt of a batch is {c['num_generations']} rows (--num-generations), each "
+                f"up to --max-completion-length {c['max_completion_length']} sampled tokens with keras-hub's KV "
+                "cache; " + ("no reference pass (--beta 0)" if not c["beta"] else "the KL's reference is the base "
+                             "with LoRA off, one more forward pass per rollout, no second model"))  # fmt: skip
+
+
+GRPO_METHOD = GRPO()

@@ -1,0 +1,229 @@
+"""GRPO's reward functions: loaded from --reward, called on each batch of rollouts, checked.
+
+A reward function has TRL's signature, `f(prompts, completions, **columns) -> list[float | None]`: `prompts`
+and `completions` are lists of text (of messages for conversational prompts: the completion is then
+[{"role": "assistant", "content": TEXT}]), and every other key of the prompt records (answer, solution...)
+comes as a list beside them, as do `completion_ids` (each completion's token ids) and `trainer_state` (None
+here). None says the function does not apply to a completion; a completion no function applies to scores 0
+and has no advantage, as TRL's.
+
+--reward names one: FILE.py:FUNCTION, module:function, or a built-in (BUILT_INS, docs/rl.md). A function that
+raises, returns the wrong count or a NaN stops the run: nothing it scored can be trusted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from finetune.platform.errors import UserError
+
+BUILT_INS = {
+    "format:REGEX": "1 where the completion matches REGEX (re.search, DOTALL), else 0",
+    "length[:TOKENS]": "1 - |tokens - TOKENS| / TOKENS, at least 0: 1 at TOKENS completion tokens; TOKENS is half "
+    "of --max-completion-length unless given",
+    "exact": "1 where the record's `answer`, stripped, appears in the completion, else 0",
+    "math": "1 where the completion's answer equals the record's `answer` as numbers (math-verify where it is "
+    "installed; else the last number of each, after GSM8K's '####' or inside \\boxed{} where those are), else 0",
+}
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward function and its weight in the total.
+
+    name: str. As metrics name it (the function's __name__, or the built-in's).
+    function: callable(prompts, completions, **columns) -> list of float or None.
+    weight: float.
+    """
+
+    name: str
+    function: object
+    weight: float = 1.0
+
+
+def load(specs: list, weights: list, max_completion_length: int) -> list[Reward]:
+    """The rewards --reward names, with --reward-weights (1 each when none are given)."""
+    if not specs:
+        raise UserError("--method grpo learns from rewards: pass --reward FILE.py:FUNCTION (or a built-in: "
+                        f"{', '.join(BUILT_INS)}), once per reward function")  # fmt: skip
+    if weights and len(weights) != len(specs):
+        raise UserError(f"--reward-weights gives {len(weights)} weights for {len(specs)} --reward functions; give "
+                        "one each, in order")  # fmt: skip
+    functions = [function_of(spec, max_completion_length) for spec in specs]
+    names = [name for name, _ in functions]
+    seen = {}
+    for index, name in enumerate(names):  # two rewards of one name get their metrics apart
+        seen[name] = seen.get(name, 0) + 1
+        if names.count(name) > 1:
+            names[index] = f"{name}_{seen[name]}"
+    return [Reward(name, f, float(w)) for name, (_, f), w in zip(names, functions, weights or [1.0] * len(specs))]
+
+
+def function_of(spec: str, max_completion_length: int):
+    """(name, function) of one --reward SPEC."""
+    built = built_in(spec, max_completion_length)
+    if built is not None:
+        return built
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UserError(f"--reward {spec!r}: give FILE.py:FUNCTION, module:function or a built-in "
+                        f"({', '.join(BUILT_INS)})")  # fmt: skip
+    if where.endswith(".py") or "/" in where:
+        module = _module_from_file(Path(where), spec)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise UserError(f"--reward {spec!r}: cannot import {where} ({e})") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UserError(f"--reward {spec!r}: {where} has no function {name!r}")
+    return name, function
+
+
+def _module_from_file(path: Path, spec: str):
+    if not path.is_file():
+        raise UserError(f"--reward {spec!r}: no file {path}")
+    module_name = f"finetune_reward_{path.stem}"
+    loader = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up
+    try:
+        loader.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: anything it raises is the user's to fix
+        raise UserError(f"--reward {spec!r}: {path} failed to load ({type(e).__name__}: {e})") from None
+    return module
+
+
+# === The built-ins ===
+
+
+def built_in(spec: str, max_completion_length: int):
+    """(name, function) of a built-in reward; None when `spec` names none."""
+    kind, _, argument = spec.partition(":")
+    if kind == "format" and argument:
+        try:
+            pattern = re.compile(argument, re.DOTALL)
+        except re.error as e:
+            raise UserError(f"--reward {spec!r}: {argument!r} is not a regular expression ({e})") from None
+        return "format", lambda prompts, completions, **_: [float(bool(pattern.search(_text(c)))) for c in completions]
+    if kind == "length" and (not argument or argument.isdigit()):
+        target = int(argument) if argument else max(1, max_completion_length // 2)
+        if target < 1:
+            raise UserError(f"--reward {spec!r}: the target length must be at least 1 token")
+
+        def length(prompts, completions, completion_ids, **_):
+            return [max(0.0, 1.0 - abs(len(ids) - target) / target) for ids in completion_ids]
+
+        return "length", length
+    if spec == "exact":
+        return "exact", exact
+    if spec == "math":
+        return "math", math_reward
+    return None
+
+
+def _text(completion) -> str:
+    """A completion's text: itself, or its assistant message's content."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def _answers(columns: dict, name: str, count: int) -> list:
+    answers = columns.get("answer")
+    if answers is None:
+        raise ValueError(f"the {name} reward compares with the records' `answer`, and they have none")
+    return answers
+
+
+def exact(prompts, completions, **columns):
+    """1 where the record's answer (stripped) appears in the completion; None where the record has none."""
+    answers = _answers(columns, "exact", len(completions))
+    return [None if a is None else float(str(a).strip() in _text(c)) for c, a in zip(completions, answers)]
+
+
+def math_reward(prompts, completions, **columns):
+    """1 where the completion's answer and the record's are the same number (or expression, with math-verify)."""
+    answers = _answers(columns, "math", len(completions))
+    try:
+        import math_verify
+    except ImportError:
+        math_verify = None
+    out = []
+    for completion, answer in zip(completions, answers):
+        if answer is None:
+            out.append(None)
+        elif math_verify is not None:
+            out.append(float(math_verify.verify(math_verify.parse(str(answer)), math_verify.parse(_text(completion)))))
+        else:
+            out.append(float(same_number(final_number(_text(completion)), final_number(str(answer)))))
+    return out
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def final_number(text: str) -> float | None:
+    """The answer a text gives as a number: after GSM8K's '####', else inside the last \\boxed{}, else the last
+    number in it; thousands' commas dropped. None where there is none."""
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        text = boxed[-1]
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def same_number(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+# === Scoring ===
+
+
+def score(rewards: list[Reward], prompts: list, completions: list, columns: dict, completion_ids: list,
+          step: int | None) -> np.ndarray:  # fmt: skip
+    """(completions, functions) float64: each function's reward of each completion, NaN where it gave None.
+
+    columns: the prompt records' other keys, each a list as long as `completions`. A function that raises,
+    returns anything but one number or None per completion, or a NaN, stops the run (a UserError, exit 2),
+    naming the function and the prompt.
+    """
+    table = np.full((len(completions), len(rewards)), np.nan)
+    for index, reward in enumerate(rewards):
+        try:
+            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                     trainer_state=None, **columns)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the user's function: anything it raises stops the run
+            raise _stopped(reward, prompts[0], step, f"raised {type(e).__name__}: {e}") from e
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
+            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            raise _stopped(reward, prompts[0], step, f"returned {got} for {len(completions)} completions")
+        for row, value in enumerate(values):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or math.isnan(value):
+                raise _stopped(reward, prompts[row], step, f"returned {value!r}, not a number or None")
+            table[row, index] = float(value)
+    return table
+
+
+def _stopped(reward: Reward, prompt, step: int | None, what: str) -> UserError:
+    shown = _text(prompt) if not isinstance(prompt, str) else prompt
+    shown = shown if len(shown) <= 120 else shown[:117] + "..."
+    when = "scoring the held-out prompts" if step is None else f"at step {step + 1}"
+    return UserError(f"the reward function {reward.name} {what}, {when}, on the prompt {shown!r}; nothing was "
+                     "published")  # fmt: skip

@@ -1,0 +1,140 @@
+"""The view that trains GRPO's clipped objective (methods/grpo.py) on SFT's response-token machinery.
+
+A rollout row is a prompt and one sampled completion, weighted on the
+completion's tokens; the backbone's hidden states are gathered at those
+positions and each position's log-probability comes from
+objective.token_losses at the sampling temperature, as TRL's
+_get_per_token_logps divides the logits by it. Beside the gathered labels each
+slot carries its completion's advantage, and where asked its log-probability
+when sampled (--num-iterations above 1) and under the base (--beta above 0).
+
+call() returns (rows, width, len(COLUMNS)): each position's loss, then what
+TRL logs of it. The loss is TRL's per-token loss,
+-min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta k3, r = exp(logp - old);
+the sample weights (column 0 alone) make it the --loss-type's average
+(methods/grpo.py, `token_weights`), summed by objective.TokenShare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+from keras import ops
+
+from finetune.model import objective
+
+COLUMNS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "logps")
+METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """GRPO's constants, as the method decided them (TRL's GRPOConfig names).
+
+    beta: float. The weight of the KL to the base (k3); 0: no reference pass.
+    epsilon, epsilon_high: float. The clip range, (1 - epsilon, 1 + epsilon_high).
+    temperature: float. The rollouts' sampling temperature, which the log-probabilities are taken at.
+    fresh: bool. The rollouts train one optimizer step (--num-iterations 1): their log-probabilities when
+        sampled are the current ones, detached (TRL's shortcut), so no scoring pass is needed.
+    """
+
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    temperature: float = 1.0
+    fresh: bool = True
+
+    def view(self, lm, chunk: int, shards: int = 1) -> GRPOView:
+        return GRPOView(lm, chunk, self, shards, dtype=keras.config.dtype_policy())
+
+
+def token_values(objective_: Objective, logps, old, reference, advantages):
+    """(..., len(COLUMNS)) float32: each token's loss and TRL's metrics of it, from its log-probability now,
+    when sampled (`old`; ignored where objective_.fresh), under the base (`reference`; ignored where beta is 0),
+    and its completion's advantage. Every argument has one shape."""
+    old = ops.stop_gradient(logps) if objective_.fresh else old
+    ratio = ops.exp(logps - old)
+    clipped = ops.clip(ratio, 1.0 - objective_.epsilon, 1.0 + objective_.epsilon_high)
+    loss = -ops.minimum(ratio * advantages, clipped * advantages)
+    kl = ops.zeros_like(logps)
+    if objective_.beta != 0.0:
+        kl = ops.exp(reference - logps) - (reference - logps) - 1.0
+        loss = loss + objective_.beta * kl
+    low = ops.logical_and(ratio < 1.0 - objective_.epsilon, advantages < 0)
+    high = ops.logical_and(ratio > 1.0 + objective_.epsilon_high, advantages > 0)
+    region = ops.logical_or(low, high)
+    flags = [ops.cast(f, "float32") for f in (low, high, region)]
+    return ops.stack([loss, ops.stop_gradient(kl), *flags, ops.stop_gradient(logps)], axis=-1)
+
+
+class GRPOView(objective.TrainingView):
+    """`lm`'s backbone with GRPO's loss: call() returns each gathered position's loss and metrics,
+    (rows, width, len(COLUMNS)).
+
+    Beside a TrainingView's inputs it takes `loss_advantages`, `loss_old` and `loss_reference`, each
+    (rows, width) as the gathered labels are laid out.
+    """
+
+    def __init__(self, lm, chunk: int, objective_: Objective, shards: int = 1, **kwargs):
+        super().__init__(lm, chunk, shards, **kwargs)
+        self.objective = objective_
+
+    @property
+    def input_dtype(self):
+        """float32 for the float inputs: a log-probability in bfloat16 is off by up to 0.03 at -8 nats, which the
+        ratio exp(logp - old) would take for a step of the policy."""
+        return "float32"
+
+    def call(self, inputs, training=None):
+        backbone = self.lm.backbone
+        hidden = objective._gathered(backbone, inputs, self.shards, training=training)
+        labels = ops.reshape(inputs["loss_labels"], (-1,))
+        weights = ops.reshape(inputs["loss_weights"], (-1,))
+        kernel, soft_cap = objective.logit_projection(backbone)
+        # The logits at the sampling temperature, as keras-hub's samplers divide the (capped) logits: a kernel and
+        # a soft cap both divided by T give exactly that, cap/T tanh((x/T) / (cap/T)) = (cap tanh(x / cap)) / T.
+        temperature = self.objective.temperature
+        kernel = ops.convert_to_tensor(kernel) / ops.cast(temperature, kernel.dtype)
+        soft_cap = soft_cap / temperature if soft_cap is not None else None
+        if training:
+            losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
+            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        shape = ops.shape(inputs["loss_labels"])
+        logps = -ops.reshape(losses, shape)
+        given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_reference", "loss_advantages")]
+        return token_values(self.objective, logps, *given)
+
+    def step_metrics(self) -> list:
+        return [TokenMean(COLUMNS.index(name), name) for name in METRICS]
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor((*inputs["loss_labels"].shape, len(COLUMNS)), dtype="float32")
+
+
+class TokenMean(keras.metrics.Metric):
+    """The mean of one column of a GRPOView's output over the completion tokens (the slots column 0 weighs), as
+    TRL's masked means of the KL and the clip ratios."""
+
+    def __init__(self, column: int, name: str, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.column = column
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_true
+        mask = ops.cast(ops.cast(sample_weight[..., 0], "float32") > 0, "float32")
+        self.total.assign_add(ops.sum(ops.cast(y_pred[..., self.column], "float32") * mask))
+        self.count.assign_add(ops.sum(mask))
+
+    def result(self):
+        return self.total / ops.maximum(self.count, 1.0)
+
+    def reset_state(self):
+        self.total.assign(0.0)
+        self.count.assign(0.0)
+
+    def get_config(self):
+        return {**super().get_config(), "column": self.column}

@@ -1,0 +1,277 @@
+"""`finetune gemma --method grpo`: prompt-only data, refusals, and a run from the command line in a fresh process."""
+
+import csv
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import adapter_arrays, invoke, write_jsonl
+
+import finetune
+from finetune.data import formats
+from finetune.methods import registry
+from finetune.platform.errors import UserError
+from finetune.training import checkpoint, runs
+
+REWARDS = '''
+def starts_with_the(prompts, completions, answer, **columns):
+    """1 where the completion opens with "The". Each record's `answer` (its subject) arrives beside its prompt."""
+    assert len(answer) == len(completions) and all(a in p for p, a in zip(prompts, answer)), (prompts, answer)
+    return [float(c.strip().startswith("The")) for c in completions]
+
+
+def opens_with_the(prompts, completions, **columns):
+    return [float(c.strip().startswith("The")) for c in completions]
+
+
+def broken(prompts, completions, **columns):
+    raise RuntimeError("no judge today")
+'''
+SUBJECTS = ["a cat", "the sea", "a king", "rain", "a robot", "winter", "a bridge", "music", "a road", "fire", "a lamp",
+            "the moon", "a boat", "bread", "a clock", "snow", "a horse", "the city", "a garden", "a river", "a teacher",
+            "a storm", "a forest", "a song", "a letter", "a mountain", "a village", "a dragon", "the sun", "a friend",
+            "a house", "a train"]  # fmt: skip
+
+
+def story_prompts() -> list:
+    """64 prompts the tiny preset has not seen: it was pretrained on the shipped sample, whose prompts it answers
+    by rote (p = 0.999 for the first word of "What is the capital of Vietnam?"), so that all G completions of
+    one of those prompts are alike and no group has an advantage to learn from."""
+    return [{"prompt": f"{kind} {s}.", "answer": s} for kind in ("Write a story about", "Tell me about")
+            for s in SUBJECTS]  # fmt: skip
+
+
+def sample_prompts(n=24):
+    rows = [json.loads(line) for line in formats.SAMPLE_PATH.read_text().splitlines()[:n]]
+    return [{"prompt": r["instruction"]} for r in rows]
+
+
+@pytest.mark.one_backend
+def test_prompt_records_are_read_with_their_columns(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2?", "answer": "4"}, {"prompt": "3+3?", "answer": "6"}])
+    records, found = formats.read(str(path))
+    assert found == "prompts" and records[1].columns == {"answer": "6"} and records[1].instruction == "3+3?"
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "Hi?"}], "solution": 1}])  # fmt: skip
+    records, found = formats.read(str(chat))
+    assert found == "prompts-chat" and records[0].turns == (("user", "Be brief.\n\nHi?"),)
+    assert records[0].columns == {"solution": 1}
+
+
+@pytest.mark.one_backend
+def test_only_grpo_takes_prompts_and_grpo_takes_only_prompts():
+    from finetune.config import TrainConfig
+
+    with pytest.raises(UserError, match="pass --method grpo"):
+        registry.decide(TrainConfig(), "prompts")
+    with pytest.raises(UserError, match="trains on prompts alone"):
+        registry.decide(TrainConfig(method="grpo", reward=["exact"]), "dolly")
+    with pytest.raises(UserError, match="--reward scores GRPO's"):
+        registry.decide(TrainConfig(reward=["exact"]), "dolly")
+    with pytest.raises(UserError, match="--num-generations is GRPO's"):
+        registry.decide(TrainConfig(method="dpo", num_generations=4), "preference")
+    with pytest.raises(UserError, match="--beta 0"):
+        registry.decide(TrainConfig(method="dpo", beta=0.0), "preference")
+    decided = registry.decide(TrainConfig(method="grpo", reward=["exact"]), "prompts")
+    assert decided["loss_type"][0] == "dapo" and decided["num_generations"][0] == 8 and decided["beta"][0] == 0.0
+
+
+FAST = ["--preset", "tiny", "--precision", "float32", "--seq-len", "48", "--batch-size", "4", "--num-generations",
+        "8", "--max-completion-length", "4", "--temperature", "1", "--lr", "3e-2", "--eval-fraction", "0.25",
+        "--set", "train.samples=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grpo")
+    (folder / "rewards.py").write_text(REWARDS)
+    return write_jsonl(folder / "prompts.jsonl", story_prompts()), folder / "rewards.py"
+
+
+def grpo(*args, fault: tuple | None = None) -> subprocess.CompletedProcess:
+    """`finetune gemma --method grpo` with FAST's settings, in a fresh process; `fault` (signal, step): killed by
+    tests/fault_run.py right after that step's checkpoint."""
+    program, env = ["-m", "finetune"], dict(os.environ)
+    if fault is not None:
+        program = [str(Path(__file__).parent / "fault_run.py")]
+        env.update({"FAULT": fault[0], "FAULT_STEP": str(fault[1])})
+    command = [sys.executable, *program, "gemma", *FAST, "--method", "grpo", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def learning_flags(files, out) -> list:
+    data, reward_file = files
+    return ["--data", data, "--reward", f"{reward_file}:starts_with_the", "--max-steps", "12", "--output", out]
+
+
+@pytest.fixture(scope="module")
+def learned(files, tmp_path_factory):
+    """12 steps of 4 prompts, 8 completions each, on a learnable reward (the completion opens with "The")."""
+    out = tmp_path_factory.mktemp("learned") / "run"
+    done = grpo(*learning_flags(files, out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, json.loads((out / "metrics.json").read_text()), done.stdout
+
+
+def test_grpo_learns_from_the_command_line(learned):
+    """A fresh process: the reward rises on the held-out prompts; the reward function got the records' `answer`
+    column (it checks each against its prompt); the rollouts' rewards and lengths and the view's KL and clip
+    ratios reach history.csv, the held-out reward before and after metrics.json."""
+    out, metrics, stdout = learned
+    assert metrics["method"] == "grpo" and metrics["loss_type"] == "dapo"
+    # 16 held-out prompts, one completion each: about 0.2 before, above 0.8 after 12 steps on every backend.
+    assert metrics["eval_reward"] >= metrics["eval_reward_before"] + 0.3, metrics
+    header = (out / "history.csv").read_text().splitlines()[0].split(",")
+    for name in ("reward", "reward_std", "reward_starts_with_the", "frac_reward_zero_std", "completion_length",
+                 "completion_length_max", "completion_clipped", "kl", "clip_ratio_region", "eval_reward"):  # fmt: skip
+        assert name in header
+    assert "rollout 12: reward" in stdout and "scored alike" not in stdout
+
+
+def history(out) -> list[dict]:
+    with (out / "history.csv").open() as f:
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def test_a_killed_grpo_run_resumes_to_the_uninterrupted_history_and_adapter(files, learned, tmp_path):
+    """SIGKILL right after the step-4 checkpoint, then --resume alone: the rollouts are sampled again from the
+    restored adapter with the same seeds, so history.csv and the adapter are the uninterrupted run's."""
+    whole, metrics, _ = learned
+    out = tmp_path / "killed"
+    killed = grpo(*learning_flags(files, out), "--checkpoint-every", "4", fault=("SIGKILL", 4))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resuming" in resumed.stdout and "rollout 5: reward" in resumed.stdout
+    expected, got = history(whole), history(out)
+    assert [r.keys() for r in got] == [r.keys() for r in expected]
+    for a, b in zip(got, expected):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
+    again = json.loads((out / "metrics.json").read_text())
+    assert again["eval_reward"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
+    assert again["eval_reward_before"] == metrics["eval_reward_before"]
+    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert first.keys() == second.keys() and len(first) > 1
+    for name in first:
+        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_eval_and_export_of_a_grpo_run(learned, tmp_path):
+    """`finetune eval` samples the held-out prompts as the run did: its reward is metrics.json's; the Python API
+    gives the same. The adapter exports as any run's."""
+    out, metrics, _ = learned
+    evaluated = invoke("eval", "--run", out)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert f"eval_reward {metrics['eval_reward']:.4f}" in evaluated.output, evaluated.output
+    assert finetune.evaluate(out)["reward"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
+    for fmt, written in [("peft", "adapter_config.json"), ("merged", "config.json")]:
+        exported = invoke("export", "--run", out, "--format", fmt, "--output", tmp_path / fmt)
+        assert exported.exit_code == 0, exported.output
+        assert (tmp_path / fmt / written).is_file()
+
+
+@pytest.mark.one_backend
+def test_prompts_answered_by_rote_are_named_as_the_reason_nothing_is_learned(files, tmp_path):
+    """The shipped sample's prompts, which the tiny preset learned by heart: at temperature 1 each prompt's
+    completions are alike, so every advantage is 0 and the run learns nothing (how issue 35's first runs went:
+    held-out reward 0.25 before and after); the log says why."""
+    _, reward_file = files
+    data = write_jsonl(tmp_path / "sample.jsonl", sample_prompts())
+    done = grpo("--data", data, "--reward", f"{reward_file}:opens_with_the", "--max-steps", "2", "--eval-fraction",
+                "0", "--output", tmp_path / "run")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "100% of prompts without advantage" in done.stdout
+    assert done.stdout.count("completions scored alike, so every advantage is 0") == 1, done.stdout
+
+
+BAD_AT_THE_THIRD_CALL = """
+CALLS = []
+
+
+def judge(prompts, completions, **columns):
+    CALLS.append(1)
+    if len(CALLS) == 3:
+        {bad}
+    return [float(c.strip().startswith("The")) for c in completions]
+"""
+
+
+@pytest.mark.one_backend  # the checks are Python's; the checkpoints' own tests run on every backend
+@pytest.mark.parametrize("bad, said", [("raise RuntimeError('no judge today')", "raised RuntimeError: no judge today"),
+                                       ("return [1.0]", "returned 1 values for 32 completions"),
+                                       ("return [float('nan')] * len(completions)", "returned nan, not a number or None")])  # fmt: skip
+def test_a_bad_reward_mid_run_exits_2_naming_it_and_the_prompt_and_keeps_the_last_checkpoint(files, tmp_path, bad,
+                                                                                             said):  # fmt: skip
+    """The third batch of rollouts (step 3) goes wrong: exit 2 naming the function, the step and a prompt of the
+    batch; the step-2 checkpoint is kept, and with the function fixed --resume trains on to the end."""
+    data, _ = files
+    reward_file = tmp_path / "judge.py"
+    reward_file.write_text(BAD_AT_THE_THIRD_CALL.format(bad=bad))
+    out = tmp_path / "run"
+    done = grpo("--data", data, "--reward", f"{reward_file}:judge", "--max-steps", "4", "--eval-fraction", "0",
+                "--checkpoint-every", "1", "--output", out)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    prompts = {r["prompt"] for r in story_prompts()}
+    message = done.stderr
+    assert f"the reward function judge {said}, at step 3, on the prompt '" in message, message
+    assert message.split("on the prompt '")[1].split("'")[0] in prompts, message
+    assert "the checkpoint at step 2 is kept: fix the cause and rerun with --resume" in message, message
+    assert [c.step for c in checkpoint.find(out)] == [1, 2] and not (out / "metrics.json").exists()
+    described = runs.describe(out)  # `finetune runs`' row
+    assert described["state"] == "failed" and "last checkpoint step 2" in described["note"], described
+    if "raise" in bad:
+        reward_file.write_text(BAD_AT_THE_THIRD_CALL.format(bad="pass"))
+        other = invoke("gemma", "--resume", "--num-generations", "4", "--output", out)
+        assert other.exit_code == 2 and "train.num_generations=8" in other.output, other.output
+        resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
+                                 capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+        assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
+@pytest.mark.one_backend
+def test_a_reward_that_fails_on_the_held_out_prompts_before_training_leaves_nothing(files, tmp_path):
+    data, reward_file = files
+    done = grpo("--data", data, "--reward", f"{reward_file}:broken", "--max-steps", "2", "--output", tmp_path / "r")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "broken raised RuntimeError: no judge today, scoring the held-out prompts, on the prompt" in done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
+def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
+    """docs/rl.md's first command, as written, from a directory holding the repository's examples/: the held-out
+    reward rises as the guide says (about 0.2 to about 0.9)."""
+    guide = (Path(__file__).parent.parent / "docs" / "rl.md").read_text()
+    (command,) = [line for line in guide.splitlines() if line.startswith("finetune gemma --preset tiny --method grpo")]
+    shutil.copytree(Path(__file__).parent.parent / "examples", tmp_path / "examples")
+    done = subprocess.run([sys.executable, "-m", "finetune", *shlex.split(command)[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "runs" / "grpo" / "metrics.json").read_text())
+    assert metrics["eval_reward_before"] <= 0.3 and metrics["eval_reward"] >= 0.7, metrics
+
+
+@pytest.mark.one_backend  # the note is Python's; the scoring passes run on every backend in test_grpo_view's view
+def test_a_resume_within_a_batch_of_rollouts_says_it_samples_the_batch_again(files, tmp_path):
+    """--num-iterations 2 trains each batch of rollouts two steps, scored when sampled (and, with --beta, under the
+    base); killed after step 1, the resumed run samples step 2's batch again, and says so (docs/not-yet.md)."""
+    data, reward_file = files
+    out = tmp_path / "run"
+    flags = ["--data", data, "--reward", f"{reward_file}:opens_with_the", "--num-iterations", "2", "--beta", "0.04",
+             "--max-steps", "4", "--eval-fraction", "0", "--checkpoint-every", "1", "--output", out]  # fmt: skip
+    killed = grpo(*flags, fault=("SIGKILL", 1))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "note: resumed at step 2, within a batch of rollouts that --num-iterations 2" in resumed.stdout
+    rows = history(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["kl"] >= 0 for r in rows)

@@ -1,0 +1,99 @@
+"""GRPO's rollouts: advantages as TRL's sum_then_normalize makes them, and the loss types' token weights."""
+
+import numpy as np
+import pytest
+
+from finetune.methods import rewards, rollouts
+
+
+@pytest.mark.one_backend
+def test_advantages_are_normalised_within_each_group():
+    table = np.array([[1.0], [0.0], [0.0], [0.0], [2.0], [2.0]])
+    got, stats = rollouts.advantages(table, np.array([1.0]), 3, "group")
+    first = np.array([1.0, 0.0, 0.0]) - 1 / 3
+    np.testing.assert_allclose(got[:3], first / (np.std([1.0, 0, 0], ddof=1) + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(got[3:], [-4 / 3 / (np.std([0, 2, 2.0], ddof=1) + 1e-4)] + [2 / 3 / (np.std([0, 2, 2.0], ddof=1) + 1e-4)] * 2, rtol=1e-6)  # fmt: skip
+    none, _ = rollouts.advantages(table, np.array([1.0]), 3, "none")
+    np.testing.assert_allclose(none[:3], first)
+    assert stats["reward"] == pytest.approx(5 / 6)
+
+
+@pytest.mark.one_backend
+def test_unscored_completions_have_no_advantage_and_weights_add():
+    table = np.array([[np.nan, np.nan], [1.0, np.nan], [0.0, 1.0], [1.0, 1.0]])
+    got, _ = rollouts.advantages(table, np.array([1.0, 0.5]), 4, "none")
+    assert got[0] == 0.0
+    np.testing.assert_allclose(got[1:], np.array([1.0, 0.5, 1.5]) - 1.0)
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_token_weights_average_as_trl_does(loss_type):
+    """Summed over the tokens and averaged over K micro-batches (Keras' accumulation), per-token losses weighted
+    so give TRL's loss of the step (each micro-batch's loss / K, summed)."""
+    rng = np.random.default_rng(0)
+    counts, k, micro, longest = np.array([3, 1, 4, 2]), 2, 2, 5
+    losses = [rng.normal(size=c) for c in counts]
+    weights = rollouts.token_weights(loss_type, counts, np.ones(4, bool), micro, k, longest)
+    ours = sum(w * x.sum() for w, x in zip(weights, losses)) / k
+    trl = 0.0
+    for m in range(k):
+        part = losses[m * micro : (m + 1) * micro]
+        if loss_type == "grpo":
+            trl += np.mean([x.mean() for x in part]) / k
+        elif loss_type == "bnpo":
+            trl += sum(x.sum() for x in part) / sum(len(x) for x in part) / k
+        elif loss_type == "dr_grpo":
+            trl += sum(x.sum() for x in part) / (micro * longest) / k
+        else:  # dapo: over the step's tokens
+            trl += sum(x.sum() for x in part) / counts.sum()
+    assert ours == pytest.approx(trl, rel=1e-6)
+
+
+class Letters:
+    """A tokenizer of one letter a token: 1 is a, 2 is b..."""
+
+    def detokenize(self, ids):
+        return "".join(chr(96 + i) for i in ids)
+
+
+@pytest.mark.one_backend
+def test_conversational_prompts_reach_the_rewards_as_messages_with_their_columns():
+    """TRL's conversational form: the prompt's messages, each completion one assistant message without its stop
+    token, and each record's other columns, all repeated G times in the order of the completions."""
+    seen = {}
+
+    def judge(prompts, completions, **columns):
+        seen.update(prompts=prompts, completions=completions, **columns)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    sampling = rollouts.Sampling(2, 4, 1.0, 1.0, 0, (rewards.Reward("judge", judge),), (9,))
+    messages = [[{"role": "user", "content": "Hi?"}], [{"role": "user", "content": "Bye?"}]]
+    prompts = rollouts.Prompts(np.zeros((2, 3), np.int32), np.array([3, 3]), messages, {"answer": ["x", "y"]},
+                               sampling, Letters(), conversational=True)  # fmt: skip
+    table = rollouts.scored(prompts, np.array([1, 0]), [[1, 2], [3, 9], [4], [5, 6, 7]], step=0)
+    assert seen["prompts"] == [messages[1], messages[1], messages[0], messages[0]]
+    assert seen["completions"] == [[{"role": "assistant", "content": text}] for text in ("ab", "c", "d", "efg")]
+    assert seen["answer"] == ["y", "y", "x", "x"] and seen["completion_ids"] == [[1, 2], [3, 9], [4], [5, 6, 7]]
+    assert table[:, 0].tolist() == [2.0, 1.0, 1.0, 3.0]
+
+
+def test_rollouts_sample_and_the_samples_stay_greedy_whichever_ran_last():
+    """The rollouts' sampler and samples.md's greedy generations take turns on one model: each finds its own
+    sampler compiled in. The samples of a GRPO run were drawn by the rollouts' sampler (at --temperature, from
+    wherever its seed had got to), under samples.md's heading "Greedy decoding"."""
+    from conftest import float32_policy
+
+    from finetune.model import builder, presets
+    from finetune.training import scoring
+
+    with float32_policy():
+        lm, preprocessor = builder.build(presets.Source("tiny", "tiny", "gemma"), seq_len=48)
+        greedy = scoring.generate(lm, preprocessor, ["Write a story about a cat."], 6)
+        sampler = rollouts.Sampler(lm, rollouts.Sampling(4, 6, 5.0, 1.0, 0, (), (1,)))
+        ids, lengths = np.array([[2, 3110, 476, 3904, 1105, 476, 4401, 235265]] * 4, np.int32) % 700, np.full(4, 8)
+        first, _ = sampler.complete(ids, lengths, seed=3)
+        assert len({tuple(c) for c in first}) > 1  # at temperature 5, four draws of one prompt differ
+        assert scoring.generate(lm, preprocessor, ["Write a story about a cat."], 6) == greedy
+        again, _ = sampler.complete(ids, lengths, seed=3)
+        assert again == first
