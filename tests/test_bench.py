@@ -150,3 +150,49 @@ def test_rows_that_cannot_be_written_at_the_end_are_printed(tmp_path, monkeypatc
 def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):
     bench.plot([dict(row(BACKEND, 900), losses=[2.0, 1.5])], tmp_path / "speed", bench.Workload(arch="tiny"))
     assert (tmp_path / "speed").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "speed.png").exists()
+
+
+def test_the_grpo_bench_times_sampling_apart_from_training(tmp_path):
+    """--method grpo: each row samples, scores and trains; the step's time splits into sampling and the rest.
+    Under PyTorch the TRL GRPOTrainer peer runs beside it on the same prompts."""
+    out = tmp_path / "rows.json"
+    recipes = "finetune,hf" if BACKEND == "torch" else "finetune"
+    args = [
+        *(
+            "--method grpo --arch tiny --seq-len 96 --max-completion-length 8 --num-generations 2 --batch-size 2".split()
+        ),
+        *"--steps 1 --warmup 1 --recipes".split(),
+        recipes,
+        "--backends",
+        BACKEND,
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run([sys.executable, "-m", "finetune", "bench", *args], capture_output=True, text=True,
+                          env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "1024"},
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["recipe"] for r in rows] == (["hf", "finetune"] if BACKEND == "torch" else ["finetune"])
+    for row in rows:
+        assert 0 < row["generate_s"] < row["step_s"], row
+        assert row["generation_tokens_per_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0
+        assert 0 <= row["padding_fraction"] < 1 and "mfu" not in row  # a rollout step is not one FLOP count
+    assert "s a step" in done.stdout
+    if BACKEND == "torch":
+        assert "x TRL's time" in done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ("--recipes tutorial", "the tutorial trains SFT"),
+        ("--num-generations 1", "--num-generations must be at least 2"),
+        ("--seq-len 64 --max-completion-length 60", "--max-completion-length must be from 1"),
+    ],
+)
+@pytest.mark.backend_neutral
+def test_a_grpo_bench_that_cannot_run_is_refused_before_any_work(flags, says):
+    done = subprocess.run([sys.executable, "-m", "finetune", "bench", "--method", "grpo", "--arch", "tiny",
+                           *flags.split()], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr, done.stderr[-1500:]

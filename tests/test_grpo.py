@@ -125,7 +125,7 @@ def test_grpo_learns_from_the_command_line(learned):
     ratios reach history.csv, the held-out reward before and after metrics.json."""
     out, metrics, stdout = learned
     assert metrics["method"] == "grpo" and metrics["loss_type"] == "dapo"
-    # 16 held-out prompts, one completion each: about 0.2 before, above 0.8 after 12 steps on every backend.
+    # 16 held-out prompts, one completion each: 0.2-0.3 before, 0.8-1.0 after 12 steps on every backend.
     assert metrics["eval_reward"] >= metrics["eval_reward_before"] + 0.3, metrics
     header = (out / "history.csv").read_text().splitlines()[0].split(",")
     for name in ("reward", "reward_std", "reward_starts_with_the", "frac_reward_zero_std", "completion_length",
@@ -248,7 +248,7 @@ def test_a_reward_that_fails_on_the_held_out_prompts_before_training_leaves_noth
 @pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
 def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     """docs/rl.md's first command, as written, from a directory holding the repository's examples/: the held-out
-    reward rises as the guide says (about 0.2 to about 0.9)."""
+    reward rises as the guide says (0.2–0.3 to 0.8–1.0)."""
     guide = (Path(__file__).parent.parent / "docs" / "rl.md").read_text()
     (command,) = [line for line in guide.splitlines() if line.startswith("finetune gemma --preset tiny --method grpo")]
     shutil.copytree(Path(__file__).parent.parent / "examples", tmp_path / "examples")
@@ -256,7 +256,8 @@ def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((tmp_path / "runs" / "grpo" / "metrics.json").read_text())
-    assert metrics["eval_reward_before"] <= 0.3 and metrics["eval_reward"] >= 0.7, metrics
+    assert metrics["eval_reward_before"] <= 0.35 and metrics["eval_reward"] >= 0.7, metrics
+    assert metrics["eval_reward"] - metrics["eval_reward_before"] >= 0.4, metrics
 
 
 @pytest.mark.one_backend  # the note is Python's; the scoring passes run on every backend in test_grpo_view's view

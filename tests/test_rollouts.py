@@ -97,3 +97,17 @@ def test_rollouts_sample_and_the_samples_stay_greedy_whichever_ran_last():
         assert scoring.generate(lm, preprocessor, ["Write a story about a cat."], 6) == greedy
         again, _ = sampler.complete(ids, lengths, seed=3)
         assert again == first
+
+
+def test_prompts_of_like_length_share_a_call_of_generate_and_far_ones_do_not():
+    """keras-hub's loop runs from a call's shortest prompt to its longest, plus the completion budget: on PyTorch
+    rows far apart in length are sampled in calls of their own; under XLA (a shape compiled per row count) one."""
+    lengths = np.array([300, 12, 290, 10, 11])
+    made = rollouts.calls(lengths, 16, "torch")
+    assert sorted(int(r) for call in made for r in call) == list(range(5))  # each row once
+    assert [sorted(int(r) for r in call) for call in made] == [[1, 3, 4], [0, 2]]
+    assert [list(call) for call in rollouts.calls(lengths, 16, "jax")] == [list(range(5))]
+    assert [list(call) for call in rollouts.calls(np.array([5, 40, 20]), 64, "torch")] == [[0, 2, 1]]  # close: one
+    assert rollouts.prompt_width(np.array([17, 30]), 300, "torch") == 32
+    assert rollouts.prompt_width(np.array([17, 30]), 300, "jax") == 75  # a quarter of the data's width
+    assert rollouts.prompt_width(np.array([290]), 300, "jax") == 300

@@ -126,7 +126,18 @@ class Sampler:
 
     def complete(self, ids: np.ndarray, lengths: np.ndarray, seed: int) -> tuple[list, np.ndarray]:
         """(each row's completion ids, whether each was cut at --max-completion-length), from prompt rows `ids`
-        (right-padded, `lengths` long), sampled with the sampler's state set to `seed`."""
+        (right-padded, `lengths` long), sampled with the sampler's state set to `seed` (and on for each further
+        call of generate, calls())."""
+        import keras
+
+        completions, cut = [None] * len(ids), np.zeros(len(ids), bool)
+        for index, rows in enumerate(calls(lengths, self.sampling.max_completion_length, keras.config.backend())):
+            made, stopped = self._call(ids[rows], lengths[rows], seed + index)
+            for row, completion, done in zip(rows, made, stopped):
+                completions[row], cut[row] = completion, done
+        return completions, cut
+
+    def _call(self, ids: np.ndarray, lengths: np.ndarray, seed: int) -> tuple[list, np.ndarray]:
         import keras
 
         if self.lm.sampler is not self.top_p:
@@ -134,9 +145,9 @@ class Sampler:
         state = self.top_p.seed_generator.state
         state.assign(np.array([seed % 2**31, 0], dtype=keras.backend.standardize_dtype(state.dtype)))
         limit = self.sampling.max_completion_length
-        rows, width = ids.shape
+        rows, width = len(ids), prompt_width(lengths, ids.shape[1], keras.config.backend())
         token_ids = np.zeros((rows, width + limit), np.int32)
-        token_ids[:, :width] = ids
+        token_ids[:, :width] = ids[:, :width]
         mask = np.arange(width + limit)[None, :] < lengths[:, None]
         out = self.lm.generate({"token_ids": token_ids, "padding_mask": mask}, stop_token_ids=self.sampling.stop_ids)
         made, kept = (np.asarray(keras.ops.convert_to_numpy(out[k])) for k in ("token_ids", "padding_mask"))
@@ -146,6 +157,41 @@ class Sampler:
             completions.append([int(t) for t in span])
             cut[row] = not any(t in self.sampling.stop_ids for t in completions[-1])
         return completions, cut
+
+
+def prompt_width(lengths: np.ndarray, width: int, backend: str) -> int:
+    """The prompt positions a call of generate is given: the call's longest prompt, rounded up to 16 positions, or
+    where each width compiles a program (JAX and TensorFlow trace generate per shape) to a quarter of the data's.
+
+    keras-hub's loop runs from the shortest prompt's end to the last position given, so prompts padded to the
+    longest of the data would sample (and throw away) that many tokens more than --max-completion-length."""
+    step = 16 if backend == "torch" else max(16, -(-width // 4))
+    return min(width, -(-int(np.max(lengths)) // step) * step)
+
+
+def calls(lengths: np.ndarray, limit: int, backend: str) -> list[np.ndarray]:
+    """The rows of each call of generate: all in one, or on PyTorch (which compiles no shape) rows of like prompt
+    lengths together.
+
+    One call's loop takes (its longest prompt, rounded) - (its shortest) + limit steps, each about as costly for
+    a few rows as for one, so a step whose prompts run from 40 to 300 tokens would sample 260 steps more than
+    --max-completion-length asks. On PyTorch the rows, shortest prompt first, are cut where a call of their own
+    takes fewer steps than joining the call before them; under XLA each call's row count is a compiled shape, so
+    there they stay one call."""
+    if backend != "torch" or len(lengths) < 2:
+        return [np.arange(len(lengths))]
+    rounded = -(-np.asarray(lengths) // 16) * 16
+    out, current = [], []
+    for row in np.argsort(lengths, kind="stable"):
+        if current:
+            joined = rounded[row] - lengths[current[0]] + limit
+            apart = (rounded[current[-1]] - lengths[current[0]] + limit) + (rounded[row] - lengths[row] + limit)
+            if joined > apart:
+                out.append(np.array(current))
+                current = []
+        current.append(row)
+    out.append(np.array(current))
+    return out
 
 
 def texts(tokenizer, completions: list, stop_ids: tuple) -> list[str]:
@@ -356,13 +402,19 @@ class RolloutOrder:
             examples.append(batching.Example(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
         width = self.prompts.ids.shape[1] + self.prompts.sampling.max_completion_length
         arrays = batching.pad(examples, width - 1)
+        # Cut to the micro-batch's longest row, rounded to the feed's step (a compiled shape each on XLA): the
+        # prompts are padded to the longest of the data, and most completions stop before the budget.
+        length = None
+        if self.feed.length_step:
+            length = batching.batch_length(np.array([len(e.token_ids) - 1 for e in examples]), self.feed.length_step,
+                                           width - 1)  # fmt: skip
         slots = -(-self.prompts.sampling.max_completion_length // 8) * 8
         first, end, shards = self.feed.part
         local = batching.local(np.arange(len(rows)), self.feed.part)
-        x, _, slot_weights = batching.inputs(arrays, local, end - first, slots, None, self.feed.inputs)
+        x, _, slot_weights = batching.inputs(arrays, local, end - first, slots, length, self.feed.inputs)
         per_shard = len(rows) // shards
         first_row = (first + np.arange(len(local)) // per_shard) * per_shard
-        row_of_slot = first_row[:, None] + x["loss_positions"] // (width - 1)
+        row_of_slot = first_row[:, None] + x["loss_positions"] // x["token_ids"].shape[1]
         real_slot = slot_weights > 0
         x["loss_advantages"] = np.where(real_slot, advantage[row_of_slot], 0.0).astype(np.float32)
         x["loss_old"] = np.zeros_like(x["loss_advantages"])

@@ -85,8 +85,13 @@ class Workload:
                             "so).", flag="--quantize", metavar="int4|int8", default_text="none")  # fmt: skip
     method: str = setting("sft", "sft, or dpo, orpo, simpo: the finetune rows train that loss on pairs made from the "
                           "records as the TRL DPO peer (peer_trl_dpo.py) makes them (the chosen answer the response, "
-                          "the rejected its words shuffled); --batch-size counts pairs.", flag="--method",
+                          "the rejected its words shuffled); --batch-size counts pairs. grpo: rollouts of the records' "
+                          "prompts, rewarded by the share of --max-completion-length used; --batch-size counts "
+                          "prompts, and recipe hf is TRL's GRPOTrainer on the same.", flag="--method",
                           metavar="NAME")  # fmt: skip
+    num_generations: int = setting(4, "--method grpo: completions sampled per prompt.", flag="--num-generations")
+    max_completion_length: int = setting(64, "--method grpo: the most tokens a completion samples; --seq-len is the "
+                                         "prompt and the completion.", flag="--max-completion-length")  # fmt: skip
 
 
 @dataclass
@@ -100,7 +105,8 @@ class Spec:
 def default_recipes(workload: Workload) -> str:
     """The recipes benched when none are named: finetune's and the Keras tutorial's, or finetune's alone for a
     preference method (the tutorial trains SFT)."""
-    return "finetune" if registry.get(workload.method).paired else "finetune,tutorial"
+    method = registry.get(workload.method)
+    return "finetune" if method.paired or method.prompted else "finetune,tutorial"
 
 
 def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
@@ -132,12 +138,26 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
     if method.paired and [r for r in recipes if r != "finetune"]:
         raise UserError(f"--method {workload.method} benches the finetune recipe alone (the tutorial and hf recipes "
                         "train SFT): pass --recipes finetune")  # fmt: skip
+    if method.prompted and "tutorial" in recipes:
+        raise UserError(f"--method {workload.method} benches recipes finetune and hf (TRL's GRPOTrainer); the "
+                        "tutorial trains SFT: leave it out of --recipes")  # fmt: skip
+    if method.prompted and workload.num_generations < 2:
+        raise UserError(f"--num-generations must be at least 2 (a group's advantages need two), got "
+                        f"{workload.num_generations}")  # fmt: skip
+    if method.prompted and not 1 <= workload.max_completion_length <= workload.seq_len - 8:
+        raise UserError(f"--max-completion-length must be from 1 to --seq-len less 8 ({workload.seq_len - 8}), got "
+                        f"{workload.max_completion_length}")  # fmt: skip
     if not backends or not (recipes or levers):
         raise UserError("nothing to run: give at least one backend and one recipe")
     from finetune.tools import peer
 
     if "hf" in recipes and not peer.available():
         raise UserError("recipe hf needs torch, transformers and peft: pip install 'finetune[torch,hf]'")
+    if "hf" in recipes and method.prompted:
+        from finetune.tools import peer_grpo
+
+        if not peer_grpo.available():
+            raise UserError("recipe hf under --method grpo is TRL's GRPOTrainer: pip install 'finetune[torch,hf,dev]'")
     import importlib.util
 
     missing = [b for b in backends if importlib.util.find_spec(b) is None]
@@ -173,6 +193,8 @@ def run(
         if path is not None:  # written beside under a temporary name, then renamed (outputs.write_atomic)
             storage.check_output(path, flag, beside=len(".partial."))
     specs = [Spec("torch", "hf", None, workload)] if "hf" in recipes else []
+    if "hf" in recipes and "precision" in levers:  # the peer in float32 too, to compare in the same dtype
+        specs.append(Spec("torch", "hf", "precision", workload))
     specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
     specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers]
     order = ["torch", *backends] if "hf" in recipes else backends
@@ -189,6 +211,9 @@ def run(
             print(f"  failed: {row['error']}", flush=True)
         else:
             pairs = f", {row['pairs_per_s']:.2f} pairs/s" if "pairs_per_s" in row else ""
+            if "step_s" in row:
+                pairs = (f" trained, {row['generation_tokens_per_s']:.0f} generated, {row['step_s']:.2f} s a step "
+                         f"({row['generate_s']:.2f} s sampling)")  # fmt: skip
             print(f"  {row['tokens_per_s']:.0f} tokens/s{pairs}, loss {_loss(row)}", flush=True)
     add_mfu(rows, workload, peaks)
     print()
@@ -338,7 +363,12 @@ def _work(spec: Spec) -> dict:
                                 optimizer=builder.Optimizer(1e-4, 0.01, objective=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
         lm = model.lm
-        result = _train_pairs(spec, model, method, objective) if method.paired else _train_finetune(spec, model)
+        if method.paired:
+            result = _train_pairs(spec, model, method, objective)
+        elif method.prompted:
+            result = _train_rollouts(spec, model, method)
+        else:
+            result = _train_finetune(spec, model)
     policy = keras.config.dtype_policy()
     result.update(
         backend=spec.backend,
@@ -365,11 +395,16 @@ def _work_hf(spec: Spec) -> dict:
 
     w = spec.workload
     tokenizer = keras_hub.models.GemmaTokenizer(proto=w.tokenizer or str(presets.TINY_TOKENIZER))
-    _, _, examples = _examples(w, tokenizer)
     vocabulary = VOCAB.get(w.arch) or tokenizer.vocabulary_size()
     # The dtype finetune's --precision auto picks on this device: the peer's best here too (bf16 where it is fast,
-    # float16 on a T4, float32 on a CPU without bf16 units, where torch's bf16 matmul is a slow reference loop).
-    dtype = backend.auto_precision("gpu" if peer.device() == "cuda" else "cpu")
+    # float16 on a T4, float32 on a CPU without bf16 units, where torch's bf16 matmul is a slow reference loop);
+    # float32 with the precision lever, as the finetune rows take it.
+    dtype = (
+        "float32" if spec.lever == "precision" else backend.auto_precision("gpu" if peer.device() == "cuda" else "cpu")
+    )
+    if registry.get(w.method).prompted:
+        return _work_trl_grpo(spec, vocabulary, dtype)
+    _, _, examples = _examples(w, tokenizer)
     model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype)
     steps = peer.batches(examples, w.seq_len, w.batch_size)
     if not steps:
@@ -380,7 +415,7 @@ def _work_hf(spec: Spec) -> dict:
     result.update(
         backend="torch",
         recipe="hf",
-        lever=None,
+        lever=spec.lever,
         arch=w.arch,
         device="gpu" if peer.device() == "cuda" else "cpu",
         precision=dtype,
@@ -392,10 +427,108 @@ def _work_hf(spec: Spec) -> dict:
     return result
 
 
+def _work_trl_grpo(spec: Spec, vocabulary: int, dtype: str) -> dict:
+    """The GRPO peer's row (peer_grpo.py): TRL's GRPOTrainer + PEFT on the same architecture and prompts."""
+    from finetune.platform import backend
+    from finetune.tools import peer, peer_grpo
+
+    w = spec.workload
+    tokenizer = peer_grpo.hf_tokenizer(w.tokenizer or str(presets.TINY_TOKENIZER))
+    prompts = [text for text, _ in bench_prompts(w)]
+    timed = peer_grpo.train(peer.base(ARCHS[w.arch], vocabulary, dtype), tokenizer, prompts, rank=w.rank,
+                            prompts_per_step=w.batch_size, generations=w.num_generations,
+                            max_completion_length=w.max_completion_length, warmup=w.warmup, steps=w.steps,
+                            dtype=dtype)  # fmt: skip
+    training = timed["step"] - timed["generate"]
+    result = _measured(timed["losses"], training, timed["trained"], max(timed["positions"], timed["trained"]))
+    result.update(_rollout_rates(timed["sampled"], timed["generate"], timed["step"], w.steps))
+    result.update(backend="torch", recipe="hf", lever=spec.lever, arch=w.arch, device=peer.device(), precision=dtype,
+                  settings=f"TRL GRPOTrainer + PEFT, {dtype} base, transformers' generate",
+                  peak_memory_mb=round(backend.peak_memory_mb(), 1), compute_dtype=dtype, vocab=vocabulary)  # fmt: skip
+    return result
+
+
+def bench_prompts(workload: Workload) -> list[tuple[str, object]]:
+    """(prompt, record) of each record, in file order: the Dolly template up to the response, as the GRPO peer
+    and the DPO peer cut it."""
+    from finetune.data import formats, templates
+
+    template = templates.get("dolly")
+    return [(template.apply(record)[0], record) for record in formats.load_records(workload.data)]
+
+
+def _rollout_rates(sampled: int, generate_s: float, step_s: float, steps: int) -> dict:
+    return {"generation_tokens_per_s": round(sampled / generate_s, 1) if generate_s else 0.0,
+            "step_s": round(step_s / steps, 3), "generate_s": round(generate_s / steps, 3)}  # fmt: skip
+
+
+def _train_rollouts(spec: Spec, model, method) -> dict:
+    """The steps `finetune gemma --method grpo` takes (methods/grpo.py, rollouts.py): each samples
+    --num-generations completions of --batch-size prompts in one call of keras-hub's generate (the sampler compiled
+    in once), scores them with `length:L` at L = --max-completion-length (the share of the budget used, the TRL
+    peer's reward), and trains one train_on_batch on the rows. The prompts are the records' in file order, as the
+    peer takes them. Timed after the warm-up: the whole step (sampling, scoring, the rows' layout, the train step),
+    and within it the sampler's calls; generation tokens/s is the completion tokens over the latter, training
+    tokens/s the prompt and completion tokens over the rest."""
+    import numpy as np
+
+    from finetune.config import Config
+    from finetune.data import batching, templates
+    from finetune.methods import rollouts
+    from finetune.model import builder
+    from finetune.platform import backend
+
+    w = spec.workload
+    cfg = Config()
+    cfg.model.seq_len, cfg.data.template, cfg.train.seed = w.seq_len, "dolly", 0
+    cfg.train.method, cfg.train.batch_size = w.method, w.batch_size
+    cfg.train.num_generations, cfg.train.max_completion_length = w.num_generations, w.max_completion_length
+    cfg.train.reward = [f"length:{w.max_completion_length}"]
+    template = templates.get("dolly")
+    sampling = method.sampling(cfg, template, model.tokenizer)
+    records = [(record, None) for _, record in bench_prompts(w)]
+    prompts = rollouts.prompts_of(records, template, model.tokenizer, sampling, w.seq_len)
+    if len(prompts) < w.batch_size:
+        raise UserError(f"the data has {len(prompts)} prompts, fewer than one batch of {w.batch_size}")
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
+                         inputs=builder.input_names(model.lm))  # fmt: skip
+    order = rollouts.RolloutOrder(prompts, w.batch_size, cfg, feed, model, method.constants(cfg.train))
+    order._rows = lambda group: (group * w.batch_size + np.arange(w.batch_size)) % len(prompts)  # file order
+    sampler, sampling_s = order.sampler, [0.0]
+    complete = sampler.complete
+
+    def timed_complete(*args, **kwargs):
+        started = time.perf_counter()
+        out = complete(*args, **kwargs)
+        sampling_s[0] += time.perf_counter() - started
+        return out
+
+    sampler.complete = timed_complete
+    losses, seconds, generate_s, sampled, tokens, positions = [], 0.0, 0.0, 0, 0, 0
+    for step in range(w.warmup + w.steps):
+        before = sampling_s[0]
+        started = time.perf_counter()
+        for x, y, sample_weight in order.micro_batches(step):
+            loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
+        elapsed = time.perf_counter() - started
+        losses.append(float(loss))
+        if step >= w.warmup:
+            seconds += elapsed
+            generate_s += sampling_s[0] - before
+            trained, completion = order.tokens(step)
+            tokens, sampled = tokens + trained, sampled + completion
+            positions += x["token_ids"].size
+    result = _measured(losses, seconds - generate_s, tokens, positions)
+    result.update(_rollout_rates(sampled, generate_s, seconds, w.steps))
+    return result
+
+
 def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
     parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
+    if registry.get(spec.workload.method).prompted:
+        parts[0] = f"{spec.workload.method}, G {spec.workload.num_generations}, keras-hub generate"
     if registry.get(spec.workload.method).paired:  # pairs: packed whole, or a row per answer
         packed = "pairs packed" if spec.lever != "packing" else "2 rows a pair"
         parts[0] = f"{spec.workload.method}, {packed}"
@@ -743,7 +876,7 @@ def add_mfu(rows: list[dict], workload: Workload, peaks: dict[str, dict]) -> Non
     A row above 100% means the FLOP count or the peak is wrong: it is flagged, never printed as a figure.
     """
     for row in rows:
-        if "error" in row or row.get("compute_dtype") not in peaks:
+        if "error" in row or row.get("compute_dtype") not in peaks or "step_s" in row:  # rollouts: not one workload
             continue
         peak = peaks[row["compute_dtype"]]
         flops = train_flops_per_token(workload.arch, row["vocab"], workload.seq_len)
@@ -794,6 +927,13 @@ def table(rows: list[dict]) -> str:
         " finetune's is per response token, the tutorial's is Keras' default (every token's loss summed, divided"
         " by every position, padding included)."
     )
+    for row in rows:
+        if "step_s" in row and "error" not in row:
+            out.append(f"{row['backend']} {_label(row)}: {row['step_s']:.2f} s a step, {row['generate_s']:.2f} s of it "
+                       f"sampling at {row['generation_tokens_per_s']:.0f} completion tokens/s")  # fmt: skip
+    if any("step_s" in row for row in rows):
+        out.append("--method grpo: tokens/s is the prompt and completion tokens trained over the step's time less "
+                   "the sampling's; padding is the share of the trained positions.")  # fmt: skip
     out += [f"{row['backend']} {_label(row)} failed: {row['error']}" for row in rows if "error" in row]
     return "\n".join(out)
 
@@ -812,7 +952,12 @@ def verdict(rows: list[dict]) -> str:
         )
     parts[0] += ")"
     peer = next((r for r in rows if r["recipe"] == "hf" and "error" not in r), None)
-    if peer is not None:
+    if peer is not None and "step_s" in peer:  # rollouts: the whole step, sampling included, is what a run waits
+        fastest = min(best.values(), key=lambda r: r["step_s"])
+        parts.append(f"{fastest['backend']}'s step takes {fastest['step_s'] / peer['step_s']:.2f}x TRL's time "
+                     f"({fastest['step_s']:.2f} s against {peer['step_s']:.2f} s), in "
+                     f"{fastest['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory")  # fmt: skip
+    elif peer is not None:
         parts.append(
             f"{top['tokens_per_s'] / peer['tokens_per_s']:.2f}x the hf peer's tokens/s, in "
             f"{top['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory"

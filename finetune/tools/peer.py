@@ -42,8 +42,15 @@ def device() -> str:
 
 def build(config: dict, vocabulary: int, rank: int, dtype: str = "bfloat16"):
     """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, LoRA on q and v."""
-    import torch
     from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(base(config, vocabulary, dtype), lora).train()  # PEFT keeps the factors float32
+
+
+def base(config: dict, vocabulary: int, dtype: str = "bfloat16"):
+    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, on the device."""
+    import torch
     from transformers import GemmaConfig, GemmaForCausalLM
 
     torch.manual_seed(0)
@@ -63,11 +70,10 @@ def build(config: dict, vocabulary: int, rank: int, dtype: str = "bfloat16"):
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # no float32 copy of a bf16 base is ever made
     try:
-        base = GemmaForCausalLM(hf_config)
+        model = GemmaForCausalLM(hf_config)
     finally:
         torch.set_default_dtype(default)
-    lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    return get_peft_model(base.to(device()), lora).train()  # PEFT keeps the factors float32 beside the bf16 base
+    return model.to(device())
 
 
 def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
