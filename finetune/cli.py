@@ -414,7 +414,7 @@ PLAN_HELP = (
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
 PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "train.batch_size", "train.method",
-           "distribution.parallel", "distribution.mesh")  # fmt: skip
+           "train.num_generations", "train.max_completion_length", "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 
 @app.command(help=PLAN_HELP)

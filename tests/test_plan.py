@@ -457,3 +457,31 @@ def test_the_plan_of_a_frozen_encoder_s_pass_is_within_15_percent_of_what_xla_al
                       "model.seq_len": 64, "train.batch_size": 4, "model.remat": "off", "data.images": 1})  # fmt: skip
     assert planned.memory["vision_forward"] > 0.5 * planned.memory["total"]  # the encoder's pass is the check
     assert planned.memory["total"] == pytest.approx(measured, rel=0.15), (planned.memory, measured)
+
+
+@pytest.mark.backend_neutral
+def test_a_grpo_plan_counts_each_prompt_s_completions_and_the_rollout_s_cache():
+    """--batch-size counts prompts, each --num-generations rows in the step; the sampling before the step holds
+    keras-hub's KV cache (and on PyTorch the first pass's logits at every prompt position), counted where it
+    exceeds the step's own activations and logits."""
+    grpo = {"model.preset": "gemma_2b_en", "train.method": "grpo", "model.seq_len": 256}
+    four = make(**grpo, **{"train.num_generations": 4})
+    eight = make(**grpo, **{"train.num_generations": 8})
+    assert eight.memory["activations"] == pytest.approx(2 * four.memory["activations"])
+    assert "rollout" not in four.memory  # a short cache: the step's activations are the larger
+    # A small model with Gemma 3's 262k vocabulary, remat on: the step's activations are small beside the logits
+    # of the first pass of PyTorch's sampling, at every prompt position.
+    small = {"model.preset": "gemma3_270m", "train.method": "grpo", "train.num_generations": 8, "model.seq_len": 1024,
+             "train.batch_size": 1, "model.remat": "on", "model.precision": "bfloat16"}  # fmt: skip
+    torch_plan = make(backend="torch", **small)
+    dims = torch_plan.model.dims
+    cache = 2 * 8 * dims.num_layers * 2 * 1024 * dims.num_key_value_heads * dims.head_dim * 2
+    logits = 8 * 1024 * dims.vocabulary_size * 2
+    assert torch_plan.memory["rollout"] == pytest.approx(
+        cache + logits - torch_plan.memory["activations"] - torch_plan.memory["logits"]
+    )
+    assert any("rollout kv cache" in note and "rollout prompt logits" in note for note in torch_plan.notes)
+    jax_plan = make(**small)  # XLA keeps no prompt logits
+    assert jax_plan.memory.get("rollout", 0) < torch_plan.memory["rollout"]
+    shown = invoke("--preset", "gemma_2b_en", "--method", "grpo", "--num-generations", "4", "--seq-len", "256")
+    assert shown.exit_code == 0 and "each prompt of a batch is 4 rows" in shown.output, shown.output

@@ -130,6 +130,23 @@ class GRPO(Method):
 
     # === Plan ===
 
+    def sequences_per_entry(self, packed: bool, train=None) -> int:
+        return self.constants(train)["num_generations"] if train is not None else self.sequences_per_example
+
+    def plan_transient(self, cfg, dims, value_bytes: int, entries: int, backend: str) -> dict[str, float]:
+        """The rollout's sampling, before the step: keras-hub's KV cache, (rows, layers, 2, positions, kv heads,
+        head dim) in the compute dtype, and the copy each loop step makes of it (the layers' caches stacked
+        anew); and where run eagerly (PyTorch) the first pass's logits, at every prompt position in the compute
+        dtype (XLA drops them: only the cache is kept). The positions are --seq-len: the widest prompt and the
+        completion."""
+        rows = entries * self.constants(cfg.train)["num_generations"]
+        positions = cfg.model.seq_len
+        cache = rows * dims.num_layers * 2 * positions * dims.num_key_value_heads * dims.head_dim * value_bytes
+        out = {"rollout_kv_cache": 2 * cache}
+        if backend == "torch":
+            out["rollout_prompt_logits"] = rows * positions * dims.vocabulary_size * value_bytes
+        return out
+
     def plan_note(self, cfg, packed: bool = False) -> str | None:
         c = self.constants(cfg.train)  # never packed: each rollout is a row of its own
         return (f"--method grpo: each prompt of a batch is {c['num_generations']} rows (--num-generations), each "

@@ -129,10 +129,17 @@ class Method:
 
     # === Plan ===
 
-    def sequences_per_entry(self, packed: bool) -> int:
+    def sequences_per_entry(self, packed: bool, train=None) -> int:
         """The sequences of seq_len each entry of --batch-size computes: the method's per example, or one where the
-        rows are packed (--batch-size then counts rows, whole examples laid in them)."""
+        rows are packed (--batch-size then counts rows, whole examples laid in them). train: the run's TrainConfig,
+        where the count is a setting."""
         return 1 if packed else self.sequences_per_example
+
+    def plan_transient(self, cfg, dims, value_bytes: int, entries: int, backend: str) -> dict[str, float]:
+        """Bytes this method holds outside the training step, at a time of its own (GRPO's sampling), by name;
+        the plan counts what exceeds the step's activations and logits. dims: the model's (plan.Dims); entries:
+        --batch-size's entries on a device; value_bytes: the compute dtype's."""
+        return {}
 
     def plan_note(self, cfg, packed: bool = False) -> str | None:
         """What `finetune plan` says of this method's memory, with its rows packed or not; None: nothing."""

@@ -433,8 +433,11 @@ def _work_trl_grpo(spec: Spec, vocabulary: int, dtype: str) -> dict:
     from finetune.tools import peer, peer_grpo
 
     w = spec.workload
-    tokenizer = peer_grpo.hf_tokenizer(w.tokenizer or str(presets.TINY_TOKENIZER))
-    prompts = [text for text, _ in bench_prompts(w)]
+    import keras_hub
+
+    spm = w.tokenizer or str(presets.TINY_TOKENIZER)
+    tokenizer = peer_grpo.hf_tokenizer(spm)
+    prompts = [text for text, _ in bench_prompts(w, keras_hub.models.GemmaTokenizer(proto=spm))]
     timed = peer_grpo.train(peer.base(ARCHS[w.arch], vocabulary, dtype), tokenizer, prompts, rank=w.rank,
                             prompts_per_step=w.batch_size, generations=w.num_generations,
                             max_completion_length=w.max_completion_length, warmup=w.warmup, steps=w.steps,
@@ -448,13 +451,18 @@ def _work_trl_grpo(spec: Spec, vocabulary: int, dtype: str) -> dict:
     return result
 
 
-def bench_prompts(workload: Workload) -> list[tuple[str, object]]:
-    """(prompt, record) of each record, in file order: the Dolly template up to the response, as the GRPO peer
-    and the DPO peer cut it."""
-    from finetune.data import formats, templates
+def bench_prompts(workload: Workload, tokenizer) -> list[tuple[str, object]]:
+    """(prompt, record) of each record whose prompt leaves --max-completion-length in --seq-len, in file order:
+    the Dolly template up to the response, as the DPO peer cuts it. Both sides get the same prompts whole (TRL's
+    GRPOTrainer cuts none)."""
+    from finetune.data import batching, formats, templates
 
     template = templates.get("dolly")
-    return [(template.apply(record)[0], record) for record in formats.load_records(workload.data)]
+    records = formats.load_records(workload.data)
+    texts = [template.apply(record)[0] for record in records]
+    room = workload.seq_len - workload.max_completion_length
+    fits = [1 + len(ids) <= room for ids in batching.leading_ids(tokenizer, texts, 10**9)]  # <bos> and the prompt
+    return [(text, record) for text, record, fit in zip(texts, records, fits) if fit]
 
 
 def _rollout_rates(sampled: int, generate_s: float, step_s: float, steps: int) -> dict:
@@ -486,7 +494,7 @@ def _train_rollouts(spec: Spec, model, method) -> dict:
     cfg.train.reward = [f"length:{w.max_completion_length}"]
     template = templates.get("dolly")
     sampling = method.sampling(cfg, template, model.tokenizer)
-    records = [(record, None) for _, record in bench_prompts(w)]
+    records = [(record, None) for _, record in bench_prompts(w, model.tokenizer)]
     prompts = rollouts.prompts_of(records, template, model.tokenizer, sampling, w.seq_len)
     if len(prompts) < w.batch_size:
         raise UserError(f"the data has {len(prompts)} prompts, fewer than one batch of {w.batch_size}")

@@ -350,7 +350,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     # of seq_len where they are packed.
     method = registry.get(cfg.train.method)
     packed = _packed(cfg, model, method)
-    sequences = method.sequences_per_entry(packed)
+    sequences = method.sequences_per_entry(packed, cfg.train)
     note = method.plan_note(cfg, packed)
     if note:
         notes.append(note)
@@ -361,6 +361,13 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
     )
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
+    transient = method.plan_transient(cfg, model.dims, _BYTES[precision][1], per_device, cfg.backend)
+    beyond = sum(transient.values()) - memory["activations"] - memory["logits"]
+    if beyond > 0:  # held at a time of its own: what exceeds the step's own peak
+        memory["rollout"] = beyond
+        parts = ", ".join(f"{name.replace('_', ' ')} {_size(value)}" for name, value in transient.items())
+        notes.append(f"the rollout's sampling ({parts}) exceeds the step's activations and logits: its peak is "
+                     "the run's")  # fmt: skip
     pictured = _pictures(model, cfg, precision, notes)
     if pictured:
         memory["image_pixels"] = per_device * pictured.pop("pixels_per_row")
