@@ -129,7 +129,7 @@ def test_grpo_learns_from_the_command_line(learned):
     assert metrics["eval_reward"] >= metrics["eval_reward_before"] + 0.3, metrics
     header = (out / "history.csv").read_text().splitlines()[0].split(",")
     for name in ("reward", "reward_std", "reward_starts_with_the", "frac_reward_zero_std", "completion_length",
-                 "completion_length_max", "completion_clipped", "kl", "clip_ratio_region", "eval_reward"):  # fmt: skip
+                 "completion_length_max", "completion_clipped", "kl", "clip_ratio_region", "entropy", "eval_reward"):  # fmt: skip
         assert name in header
     assert "rollout 12: reward" in stdout and "scored alike" not in stdout
 

@@ -152,3 +152,31 @@ def test_the_advantages_are_trl_s_for_every_scale_rewards(scale):
     ours, _ = rollouts.advantages(table, weights, 4, scale)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
     assert np.all(ours[4:8] == 0) and np.abs(ours).max() > 0.5
+
+
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_the_entropy_is_trls_from_the_logits_the_loss_makes(soft_cap):
+    """Each completion token's entropy (GRPO's `entropy` metric) equals TRL's entropy_from_logits on the logits at
+    the sampling temperature, in both forms of the loss's chunk (PyTorch's in place, XLA's), and asking for it
+    changes neither the loss nor its gradient."""
+    from keras import ops
+
+    from finetune.model import objective
+
+    rng = np.random.default_rng(3)
+    hidden = torch.tensor(rng.normal(size=(10, 16)), dtype=torch.float32, requires_grad=True)
+    kernel = torch.tensor(rng.normal(size=(50, 16)) / 2, dtype=torch.float32) / 0.7  # at temperature 0.7
+    labels, weights = torch.tensor(rng.integers(0, 50, size=10)), torch.ones(10)
+    logits = hidden.detach() @ kernel.T
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    theirs = trl_utils.entropy_from_logits(logits).numpy()
+    both = objective.token_losses(hidden, kernel, labels, weights, 4, soft_cap, entropy=True)
+    np.testing.assert_allclose(both[:, 1].detach().numpy(), theirs, rtol=1e-5, atol=1e-5)
+    _, _, compiled_form = objective._loss_and_delta(logits, labels, eager=False, entropy=True)
+    np.testing.assert_allclose(np.asarray(ops.convert_to_numpy(compiled_form)), theirs, rtol=1e-5, atol=1e-5)
+    (with_entropy,) = torch.autograd.grad(both[:, 0].sum() + 5.0 * both[:, 1].sum(), hidden)
+    alone = objective.token_losses(hidden, kernel, labels, weights, 4, soft_cap)
+    (plain,) = torch.autograd.grad(alone.sum(), hidden)
+    np.testing.assert_allclose(both[:, 0].detach().numpy(), alone.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(with_entropy.numpy(), plain.numpy(), rtol=1e-6, atol=1e-7)

@@ -124,7 +124,7 @@ class GRPO(Method):
 
     def run_metrics(self, train, rows: list) -> dict:
         last = next((row for row in reversed(rows) if "reward" in row and "train_loss" in row), {})
-        shown = ("reward", "reward_std", "completion_length", "kl", "clip_ratio_region")
+        shown = ("reward", "reward_std", "completion_length", "kl", "clip_ratio_region", "entropy")
         return {**super().run_metrics(train, rows), "reward": list(train.reward),
                 **{f"train_{name}": last.get(name) for name in shown}}  # fmt: skip
 

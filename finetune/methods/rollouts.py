@@ -423,7 +423,7 @@ class RolloutOrder:
             x["loss_old"] = self._logps(x, "policy")
         if self.objective.beta != 0.0:
             x["loss_reference"] = self._logps(x, "reference")
-        columns = 6  # grpo_view.COLUMNS
+        columns = 7  # len(grpo_view.COLUMNS)
         weight = np.zeros((*slot_weights.shape, columns), np.float32)
         weight[..., 0] = np.where(real_slot, weights[row_of_slot], 0.0)
         return (x, np.zeros_like(weight), weight), None

@@ -24,8 +24,8 @@ from keras import ops
 
 from finetune.model import objective
 
-COLUMNS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "logps")
-METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
+COLUMNS = ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy", "logps")
+METRICS = ("kl", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "entropy")
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,11 @@ class Objective:
         return GRPOView(lm, chunk, self, shards, dtype=keras.config.dtype_policy())
 
 
-def token_values(objective_: Objective, logps, old, reference, advantages):
+def token_values(objective_: Objective, logps, old, reference, advantages, entropy=None):
     """(..., len(COLUMNS)) float32: each token's loss and TRL's metrics of it, from its log-probability now,
     when sampled (`old`; ignored where objective_.fresh), under the base (`reference`; ignored where beta is 0),
-    and its completion's advantage. Every argument has one shape."""
+    and its completion's advantage; `entropy`, the softmax's at the token (TRL's metric), is passed through
+    (0 where None). Every argument has one shape."""
     old = ops.stop_gradient(logps) if objective_.fresh else old
     ratio = ops.exp(logps - old)
     clipped = ops.clip(ratio, 1.0 - objective_.epsilon, 1.0 + objective_.epsilon_high)
@@ -65,7 +66,8 @@ def token_values(objective_: Objective, logps, old, reference, advantages):
     high = ops.logical_and(ratio > 1.0 + objective_.epsilon_high, advantages > 0)
     region = ops.logical_or(low, high)
     flags = [ops.cast(f, "float32") for f in (low, high, region)]
-    return ops.stack([loss, ops.stop_gradient(kl), *flags, ops.stop_gradient(logps)], axis=-1)
+    entropy = ops.zeros_like(logps) if entropy is None else ops.stop_gradient(ops.cast(entropy, "float32"))
+    return ops.stack([loss, ops.stop_gradient(kl), *flags, entropy, ops.stop_gradient(logps)], axis=-1)
 
 
 class GRPOView(objective.TrainingView):
@@ -97,14 +99,16 @@ class GRPOView(objective.TrainingView):
         temperature = self.objective.temperature
         kernel = ops.convert_to_tensor(kernel) / ops.cast(temperature, kernel.dtype)
         soft_cap = soft_cap / temperature if soft_cap is not None else None
-        if training:
-            losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        shape = ops.shape(inputs["loss_labels"])
+        entropy = None
+        if training:  # with each token's entropy, made from the logits the loss makes (TRL's metric)
+            both = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap, entropy=True)
+            losses, entropy = both[:, 0], ops.reshape(both[:, 1], shape)
         else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
             losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
-        shape = ops.shape(inputs["loss_labels"])
         logps = -ops.reshape(losses, shape)
         given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_reference", "loss_advantages")]
-        return token_values(self.objective, logps, *given)
+        return token_values(self.objective, logps, *given, entropy=entropy)
 
     def step_metrics(self) -> list:
         return [TokenMean(COLUMNS.index(name), name) for name in METRICS]

@@ -60,8 +60,11 @@ def _chunks(total: int, chunk: int):
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None, entropy: bool = False):
     """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
+
+    entropy: also each position's entropy of the softmax, made from the chunk's logits while they exist (GRPO's
+    metric): the output is then (N, 2), the losses and the entropies, the latter without a gradient.
 
     hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
     The gradient flows to `hidden` only: the kernel is the frozen embedding. Each
@@ -83,14 +86,17 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
                 if soft_cap is not None:  # d capped / d logit = 1 - tanh^2, tanh = capped / cap
                     slope = 1.0 - ops.square(logits / soft_cap)
                 # Run eagerly (PyTorch), the logits are overwritten in place and each array freed when done with.
-                loss, delta = _loss_and_delta(logits, y, eager=keras.config.backend() == "torch")
+                loss, delta, spread = _loss_and_delta(logits, y, eager=keras.config.backend() == "torch",
+                                                      entropy=entropy)  # fmt: skip
                 del logits
                 if soft_cap is not None:
                     delta = delta * slope
+                if entropy:
+                    loss = ops.stack([loss, ops.stop_gradient(spread)], axis=-1)
                 return loss, ops.matmul(ops.cast(delta, h.dtype), kernel)
 
             def nothing(h=h):
-                return ops.zeros((h.shape[0],)), ops.zeros_like(h)
+                return ops.zeros((h.shape[0], 2) if entropy else (h.shape[0],)), ops.zeros_like(h)
 
             loss, grad = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
             loss_parts.append(loss)
@@ -101,6 +107,8 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
         def gradient(*args, upstream=None):
             if upstream is None:  # jax and tensorflow pass it positionally, torch by name
                 (upstream,) = args
+            if entropy:  # the entropies carry no gradient
+                upstream = upstream[:, 0]
             scale = ops.cast(ops.expand_dims(upstream, -1), per_position.dtype)
             return per_position * scale, None, None, None
 
@@ -109,8 +117,9 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     return losses(hidden, kernel, labels, weights)
 
 
-def _loss_and_delta(logits, labels, eager: bool):
-    """(each row's cross-entropy, softmax - one-hot), float32, from a chunk's float32 logits.
+def _loss_and_delta(logits, labels, eager: bool, entropy: bool = False):
+    """(each row's cross-entropy, softmax - one-hot, each row's entropy or None), float32, from a chunk's float32
+    logits.
 
     softmax - one-hot is made in float32, before any cast: a confident softmax
     rounded to bf16 first (p = 0.99 is 1 - 2^-7) would cancel the one against
@@ -123,16 +132,17 @@ def _loss_and_delta(logits, labels, eager: bool):
     10-11 with log-softmax and a scatter in its place.
     """
     if eager:
-        return _loss_and_delta_in_place(logits, labels)
+        return _loss_and_delta_in_place(logits, labels, entropy)
     log_total = ops.logsumexp(logits, axis=-1, keepdims=True)
     picked = ops.take_along_axis(logits, ops.expand_dims(labels, -1), axis=-1)
     softmax = ops.exp(logits - log_total)
     is_label = ops.equal(ops.expand_dims(ops.arange(logits.shape[-1], dtype="int32"), 0),
                          ops.expand_dims(ops.cast(labels, "int32"), -1))  # fmt: skip
-    return (log_total - picked)[:, 0], ops.where(is_label, softmax - 1.0, softmax)
+    spread = log_total[:, 0] - ops.sum(softmax * logits, axis=-1) if entropy else None  # -sum p log p
+    return (log_total - picked)[:, 0], ops.where(is_label, softmax - 1.0, softmax), spread
 
 
-def _loss_and_delta_in_place(logits, labels):
+def _loss_and_delta_in_place(logits, labels, entropy: bool = False):
     """_loss_and_delta on PyTorch, in the logits' own buffer: the softmax and its gradient overwrite them.
 
     Run eagerly, each step of the other form is a fresh (chunk x vocabulary)
@@ -151,8 +161,9 @@ def _loss_and_delta_in_place(logits, labels):
     probs = logits.sub_(top).exp_()
     total = probs.sum(dim=-1, keepdim=True)
     probs.div_(total)
+    spread = torch.special.entr(probs).sum(dim=-1) if entropy else None  # -sum p log p: one more chunk, asked for
     probs[rows, labels] -= 1.0
-    return (top + torch.log(total))[:, 0] - picked, probs
+    return (top + torch.log(total))[:, 0] - picked, probs, spread
 
 
 def _after(hidden, done: list):
