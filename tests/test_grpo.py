@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -258,6 +259,12 @@ def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     metrics = json.loads((tmp_path / "runs" / "grpo" / "metrics.json").read_text())
     assert metrics["eval_reward_before"] <= 0.35 and metrics["eval_reward"] >= 0.7, metrics
     assert metrics["eval_reward"] - metrics["eval_reward_before"] >= 0.4, metrics
+    # samples.md: each greedy generation with its rewards, before and after; no empty reference for prompts alone
+    samples = (tmp_path / "runs" / "grpo" / "samples.md").read_text()
+    assert "**Reference**" not in samples
+    scored = re.findall(r"reward (\d\.\d{3}) \(opens_with_the (\d\.\d{3})\)", samples)
+    assert len(scored) == 2 * samples.count("## Sample") > 0, samples[:2000]
+    assert all(total == each for total, each in scored) and {"0.000", "1.000"} >= {t for t, _ in scored}
 
 
 @pytest.mark.one_backend  # the note is Python's; the scoring passes run on every backend in test_grpo_view's view

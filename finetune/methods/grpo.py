@@ -12,7 +12,7 @@ held-out prompt.
 
 from __future__ import annotations
 
-from finetune.data import templates
+from finetune.data import batching, templates
 from finetune.methods import prepare, rewards, rollouts
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
@@ -121,6 +121,27 @@ class GRPO(Method):
 
     def evaluate(self, lm, cfg, rows) -> dict:
         return rollouts.held_out_reward(rollouts.Sampler(lm, rows.sampling), rows)
+
+    def sample_scores(self, cfg, samples: list, tokenizer):
+        """samples.md's rewards: each greedy generation scored by the run's reward functions, with the records'
+        columns, as a rollout is."""
+        c = self.constants(cfg.train)
+        loaded = rewards.load(cfg.train.reward, cfg.train.reward_weights, c["max_completion_length"])
+        keys = sorted({key for record in samples for key in record.columns})
+        columns = {key: [record.columns.get(key) for record in samples] for key in keys}
+        conversational = bool(samples) and bool(samples[0].turns)
+        shown = [rollouts.messages_of(r) if conversational else r.instruction for r in samples]
+
+        def score(generations: list[str]) -> list[str]:
+            made = [[{"role": "assistant", "content": g}] if conversational else g for g in generations]
+            ids = batching.leading_ids(tokenizer, generations, 10**6) if generations else []
+            try:
+                table = rewards.score(loaded, shown, made, columns, ids, None)
+            except UserError as e:  # after training too: the run's results stand; the line says why
+                return [f"not scored: {e}"] * len(generations)
+            return [rewards.line(loaded, row) for row in table]
+
+        return score
 
     def run_metrics(self, train, rows: list) -> dict:
         last = next((row for row in reversed(rows) if "reward" in row and "train_loss" in row), {})

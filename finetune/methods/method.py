@@ -127,6 +127,11 @@ class Method:
         """
         return {"method": self.name, **{name: getattr(train, name) for name in self.defaults}}
 
+    def sample_scores(self, cfg, samples: list, tokenizer):
+        """A callable(generations) -> one line per sample, shown under each generation in samples.md; None: the
+        method scores no generation."""
+        return None
+
     # === Plan ===
 
     def sequences_per_entry(self, packed: bool, train=None) -> int:

@@ -221,6 +221,14 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: dict
     return table
 
 
+def line(rewards: list[Reward], row: np.ndarray) -> str:
+    """One completion's rewards as a line: the weighted total, then each function's (None where it gave none)."""
+    weights = np.array([r.weight for r in rewards])
+    total = float(np.nansum(row * weights)) if not np.isnan(row).all() else float("nan")
+    each = ", ".join(f"{r.name} {'None' if np.isnan(v) else f'{v:.3f}'}" for r, v in zip(rewards, row))
+    return f"reward {total:.3f} ({each})"
+
+
 def _stopped(reward: Reward, prompt, step: int | None, what: str) -> UserError:
     shown = _text(prompt) if not isinstance(prompt, str) else prompt
     shown = shown if len(shown) <= 120 else shown[:117] + "..."

@@ -94,12 +94,13 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     keys = sorted({key for record in records for key in record.columns})
     columns = {key: [record.columns.get(key) for record in records] for key in keys}
     conversational = bool(records) and bool(records[0].turns)
-    shown = [_messages(r) if conversational else r.instruction for r in records]
+    shown = [messages_of(r) if conversational else r.instruction for r in records]
     lengths = np.array([len(row) for row in ids], np.int64)
     return Prompts(padded, lengths, shown, columns, sampling, tokenizer, conversational)
 
 
-def _messages(record) -> list:
+def messages_of(record) -> list:
+    """A conversational prompt record's turns as the messages the reward functions get."""
     return [{"role": role, "content": text} for role, text in record.turns]
 
 

@@ -697,7 +697,11 @@ def write_samples(path: Path, samples: list[dict]) -> None:
     for i, sample in enumerate(samples, start=1):
         lines += [f"## Sample {i}", ""]
         for title, key in SAMPLE_SECTIONS:
+            if key == "reference" and not sample[key]:  # prompts alone (GRPO): nothing to compare with
+                continue
             lines += [f"**{title}**", "", _fence(sample[key]), ""]
+            if f"{key}_score" in sample:  # the method's score of the generation (GRPO's rewards)
+                lines += [sample[f"{key}_score"], ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 

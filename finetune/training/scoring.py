@@ -119,8 +119,8 @@ class HeldOut:
         max_new_tokens: int. The longest generation.
     """
 
-    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int):
-        self.score = score
+    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int, judge=None):
+        self.score, self.judge = score, judge  # judge: the method's sample_scores, or None
         self.rows = rows
         self.lm = model.lm
         self.preprocessor = model.preprocessor
@@ -151,7 +151,12 @@ class HeldOut:
 
     def sample_rows(self, before: list[str], after: list[str]) -> list[dict]:
         """samples.md's rows (outputs.write_samples)."""
-        return [
+        rows = [
             {"prompt": p, "reference": r.response, "before": b, "after": a}
             for p, r, b, a in zip(self.prompts, self.samples, before, after)
         ]
+        if self.judge is not None and rows:
+            for when, generations in (("before", before), ("after", after)):
+                for row, scored in zip(rows, self.judge(generations)):
+                    row[f"{when}_score"] = scored
+        return rows

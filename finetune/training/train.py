@@ -188,7 +188,8 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
     rows = prepared.held_out_rows
     scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
-    return scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens)
+    judge = run.method.sample_scores(cfg, samples, prepare.tokenizer_of(model.preprocessor)) if samples else None
+    return scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens, judge)
 
 
 def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> checkpoint.RunState:
