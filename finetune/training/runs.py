@@ -126,7 +126,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
     method = registry.get(cfg.train.method)
     prepared = method.prepare(records, preprocessor, cfg, every_record_of=other_file)
-    result = method.evaluate(lm, cfg, prepared.held_out_rows)
+    result = method.evaluate(lm, cfg, prepared.held_out_rows, run.directory)
     result["examples"] = len(prepared.held_out)
     if generate:
         result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))

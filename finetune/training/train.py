@@ -178,7 +178,7 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     if not prepared.held_out:
         print("note: evaluation skipped: --eval-fraction 0 holds no records out and there is no --eval-data")
         return None
-    samples = [r for r, _ in prepared.held_out[: cfg.train.samples]]
+    samples = [r for r, _ in prepared.held_out[: cfg.train.samples]] if run.method.generates else []
     if job is not None and cfg.train.samples:
         # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
         print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
@@ -366,6 +366,7 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
         outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
         outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
         outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
+        **run.method.published(session.model.trainer),  # a reward model's head
     }
 
 
