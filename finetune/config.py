@@ -44,9 +44,10 @@ REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
-# The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md), or
-# online RL on prompts with reward functions (docs/rl.md).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward")  # methods/registry.py's names (a test keeps the two equal)
+# The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md),
+# online RL on prompts with reward functions (docs/rl.md), or a reward model on pairs (docs/reward.md).
+# methods/registry.py's names (a test keeps the two equal).
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's GRPOConfig.loss_type values we train
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards values
 
