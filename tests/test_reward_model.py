@@ -65,6 +65,9 @@ def test_a_reward_model_learns_a_preference_from_the_command_line(reward_run):
     assert metrics["accuracy"] is not None and metrics["margin"] is not None
     head = np.load(out / reward.HEAD)["kernel"]
     assert head.shape == (128, 1) and np.isfinite(head).all()  # the tiny preset's hidden size
+    adapter = json.loads((out / "adapter.json").read_text())["adapted"]
+    lora = sum(np.prod(entry[name]) for entry in adapter for name in ("lora_kernel_a", "lora_kernel_b"))
+    assert metrics["trainable_parameters"] == lora + 128
     assert "generating" not in stdout
 
 

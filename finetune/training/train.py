@@ -62,7 +62,9 @@ def _run(cfg: Config, resume: bool) -> dict:
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
     session = _session(decided, data, job, found, phase)
     checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
-    size = checkpoint_bytes(builder.trainable_parameters(session.model.lm), cfg.train.grad_accum, cfg.eval.keep_best)
+    size = checkpoint_bytes(
+        builder.trainable_parameters(session.model.trainer), cfg.train.grad_accum, cfg.eval.keep_best
+    )
     outputs.check_free_space(target.path, size * (cfg.train.keep_checkpoints + 2))
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
@@ -300,7 +302,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "alpha": run.alpha,
         "targets": list(cfg.lora.targets),
         "adapted_layers": session.model.adapted,
-        "trainable_parameters": builder.trainable_parameters(session.model.lm),
+        "trainable_parameters": builder.trainable_parameters(session.model.trainer),  # with a reward model's head
         "train_examples": len(prepared.train),
         "eval_examples": len(prepared.held_out),
         "batch_size": cfg.train.batch_size,
