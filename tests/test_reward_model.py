@@ -248,6 +248,17 @@ def test_a_grpo_reward_that_names_no_reward_model_is_refused(which, reward_run, 
     assert not (tmp_path / "g").exists()
 
 
+@pytest.mark.backend_neutral
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Tell me about apple."],
+                                     ["export", "--format", "peft", "--output", "{tmp}/peft"]])  # fmt: skip
+def test_generate_and_export_of_a_reward_model_are_refused(command, reward_run, tmp_path):
+    """Its LoRA adapter alone would be a language model that learned to score, without the head that scores."""
+    out, _, _ = reward_run
+    result = invoke(command[0], "--run", out, *[a.format(tmp=tmp_path) for a in command[1:]])
+    assert result.exit_code == 2 and "scores text and writes none" in result.output, result.output
+    assert not (tmp_path / "peft").exists()
+
+
 @pytest.mark.one_backend
 def test_the_adapter_name_is_the_run_directory_s():
     from finetune.training import outputs
