@@ -170,6 +170,7 @@ class RewardRun:
         self.tokenizer, self.inputs = model.preprocessor.tokenizer, builder.input_names(model.lm)
 
     def objective(self):
+        """The reward run's objective: its view and head, as it trained them."""
         return REWARD.objective(self.cfg.train)
 
     def scores(self, prompts: list, completions: list) -> list[float]:
@@ -182,10 +183,10 @@ class RewardRun:
         made, _ = pairs.pairs(records, templates.get(self.cfg.data.template), self.tokenizer, seq_len)
         arrays = pair_batches.pad(made, seq_len)
         size = self.cfg.train.batch_size if isinstance(self.cfg.train.batch_size, int) else 4
+        batches = pair_batches.Batches(arrays, size, batching.Feed(inputs=self.inputs))
         out = np.zeros(len(records))
-        for indices, values in preference.pair_outputs(self.view, pair_batches.Batches(arrays, size,
-                                                                                        batching.Feed(inputs=self.inputs))):  # fmt: skip
-            out[indices] = values[:, 1]
+        for indices, values in preference.pair_outputs(self.view, batches):
+            out[indices] = values[:, 1]  # rewards_chosen: both sides are the completion; the chosen one is read
         return out.tolist()
 
     def __call__(self, prompts, completions, **columns):
