@@ -44,9 +44,10 @@ REMAT = ("auto", "on", "off")
 # transformers' schedule names (model/optimizer.py implements them; a test keeps the two lists equal).
 LR_SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
-# The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md), or
-# online RL on prompts with reward functions (docs/rl.md).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo")  # methods/registry.py's names (a test keeps the two equal)
+# The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md),
+# online RL on prompts with reward functions (docs/rl.md), or a reward model on pairs (docs/reward.md).
+# methods/registry.py's names (a test keeps the two equal).
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's GRPOConfig.loss_type values we train
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards values
 
@@ -489,7 +490,7 @@ class TrainConfig:
         "sft",
         "The objective: sft (the response tokens' cross-entropy), a preference loss on (prompt, chosen, "
         "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference), "
-        "or grpo: online RL on prompts, scored by --reward functions.",
+        "grpo: online RL on prompts, scored by --reward functions, or reward: a reward model trained on the pairs.",
         flag="--method", panel=TRAINING, choices=METHODS, metavar="NAME",
     )  # fmt: skip
     beta: Optional[float] = setting(
@@ -509,6 +510,12 @@ class TrainConfig:
         None,
         "SimPO only: the target reward margin gamma.",
         flag="--simpo-gamma", panel=TRAINING, range=Range(0), metavar="G", default_text="0.5",
+    )  # fmt: skip
+    center_rewards: Optional[float] = setting(
+        None,
+        "Reward model only: TRL's center_rewards_coefficient, the weight of the squared sum of a pair's rewards "
+        "in its loss, which keeps the rewards centred on 0.",
+        flag="--center-rewards", panel=TRAINING, range=Range(0), metavar="C", default_text="0",
     )  # fmt: skip
     reward: list[str] = setting(
         [],

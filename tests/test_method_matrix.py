@@ -170,11 +170,13 @@ def test_pairs_with_pictures_are_refused_before_anything_is_written(method, tmp_
 @neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_a_run_stopped_after_a_checkpoint_resumes_to_the_plain_run(method, plain_runs, tmp_path):
-    """The plain run as a stop right after step 2's checkpoint leaves it (its results, history and adapter gone),
-    resumed: step 3 and the adapter are the uninterrupted run's."""
+    """The plain run as a stop right after step 2's checkpoint leaves it (its results, history, adapter and the
+    method's own files gone: a reward model's head), resumed: step 3, the adapter and those files are the
+    uninterrupted run's."""
     whole = plain_runs[method]
     out = killed_after(whole, tmp_path / "stopped", 2)
-    for name in ("history.csv", "adapter.lora.h5"):
+    own = registry.get(method).files
+    for name in ("history.csv", "adapter.lora.h5", *own):
         (out / name).unlink()
     result = invoke("gemma", "--resume", "--output", out)  # every other setting comes from the checkpoint
     assert result.exit_code == 0, result.output
@@ -184,6 +186,11 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_plain_run(method, plain
     assert expected.keys() == resumed.keys() and len(expected) > 1
     for name in expected:
         np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    for name in own:  # .npz files of arrays (a reward model's head)
+        with np.load(whole / name) as expected, np.load(out / name) as resumed:
+            assert expected.files == resumed.files
+            for key in expected.files:
+                np.testing.assert_allclose(resumed[key], expected[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] == 2
 
 

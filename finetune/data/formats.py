@@ -689,6 +689,17 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
 
 
+def answered(prompt, completion: str) -> Record:
+    """A prompt (text, or messages as a conversational prompt record has them) and one answer to it, as a pair
+    whose chosen side is that answer: what a reward model scores (methods/reward.py). The answer may be empty."""
+    if isinstance(prompt, list):
+        record = _chat_record([*prompt, {"role": "assistant", "content": "-"}], "", "prompt", ("role", "content"),
+                              ROLES)  # fmt: skip
+        turns = (*record.turns[:-1], ("assistant", completion))
+        return Record(instruction=record.instruction, response=completion, turns=turns, rejected=completion or "-")
+    return Record(instruction=prompt, response=completion, rejected=completion or "-")
+
+
 def _prompt_record(obj: dict, where: str) -> Record:
     """A prompt alone (TRL's prompt-only form): text, or messages ending with the user's; its other keys kept."""
     if "completion" in obj or "chosen" in obj:

@@ -145,6 +145,10 @@ def export_run(run, request: Request, target: Path) -> Path:
     """Write the run's adapter as `request` asks into `target`; keras must already be on the run's backend."""
     import keras
 
+    from finetune.training import runs
+
+    runs.check_writes_text(run, "export")
+
     before = keras.config.dtype_policy()
     try:
         return _export_run(run, request.format, target, request.base, request.dtype)

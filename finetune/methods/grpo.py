@@ -119,7 +119,7 @@ class GRPO(Method):
         sampler = rollouts.Sampler(model.lm, rows.sampling)
         return lambda after_batch=None: rollouts.held_out_reward(sampler, rows, after_batch)
 
-    def evaluate(self, lm, cfg, rows) -> dict:
+    def evaluate(self, lm, cfg, rows, directory=None) -> dict:
         return rollouts.held_out_reward(rollouts.Sampler(lm, rows.sampling), rows)
 
     def sample_scores(self, cfg, samples: list, tokenizer):

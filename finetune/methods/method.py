@@ -42,6 +42,10 @@ class Method:
     """The held-out metrics history.csv keeps beside eval_loss and eval_accuracy, as eval_NAME."""
     examples = "examples"
     """What the method's held-out examples are called where they are counted."""
+    generates = True
+    """The model it trains writes text: a run generates its samples (samples.md). A reward model scores text."""
+    files: tuple = ()
+    """The files a finished run writes beside its adapter (published), by name: a reward model's head."""
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"
@@ -116,9 +120,16 @@ class Method:
         """
         return None
 
-    def evaluate(self, lm, cfg, rows) -> dict:
-        """`finetune eval`'s metrics of a trained run's `lm` (adapter loaded) on the held-out `rows`."""
+    def evaluate(self, lm, cfg, rows, directory=None) -> dict:
+        """`finetune eval`'s metrics of a trained run's `lm` (adapter loaded) on the held-out `rows`.
+
+        directory: Path. The run's directory, where the method's own files are (`files`).
+        """
         raise NotImplementedError
+
+    def published(self, trainer) -> dict:
+        """The method's own files of a finished run (`files`), each name to write(path), beside the adapter."""
+        return {}
 
     def run_metrics(self, train, rows: list) -> dict:
         """metrics.json's entries of this method: its name and constants, and its last step's own metrics.

@@ -149,7 +149,7 @@ class Preference(Method):
             reference_logps(trainer, pair_batches.Batches(arrays, batch_size, feed), phase.guarded)
         return {name: arrays.reference.tolist() for name, arrays in sets.items()}
 
-    def evaluate(self, lm, cfg, rows) -> dict:
+    def evaluate(self, lm, cfg, rows, directory=None) -> dict:
         """The held-out metrics of the adapted `lm`; DPO's reference scored first with LoRA switched off (the
         base, as the run scored it before training)."""
         from finetune.model import builder

@@ -7,12 +7,12 @@ asks which method runs (tests/test_methods.py walks the code for such a question
 from __future__ import annotations
 
 from finetune.data import formats
-from finetune.methods import grpo, preference, supervised
+from finetune.methods import grpo, preference, reward, supervised
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
 
 METHODS: dict[str, Method] = {m.name: m for m in (supervised.SFT, preference.DPO, preference.IPO, preference.ORPO,
-                                                   preference.SIMPO, grpo.GRPO_METHOD)}  # fmt: skip
+                                                   preference.SIMPO, grpo.GRPO_METHOD, reward.REWARD)}  # fmt: skip
 
 
 def get(name: str) -> Method:
@@ -28,8 +28,10 @@ CONSTANT_FLAGS = {"beta": "--beta", "label_smoothing": "--label-smoothing", "sim
                   "num_generations": "--num-generations", "max_completion_length": "--max-completion-length",
                   "temperature": "--temperature", "top_p": "--top-p", "epsilon": "--epsilon",
                   "epsilon_high": "--epsilon-high", "num_iterations": "--num-iterations", "loss_type": "--loss-type",
-                  "scale_rewards": "--scale-rewards"}  # fmt: skip
+                  "scale_rewards": "--scale-rewards", "center_rewards": "--center-rewards"}  # fmt: skip
 # GRPO's reward functions: lists, empty when not given.
+# The files a finished run of some method writes beside its adapter (Method.files): --overwrite replaces them too.
+FILES = tuple(name for m in METHODS.values() for name in m.files)
 REWARD_FLAGS = {"reward": "--reward", "reward_weights": "--reward-weights"}
 
 

@@ -7,7 +7,8 @@ comes as a list beside them, as do `completion_ids` (each completion's token ids
 here). None says the function does not apply to a completion; a completion no function applies to scores 0
 and has no advantage, as TRL's.
 
---reward names one: FILE.py:FUNCTION, module:function, or a built-in (BUILT_INS, docs/rl.md). A function that
+--reward names one: FILE.py:FUNCTION, module:function, a built-in (BUILT_INS, docs/rl.md), or run:DIR, a trained
+reward model (methods/reward.py). A function that
 raises, returns the wrong count or a NaN stops the run: nothing it scored can be trusted.
 """
 
@@ -32,6 +33,7 @@ BUILT_INS = {
     "exact": "1 where the record's `answer`, stripped, appears in the completion, else 0",
     "math": "1 where the completion's answer equals the record's `answer` as numbers (math-verify where it is "
     "installed; else the last number of each, after GSM8K's '####' or inside \\boxed{} where those are), else 0",
+    "run:DIR": "the score a trained reward model (a finished --method reward run) gives the prompt and completion",
 }
 
 
@@ -72,6 +74,10 @@ def function_of(spec: str, max_completion_length: int):
     built = built_in(spec, max_completion_length)
     if built is not None:
         return built
+    if spec.startswith("run:"):
+        from finetune.methods import reward
+
+        return "reward_model", reward.RewardRun.opened(spec)
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise UserError(f"--reward {spec!r}: give FILE.py:FUNCTION, module:function or a built-in "

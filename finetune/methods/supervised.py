@@ -69,7 +69,7 @@ class Supervised(Method):
         batches = batching.Batches(rows, batch_size, feed)
         return lambda after_batch=None: scores(scorer, batches, after_batch)
 
-    def evaluate(self, lm, cfg, rows) -> dict:
+    def evaluate(self, lm, cfg, rows, directory=None) -> dict:
         from finetune.model import builder
 
         batches = batching.Batches(rows, cfg.train.batch_size, batching.Feed(inputs=builder.input_names(lm)))

@@ -275,7 +275,7 @@ RESUME_KEYS = (
     ("train", "grad_accum"), ("train", "max_grad_norm"), ("train", "method"), ("train", "beta"), ("train", "label_smoothing"),
     ("train", "simpo_gamma"), ("train", "num_generations"), ("train", "max_completion_length"), ("train", "temperature"),
     ("train", "top_p"), ("train", "epsilon"), ("train", "epsilon_high"), ("train", "num_iterations"),
-    ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward_weights"),  # --reward may name a fixed one
+    ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward_weights"), ("train", "center_rewards"),  # --reward may name a fixed one
     ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 

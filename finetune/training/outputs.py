@@ -51,7 +51,7 @@ HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
 OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
-             checkpoint.DIRECTORY, MLRUNS, WANDB)  # fmt: skip
+             checkpoint.DIRECTORY, MLRUNS, WANDB, *registry.FILES)  # fmt: skip
 # The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
 INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32
 

@@ -41,6 +41,18 @@ def open_run(directory: str | Path) -> Run:
     return Run(directory, cfg, description)
 
 
+def check_writes_text(run: Run, what: str) -> None:
+    """Refuse `finetune what` (generate, export, publish) of a run whose model scores text and writes none: a
+    reward model, whose head no export holds yet."""
+    from finetune.methods import registry
+
+    method = registry.get(run.config.train.method)
+    if not method.generates:
+        raise UserError(f"{run.directory} is a {method.title} run: it scores text and writes none, and no export "
+                        f"holds its head yet, so `finetune {what}` is refused; score with `finetune eval`, or give it "
+                        "to GRPO as --reward run:DIR")  # fmt: skip
+
+
 def where(run: Run) -> str:
     """Where `run` was just loaded, as the console says it: `jax: cpu (AMD EPYC, 2 cores), float32`."""
     from finetune.model import families, presets
@@ -126,7 +138,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
     method = registry.get(cfg.train.method)
     prepared = method.prepare(records, preprocessor, cfg, every_record_of=other_file)
-    result = method.evaluate(lm, cfg, prepared.held_out_rows)
+    result = method.evaluate(lm, cfg, prepared.held_out_rows, run.directory)
     result["examples"] = len(prepared.held_out)
     if generate:
         result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))
@@ -157,6 +169,7 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     from finetune.methods import prepare
     from finetune.training import scoring
 
+    check_writes_text(run, "generate")
     cfg = run.config
     template = templates.get(cfg.data.template)
     pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]

@@ -62,7 +62,9 @@ def _run(cfg: Config, resume: bool) -> dict:
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
     session = _session(decided, data, job, found, phase)
     checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
-    size = checkpoint_bytes(builder.trainable_parameters(session.model.lm), cfg.train.grad_accum, cfg.eval.keep_best)
+    size = checkpoint_bytes(
+        builder.trainable_parameters(session.model.trainer), cfg.train.grad_accum, cfg.eval.keep_best
+    )
     outputs.check_free_space(target.path, size * (cfg.train.keep_checkpoints + 2))
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
@@ -178,7 +180,7 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     if not prepared.held_out:
         print("note: evaluation skipped: --eval-fraction 0 holds no records out and there is no --eval-data")
         return None
-    samples = [r for r, _ in prepared.held_out[: cfg.train.samples]]
+    samples = [r for r, _ in prepared.held_out[: cfg.train.samples]] if run.method.generates else []
     if job is not None and cfg.train.samples:
         # keras-hub's generate() returns the batch sharded over every process, which no single one can read.
         print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
@@ -301,7 +303,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "alpha": run.alpha,
         "targets": list(cfg.lora.targets),
         "adapted_layers": session.model.adapted,
-        "trainable_parameters": builder.trainable_parameters(session.model.lm),
+        "trainable_parameters": builder.trainable_parameters(session.model.trainer),  # with a reward model's head
         "train_examples": len(prepared.train),
         "eval_examples": len(prepared.held_out),
         "batch_size": cfg.train.batch_size,
@@ -367,6 +369,7 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
         outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
         outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
         outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
+        **run.method.published(session.model.trainer),  # a reward model's head
     }
 
 
