@@ -171,7 +171,7 @@ def test_the_entropy_is_trls_from_the_logits_the_loss_makes(soft_cap):
     if soft_cap is not None:
         logits = soft_cap * torch.tanh(logits / soft_cap)
     theirs = trl_utils.entropy_from_logits(logits).numpy()
-    both = objective.token_losses(hidden, kernel, labels, weights, 4, soft_cap, entropy=True)
+    both = objective.token_losses_and_entropies(hidden, kernel, labels, weights, 4, soft_cap)
     np.testing.assert_allclose(both[:, 1].detach().numpy(), theirs, rtol=1e-5, atol=1e-5)
     _, _, compiled_form = objective._loss_and_delta(logits, labels, eager=False, entropy=True)
     np.testing.assert_allclose(np.asarray(ops.convert_to_numpy(compiled_form)), theirs, rtol=1e-5, atol=1e-5)

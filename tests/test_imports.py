@@ -66,6 +66,7 @@ NO_TEST_FILE = {
     "version": "one constant: test_cli.py checks `finetune --version` prints it, and the install test installs it",
     "adapter": "adapter.json's checks refuse edited runs end to end: test_bad_inputs.py and test_export.py",
     "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
+    "peer_grpo": "the bench's `hf` row under --method grpo (TRL's GRPOTrainer): test_bench.py runs it",
     "pair_batches": "the pairs' rows: test_preference.py checks them with the losses they feed",
     "method": "the base of every method: test_registry.py checks each method overrides what it leaves to them",
     "pair_view": "the view the preference losses train through: test_preference.py checks each loss by it",

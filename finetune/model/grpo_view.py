@@ -102,7 +102,7 @@ class GRPOView(objective.TrainingView):
         shape = ops.shape(inputs["loss_labels"])
         entropy = None
         if training:  # with each token's entropy, made from the logits the loss makes (TRL's metric)
-            both = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap, entropy=True)
+            both = objective.token_losses_and_entropies(hidden, kernel, labels, weights, self.chunk, soft_cap)
             losses, entropy = both[:, 0], ops.reshape(both[:, 1], shape)
         else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
             losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)

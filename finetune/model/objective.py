@@ -60,11 +60,14 @@ def _chunks(total: int, chunk: int):
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None, entropy: bool = False):
-    """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
+def token_losses_and_entropies(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """(N, 2) float32: token_losses' losses, and each position's entropy of the softmax (GRPO's metric), made from
+    the chunk's logits while they exist, without a gradient."""
+    return _token_losses(hidden, kernel, (labels, weights), chunk, soft_cap, entropy=True)
 
-    entropy: also each position's entropy of the softmax, made from the chunk's logits while they exist (GRPO's
-    metric): the output is then (N, 2), the losses and the entropies, the latter without a gradient.
+
+def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+    """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
 
     hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
     The gradient flows to `hidden` only: the kernel is the frozen embedding. Each
@@ -73,6 +76,11 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None, ent
     forward, while the chunk's logits exist, and kept (N x D), so the backward
     neither keeps nor recomputes any logits.
     """
+    return _token_losses(hidden, kernel, (labels, weights), chunk, soft_cap, entropy=False)
+
+
+def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy: bool):
+    labels, weights = targets
     spans = _chunks(hidden.shape[0], chunk)
 
     @ops.custom_gradient

@@ -438,10 +438,8 @@ def _work_trl_grpo(spec: Spec, vocabulary: int, dtype: str) -> dict:
     spm = w.tokenizer or str(presets.TINY_TOKENIZER)
     tokenizer = peer_grpo.hf_tokenizer(spm)
     prompts = [text for text, _ in bench_prompts(w, keras_hub.models.GemmaTokenizer(proto=spm))]
-    timed = peer_grpo.train(peer.base(ARCHS[w.arch], vocabulary, dtype), tokenizer, prompts, rank=w.rank,
-                            prompts_per_step=w.batch_size, generations=w.num_generations,
-                            max_completion_length=w.max_completion_length, warmup=w.warmup, steps=w.steps,
-                            dtype=dtype)  # fmt: skip
+    steps = peer_grpo.Steps(w.rank, w.batch_size, w.num_generations, w.max_completion_length, w.warmup, w.steps)
+    timed = peer_grpo.train(peer.base(ARCHS[w.arch], vocabulary, dtype), tokenizer, prompts, steps, dtype)
     training = timed["step"] - timed["generate"]
     result = _measured(timed["losses"], training, timed["trained"], max(timed["positions"], timed["trained"]))
     result.update(_rollout_rates(timed["sampled"], timed["generate"], timed["step"], w.steps))

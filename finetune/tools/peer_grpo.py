@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 
 def available() -> bool:
@@ -52,14 +53,27 @@ def hf_tokenizer(spm_file: str):
                                    padding_side="left")  # fmt: skip
 
 
-def train(base, tokenizer, prompts: list[str], *, rank: int, prompts_per_step: int, generations: int,
-          max_completion_length: int, warmup: int, steps: int, dtype: str) -> dict:  # fmt: skip
+@dataclass(frozen=True)
+class Steps:
+    """What the peer trains, as the bench's workload says (bench.Workload's fields of the same names)."""
+
+    rank: int
+    batch_size: int  # prompts a step
+    num_generations: int
+    max_completion_length: int
+    warmup: int
+    steps: int
+
+
+def train(base, tokenizer, prompts: list[str], steps: Steps, dtype: str) -> dict:
     """TRL's GRPOTrainer on `base` (a GemmaForCausalLM without an adapter) for warmup + steps steps; the timings."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rank, generations, max_completion_length = steps.rank, steps.num_generations, steps.max_completion_length
+    warmup, prompts_per_step = steps.warmup, steps.batch_size
     timed = {"generate": 0.0, "step": 0.0, "sampled": 0, "trained": 0, "positions": 0, "losses": []}
 
     def used_budget(completions, completion_ids, **_):
@@ -87,7 +101,7 @@ def train(base, tokenizer, prompts: list[str], *, rank: int, prompts_per_step: i
 
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
-            output_dir=out_dir, max_steps=warmup + steps, per_device_train_batch_size=prompts_per_step * generations,
+            output_dir=out_dir, max_steps=warmup + steps.steps, per_device_train_batch_size=prompts_per_step * generations,
             gradient_accumulation_steps=1, num_generations=generations, max_completion_length=max_completion_length,
             temperature=1.0, top_p=1.0, learning_rate=1e-4, weight_decay=0.01, lr_scheduler_type="constant",
             warmup_steps=0, optim="adamw_torch", bf16=dtype == "bfloat16", fp16=dtype == "float16",

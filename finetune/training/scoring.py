@@ -119,8 +119,10 @@ class HeldOut:
         max_new_tokens: int. The longest generation.
     """
 
-    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int, judge=None):
-        self.score, self.judge = score, judge  # judge: the method's sample_scores, or None
+    judge = None  # the method's sample_scores (a line under each generation), where it scores them
+
+    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int):
+        self.score = score
         self.rows = rows
         self.lm = model.lm
         self.preprocessor = model.preprocessor

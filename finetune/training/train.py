@@ -190,8 +190,10 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
     rows = prepared.held_out_rows
     scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
-    judge = run.method.sample_scores(cfg, samples, prepare.tokenizer_of(model.preprocessor)) if samples else None
-    return scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens, judge)
+    held_out = scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens)
+    if samples:
+        held_out.judge = run.method.sample_scores(cfg, samples, prepare.tokenizer_of(model.preprocessor))
+    return held_out
 
 
 def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> checkpoint.RunState:
