@@ -676,16 +676,39 @@ def llama_cpp_gemma_logits(tensors, fields, tokens):
 
 
 @gguf_marks
-@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-4), ("bf16", 0.5)])
+@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-4), ("bf16", 0.5), ("q8_0", 0.5)])
 def test_gguf_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(trained, tmp_path, dtype, tolerance):
     """No llama.cpp binding installs here: llama.cpp's gemma graph, in numpy, reads the file instead."""
     run, tuned, _ = trained
     out = export(run, "gguf", tmp_path / "gguf", "--dtype", dtype)
     tensors, fields = read_gguf(out / "model.gguf")
     assert tensors["blk.0.ffn_up.weight"][1] == dtype.upper()
-    assert fields["general.file_type"] == {"f32": 0, "bf16": 32}[dtype]
+    assert fields["general.file_type"] == {"f32": 0, "bf16": 32, "q8_0": 7}[dtype]
     got = llama_cpp_gemma_logits(tensors, fields, TOKENS[0])
     np.testing.assert_allclose(got, tuned[0], atol=tolerance)
+
+
+@gguf_marks
+@pytest.mark.backend_neutral  # the GGUF writer is numpy
+def test_q8_0_holds_each_matrix_within_its_blocks_rounding(trained, tmp_path):
+    """q8_0 keeps each block of 32 weights as int8 times one f16 scale, max |w| / 127: a weight is off by at
+    most half a step (and the scale's own f16 rounding), and the norms stay f32."""
+    run = trained[0]
+    exact, _ = read_gguf(export(run, "gguf", tmp_path / "f32", "--dtype", "f32") / "model.gguf")
+    quantized, fields = read_gguf(export(run, "gguf", tmp_path / "q8", "--dtype", "q8_0") / "model.gguf")
+    assert fields["general.file_type"] == 7 and set(quantized) == set(exact)  # MOSTLY_Q8_0
+    for name, (shape, kind, value) in quantized.items():
+        assert shape == exact[name][0], name
+        weights = exact[name][2]
+        if weights.ndim == 1:
+            assert kind == "F32" and np.array_equal(value, weights), name
+            continue
+        assert kind == "Q8_0", name
+        blocks = np.abs(weights).reshape(-1, 32).max(axis=1, keepdims=True)  # every row is whole blocks here
+        step = np.repeat(blocks / 127.0, 32, axis=1).reshape(weights.shape)
+        error = np.abs(value.reshape(weights.shape) - weights)
+        assert (error <= 0.5 * step + 2e-3 * np.abs(weights) + 1e-7).all(), name
+        assert error.max() > 0, name  # quantized, not stored exactly
 
 
 @gguf_marks
@@ -717,7 +740,12 @@ def test_a_gemma3_run_exports_gguf_with_its_norms_and_windows(trained_gemma3, tm
     "args, expected",
     [
         (["--format", "lora", "--dtype", "f16"], "--dtype chooses the GGUF file's weight type"),
-        (["--format", "gguf", "--dtype", "q4_0"], "unknown GGUF dtype 'q4_0'; choose one of f16, bf16, f32"),
+        (["--format", "gguf", "--dtype", "q2"], "unknown GGUF dtype 'q2'; choose one of f16, bf16, q8_0, f32"),
+        (
+            ["--format", "gguf", "--dtype", "q4_k_m"],
+            "q4_k_m is made by llama.cpp's quantizer: export with --dtype f16, then run llama-quantize "
+            "DIR/model.gguf DIR/model-q4_k_m.gguf Q4_K_M",
+        ),
     ],
 )
 def test_a_bad_gguf_request_is_refused(trained, tmp_path, args, expected):

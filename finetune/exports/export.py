@@ -56,7 +56,7 @@ class Request:
     output: str or Path. The directory to write.
     overwrite: bool. Replace what `output` holds; without it a non-empty `output` is refused.
     base: bool. With format hf: the run's base model alone, for the peft adapter.
-    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    dtype: str. With format gguf: f16 (the default), bf16, q8_0 or f32 for the matrices.
     """
 
     format: str
@@ -90,6 +90,11 @@ def check_request(request: Request) -> Path:
         raise UserError("--base writes the base model in transformers format: use it with --format hf")
     if dtype is not None and fmt != "gguf":
         raise UserError("--dtype chooses the GGUF file's weight type: use it with --format gguf")
+    if dtype in llamacpp.LLAMA_QUANTIZED:
+        raise UserError(
+            f"finetune writes GGUF as {', '.join(llamacpp.DTYPES)}; {dtype} is made by llama.cpp's quantizer: export "
+            f"with --dtype f16, then run llama-quantize DIR/model.gguf DIR/model-{dtype}.gguf {dtype.upper()}"
+        )
     if dtype is not None and dtype not in llamacpp.DTYPES:
         raise UserError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(llamacpp.DTYPES)}")
     if output is None or not str(output).strip():

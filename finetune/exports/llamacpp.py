@@ -14,8 +14,12 @@ differs from keras-hub:
   that. keras-hub's per-head kernels are flattened head by head.
 - Norms: Gemma's RMSNorm multiplies by (1 + scale) and keras-hub stores the
   scale; llama.cpp multiplies by the stored weight, so 1 + scale is stored.
-- Matrices are f16, bf16 or f32 as asked; vectors (the norms) stay f32, as
-  llama.cpp's converter keeps them.
+- Matrices are f16, bf16, q8_0 or f32 as asked; vectors (the norms) stay f32,
+  as llama.cpp's converter keeps them. q8_0 is gguf's own quantizer (blocks
+  of 32 weights sharing one f16 scale), as llama.cpp's converter writes
+  --outtype q8_0; a matrix whose rows are not whole blocks stays f16, as
+  there. The K-quants (q4_k_m) have no Python encoder: they are refused,
+  naming llama-quantize, which makes them from the f16 file.
 
 Gemma 1 is `gemma`, Gemma 2 `gemma2`, text Gemma 3 `gemma3`. llama.cpp fixes
 some of their choices by architecture (Gemma 3's local RoPE base 10,000 and
@@ -32,7 +36,10 @@ from finetune.platform.errors import UserError
 
 FILE = "model.gguf"
 MODELFILE = "Modelfile"
-DTYPES = ("f16", "bf16", "f32")
+DTYPES = ("f16", "bf16", "q8_0", "f32")
+# K-quants: gguf's Python quantizer has no Q4_K encoder (gguf.quants reads it but cannot write it), and the
+# "_m" mixes choose a type per tensor by llama.cpp's rules; llama.cpp's llama-quantize makes them from f16.
+LLAMA_QUANTIZED = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q4_0")
 # llama.cpp's model sizes that scale queries by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim): it tells
 # them by their layer count (Gemma 2 27B: 46 blocks, Gemma 3 27B: 62).
 _HIDDEN_SCALED = {"gemma2": 46, "gemma3": 62}
@@ -174,9 +181,9 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, backbone, arch, weights, name, dtype)
     _tokenizer(writer, vocab)
-    kind = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}.get(dtype)
     for tensor_name, value in weights.items():
-        if value.ndim < 2 or kind is None:
+        kind = tensor_type(value, dtype)
+        if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
         else:
             writer.add_tensor(tensor_name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
@@ -186,10 +193,24 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     writer.close()
 
 
+def tensor_type(value, dtype: str):
+    """The GGML type a tensor is stored in: vectors f32; matrices as `dtype`, but q8_0 only where each row is
+    whole blocks of 32 (else f16), as llama.cpp's converter falls back."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    if value.ndim < 2 or dtype == "f32":
+        return types.F32
+    kind = {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[dtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    return kind if value.shape[-1] % block == 0 else types.F16
+
+
 def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtype: str) -> None:
     import gguf
 
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
     writer.add_name(name)
     writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.ALL_F32))
     # keras-hub keeps no maximum position; these are the lengths Google's own configs give: 8k for Gemma 1 and 2,
