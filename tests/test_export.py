@@ -766,7 +766,7 @@ def test_gguf_without_the_gguf_package_names_the_extra(trained, tmp_path, monkey
 
 # === A run on pictures (tiny-gemma3-vision): transformers' Gemma3ForConditionalGeneration gives keras-hub's logits on
 # a picture and its text, PEFT's adapter on its base gives them too, the lora adapter loads onto the preset, and gguf
-# is refused naming what works. transformers and PEFT compute on PyTorch, and the export reads the merged weights
+# writes the decoder and llama.cpp's mmproj of the encoder. transformers and PEFT compute on PyTorch, and the export reads the merged weights
 # through numpy: these run in the PyTorch suite (the vision runs train on every backend in tests/test_images.py).
 
 VISION_PROMPT = "<start_of_turn>user\n<start_of_image>What colour is this?<end_of_turn>\n<start_of_turn>model\n"
@@ -906,13 +906,59 @@ def test_lora_export_loads_onto_the_vision_preset_with_plain_keras_hub(vision_ru
             np.testing.assert_allclose(keras.ops.convert_to_numpy(lm(x)), expected, atol=1e-5)
 
 
+CLIP_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down"]
+
+
+@gguf_marks
 @in_torch_suite
-def test_gguf_of_a_vision_run_is_refused_naming_what_works(vision_run, tmp_path):
+def test_gguf_of_a_vision_run_writes_llama_cpp_s_mmproj_beside_the_decoder(vision_run, hf_export, tmp_path):
+    """mmproj.gguf holds the SigLIP tower and projector under llama.cpp's clip names, with the values of the
+    transformers export (checked against transformers above); model.gguf the decoder, as for text."""
+    from safetensors.numpy import load_file
+
     run, _ = vision_run
-    result = invoke("--run", run, "--format", "gguf", "--output", tmp_path / "gguf")
-    assert result.exit_code == 2, result.output
-    assert "mmproj" in result.output and "--format merged, hf or peft" in result.output
-    assert not (tmp_path / "gguf").exists()
+    out = export(run, "gguf", tmp_path / "gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", MARKER, "mmproj.gguf", "model.gguf"]
+    text, text_fields = read_gguf(out / "model.gguf")
+    assert text_fields["general.architecture"] == "gemma3" and not [n for n in text if n.startswith(("v.", "mm."))]
+    tensors, fields = read_gguf(out / "mmproj.gguf")
+    assert fields["general.architecture"] == "clip" and fields["general.type"] == "mmproj"
+    assert fields["clip.projector_type"] == "gemma3" and fields["clip.has_vision_encoder"] is True
+    encoder = presets.TINY_GEMMA3_VISION_ENCODER
+    expected_fields = {
+        "clip.vision.image_size": 32, "clip.vision.patch_size": 4, "clip.vision.embedding_length": 16,
+        "clip.vision.feed_forward_length": 32, "clip.vision.block_count": 2, "clip.vision.attention.head_count": 2,
+        "clip.vision.projection_dim": 32, "clip.vision.image_mean": [0.5] * 3, "clip.vision.image_std": [0.5] * 3,
+        "clip.use_gelu": True, "clip.vision.projector.scale_factor": 4,
+    }  # fmt: skip
+    assert encoder["image_size"] == 32 and encoder["pool_size"] == 4  # the numbers above are the preset's
+    # tiny's 8x8 patches pool 4x4 into 2x2 soft tokens: factor 4 is llama.cpp's default, which the file leaves out
+    expected_fields.pop("clip.vision.projector.scale_factor")
+    assert {key: fields.get(key) for key in expected_fields} == expected_fields
+    names = {"v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.post_ln.weight",
+             "v.post_ln.bias", "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
+    names |= {f"v.blk.{i}.{n}.{kind}" for i in range(2) for n in CLIP_BLOCK for kind in ("weight", "bias")}
+    assert set(tensors) == names
+    assert tensors["v.patch_embd.weight"][:2] == ((4, 4, 3, 16), "F32")  # ggml order of (out, channels, 4, 4)
+    assert tensors["mm.input_projection.weight"][:2] == ((32, 16), "F16")  # transformers' (vision, text)
+    assert tensors["v.blk.1.attn_q.weight"][1] == "F16" and tensors["v.blk.1.ln1.bias"][1] == "F32"
+    hf = load_file(str(hf_export / "model.safetensors"))
+    tower, projector = "model.vision_tower.", "model.multi_modal_projector."
+    pairs = {
+        "v.patch_embd.weight": tower + "embeddings.patch_embedding.weight",
+        "v.position_embd.weight": tower + "embeddings.position_embedding.weight",
+        "v.blk.1.attn_q.weight": tower + "encoder.layers.1.self_attn.q_proj.weight",
+        "v.blk.0.attn_out.bias": tower + "encoder.layers.0.self_attn.out_proj.bias",
+        "v.blk.1.ffn_down.weight": tower + "encoder.layers.1.mlp.fc2.weight",
+        "v.post_ln.weight": tower + "post_layernorm.weight",
+        "mm.input_projection.weight": projector + "mm_input_projection_weight",
+    }
+    for name, hf_name in pairs.items():
+        np.testing.assert_allclose(tensors[name][2].reshape(hf[hf_name].shape), hf[hf_name], rtol=1e-3, atol=1e-4)
+    norm = hf[projector + "mm_soft_emb_norm.weight"]
+    np.testing.assert_allclose(tensors["mm.soft_emb_norm.weight"][2], 1.0 + norm, atol=1e-6)  # Gemma's 1 + scale
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\n"), modelfile
 
 
 @pytest.mark.one_backend

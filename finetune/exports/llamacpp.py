@@ -233,8 +233,9 @@ def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtyp
         writer.add_sliding_window(int(backbone.sliding_window_size))
     if arch == "gemma3":
         # llama.cpp's local layers use RoPE base 10,000; the file carries the global layers' base and scaling.
-        global_block = next(b for b in backbone.transformer_layers if not b.use_sliding_window_attention)
-        writer.add_rope_freq_base(float(global_block.rope_wavelength))
+        # A model of fewer than six blocks has no global one: keras-hub gives global layers 1,000,000.
+        global_block = next((b for b in backbone.transformer_layers if not b.use_sliding_window_attention), None)
+        writer.add_rope_freq_base(float(global_block.rope_wavelength) if global_block else 1_000_000.0)
         writer.add_sliding_window(int(backbone.sliding_window_size))
         if backbone.global_rope_scaling_factor != 1.0:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -261,8 +262,12 @@ def _tokenizer(writer, vocab: dict) -> None:
         writer.add_precompiled_charsmap(vocab["charsmap"])
 
 
-def modelfile(prompt: str, stop_tokens) -> str:
-    """An Ollama Modelfile for model.gguf: the run's prompt template around Ollama's {{ .Prompt }}, greedy."""
-    lines = [f"FROM ./{FILE}", f'TEMPLATE """{prompt}"""', "PARAMETER temperature 0"]
+def modelfile(prompt: str, stop_tokens, projector: str | None = None) -> str:
+    """An Ollama Modelfile for model.gguf: the run's prompt template around Ollama's {{ .Prompt }}, greedy.
+
+    projector: str. The picture encoder's file beside it (mmproj.gguf): Ollama takes it as a second FROM.
+    """
+    lines = [f"FROM ./{FILE}", *([f"FROM ./{projector}"] if projector else [])]
+    lines += [f'TEMPLATE """{prompt}"""', "PARAMETER temperature 0"]
     lines += [f'PARAMETER stop "{token}"' for token in stop_tokens]
     return "\n".join(lines) + "\n"
