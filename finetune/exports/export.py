@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.exports import llamacpp, mmproj
+from finetune.exports import llamacpp, mmproj, transformers_gguf
 from finetune.platform import keras_compat, storage
 from finetune.platform.errors import UserError
 
@@ -189,8 +189,8 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     check_encoders(lm.backbone, fmt)
     if fmt == "gguf":
         llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
-        if builder.encoders(lm.backbone):
-            _require("safetensors", "a picture model's mmproj.gguf", extra="gguf")
+        if builder.encoders(lm.backbone) or llamacpp.architecture(lm.backbone) in transformers_gguf.ARCHITECTURES:
+            _require("safetensors", "GGUF of this model, converted from its transformers export,", extra="gguf")
     factors = {} if base else runs.checked_factors(run, lm.backbone)
 
     def write(staging: Path) -> None:
@@ -250,15 +250,18 @@ def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str, vision=Non
     from finetune.data.formats import Record
     from finetune.model import builder
 
-    name = run.directory.resolve().name
-    llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=name)
-    projector = None
-    if builder.encoders(backbone):
-        # llama.cpp's converter reads the transformers checkpoint; so does this, from our own export of it.
+    name, arch = run.directory.resolve().name, llamacpp.architecture(backbone)
+    projector = mmproj.FILE if builder.encoders(backbone) else None
+    if arch in transformers_gguf.ARCHITECTURES or projector:
+        # llama.cpp's converter reads a transformers checkpoint; so do these, from our own export of it.
         with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.hf-") as exported:
             write_transformers(Path(exported), backbone, tokenizer, vision)
-            mmproj.write(directory / mmproj.FILE, Path(exported), dtype, name=name)
-        projector = mmproj.FILE
+            if arch in transformers_gguf.ARCHITECTURES:
+                transformers_gguf.write(directory / llamacpp.FILE, Path(exported), arch, tokenizer, dtype, name)
+            if projector:
+                mmproj.write(directory / mmproj.FILE, Path(exported), dtype, name=name)
+    if arch not in transformers_gguf.ARCHITECTURES:
+        llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=name)
     template = templates.get(run.config.data.template)
     prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
     modelfile = llamacpp.modelfile(prompt, template.stop_tokens, projector)

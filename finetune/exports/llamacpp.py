@@ -43,12 +43,15 @@ LLAMA_QUANTIZED = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q4_0")
 # llama.cpp's model sizes that scale queries by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim): it tells
 # them by their layer count (Gemma 2 27B: 46 blocks, Gemma 3 27B: 62).
 _HIDDEN_SCALED = {"gemma2": 46, "gemma3": 62}
-_WORKS = "finetune writes GGUF for Gemma 1, Gemma 2 and text Gemma 3; use --format merged or hf"
+_WORKS = "finetune writes GGUF for Gemma 1, 2, 3 (text and pictures), 3n (text) and 4 (text); use --format merged or hf"
 
 
 def architecture(backbone) -> str:
-    """llama.cpp's architecture name for `backbone` (gemma, gemma2, gemma3), or a UserError saying why not."""
+    """llama.cpp's architecture name for `backbone` (gemma, gemma2, gemma3, gemma3n, gemma4), or a UserError saying
+    why not."""
     kind = type(backbone).__name__
+    if kind in ("Gemma4Backbone", "Gemma3nBackbone"):
+        return _newer_architecture(backbone, kind)
     if kind == "GemmaBackbone":
         gemma2 = backbone.use_post_ffw_norm or backbone.final_logit_soft_cap is not None
         if not gemma2:
@@ -93,6 +96,21 @@ def architecture(backbone) -> str:
                 f"Gemma 2 and 3; {_WORKS}"
             )
     return arch
+
+
+def _newer_architecture(backbone, kind: str) -> str:
+    """Gemma 3n and 4 are written from the transformers export (transformers_gguf.py): what llama.cpp's converter
+    takes from a transformers checkpoint of them."""
+    if kind == "Gemma3nBackbone":
+        streams = backbone.language_model.altup_num_inputs if hasattr(backbone, "language_model") else None
+        streams = streams if streams is not None else getattr(backbone, "altup_num_inputs", None)
+        if streams != 4:
+            # llama.cpp's converter takes Gemma 3n with four AltUp streams only, as Google's E2B and E4B have.
+            raise UserError(f"llama.cpp's gemma3n computes 4 AltUp streams and this Gemma 3n has {streams}; {_WORKS}")
+        return "gemma3n"
+    if getattr(backbone, "is_embedding_model", False) or getattr(backbone, "use_bidirectional_attention", 0) is True:
+        raise UserError(f"this Gemma 4 model is an embedding model; {_WORKS}")
+    return "gemma4"
 
 
 def tensors(backbone, arch: str) -> dict:
@@ -180,7 +198,7 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     vocab = vocabulary(tokenizer, weights["token_embd.weight"].shape[0])
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, backbone, arch, weights, name, dtype)
-    _tokenizer(writer, vocab)
+    add_tokenizer(writer, vocab)
     for tensor_name, value in weights.items():
         kind = tensor_type(value, dtype)
         if kind == gguf.GGMLQuantizationType.F32:
@@ -191,6 +209,15 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def file_type(dtype: str):
+    """general.file_type: the type most matrices are stored in."""
+    import gguf
+
+    kinds = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
+    return kinds.get(dtype, gguf.LlamaFileType.ALL_F32)
 
 
 def tensor_type(value, dtype: str):
@@ -209,10 +236,8 @@ def tensor_type(value, dtype: str):
 def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtype: str) -> None:
     import gguf
 
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
     writer.add_name(name)
-    writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.ALL_F32))
+    writer.add_file_type(file_type(dtype))
     # keras-hub keeps no maximum position; these are the lengths Google's own configs give: 8k for Gemma 1 and 2,
     # for Gemma 3 128k where its global RoPE is stretched (4b and up, factor 8), else 32k (270m, 1b).
     stretched = arch == "gemma3" and backbone.global_rope_scaling_factor > 1.0
@@ -242,7 +267,8 @@ def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtyp
             writer.add_rope_scaling_factor(float(backbone.global_rope_scaling_factor))
 
 
-def _tokenizer(writer, vocab: dict) -> None:
+def add_tokenizer(writer, vocab: dict) -> None:
+    """The vocabulary's metadata (vocabulary()), as llama.cpp's converter writes a SentencePiece tokenizer's."""
     writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab["tokens"])

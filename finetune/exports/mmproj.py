@@ -80,6 +80,8 @@ def write(path: Path, exported: Path, dtype: str = "f16", name: str = "finetune"
     import numpy as np
     from safetensors.numpy import load_file
 
+    from finetune.exports import llamacpp
+
     config = json.loads((exported / "config.json").read_text(encoding="utf-8"))
     pixels = json.loads((exported / "preprocessor_config.json").read_text(encoding="utf-8"))
     vision, text = config["vision_config"], config["text_config"]
@@ -87,9 +89,7 @@ def write(path: Path, exported: Path, dtype: str = "f16", name: str = "finetune"
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_name(name)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
-    writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.ALL_F32))
+    writer.add_file_type(llamacpp.file_type(dtype))
     writer.add_clip_has_vision_encoder(True)
     writer.add_vision_projection_dim(text["hidden_size"])
     writer.add_vision_image_size(vision["image_size"])

@@ -1,0 +1,178 @@
+"""Gemma 3n and Gemma 4 as GGUF (transformers_gguf.py): a run's export read back with gguf's reader, under the names,
+shapes and keys llama.cpp's converter writes, with the values of the same run's transformers export (checked against
+transformers in test_families.py); the refusals, through the command line in a fresh process.
+
+No llama.cpp binding installs here (llama-cpp-python builds llama.cpp from source), so these files are not run by
+llama.cpp itself, nor compared with `finetune generate` through it; test_export.py computes the Gemma 1 file as
+llama.cpp's graph does, in numpy.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import BACKEND, REPO, float32_policy
+from test_export import read_gguf
+
+import finetune
+from finetune.model import presets
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs pip install 'finetune[gguf]'"),
+    pytest.mark.backend_neutral,  # the converter is numpy, whichever backend merged the weights
+]
+SETTINGS = {"model.seq_len": 64, "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 2,
+            "train.samples": 0, "data.max_records": 24, "lora.rank": 4, "lora.targets": ["query", "value"]}  # fmt: skip
+
+
+def trained(preset, folder):
+    with float32_policy():
+        finetune.run(finetune.load_config("tiny", {**SETTINGS, "backend": BACKEND, "model.preset": preset,
+                                                     "output.dir": str(folder / "run")}))  # fmt: skip
+    return folder / "run"
+
+
+def command(*args, cwd):
+    """`python -m finetune ARGS` in a fresh process, as a user types it."""
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)  # fmt: skip
+
+
+def transformers_weights(run, out):
+    from safetensors.numpy import load_file
+
+    finetune.export(run, "hf", out)
+    return load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """A 2-step tiny-gemma4 run, its GGUF export (f16, from the command line) and its transformers export."""
+    folder = tmp_path_factory.mktemp("gemma4")
+    run = trained("tiny-gemma4", folder)
+    done = command("export", "--run", run, "--format", "gguf", "--output", folder / "gguf", cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "gguf", *transformers_weights(run, folder / "hf"), run
+
+
+GEMMA4_BLOCK = ["attn_norm", "attn_q", "attn_q_norm", "attn_k", "attn_k_norm", "attn_v", "attn_output",
+                "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm", "inp_gate",
+                "proj", "post_norm", "layer_output_scale"]  # fmt: skip
+
+
+def test_a_gemma4_run_exports_gguf_under_llama_cpp_s_gemma4_names_and_keys(gemma4):
+    out, hf, config, _ = gemma4
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "finetune-export.json", "model.gguf"]
+    tensors, fields = read_gguf(out / "model.gguf")
+    names = {"token_embd.weight", "output_norm.weight", "rope_freqs.weight", "per_layer_token_embd.weight",
+             "per_layer_model_proj.weight", "per_layer_proj_norm.weight"}  # fmt: skip
+    names |= {f"blk.{i}.{n}.weight" for i in range(3) for n in GEMMA4_BLOCK}
+    names -= {"blk.2.attn_k.weight", "blk.2.attn_k_norm.weight", "blk.2.attn_v.weight"}  # borrows layer 1's K and V
+    assert set(tensors) == names
+    assert fields["general.architecture"] == "gemma4" and fields["general.file_type"] == 1
+    expected = {
+        "gemma4.block_count": 3, "gemma4.embedding_length": 32, "gemma4.attention.head_count": 4,
+        "gemma4.attention.head_count_kv": [2, 2, 2], "gemma4.attention.key_length": 16,
+        "gemma4.attention.key_length_swa": 8, "gemma4.rope.dimension_count": 16, "gemma4.rope.dimension_count_swa": 8,
+        "gemma4.feed_forward_length": [64, 64, 128], "gemma4.attention.sliding_window": 4,
+        "gemma4.attention.sliding_window_pattern": [True, False, False], "gemma4.attention.shared_kv_layers": 1,
+        "gemma4.embedding_length_per_layer_input": 4, "gemma4.rope.freq_base": 1e6, "gemma4.rope.freq_base_swa": 1e4,
+        "gemma4.final_logit_softcapping": 30.0,
+    }  # fmt: skip
+    assert {key: fields.get(key) for key in expected} == expected
+    # ggml shapes are transformers' (out, in) reversed; the global layers' heads are twice as wide
+    assert tensors["blk.1.attn_q.weight"][:2] == ((32, 64), "F16") and tensors["blk.0.attn_q.weight"][0] == (32, 32)
+    assert tensors["blk.2.ffn_down.weight"][0] == (128, 32) and tensors["blk.0.attn_norm.weight"][1] == "F32"
+    np.testing.assert_array_equal(tensors["rope_freqs.weight"][2], np.ones(8))  # every pair rotates (factor 1.0)
+    pairs = {"blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight",
+             "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",  # LoRA-merged
+             "blk.2.attn_q_norm.weight": "model.layers.2.self_attn.q_norm.weight",  # stored as is: no 1 + scale
+             "per_layer_model_proj.weight": "model.per_layer_model_projection.weight"}  # fmt: skip
+    for name, hf_name in pairs.items():
+        np.testing.assert_allclose(tensors[name][2].reshape(hf[hf_name].shape), hf[hf_name], rtol=2e-3, atol=1e-4)
+    assert config["architectures"] == ["Gemma4ForCausalLM"]
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model.gguf\nTEMPLATE") and "mmproj" not in modelfile
+
+
+def test_the_gemma4_moe_keeps_its_fused_experts_router_and_scales(tmp_path):
+    import gguf
+
+    from finetune.exports import export, transformers_gguf
+
+    with float32_policy():
+        tokenizer = presets.tiny_tokenizer("tiny-gemma4-moe")
+        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), name="tiny-gemma4-moe")
+        export.write_transformers(tmp_path, backbone, tokenizer)
+    transformers_gguf.write(tmp_path / "model.gguf", tmp_path, "gemma4", tokenizer, "q8_0")
+    tensors, fields = read_gguf(tmp_path / "model.gguf")
+    assert fields["gemma4.expert_count"] == 4 and fields["gemma4.expert_used_count"] == 2
+    assert fields["gemma4.expert_feed_forward_length"] == 16 and fields["gemma4.attention.head_count_kv"] == [2, 1]
+    assert fields["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert tensors["blk.0.ffn_gate_up_exps.weight"][:2] == ((32, 32, 4), "Q8_0")  # (experts, 2 x 16, hidden)
+    assert tensors["blk.0.ffn_down_exps.weight"][:2] == ((16, 32, 4), "F16")  # rows of 16: not whole q8_0 blocks
+    assert tensors["blk.0.ffn_gate_inp.weight"][:2] == ((32, 4), "F32")  # the router stays f32
+    assert tensors["blk.1.ffn_down_exps.scale"][0] == (4,) and tensors["blk.1.ffn_gate_inp.scale"][0] == (32,)
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    experts = hf["model.layers.1.experts.gate_up_proj"]
+    got = tensors["blk.1.ffn_gate_up_exps.weight"][2].reshape(experts.shape)
+    assert np.abs(got - experts).max() <= np.abs(experts).max() / 127 * 0.51 + 1e-6  # within q8_0's half step
+
+
+def test_a_gemma3n_of_four_altup_streams_stacks_them_as_llama_cpp_s_gemma3n(tmp_path, monkeypatch):
+    import dataclasses
+
+    from finetune.exports import export, llamacpp, transformers_gguf
+
+    tiny = presets.TINY["tiny-gemma3n"]  # two streams; Google's E2B and E4B, and llama.cpp, have four
+    monkeypatch.setitem(presets.TINY, "tiny-gemma3n", dataclasses.replace(tiny, config={**tiny.config,
+                                                                                         "altup_num_inputs": 4}))  # fmt: skip
+    with float32_policy():
+        tokenizer = presets.tiny_tokenizer("tiny-gemma3n")
+        backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), name="tiny-gemma3n")
+        assert llamacpp.architecture(backbone) == "gemma3n"
+        export.write_transformers(tmp_path, backbone, tokenizer)
+    transformers_gguf.write(tmp_path / "model.gguf", tmp_path, "gemma3n", tokenizer, "f32")
+    tensors, fields = read_gguf(tmp_path / "model.gguf")
+    assert fields["general.architecture"] == "gemma3n" and fields["gemma3n.altup.num_inputs"] == 4
+    assert fields["gemma3n.altup.active_idx"] == 0 and fields["gemma3n.attention.shared_kv_layers"] == 1
+    assert fields["gemma3n.feed_forward_length"] == [64, 64, 64] and fields["gemma3n.context_length"] == 2048
+    assert fields["gemma3n.attention.sliding_window_pattern"] == [True, False, True]
+    sparsity = fields["gemma3n.activation_sparsity_scale"]
+    assert math.isclose(sparsity[0], 1.6448536, rel_tol=1e-6) and sparsity[1:] == [-math.inf, -math.inf]
+    assert tensors["altup_proj.weight"][0] == (32, 32, 3) and tensors["altup_unembd_proj.weight"][0] == (32, 32, 3)
+    assert tensors["blk.0.altup_correct_coef.weight"][0] == (4, 4)  # (streams, streams), f32 as the converter keeps
+    assert tensors["blk.0.altup_predict_coef.weight"][:2] == ((4, 16), "F32")
+    assert {"blk.2.laurel_l.weight", "blk.2.laurel_r.weight", "blk.1.altup_correct_scale.weight"} <= set(tensors)
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    stacked = np.stack([hf[f"model.altup_projections.{i}.weight"] for i in range(3)])
+    np.testing.assert_array_equal(tensors["altup_proj.weight"][2].reshape(stacked.shape), stacked)
+    norm = hf["model.layers.1.post_feedforward_layernorm.weight"]
+    np.testing.assert_array_equal(tensors["blk.1.post_ffw_norm.weight"][2], norm)  # no 1 + scale shift
+
+
+def test_a_gemma3n_of_two_altup_streams_is_refused_from_the_command_line(tmp_path):
+    run = trained("tiny-gemma3n", tmp_path)
+    done = command("export", "--run", run, "--format", "gguf", "--output", tmp_path / "gguf", cwd=tmp_path)
+    expected = "llama.cpp's gemma3n computes 4 AltUp streams and this Gemma 3n has 2; finetune writes GGUF for"
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "gguf").exists()
+
+
+def test_q4_k_m_is_refused_naming_llama_quantize_from_the_command_line(gemma4, tmp_path):
+    run = gemma4[-1]
+    args = ["export", "--run", run, "--format", "gguf", "--output", tmp_path / "gguf", "--dtype", "q4_k_m"]
+    done = command(*args, cwd=tmp_path)
+    expected = "export with --dtype f16, then run llama-quantize DIR/model.gguf DIR/model-q4_k_m.gguf Q4_K_M"
+    assert done.returncode == 2 and expected in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "gguf").exists()
