@@ -961,6 +961,64 @@ def test_gguf_of_a_vision_run_writes_llama_cpp_s_mmproj_beside_the_decoder(visio
     assert modelfile.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\n"), modelfile
 
 
+def llama_cpp_gemma3_projector(tensors, fields, image):
+    """The soft tokens llama.cpp's clip graph makes of `image` (H, W, 3, already scaled to [-1, 1]) with a gemma3
+    projector, in numpy (float64): patches by the patch embedding, positions, SigLIP blocks (LayerNorm, attention
+    and a tanh-GELU MLP, with biases), the last LayerNorm, average pooling of the patch grid, RMSNorm by
+    soft_emb_norm, and the input projection (stored as transformers' (vision, text), so x @ W)."""
+    w = {name: value[2].astype(np.float64).reshape(value[0][::-1]) for name, value in tensors.items()}
+    eps, heads = fields["clip.vision.attention.layer_norm_epsilon"], fields["clip.vision.attention.head_count"]
+    size, patch = fields["clip.vision.image_size"], fields["clip.vision.patch_size"]
+    side = size // patch
+    pieces = image.reshape(side, patch, side, patch, 3).transpose(0, 2, 4, 1, 3).reshape(side * side, -1)
+    x = pieces @ w["v.patch_embd.weight"].reshape(len(w["v.patch_embd.bias"]), -1).T + w["v.patch_embd.bias"]
+    x = x + w["v.position_embd.weight"]
+
+    def layer_norm(x, name):
+        centred = x - x.mean(-1, keepdims=True)
+        return centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * w[name + ".weight"] + w[name + ".bias"]
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    for i in range(fields["clip.vision.block_count"]):
+        p = f"v.blk.{i}."
+        h = layer_norm(x, p + "ln1")
+        q, k, v = (linear(h, p + n).reshape(len(x), heads, -1) for n in ("attn_q", "attn_k", "attn_v"))
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + linear(np.einsum("hqk,khd->qhd", probs, v).reshape(len(x), -1), p + "attn_out")
+        g = linear(layer_norm(x, p + "ln2"), p + "ffn_up")
+        g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+        x = x + linear(g, p + "ffn_down")
+    x = layer_norm(x, "v.post_ln")
+    pool = fields.get("clip.vision.projector.scale_factor", 4)
+    tokens = side // pool
+    x = x.reshape(tokens, pool, tokens, pool, -1).mean(axis=(1, 3)).reshape(tokens * tokens, -1)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w["mm.soft_emb_norm.weight"]
+    return x @ w["mm.input_projection.weight"]  # read back as transformers' (vision, text): llama.cpp transposes it
+
+
+@gguf_marks
+@in_torch_suite
+def test_mmproj_computed_as_llama_cpp_does_gives_keras_hub_s_soft_tokens(vision_run, tuned, tmp_path):
+    """No llama.cpp binding installs here: its clip graph for Gemma 3, in numpy, reads the file instead."""
+    import keras
+
+    run, _ = vision_run
+    tensors, fields = read_gguf(export(run, "gguf", tmp_path / "gguf", "--dtype", "f32") / "mmproj.gguf")
+    with float32_policy():
+        encoder = finetune.load(run).backbone.vision_encoder
+        for x, _ in tuned:
+            picture = x["images"][:1, :1]  # the first picture of the row, already scaled as the converter scales
+            expected = keras.ops.convert_to_numpy(encoder(picture))[0]
+            got = llama_cpp_gemma3_projector(tensors, fields, picture[0, 0].astype(np.float64))
+            assert got.shape == expected.shape == (4, 32)
+            # the input projection is f16 whatever --dtype, as llama.cpp's converter writes it
+            np.testing.assert_allclose(got, expected, atol=1e-3)  # measured: 1.7e-4
+
+
 @pytest.mark.one_backend
 @pytest.mark.parametrize("kind", ["Gemma4Backbone", "Gemma3nBackbone"])
 @pytest.mark.parametrize("fmt", ["hf", "peft", "gguf"])
