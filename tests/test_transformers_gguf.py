@@ -1,10 +1,10 @@
 """Gemma 3n and Gemma 4 as GGUF (transformers_gguf.py): a run's export read back with gguf's reader, under the names,
 shapes and keys llama.cpp's converter writes, with the values of the same run's transformers export (checked against
-transformers in test_families.py); the refusals, through the command line in a fresh process.
+transformers in test_families.py), and the Gemma 4 file computed as llama.cpp's gemma4 graph computes it, in numpy; the
+refusals, through the command line in a fresh process.
 
 No llama.cpp binding installs here (llama-cpp-python builds llama.cpp from source), so these files are not run by
-llama.cpp itself, nor compared with `finetune generate` through it; test_export.py computes the Gemma 1 file as
-llama.cpp's graph does, in numpy.
+llama.cpp itself, nor compared with `finetune generate` through it.
 """
 
 import importlib.util
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import BACKEND, REPO, float32_policy
-from test_export import read_gguf
+from test_export import TOKENS, read_gguf
 
 import finetune
 from finetune.model import presets
@@ -99,6 +99,94 @@ def test_a_gemma4_run_exports_gguf_under_llama_cpp_s_gemma4_names_and_keys(gemma
     assert config["architectures"] == ["Gemma4ForCausalLM"]
     modelfile = (out / "Modelfile").read_text()
     assert modelfile.startswith("FROM ./model.gguf\nTEMPLATE") and "mmproj" not in modelfile
+
+
+def llama_cpp_gemma4_logits(tensors, fields, tokens):
+    """Logits as llama.cpp's gemma4 graph (src/models/gemma4-iswa.cpp) computes them from the file, in numpy.
+
+    Embeddings scaled by sqrt(hidden); per-layer inputs (their embedding scaled by sqrt(width), plus the
+    projection of the embeddings, normed, over sqrt 2); per block: RMSNorm, queries and keys normed by their
+    weights and values by none, NeoX RoPE (sliding layers on their own base and head width, global ones through
+    rope_freqs), attention unscaled, causal and, on sliding layers, within the window; the layers past the
+    shared-KV point reuse the keys and values of the last earlier layer of their kind; post norms, a tanh-GELU
+    gated MLP, the gated per-layer input, the layer's output scale; the final soft cap.
+    """
+    w = {name: value[2].astype(np.float64) for name, value in tensors.items()}
+    f = {key.removeprefix("gemma4."): value for key, value in fields.items()}
+    eps, hidden, layers = f["attention.layer_norm_rms_epsilon"], f["embedding_length"], f["block_count"]
+    sliding, window, heads = (
+        f["attention.sliding_window_pattern"],
+        f["attention.sliding_window"],
+        f["attention.head_count"],
+    )
+    per_layer, first_shared = f["embedding_length_per_layer_input"], layers - f["attention.shared_kv_layers"]
+    n = len(tokens)
+
+    def rms(x, weight=None):
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+        return x if weight is None else x * w[weight]
+
+    def rope(x, slide):
+        dims = f["rope.dimension_count_swa"] if slide else f["rope.dimension_count"]
+        base = f["rope.freq_base_swa"] if slide else f["rope.freq_base"]
+        half = dims // 2
+        freqs = base ** (-np.arange(half) / half) / (1.0 if slide else w["rope_freqs.weight"][:half])
+        angles = np.arange(n)[:, None] * freqs[None, :]
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        a, b = x[..., :half], x[..., half:dims]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin, x[..., dims:]], axis=-1)
+
+    def gelu(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+    x = w["token_embd.weight"][tokens] * np.sqrt(hidden)
+    if per_layer:
+        chosen = w["per_layer_token_embd.weight"][tokens].reshape(n, layers, per_layer) * np.sqrt(per_layer)
+        projected = (x @ w["per_layer_model_proj.weight"].T / np.sqrt(hidden)).reshape(n, layers, per_layer)
+        inputs = (rms(projected, "per_layer_proj_norm.weight") + chosen) / np.sqrt(2)
+    cache = {}
+    for i in range(layers):
+        p, slide = f"blk.{i}.", sliding[i]
+        kv_heads = f["attention.head_count_kv"][i]
+        h = rms(x, p + "attn_norm.weight")
+        q = rope(rms((h @ w[p + "attn_q.weight"].T).reshape(n, heads, -1), p + "attn_q_norm.weight"), slide)
+        if i < first_shared:
+            k = (h @ w[p + "attn_k.weight"].T).reshape(n, kv_heads, -1)
+            v = (h @ w[p + "attn_v.weight"].T).reshape(n, kv_heads, -1) if p + "attn_v.weight" in w else k
+            cache[slide] = (rope(rms(k, p + "attn_k_norm.weight"), slide), rms(v))
+        k, v = cache[slide]
+        k, v = np.repeat(k, heads // k.shape[1], axis=1), np.repeat(v, heads // v.shape[1], axis=1)
+        distance = np.arange(n)[:, None] - np.arange(n)[None, :]
+        hidden_from = (distance < 0) | ((distance >= window) if slide else False)
+        scores = np.einsum("qhd,khd->hqk", q, k) + np.where(hidden_from, -np.inf, 0.0)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ w[p + "attn_output.weight"].T
+        attended = rms(out, p + "post_attention_norm.weight") + x
+        h = rms(attended, p + "ffn_norm.weight")
+        h = (gelu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        x = rms(h, p + "post_ffw_norm.weight") + attended
+        if per_layer:
+            g = (gelu(x @ w[p + "inp_gate.weight"].T) * inputs[:, i]) @ w[p + "proj.weight"].T
+            x = x + rms(g, p + "post_norm.weight")
+        x = x * w[p + "layer_output_scale.weight"]
+    out = rms(x, "output_norm.weight") @ w["token_embd.weight"].T
+    cap = f["final_logit_softcapping"]
+    return np.tanh(out / cap) * cap
+
+
+def test_the_gemma4_file_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(gemma4, tmp_path):
+    """No llama.cpp binding installs here: llama.cpp's gemma4 graph, in numpy, reads the f32 file instead, on
+    a prompt longer than the sliding window, through the layer that borrows its keys and values."""
+    run = gemma4[-1]
+    tensors, fields = read_gguf(finetune.export(run, "gguf", tmp_path / "gguf", dtype="f32") / "model.gguf")
+    import keras
+
+    inputs = {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS, dtype=bool),
+              "position_ids": np.arange(TOKENS.shape[1], dtype="int32")[None]}  # fmt: skip
+    with float32_policy():
+        expected = keras.ops.convert_to_numpy(finetune.load(run)(inputs))[0]
+    np.testing.assert_allclose(llama_cpp_gemma4_logits(tensors, fields, TOKENS[0]), expected, atol=1e-4)
 
 
 def test_the_gemma4_moe_keeps_its_fused_experts_router_and_scales(tmp_path):
