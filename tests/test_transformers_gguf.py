@@ -101,6 +101,12 @@ def test_a_gemma4_run_exports_gguf_under_llama_cpp_s_gemma4_names_and_keys(gemma
     assert modelfile.startswith("FROM ./model.gguf\nTEMPLATE") and "mmproj" not in modelfile
 
 
+def positions():
+    """Gemma 4's inputs for TOKENS: it takes the positions too."""
+    return {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS, dtype=bool),
+            "position_ids": np.arange(TOKENS.shape[1], dtype="int32")[None]}  # fmt: skip
+
+
 def llama_cpp_gemma4_logits(tensors, fields, tokens):
     """Logits as llama.cpp's gemma4 graph (src/models/gemma4-iswa.cpp) computes them from the file, in numpy.
 
@@ -139,6 +145,22 @@ def llama_cpp_gemma4_logits(tensors, fields, tokens):
     def gelu(x):
         return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
+    def experts(attended, p):
+        """The router (on the unweighted RMSNorm of the block's input, over sqrt(hidden), times its scale)
+        picks the top experts by softmax, their weights renormalised; each is a tanh-GELU gated MLP, gate then
+        up in one matrix, its output times the expert's scale."""
+        router = rms(attended) / np.sqrt(hidden) * w[p + "ffn_gate_inp.scale"] @ w[p + "ffn_gate_inp.weight"].T
+        probs = np.exp(router - router.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        h, out = rms(attended, p + "pre_ffw_norm_2.weight"), np.zeros_like(attended)
+        for t in range(n):
+            chosen = np.argsort(-probs[t])[: f["expert_used_count"]]
+            for e in chosen:
+                gate, up = np.split(w[p + "ffn_gate_up_exps.weight"][e] @ h[t], 2)
+                down = w[p + "ffn_down_exps.weight"][e] @ (gelu(gate) * up) * w[p + "ffn_down_exps.scale"][e]
+                out[t] += probs[t, e] / probs[t, chosen].sum() * down
+        return out
+
     x = w["token_embd.weight"][tokens] * np.sqrt(hidden)
     if per_layer:
         chosen = w["per_layer_token_embd.weight"][tokens].reshape(n, layers, per_layer) * np.sqrt(per_layer)
@@ -165,6 +187,8 @@ def llama_cpp_gemma4_logits(tensors, fields, tokens):
         attended = rms(out, p + "post_attention_norm.weight") + x
         h = rms(attended, p + "ffn_norm.weight")
         h = (gelu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        if p + "ffn_gate_inp.weight" in w:
+            h = rms(h, p + "post_ffw_norm_1.weight") + rms(experts(attended, p), p + "post_ffw_norm_2.weight")
         x = rms(h, p + "post_ffw_norm.weight") + attended
         if per_layer:
             g = (gelu(x @ w[p + "inp_gate.weight"].T) * inputs[:, i]) @ w[p + "proj.weight"].T
@@ -182,15 +206,15 @@ def test_the_gemma4_file_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(
     tensors, fields = read_gguf(finetune.export(run, "gguf", tmp_path / "gguf", dtype="f32") / "model.gguf")
     import keras
 
-    inputs = {"token_ids": TOKENS, "padding_mask": np.ones_like(TOKENS, dtype=bool),
-              "position_ids": np.arange(TOKENS.shape[1], dtype="int32")[None]}  # fmt: skip
     with float32_policy():
-        expected = keras.ops.convert_to_numpy(finetune.load(run)(inputs))[0]
+        expected = keras.ops.convert_to_numpy(finetune.load(run)(positions()))[0]
     np.testing.assert_allclose(llama_cpp_gemma4_logits(tensors, fields, TOKENS[0]), expected, atol=1e-4)
 
 
 def test_the_gemma4_moe_keeps_its_fused_experts_router_and_scales(tmp_path):
     import gguf
+    import keras
+    import keras_hub
 
     from finetune.exports import export, transformers_gguf
 
@@ -198,6 +222,13 @@ def test_the_gemma4_moe_keeps_its_fused_experts_router_and_scales(tmp_path):
         tokenizer = presets.tiny_tokenizer("tiny-gemma4-moe")
         backbone = presets.tiny_backbone(tokenizer.vocabulary_size(), name="tiny-gemma4-moe")
         export.write_transformers(tmp_path, backbone, tokenizer)
+        expected = keras.ops.convert_to_numpy(
+            keras_hub.models.Gemma4CausalLM(backbone=backbone, preprocessor=None)(positions())
+        )[0]
+    transformers_gguf.write(tmp_path / "exact.gguf", tmp_path, "gemma4", tokenizer, "f32")
+    # llama.cpp's gemma4 graph, in numpy, from the f32 file: the experts and router read as llama.cpp reads them
+    got = llama_cpp_gemma4_logits(*read_gguf(tmp_path / "exact.gguf"), TOKENS[0])
+    np.testing.assert_allclose(got, expected, atol=1e-4)
     transformers_gguf.write(tmp_path / "model.gguf", tmp_path, "gemma4", tokenizer, "q8_0")
     tensors, fields = read_gguf(tmp_path / "model.gguf")
     assert fields["gemma4.expert_count"] == 4 and fields["gemma4.expert_used_count"] == 2
