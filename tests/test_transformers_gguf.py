@@ -86,6 +86,8 @@ def test_a_gemma4_run_exports_gguf_under_llama_cpp_s_gemma4_names_and_keys(gemma
         "gemma4.final_logit_softcapping": 30.0,
     }  # fmt: skip
     assert {key: fields.get(key) for key in expected} == expected
+    tokenizer = presets.tiny_tokenizer("tiny-gemma4")
+    assert fields["tokenizer.ggml.eot_token_id"] == tokenizer.token_to_id("<turn|>")  # llama.cpp ends a chat turn
     # ggml shapes are transformers' (out, in) reversed; the global layers' heads are twice as wide
     assert tensors["blk.1.attn_q.weight"][:2] == ((32, 64), "F16") and tensors["blk.0.attn_q.weight"][0] == (32, 32)
     assert tensors["blk.2.ffn_down.weight"][0] == (128, 32) and tensors["blk.0.attn_norm.weight"][1] == "F32"

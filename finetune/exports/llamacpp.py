@@ -181,7 +181,7 @@ def vocabulary(tokenizer, size: int) -> dict:
         "eos": tokenizer.token_to_id(tokenizer.end_token),
         "pad": tokenizer.pad_token_id,
         "unk": proto.trainer_spec.unk_id,
-        "eot": ids.get("<end_of_turn>"),
+        "eot": ids.get("<end_of_turn>", ids.get("<turn|>")),  # Gemma 1 to 3n end a turn so, Gemma 4 with <turn|>
         "add_space_prefix": proto.normalizer_spec.add_dummy_prefix,
         "remove_extra_whitespaces": proto.normalizer_spec.remove_extra_whitespaces,
         "charsmap": bytes(proto.normalizer_spec.precompiled_charsmap),
