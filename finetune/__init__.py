@@ -166,7 +166,7 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
     base: bool. With format hf: the run's base model alone, for the peft adapter.
     backend: str. The Keras backend to build the model on; by default the one keras is loaded with, else the
         run's.
-    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    dtype: str. With format gguf: f16 (the default), bf16, q8_0 or f32 for the matrices.
     Every check runs first: a refused export raises UserError and writes nothing.
     """
     from finetune.exports.export import FORMATS, Request, export

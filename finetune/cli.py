@@ -619,8 +619,9 @@ def export_(
         False, "--base", help="With --format hf: the run's base model alone, for the peft adapter to apply to."
     ),
     dtype: Optional[str] = _flag(
-        "With --format gguf: the weights' type, f16, bf16 or f32 (norms stay f32). (default: f16)",
-        metavar="f16|bf16|f32",
+        "With --format gguf: the weights' type, f16, bf16, q8_0 or f32 (norms stay f32); q4_k_m and the other "
+        "K-quants are made from the f16 file by llama.cpp's llama-quantize. (default: f16)",
+        metavar="f16|bf16|q8_0|f32",
     ),
     backend: RunBackend = None,
     debug: Debug = False,

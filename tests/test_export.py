@@ -676,16 +676,39 @@ def llama_cpp_gemma_logits(tensors, fields, tokens):
 
 
 @gguf_marks
-@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-4), ("bf16", 0.5)])
+@pytest.mark.parametrize("dtype, tolerance", [("f32", 1e-4), ("bf16", 0.5), ("q8_0", 0.5)])
 def test_gguf_computed_as_llama_cpp_does_gives_the_fine_tuned_logits(trained, tmp_path, dtype, tolerance):
     """No llama.cpp binding installs here: llama.cpp's gemma graph, in numpy, reads the file instead."""
     run, tuned, _ = trained
     out = export(run, "gguf", tmp_path / "gguf", "--dtype", dtype)
     tensors, fields = read_gguf(out / "model.gguf")
     assert tensors["blk.0.ffn_up.weight"][1] == dtype.upper()
-    assert fields["general.file_type"] == {"f32": 0, "bf16": 32}[dtype]
+    assert fields["general.file_type"] == {"f32": 0, "bf16": 32, "q8_0": 7}[dtype]
     got = llama_cpp_gemma_logits(tensors, fields, TOKENS[0])
     np.testing.assert_allclose(got, tuned[0], atol=tolerance)
+
+
+@gguf_marks
+@pytest.mark.backend_neutral  # the GGUF writer is numpy
+def test_q8_0_holds_each_matrix_within_its_blocks_rounding(trained, tmp_path):
+    """q8_0 keeps each block of 32 weights as int8 times one f16 scale, max |w| / 127: a weight is off by at
+    most half a step (and the scale's own f16 rounding), and the norms stay f32."""
+    run = trained[0]
+    exact, _ = read_gguf(export(run, "gguf", tmp_path / "f32", "--dtype", "f32") / "model.gguf")
+    quantized, fields = read_gguf(export(run, "gguf", tmp_path / "q8", "--dtype", "q8_0") / "model.gguf")
+    assert fields["general.file_type"] == 7 and set(quantized) == set(exact)  # MOSTLY_Q8_0
+    for name, (shape, kind, value) in quantized.items():
+        assert shape == exact[name][0], name
+        weights = exact[name][2]
+        if weights.ndim == 1:
+            assert kind == "F32" and np.array_equal(value, weights), name
+            continue
+        assert kind == "Q8_0", name
+        blocks = np.abs(weights).reshape(-1, 32).max(axis=1, keepdims=True)  # every row is whole blocks here
+        step = np.repeat(blocks / 127.0, 32, axis=1).reshape(weights.shape)
+        error = np.abs(value.reshape(weights.shape) - weights)
+        assert (error <= 0.5 * step + 2e-3 * np.abs(weights) + 1e-7).all(), name
+        assert error.max() > 0, name  # quantized, not stored exactly
 
 
 @gguf_marks
@@ -717,7 +740,12 @@ def test_a_gemma3_run_exports_gguf_with_its_norms_and_windows(trained_gemma3, tm
     "args, expected",
     [
         (["--format", "lora", "--dtype", "f16"], "--dtype chooses the GGUF file's weight type"),
-        (["--format", "gguf", "--dtype", "q4_0"], "unknown GGUF dtype 'q4_0'; choose one of f16, bf16, f32"),
+        (["--format", "gguf", "--dtype", "q2"], "unknown GGUF dtype 'q2'; choose one of f16, bf16, q8_0, f32"),
+        (
+            ["--format", "gguf", "--dtype", "q4_k_m"],
+            "q4_k_m is made by llama.cpp's quantizer: export with --dtype f16, then run llama-quantize "
+            "DIR/model.gguf DIR/model-q4_k_m.gguf Q4_K_M",
+        ),
     ],
 )
 def test_a_bad_gguf_request_is_refused(trained, tmp_path, args, expected):
@@ -738,7 +766,7 @@ def test_gguf_without_the_gguf_package_names_the_extra(trained, tmp_path, monkey
 
 # === A run on pictures (tiny-gemma3-vision): transformers' Gemma3ForConditionalGeneration gives keras-hub's logits on
 # a picture and its text, PEFT's adapter on its base gives them too, the lora adapter loads onto the preset, and gguf
-# is refused naming what works. transformers and PEFT compute on PyTorch, and the export reads the merged weights
+# writes the decoder and llama.cpp's mmproj of the encoder. transformers and PEFT compute on PyTorch, and the export reads the merged weights
 # through numpy: these run in the PyTorch suite (the vision runs train on every backend in tests/test_images.py).
 
 VISION_PROMPT = "<start_of_turn>user\n<start_of_image>What colour is this?<end_of_turn>\n<start_of_turn>model\n"
@@ -878,13 +906,117 @@ def test_lora_export_loads_onto_the_vision_preset_with_plain_keras_hub(vision_ru
             np.testing.assert_allclose(keras.ops.convert_to_numpy(lm(x)), expected, atol=1e-5)
 
 
+CLIP_BLOCK = ["attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_up", "ffn_down"]
+
+
+@gguf_marks
 @in_torch_suite
-def test_gguf_of_a_vision_run_is_refused_naming_what_works(vision_run, tmp_path):
+def test_gguf_of_a_vision_run_writes_llama_cpp_s_mmproj_beside_the_decoder(vision_run, hf_export, tmp_path):
+    """mmproj.gguf holds the SigLIP tower and projector under llama.cpp's clip names, with the values of the
+    transformers export (checked against transformers above); model.gguf the decoder, as for text."""
+    from safetensors.numpy import load_file
+
     run, _ = vision_run
-    result = invoke("--run", run, "--format", "gguf", "--output", tmp_path / "gguf")
-    assert result.exit_code == 2, result.output
-    assert "mmproj" in result.output and "--format merged, hf or peft" in result.output
-    assert not (tmp_path / "gguf").exists()
+    out = export(run, "gguf", tmp_path / "gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", MARKER, "mmproj.gguf", "model.gguf"]
+    text, text_fields = read_gguf(out / "model.gguf")
+    assert text_fields["general.architecture"] == "gemma3" and not [n for n in text if n.startswith(("v.", "mm."))]
+    tensors, fields = read_gguf(out / "mmproj.gguf")
+    assert fields["general.architecture"] == "clip" and fields["general.type"] == "mmproj"
+    assert fields["clip.projector_type"] == "gemma3" and fields["clip.has_vision_encoder"] is True
+    encoder = presets.TINY_GEMMA3_VISION_ENCODER
+    expected_fields = {
+        "clip.vision.image_size": 32, "clip.vision.patch_size": 4, "clip.vision.embedding_length": 16,
+        "clip.vision.feed_forward_length": 32, "clip.vision.block_count": 2, "clip.vision.attention.head_count": 2,
+        "clip.vision.projection_dim": 32, "clip.vision.image_mean": [0.5] * 3, "clip.vision.image_std": [0.5] * 3,
+        "clip.use_gelu": True, "clip.vision.projector.scale_factor": 4,
+    }  # fmt: skip
+    assert encoder["image_size"] == 32 and encoder["pool_size"] == 4  # the numbers above are the preset's
+    # tiny's 8x8 patches pool 4x4 into 2x2 soft tokens: factor 4 is llama.cpp's default, which the file leaves out
+    expected_fields.pop("clip.vision.projector.scale_factor")
+    assert {key: fields.get(key) for key in expected_fields} == expected_fields
+    names = {"v.patch_embd.weight", "v.patch_embd.bias", "v.position_embd.weight", "v.post_ln.weight",
+             "v.post_ln.bias", "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
+    names |= {f"v.blk.{i}.{n}.{kind}" for i in range(2) for n in CLIP_BLOCK for kind in ("weight", "bias")}
+    assert set(tensors) == names
+    assert tensors["v.patch_embd.weight"][:2] == ((4, 4, 3, 16), "F32")  # ggml order of (out, channels, 4, 4)
+    assert tensors["mm.input_projection.weight"][:2] == ((32, 16), "F16")  # transformers' (vision, text)
+    assert tensors["v.blk.1.attn_q.weight"][1] == "F16" and tensors["v.blk.1.ln1.bias"][1] == "F32"
+    hf = load_file(str(hf_export / "model.safetensors"))
+    tower, projector = "model.vision_tower.", "model.multi_modal_projector."
+    pairs = {
+        "v.patch_embd.weight": tower + "embeddings.patch_embedding.weight",
+        "v.position_embd.weight": tower + "embeddings.position_embedding.weight",
+        "v.blk.1.attn_q.weight": tower + "encoder.layers.1.self_attn.q_proj.weight",
+        "v.blk.0.attn_out.bias": tower + "encoder.layers.0.self_attn.out_proj.bias",
+        "v.blk.1.ffn_down.weight": tower + "encoder.layers.1.mlp.fc2.weight",
+        "v.post_ln.weight": tower + "post_layernorm.weight",
+        "mm.input_projection.weight": projector + "mm_input_projection_weight",
+    }
+    for name, hf_name in pairs.items():
+        np.testing.assert_allclose(tensors[name][2].reshape(hf[hf_name].shape), hf[hf_name], rtol=1e-3, atol=1e-4)
+    norm = hf[projector + "mm_soft_emb_norm.weight"]
+    np.testing.assert_allclose(tensors["mm.soft_emb_norm.weight"][2], 1.0 + norm, atol=1e-6)  # Gemma's 1 + scale
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\n"), modelfile
+
+
+def llama_cpp_gemma3_projector(tensors, fields, image):
+    """The soft tokens llama.cpp's clip graph makes of `image` (H, W, 3, already scaled to [-1, 1]) with a gemma3
+    projector, in numpy (float64): patches by the patch embedding, positions, SigLIP blocks (LayerNorm, attention
+    and a tanh-GELU MLP, with biases), the last LayerNorm, average pooling of the patch grid, RMSNorm by
+    soft_emb_norm, and the input projection (stored as transformers' (vision, text), so x @ W)."""
+    w = {name: value[2].astype(np.float64).reshape(value[0][::-1]) for name, value in tensors.items()}
+    eps, heads = fields["clip.vision.attention.layer_norm_epsilon"], fields["clip.vision.attention.head_count"]
+    size, patch = fields["clip.vision.image_size"], fields["clip.vision.patch_size"]
+    side = size // patch
+    pieces = image.reshape(side, patch, side, patch, 3).transpose(0, 2, 4, 1, 3).reshape(side * side, -1)
+    x = pieces @ w["v.patch_embd.weight"].reshape(len(w["v.patch_embd.bias"]), -1).T + w["v.patch_embd.bias"]
+    x = x + w["v.position_embd.weight"]
+
+    def layer_norm(x, name):
+        centred = x - x.mean(-1, keepdims=True)
+        return centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * w[name + ".weight"] + w[name + ".bias"]
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+    for i in range(fields["clip.vision.block_count"]):
+        p = f"v.blk.{i}."
+        h = layer_norm(x, p + "ln1")
+        q, k, v = (linear(h, p + n).reshape(len(x), heads, -1) for n in ("attn_q", "attn_k", "attn_v"))
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + linear(np.einsum("hqk,khd->qhd", probs, v).reshape(len(x), -1), p + "attn_out")
+        g = linear(layer_norm(x, p + "ln2"), p + "ffn_up")
+        g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+        x = x + linear(g, p + "ffn_down")
+    x = layer_norm(x, "v.post_ln")
+    pool = fields.get("clip.vision.projector.scale_factor", 4)
+    tokens = side // pool
+    x = x.reshape(tokens, pool, tokens, pool, -1).mean(axis=(1, 3)).reshape(tokens * tokens, -1)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w["mm.soft_emb_norm.weight"]
+    return x @ w["mm.input_projection.weight"]  # read back as transformers' (vision, text): llama.cpp transposes it
+
+
+@gguf_marks
+@in_torch_suite
+def test_mmproj_computed_as_llama_cpp_does_gives_keras_hub_s_soft_tokens(vision_run, tuned, tmp_path):
+    """No llama.cpp binding installs here: its clip graph for Gemma 3, in numpy, reads the file instead."""
+    import keras
+
+    run, _ = vision_run
+    tensors, fields = read_gguf(export(run, "gguf", tmp_path / "gguf", "--dtype", "f32") / "mmproj.gguf")
+    with float32_policy():
+        encoder = finetune.load(run).backbone.vision_encoder
+        for x, _ in tuned:
+            picture = x["images"][:1, :1]  # the first picture of the row, already scaled as the converter scales
+            expected = keras.ops.convert_to_numpy(encoder(picture))[0]
+            got = llama_cpp_gemma3_projector(tensors, fields, picture[0, 0].astype(np.float64))
+            assert got.shape == expected.shape == (4, 32)
+            # the input projection is f16 whatever --dtype, as llama.cpp's converter writes it
+            np.testing.assert_allclose(got, expected, atol=1e-3)  # measured: 1.7e-4
 
 
 @pytest.mark.one_backend

@@ -7,7 +7,7 @@ The layers, top to bottom:
 - front doors (finetune/cli.py, finetune/__init__.py, __main__.py): the command line and the Python API.
 - tools/: the commands that inspect or launch without training: bench and its peer, `finetune data`
   (datacheck) and `finetune vertex-spec` (vertex).
-- exports/: the formats a finished run's adapter is written in (export, llamacpp), and its upload with a model card
+- exports/: the formats a finished run's adapter is written in (export, llamacpp, transformers_gguf, mmproj), and its upload with a model card
   (publish, card); they read a run through training/runs.
 - training/: a run, from its resolved settings to its run directory: resolve, plan (the memory model that
   resolve and `finetune plan` share), train, loop, callbacks, events, checkpoint, outputs, prepare, scoring,

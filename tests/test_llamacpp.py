@@ -35,6 +35,15 @@ def test_gguf_refuses_what_llama_cpp_would_compute_differently():
         with pytest.raises(finetune.UserError, match="this Gemma 3 model is an embedding model"):
             llamacpp.architecture(embedding)
     # The family is told by the backbone's class, before any of its settings is read (a Gemma 4 takes 12 s to build).
-    gemma4 = type("Gemma4Backbone", (), {})()
-    with pytest.raises(finetune.UserError, match="cannot write a Gemma4Backbone as GGUF: finetune writes GGUF for"):
-        llamacpp.architecture(gemma4)
+    other = type("PaliGemmaBackbone", (), {})()
+    with pytest.raises(finetune.UserError, match="cannot write a PaliGemmaBackbone as GGUF: finetune writes GGUF for"):
+        llamacpp.architecture(other)
+    assert llamacpp.architecture(type("Gemma4Backbone", (), {})()) == "gemma4"
+    embedding = type("Gemma4Backbone", (), {"is_embedding_model": True})()
+    with pytest.raises(finetune.UserError, match="this Gemma 4 model is an embedding model"):
+        llamacpp.architecture(embedding)
+    two_streams = type("Gemma3nBackbone", (), {"language_model": type("Text", (), {"altup_num_inputs": 2})()})()
+    with pytest.raises(
+        finetune.UserError, match="llama.cpp's gemma3n computes 4 AltUp streams and this Gemma 3n has 2"
+    ):
+        llamacpp.architecture(two_streams)

@@ -5,7 +5,8 @@
   keras_hub.models.CausalLM.from_preset loads it, with no finetune installed.
 - hf: the merged model in transformers' format, with its tokenizer (or the base alone, `base`).
 - peft: adapter_model.safetensors and adapter_config.json for PEFT on the transformers model.
-- gguf: the merged model as model.gguf for llama.cpp and Ollama, with a Modelfile (llamacpp.py).
+- gguf: the merged model as model.gguf for llama.cpp and Ollama, with a Modelfile (llamacpp.py), and a picture
+  model's encoder as mmproj.gguf (mmproj.py).
 
 Every check runs before anything is written, and the files are written into a
 hidden staging directory that is renamed into place at the end: a refused or
@@ -24,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.exports import llamacpp
+from finetune.exports import llamacpp, mmproj, transformers_gguf
 from finetune.platform import keras_compat, storage
 from finetune.platform.errors import UserError
 
@@ -56,7 +57,7 @@ class Request:
     output: str or Path. The directory to write.
     overwrite: bool. Replace what `output` holds; without it a non-empty `output` is refused.
     base: bool. With format hf: the run's base model alone, for the peft adapter.
-    dtype: str. With format gguf: f16 (the default), bf16 or f32 for the matrices.
+    dtype: str. With format gguf: f16 (the default), bf16, q8_0 or f32 for the matrices.
     """
 
     format: str
@@ -90,6 +91,11 @@ def check_request(request: Request) -> Path:
         raise UserError("--base writes the base model in transformers format: use it with --format hf")
     if dtype is not None and fmt != "gguf":
         raise UserError("--dtype chooses the GGUF file's weight type: use it with --format gguf")
+    if dtype in llamacpp.LLAMA_QUANTIZED:
+        raise UserError(
+            f"finetune writes GGUF as {', '.join(llamacpp.DTYPES)}; {dtype} is made by llama.cpp's quantizer: export "
+            f"with --dtype f16, then run llama-quantize DIR/model.gguf DIR/model-{dtype}.gguf {dtype.upper()}"
+        )
     if dtype is not None and dtype not in llamacpp.DTYPES:
         raise UserError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(llamacpp.DTYPES)}")
     if output is None or not str(output).strip():
@@ -187,6 +193,8 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     check_encoders(lm.backbone, fmt)
     if fmt == "gguf":
         llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
+        if builder.encoders(lm.backbone) or llamacpp.architecture(lm.backbone) in transformers_gguf.ARCHITECTURES:
+            _require("safetensors", "GGUF of this model, converted from its transformers export,", extra="gguf")
     factors = {} if base else runs.checked_factors(run, lm.backbone)
 
     def write(staging: Path) -> None:
@@ -200,7 +208,9 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             return
         merge(lm.backbone, factors, cfg.lora.scale())
         if fmt == "gguf":
-            write_gguf(staging, run, lm.backbone, preprocessor.tokenizer, dtype or "f16")
+            write_gguf(
+                staging, run, lm.backbone, preprocessor.tokenizer, dtype or "f16", images.vision_of(preprocessor)
+            )
             return
         preprocessor.sequence_length = presets.preset_sequence_length(source)
         lm.preprocessor = preprocessor
@@ -232,15 +242,34 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     return target
 
 
-def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str) -> None:
-    """model.gguf, and a Modelfile that gives Ollama the run's prompt template and stop tokens."""
+def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str, vision=None) -> None:
+    """model.gguf, mmproj.gguf for a model with pictures, and a Modelfile that gives Ollama the run's prompt
+    template and stop tokens.
+
+    vision: images.Vision. The preprocessor's image handling; None for a text model.
+    """
+    import tempfile
+
     from finetune.data import templates
     from finetune.data.formats import Record
+    from finetune.model import builder
 
-    llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=run.directory.resolve().name)
+    name, arch = run.directory.resolve().name, llamacpp.architecture(backbone)
+    projector = mmproj.FILE if builder.encoders(backbone) else None
+    if arch in transformers_gguf.ARCHITECTURES or projector:
+        # llama.cpp's converter reads a transformers checkpoint; so do these, from our own export of it.
+        with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.hf-") as exported:
+            write_transformers(Path(exported), backbone, tokenizer, vision)
+            if arch in transformers_gguf.ARCHITECTURES:
+                transformers_gguf.write(directory / llamacpp.FILE, Path(exported), arch, tokenizer, dtype, name)
+            if projector:
+                mmproj.write(directory / mmproj.FILE, Path(exported), dtype, name=name)
+    if arch not in transformers_gguf.ARCHITECTURES:
+        llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=name)
     template = templates.get(run.config.data.template)
     prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
-    (directory / llamacpp.MODELFILE).write_text(llamacpp.modelfile(prompt, template.stop_tokens), encoding="utf-8")
+    modelfile = llamacpp.modelfile(prompt, template.stop_tokens, projector)
+    (directory / llamacpp.MODELFILE).write_text(modelfile, encoding="utf-8")
 
 
 def publish(target: Path, write) -> None:
@@ -317,12 +346,13 @@ def check_encoders(backbone, fmt: str) -> None:
         return
     kind = type(backbone).__name__
     if fmt == "gguf":
-        # llama.cpp reads a picture encoder from a second file (mmproj), in a layout of its own that finetune's
-        # writer does not produce; a model.gguf of the decoder alone would drop what the run learned to see.
-        works = "merged, hf or peft" if kind == "Gemma3Backbone" else "merged or lora"
+        # llama.cpp reads a picture encoder from a second file (mmproj.gguf), which finetune writes for Gemma 3's
+        # SigLIP tower alone (mmproj.py); a model.gguf of the decoder alone would drop what the run learned to see.
+        if kind == "Gemma3Backbone" and getattr(backbone, "audio_encoder", None) is None:
+            return
         raise UserError(
-            f"this {kind} sees pictures, and finetune's GGUF writer has no picture encoder (llama.cpp reads one "
-            f"from a separate mmproj file); use --format {works}"
+            f"this {kind} sees pictures or hears audio, and finetune writes llama.cpp's encoder file (mmproj) for "
+            "Gemma 3's picture encoder only; use --format merged or lora"
         )
     if fmt in ("hf", "peft") and kind != "Gemma3Backbone":
         # transformers' Gemma 4 and 3n multimodal classes lay the decoder out under other module paths; unchecked.

@@ -14,8 +14,12 @@ differs from keras-hub:
   that. keras-hub's per-head kernels are flattened head by head.
 - Norms: Gemma's RMSNorm multiplies by (1 + scale) and keras-hub stores the
   scale; llama.cpp multiplies by the stored weight, so 1 + scale is stored.
-- Matrices are f16, bf16 or f32 as asked; vectors (the norms) stay f32, as
-  llama.cpp's converter keeps them.
+- Matrices are f16, bf16, q8_0 or f32 as asked; vectors (the norms) stay f32,
+  as llama.cpp's converter keeps them. q8_0 is gguf's own quantizer (blocks
+  of 32 weights sharing one f16 scale), as llama.cpp's converter writes
+  --outtype q8_0; a matrix whose rows are not whole blocks stays f16, as
+  there. The K-quants (q4_k_m) have no Python encoder: they are refused,
+  naming llama-quantize, which makes them from the f16 file.
 
 Gemma 1 is `gemma`, Gemma 2 `gemma2`, text Gemma 3 `gemma3`. llama.cpp fixes
 some of their choices by architecture (Gemma 3's local RoPE base 10,000 and
@@ -32,16 +36,22 @@ from finetune.platform.errors import UserError
 
 FILE = "model.gguf"
 MODELFILE = "Modelfile"
-DTYPES = ("f16", "bf16", "f32")
+DTYPES = ("f16", "bf16", "q8_0", "f32")
+# K-quants: gguf's Python quantizer has no Q4_K encoder (gguf.quants reads it but cannot write it), and the
+# "_m" mixes choose a type per tensor by llama.cpp's rules; llama.cpp's llama-quantize makes them from f16.
+LLAMA_QUANTIZED = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q4_0")
 # llama.cpp's model sizes that scale queries by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim): it tells
 # them by their layer count (Gemma 2 27B: 46 blocks, Gemma 3 27B: 62).
 _HIDDEN_SCALED = {"gemma2": 46, "gemma3": 62}
-_WORKS = "finetune writes GGUF for Gemma 1, Gemma 2 and text Gemma 3; use --format merged or hf"
+_WORKS = "finetune writes GGUF for Gemma 1, 2, 3 (text and pictures), 3n (text) and 4 (text); use --format merged or hf"
 
 
 def architecture(backbone) -> str:
-    """llama.cpp's architecture name for `backbone` (gemma, gemma2, gemma3), or a UserError saying why not."""
+    """llama.cpp's architecture name for `backbone` (gemma, gemma2, gemma3, gemma3n, gemma4), or a UserError saying
+    why not."""
     kind = type(backbone).__name__
+    if kind in ("Gemma4Backbone", "Gemma3nBackbone"):
+        return _newer_architecture(backbone, kind)
     if kind == "GemmaBackbone":
         gemma2 = backbone.use_post_ffw_norm or backbone.final_logit_soft_cap is not None
         if not gemma2:
@@ -86,6 +96,21 @@ def architecture(backbone) -> str:
                 f"Gemma 2 and 3; {_WORKS}"
             )
     return arch
+
+
+def _newer_architecture(backbone, kind: str) -> str:
+    """Gemma 3n and 4 are written from the transformers export (transformers_gguf.py): what llama.cpp's converter
+    takes from a transformers checkpoint of them."""
+    if kind == "Gemma3nBackbone":
+        streams = backbone.language_model.altup_num_inputs if hasattr(backbone, "language_model") else None
+        streams = streams if streams is not None else getattr(backbone, "altup_num_inputs", None)
+        if streams != 4:
+            # llama.cpp's converter takes Gemma 3n with four AltUp streams only, as Google's E2B and E4B have.
+            raise UserError(f"llama.cpp's gemma3n computes 4 AltUp streams and this Gemma 3n has {streams}; {_WORKS}")
+        return "gemma3n"
+    if getattr(backbone, "is_embedding_model", False) or getattr(backbone, "use_bidirectional_attention", 0) is True:
+        raise UserError(f"this Gemma 4 model is an embedding model; {_WORKS}")
+    return "gemma4"
 
 
 def tensors(backbone, arch: str) -> dict:
@@ -156,7 +181,7 @@ def vocabulary(tokenizer, size: int) -> dict:
         "eos": tokenizer.token_to_id(tokenizer.end_token),
         "pad": tokenizer.pad_token_id,
         "unk": proto.trainer_spec.unk_id,
-        "eot": ids.get("<end_of_turn>"),
+        "eot": ids.get("<end_of_turn>", ids.get("<turn|>")),  # Gemma 1 to 3n end a turn so, Gemma 4 with <turn|>
         "add_space_prefix": proto.normalizer_spec.add_dummy_prefix,
         "remove_extra_whitespaces": proto.normalizer_spec.remove_extra_whitespaces,
         "charsmap": bytes(proto.normalizer_spec.precompiled_charsmap),
@@ -173,10 +198,10 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     vocab = vocabulary(tokenizer, weights["token_embd.weight"].shape[0])
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, backbone, arch, weights, name, dtype)
-    _tokenizer(writer, vocab)
-    kind = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}.get(dtype)
+    add_tokenizer(writer, vocab)
     for tensor_name, value in weights.items():
-        if value.ndim < 2 or kind is None:
+        kind = tensor_type(value, dtype)
+        if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
         else:
             writer.add_tensor(tensor_name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
@@ -186,12 +211,33 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     writer.close()
 
 
+def file_type(dtype: str):
+    """general.file_type: the type most matrices are stored in."""
+    import gguf
+
+    kinds = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
+    return kinds.get(dtype, gguf.LlamaFileType.ALL_F32)
+
+
+def tensor_type(value, dtype: str):
+    """The GGML type a tensor is stored in: vectors f32; matrices as `dtype`, but q8_0 only where each row is
+    whole blocks of 32 (else f16), as llama.cpp's converter falls back."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    if value.ndim < 2 or dtype == "f32":
+        return types.F32
+    kind = {"f16": types.F16, "bf16": types.BF16, "q8_0": types.Q8_0}[dtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    return kind if value.shape[-1] % block == 0 else types.F16
+
+
 def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtype: str) -> None:
     import gguf
 
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
     writer.add_name(name)
-    writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.ALL_F32))
+    writer.add_file_type(file_type(dtype))
     # keras-hub keeps no maximum position; these are the lengths Google's own configs give: 8k for Gemma 1 and 2,
     # for Gemma 3 128k where its global RoPE is stretched (4b and up, factor 8), else 32k (270m, 1b).
     stretched = arch == "gemma3" and backbone.global_rope_scaling_factor > 1.0
@@ -212,15 +258,17 @@ def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtyp
         writer.add_sliding_window(int(backbone.sliding_window_size))
     if arch == "gemma3":
         # llama.cpp's local layers use RoPE base 10,000; the file carries the global layers' base and scaling.
-        global_block = next(b for b in backbone.transformer_layers if not b.use_sliding_window_attention)
-        writer.add_rope_freq_base(float(global_block.rope_wavelength))
+        # A model of fewer than six blocks has no global one: keras-hub gives global layers 1,000,000.
+        global_block = next((b for b in backbone.transformer_layers if not b.use_sliding_window_attention), None)
+        writer.add_rope_freq_base(float(global_block.rope_wavelength) if global_block else 1_000_000.0)
         writer.add_sliding_window(int(backbone.sliding_window_size))
         if backbone.global_rope_scaling_factor != 1.0:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(backbone.global_rope_scaling_factor))
 
 
-def _tokenizer(writer, vocab: dict) -> None:
+def add_tokenizer(writer, vocab: dict) -> None:
+    """The vocabulary's metadata (vocabulary()), as llama.cpp's converter writes a SentencePiece tokenizer's."""
     writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab["tokens"])
@@ -240,8 +288,12 @@ def _tokenizer(writer, vocab: dict) -> None:
         writer.add_precompiled_charsmap(vocab["charsmap"])
 
 
-def modelfile(prompt: str, stop_tokens) -> str:
-    """An Ollama Modelfile for model.gguf: the run's prompt template around Ollama's {{ .Prompt }}, greedy."""
-    lines = [f"FROM ./{FILE}", f'TEMPLATE """{prompt}"""', "PARAMETER temperature 0"]
+def modelfile(prompt: str, stop_tokens, projector: str | None = None) -> str:
+    """An Ollama Modelfile for model.gguf: the run's prompt template around Ollama's {{ .Prompt }}, greedy.
+
+    projector: str. The picture encoder's file beside it (mmproj.gguf): Ollama takes it as a second FROM.
+    """
+    lines = [f"FROM ./{FILE}", *([f"FROM ./{projector}"] if projector else [])]
+    lines += [f'TEMPLATE """{prompt}"""', "PARAMETER temperature 0"]
     lines += [f'PARAMETER stop "{token}"' for token in stop_tokens]
     return "\n".join(lines) + "\n"
