@@ -69,11 +69,12 @@ NO_TEST_FILE = {
     "pair_batches": "the pairs' rows: test_preference.py checks them with the losses they feed",
     "method": "the base of every method: test_registry.py checks each method overrides what it leaves to them",
     "pair_view": "the view the preference losses train through: test_preference.py checks each loss by it",
+    "chat": "the chat templates' renderer: test_chat_templates.py checks it against transformers' and trains on it",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
-    "test_preference_trl", "test_method_matrix",
+    "test_preference_trl", "test_method_matrix", "test_chat_templates",
 }  # fmt: skip
 
 
