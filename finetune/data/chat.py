@@ -13,7 +13,8 @@ conversation and diffing them, as some trainers do, would misplace the spans. In
 model turn's opening and its end: everything from the opening's end to the end marker is the model's and trained
 on (its thinking, tool calls and answer, and the end marker, which the model must learn to stop on; the newline
 the template writes after it is the template's, as generation stops at the marker), and blocks the environment writes inside the model's turn (Gemma 4's tool responses) are not. A block's
-opening token is trained: the model writes it after a tool call, and generation stops there for the tool's answer.
+opening token is trained where it follows the model's text: the model writes it after its tool calls, and
+generation stops there for the tool's answer; the openings of the answers after the first are the environment's.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class ChatRenderer:
             if not found:
                 break
             start, opening, closing = min(found)
-            start += len(opening)
+            if start > at or not pieces:  # the model's text, then the opening it stops at
+                start += len(opening)
             end = turn.find(closing, start)
             end = len(turn) if end < 0 else end + len(closing)
             pieces += [(turn[at:start], True), (turn[start:end], False)]
