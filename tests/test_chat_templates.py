@@ -230,10 +230,12 @@ def finetune(*args, timeout=600):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_tool_calling_data_trains_tiny_gemma4_through_the_cli(tmp_path):
+def test_tool_calling_data_trains_tiny_gemma4_through_the_cli_by_the_recipe(tmp_path):
+    """The gemma4-2b-tools recipe, shrunk to tiny-gemma4, trains on tool-calling chats in a fresh process."""
     data = write_jsonl(tmp_path / "tools.jsonl", tool_records())
     out = tmp_path / "run"
-    done = finetune("gemma", "--preset", "tiny-gemma4", "--backend", BACKEND, "--data", data, "--seq-len", "128",
+    done = finetune("gemma", "--recipe", "gemma4-2b-tools", "--preset", "tiny-gemma4", "--backend", BACKEND,
+                    "--data", data, "--seq-len", "128",
                     "--batch-size", "2", "--max-steps", "2", "--precision", "float32", "--set", "train.samples=0",
                     "--output", out)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -928,7 +928,12 @@ def _chat_pair(obj: dict, where: str) -> Record:
         raise UserError(f"{where}: the pair has no prompt: give `prompt` messages, or conversations that share them")
     record = _chat_record([*messages, chosen[0]], where, "prompt", ("role", "content"), ROLES)
     return Record(
-        instruction=record.instruction, response=answers[0], turns=record.turns, rejected=answers[1], where=where
+        instruction=record.instruction,
+        response=answers[0],
+        turns=record.turns,
+        rejected=answers[1],
+        where=where,
+        messages=record.messages,
     )
 
 

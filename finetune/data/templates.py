@@ -47,7 +47,11 @@ class Template:
     def rejected_segments(self, record: Record) -> list[tuple[str, bool]]:
         """A preference pair's prompt, in the same pieces as segments() gives it, then the rejected answer."""
         turns = (*record.turns[:-1], ("assistant", record.rejected)) if record.turns else ()
-        return self.segments(dataclasses.replace(record, response=record.rejected, turns=turns, rejected=""))
+        rejected = {"role": "assistant", "content": record.rejected}
+        messages = (*record.messages[:-1], rejected) if record.messages else ()
+        return self.segments(
+            dataclasses.replace(record, response=record.rejected, turns=turns, messages=messages, rejected="")
+        )
 
     def sample_prompt(self, record: Record) -> str:
         """What a sample generation before and after training is given for `record`."""
