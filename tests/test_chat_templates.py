@@ -154,6 +154,27 @@ def test_the_model_s_turns_are_trained_and_the_rest_is_not():
 
 
 @pytest.mark.one_backend
+def test_gemma3_s_trained_spans_are_trl_s_assistant_mask():
+    """TRL's Gemma 3 training template marks the assistant's text with {% generation %}; transformers renders it
+    and returns those spans. Ours are the same, less the newline after each <end_of_turn>, which TRL also marks
+    and finetune leaves to the template (generation stops at <end_of_turn>)."""
+    from pathlib import Path
+
+    import trl
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = (Path(trl.__file__).parent / "chat_templates" / "gemma3_training.jinja").read_text(encoding="utf-8")
+    (text,), (spans,) = render_jinja_template(
+        [PLAIN_CHAT["messages"]], chat_template=source, return_assistant_tokens_mask=True, bos_token="<bos>"
+    )
+    trl_spans = [text[start:end].removesuffix("\n") for start, end in spans]
+    record, _ = read(PLAIN_CHAT)
+    pieces = templates.get("gemma-chat").segments(record)
+    assert [piece for piece, trained in pieces if trained] == trl_spans == ["4.<end_of_turn>", "6.<end_of_turn>"]
+    assert "<bos>" + "".join(piece for piece, _ in pieces) + "\n" == text
+
+
+@pytest.mark.one_backend
 @pytest.mark.parametrize(
     "name, preset, end", [("gemma-chat", "tiny", "<end_of_turn>"), ("gemma4-chat", "tiny-gemma4", "<turn|>")]
 )

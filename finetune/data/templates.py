@@ -15,7 +15,9 @@ pieces and the rejected answer, so both begin with the same ids.
 are written, and a text record's text, all of it trained on.
 
 Each Gemma family's instruction-tuned presets speak one turn format:
-gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers).
+gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers),
+each rendered by the model's own chat template (chat.py); only Gemma 4's
+renders tools, tool calls and thinking (tool-chat records).
 for_data() picks the template for the data's format, and refuses one that
 cannot render it.
 """
