@@ -72,11 +72,12 @@ NO_TEST_FILE = {
     "pair_view": "the view the preference losses train through: test_preference.py checks each loss by it",
     "reward": "the reward model and its GRPO reward: test_reward_model.py runs both end to end",
     "reward_view": "the view the reward model trains through: test_reward_model.py checks its loss against TRL's",
+    "chat": "the chat templates' renderer: test_chat_templates.py checks it against transformers' and trains on it",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
     "test_api", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
-    "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl",
+    "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl", "test_chat_templates",
 }  # fmt: skip
 
 

@@ -7,7 +7,10 @@ by the first record's keys (FORMATS):
 - dolly: `instruction` and `response` strings, optional `context` and `category`;
 - alpaca: `instruction` and `output`, optional `input` (read as the context);
 - chat: `messages`, a list of `{role, content}` turns (system, user, assistant),
-  ending with the assistant's; a system turn is put before the first user turn;
+  ending with the assistant's; a system turn comes first. With TRL's tool-calling
+  form it is read as tool-chat: a `tools` list of JSON schemas beside `messages`,
+  assistant messages with `tool_calls` ({type: function, function: {name,
+  arguments}}) and `reasoning_content`, and `tool` messages with the tools' answers;
 - sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
   read as chat; an optional top-level `system` string is its system turn;
 - completion: `prompt` and `completion` strings, trained on the completion;
@@ -63,6 +66,7 @@ FORMATS = {
     "dolly": "instruction, response",
     "alpaca": "instruction, output",
     "chat": "messages",
+    "tool-chat": "messages, with tools, tool calls or reasoning",
     "sharegpt": "conversations",
     "completion": "prompt, completion",
     "text": "text",
@@ -72,7 +76,13 @@ FORMATS = {
     "prompts-chat": "prompt alone, as messages",
 }
 TITLES = {"dolly": "Dolly", "alpaca": "Alpaca", "sharegpt": "ShareGPT", "completion": "prompt/completion"}
-CHAT_FORMATS = ("chat", "sharegpt", "preference-chat", "prompts-chat")  # records of turns, rendered by a chat template
+CHAT_FORMATS = (
+    "chat",
+    "tool-chat",
+    "sharegpt",
+    "preference-chat",
+    "prompts-chat",
+)  # records of turns, rendered by a chat template
 PREFERENCE_FORMATS = ("preference", "preference-chat")  # pairs of a chosen and a rejected answer
 PROMPT_FORMATS = ("prompts", "prompts-chat")  # prompts alone: online RL writes the completions
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
@@ -104,6 +114,16 @@ class Record:
     """Preference pairs and prompts: file:line (or row) of the record, for errors found once it is tokenized."""
     columns: dict = field(default_factory=dict, compare=False, repr=False)
     """Prompts: the record's other keys (answer, solution...), as read, for the reward functions."""
+    messages: tuple = ()
+    """Chat and ShareGPT records: the conversation as the chat template takes it ({role, content} dicts, the
+    system's first where there is one; tool-chat's also with tool_calls, reasoning_content and tool messages)."""
+    tools: tuple = ()
+    """Tool-chat records: the tools' JSON schemas ({type: function, function: {name, description, parameters}})."""
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the record has tools, tool calls, tool messages or reasoning, which only some templates render."""
+        return bool(self.tools) or any(set(m) - {"role", "content"} or m["role"] == "tool" for m in self.messages)
 
     @property
     def is_pair(self) -> bool:
@@ -273,6 +293,8 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
+    if fmt == "chat" and any(r.uses_tools for r in records):
+        fmt = "tool-chat"
     return records, fmt
 
 
@@ -582,6 +604,8 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
                 "as its first record is"
             )
     if fmt == "chat":
+        if "tools" in obj or _has_tool_turns(obj["messages"]):
+            return _tool_chat_record(obj, where)
         return _chat_record(obj["messages"], where, "messages", ("role", "content"), ROLES)
     if fmt == "sharegpt":
         system = _field(obj, "system", where, required=False)
@@ -683,10 +707,128 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
         turns.append((expected, content))
     if not turns or turns[-1][0] != "assistant":
         raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
+    messages = [{"role": role, "content": text} for role, text in turns]
     if system:
         _check_text(system, where, "the system turn")
         turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
-    return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns))
+        messages.insert(0, {"role": "system", "content": system})
+    return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns), messages=tuple(messages))
+
+
+TOOL_KEYS = ("tool_calls", "reasoning_content", "reasoning", "thinking")  # beside role and content: tool-chat's
+
+
+def _has_tool_turns(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or any(key in m for key in TOOL_KEYS)) for m in messages
+    )
+
+
+def _tool_chat_record(obj: dict, where: str) -> Record:
+    """TRL's tool-calling form: `tools` (JSON schemas), and messages in which the assistant may call tools
+    (`tool_calls`) and think (`reasoning_content`), and `tool` messages answer the calls."""
+    tools = _tools(obj.get("tools"), where)
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} messages")
+    kept, previous = [], None
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            raise UserError(f"{where}: message {number} must be an object with a `role`")
+        role = message.get("role")
+        role = ROLES.get(role, role) if isinstance(role, str) else role
+        if role == "system" and number == 1:
+            kept.append({"role": "system", "content": _message_text(message, number, where)})
+            continue
+        if role not in ("user", "assistant", "tool"):
+            raise UserError(
+                f"{where}: message {number} has role {role!r}; use system (first only), user, assistant, tool"
+            )
+        if previous is None and role != "user":
+            raise UserError(f"{where}: message {number} should be the user's: a conversation opens with the user")
+        if role == "tool" and previous not in ("tool", "called"):
+            raise UserError(f"{where}: message {number} is a tool's answer with no assistant tool_calls before it")
+        kept.append(_tool_message(message, role, number, where))
+        previous = "called" if role == "assistant" and "tool_calls" in kept[-1] else role
+    if kept[-1]["role"] != "assistant":
+        raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
+    said = [(m["role"], m.get("content", "")) for m in kept if m["role"] in ("user", "assistant") and m.get("content")]
+    first = next((text for role, text in said if role == "user"), "")
+    last = next((text for role, text in reversed(said) if role == "assistant"), "")
+    return Record(instruction=first, response=last, turns=tuple(said), messages=tuple(kept), tools=tools)
+
+
+def _tool_message(message: dict, role: str, number: int, where: str) -> dict:
+    """One user, assistant or tool message, checked, with the keys a chat template reads."""
+    kept = {"role": role}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise UserError(f"{where}: message {number} has tool_calls; only the assistant calls tools")
+        kept["tool_calls"] = _tool_calls(calls, number, where)
+    if message.get("content") is not None or not calls:
+        kept["content"] = _message_text(message, number, where, empty_ok=bool(calls))
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        if message.get(key) is not None:
+            if role != "assistant" or not isinstance(message[key], str):
+                raise UserError(f"{where}: message {number}'s {key} must be the assistant's thinking, as text")
+            kept[key] = message[key]
+    for key in ("name", "tool_call_id"):  # which call a tool message answers
+        if role == "tool" and isinstance(message.get(key), str):
+            kept[key] = message[key]
+    return kept
+
+
+def _message_text(message: dict, number: int, where: str, empty_ok: bool = False) -> str:
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise UserError(f"{where}: message {number} must have a string `content`, got {documents.kind_of(content)}")
+    if not empty_ok and not content.strip():
+        raise UserError(f"{where}: message {number} is empty; remove the record or fill it in")
+    _check_text(content, where, f"message {number}")
+    return content
+
+
+def _tool_calls(calls, number: int, where: str) -> list:
+    """An assistant message's tool_calls, each {type: function, function: {name, arguments}}; arguments given as
+    a JSON text (as some datasets store them) are read into the object the templates take."""
+    form = "a list of {type: function, function: {name, arguments: {...}}}"
+    if not isinstance(calls, list) or not calls:
+        raise UserError(f"{where}: message {number}'s tool_calls must be {form}")
+    kept = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
+            raise UserError(f"{where}: message {number}'s tool_calls[{index}] is not a call: it must be {form[10:]}")
+        kept.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
+    return kept
+
+
+def _tools(tools, where: str) -> tuple:
+    """A record's `tools`: JSON schemas of functions ({type: function, function: {name, ...}}), a list or its JSON
+    text (as Hugging Face datasets often store it); null or missing is none."""
+    if tools is None:
+        return ()
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise UserError(f"{where}: `tools` is text that is not JSON; give a list of tool schemas") from None
+    form = "a list of {type: function, function: {name, description, parameters}}"
+    if not isinstance(tools, list):
+        raise UserError(f"{where}: `tools` must be {form}")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise UserError(f"{where}: tools[{index}] is not a tool schema: `tools` must be {form}")
+    return tuple(tools)
 
 
 def answered(prompt, completion: str) -> Record:
@@ -712,7 +854,9 @@ def _prompt_record(obj: dict, where: str) -> Record:
             raise UserError(f"{where}: a prompt's last message must be the user's, which the model answers")
         answered = [*obj["prompt"], {"role": "assistant", "content": "-"}]
         record = _chat_record(answered, where, "prompt", ("role", "content"), ROLES)
-        return dataclasses.replace(record, response="", turns=record.turns[:-1], where=where, columns=columns)
+        return dataclasses.replace(
+            record, response="", turns=record.turns[:-1], messages=record.messages[:-1], where=where, columns=columns
+        )
     return Record(instruction=_field(obj, "prompt", where), response="", where=where, columns=columns)
 
 
@@ -795,7 +939,12 @@ def _chat_pair(obj: dict, where: str) -> Record:
         raise UserError(f"{where}: the pair has no prompt: give `prompt` messages, or conversations that share them")
     record = _chat_record([*messages, chosen[0]], where, "prompt", ("role", "content"), ROLES)
     return Record(
-        instruction=record.instruction, response=answers[0], turns=record.turns, rejected=answers[1], where=where
+        instruction=record.instruction,
+        response=answers[0],
+        turns=record.turns,
+        rejected=answers[1],
+        where=where,
+        messages=record.messages,
     )
 
 
@@ -844,6 +993,7 @@ def fingerprint(records) -> str:
         fields += [[pictures.key(p) for p in r.images]] if r.images else []
         fields += [r.rejected] if r.rejected else []  # SFT records' fingerprints stay as they were
         fields += [r.columns] if r.columns else []
+        fields += [list(r.messages), list(r.tools)] if r.uses_tools else []  # other chats' turns say it all
         digest.update(json.dumps(fields, default=str).encode("utf-8"))
     return digest.hexdigest()
 

@@ -21,7 +21,7 @@ keras-hub's preprocessor writes them (LAYOUTS), and the model's image inputs
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -239,16 +239,6 @@ def limit(records, vision: Vision, source: str) -> None:
         raise UserError(
             f"a record of {source} holds {most} images; this preset takes at most {vision.max_images} per record"
         )
-
-
-def written(record, vision: Vision):
-    """The record with each placeholder written as the family's image tokens (a record without images as it is)."""
-    if not record.images:
-        return record
-    turns = tuple((role, text.replace(PLACEHOLDER, vision.expansion)) for role, text in record.turns)
-    fields = ("instruction", "context", "response")
-    changed = {name: getattr(record, name).replace(PLACEHOLDER, vision.expansion) for name in fields}
-    return replace(record, turns=turns, **changed)
 
 
 def attached(example, record, vision: Vision, slots: int, source: str = ""):

@@ -15,7 +15,9 @@ pieces and the rejected answer, so both begin with the same ids.
 are written, and a text record's text, all of it trained on.
 
 Each Gemma family's instruction-tuned presets speak one turn format:
-gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers).
+gemma-chat (Gemma 1 to 3, and 3n) or gemma4-chat (Gemma 4's <|turn> markers),
+each rendered by the model's own chat template (chat.py); only Gemma 4's
+renders tools, tool calls and thinking (tool-chat records).
 for_data() picks the template for the data's format, and refuses one that
 cannot render it.
 """
@@ -25,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from finetune.data import chat
 from finetune.data.formats import CHAT_FORMATS, Record
 from finetune.platform.errors import UserError
 
 
 class Template:
     name = ""
+    tools = False
+    """Whether it renders tool declarations, tool calls, tool responses and thinking (tool-chat records)."""
 
     def apply(self, record: Record) -> tuple[str, str]:
         raise NotImplementedError
@@ -44,7 +49,11 @@ class Template:
     def rejected_segments(self, record: Record) -> list[tuple[str, bool]]:
         """A preference pair's prompt, in the same pieces as segments() gives it, then the rejected answer."""
         turns = (*record.turns[:-1], ("assistant", record.rejected)) if record.turns else ()
-        return self.segments(dataclasses.replace(record, response=record.rejected, turns=turns, rejected=""))
+        rejected = {"role": "assistant", "content": record.rejected}
+        messages = (*record.messages[:-1], rejected) if record.messages else ()
+        return self.segments(
+            dataclasses.replace(record, response=record.rejected, turns=turns, messages=messages, rejected="")
+        )
 
     def sample_prompt(self, record: Record) -> str:
         """What a sample generation before and after training is given for `record`."""
@@ -87,55 +96,58 @@ class Alpaca(Template):
 
 
 class GemmaChat(Template):
-    """Gemma's instruction-tuned turn format; the model's turn ends with <end_of_turn>.
+    """Gemma 3's chat template (chat_templates/gemma3.jinja), the turn format of Gemma 1 to 3 and 3n.
 
-    A chat record renders every turn; each assistant turn is trained on, each
-    user turn (and the turn markers) is not.
+    A record renders as the model's own template renders its messages (chat.py); each model turn is trained on,
+    from its first token to its turn end (<end_of_turn>), and the rest is not. Gemma 3's
+    template has no tool turns: it puts a system message before the first user turn, as Gemma 1 and 2 were
+    tuned to read one.
     """
 
     name = "gemma-chat"
     stop_tokens = ("<eos>", "<end_of_turn>")
-
-    # A user turn opens and ends with these, then the model's turn opens; the model's turn ends with END.
-    USER, END, MODEL = "<start_of_turn>user\n", "<end_of_turn>", "<start_of_turn>model\n"
+    renderer = chat.GEMMA3
 
     def apply(self, record: Record) -> tuple[str, str]:
+        """(the prompt: every turn before the last model turn, that turn opened; the model's last turn)."""
+        messages = chat.messages_of(record)
+        if messages[-1]["role"] == "user":  # a prompt alone (GRPO's): every turn, the model's opened
+            return self.renderer.text(messages, record.tools, add_generation_prompt=True), ""
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        thinking = any(chat.reasoning_of(m) for m in messages)
+        prompt = self.renderer.text(
+            messages[: last_user + 1], record.tools, add_generation_prompt=True, thinking=thinking
+        )
         pieces = self.segments(record)
-        if record.turns and record.turns[-1][0] == "user":  # a prompt alone (GRPO's): every turn, the model's opened
-            return "".join(text for text, _ in pieces), ""
-        return "".join(text for text, _ in pieces[:-1]), pieces[-1][0]
+        whole = "".join(text for text, _ in pieces)
+        if not whole.startswith(prompt):  # the prompt renders otherwise alone (a turn the next one changes)
+            return prompt, "".join(text for text, trained in pieces if trained)
+        return prompt, whole[len(prompt) :]
 
     def segments(self, record: Record) -> list[tuple[str, bool]]:
-        """The record's text in pieces, each with whether it carries loss (the model's turns do)."""
-        turns = record.turns
-        if not turns:
-            user = record.instruction
-            if record.context:
-                user += f"\n\n{record.context}"
-            turns = (("user", user), ("assistant", record.response))
-        pieces = []
-        for index, (role, text) in enumerate(turns):
-            if role == "user":
-                opening = "\n" if index else ""  # after the previous model turn's END
-                pieces.append((f"{opening}{self.USER}{text}{self.END}\n{self.MODEL}", False))
-            else:
-                pieces.append((text + self.END, True))
+        """The record's text in pieces, each with whether it carries loss (the model's turns do).
+
+        The newline the template writes after the last turn is left off: <eos> follows the model's turn end, where
+        generation stops, and a pair's answer is its last piece (pairs.py).
+        """
+        pieces = self.renderer.segments(chat.messages_of(record), record.tools)
+        if pieces[-1] == ("\n", False):
+            pieces = pieces[:-1]
         return pieces
 
 
 class Gemma4Chat(GemmaChat):
-    """Gemma 4's turn format: <|turn>user ... <turn|> then <|turn>model ...; the model's turn ends with <turn|>.
+    """Gemma 4's chat template (chat_templates/gemma4.jinja): <|turn>user ... <turn|>, then <|turn>model ...
 
-    keras-hub's Gemma4CausalLM stops generating at <turn|> too. The 26b_a4b and
-    31b chat templates open a model turn for generation with an empty thought
-    channel when thinking is off; in a conversation's history (what training
-    sees) a model turn is rendered as here, with no channel.
+    It renders a system turn of its own, tool declarations in it, the model's tool calls and thinking in its
+    turn, and tool responses inside the model's turn (not trained). keras-hub's Gemma4CausalLM stops generating
+    at <turn|> too.
     """
 
     name = "gemma4-chat"
     stop_tokens = ("<eos>", "<turn|>")
-
-    USER, END, MODEL = "<|turn>user\n", "<turn|>", "<|turn>model\n"
+    renderer = chat.GEMMA4
+    tools = chat.GEMMA4.tools
 
 
 class NoTemplate(Template):
@@ -177,6 +189,21 @@ def get(name: str):
 
 
 def for_data(
+    name: str, found: str, family_chat: str, preset: str, path: str, trained: bool = False
+) -> tuple[str, str | None]:
+    """(the template a run uses, a note when it was chosen for the user), for data of format `found`; tool-chat
+    records only with a template that renders tools (Gemma 4's)."""
+    chosen, note = _for_data(name, found, family_chat, preset, path, trained)
+    if found == "tool-chat" and not TEMPLATES[chosen].tools:
+        raise UserError(
+            f"{path} holds chat records with tools, tool calls or thinking, which the {chosen} template does not "
+            "render (Gemma 3's chat template has no tool turns); train them on a Gemma 4 preset (--template "
+            "gemma4-chat), or take the tools out of the records"
+        )
+    return chosen, note
+
+
+def _for_data(
     name: str, found: str, family_chat: str, preset: str, path: str, trained: bool = False
 ) -> tuple[str, str | None]:
     """(the template a run uses, a note when it was chosen for the user), for data of format `found`.
@@ -224,6 +251,8 @@ def for_data(
 
 def renders(name: str, found: str) -> bool:
     """Whether template `name` renders records of format `found` as training would (for_data's rules)."""
+    if found == "tool-chat":
+        return name == "gemma4-chat"
     if found in CHAT_FORMATS:
         return name in CHAT
     if found == "text":

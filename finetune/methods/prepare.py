@@ -88,7 +88,10 @@ def check_seq_len(tokenizer, template, seq_len: int) -> None:
 
 
 def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool = False, source: str = "") -> list:
-    """(record, Example) for each record that leaves a response token within seq_len."""
+    """(record, Example) for each record that leaves a response token within seq_len.
+
+    template: templates.Template, or anything with its segments() (Pictured).
+    """
     tokenized, dropped = batching.tokenize([template.segments(r) for r in records], tokenizer, seq_len, train_on_prompt)
     batching.check_fits(tokenized, dropped, source)
     if dropped:
@@ -122,13 +125,27 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
             raise no_vision_encoder(cfg.model.preset, source)
         return examples(records, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
     images.limit(records, vision, source)
-    written = [images.written(record, vision) for record in records]
-    original = {id(w): record for w, record in zip(written, records)}
-    pairs = examples(written, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
+    pairs = examples(records, Pictured(template, vision), tokenizer_of(preprocessor), seq_len, on_prompt, source)
     # Every row has room for the most pictures a record holds, the rest blank: one picture a record encodes one
     # slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
     slots = max(len(r.images) for r in records)
-    return [(original[id(w)], images.attached(example, original[id(w)], vision, slots, source)) for w, example in pairs]
+    return [(record, images.attached(example, record, vision, slots, source)) for record, example in pairs]
+
+
+@dataclass
+class Pictured:
+    """A template whose pieces have each `<image>` placeholder written as the family's image tokens.
+
+    The tokens are written once the template has rendered the record, as transformers' processors expand the
+    template's image token: a chat template trims each message, which would take the image tokens' margins off a
+    placeholder written out before it.
+    """
+
+    template: templates.Template
+    vision: images.Vision
+
+    def segments(self, record) -> list[tuple[str, bool]]:
+        return images.expand(self.template.segments(record), self.vision)
 
 
 def tokenizer_of(preprocessor):
