@@ -126,7 +126,7 @@ def test_grpo_learns_from_the_command_line(learned):
     ratios reach history.csv, the held-out reward before and after metrics.json."""
     out, metrics, stdout = learned
     assert metrics["method"] == "grpo" and metrics["loss_type"] == "dapo"
-    # 16 held-out prompts, one completion each: 0.2-0.3 before, 0.8-1.0 after 12 steps on every backend.
+    # 16 held-out prompts, one completion each: 0.2-0.4 before, 0.9-1.0 after 12 steps on every backend.
     assert metrics["eval_reward"] >= metrics["eval_reward_before"] + 0.3, metrics
     header = (out / "history.csv").read_text().splitlines()[0].split(",")
     for name in ("reward", "reward_std", "reward_starts_with_the", "frac_reward_zero_std", "completion_length",
@@ -249,7 +249,7 @@ def test_a_reward_that_fails_on_the_held_out_prompts_before_training_leaves_noth
 @pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
 def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     """docs/rl.md's first command, as written, from a directory holding the repository's examples/: the held-out
-    reward rises as the guide says (0.2–0.3 to 0.8–1.0)."""
+    reward rises as the guide says (0.2–0.4 to 0.9–1.0)."""
     guide = (Path(__file__).parent.parent / "docs" / "rl.md").read_text()
     (command,) = [line for line in guide.splitlines() if line.startswith("finetune gemma --preset tiny --method grpo")]
     shutil.copytree(Path(__file__).parent.parent / "examples", tmp_path / "examples")
@@ -257,7 +257,7 @@ def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((tmp_path / "runs" / "grpo" / "metrics.json").read_text())
-    assert metrics["eval_reward_before"] <= 0.35 and metrics["eval_reward"] >= 0.7, metrics
+    assert metrics["eval_reward_before"] <= 0.4 and metrics["eval_reward"] >= 0.8, metrics
     assert metrics["eval_reward"] - metrics["eval_reward_before"] >= 0.4, metrics
     # samples.md: each greedy generation with its rewards, before and after; no empty reference for prompts alone
     samples = (tmp_path / "runs" / "grpo" / "samples.md").read_text()
@@ -283,3 +283,17 @@ def test_a_resume_within_a_batch_of_rollouts_says_it_samples_the_batch_again(fil
     assert "note: resumed at step 2, within a batch of rollouts that --num-iterations 2" in resumed.stdout
     rows = history(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["kl"] >= 0 for r in rows)
+
+
+@pytest.mark.one_backend  # the sampler itself is checked on every family and backend in test_rollouts.py
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gemma4"])
+def test_grpo_trains_the_newer_families_from_the_command_line(files, tmp_path, preset):
+    """Gemma 3's and 4's generate steps return `images` None for text, which keras-hub's generate could not
+    gather from a model without its preprocessor: every rollout stopped with 'Invalid dtype: object' (exit 1)."""
+    data, reward_file = files
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "finetune", "gemma", *FAST, "--preset", preset, "--method", "grpo", "--data",
+               data, "--reward", f"{reward_file}:starts_with_the", "--max-steps", "2", "--output", out]  # fmt: skip
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rollout 2: reward" in done.stdout and json.loads((out / "metrics.json").read_text())["steps"] == 2

@@ -111,3 +111,33 @@ def test_prompts_of_like_length_share_a_call_of_generate_and_far_ones_do_not():
     assert rollouts.prompt_width(np.array([17, 30]), 300, "torch") == 32
     assert rollouts.prompt_width(np.array([17, 30]), 300, "jax") == 75  # a quarter of the data's width
     assert rollouts.prompt_width(np.array([290]), 300, "jax") == 300
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma4", "tiny-gemma3n"])
+def test_left_padded_prompts_sample_what_each_prompt_alone_samples(preset):
+    """Prompts of unlike lengths are laid out on the left of their rows (padding first) so that keras-hub's loop
+    samples the budget alone; the key mask keeps every query off that padding, and the rotary embeddings see
+    only i - j. Greedy (top-p of almost nothing), a batch of three samples what each prompt samples alone,
+    right-padded as keras-hub lays a prompt out, on every family's decoder blocks."""
+    from conftest import float32_policy
+
+    from finetune.model import attention, builder, presets
+
+    with float32_policy():
+        lm, _ = builder.build(presets.resolve(preset), seq_len=48)
+    attention.enable(lm.backbone)
+    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1,))
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 9, 14])
+    ids = np.zeros((3, 14), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = [2, *rng.integers(10, 600, size=length - 1)]
+    batch = rollouts.Sampler(lm, greedy)
+    assert batch.left  # every block takes the key mask
+    together, _ = batch.complete(ids, lengths, seed=1)
+    alone = rollouts.Sampler(lm, greedy)
+    alone.left = False
+    for row, length in enumerate(lengths):
+        (own,), _ = alone.complete(ids[row : row + 1, :length], lengths[row : row + 1], seed=1)
+        assert together[row] == own, (row, together[row], own)
+        assert len(own) >= 1

@@ -118,7 +118,15 @@ class Sampler:
     def __init__(self, lm, sampling: Sampling):
         import keras_hub
 
+        from finetune.model import attention
+
         self.lm, self.sampling = lm, sampling
+        # Prompts laid out on the left of their rows where every decoder block takes the key mask (attention.py):
+        # the loop then samples --max-completion-length steps whatever the prompts' lengths.
+        self.left = attention.packs_exactly(lm.backbone)
+        if not getattr(lm, "left_padded", False):
+            attention.left_padded_generate_step(lm)
+            lm.left_padded = True
         own = getattr(lm, "sampler", None)
         same = isinstance(own, keras_hub.samplers.TopPSampler) and (own.p, own.temperature) == (sampling.top_p,
                                                                                               sampling.temperature)  # fmt: skip
@@ -132,7 +140,9 @@ class Sampler:
         import keras
 
         completions, cut = [None] * len(ids), np.zeros(len(ids), bool)
-        for index, rows in enumerate(calls(lengths, self.sampling.max_completion_length, keras.config.backend())):
+        together = [np.arange(len(ids))] if self.left else None  # left-padded: one call samples the budget alone
+        for index, rows in enumerate(together or calls(lengths, self.sampling.max_completion_length,
+                                                       keras.config.backend())):  # fmt: skip
             made, stopped = self._call(ids[rows], lengths[rows], seed + index)
             for row, completion, done in zip(rows, made, stopped):
                 completions[row], cut[row] = completion, done
@@ -148,13 +158,22 @@ class Sampler:
         limit = self.sampling.max_completion_length
         rows, width = len(ids), prompt_width(lengths, ids.shape[1], keras.config.backend())
         token_ids = np.zeros((rows, width + limit), np.int32)
-        token_ids[:, :width] = ids[:, :width]
-        mask = np.arange(width + limit)[None, :] < lengths[:, None]
-        out = self.lm.generate({"token_ids": token_ids, "padding_mask": mask}, stop_token_ids=self.sampling.stop_ids)
+        positions = np.arange(width + limit)[None, :]
+        if self.left:  # each prompt ends at `width`, where the sampler starts every row
+            for row, length in enumerate(lengths):
+                token_ids[row, width - length : width] = ids[row, :length]
+            inputs = {"token_ids": token_ids, "padding_mask": np.broadcast_to(positions < width, token_ids.shape),
+                      "key_mask": positions >= (width - lengths)[:, None]}  # fmt: skip
+            starts = np.full(rows, width)
+        else:
+            token_ids[:, :width] = ids[:, :width]
+            inputs = {"token_ids": token_ids, "padding_mask": positions < lengths[:, None]}
+            starts = lengths
+        out = self.lm.generate(inputs, stop_token_ids=self.sampling.stop_ids)
         made, kept = (np.asarray(keras.ops.convert_to_numpy(out[k])) for k in ("token_ids", "padding_mask"))
         completions, cut = [], np.zeros(rows, bool)
-        for row, length in enumerate(lengths):
-            span = made[row, length : length + limit][kept[row, length : length + limit]]
+        for row, start in enumerate(starts):
+            span = made[row, start : start + limit][kept[row, start : start + limit]]
             completions.append([int(t) for t in span])
             cut[row] = not any(t in self.sampling.stop_ids for t in completions[-1])
         return completions, cut

@@ -38,6 +38,7 @@ XLA's CPU backend the attention's forward and backward in 72% of the time
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 
 import numpy as np
@@ -124,12 +125,49 @@ def _take_segment_ids(backbone) -> bool:
     return True
 
 
+# Generation of left-padded prompts (methods/rollouts.py): (batch, cache length) 1 where a key is a token, set
+# around keras-hub's generate step so that each block's mask keeps the queries off the padding on the left. Set
+# within the step's trace, it is a value of that trace (JAX, TensorFlow) or of the eager call (PyTorch).
+GENERATION_KEYS = contextvars.ContextVar("generation_keys", default=None)
+
+
+def left_padded_generate_step(lm):
+    """`lm`'s generate step made to take `key_mask` beside `token_ids` and `padding_mask`: the prompts laid out
+    on the right of their rows, padding on the left, and every row's prompt ending where the sampler starts.
+
+    keras-hub's loop runs from its shortest prompt's end to the last position; right-padded prompts of unlike
+    lengths make it sample (and throw away) the difference. Left-padded, it samples exactly the budget. The
+    rotary embeddings see only i - j, so a prompt's scores do not change with where it sits; the mask keeps
+    every query off the padding. Installed once on `lm` (an attribute keras-hub's generate function calls).
+
+    The step's outputs that are None are left out: Gemma 3's and 4's steps return `images` None for text, which
+    keras-hub's generate cannot gather when no preprocessor is attached (ids in, ids out)."""
+    original = type(lm).generate_step
+
+    def generate_step(inputs, stop_token_ids=None):
+        inputs = dict(inputs)
+        keys = inputs.pop("key_mask", None)
+        token = GENERATION_KEYS.set(keys)
+        try:
+            out = original(lm, inputs, stop_token_ids=stop_token_ids)
+        finally:
+            GENERATION_KEYS.reset(token)
+        return {name: value for name, value in out.items() if value is not None}
+
+    lm.generate_step = generate_step
+    lm.generate_function = None  # made again around this step
+
+
 def _segment_aware(block, original):
     names = list(inspect.signature(original).parameters)
     borrows_cache = bool(getattr(block, "is_kv_shared_layer", False)) and "cache" in names
 
     def compute_attention_mask(*args, **kwargs):
         bound = {**dict(zip(names, args)), **kwargs}
+        keys = GENERATION_KEYS.get()
+        if keys is not None and bound.get("cache") is not None:  # a left-padded prompt's generation
+            allowed = ops.cast(original(*args, **kwargs), "int32")
+            return ops.minimum(allowed, ops.expand_dims(ops.cast(keys, "int32"), 1))
         segments = bound.get("padding_mask")
         if segments is None or bound.get("vision_mask") is not None:
             return original(*args, **kwargs)

@@ -500,32 +500,45 @@ def _train_rollouts(spec: Spec, model, method) -> dict:
                          inputs=builder.input_names(model.lm))  # fmt: skip
     order = rollouts.RolloutOrder(prompts, w.batch_size, cfg, feed, model, method.constants(cfg.train))
     order._rows = lambda group: (group * w.batch_size + np.arange(w.batch_size)) % len(prompts)  # file order
-    sampler, sampling_s = order.sampler, [0.0]
-    complete = sampler.complete
+    sampler, sampling_s, shapes = order.sampler, [0.0], set()
+    call = sampler._call
+    compiles = batching.compiles_per_length(spec.backend, backend.accelerator())
+    new_shape = [False]
 
-    def timed_complete(*args, **kwargs):
+    def timed_call(ids, lengths, seed):
+        shape = (len(ids), rollouts.prompt_width(lengths, ids.shape[1], spec.backend))
+        new_shape[0] |= shape not in shapes
+        shapes.add(shape)
         started = time.perf_counter()
-        out = complete(*args, **kwargs)
+        out = call(ids, lengths, seed)
         sampling_s[0] += time.perf_counter() - started
         return out
 
-    sampler.complete = timed_complete
-    losses, seconds, generate_s, sampled, tokens, positions = [], 0.0, 0.0, 0, 0, 0
-    for step in range(w.warmup + w.steps):
-        before = sampling_s[0]
+    sampler._call = timed_call
+    losses, seconds, generate_s, sampled, tokens, positions, timed, step = [], 0.0, 0.0, 0, 0, 0, 0, 0
+    # As a run: each prompt width (generate) and batch length (the train step) compiles once where the backend
+    # compiles per shape; a step that compiled one is not timed, and the steps run until `steps` are.
+    while timed < w.steps and step < w.warmup + w.steps + 16:
+        before, new_shape[0] = sampling_s[0], False
         started = time.perf_counter()
         for x, y, sample_weight in order.micro_batches(step):
+            new_shape[0] |= ("train", x["token_ids"].shape) not in shapes
+            shapes.add(("train", x["token_ids"].shape))
             loss = model.trainer.train_on_batch(x, y, sample_weight=sample_weight, return_dict=True)["loss"]
         elapsed = time.perf_counter() - started
         losses.append(float(loss))
-        if step >= w.warmup:
+        if step >= w.warmup and not (compiles and new_shape[0]):
             seconds += elapsed
             generate_s += sampling_s[0] - before
             trained, completion = order.tokens(step)
             tokens, sampled = tokens + trained, sampled + completion
             positions += x["token_ids"].size
+            timed += 1
+        step += 1
+    if not timed:
+        raise UserError(f"no step was timed in {step} steps (each compiled a new shape); add --steps")
     result = _measured(losses, seconds - generate_s, tokens, positions)
-    result.update(_rollout_rates(sampled, generate_s, seconds, w.steps))
+    result.update(_rollout_rates(sampled, generate_s, seconds, timed))
     return result
 
 
