@@ -56,6 +56,16 @@ class Letters:
     def detokenize(self, ids):
         return "".join(chr(96 + i) for i in ids)
 
+    def vocabulary_size(self):
+        return 26
+
+
+@pytest.mark.one_backend
+def test_ids_past_the_tokenizer_s_pieces_have_no_text():
+    """A model's embedding may have more rows than its tokenizer has pieces; a sampled id among them has no text
+    (SentencePiece refused it, and stopped the run)."""
+    assert rollouts.texts(Letters(), [[1, 2, 27, 3, 1], [300]], stop_ids=(1,)) == ["bc", ""]
+
 
 @pytest.mark.one_backend
 def test_conversational_prompts_reach_the_rewards_as_messages_with_their_columns():

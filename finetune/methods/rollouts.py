@@ -215,8 +215,10 @@ def calls(lengths: np.ndarray, limit: int, backend: str) -> list[np.ndarray]:
 
 
 def texts(tokenizer, completions: list, stop_ids: tuple) -> list[str]:
-    """Each completion's text, without its stop token."""
-    kept = [[t for t in ids if t not in stop_ids] for ids in completions]
+    """Each completion's text, without its stop token, and without ids past the tokenizer's vocabulary (a model's
+    embedding may have rows no piece names: they have no text)."""
+    size = tokenizer.vocabulary_size()
+    kept = [[t for t in ids if t not in stop_ids and t < size] for ids in completions]
     return [str(np.asarray(keras_string(tokenizer.detokenize(ids)))) if ids else "" for ids in kept]
 
 
