@@ -191,7 +191,6 @@ def vocabulary(tokenizer, size: int) -> dict:
 def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "finetune") -> None:
     """Write `backbone` (LoRA already merged) and its tokenizer to the GGUF file `path`, matrices in `dtype`."""
     import gguf
-    import numpy as np
 
     arch = architecture(backbone)
     weights = tensors(backbone, arch)
@@ -199,8 +198,17 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, backbone, arch, weights, name, dtype)
     add_tokenizer(writer, vocab)
+    write_tensors(writer, weights, lambda tensor_name, value: tensor_type(value, dtype))
+
+
+def write_tensors(writer, weights: dict, kind_of) -> None:
+    """Each of `weights` into the file in the type kind_of(name, value) says (float32 as it is, the others through
+    gguf's quantizer), then the header, the metadata and the tensors written out and the file closed."""
+    import gguf
+    import numpy as np
+
     for tensor_name, value in weights.items():
-        kind = tensor_type(value, dtype)
+        kind = kind_of(tensor_name, value)
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
         else:

@@ -77,7 +77,6 @@ def write(path: Path, exported: Path, dtype: str = "f16", name: str = "finetune"
     """Write mmproj.gguf from the transformers export in `exported` (config.json, preprocessor_config.json,
     model.safetensors) of a Gemma 3 model with pictures."""
     import gguf
-    import numpy as np
     from safetensors.numpy import load_file
 
     from finetune.exports import llamacpp
@@ -108,13 +107,4 @@ def write(path: Path, exported: Path, dtype: str = "f16", name: str = "finetune"
     pooling = (vision["image_size"] // vision["patch_size"]) // round(config["mm_tokens_per_image"] ** 0.5)
     if pooling != _DEFAULT_POOLING:
         writer.add_vision_projector_scale_factor(pooling)
-    for tensor_name, value in weights.items():
-        kind = tensor_type(tensor_name, value, dtype)
-        if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            writer.add_tensor(tensor_name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    llamacpp.write_tensors(writer, weights, lambda tensor_name, value: tensor_type(tensor_name, value, dtype))

@@ -106,7 +106,6 @@ def write(path: Path, exported: Path, arch: str, tokenizer, dtype: str = "f16", 
     """Write model.gguf from the transformers export in `exported` (config.json, model.safetensors) of a Gemma
     3n or 4 text decoder, with `tokenizer`'s vocabulary."""
     import gguf
-    import numpy as np
     from safetensors.numpy import load_file
 
     from finetune.exports import llamacpp
@@ -124,16 +123,7 @@ def write(path: Path, exported: Path, arch: str, tokenizer, dtype: str = "f16", 
     writer.add_file_type(llamacpp.file_type(dtype))
     _hyperparameters(writer, config, arch)
     llamacpp.add_tokenizer(writer, vocab)
-    for tensor_name, value in weights.items():
-        kind = tensor_type(tensor_name, value, dtype)
-        if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor_name, np.ascontiguousarray(value, dtype=np.float32))
-        else:
-            writer.add_tensor(tensor_name, gguf.quants.quantize(np.ascontiguousarray(value), kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    llamacpp.write_tensors(writer, weights, lambda tensor_name, value: tensor_type(tensor_name, value, dtype))
 
 
 def _hyperparameters(writer, config: dict, arch: str) -> None:
