@@ -177,18 +177,21 @@ def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize
 
 
 def _random_base(source: presets.Source, seq_len: int, policy, quantize: str | None):
-    """`finetune bench`'s model: a Gemma architecture with random weights (quantized ones filled at random
-    layer by layer, so the float base never exists), and a preprocessor of the bench's tokenizer."""
+    """`finetune bench`'s model: a Gemma architecture of the source's family with random weights (quantized ones
+    filled at random layer by layer, so the float base never exists), and a text preprocessor of the bench's
+    tokenizer. The preprocessor is Gemma's (sentencepiece alone) for every family: on text it prepares what
+    Gemma 3's and 4's would, and theirs need TensorFlow, which a GPU machine for JAX or PyTorch may lack."""
     import keras_hub
 
     config = dict(source.random)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=config.pop("tokenizer"))
-    backbone = keras_hub.models.GemmaBackbone(dtype=policy, **config)
+    family = families.get(source.family)
+    backbone = families.keras_hub_class(family, "backbone")(dtype=policy, **config)
     if quantize is not None:
         quantized.weights_only(backbone)
         quantized.fill_random(backbone)
     preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=seq_len)
-    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None), preprocessor
+    return families.keras_hub_class(family)(backbone=backbone, preprocessor=None), preprocessor
 
 
 # A variable of at least this many float values starts as zeros in zeros_until_loaded(): the decoder's kernels

@@ -468,10 +468,11 @@ def text_tokenizer(family: str, proto: Path):
 
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
-    cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
     if spec.vision is not None:
+        cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
         arguments = _vision_preprocessing(spec.family, spec.vision)
         return cls(tokenizer=tokenizer, sequence_length=sequence_length, **arguments)
+    cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
     return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
 
 

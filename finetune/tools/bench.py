@@ -42,19 +42,39 @@ from finetune.methods import registry
 from finetune.model import archs, presets
 from finetune.platform.errors import UserError
 
-# Gemma architectures in keras_hub.models.GemmaBackbone terms. cpu-small is the
-# shared benchmark workload's; gemma-2b and gemma-7b are the released models' (archs.py).
-_RELEASED = {"gemma-2b": archs.ARCHS["gemma_2b_en"].config, "gemma-7b": archs.ARCHS["gemma_7b_en"].config}
+# Gemma architectures as keras-hub backbone configs, random weights. cpu-small is the shared benchmark workload's;
+# the others are released models' (archs.py), with the settings that pick their kernels and not their shapes
+# (soft caps, sliding windows) as their presets have them. gemma3-4b is the text tower of Gemma 3 4B.
+PRESETS = {
+    "gemma-2b": "gemma_2b_en",
+    "gemma-7b": "gemma_7b_en",
+    "gemma2-2b": "gemma2_2b_en",
+    "gemma3-1b": "gemma3_1b",
+    "gemma3-4b": "gemma3_4b_text",
+    "gemma4-e4b": "gemma4_4b",
+    "gemma4-26b-a4b": "gemma4_26b_a4b",
+}
+_KERNEL_SETTINGS = {
+    "gemma2-2b": dict(attention_logit_soft_cap=50.0, final_logit_soft_cap=30.0, use_sliding_window_attention=True,
+                      sliding_window_size=4096),
+    "gemma3-1b": dict(use_sliding_window_attention=True, sliding_window_size=512, global_rope_scaling_factor=1.0),
+    "gemma3-4b": dict(use_sliding_window_attention=True, sliding_window_size=1024, global_rope_scaling_factor=8.0),
+}  # fmt: skip
+FAMILY = {"tiny": "gemma", "cpu-small": "gemma", **{name: archs.ARCHS[p].family for name, p in PRESETS.items()}}
 ARCHS = {
     "tiny": presets.TINY_CONFIG,
     "cpu-small": dict(
         num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
     ),
-    **{name: {k: v for k, v in c.items() if k != "vocabulary_size"} for name, c in _RELEASED.items()},
-}
+    **{
+        name: {**{k: v for k, v in archs.ARCHS[p].config.items() if k != "vocabulary_size"},
+               **_KERNEL_SETTINGS.get(name, {})}
+        for name, p in PRESETS.items()
+    },
+}  # fmt: skip
 # The released models' vocabulary; the small archs take the tokenizer's. Ids of
 # a small tokenizer are valid ids of a larger vocabulary, and the logits cost is the real one.
-VOCAB = {name: c["vocabulary_size"] for name, c in _RELEASED.items()}
+VOCAB = {name: archs.ARCHS[p].config["vocabulary_size"] for name, p in PRESETS.items()}
 BACKENDS = ("jax", "torch", "tensorflow")
 RECIPES = ("finetune", "tutorial", "hf")
 LEVERS = {
@@ -63,6 +83,7 @@ LEVERS = {
     "int8": "int8 base",
     "int4": "int4 base",
     "remat": "remat on",
+    "compile": "compiled step",  # jit_compile on: torch.compile on PyTorch, XLA on TensorFlow; JAX always compiles
 }
 ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 
@@ -71,8 +92,9 @@ ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 class Workload:
     """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
 
-    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b.",
-                        flag="--arch", metavar="NAME")  # fmt: skip
+    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b, "
+                        "gemma2-2b, gemma3-1b, gemma3-4b (text), gemma4-e4b, gemma4-26b-a4b.", flag="--arch",
+                        metavar="NAME")  # fmt: skip
     tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
                              default_text="the tiny model's")  # fmt: skip
     data: str = setting("sample", "Dolly-style JSONL to train on, or `sample`.", flag="--data", metavar="FILE")
@@ -151,6 +173,9 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
         raise UserError("nothing to run: give at least one backend and one recipe")
     from finetune.tools import peer
 
+    if "hf" in recipes and (FAMILY[workload.arch] != "gemma" or "attention_logit_soft_cap" in ARCHS[workload.arch]):
+        raise UserError(f"recipe hf builds Gemma 1's architecture (GemmaForCausalLM); --arch {workload.arch} is "
+                        "another: bench it with --recipes finetune")  # fmt: skip
     if "hf" in recipes and not peer.available():
         raise UserError("recipe hf needs torch, transformers and peft: pip install 'finetune[torch,hf]'")
     if "hf" in recipes and method.prompted:
@@ -196,7 +221,8 @@ def run(
     if "hf" in recipes and "precision" in levers:  # the peer in float32 too, to compare in the same dtype
         specs.append(Spec("torch", "hf", "precision", workload))
     specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
-    specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers]
+    specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers
+              if not (lever == "compile" and b == "jax")]  # fmt: skip
     order = ["torch", *backends] if "hf" in recipes else backends
     specs.sort(key=lambda spec: order.index(spec.backend) if spec.recipe != "hf" else -1)  # the peer first
     peaks = measure_peaks(sorted({spec.backend for spec in specs}))
@@ -245,9 +271,16 @@ def run_worker(spec: Spec) -> dict:
     return {"backend": spec.backend, "recipe": spec.recipe, "lever": spec.lever, "error": failure(process, peak)}
 
 
+TIME_LIMIT = "FINETUNE_BENCH_ROW_SECONDS"  # a row's wall-clock limit, for a device lent by the minute (gpu_check.sh)
+_STOPPED = "bench: the row ran past its time limit"
+
+
 def _watched(command: list[str], backend: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run a worker to its end, sampling its resident memory: (the process, its highest resident bytes seen)."""
+    """Run a worker to its end, sampling its resident memory: (the process, its highest resident bytes seen).
+    A worker still running after FINETUNE_BENCH_ROW_SECONDS is stopped, and its row says so."""
     env = dict(os.environ, KERAS_BACKEND=backend)
+    limit = float(os.environ.get(TIME_LIMIT) or 0)
+    started, stopped = time.monotonic(), False
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
         peak, streams = 0.0, {}
 
@@ -263,10 +296,14 @@ def _watched(command: list[str], backend: str) -> tuple[subprocess.CompletedProc
             reader.start()
         while child.poll() is None:
             peak = max(peak, _resident(child.pid))
+            if limit and time.monotonic() - started > limit and not stopped:
+                child.kill()
+                stopped = True
             time.sleep(0.5)
         for reader in readers:
             reader.join()
-    done = subprocess.CompletedProcess(command, child.returncode, streams.get("out", ""), streams.get("err", ""))
+    err = streams.get("err", "") + (f"\n{_STOPPED} ({limit:.0f} s, {TIME_LIMIT})\n" if stopped else "")
+    done = subprocess.CompletedProcess(command, child.returncode, streams.get("out", ""), err)
     return done, peak
 
 
@@ -291,6 +328,8 @@ def failure(process: subprocess.CompletedProcess, peak: float) -> str:
     lines = [line.strip() for line in (process.stderr or "").splitlines() if line.strip()]
     fatal = [line for line in lines if re.match(r"F\d{4} ", line)]  # XLA's and TensorFlow's fatal check
     lines = [line for line in lines if not NOISE.match(line.encode())]
+    if lines and lines[-1].startswith(_STOPPED):
+        return lines[-1].removeprefix("bench: ")
     if process.returncode < 0:
         try:
             name = signal.Signals(-process.returncode).name
@@ -306,28 +345,66 @@ def failure(process: subprocess.CompletedProcess, peak: float) -> str:
 
 
 def measure_peaks(backends: list[str]) -> dict[str, dict]:
-    """dtype -> {"gflops", "backend"}: the best square-matmul rate any of `backends` reaches on this device."""
+    """dtype -> {"gflops", "backend", "by_backend", "device"}: the best square-matmul rate any of `backends`
+    reaches on this device, and the device's name. FINETUNE_BENCH_PEAKS names a JSON file that keeps them: read
+    when it holds every backend asked for, else measured and written there (tools/gpu_check.sh runs several
+    benches on one device and measures once)."""
+    cache = os.environ.get("FINETUNE_BENCH_PEAKS")
+    if cache and Path(cache).is_file():
+        kept = json.loads(Path(cache).read_text(encoding="utf-8"))
+        if kept and all(set(backends) <= set(p["by_backend"]) for p in kept.values()):
+            return kept
     peaks: dict[str, dict] = {}
     for backend in backends:
         process, _ = _watched([sys.executable, "-m", "finetune.tools.bench", "--peak"], backend)
         found = [line for line in process.stdout.splitlines() if line.startswith(ROW)]
         if not found:
             continue
-        for dtype, gflops in json.loads(found[-1][len(ROW) :]).items():
-            peak = peaks.setdefault(dtype, {"gflops": 0.0, "backend": None, "by_backend": {}})
+        measured = json.loads(found[-1][len(ROW) :])
+        name = measured.pop("device", "")
+        for dtype, gflops in measured.items():
+            peak = peaks.setdefault(dtype, {"gflops": 0.0, "backend": None, "by_backend": {}, "device": name})
             peak["by_backend"][backend] = gflops
             if gflops > peak["gflops"]:
                 peak.update(gflops=gflops, backend=backend)
+    if cache and peaks:
+        Path(cache).write_text(json.dumps(peaks), encoding="utf-8")
     return peaks
+
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by a part of the name the device
+# reports; float32 is the plain (not TF32) rate. The SXM parts; a PCIe H100 has its own row.
+DATASHEET_TFLOPS = {
+    "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},
+    "H100 NVL": {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "T4": {"float16": 65.0, "float32": 8.1},
+}
+
+
+def datasheet_gflops(device: str, dtype: str) -> float | None:
+    """The datasheet's dense peak of the GPU named `device` in `dtype`, GFLOP/s; None for another device."""
+    for part, peaks in DATASHEET_TFLOPS.items():  # the longer names first: "H100 PCIe" before "H100"
+        if re.search(rf"\b{re.escape(part)}\b", device) and dtype in peaks:
+            return peaks[dtype] * 1000
+    return None
 
 
 def peak_line(peaks: dict[str, dict]) -> str:
     if not peaks:
         return "matmul peak: not measured"
-    parts = [f"{dtype} {p['gflops']:.0f} GFLOP/s ({p['backend']})" for dtype, p in sorted(peaks.items())]
-    return f"matmul peak on this device, the MFU denominator ({PEAK_SIZE['cpu']}² on a CPU, best of warmed runs): " + (
-        ", ".join(parts)
-    )
+    device = next(iter(peaks.values())).get("device") or "this device"
+    size = PEAK_SIZE["accelerator" if device.startswith(("gpu", "tpu")) else "cpu"]
+    parts = []
+    for dtype, p in sorted(peaks.items()):
+        sheet = datasheet_gflops(device, dtype)
+        parts.append(f"{dtype} {p['gflops']:.0f} GFLOP/s ({p['backend']})"
+                     + (f", datasheet {sheet:.0f}" if sheet else ""))  # fmt: skip
+    return (f"matmul peak on {device}, the MFU denominator (a warmed {size}² matmul, best of 5; MFU* against the "
+            f"datasheet's dense peak where the device is known): " + ", ".join(parts))  # fmt: skip
 
 
 # --- the worker: everything below runs in the row's own process -------------------------------
@@ -362,6 +439,8 @@ def _work(spec: Spec) -> dict:
         recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora, seed=0,
                                 optimizer=builder.Optimizer(1e-4, 0.01, objective=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
+        if spec.lever == "compile":
+            model.trainer.jit_compile = True  # read when the first step makes the train function
         lm = model.lm
         if method.paired:
             result = _train_pairs(spec, model, method, objective)
@@ -554,6 +633,8 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     quantize = _quantize(spec)
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
+    if spec.lever == "compile":
+        parts.append("torch.compile" if spec.backend == "torch" else "XLA")
     if spec.lever == "remat" or tweaks.get("remat"):
         parts.append("remat" if spec.lever == "remat" else "remat (auto)")
     threads = tweaks.get("torch.intra_op_threads")
@@ -569,7 +650,7 @@ def _auto_remat(spec: Spec, tweaks: dict, quantize: str | None) -> bool:
     from finetune.platform import backend
     from finetune.training import plan
 
-    preset = {"gemma-2b": "gemma_2b_en", "gemma-7b": "gemma_7b_en"}.get(spec.workload.arch)
+    preset = PRESETS.get(spec.workload.arch)
     if preset is None:
         return False
     cfg = Config()
@@ -600,7 +681,9 @@ def _random_source(workload: Workload):
     if vocab is None:
         vocab = keras_hub.models.GemmaTokenizer(proto=tokenizer_file).vocabulary_size()
     config = dict(ARCHS[workload.arch], vocabulary_size=vocab, tokenizer=tokenizer_file)
-    return presets.Source("random", workload.arch, "gemma", random=config)
+    if FAMILY[workload.arch] != "gemma":
+        config["image_size"] = None  # the text tower: Gemma 3's and 4's backbones take no vision encoder
+    return presets.Source("random", workload.arch, FAMILY[workload.arch], random=config)
 
 
 def _examples(workload: Workload, tokenizer):
@@ -619,6 +702,7 @@ def _train_finetune(spec: Spec, model) -> dict:
     one train_on_batch per step."""
     from finetune.data import batching
     from finetune.methods import prepare
+    from finetune.model import builder
     from finetune.platform import backend
 
     w = spec.workload
@@ -627,7 +711,8 @@ def _train_finetune(spec: Spec, model) -> dict:
     rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
-    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()))
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
+                         inputs=builder.input_names(model.lm))  # fmt: skip
     order = batching.TrainOrder(rows, w.batch_size, seed=0, feed=feed)
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
@@ -863,7 +948,7 @@ def _peak_main() -> int:
     else:
         dtypes = ["float32"] + ["bfloat16"] * backend.supports_bfloat16(device) + ["float16"] * (device == "gpu")
     peaks = {dtype: round(matmul_peak(dtype, device) / 1e9, 1) for dtype in dtypes}
-    print(ROW + json.dumps(peaks), flush=True)
+    print(ROW + json.dumps({**peaks, "device": backend.device_name(device)}), flush=True)
     return 0
 
 
@@ -874,18 +959,44 @@ def train_flops_per_token(arch: str, vocab: int, seq_len: int) -> float:
     """FLOPs to train one token with LoRA on a frozen base.
 
     The frozen weights need no weight gradients, so a matmul of N weights costs
-    2N forward and 2N backward per token (not the usual 6N). Attention's score
-    and value products are counted over the whole row, as the dense kernel
-    computes them, forward once and backward twice. LoRA's own products (rank
-    4) are left out: under 1% of the rest.
+    2N forward and 2N backward per token (not the usual 6N). The weights are
+    the decoder's kernels as layouts.py lays them out, with a MoE block's
+    experts counted at the share a token takes (experts per token over
+    experts), and the logits' projection (tied to the embedding); the
+    embeddings' lookups are not matmuls. Attention's score and value products
+    are counted over the whole row, as the dense kernel computes them, or
+    over the window on a sliding-window layer, forward once and backward
+    twice, at each layer's own head width (Gemma 4's global layers: 512).
+    LoRA's own products (rank 4) are left out: under 1% of the rest.
     """
-    a = ARCHS[arch]
-    d, heads, kv, head_dim, ff = (
-        a["hidden_dim"], a["num_query_heads"], a["num_key_value_heads"], a["head_dim"], a["intermediate_dim"] // 2
-    )  # fmt: skip
-    per_layer = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ff
-    weights = a["num_layers"] * per_layer + d * vocab  # + the logits, tied to the embedding
-    attention = 2 * 2 * a["num_layers"] * seq_len * heads * head_dim
+    from finetune.model import layouts
+
+    family = FAMILY[arch]
+    config = dict(ARCHS[arch], vocabulary_size=vocab)
+    dims = layouts.Dims.from_backbone_config(config, family)
+    weights = dims.hidden_dim * vocab
+    for rule in layouts.rules_for(dims):
+        shape = dims.shape(rule)
+        if not shape or "embedding" in rule.group:
+            continue
+        count = math.prod(shape) * dims.copies(rule)
+        if rule.group.startswith("experts"):
+            count = count * int(config["num_experts_per_token"]) / int(config["num_experts"])
+        weights += count
+    attention = 0
+    for index in range(dims.num_layers):
+        context, width = seq_len, dims.num_query_heads * dims.head_dim
+        if family == "gemma4":
+            block = layouts.gemma4_block(config, index)
+            width = dims.num_query_heads * block["head_dim"]
+            sliding = not block["global"]
+        elif family == "gemma3":
+            sliding = config.get("use_sliding_window_attention", True) and index % 6 < 5
+        else:
+            sliding = config.get("use_sliding_window_attention", False) and index % 2 == 0
+        if sliding:
+            context = min(seq_len, int(config.get("sliding_window_size") or seq_len))
+        attention += 2 * 2 * context * width
     return 4 * weights + 3 * attention
 
 
@@ -902,12 +1013,19 @@ def add_mfu(rows: list[dict], workload: Workload, peaks: dict[str, dict]) -> Non
         row["mfu"] = round(row["tokens_per_s"] * flops / (peak["gflops"] * 1e9), 4)
         row["device_peak_gflops"] = peak["gflops"]
         row["matmul_peak_gflops"] = peak["by_backend"].get(row["backend"], peak["gflops"])
+        sheet = datasheet_gflops(peak.get("device") or "", row["compute_dtype"])
+        if sheet:
+            row["datasheet_gflops"] = sheet
+            row["mfu_datasheet"] = round(row["tokens_per_s"] * flops / (sheet * 1e9), 4)
 
 
 def _mfu(row: dict) -> str:
     if "mfu" not in row:
         return "?"
-    return f"{row['mfu']:.1%}" if row["mfu"] <= 1 else "over 100%: a bug"
+    if row["mfu"] > 1:
+        return "over 100%: a bug"
+    sheet = row.get("mfu_datasheet")
+    return f"{row['mfu']:.1%}" + (f" ({sheet:.1%}*)" if sheet is not None else "")
 
 
 def _loss(row: dict) -> str:

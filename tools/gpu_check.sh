@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The GPU device check: `finetune bench` rows on one GPU for JAX and PyTorch, beside the strongest Hugging Face
+# peer installed, at gemma-2b dims first and then the families users pick, written as one JSON table.
+#
+#   tools/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS]
+#
+# For a bare machine with PyTorch and JAX and no network: where keras-hub is missing, wheels in .whl/ (keras, keras-hub and what they need
+# that the machine lacks; liger-kernel for the peer's fused cross-entropy) are installed into /tmp/site first.
+# No TensorFlow: keras-hub tokenizes with sentencepiece alone, and the bench's random models need no more.
+# DATA and TOKENIZER name the bench's records and .spm (default: the package's sample and the tiny tokenizer;
+# the logits are the released vocabulary's either way).
+#
+# Benches run in priority order and none starts after --budget seconds (default 450), so a device lent by the
+# minute returns what finished; each row also stops at FINETUNE_BENCH_ROW_SECONDS (default 150). The rows of
+# every bench are merged into DIR/gpu_check.json (default $OUT, else ./gpu-check) after each one, beside
+# DIR/gpu_check.log. --dry-run runs the same benches on this machine at the tiny arch, one step each, to check
+# the script end to end without a GPU: the first bench (without its compile lever, minutes on a CPU) and the
+# long-context one.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+out="${OUT:-gpu-check}"
+budget=450
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out="$2"; shift ;;
+    --budget) budget="$2"; shift ;;
+    *) echo "usage: tools/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS]" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+log="$out/gpu_check.log"
+: >"$log"
+started=$(date +%s)
+
+if ! python3 -c "import keras_hub" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_check: the wheels in .whl/ did not install" | tee -a "$log"; exit 1; }
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export FINETUNE_BENCH_ROW_SECONDS="${FINETUNE_BENCH_ROW_SECONDS:-150}"
+rows_dir=$(mktemp -d)
+export FINETUNE_BENCH_PEAKS="$rows_dir/peaks.json"  # the matmul peaks, measured once for every bench
+
+{
+  echo "gpu_check: $(date -u +%FT%TZ), budget ${budget} s, dry run ${dry}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  python3 -c "import torch, jax; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| jax',
+jax.__version__, jax.devices()[0].device_kind)" 2>&1 | tail -1
+} | tee -a "$log"
+
+data="${DATA:-sample}"
+tokenizer=()
+[ -n "${TOKENIZER:-}" ] && tokenizer=(--tokenizer "$TOKENIZER")
+
+# name | arguments (after the common ones). Priority order: the first rows answer the issue's first questions.
+benches=(
+  "gemma-2b|--arch gemma-2b --backends jax,torch --recipes finetune,hf --levers compile"
+  "gemma3-1b|--arch gemma3-1b --backends jax,torch --recipes finetune"
+  "gemma-2b-round2|--arch gemma-2b --backends jax,torch --recipes finetune"
+  "gemma2-2b|--arch gemma2-2b --backends jax,torch --recipes finetune"
+  "gemma4-e4b|--arch gemma4-e4b --backends jax,torch --recipes finetune"
+  "gemma-2b-8k|--arch gemma-2b --backends jax,torch --recipes finetune --seq-len 8192 --batch-size 1"
+  "gemma3-4b|--arch gemma3-4b --backends jax,torch --recipes finetune"
+  "gemma4-26b-a4b|--arch gemma4-26b-a4b --backends jax --recipes finetune --batch-size 2"
+)
+
+if [ "$dry" = 1 ]; then  # the first bench (every recipe) and the long-context one; torch.compile's minutes left out
+  benches=("${benches[0]/ --levers compile/}" "${benches[5]}")
+fi
+
+merge() {
+  python3 - "$rows_dir" "$out/gpu_check.json" <<'EOF'
+import json, sys
+from pathlib import Path
+rows = []
+for path in sorted(Path(sys.argv[1]).glob("bench-*.json"), key=lambda p: p.stat().st_mtime):
+    for row in json.loads(path.read_text()):
+        rows.append({"bench": path.stem.removeprefix("bench-"), **row})
+peaks = Path(sys.argv[1], "peaks.json")
+table = {"peaks": json.loads(peaks.read_text()) if peaks.is_file() else {}, "rows": rows}
+Path(sys.argv[2]).write_text(json.dumps(table, indent=1) + "\n")
+EOF
+}
+
+for entry in "${benches[@]}"; do
+  name="${entry%%|*}"
+  read -r -a arguments <<<"${entry#*|}"
+  elapsed=$(( $(date +%s) - started ))
+  if [ "$elapsed" -ge "$budget" ]; then
+    echo "gpu_check: ${name} not started: ${elapsed} s of the ${budget} s budget spent" | tee -a "$log"
+    continue
+  fi
+  common=(--data "$data" "${tokenizer[@]}" --seq-len 1024 --batch-size 4 --steps 6 --warmup 2)
+  if [ "$dry" = 1 ]; then  # this machine, the tiny arch, one step: the commands and the merge, not the numbers
+    arguments=("${arguments[@]/gemma*/tiny}")
+    common=(--data "$data" "${tokenizer[@]}" --seq-len 64 --batch-size 4 --steps 1 --warmup 1)
+    for i in "${!arguments[@]}"; do  # no long context here, and the hf peer only where it is installed
+      case "${arguments[$i]}" in 8192) arguments[$i]=128 ;; esac
+    done
+  fi
+  echo "gpu_check: ${name} at ${elapsed} s: finetune bench ${arguments[*]}" | tee -a "$log"
+  python3 -m finetune bench "${common[@]}" "${arguments[@]}" --json "$rows_dir/bench-${name}.json" 2>&1 \
+    | grep -v -E '^(W|I|V)[0-9]{4} |^WARNING: All log messages|absl::InitializeLog' | tee -a "$log"
+  merge
+done
+
+case " ${benches[*]} " in *gemma-2b-8k*)
+  for backend in jax torch; do  # the plan beside the long-context rows' measured peaks
+    python3 -m finetune plan --preset gemma_2b_en --backend "$backend" --seq-len 8192 --batch-size 1 --rank 4 \
+      --device-memory 80GB 2>&1 | grep -v -E '^(W|I|V)[0-9]{4} ' | tail -n 25 | tee -a "$log"
+  done ;;
+esac
+merge
+echo "gpu_check: done in $(( $(date +%s) - started )) s; rows in $out/gpu_check.json" | tee -a "$log"
