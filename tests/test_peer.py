@@ -5,9 +5,10 @@ float32, where flex attention runs forward only.
 """
 
 import pytest
-import torch
 
 from finetune.tools import bench, peer
+
+torch = pytest.importorskip("torch")  # the peer's framework: a jax or tensorflow suite may lack it
 
 pytestmark = pytest.mark.one_backend  # torch and transformers only: no Keras backend
 

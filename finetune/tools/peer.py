@@ -171,10 +171,11 @@ def base(config: dict, vocabulary: int, dtype: str = "bfloat16", attention: str 
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # no float32 copy of a bf16 base is ever made
     try:
-        model = GemmaForCausalLM(hf_config)
+        with torch.device(device()):  # initialized where it trains: gemma-2b's takes 130 s on a CPU, 1 s on an H200
+            model = GemmaForCausalLM(hf_config)
     finally:
         torch.set_default_dtype(default)
-    return model.to(device())
+    return model
 
 
 def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
