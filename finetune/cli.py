@@ -477,7 +477,7 @@ def bench(
     recipes: Optional[str] = typer.Option(
         None,
         help="finetune (this tool's settings), tutorial (the Keras tutorial's), hf (the peer: transformers + PEFT, "
-        "packed, bf16 base; needs the hf extra); a preference --method benches finetune alone. "
+        "packed, its strongest attention installed (--peer); needs the hf extra); a preference --method benches finetune alone. "
         "(default: finetune,tutorial)",
         show_default=False,
     ),

@@ -65,7 +65,6 @@ NO_TEST_FILE = {
     "errors": "the exception classes, with no logic: every refusal in the suite raises one",
     "version": "one constant: test_cli.py checks `finetune --version` prints it, and the install test installs it",
     "adapter": "adapter.json's checks refuse edited runs end to end: test_bad_inputs.py and test_export.py",
-    "peer": "the bench's `hf` row (transformers + PEFT): no test runs it yet",
     "peer_grpo": "the bench's `hf` row under --method grpo (TRL's GRPOTrainer): test_bench.py runs it",
     "pair_batches": "the pairs' rows: test_preference.py checks them with the losses they feed",
     "method": "the base of every method: test_registry.py checks each method overrides what it leaves to them",

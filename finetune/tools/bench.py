@@ -11,7 +11,9 @@ weights (throughput does not depend on their values); the data is real.
   to seq-len, float32, no tweaks, `fit()` on the preprocessed batches.
 - Recipe `hf` is the peer: Hugging Face transformers + PEFT, packed, its base
   built in the dtype --precision auto picks on the device (peer.py), in the
-  torch process.
+  torch process: one row for the strongest attention and loss installed there
+  (padding-free on FlashAttention-2 or flex attention, Liger's fused loss), and
+  one for the sdpa floor (a block-diagonal mask) where that differs.
 - A lever row is the `finetune` recipe with one setting changed (packing off,
   float32, an int4 or int8 base, remat on), so what each buys is measured in
   the same run.
@@ -114,6 +116,8 @@ class Workload:
     num_generations: int = setting(4, "--method grpo: completions sampled per prompt.", flag="--num-generations")
     max_completion_length: int = setting(64, "--method grpo: the most tokens a completion samples; --seq-len is the "
                                          "prompt and the completion.", flag="--max-completion-length")  # fmt: skip
+    peer: str = setting("auto", "Recipe hf's attention: auto (the strongest installed, then the sdpa floor), flash, "
+                        "flex or sdpa (peer.py).", flag="--peer", metavar="NAME")  # fmt: skip
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Spec:
     recipe: str
     lever: str | None = None
     workload: Workload = field(default_factory=Workload)
+    setup: str | None = None  # recipe hf: peer.Setup's name
 
 
 def default_recipes(workload: Workload) -> str:
@@ -183,6 +188,10 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
 
         if not peer_grpo.available():
             raise UserError("recipe hf under --method grpo is TRL's GRPOTrainer: pip install 'finetune[torch,hf,dev]'")
+    if workload.peer != "auto" and method.prompted:
+        raise UserError(f"--peer picks the SFT peer's attention; --method {workload.method}'s peer is TRL's trainer")
+    if "hf" in recipes and not method.prompted:
+        hf_specs(workload, levers)  # a --peer not installed here is refused now
     import importlib.util
 
     missing = [b for b in backends if importlib.util.find_spec(b) is None]
@@ -193,6 +202,23 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
     from finetune.data import formats
 
     formats.load_records(workload.data)  # a missing or malformed file fails here, not in every worker
+
+
+def hf_specs(workload: Workload, levers: list[str]) -> list[Spec]:
+    """Recipe hf's rows: one per peer setup (peer.setups: the strongest installed, then the sdpa floor), and with
+    the precision lever the strongest in float32 too, to compare in the same dtype. TRL's GRPOTrainer is one row."""
+    if registry.get(workload.method).prompted:
+        names, float32 = [None], None
+    else:
+        from finetune.tools import peer
+
+        device = peer.device()
+        names = [setup.name for setup in peer.setups(device, True, workload.peer)]
+        float32 = peer.setups(device, False, workload.peer)[0].name if "precision" in levers else None
+    specs = [Spec("torch", "hf", None, workload, name) for name in names]
+    if "precision" in levers:
+        specs.append(Spec("torch", "hf", "precision", workload, float32))
+    return specs
 
 
 def installed_backends() -> list[str]:
@@ -217,9 +243,7 @@ def run(
     for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
         if path is not None:  # written beside under a temporary name, then renamed (outputs.write_atomic)
             storage.check_output(path, flag, beside=len(".partial."))
-    specs = [Spec("torch", "hf", None, workload)] if "hf" in recipes else []
-    if "hf" in recipes and "precision" in levers:  # the peer in float32 too, to compare in the same dtype
-        specs.append(Spec("torch", "hf", "precision", workload))
+    specs = hf_specs(workload, levers) if "hf" in recipes else []
     specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
     specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers
               if not (lever == "compile" and b == "jax")]  # fmt: skip
@@ -229,7 +253,7 @@ def run(
     print(peak_line(peaks), flush=True)
     rows = []
     for index, spec in enumerate(specs, 1):
-        label = f"{spec.backend} {spec.recipe}" + (f" ({LEVERS[spec.lever]})" if spec.lever else "")
+        label = f"{spec.backend} {_label(asdict(spec))}"
         print(f"bench {index}/{len(specs)}: {label} ...", flush=True)
         row = run_worker(spec)
         rows.append(row)
@@ -268,7 +292,8 @@ def run_worker(spec: Spec) -> dict:
     for line in reversed(process.stdout.splitlines()):
         if line.startswith(ROW):
             return json.loads(line[len(ROW) :])
-    return {"backend": spec.backend, "recipe": spec.recipe, "lever": spec.lever, "error": failure(process, peak)}
+    return {"backend": spec.backend, "recipe": spec.recipe, "lever": spec.lever, "setup": spec.setup,
+            "error": failure(process, peak)}  # fmt: skip
 
 
 TIME_LIMIT = "FINETUNE_BENCH_ROW_SECONDS"  # a row's wall-clock limit, for a device lent by the minute (gpu_check.sh)
@@ -484,7 +509,8 @@ def _work_hf(spec: Spec) -> dict:
     if registry.get(w.method).prompted:
         return _work_trl_grpo(spec, vocabulary, dtype)
     _, _, examples = _examples(w, tokenizer)
-    model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype)
+    setup = peer.Setup.named(spec.setup)
+    model = peer.build(ARCHS[w.arch], vocabulary, w.rank, dtype, setup)
     steps = peer.batches(examples, w.seq_len, w.batch_size)
     if not steps:
         raise UserError(f"the data fills fewer rows than one batch of {w.batch_size}")
@@ -498,7 +524,8 @@ def _work_hf(spec: Spec) -> dict:
         arch=w.arch,
         device="gpu" if peer.device() == "cuda" else "cpu",
         precision=dtype,
-        settings=f"transformers + PEFT, packed, {dtype} base, loss on every token",
+        setup=setup.name,
+        settings=setup.settings(dtype),
         peak_memory_mb=round(backend.peak_memory_mb(), 1),
         compute_dtype=dtype,
         vocab=vocabulary,
@@ -1033,7 +1060,9 @@ def _loss(row: dict) -> str:
 
 
 def _label(row: dict) -> str:
-    return row["recipe"] + (f", {LEVERS[row['lever']]}" if row.get("lever") else "")
+    """recipe, the hf peer's setup, the lever: `hf flex+liger, float32`."""
+    setup = f" {row['setup']}" if row.get("setup") else ""
+    return row["recipe"] + setup + (f", {LEVERS[row['lever']]}" if row.get("lever") else "")
 
 
 def table(rows: list[dict]) -> str:
@@ -1076,7 +1105,8 @@ def table(rows: list[dict]) -> str:
 
 
 def verdict(rows: list[dict]) -> str:
-    """One line: the fastest backend here, by how much, and why a backend more than 2x behind is slow."""
+    """One line: the fastest backend here, by how much, against the fastest hf peer setup, and why a backend more
+    than 2x behind is slow."""
     best = {r["backend"]: r for r in rows if r["recipe"] == "finetune" and not r.get("lever") and "error" not in r}
     if not best:
         return "verdict: no finetune row finished, so no backend can be named fastest"
@@ -1088,7 +1118,8 @@ def verdict(rows: list[dict]) -> str:
             f"{top['tokens_per_s'] / r['tokens_per_s']:.2f}x {r['backend']}" for r in ranked[1:]
         )
     parts[0] += ")"
-    peer = next((r for r in rows if r["recipe"] == "hf" and "error" not in r), None)
+    peers = [r for r in rows if r["recipe"] == "hf" and not r.get("lever") and "error" not in r]
+    peer = max(peers, key=lambda r: r["tokens_per_s"], default=None)  # the strongest peer setup that ran
     if peer is not None and "step_s" in peer:  # rollouts: the whole step, sampling included, is what a run waits
         fastest = min(best.values(), key=lambda r: r["step_s"])
         parts.append(f"{fastest['backend']}'s step takes {fastest['step_s'] / peer['step_s']:.2f}x TRL's time "
@@ -1096,7 +1127,9 @@ def verdict(rows: list[dict]) -> str:
                      f"{fastest['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory")  # fmt: skip
     elif peer is not None:
         parts.append(
-            f"{top['tokens_per_s'] / peer['tokens_per_s']:.2f}x the hf peer's tokens/s, in "
+            f"{top['tokens_per_s'] / peer['tokens_per_s']:.2f}x the hf peer's tokens/s"
+            + (f" (its fastest setup, {peer['setup']})" if peer.get("setup") else "")
+            + ", in "
             f"{top['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory"
         )
     tutorial = {r["backend"]: r for r in rows if r["recipe"] == "tutorial" and "error" not in r}
@@ -1174,6 +1207,7 @@ def _worker_main(payload: str) -> int:
             "backend": spec.backend,
             "recipe": spec.recipe,
             "lever": spec.lever,
+            "setup": spec.setup,
             "error": f"{type(error).__name__}: {message}",
         }
     print(ROW + json.dumps(row), flush=True)

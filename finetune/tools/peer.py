@@ -12,10 +12,30 @@ Hugging Face setup does it:
   as TRL's `bf16=True`/`fp16=True`;
 - examples packed best-fit decreasing into rows of seq_len, each row padded
   only to the longest row of its batch; position ids restart at 0 for each
-  example and no attention mask is passed, so transformers builds a
-  block-diagonal causal mask (TRL's packing without padding);
+  example and no attention mask is passed (TRL's padding-free packing), so
+  no example attends to another;
 - the loss over every token but each example's first, as TRL trains
   completion data by default.
+
+How attention keeps the examples apart, and how the loss is computed, is the
+setup (`setups`): the strongest installed first, as a TRL user on a GPU trains
+it, each a row of the bench.
+
+- `flash`: FlashAttention-2 (`flash_attn`, CUDA), transformers' varlen path,
+  which reads the examples' bounds from the position ids;
+- `flex`: torch's flex attention (CUDA) on the document mask transformers
+  derives from the position ids (masking_utils.find_packed_sequence_indices): a
+  block mask, so the fused kernel skips the blocks between examples. torch 2.13
+  runs flex attention on a CPU forward only, so a CPU never trains with it;
+- `sdpa`: torch's scaled_dot_product_attention on the 4-D block-diagonal mask
+  transformers builds from the same position ids: the floor, on every device,
+  and off the fused kernels on a GPU (an explicit mask).
+
+On CUDA, where `liger_kernel` is installed, the strongest setup also computes
+the loss with Liger's fused linear cross-entropy (the vocabulary projection and
+the loss in chunks, no logits kept): Liger's Gemma patch on the model instance,
+its loss path alone (LIGER), so the RMSNorm, GeGLU and rope stay transformers'.
+The sdpa floor keeps transformers' loss, today's peer as it was.
 
 It runs on the torch backend's process and needs transformers and peft
 (`pip install 'finetune[hf]'`).
@@ -24,14 +44,88 @@ It runs on the torch backend's process and needs transformers and peft
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from finetune.data import packing
+from finetune.platform.errors import UserError
+
+# Liger's Gemma patch, on the loss path alone: the fused linear cross-entropy, which gives the same loss as
+# transformers' up to rounding; its RMSNorm, GeGLU and rope kernels, which round otherwise, stay off.
+LIGER = dict(fused_linear_cross_entropy=True, cross_entropy=False, rope=False, rms_norm=False, geglu=False)
+CHOICES = ("auto", "flash", "flex", "sdpa")  # --peer
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the peer keeps packed examples apart and computes its loss: one hf row of the bench."""
+
+    attention: str  # flash, flex or sdpa (CHOICES)
+    liger: bool = False
+
+    @classmethod
+    def named(cls, name: str) -> Setup:
+        """The setup `name` names: "flex+liger" is Setup("flex", True)."""
+        attention, _, liger = name.partition("+")
+        return cls(attention, liger == "liger")
+
+    @property
+    def name(self) -> str:
+        return self.attention + ("+liger" if self.liger else "")
+
+    @property
+    def implementation(self) -> str:
+        """transformers' attn_implementation."""
+        return {"flash": "flash_attention_2", "flex": "flex_attention", "sdpa": "sdpa"}[self.attention]
+
+    def settings(self, dtype: str) -> str:
+        """The bench row's settings: its attention, its loss, its base's dtype."""
+        attention = {
+            "flash": "padding-free on FlashAttention-2 (varlen)",
+            "flex": "padding-free on flex attention (document mask)",
+            "sdpa": "packed, block-diagonal mask on sdpa",
+        }[self.attention]
+        loss = "Liger fused linear CE" if self.liger else "transformers' CE"
+        return f"transformers + PEFT, {attention}, {loss}, {dtype} base, loss on every token"
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` imports here (the probe the tests replace)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def available() -> bool:
-    import importlib.util
+    return all(_installed(name) for name in ("torch", "transformers", "peft"))
 
-    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers", "peft"))
+
+def setups(device: str, half: bool = True, choice: str = "auto") -> list[Setup]:
+    """The setups the bench trains on `device` (cuda or cpu), the strongest first; with `choice` auto, the sdpa
+    floor after it where it differs. half: the base computes in bf16 or float16 (FlashAttention-2 takes no
+    float32). A `choice` not installed here is a UserError saying what it needs."""
+    cuda = device == "cuda"
+    liger = cuda and _installed("liger_kernel")
+    present = {
+        "flash": cuda and half and _installed("flash_attn"),
+        "flex": cuda and _installed("torch.nn.attention.flex_attention"),
+        "sdpa": True,
+    }
+    if choice == "auto":
+        best = next(attention for attention in ("flash", "flex", "sdpa") if present[attention])
+        strongest = Setup(best, liger)
+        return [strongest] if strongest == Setup("sdpa") else [strongest, Setup("sdpa")]
+    if choice not in CHOICES:
+        raise UserError(f"unknown --peer {choice!r}; choose from {', '.join(CHOICES)}")
+    if not present[choice]:
+        needs = {
+            "flash": "the flash_attn package, a CUDA device and a 16-bit base (pip install flash-attn)",
+            "flex": "torch's flex attention and a CUDA device (torch trains it on no CPU)",
+        }[choice]
+        raise UserError(f"--peer {choice} is not installed here ({device}): it needs {needs}")
+    return [Setup(choice, liger and choice != "sdpa")]
 
 
 def device() -> str:
@@ -40,16 +134,23 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build(config: dict, vocabulary: int, rank: int, dtype: str = "bfloat16"):
-    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, LoRA on q and v."""
+def build(config: dict, vocabulary: int, rank: int, dtype: str = "bfloat16", setup: Setup = Setup("sdpa")):
+    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, LoRA on q and v,
+    attention and loss as `setup` says."""
     from peft import LoraConfig, get_peft_model
 
+    model = base(config, vocabulary, dtype, setup.implementation)
+    if setup.liger:  # on the instance, before PEFT wraps it: its forward computes the loss fused
+        from liger_kernel.transformers import apply_liger_kernel_to_gemma
+
+        apply_liger_kernel_to_gemma(model=model, **LIGER)
     lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    return get_peft_model(base(config, vocabulary, dtype), lora).train()  # PEFT keeps the factors float32
+    return get_peft_model(model, lora).train()  # PEFT keeps the factors float32
 
 
-def base(config: dict, vocabulary: int, dtype: str = "bfloat16"):
-    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, on the device."""
+def base(config: dict, vocabulary: int, dtype: str = "bfloat16", attention: str = "sdpa"):
+    """GemmaForCausalLM with the GemmaBackbone `config`'s sizes, random weights in `dtype`, on the device;
+    `attention` is transformers' attn_implementation."""
     import torch
     from transformers import GemmaConfig, GemmaForCausalLM
 
@@ -65,15 +166,16 @@ def base(config: dict, vocabulary: int, dtype: str = "bfloat16"):
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
-        attn_implementation="sdpa",
+        attn_implementation=attention,
     )
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # no float32 copy of a bf16 base is ever made
     try:
-        model = GemmaForCausalLM(hf_config)
+        with torch.device(device()):  # initialized where it trains: gemma-2b's takes 130 s on a CPU, 1 s on an H200
+            model = GemmaForCausalLM(hf_config)
     finally:
         torch.set_default_dtype(default)
-    return model.to(device())
+    return model
 
 
 def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
@@ -114,7 +216,7 @@ def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int, dtype: 
         inputs, trained = steps[step % len(steps)]
         started = time.perf_counter()
         with torch.autocast(kind, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
-            loss = model(**inputs, use_cache=False).loss  # use_cache=False: the packed mask needs no cache
+            loss = model(**inputs, use_cache=False).loss  # no cache: the position ids alone mark the examples
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
