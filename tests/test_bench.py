@@ -67,6 +67,63 @@ def test_gemma_2b_has_the_released_model_s_parameter_count():
     assert weights + 37 * 2048 == 2_506_172_416
 
 
+def test_the_new_families_train_in_the_bench_on_this_backend(tmp_path):
+    """tiny-gemma3 and tiny-gemma4-moe: the Gemma 3 and 4 backbones (sliding windows, Gemma 4's position ids and
+    experts) built at random and trained by the bench's worker, as gemma3-1b, gemma3-4b and the gemma4 dims are."""
+    out = tmp_path / "rows.json"
+    args = [*"--seq-len 64 --batch-size 2 --steps 1 --warmup 1 --recipes finetune".split(), "--backends", BACKEND]
+    for arch in ("tiny-gemma3", "tiny-gemma4-moe"):
+        done = subprocess.run([sys.executable, "-m", "finetune", "bench", "--arch", arch, *args, "--json", str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "512"})  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        (trained,) = json.loads(out.read_text())
+        assert trained["arch"] == arch and trained["tokens_per_s"] > 0 and 0 < trained["mfu"] < 1
+
+
+@pytest.mark.one_backend
+def test_the_flops_count_windows_wide_heads_and_the_experts_a_token_takes():
+    # Gemma 3's sliding layers (5 of 6) attend over their window: past it, a longer row costs only the global ones.
+    gemma3 = bench.ARCHS["gemma3-1b"]
+    per_position = 3 * 2 * 2 * gemma3["num_query_heads"] * gemma3["head_dim"]
+    globals_ = sum(1 for index in range(gemma3["num_layers"]) if index % 6 == 5)
+    grown = bench.train_flops_per_token("gemma3-1b", 262144, 4096) - bench.train_flops_per_token("gemma3-1b", 262144,
+                                                                                                  2048)  # fmt: skip
+    assert grown == per_position * globals_ * 2048
+    # The MoE: its experts at 8 of 128, so far under its 26B weights; its dense blocks whole.
+    moe = bench.train_flops_per_token("gemma4-26b-a4b", 262144, 1)
+    assert 4 * 3e9 < moe < 4 * 5e9
+    # The released gemma-2b: the closed form the bench had before it read the layouts.
+    a = bench.ARCHS["gemma-2b"]
+    d, f = a["hidden_dim"], a["intermediate_dim"] // 2
+    weights = 18 * (2 * d * 8 * 256 + 2 * d * 256 + 3 * d * f) + d * 256000
+    assert bench.train_flops_per_token("gemma-2b", 256000, 1024) == 4 * weights + 3 * 2 * 2 * 18 * 1024 * 8 * 256
+
+
+@pytest.mark.one_backend
+def test_the_mfu_gives_the_datasheet_s_denominator_on_a_known_gpu():
+    assert bench.datasheet_gflops("gpu (NVIDIA H100 80GB HBM3)", "bfloat16") == 989_000
+    assert bench.datasheet_gflops("gpu (NVIDIA H100 PCIe)", "bfloat16") == 756_000
+    assert bench.datasheet_gflops("gpu (Tesla T4)", "bfloat16") is None  # no bf16 units
+    assert bench.datasheet_gflops("gpu (NVIDIA L40S)", "bfloat16") is None  # not an L4
+    assert bench.datasheet_gflops("cpu (Intel Xeon, 2 cores)", "float32") is None
+    peaks = {"bfloat16": {"gflops": 600_000.0, "backend": "jax", "by_backend": {"jax": 600_000.0},
+                          "device": "gpu (NVIDIA H200)"}}  # fmt: skip
+    rows = [dict(row("jax", 40_000), vocab=256000)]
+    bench.add_mfu(rows, bench.Workload(arch="gemma-2b", seq_len=1024), peaks)
+    assert rows[0]["mfu_datasheet"] == pytest.approx(rows[0]["mfu"] * 600 / 989, abs=1e-4)
+    assert bench._mfu(rows[0]).endswith("*)") and "8192² matmul" in bench.peak_line(peaks)
+    assert "on gpu (NVIDIA H200)" in bench.peak_line(peaks) and "on a CPU" not in bench.peak_line(peaks)
+
+
+@pytest.mark.one_backend
+def test_the_hf_peer_is_refused_for_an_architecture_it_cannot_build(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "finetune", "bench", "--arch", "gemma3-1b", "--recipes", "hf",
+                           "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and "recipe hf builds Gemma 1's architecture" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def row(backend, tokens, recipe="finetune", peak=100.0, mfu=0.1):
     return {"backend": backend, "recipe": recipe, "lever": None, "tokens_per_s": tokens,
             "matmul_peak_gflops": peak, "compute_dtype": "bfloat16", "mfu": mfu}  # fmt: skip

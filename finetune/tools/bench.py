@@ -62,9 +62,14 @@ _KERNEL_SETTINGS = {
     "gemma3-1b": dict(use_sliding_window_attention=True, sliding_window_size=512, global_rope_scaling_factor=1.0),
     "gemma3-4b": dict(use_sliding_window_attention=True, sliding_window_size=1024, global_rope_scaling_factor=8.0),
 }  # fmt: skip
-FAMILY = {"tiny": "gemma", "cpu-small": "gemma", **{name: archs.ARCHS[p].family for name, p in PRESETS.items()}}
+# tiny-gemma3 and tiny-gemma4 (the MoE's), the tiny presets' decoders: the families' paths, in seconds.
+_TINY = ("tiny-gemma3", "tiny-gemma4-moe")
+FAMILY = {"tiny": "gemma", "cpu-small": "gemma", **{name: presets.TINY[name].family for name in _TINY},
+          **{name: archs.ARCHS[p].family for name, p in PRESETS.items()}}  # fmt: skip
 ARCHS = {
     "tiny": presets.TINY_CONFIG,
+    **{name: {k: v for k, v in presets.TINY[name].config.items() if k not in ("vocabulary_size", "image_size")}
+       for name in _TINY},
     "cpu-small": dict(
         num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
     ),
@@ -94,7 +99,8 @@ ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 class Workload:
     """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
 
-    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, cpu-small, gemma-2b, gemma-7b, "
+    arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, tiny-gemma3, tiny-gemma4-moe, "
+                        "cpu-small, gemma-2b, gemma-7b, "
                         "gemma2-2b, gemma3-1b, gemma3-4b (text), gemma4-e4b, gemma4-26b-a4b.", flag="--arch",
                         metavar="NAME")  # fmt: skip
     tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
