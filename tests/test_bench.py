@@ -138,6 +138,22 @@ def test_the_verdict_names_the_fastest_and_its_lead():
     assert "behind" not in line  # nobody is more than 2x behind
 
 
+@pytest.mark.one_backend
+def test_a_grpo_verdict_ranks_the_whole_step_sampling_included():
+    """Rollout rows: the step a run waits on decides, not the tokens trained after sampling (a backend that trains
+    fast and samples slowly is not the fastest)."""
+
+    def step(backend, step_s, generate_s, tokens, recipe="finetune"):
+        return {**row(backend, tokens, recipe), "step_s": step_s, "generate_s": generate_s, "peak_memory_mb": 1000}
+
+    line = bench.verdict(
+        [step("torch", 2.0, 1.9, 900, "hf"), step("jax", 2.2, 1.0, 500), step("torch", 5.0, 4.7, 2000)]
+    )
+    assert line.startswith("verdict: jax is fastest here (2.20 s a step, 2.27x that on torch)")
+    assert "jax's step takes 1.10x TRL's time (2.20 s against 2.00 s)" in line
+    assert "torch is 2.3x behind: 4.70 s of its 5.00 s step is sampling" in line
+
+
 def test_the_verdict_says_why_a_backend_is_more_than_2x_behind():
     slow_matmuls = bench.verdict([row("torch", 1000, peak=400), row("jax", 300, peak=150)])
     assert "jax is 3.3x behind: its bfloat16 matmuls peak at 150 GFLOP/s on this device against 400" in slow_matmuls

@@ -1116,6 +1116,8 @@ def verdict(rows: list[dict]) -> str:
     best = {r["backend"]: r for r in rows if r["recipe"] == "finetune" and not r.get("lever") and "error" not in r}
     if not best:
         return "verdict: no finetune row finished, so no backend can be named fastest"
+    if all("step_s" in r for r in best.values()):  # rollouts: the whole step, sampling included, is what a run waits
+        return _rollout_verdict(rows, sorted(best.values(), key=lambda r: r["step_s"]))
     ranked = sorted(best.values(), key=lambda r: -r["tokens_per_s"])
     top = ranked[0]
     parts = [f"verdict: {top['backend']} is fastest here ({top['tokens_per_s']:.0f} tokens/s"]
@@ -1126,12 +1128,7 @@ def verdict(rows: list[dict]) -> str:
     parts[0] += ")"
     peers = [r for r in rows if r["recipe"] == "hf" and not r.get("lever") and "error" not in r]
     peer = max(peers, key=lambda r: r["tokens_per_s"], default=None)  # the strongest peer setup that ran
-    if peer is not None and "step_s" in peer:  # rollouts: the whole step, sampling included, is what a run waits
-        fastest = min(best.values(), key=lambda r: r["step_s"])
-        parts.append(f"{fastest['backend']}'s step takes {fastest['step_s'] / peer['step_s']:.2f}x TRL's time "
-                     f"({fastest['step_s']:.2f} s against {peer['step_s']:.2f} s), in "
-                     f"{fastest['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory")  # fmt: skip
-    elif peer is not None:
+    if peer is not None and "step_s" not in peer:
         parts.append(
             f"{top['tokens_per_s'] / peer['tokens_per_s']:.2f}x the hf peer's tokens/s"
             + (f" (its fastest setup, {peer['setup']})" if peer.get("setup") else "")
@@ -1145,6 +1142,23 @@ def verdict(rows: list[dict]) -> str:
         behind = top["tokens_per_s"] / slow["tokens_per_s"]
         if behind > 2:
             parts.append(f"{slow['backend']} is {behind:.1f}x behind: {_why_slow(slow, top)}")
+    return "; ".join(parts)
+
+
+def _rollout_verdict(rows: list[dict], ranked: list[dict]) -> str:
+    """--method grpo: the backends ranked by their whole step's time, sampling included, and TRL's beside them."""
+    top = ranked[0]
+    parts = [f"verdict: {top['backend']} is fastest here ({top['step_s']:.2f} s a step"
+             + "".join(f", {r['step_s'] / top['step_s']:.2f}x that on {r['backend']}" for r in ranked[1:]) + ")"]  # fmt: skip
+    peer = next((r for r in rows if r["recipe"] == "hf" and not r.get("lever") and "error" not in r), None)
+    if peer is not None:
+        parts.append(f"{top['backend']}'s step takes {top['step_s'] / peer['step_s']:.2f}x TRL's time "
+                     f"({top['step_s']:.2f} s against {peer['step_s']:.2f} s), in "
+                     f"{top['peak_memory_mb'] / peer['peak_memory_mb']:.2f}x its peak memory")  # fmt: skip
+    for slow in ranked[1:]:
+        if slow["step_s"] > 2 * top["step_s"]:
+            parts.append(f"{slow['backend']} is {slow['step_s'] / top['step_s']:.1f}x behind: {slow['generate_s']:.2f} "
+                         f"s of its {slow['step_s']:.2f} s step is sampling")  # fmt: skip
     return "; ".join(parts)
 
 

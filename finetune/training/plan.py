@@ -279,8 +279,10 @@ def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | N
     return planned
 
 
-REMAT_KEEPS = ("on JAX on a CPU remat saves no memory: XLA's CPU compiler keeps every block's activations "
-               "whatever jax.checkpoint asks (its temporary memory is the same with and without it)")
+REMAT_KEEPS = (
+    "on JAX on a CPU remat saves no memory: XLA's CPU compiler keeps every block's activations "
+    "whatever jax.checkpoint asks (its temporary memory is the same with and without it)"
+)
 
 
 def remat_saves(backend: str, device: str) -> bool:
