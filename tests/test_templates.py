@@ -171,3 +171,14 @@ def test_a_template_that_cannot_render_the_data_is_refused(fmt, template, messag
 
 def test_completion_records_take_an_instruction_template_when_asked():
     assert templates.for_data("dolly", "completion", "gemma-chat", "tiny", "d") == ("dolly", None)
+
+
+def test_generation_stops_at_the_stop_tokens_the_tokenizer_has_and_gemma4_at_a_tool_call_s_hand_over():
+    """Gemma 4's chat stops where a tool call hands over to the tool; a tokenizer without one of the stop tokens
+    as a piece (tiny-gemma4's lacks <|tool_response>) stops at the others, not at its unknown id."""
+    template = templates.get("gemma4-chat")
+    assert "<|tool_response>" in template.stop_tokens
+    tokenizer = presets.tiny_tokenizer("tiny-gemma4")
+    ids = template.stop_ids(tokenizer)
+    unknown = tokenizer.token_to_id("<|tool_response>")
+    assert unknown not in ids and tokenizer.token_to_id("<turn|>") in ids and tokenizer.token_to_id("<eos>") in ids

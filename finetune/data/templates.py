@@ -59,6 +59,16 @@ class Template:
         """What a sample generation before and after training is given for `record`."""
         return self.apply(record)[0]
 
+    def stop_ids(self, tokenizer) -> tuple[int, ...]:
+        return stop_ids(tokenizer, self.stop_tokens)
+
+
+def stop_ids(tokenizer, tokens) -> tuple[int, ...]:
+    """The ids generation stops at: each of `tokens` the tokenizer has as one piece (for one it lacks, a tiny
+    preset's tokenizer gives its unknown id, and generation would stop at any unknown piece)."""
+    ids = ((token, tokenizer.token_to_id(token)) for token in tokens)
+    return tuple(i for token, i in ids if tokenizer.id_to_token(i) == token)
+
 
 class Dolly(Template):
     """The Keras Gemma tutorial's template, with the context in its own block when present."""
@@ -141,11 +151,12 @@ class Gemma4Chat(GemmaChat):
 
     It renders a system turn of its own, tool declarations in it, the model's tool calls and thinking in its
     turn, and tool responses inside the model's turn (not trained). keras-hub's Gemma4CausalLM stops generating
-    at <turn|> too.
+    at <turn|> too; generation also stops where a tool call hands over to the tool (<|tool_response>), so the call
+    is the model's answer, as Gemma 4's generation config stops there.
     """
 
     name = "gemma4-chat"
-    stop_tokens = ("<eos>", "<turn|>")
+    stop_tokens = ("<eos>", "<turn|>", "<|tool_response>")
     renderer = chat.GEMMA4
     tools = chat.GEMMA4.tools
 

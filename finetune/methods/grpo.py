@@ -92,7 +92,7 @@ class GRPO(Method):
     def sampling(self, cfg, template, tokenizer) -> rollouts.Sampling:
         c = self.constants(cfg.train)
         loaded = rewards.load(cfg.train.reward, cfg.train.reward_weights, c["max_completion_length"])
-        stop_ids = tuple(tokenizer.token_to_id(t) for t in template.stop_tokens)
+        stop_ids = template.stop_ids(tokenizer)
         batch = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 1
         return rollouts.Sampling(c["num_generations"], c["max_completion_length"], c["temperature"], c["top_p"],
                                  cfg.train.seed, tuple(loaded), stop_ids, batch * cfg.train.grad_accum)  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 
-from finetune.data import images
+from finetune.data import images, templates
 from finetune.platform.errors import UserError
 from finetune.training import loop
 
@@ -51,7 +51,7 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     vision = images.vision_of(preprocessor) if pictured else None
     counted = [images.written_prompt(p, vision) for p in texts] if pictured else texts
     longest = max(len(tokenizer.tokenize(p)) for p in counted) + 1  # + <bos>
-    stop_ids = tuple(tokenizer.token_to_id(t) for t in stop_tokens)
+    stop_ids = templates.stop_ids(tokenizer, stop_tokens)
     # Under a distribution the prompts are split over the data axis, which must divide their count.
     from finetune.model import distribution
 
