@@ -89,15 +89,12 @@ class GRPOView(objective.TrainingView):
         return "float32"
 
     def call(self, inputs, training=None):
-        backbone = self.lm.backbone
-        hidden = objective._gathered(backbone, inputs, self.shards, training=training)
-        labels = ops.reshape(inputs["loss_labels"], (-1,))
-        weights = ops.reshape(inputs["loss_weights"], (-1,))
-        kernel, soft_cap = objective.logit_projection(backbone)
+        hidden, labels, weights, kernel, soft_cap = objective.targets(self.lm.backbone, inputs, self.shards,
+                                                                      training=training)  # fmt: skip
         # The logits at the sampling temperature, as keras-hub's samplers divide the (capped) logits: a kernel and
         # a soft cap both divided by T give exactly that, cap/T tanh((x/T) / (cap/T)) = (cap tanh(x / cap)) / T.
         temperature = self.objective.temperature
-        kernel = ops.convert_to_tensor(kernel) / ops.cast(temperature, kernel.dtype)
+        kernel = kernel / ops.cast(temperature, kernel.dtype)
         soft_cap = soft_cap / temperature if soft_cap is not None else None
         shape = ops.shape(inputs["loss_labels"])
         entropy = None

@@ -24,6 +24,8 @@ of logits exists at a time. The loss is the same as the full projection's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import keras
 from keras import ops
 
@@ -221,6 +223,26 @@ def _gathered(backbone, inputs, shards: int, rows: int | None = None, training=N
     return ops.reshape(gathered, (count * positions.shape[1] if count else -1, width))
 
 
+class Targets(NamedTuple):
+    """What every view's loss reads: the hidden states at the trained positions, their labels and weights, and
+    the logits' projection (its kernel as a tensor, and the family's soft cap or None)."""
+
+    hidden: object
+    labels: object
+    weights: object
+    kernel: object
+    soft_cap: float | None
+
+
+def targets(backbone, inputs, shards: int, rows: int | None = None, training=None) -> Targets:
+    """The backbone run on a batch's model inputs, and what its loss positions need (_gathered says how)."""
+    hidden = _gathered(backbone, inputs, shards, rows, training=training)
+    kernel, soft_cap = logit_projection(backbone)
+    labels = ops.reshape(inputs["loss_labels"], (-1,))
+    weights = ops.reshape(inputs["loss_weights"], (-1,))
+    return Targets(hidden, labels, weights, ops.convert_to_tensor(kernel), soft_cap)
+
+
 class ResponseTokens:
     """SFT's objective: the mean cross-entropy of the response tokens (methods/supervised.py)."""
 
@@ -247,13 +269,8 @@ class TrainingView(keras.Model):
     def call(self, inputs, training=None):
         # keras' trainers pass `training` only to a call that takes it, and JAX's stateless call sets no call
         # context: passed on to the backbone, it reaches LoRA dropout and NEFTune, which act only while training.
-        backbone = self.lm.backbone
-        hidden = _gathered(backbone, inputs, self.shards, training=training)
-        labels = ops.reshape(inputs["loss_labels"], (-1,))
-        weights = ops.reshape(inputs["loss_weights"], (-1,))
-        kernel, soft_cap = logit_projection(backbone)
-        kernel = ops.convert_to_tensor(kernel)
-        losses = token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        t = targets(self.lm.backbone, inputs, self.shards, training=training)
+        losses = token_losses(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap)
         return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
 
     def compute_output_spec(self, inputs):
@@ -320,13 +337,8 @@ class ScoringView(TrainingView):
     """
 
     def call(self, inputs):
-        backbone = self.lm.backbone
-        hidden = _gathered(backbone, inputs, self.shards, self.rows)
-        labels = ops.reshape(inputs["loss_labels"], (-1,))
-        weights = ops.reshape(inputs["loss_weights"], (-1,))
-        kernel, soft_cap = logit_projection(backbone)
-        kernel = ops.convert_to_tensor(kernel)
-        loss, correct = token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+        t = targets(self.lm.backbone, inputs, self.shards, self.rows)
+        loss, correct = token_scores(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap)
         shape = ops.shape(inputs["loss_labels"])
         return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}
 

@@ -131,12 +131,8 @@ class PreferenceView(objective.TrainingView):
         return "float32"
 
     def call(self, inputs, training=None):
-        backbone = self.lm.backbone
-        hidden = objective._gathered(backbone, inputs, self.shards, training=training)
-        labels = ops.reshape(inputs["loss_labels"], (-1,))
-        weights = ops.reshape(inputs["loss_weights"], (-1,))
-        kernel, soft_cap = objective.logit_projection(backbone)
-        kernel = ops.convert_to_tensor(kernel)
+        hidden, labels, weights, kernel, soft_cap = objective.targets(self.lm.backbone, inputs, self.shards,
+                                                                      training=training)  # fmt: skip
         if training:
             losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap)
         else:  # scoring (the reference pass, held-out pairs): no gradient, so no custom-gradient op, which
