@@ -10,6 +10,12 @@
 # DATA and TOKENIZER name the bench's records and .spm (default: the package's sample and the tiny tokenizer;
 # the logits are the released vocabulary's either way).
 #
+# On a device lent by the minute: in .whl/, keras==3.15.1 keras-hub==0.32.0 namex optree kagglehub kagglesdk and
+# liger-kernel for its Python (pip download --no-deps --only-binary=:all: --python-version 3.12 ...); in .gpu/,
+# the bench's data and tokenizer; carry both, and run
+#   DATA=.gpu/dolly-real-151.jsonl TOKENIZER=.gpu/bench.spm bash tools/gpu_check.sh --budget 470
+# with a time limit of about 590 s. Checked without TensorFlow on a CPU (a virtual environment without it).
+#
 # Benches run in priority order and none starts after --budget seconds (default 450), so a device lent by the
 # minute returns what finished; each row also stops at FINETUNE_BENCH_ROW_SECONDS (default 150). The rows of
 # every bench are merged into DIR/gpu_check.json (default $OUT, else ./gpu-check) after each one, beside
@@ -36,7 +42,7 @@ log="$out/gpu_check.log"
 : >"$log"
 started=$(date +%s)
 
-if ! python3 -c "import keras_hub" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+if ! KERAS_BACKEND=jax python3 -c "import keras_hub" >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_check: the wheels in .whl/ did not install" | tee -a "$log"; exit 1; }
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
