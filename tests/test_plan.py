@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from finetune import config
 from finetune.cli import app
 from finetune.model import archs
+from finetune.platform.errors import UserError
 from finetune.training import plan, resolve
 
 runner = CliRunner()
@@ -499,3 +500,10 @@ def test_a_grpo_plan_counts_each_prompt_s_completions_and_the_rollout_s_cache():
     assert jax_plan.memory.get("rollout", 0) < torch_plan.memory["rollout"]
     shown = invoke("--preset", "gemma_2b_en", "--method", "grpo", "--num-generations", "4", "--seq-len", "256")
     assert shown.exit_code == 0 and "each prompt of a batch is 4 rows" in shown.output, shown.output
+
+
+def test_the_plan_refuses_a_quantized_base_the_run_refuses():
+    """Gemma 4's blocks read their FFW kernels directly, so a run refuses --quantize for it: the plan did say
+    gemma4_31b in int4 fits 24 GB."""
+    with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet"):
+        make(device="24GB", **{"model.preset": "gemma4_31b", "model.quantize": "int4"})

@@ -324,6 +324,9 @@ def _device_count(cfg: Config) -> int | None:
 
 def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, remat: bool) -> Plan:
     model = model_of(cfg.model.preset)
+    why = families.get(model.family).no_quantize if cfg.model.quantize else None
+    if why:  # the plan promises nothing a run refuses (builder.build refuses it the same way)
+        raise UserError(f"--quantize {cfg.model.quantize} is not for {families.get(model.family).title} yet: {why}")
     data, model_size = _mesh(cfg, devices)
     placements = layouts.place(model.dims, model_size)  # a UserError naming the kernel when indivisible
     notes: list[str] = []
