@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import h5py
+import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, float32_policy, killed_after, write_jsonl
@@ -26,6 +27,7 @@ from conftest import BACKEND, float32_policy, killed_after, write_jsonl
 import finetune
 from finetune.config import LoraConfig
 from finetune.model import builder, families, presets
+from finetune.platform.errors import UserError
 from finetune.training import checkpoint, outputs
 
 FAMILIES = ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma3n"]
@@ -181,13 +183,47 @@ def test_lora_adapts_the_attention_and_ffw_and_refuses_the_rest(preset, frozen):
     for name in frozen:
         with pytest.raises(UserError, match=f"'{name}' layers stay frozen: .*; LoRA adapts query, key, value"):
             builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", name]))
-    if preset.startswith("tiny-gemma4"):  # its blocks read the FFW kernels directly: int4's come unscaled
-        with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: .* without its scales"):
-            builder.build(presets.resolve(preset), 32, quantize="int4")
     own = ["q_proj", "down_proj"] if preset == "tiny-gemma3n" else ["query", "ffw_linear"]
     count = builder.enable_lora(lm, LoraConfig(rank=2, targets=own))
     trainable = {v.path.split("/")[-1] for v in lm.trainable_weights}
     assert trainable == {"lora_kernel_a", "lora_kernel_b"} and count == 2 * len(families.decoder_blocks(lm.backbone))
+
+
+def _gemma4_hidden(quantize=None, lora=None):
+    """tiny-gemma4's hidden states of one row, training mode, built in float32 (quantized if asked), with `lora`
+    and B factors drawn so the update is not zero."""
+    with float32_policy():
+        lm, _ = builder.build(presets.resolve("tiny-gemma4"), 32, "float32", quantize)
+        if lora is not None:
+            builder.enable_lora(lm, lora, seed=0)
+            rng = np.random.default_rng(0)
+            for layer in lm.backbone._flatten_layers(include_self=False):
+                if getattr(layer, "lora_enabled", False):
+                    layer.lora_kernel_b.assign(rng.normal(0, 0.5, tuple(layer.lora_kernel_b.shape)).astype("float32"))
+        x = {"token_ids": np.arange(2, 18)[None].astype("int32"), "padding_mask": np.ones((1, 16), "int32"),
+             "position_ids": np.arange(16)[None].astype("int32")}  # fmt: skip
+        return lm, keras.ops.convert_to_numpy(lm.backbone(x, training=True))
+
+
+def test_gemma4_s_ffw_kernels_it_reads_itself_are_dequantized_and_take_dora():
+    """keras-hub's Gemma 4 blocks multiply by their FFW kernels rather than calling the layers: a quantized kernel
+    came without its scales (so --quantize was refused), and DoRA on ffw targets changed nothing (silently plain
+    LoRA). The kernel they read is now the effective one."""
+    _, plain = _gemma4_hidden()
+    for mode, within in (("int8", 0.05), ("int4", 0.35)):  # the quantization's own error, not a missing scale
+        _, quantized_out = _gemma4_hidden(mode)
+        assert np.linalg.norm(quantized_out - plain) / np.linalg.norm(plain) < within, mode
+    _, lora = _gemma4_hidden(lora=LoraConfig(rank=2, targets=["ffw_gating", "ffw_linear"]))
+    lm, dora = _gemma4_hidden(lora=LoraConfig(rank=2, targets=["ffw_gating", "ffw_linear"], dora=True))
+    assert np.abs(dora - lora).max() > 1e-3  # DoRA's magnitude acts
+    layer = next(layer for layer in lm.backbone._flatten_layers() if layer.name == "ffw_gating")
+    w, a, b, m = (keras.ops.convert_to_numpy(v) for v in (layer._kernel, layer.lora_kernel_a, layer.lora_kernel_b,
+                                                          layer.lora_magnitude))  # fmt: skip
+    merged = w + layer.lora_alpha / layer.lora_rank * a @ b
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.kernel), merged * m / np.linalg.norm(merged, axis=0),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    with pytest.raises(UserError, match="--lora-dropout on layer 'ffw_gating': this model's blocks multiply"):
+        _gemma4_hidden(lora=LoraConfig(rank=2, targets=["query", "ffw_gating"], dropout=0.1))
 
 
 @pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gemma4", "tiny-gemma3n"])
@@ -350,3 +386,26 @@ def test_the_command_line_trains_a_gemma4_preset_directory_on_pictures_and_gener
     answered = typed("generate", "--run", "run", "--image", "sq2.png", "--prompt", "What colour is this?",
                      "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
     assert answered.stdout.strip() and "generated on" in answered.stderr
+
+
+def test_the_command_line_trains_gemma4_s_moe_on_an_int4_base(data, tmp_path):
+    """--quantize int4 on Gemma 4 (refused before: its blocks read the FFW kernels, which came without their
+    scales), LoRA on every linear kind, in a fresh process: the held-out loss falls."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny-gemma4-moe", "--backend", BACKEND, "--quantize",
+         "int4", "--target", "all-linear", "--precision", "float32", "--batch-size", "2", "--data", str(data),
+         "--max-records", "24", "--seq-len", "32", "--max-steps", "6", "--set", "train.samples=0", "--output",
+         str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_loss"] < metrics["eval_loss_before"] and metrics["steps"] == 6
+    assert yaml_value(out, "quantize") == "int4"
+
+
+def yaml_value(run, key):
+    import yaml
+
+    return yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["model"][key]

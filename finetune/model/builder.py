@@ -124,6 +124,7 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
+    effective_kernels(lm.backbone, families.get(source.family).read_kernels)
     for layer in quantized.quantized_layers(lm.backbone):
         beside_the_kernel(layer)  # its kernel dequantized only when its input arrives
     if remat:
@@ -361,6 +362,12 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
         # then both scale by alpha / rank, or alpha / sqrt(rank) with rslora.
         layer.lora_alpha = lora.scale() * lora.rank
     initialise_lora(adapted, seed)
+    read = [layer.name for layer in adapted if getattr(layer, "kernel_read_directly", False)]
+    if lora.dropout and read:
+        raise UserError(
+            f"--lora-dropout on layer {read[0]!r}: this model's blocks multiply by its kernel themselves (keras-hub's "
+            "Gemma 4 FFW), so dropout of its input cannot act; drop --lora-dropout or target the attention layers"
+        )
     if lora.dropout:
         lora_dropout.enable(backbone, adapted, lora.dropout, seed)
     for layer in adapted:
@@ -376,6 +383,55 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
                 layer.lora_magnitude.assign(keras.ops.convert_to_numpy(_column_norm(layer, with_update=False)))
         beside_the_kernel(layer, own_call=bool(lora.dora or lora.dropout))
     return len(adapted)
+
+
+def effective_kernels(backbone, names: tuple) -> int:
+    """Make the `kernel` of the decoder's layers named `names` the one their block should multiply by.
+
+    keras-hub's Gemma 4 blocks compute their FFW as x @ layer.kernel rather than calling the layer, so neither a
+    quantized layer's call (its kernel comes without its scales) nor ours (beside_the_kernel: DoRA) would act.
+    Each such layer's class becomes a subclass whose `kernel` is the effective kernel: the float kernel, or the
+    quantized one dequantized as its call would; plus s A B under LoRA; under DoRA scaled per output to
+    m / |W + s A B| (the norm held constant, as _with_lora), which x @ kernel makes exactly PEFT's DoRA output.
+    Returns how many layers were changed.
+    """
+    if not names:
+        return 0
+    inside = {id(layer) for encoder in encoders(backbone) for layer in encoder._flatten_layers()}
+    changed = 0
+    for block in families.decoder_blocks(backbone):
+        for layer in block._flatten_layers(include_self=False):
+            if layer.name in names and id(layer) not in inside and hasattr(layer, "_kernel"):
+                layer.__class__ = _read_directly(type(layer))
+                changed += 1
+    return changed
+
+
+@functools.cache
+def _read_directly(cls):
+    return type(f"ReadDirectly{cls.__name__}", (cls,), {"kernel": property(_effective_kernel),
+                                                         "kernel_read_directly": True})  # fmt: skip
+
+
+def _effective_kernel(layer):
+    mode = getattr(layer, "quantization_mode", None)
+    if mode in quantized.MODES:
+        stored = quantized._int4_weights(layer) if mode == "int4" else (layer._kernel, layer.kernel_scale)
+        dequantize = quantized._int4_kernel(layer) if mode == "int4" else quantized._int8_kernel(layer)
+        kernel = dequantize(*(ops.convert_to_tensor(w) for w in stored))
+    elif not getattr(layer, "lora_enabled", False):
+        return layer._kernel  # the variable, as keras' own property gives it (export merges into it)
+    else:
+        kernel = ops.cast(layer._kernel, layer.compute_dtype)
+    if not getattr(layer, "lora_enabled", False):
+        return kernel
+    compute = layer.compute_dtype
+    update = ops.matmul(ops.cast(layer.lora_kernel_a, compute), ops.cast(layer.lora_kernel_b, compute))
+    kernel = ops.add(kernel, ops.cast(layer.lora_alpha / layer.lora_rank, compute) * update)
+    if getattr(layer, "lora_magnitude", None) is None:
+        return kernel
+    norm = ops.stop_gradient(_column_norm(layer, with_update=True))
+    return ops.multiply(kernel, ops.cast(ops.divide(layer.lora_magnitude, norm), compute))
 
 
 def encoders(backbone) -> list:

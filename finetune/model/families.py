@@ -95,6 +95,10 @@ class Family:
     keeps (Gemma 4's); empty where pictures are refused or the preset keeps its encoder anyway (Gemma 3)."""
     no_quantize: str | None = None
     """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
+    read_kernels: tuple = ()
+    """Layers whose kernel the family's decoder block reads and multiplies by itself rather than calling the layer
+    (keras-hub's Gemma 4 FFW): their `kernel` is made the effective one, dequantized, LoRA and DoRA merged
+    (builder.effective_kernels), and LoRA dropout, which acts on a layer's input, is refused on them."""
     without_images: str | None = None
     """Why this family's model may be built without the vision encoder its preset has, said where pictures are
     refused; None where the only reason is a preset without one."""
@@ -162,10 +166,7 @@ FAMILIES = {
         converters=("image_converter", "audio_converter", "video_converter"),
         seeing=("vision_encoder", "image_converter"),
         without_images="a run on text builds Gemma 4 without its image encoder; a run on pictures keeps it",
-        no_quantize=(
-            "keras-hub's Gemma 4 blocks multiply by their FFW layers' kernels directly, and a quantized layer's kernel "
-            "comes without its scales"
-        ),
+        read_kernels=("ffw_gating", "ffw_gating_2", "ffw_linear"),
         float16_overflows=_CLAMPED.format(title="Gemma 4", n="4"),
     ),
     "gemma3n": Family(
