@@ -91,9 +91,8 @@ class Model:
 def build_model(source: presets.Source, recipe: Recipe) -> Model:
     """The one builder: the preset's base (quantized as it loads), LoRA on it, the response-token loss and
     AdamW. Training, `finetune eval`, `generate`, `export` and `bench` all build their model here."""
-    lm, preprocessor = build(
-        source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat, recipe.images, recipe.image_tokens
-    )
+    lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat, recipe.images)
+    with_image_tokens(source, lm, preprocessor, recipe.image_tokens)
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
@@ -109,7 +108,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
-          remat: bool = False, images: bool = False, image_tokens: int | None = None):  # fmt: skip
+          remat: bool = False, images: bool = False):  # fmt: skip
     """The causal LM (without preprocessor attached) and its preprocessor, ready for LoRA.
 
     Its decoder blocks take segment ids where keras-hub takes `padding_mask`
@@ -122,12 +121,11 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
     remat: bool. Recompute each decoder block's activations in the backward
         pass instead of keeping them (remat.py).
     images: bool. The run's data has pictures: see load_base.
-    image_tokens: int. A picture's soft tokens: see load_base.
     """
     why = families.get(source.family).no_quantize if quantize is not None else None
     if why:
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
-    lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images, image_tokens)
+    lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
     for layer in quantized.quantized_layers(lm.backbone):
         beside_the_kernel(layer)  # its kernel dequantized only when its input arrives
@@ -152,10 +150,16 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     """
     with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
         lm, preprocessor = _load_base(source, seq_len, dtype, quantize, images)
-    if image_tokens is not None:
-        families.get(source.family).check_image_tokens(image_tokens)
-        pooled_as_encoded(preprocessor, lm.backbone, image_tokens)
+    with_image_tokens(source, lm, preprocessor, image_tokens)
     return lm, preprocessor
+
+
+def with_image_tokens(source: presets.Source, lm, preprocessor, tokens: int | None) -> None:
+    """A picture's soft tokens (--image-tokens) in the preprocessor and its image converter; None keeps the
+    preset's. build_model and load_base (export's merged base) both set them here."""
+    if tokens is not None:
+        families.get(source.family).check_image_tokens(tokens)
+        pooled_as_encoded(preprocessor, lm.backbone, tokens)
 
 
 def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize: str | None, images: bool):
