@@ -31,6 +31,7 @@ import yaml
 
 from finetune.data.formats import SAMPLE
 from finetune.data.templates import TEMPLATES
+from finetune.model.families import IMAGE_TOKENS
 from finetune.model.presets import LEARNING_RATE, TINY_NAMES
 from finetune.platform.backend import DEFAULT_BATCH_SIZE
 from finetune.platform.errors import UserError
@@ -239,6 +240,12 @@ def _norm_or_none(value, name: str) -> str | None:
     return f"{name} must be a number at least 0, or `none` (0 and none turn clipping off), got {value!r}"
 
 
+def _image_budget(value: int, name: str) -> str | None:
+    if value in IMAGE_TOKENS:
+        return None
+    return f"{name} must be one of {', '.join(map(str, IMAGE_TOKENS))}, Gemma 4's budgets, got {value}"
+
+
 def _trackers(value: list, name: str) -> str | None:
     unknown = [v for v in value if v not in TRACKERS]
     if unknown:
@@ -422,6 +429,14 @@ class DataConfig:
         "the vision encoder's pass over them. A run counts the most a record of --data holds, which wins.",
         flag="--images", panel=DATA, metavar="N", range=Range(0), default_text="the data's; 0 without it",
         label="images per example", hint="e.g. --images 1",
+    )  # fmt: skip
+    image_tokens: Optional[int] = setting(
+        None,
+        "Gemma 4: the soft tokens each picture takes in the sequence (70, 140, 280, 560 or 1120). Its image "
+        "converter resizes a picture to at most that many tokens' patches: more tokens see finer detail, and take "
+        "more of --seq-len and more memory and time in the vision encoder.",
+        flag="--image-tokens", panel=DATA, metavar="N", check=_image_budget, default_text="the preset's",
+        label="--image-tokens",
     )  # fmt: skip
     packing: str = setting(
         "auto",

@@ -187,7 +187,9 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
         # hf and gguf are float32, cast on writing (transformers when a user loads it, gguf to --dtype).
         variables = keras.mixed_precision.DTypePolicy(backend.POLICIES[precision][0]).variable_dtype
         keras.config.set_dtype_policy(variables if fmt == "merged" else "float32")
-        lm, preprocessor = builder.load_base(source, cfg.model.seq_len, images=resolved.recipe(train=False).images)
+        recipe = resolved.recipe(train=False)
+        lm, preprocessor = builder.load_base(source, cfg.model.seq_len, images=recipe.images,
+                                             image_tokens=recipe.image_tokens)  # fmt: skip
     if fmt == "hf" and not base:
         check_transformers_layout(lm.backbone)
     check_encoders(lm.backbone, fmt)

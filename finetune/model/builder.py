@@ -67,6 +67,8 @@ class Recipe:
     images: bool = False
     """The run's data has pictures (resolve's `images`): a preset whose family leaves its encoders out of a text
     run (Gemma 4) is built with its image encoder and converter, still without its audio encoder."""
+    image_tokens: int | None = None
+    """A picture's soft tokens (--image-tokens, Gemma 4); None: the preset's own."""
 
 
 @dataclass
@@ -90,6 +92,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     """The one builder: the preset's base (quantized as it loads), LoRA on it, the response-token loss and
     AdamW. Training, `finetune eval`, `generate`, `export` and `bench` all build their model here."""
     lm, preprocessor = build(source, recipe.seq_len, recipe.precision, recipe.quantize, recipe.remat, recipe.images)
+    with_image_tokens(source, lm, preprocessor, recipe.image_tokens)
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
@@ -134,7 +137,7 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
 
 
 def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, quantize: str | None = None,
-              images: bool = False):  # fmt: skip
+              images: bool = False, image_tokens: int | None = None):  # fmt: skip
     """The preset's causal LM (preprocessor detached) and its preprocessor, as keras-hub builds them.
 
     No hooks: what `finetune export` merges into and saves.
@@ -142,9 +145,22 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
     quantize: str. int4 or int8: the decoder kernels are quantized as they load (quantized.py).
     images: bool. The run's data has pictures: a multimodal preset keeps its image encoder and converter
         (families.Family.left_out). A tiny preset is built as it is either way.
+    image_tokens: int. A picture's soft tokens (Gemma 4's --image-tokens): the preprocessor writes that many
+        for each picture, and its image converter resizes pictures to that many tokens' patches; None keeps the
+        preset's.
     """
     with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
-        return _load_base(source, seq_len, dtype, quantize, images)
+        lm, preprocessor = _load_base(source, seq_len, dtype, quantize, images)
+    with_image_tokens(source, lm, preprocessor, image_tokens)
+    return lm, preprocessor
+
+
+def with_image_tokens(source: presets.Source, lm, preprocessor, tokens: int | None) -> None:
+    """A picture's soft tokens (--image-tokens) in the preprocessor and its image converter; None keeps the
+    preset's. build_model and load_base (export's merged base) both set them here."""
+    if tokens is not None:
+        families.get(source.family).check_image_tokens(tokens)
+        pooled_as_encoded(preprocessor, lm.backbone, tokens)
 
 
 def _load_base(source: presets.Source, seq_len: int, dtype: str | None, quantize: str | None, images: bool):
@@ -248,9 +264,9 @@ def _from_preset(cls, family, handle: str, dtype, quantize: str | None, images: 
     return cls(backbone=backbone, preprocessor=preprocessor)
 
 
-def pooled_as_encoded(preprocessor, backbone) -> None:
+def pooled_as_encoded(preprocessor, backbone, tokens: int | None = None) -> None:
     """Make a Gemma 4 image converter resize pictures to the patches its vision encoder pools into the
-    preprocessor's soft tokens.
+    preprocessor's soft tokens; with `tokens`, that many soft tokens a picture (--image-tokens) in both.
 
     keras-hub 0.32's Gemma4ImageConverter.get_config saves its patch size alone, so a saved preset's converter
     comes back with Gemma 4's 280 soft tokens pooled 3x3, whatever its encoder pools: a picture of another
@@ -261,6 +277,8 @@ def pooled_as_encoded(preprocessor, backbone) -> None:
     encoder = getattr(backbone, "vision_encoder", None)
     if converter is None or encoder is None or not hasattr(converter, "pooling_kernel_size"):
         return
+    if tokens is not None:
+        preprocessor.num_vision_tokens_per_image = tokens
     tokens, pool = preprocessor.num_vision_tokens_per_image, encoder.pool_size
     if (converter.max_soft_tokens, converter.pooling_kernel_size) != (tokens, pool):
         config = dict(converter.get_config(), max_soft_tokens=tokens, pooling_kernel_size=pool)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from finetune.platform.errors import UserError
 
+IMAGE_TOKENS = (70, 140, 280, 560, 1120)
+"""The soft-token budgets Gemma 4 lets a picture take (--image-tokens): keras-hub's presets take 280."""
 TARGETS = ("query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear")
 _SAME = {name: name for name in TARGETS}
 ALL_LINEAR = "all-linear"
@@ -93,6 +95,9 @@ class Family:
     seeing: tuple = ()
     """Of `encoders` and `converters`, the image encoder's and converter's keys that a run whose data has pictures
     keeps (Gemma 4's); empty where pictures are refused or the preset keeps its encoder anyway (Gemma 3)."""
+    image_tokens: tuple = ()
+    """The soft-token budgets a picture may take (--image-tokens; Gemma 4's IMAGE_TOKENS); empty where the image
+    encoder fixes its count (Gemma 3's 256) or pictures are refused."""
     no_quantize: str | None = None
     """Why --quantize (int4 or int8) would compute wrong on this family; None where it works."""
     read_kernels: tuple = ()
@@ -125,6 +130,17 @@ class Family:
         kept = self.seeing if images else ()
         encoders = {key: value for key, value in self.encoders.items() if key not in kept}
         return encoders, tuple(name for name in self.converters if name not in kept)
+
+    def check_image_tokens(self, tokens: int | None) -> None:
+        """Refuse an --image-tokens budget this family's pictures cannot take (None: the preset's own)."""
+        if tokens is None:
+            return
+        if not self.image_tokens:
+            raise UserError(f"--image-tokens {tokens}: {self.title}'s pictures take the soft tokens its image "
+                            "encoder makes, and only Gemma 4 lets a run choose them; leave --image-tokens out")  # fmt: skip
+        if tokens not in self.image_tokens:
+            raise UserError(f"--image-tokens {tokens}: {self.title} takes one of "
+                            f"{', '.join(map(str, self.image_tokens))}")  # fmt: skip
 
     def frozen_reason(self, layer: str) -> str | None:
         for name, why in self.frozen.items():
@@ -164,7 +180,7 @@ FAMILIES = {
         chat_template="gemma4-chat", transformers="Gemma4ForCausalLM", kaggle_models=("gemma4",), licence=APACHE,
         encoders=dict(vision_encoder=None, audio_encoder=None),
         converters=("image_converter", "audio_converter", "video_converter"),
-        seeing=("vision_encoder", "image_converter"),
+        seeing=("vision_encoder", "image_converter"), image_tokens=IMAGE_TOKENS,
         without_images="a run on text builds Gemma 4 without its image encoder; a run on pictures keeps it",
         read_kernels=("ffw_gating", "ffw_gating_2", "ffw_linear"),
         float16_overflows=_CLAMPED.format(title="Gemma 4", n="4"),

@@ -269,7 +269,7 @@ def _arrays(path: Path) -> list[np.ndarray]:
 RESUME_KEYS = (
     ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("model", "quantize"), ("lora", "rank"), ("lora", "alpha"),
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
-    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"),
+    ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"), ("data", "image_tokens"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
     ("train", "lr_schedule"), ("train", "warmup_steps"), ("train", "warmup_ratio"), ("train", "min_lr_ratio"),
     ("train", "grad_accum"), ("train", "max_grad_norm"), ("train", "method"), ("train", "beta"), ("train", "label_smoothing"),

@@ -217,7 +217,8 @@ class Plan:
     remat: bool = False
     """Whether each decoder block is recomputed in the backward pass (--remat, or auto's choice)."""
     images: dict | None = None
-    """With --images: per_example, tokens_per_image, slots (the pictures each row feeds the encoder), image_size."""
+    """With --images: per_example, tokens_per_image, slots (the pictures each row feeds the encoder), image_size, seen
+    (what a slot holds, in words: the square, or with --image-tokens its most patches)."""
     device_name: str | None = None
     usable: float | None = None
     fits: bool | None = None
@@ -327,6 +328,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     why = families.get(model.family).no_quantize if cfg.model.quantize else None
     if why:  # the plan promises nothing a run refuses (builder.build refuses it the same way)
         raise UserError(f"--quantize {cfg.model.quantize} is not for {families.get(model.family).title} yet: {why}")
+    families.get(model.family).check_image_tokens(cfg.data.image_tokens)
     data, model_size = _mesh(cfg, devices)
     placements = layouts.place(model.dims, model_size)  # a UserError naming the kernel when indivisible
     notes: list[str] = []
@@ -462,47 +464,53 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
     data's most pictured record holds (N), blank ones beside a row's fewer pictures, and the encoder encodes them.
     """
     count = cfg.data.images or 0
+    budget = cfg.data.image_tokens
     if not count:
         return None
     vision = model.vision
     if vision is None:
-        planned = "gemma3_4b, gemma3_12b, gemma3_27b or tiny-gemma3-vision"
+        planned = "gemma3_4b, gemma3_12b, gemma3_27b, tiny-gemma3-vision or tiny-gemma4-vision"
         if model.family == "gemma4":
-            raise UserError(f"--images {count}: a run on pictures loads {model.name}'s image encoder, which the plan "
-                            f"does not count yet; the plan counts Gemma 3's: {planned}")  # fmt: skip
+            raise UserError(f"--images {count}: a run on pictures loads {model.name}'s image encoder, whose weights "
+                            f"and pass the plan does not count yet; the plan counts {planned}")  # fmt: skip
         why = families.get(model.family).without_images if model.encoder_params else "it has no vision encoder"
         raise UserError(f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that "
                         f"does: {planned}")  # fmt: skip
-    most, tokens = int(vision["max_images"]), archs.tokens_per_image(vision)
+    most, tokens = int(vision["max_images"]), budget or archs.tokens_per_image(vision)
     if count > most:
         raise UserError(f"--images {count}: {model.name} takes at most {most} pictures an example "
                         "(keras-hub's max_images_per_prompt)")  # fmt: skip
-    spent = count * (tokens + _IMAGE_MARKERS)
+    markers = _IMAGE_MARKERS.get(model.family, _IMAGE_MARKERS["gemma3"])
+    spent = count * (tokens + markers)
     if spent >= cfg.model.seq_len:
         raise UserError(
-            f"--images {count} take {spent} tokens ({tokens} soft tokens and {_IMAGE_MARKERS} markers each), "
+            f"--images {count} take {spent} tokens ({tokens} soft tokens and {markers} markers each), "
             f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len"
         )
+    # Gemma 4's converter resizes a picture to at most --image-tokens x pool² patches, and pads it to them.
+    patches = budget * int(vision["pool_size"]) ** 2 if budget else archs.patches_per_image(vision)
     size, slots = int(vision["image_size"]), count
-    pixels = slots * size * size * 3 * 4  # float32, as images.pixels converts them
+    pixels = slots * patches * int(vision["patch_size"]) ** 2 * 3 * 4  # float32, as images.pixels converts them
     compute = {"float32": 4, None: _BYTES[precision][1]}.get(vision.get("dtype"), 2)
     notes.append(f"images: {count} an example, {tokens} soft tokens each: {spent} of the {cfg.model.seq_len} "
                  f"tokens with their markers, {cfg.model.seq_len - spent} left for the text (a longer record is cut)")  # fmt: skip
     notes.append(
-        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, at {size}x{size}; its forward pass "
-        "is let go before the decoder's, so the total counts the larger"
+        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, {patches} patches each; its forward "
+        "pass is let go before the decoder's, so the total counts the larger"
     )
     notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
                  f"row: {_size(2 * pixels)} a record")  # fmt: skip
-    return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, pixels_per_row=pixels,
-                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend))  # fmt: skip
+    seen = f"up to {patches} patches" if budget else f"{size}x{size}"
+    return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, seen=seen, pixels_per_row=pixels,
+                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend, patches))  # fmt: skip
 
 
-# <start_of_image>, <end_of_image> and a blank line either side: Gemma 3's tokenizer has "\n\n" as one piece.
-_IMAGE_MARKERS = 4
+# The tokens around a picture's soft tokens (images.py): Gemma 3's <start_of_image>, <end_of_image> and a blank line
+# either side (its tokenizer has "\n\n" as one piece); Gemma 4's <|image> and <image|> alone.
+_IMAGE_MARKERS = {"gemma3": 4, "gemma4": 2}
 
 
-def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> float:
+def _vision_forward_per_image(vision: dict, compute: int, framework: str, patches: int) -> float:
     """Bytes Gemma3VisionEncoder's forward pass holds at its peak for one picture, in its compute dtype.
 
     Inside a block's attention: the scores, heads x patches², and their softmax, which PyTorch and TensorFlow
@@ -512,7 +520,6 @@ def _vision_forward_per_image(vision: dict, compute: int, framework: str) -> flo
     is larger. Nothing is kept from one block to the next: the encoder is frozen and the pixels take no gradient,
     so autodiff records none of its pass.
     """
-    patches = archs.patches_per_image(vision)
     attention = (1 if framework == "jax" else 2) * int(vision["num_heads"]) * patches**2
     mlp = 2 * patches * int(vision["intermediate_dim"])
     return (max(attention, mlp) + 5 * patches * int(vision["hidden_dim"])) * compute
@@ -833,7 +840,7 @@ def table(plan: Plan) -> str:
         shown = plan.images
         lines[-1:-1] = [
             f"images {shown['per_example']} per example, {shown['tokens_per_image']} soft tokens each; "
-            f"{shown['slots']} of {shown['image_size']}x{shown['image_size']} a row through the vision encoder"
+            f"{shown['slots']} of {shown['seen']} a row through the vision encoder"
         ]
     shapes = [_shape(g) for g in plan.groups]
     width = max(len(s) for s in shapes)

@@ -126,6 +126,7 @@ class Resolved:
             else None,
             # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
             images=bool(cfg.data.images),
+            image_tokens=cfg.data.image_tokens,
         )
 
     def settled(self, **decided: Decision) -> Resolved:
@@ -172,6 +173,9 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
     decisions["learning_rate"] = _learning_rate(cfg, source, saved)
     if images or cfg.data.images is not None:
         decisions["images"] = _images(cfg.data.images, images)
+    budget = _image_tokens(cfg, source, saved)
+    if budget is not None:
+        decisions["image_tokens"] = budget
     decided = _decided(cfg, decisions)
     distributed = None
     if cfg.distribution.parallel != "none":  # before the model is built: its weights are made sharded
@@ -258,9 +262,8 @@ def _decided(cfg: Config, decisions: dict) -> Config:
     """`cfg` with the decided values in place of its `auto` and unset ones."""
     value = {name: d.value for name, d in decisions.items()}
     cfg = _replace(cfg, "model", precision=value["precision"])
-    cfg = _replace(
-        cfg, "data", template=value["template"], **({"images": value["images"]} if "images" in value else {})
-    )
+    data = {key: value[key] for key in ("images", "image_tokens") if key in value}
+    cfg = _replace(cfg, "data", template=value["template"], **data)
     train = dict(batch_size=value["batch_size"], learning_rate=value["learning_rate"])
     if "threads" in value:
         train["threads"] = value["threads"]
@@ -325,6 +328,18 @@ def _images(chosen: int | None, found: int) -> Decision:
     if chosen is None or chosen == found:
         return Decision(found, "the most a record of the data holds")
     return Decision(found, f"the most a record of the data holds; --images {chosen} is for plans without the data")
+
+
+def _image_tokens(cfg: Config, source: presets.Source, saved: dict | None) -> Decision | None:
+    """A picture's soft tokens (--image-tokens): the user's, which the preset's family must take, or the one a
+    resumed run started with; None: the preset's own."""
+    chosen = cfg.data.image_tokens
+    families.get(source.family).check_image_tokens(chosen)
+    if chosen is not None:
+        return Decision(chosen, "set")
+    if _saved(saved, "data", "image_tokens") is not None:
+        return Decision(_saved(saved, "data", "image_tokens"), "resumed: as the run started")
+    return None
 
 
 def _learning_rate(cfg: Config, source: presets.Source, saved: dict | None) -> Decision:
