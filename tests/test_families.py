@@ -210,7 +210,9 @@ def test_gemma4_s_ffw_kernels_it_reads_itself_are_dequantized_and_take_dora():
     came without its scales (so --quantize was refused), and DoRA on ffw targets changed nothing (silently plain
     LoRA). The kernel they read is now the effective one."""
     _, plain = _gemma4_hidden()
-    for mode, within in (("int8", 0.05), ("int4", 0.35)):  # the quantization's own error, not a missing scale
+    # The quantization's own error (int4's grows over the blocks), far from a missing scale's: raw integers up to 7
+    # (int4) or 127 (int8) where weights of about 0.1 belong put the output off by many times itself.
+    for mode, within in (("int8", 0.05), ("int4", 0.8)):
         _, quantized_out = _gemma4_hidden(mode)
         assert np.linalg.norm(quantized_out - plain) / np.linalg.norm(plain) < within, mode
     _, lora = _gemma4_hidden(lora=LoraConfig(rank=2, targets=["ffw_gating", "ffw_linear"]))

@@ -349,7 +349,13 @@ def plan_torch(device=None, **settings):
 @pytest.mark.one_backend
 def test_gemma3_4b_with_a_picture_counts_256_soft_tokens_and_the_frozen_encoder_s_pass():
     planned = plan_torch(**GEMMA3_4B, **{"data.images": 1})
-    assert planned.images == {"per_example": 1, "tokens_per_image": 256, "slots": 1, "image_size": 896}
+    assert planned.images == {
+        "per_example": 1,
+        "tokens_per_image": 256,
+        "slots": 1,
+        "image_size": 896,
+        "seen": "896x896",
+    }
     assert any("260 of the 512 tokens" in note and "252 left for the text" in note for note in planned.notes)
     # keras-hub builds the encoder in float32 under bfloat16; a run feeds it the one picture a row. PyTorch
     # holds the scores and their softmax at once (XLA, one of them: the JAX test below).
@@ -502,8 +508,16 @@ def test_a_grpo_plan_counts_each_prompt_s_completions_and_the_rollout_s_cache():
     assert shown.exit_code == 0 and "each prompt of a batch is 4 rows" in shown.output, shown.output
 
 
-def test_the_plan_refuses_a_quantized_base_the_run_refuses():
-    """Gemma 4's blocks read their FFW kernels directly, so a run refuses --quantize for it: the plan did say
-    gemma4_31b in int4 fits 24 GB."""
-    with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet"):
+def test_the_plan_refuses_a_quantized_base_the_run_refuses(monkeypatch):
+    """A family whose quantized base the run refuses (families.Family.no_quantize) is refused by the plan too, for
+    the same reason: the plan once said gemma4_31b in int4 fits 24 GB while the run refused it. Gemma 4 quantizes
+    now (builder.effective_kernels), so a family is given a reason here."""
+    import dataclasses
+
+    from finetune.model import families
+
+    assert make(device="24GB", **{"model.preset": "gemma4_31b", "model.quantize": "int4"}).quantize == "int4"
+    refusing = dataclasses.replace(families.FAMILIES["gemma4"], no_quantize="a reason")
+    monkeypatch.setitem(families.FAMILIES, "gemma4", refusing)
+    with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: a reason"):
         make(device="24GB", **{"model.preset": "gemma4_31b", "model.quantize": "int4"})
