@@ -75,7 +75,8 @@ class Classify(Supervised):
     def usable_examples(self, records, template, preprocessor, cfg, source: str) -> list:
         """(record, Example) of each record: <bos> and its rendered text, its last input token labelled with its
         class id (weight 1, the example's only one); a record whose label is no class of the run is refused."""
-        ids = {name: index for index, name in enumerate(cfg.train.labels)}
+        labels = cfg.train.labels or self.with_data(cfg, records).train.labels  # a caller that decided none (bench)
+        ids = {name: index for index, name in enumerate(labels)}
         return [
             (record, example) for record, example, _ in sequences(records, template, preprocessor, cfg, source, ids)
         ]
