@@ -602,6 +602,30 @@ def generate(
     print(f"generated on {runs.where(saved)}", file=sys.stderr)
 
 
+@app.command("predict")
+@funneled("out of memory while predicting at the run's batch size; use a device with more memory")
+def predict_(
+    run: RunDir,
+    data: str = typer.Option(..., "--data", help="The records to label (any format --data takes).", metavar="FILE"),
+    output: str = typer.Option(
+        ..., "--output", help="The JSON Lines file to write, one line a record.", metavar="FILE"
+    ),  # fmt: skip
+    backend: RunBackend = None,
+    debug: Debug = False,
+    verbose: Verbose = False,
+):
+    """Label records with a classifier run (--method classify): each one's predicted label and every class's
+    probability, one JSON line a record, in order; the data file is only read."""
+    from finetune.training import runs
+
+    _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
+    _refuse_empty({"--data": data, "--output": output})
+    saved = runs.open_on(run, backend)
+    count = runs.predict_run(saved, data, output)
+    print(f"predicted {count} records to {output}")
+    print(f"predicted on {runs.where(saved)}", file=sys.stderr)
+
+
 @app.command("export")
 @funneled("out of memory while exporting; export on a machine with more memory")
 def export_(

@@ -48,7 +48,7 @@ TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 # The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md),
 # online RL on prompts with reward functions (docs/rl.md), or a reward model on pairs (docs/reward.md).
 # methods/registry.py's names (a test keeps the two equal).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward")
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward", "classify")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's GRPOConfig.loss_type values we train
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards values
 
@@ -531,6 +531,12 @@ class TrainConfig:
         "Reward model only: TRL's center_rewards_coefficient, the weight of the squared sum of a pair's rewards "
         "in its loss, which keeps the rewards centred on 0.",
         flag="--center-rewards", panel=TRAINING, range=Range(0), metavar="C", default_text="0",
+    )  # fmt: skip
+    labels: list[str] = setting(
+        [],
+        "Classifier only: the classes, in order, one output of its head each; the run decides them from the "
+        "training data's `label` values, sorted, and config.yaml records them.",
+        flag="--labels", panel=TRAINING, metavar="LABEL", default_text="the data's", whole=True,
     )  # fmt: skip
     reward: list[str] = setting(
         [],

@@ -71,6 +71,7 @@ NO_TEST_FILE = {
     "pair_view": "the view the preference losses train through: test_preference.py checks each loss by it",
     "reward": "the reward model and its GRPO reward: test_reward_model.py runs both end to end",
     "reward_view": "the view the reward model trains through: test_reward_model.py checks its loss against TRL's",
+    "classify_view": "the view a classifier trains through: test_classify.py trains it on every backend",
     "chat": "the chat templates' renderer: test_chat_templates.py checks it against transformers' and trains on it",
 }
 END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end

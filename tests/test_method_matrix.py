@@ -49,8 +49,9 @@ def data(tmp_path_factory):
     sft = write_jsonl(root / "sft.jsonl", make_records(21))
     paired = write_jsonl(root / "pairs.jsonl", learnable_pairs(21))
     prompts = write_jsonl(root / "prompts.jsonl", story_prompts()[:21])
-    return {name: paired if registry.get(name).paired else prompts if registry.get(name).prompted else sft
-            for name in METHODS}  # fmt: skip
+    labelled = write_jsonl(root / "labelled.jsonl", [{"text": f"record {i}", "label": i % 2} for i in range(21)])
+    return {name: paired if registry.get(name).paired else prompts if registry.get(name).prompted
+            else labelled if registry.get(name).labelled else sft for name in METHODS}  # fmt: skip
 
 
 def run(method, data, out, *flags):

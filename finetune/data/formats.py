@@ -626,6 +626,13 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
     return Record(**fields)
 
 
+def _labelled(obj, record: Record, where: str) -> Record:
+    """The record with its `label` (a classifier's class: text or a whole number) in `columns`, where it has one."""
+    if not isinstance(obj, dict) or "label" not in obj or record.columns:
+        return record
+    return dataclasses.replace(record, where=record.where or where, columns={"label": obj["label"]})
+
+
 def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     """The record, with its pictures where it has an `images` list or TRL's content parts (images.py)."""
     if not isinstance(obj, dict):
@@ -633,7 +640,7 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     if fmt == "chat" and "messages" in obj:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
     paths = _pictures(obj, where, source)
-    record = _record(obj, where, fmt)
+    record = _labelled(obj, _record(obj, where, fmt), where)
     if not paths and "images" not in obj and not (source.startswith("hf:") and "image" in obj):
         return record
     texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]

@@ -46,6 +46,10 @@ class Method:
     """The model it trains writes text: a run generates its samples (samples.md). A reward model scores text."""
     files: tuple = ()
     """The files a finished run writes beside its adapter (published), by name: a reward model's head."""
+    labelled = False
+    """It trains on records with a `label` (a classifier): --labels is its."""
+    uses = ""
+    """What a finished run of a method that writes no text is for, beside `finetune eval` (refusals say it)."""
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"
@@ -66,6 +70,11 @@ class Method:
 
     why = ""
     """The method's line in the run's table of decisions."""
+
+    def with_data(self, cfg, records: list, eval_records: list | None = None):
+        """`cfg` with what this method decides from the training records (and the --eval-data ones), before the
+        run resolves: a classifier's classes. Unchanged for most methods."""
+        return cfg
 
     def unpacked_why(self) -> str | None:
         """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
@@ -126,6 +135,13 @@ class Method:
         directory: Path. The run's directory, where the method's own files are (`files`).
         """
         raise NotImplementedError
+
+    def predict(self, lm, preprocessor, cfg, records, directory) -> list[dict]:
+        """`finetune predict`: one dict a record, what the finished run in `directory` makes of it."""
+        from finetune.platform.errors import UserError
+
+        raise UserError(f"a --method {self.name} run predicts no labels; `finetune predict` takes a --method "
+                        "classify run")  # fmt: skip
 
     def published(self, trainer) -> dict:
         """The method's own files of a finished run (`files`), each name to write(path), beside the adapter."""

@@ -7,12 +7,13 @@ asks which method runs (tests/test_methods.py walks the code for such a question
 from __future__ import annotations
 
 from finetune.data import formats
-from finetune.methods import grpo, preference, reward, supervised
+from finetune.methods import classify, grpo, preference, reward, supervised
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
 
 METHODS: dict[str, Method] = {m.name: m for m in (supervised.SFT, preference.DPO, preference.IPO, preference.ORPO,
-                                                   preference.SIMPO, grpo.GRPO_METHOD, reward.REWARD)}  # fmt: skip
+                                                   preference.SIMPO, grpo.GRPO_METHOD, reward.REWARD,
+                                                   classify.CLASSIFY)}  # fmt: skip
 
 
 def get(name: str) -> Method:
@@ -67,6 +68,9 @@ def decide(train, data_format: str) -> dict:
             owners = [m for m in METHODS.values() if name in m.defaults]
             raise UserError(f"{flag} is {', '.join(m.title for m in owners)}'s; --method {method.name} has none: "
                             f"leave it out or pass --method {' or '.join(m.name for m in owners)}")  # fmt: skip
+    if getattr(train, "labels", None) and not method.labelled:
+        raise UserError(f"--labels names a classifier's classes; --method {method.name} has none: leave it out or "
+                        "pass --method classify")  # fmt: skip
     if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one
         raise UserError(f"--beta 0 leaves {method.title}'s loss nothing to weigh; give a positive --beta")
     return method.decide(train)

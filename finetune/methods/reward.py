@@ -33,6 +33,7 @@ class RewardModel(preference.Preference):
     generates = False
     files = (HEAD,)
     why = "set"
+    uses = "give it to GRPO as --reward run:DIR"
 
     def __init__(self):
         super().__init__("reward", "reward model", None, defaults={

@@ -31,7 +31,7 @@ class Supervised(Method):
         seq_len = cfg.model.seq_len
         template = templates.get(cfg.data.template)
         prepare.check_seq_len(prepare.tokenizer_of(preprocessor), template, seq_len)
-        usable = prepare.pictured_examples(records, template, preprocessor, cfg, every_record_of or cfg.data.path)
+        usable = self.usable_examples(records, template, preprocessor, cfg, every_record_of or cfg.data.path)
         batch_size, why = cfg.train.batch_size, None
         if batch_size == "auto":
             tokenized = [e for _, e in usable]
@@ -54,10 +54,14 @@ class Supervised(Method):
         return prepared
 
     def evaluated_on(self, prepared, records, preprocessor, cfg):
-        held_out = prepare.pictured_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
+        held_out = self.usable_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
         prepared.held_out = held_out
         prepared.held_out_rows = batching.pad([e for _, e in held_out], cfg.model.seq_len)
         return prepared
+
+    def usable_examples(self, records, template, preprocessor, cfg, source: str) -> list:
+        """(record, Example) of each usable record of `source`, in `template`, pictures included."""
+        return prepare.pictured_examples(records, template, preprocessor, cfg, source)
 
     def order(self, prepared, cfg, feed, model=None):
         return batching.TrainOrder(prepared.rows, prepared.batch_size, cfg.train.seed, feed, cfg.train.grad_accum)

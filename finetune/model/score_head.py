@@ -3,7 +3,7 @@
 transformers' AutoModelForSequenceClassification puts a linear layer without a bias on the decoder's final
 (normed) hidden states and reads it at each sequence's last non-padding token; TRL's RewardTrainer trains one of
 n=1 as a reward model. This is that layer, made once: the reward model (model/reward_view.py, --method reward)
-uses it with one output, and a classifier (a later `--task classify`) can use it with one output per label.
+uses it with one output, and a classifier (model/classify_view.py, --method classify) uses it with one output per label.
 
 The last token is found from the gathered target slots (objective._gathered): a sequence's target slots are its
 answer's positions in order, and the last of them is the position of its last input token (whose label is the

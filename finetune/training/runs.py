@@ -49,8 +49,8 @@ def check_writes_text(run: Run, what: str) -> None:
     method = registry.get(run.config.train.method)
     if not method.generates:
         raise UserError(f"{run.directory} is a {method.title} run: it scores text and writes none, and no export "
-                        f"holds its head yet, so `finetune {what}` is refused; score with `finetune eval`, or give it "
-                        "to GRPO as --reward run:DIR")  # fmt: skip
+                        f"holds its head yet, so `finetune {what}` is refused; score with `finetune eval`, or "
+                        f"{method.uses}")  # fmt: skip
 
 
 def where(run: Run) -> str:
@@ -143,6 +143,33 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     if generate:
         result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))
     return result
+
+
+def predict_run(run: Run, data_path: str, output: str | Path) -> int:
+    """Write what the run makes of each record of `data_path` (a classifier: its predicted label and every
+    class's probability) to `output`, one JSON line a record, in their order; returns how many.
+
+    The output is written whole or not at all (a temporary file renamed into place), and never over the data.
+    """
+    import json
+
+    from finetune.methods import prepare, registry
+
+    output = Path(output).expanduser()
+    if output.exists() and output.resolve() == Path(data_path).expanduser().resolve():
+        raise UserError(f"--output {output} is the --data file; give another path, the data is never overwritten")
+    if output.is_dir() or not output.parent.is_dir():
+        raise UserError(f"--output {output} is a directory or in none that exists; give a file path in one")
+    method = registry.get(run.config.train.method)
+    records, _ = prepare.read(run.config, data_path, trained=True)
+    if not method.labelled:  # before the model loads
+        method.predict(None, None, run.config, records, run.directory)
+    lm, preprocessor = load_model(run)
+    lines = method.predict(lm, preprocessor, run.config, records, run.directory)
+    temporary = output.with_name(f".{output.name}.partial")
+    temporary.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+    temporary.replace(output)
+    return len(lines)
 
 
 def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:

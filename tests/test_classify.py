@@ -1,0 +1,119 @@
+"""--method classify end to end (methods/classify.py, model/classify_view.py): a classifier learns a hidden labelled
+task from the command line in a fresh process on every backend, `finetune eval` and `finetune predict` read it back,
+its macro F1 is sklearn's, its head reads the last token as transformers' GemmaForSequenceClassification does;
+the refusals.
+
+The task is learnable by the tiny model: a record's label is decided by one word placed among three random ones
+("good": positive, "bad": negative).
+"""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import BACKEND, invoke, write_jsonl
+
+from finetune.methods import classify
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "music", "paper", "light", "table", "glass"]
+
+
+def labelled(n=192, seed=0, labels=("negative", "positive")):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        label = rng.choice(labels)
+        words = [rng.choice(WORDS) for _ in range(3)]
+        words.insert(rng.randint(0, 3), "good" if label == "positive" else "bad")
+        out.append({"text": " ".join(words), "label": label})
+    return out
+
+
+@pytest.fixture(scope="module")
+def classify_run(tmp_path_factory):
+    """`finetune gemma --method classify` as typed, in a fresh process: float32, 30 steps of 8 records, packed,
+    a quarter of the 192 records held out."""
+    root = tmp_path_factory.mktemp("classify")
+    data = write_jsonl(root / "labelled.jsonl", labelled())
+    out = root / "run"
+    args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND, "--precision",
+            "float32", "--method", "classify", "--data", str(data), "--seq-len", "32", "--batch-size", "8",
+            "--max-steps", "30", "--lr", "1e-2", "--eval-fraction", "0.25", "--output", str(out)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, data, json.loads((out / "metrics.json").read_text()), done.stdout
+
+
+def test_a_classifier_learns_a_labelled_task_from_the_command_line(classify_run):
+    """Held-out accuracy and macro F1 near chance before training, above 0.8 after; the classes recorded in the
+    run; the head beside the adapter."""
+    out, _, metrics, stdout = classify_run
+    assert metrics["method"] == "classify" and metrics["labels"] == ["negative", "positive"]
+    assert metrics["eval_examples"] == 48
+    assert metrics["eval_accuracy"] > 0.8 and metrics["eval_accuracy"] > metrics["eval_accuracy_before"] + 0.2
+    assert metrics["eval_macro_f1"] > 0.8 and metrics["eval_loss"] < metrics["eval_loss_before"]
+    assert "eval macro f1" in stdout
+    assert (out / classify.HEAD).is_file()
+    assert "- negative\n" in (out / "config.yaml").read_text()
+
+
+def test_eval_and_predict_read_the_run_back(classify_run, tmp_path):
+    """`finetune eval` reports the run's own held-out metrics; `finetune predict` writes each record's label and
+    probabilities in order, the data file untouched, and gets most of them right."""
+    out, data, metrics, _ = classify_run
+    before = data.read_bytes()
+    result = invoke("eval", "--run", out, "--backend", BACKEND)
+    assert result.exit_code == 0, result.output
+    assert f"eval_accuracy {metrics['eval_accuracy']:.4f}" in result.output and "examples 48" in result.output
+    target = tmp_path / "predicted.jsonl"
+    result = invoke("predict", "--run", out, "--data", data, "--output", target, "--backend", BACKEND)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in target.read_text().splitlines()]
+    records = [json.loads(line) for line in before.decode().splitlines()]
+    assert len(lines) == len(records) and data.read_bytes() == before
+    assert [line["label"] for line in lines] == [r["label"] for r in records]
+    assert all(abs(sum(line["probabilities"].values()) - 1) < 1e-6 for line in lines)
+    assert np.mean([line["predicted"] == line["label"] for line in lines]) > 0.8
+
+
+@pytest.mark.backend_neutral
+def test_refusals(tmp_path):
+    """Exit 2, a short message and no run directory: a record without a label, one class, an --eval-data label the
+    training data lacks, --labels on another method, predict over its own data and with an SFT run."""
+    good = write_jsonl(tmp_path / "good.jsonl", labelled(16))
+    unlabelled = write_jsonl(tmp_path / "unlabelled.jsonl", labelled(8) + [{"text": "no label here"}])
+    single = write_jsonl(tmp_path / "single.jsonl", labelled(8, labels=("positive",)))
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": "so so", "label": "neutral"}])
+    cases = {
+        "without a `label`": ["--data", unlabelled],
+        "at least 2 labels": ["--data", single],
+        "label 'neutral' is not one": ["--data", good, "--eval-data", other, "--eval-fraction", "0"],
+        "--labels names a classifier": ["--data", good, "--method", "sft", "--labels", "a"],
+    }
+    for message, flags in cases.items():
+        out = tmp_path / "run"
+        result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND, "--method", "classify", "--seq-len",
+                        "32", "--max-steps", "1", "--output", out, *flags)  # fmt: skip
+        assert result.exit_code == 2 and message in result.output, (message, result.output)
+        assert not out.exists()
+    result = invoke("predict", "--run", tmp_path / "none", "--data", good, "--output", good)
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.backend_neutral
+def test_macro_f1():
+    """macro_f1 by hand (F1 0.5, 0.8 and 0 of a class labelled once and never predicted), and against sklearn's
+    f1_score(average="macro", zero_division=0) over every class where sklearn is installed."""
+    assert classify.macro_f1(np.array([0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 0]), 3) == pytest.approx(1.3 / 3)
+    try:
+        from sklearn.metrics import f1_score
+    except ImportError:
+        return
+    rng = np.random.default_rng(0)
+    for classes in (2, 3, 5):
+        labels, predicted = rng.integers(0, classes, 40), rng.integers(0, classes - 1, 40)
+        expected = f1_score(labels, predicted, average="macro", labels=list(range(classes)), zero_division=0)
+        assert classify.macro_f1(labels, predicted, classes) == pytest.approx(expected)
