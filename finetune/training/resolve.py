@@ -150,13 +150,17 @@ class Resolved:
         return {name: {"value": d.value, "why": d.why} for name, d in self.decisions.items()}
 
 
-def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: int = 0) -> Resolved:
+def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: int = 0, data=None) -> Resolved:
     """Decide every `auto` and unset setting of `cfg` for data of `data_format`, and set the process up for them.
 
     saved: dict. The config a checkpoint recorded (state.json's), for a resumed run: what it decided then is
         kept, so the run trains on as it started.
     images: int. The most pictures a record of the data holds: what --remat auto's plan counts.
+    data: the run's read data (train._read), whose records decide what the method takes from them (a
+        classifier's classes: Method.with_data); None leaves those as configured.
     """
+    if data is not None:
+        cfg = registry.get(cfg.train.method).with_data(cfg, data.records, data.eval_records)
     source = presets.resolve(cfg.model.preset)
     decisions: dict[str, Decision] = {}
     decisions["template"] = _template(cfg, data_format, saved)

@@ -23,7 +23,7 @@ import numpy as np
 
 from finetune.config import Config
 from finetune.data import batching, formats
-from finetune.methods import prepare, registry
+from finetune.methods import prepare
 from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
@@ -53,11 +53,10 @@ def _run(cfg: Config, resume: bool) -> dict:
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
     found = checkpoint.to_resume(target, resume, outputs.read_metrics(target.path))
     data = _read(cfg)
-    cfg = registry.get(cfg.train.method).with_data(cfg, data.records, data.eval_records)  # a classifier's classes
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
     images = max((len(r.images) for r in data.records), default=0)
-    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None, images)
+    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None, images, data)
     checkpoint.check_compatible(found, decided.config, data.fingerprints, target)
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
