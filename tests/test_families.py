@@ -210,9 +210,10 @@ def test_gemma4_s_ffw_kernels_it_reads_itself_are_dequantized_and_take_dora():
     came without its scales (so --quantize was refused), and DoRA on ffw targets changed nothing (silently plain
     LoRA). The kernel they read is now the effective one."""
     _, plain = _gemma4_hidden()
-    # The quantization's own error (int4's grows over the blocks), far from a missing scale's: raw integers up to 7
-    # (int4) or 127 (int8) where weights of about 0.1 belong put the output off by many times itself.
-    for mode, within in (("int8", 0.05), ("int4", 0.8)):
+    # The quantization's own error, far from a missing scale's: raw integers up to 127 where weights of about 0.1
+    # belong put the output off by many times itself.
+    # int4 dequantizes by the same path (quantized._int4_kernel); it trains below, from the command line.
+    for mode, within in (("int8", 0.05),):
         _, quantized_out = _gemma4_hidden(mode)
         assert np.linalg.norm(quantized_out - plain) / np.linalg.norm(plain) < within, mode
     _, lora = _gemma4_hidden(lora=LoraConfig(rank=2, targets=["ffw_gating", "ffw_linear"]))
@@ -224,8 +225,11 @@ def test_gemma4_s_ffw_kernels_it_reads_itself_are_dequantized_and_take_dora():
     merged = w + layer.lora_alpha / layer.lora_rank * a @ b
     np.testing.assert_allclose(keras.ops.convert_to_numpy(layer.kernel), merged * m / np.linalg.norm(merged, axis=0),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+    with float32_policy():
+        fresh, _ = builder.load_base(presets.resolve("tiny-gemma4"), 32)
+        builder.effective_kernels(fresh.backbone, families.get("gemma4").read_kernels)
     with pytest.raises(UserError, match="--lora-dropout on layer 'ffw_gating': this model's blocks multiply"):
-        _gemma4_hidden(lora=LoraConfig(rank=2, targets=["query", "ffw_gating"], dropout=0.1))
+        builder.enable_lora(fresh, LoraConfig(rank=2, targets=["query", "ffw_gating"], dropout=0.1))
 
 
 @pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gemma4", "tiny-gemma3n"])
