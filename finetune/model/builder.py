@@ -434,8 +434,7 @@ def _read_directly(cls):
 def _effective_kernel(layer):
     mode = getattr(layer, "quantization_mode", None)
     if mode in quantized.MODES:
-        stored = quantized._int4_weights(layer) if mode == "int4" else (layer._kernel, layer.kernel_scale)
-        dequantize = quantized._int4_kernel(layer) if mode == "int4" else quantized._int8_kernel(layer)
+        stored, dequantize = quantized.stored_and_dequantize(layer)
         kernel = dequantize(*(ops.convert_to_tensor(w) for w in stored))
     elif not getattr(layer, "lora_enabled", False):
         return layer._kernel  # the variable, as keras' own property gives it (export merges into it)

@@ -175,8 +175,7 @@ def lean_projection(layer):
     mode = getattr(layer, "quantization_mode", None)
     if not isinstance(layer, EinsumDense) or mode not in MODES or layer.inputs_quantizer is not None:
         return None
-    weights = _int4_weights(layer) if mode == "int4" else (layer._kernel, layer.kernel_scale)
-    dequantize = _int4_kernel(layer) if mode == "int4" else _int8_kernel(layer)
+    weights, dequantize = stored_and_dequantize(layer)
 
     @ops.custom_gradient
     def project(inputs, *stored):
@@ -192,6 +191,13 @@ def lean_projection(layer):
         return outputs, gradient
 
     return lambda inputs: project(inputs, *(ops.convert_to_tensor(w) for w in weights))
+
+
+def stored_and_dequantize(layer) -> tuple:
+    """(the int4 or int8 layer's stored weights, kernel first; the function of them that gives its float kernel)."""
+    if layer.quantization_mode == "int4":
+        return _int4_weights(layer), _int4_kernel(layer)
+    return (layer._kernel, layer.kernel_scale), _int8_kernel(layer)
 
 
 def _int4_weights(layer) -> tuple:
