@@ -67,3 +67,30 @@ def test_a_run_with_lora_dropout_trains_the_same_with_remat(tmp_path):
     assert got.keys() == expected.keys()
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_remat_lowers_the_compiled_step_s_memory_on_every_backend_s_compiler():
+    """On JAX the step is compiled whole, and XLA's CPU compiler merged jax.checkpoint's recomputation back into
+    the forward (its optimization barrier expanded away): the same temporaries with remat as without. Measured
+    here as XLA plans them, for the tiny model's backbone with LoRA at batch 8 of 64 positions."""
+    if keras.config.backend() != "jax":
+        return  # eager PyTorch and TensorFlow free each block's activations as its recomputation is made
+    import jax
+
+    def temporaries(remat: bool) -> int:
+        with float32_policy():
+            lm, _ = lora_model(remat=remat)
+        backbone = lm.backbone
+        trainable = [v.value for v in backbone.trainable_variables]
+        frozen = [v.value for v in backbone.non_trainable_variables]
+        x = {"token_ids": np.ones((8, 64), "int32"), "padding_mask": np.ones((8, 64), "int32")}
+
+        def loss(trainable, frozen):
+            out, _ = backbone.stateless_call(trainable, frozen, x, training=True)
+            return jax.numpy.sum(out**2)
+
+        step = jax.jit(jax.grad(loss)).lower(trainable, frozen).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    kept, recomputed = temporaries(False), temporaries(True)
+    assert recomputed < 0.7 * kept, (recomputed, kept)

@@ -59,7 +59,7 @@ def _recomputed(block, call):
             with keras_compat.calling(block, training):
                 return call(**dict(zip(tensors, values)), **others)
 
-        return keras.remat(recomputable)(*tensors.values())
+        return _remat(recomputable)(*tensors.values())
 
     recomputed_call.rematerialized = True
     return recomputed_call
@@ -67,3 +67,43 @@ def _recomputed(block, call):
 
 def _is_tensor(value) -> bool:
     return value is not None and keras.ops.is_tensor(value)
+
+
+def _remat(function):
+    """keras.remat, but on JAX a recomputation that XLA's CPU compiler cannot merge back into the forward.
+
+    jax.checkpoint fences the backward's recomputation with an optimization barrier, which XLA's CPU
+    pipeline expands away before it eliminates common subexpressions: the recomputed block is then the
+    forward's own ops, whose results stay alive from the forward to the backward, and remat saves nothing
+    (a 16-layer probe's compiled gradient had the same temporaries with and without it). Here the backward
+    recomputes from its input plus zero times one element of the incoming gradient: the same values
+    bit for bit, but ops that wait for the gradient and are not the forward's. The block's weights are the
+    function's closure (keras' stateless scope); jax.closure_convert makes them explicit inputs, so
+    their gradients flow as keras.remat's do.
+    """
+    if keras.config.backend() != "jax":
+        return keras.remat(function)
+    import jax
+
+    def recomputed(*tensors):
+        pure, weights = jax.closure_convert(function, *tensors)
+        floating = [jax.numpy.issubdtype(t.dtype, jax.numpy.floating) for t in tensors]
+
+        @jax.custom_vjp
+        def block(tensors, weights):
+            return pure(*tensors, *weights)
+
+        def forward(tensors, weights):
+            return block(tensors, weights), (tensors, weights)
+
+        def backward(kept, gradient):
+            tensors, weights = kept
+            first = jax.tree_util.tree_leaves(gradient)[0].reshape(-1)[0]
+            tied = [t + (first * 0).astype(t.dtype) if f else t for t, f in zip(tensors, floating)]
+            _, pullback = jax.vjp(lambda ts, ws: pure(*ts, *ws), tuple(tied), tuple(weights))
+            return pullback(gradient)
+
+        block.defvjp(forward, backward)
+        return block(tuple(tensors), tuple(weights))
+
+    return recomputed

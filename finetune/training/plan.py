@@ -269,26 +269,12 @@ def make(cfg: Config, devices: int | None = None, target: tuple[str, Device] | N
     if cfg.model.remat != "auto":
         return _make(cfg, devices, target, remat=cfg.model.remat == "on")
     without = _make(cfg, devices, target, remat=False)
-    if target is not None and not remat_saves(cfg.backend, target[1].kind) and not without.fits:
-        without.notes.append(f"remat auto: off ({REMAT_KEEPS})")
-        return without
     if target is None or without.fits:
         without.notes.append("remat auto: off" + (f" (fits {target[0]} without it)" if target else ""))
         return without
     planned = _make(cfg, devices, target, remat=True)
     planned.notes.append(f"remat auto: on; without it the run needs {_size(without.memory['total'])}")
     return planned
-
-
-REMAT_KEEPS = (
-    "on JAX on a CPU remat saves no memory: XLA's CPU compiler keeps every block's activations "
-    "whatever jax.checkpoint asks (its temporary memory is the same with and without it)"
-)
-
-
-def remat_saves(backend: str, device: str) -> bool:
-    """Whether recomputing blocks lowers the step's peak on `backend` and `device`: not on JAX on a CPU."""
-    return not (backend == "jax" and device == "cpu")
 
 
 def remat_for(cfg: Config, device: str, memory: int | None) -> tuple[bool, str]:
@@ -361,10 +347,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len
     per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
-    saves = remat and remat_saves(cfg.backend, target[1].kind if target else "gpu")
-    if remat and not saves:
-        notes.append(f"remat: {REMAT_KEEPS}")
-    if saves:  # each block keeps its input; one block's activations exist at a time, in its backward
+    if remat:  # each block keeps its input; one block's activations exist at a time, in its backward
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
     experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
@@ -377,7 +360,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     if note:
         notes.append(note)
     memory["activations"] = (
-        sequences * per_device * (per_sequence + (experts / model.dims.num_layers if saves else experts))
+        sequences * per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
     )
     memory["dequantized_kernel"] = _dequantized_kernel(
         groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
