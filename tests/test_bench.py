@@ -67,14 +67,13 @@ def test_gemma_2b_has_the_released_model_s_parameter_count():
     assert weights + 37 * 2048 == 2_506_172_416
 
 
-def test_the_new_families_train_in_the_bench_on_this_backend(tmp_path):
+@pytest.mark.backend_neutral  # each family trains on every backend in test_as_typed; here, the bench's build of it
+def test_the_new_families_train_in_the_bench(tmp_path):
     """tiny-gemma3 and tiny-gemma4-moe: the Gemma 3 and 4 backbones (sliding windows, Gemma 4's position ids and
     experts) built at random and trained by the bench's worker, as gemma3-1b, gemma3-4b and the gemma4 dims are."""
     out = tmp_path / "rows.json"
     args = [*"--seq-len 64 --batch-size 2 --steps 1 --warmup 1 --recipes finetune".split(), "--backends", BACKEND]
-    # Each suite benches one family and the PyTorch suite both: a bench process is long beside what it checks here.
-    archs = {"jax": ["tiny-gemma4-moe"], "tensorflow": ["tiny-gemma3"]}.get(BACKEND, ["tiny-gemma3", "tiny-gemma4-moe"])
-    for arch in archs:
+    for arch in ["tiny-gemma3", "tiny-gemma4-moe"]:
         done = subprocess.run([sys.executable, "-m", "finetune", "bench", "--arch", arch, *args, "--json", str(out)],
                               capture_output=True, text=True, timeout=600,
                               env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "512"})  # fmt: skip
@@ -227,6 +226,7 @@ def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):
     assert (tmp_path / "speed").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "speed.png").exists()
 
 
+@pytest.mark.backend_neutral  # GRPO trains on every backend in test_grpo; the timing split is the bench's own
 def test_the_grpo_bench_times_sampling_apart_from_training(tmp_path):
     """--method grpo: each row samples, scores and trains; the step's time splits into sampling and the rest.
     Under PyTorch the TRL GRPOTrainer peer runs beside it on the same prompts."""

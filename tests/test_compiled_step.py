@@ -12,7 +12,7 @@ from finetune.model import builder, presets
 pytestmark = pytest.mark.skipif(keras.config.backend() != "torch", reason="torch.compile: the PyTorch backend's")
 
 
-def losses(compiled: bool, steps: int = 3) -> list[float]:
+def losses(compiled: bool, steps: int = 2) -> list[float]:
     lm, _ = lora_model()
     trainer = builder.compile(lm, 1e-2, 0.0)
     trainer.jit_compile = compiled  # what the train function is made with, at the first step

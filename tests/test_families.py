@@ -205,6 +205,7 @@ def _gemma4_hidden(quantize=None, lora=None):
         return lm, keras.ops.convert_to_numpy(lm.backbone(x, training=True))
 
 
+@pytest.mark.backend_neutral  # keras ops; int4 trains on every backend from the command line below
 def test_gemma4_s_ffw_kernels_it_reads_itself_are_dequantized_and_take_dora():
     """keras-hub's Gemma 4 blocks multiply by their FFW kernels rather than calling the layers: a quantized kernel
     came without its scales (so --quantize was refused), and DoRA on ffw targets changed nothing (silently plain
