@@ -117,3 +117,20 @@ def test_macro_f1():
         labels, predicted = rng.integers(0, classes, 40), rng.integers(0, classes - 1, 40)
         expected = f1_score(labels, predicted, average="macro", labels=list(range(classes)), zero_division=0)
         assert classify.macro_f1(labels, predicted, classes) == pytest.approx(expected)
+
+
+@pytest.mark.backend_neutral
+def test_the_resolved_run_says_who_chose_the_classes(tmp_path):
+    """The training data's labels, sorted, or --labels as given: the table of decisions says which."""
+    from finetune import config
+    from finetune.data import formats
+    from finetune.training import resolve, train
+
+    data = write_jsonl(tmp_path / "labelled.jsonl", labelled(12))
+    for given, order, why in (([], ["negative", "positive"], "the training data's, sorted"),
+                              (["positive", "negative", "neutral"], ["positive", "negative", "neutral"], "set")):  # fmt: skip
+        cfg = config.load(None, {"model.preset": "tiny", "data.path": str(data), "train.method": "classify",
+                                 "train.labels": given})  # fmt: skip
+        records, found = formats.read(str(data))
+        decided = resolve.resolve(cfg, found, data=train.Data(records, found, ""))
+        assert decided.config.train.labels == order and decided.decisions["labels"].why == why

@@ -159,6 +159,7 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
     data: the run's read data (train._read), whose records decide what the method takes from them (a
         classifier's classes: Method.with_data); None leaves those as configured.
     """
+    given = cfg.train  # as the user set it: what the method's data decisions (with_data) then fill in
     if data is not None:
         cfg = registry.get(cfg.train.method).with_data(cfg, data.records, data.eval_records)
     source = presets.resolve(cfg.model.preset)
@@ -191,7 +192,9 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
     decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
     decisions["alpha"] = alpha(cfg.lora)
     chosen = registry.get(cfg.train.method)
-    decisions.update({name: Decision(*made) for name, made in registry.decide(cfg.train, data_format).items()})
+    for name, (value, why) in registry.decide(cfg.train, data_format).items():
+        # A setting the user gave is theirs, whatever the method would have decided from the data (--labels).
+        decisions[name] = Decision(value, "set" if name != "method" and getattr(given, name, None) else why)
     decided = _replace(decided, "train", **{name: decisions[name].value for name in chosen.defaults})
     limit, deadline = _time_limit(cfg.train.time_limit)
     decisions["time_limit"] = limit
