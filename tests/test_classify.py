@@ -134,3 +134,36 @@ def test_the_resolved_run_says_who_chose_the_classes(tmp_path):
         records, found = formats.read(str(data))
         decided = resolve.resolve(cfg, found, data=train.Data(records, found, ""))
         assert decided.config.train.labels == order and decided.decisions["labels"].why == why
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="transformers and PEFT are checked in the PyTorch suite")
+def test_the_hf_export_is_transformers_sequence_classifier_with_the_run_s_probabilities(classify_run, tmp_path):
+    """`finetune export --format hf` of a classifier: transformers' GemmaForSequenceClassification, its labels
+    named, giving `finetune predict`'s probabilities on right-padded rows; --format lora carries the head's file;
+    the formats without a head are refused, nothing written."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out, data, _, _ = classify_run
+    exported = tmp_path / "hf"
+    result = invoke("export", "--run", out, "--format", "hf", "--output", exported, "--backend", BACKEND)
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
+    assert type(model).__name__ == "GemmaForSequenceClassification"
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    predicted = tmp_path / "predicted.jsonl"
+    assert invoke("predict", "--run", out, "--data", data, "--output", predicted, "--backend", BACKEND).exit_code == 0
+    ours = [json.loads(line)["probabilities"] for line in predicted.read_text().splitlines()[:6]]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()[:6]]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    assert tokenizer.padding_side == "right" and (batch["attention_mask"] == 0).any()  # rows of several lengths
+    with torch.no_grad():
+        theirs = torch.softmax(model(**batch).logits, -1).numpy()
+    np.testing.assert_allclose(theirs, [[p["negative"], p["positive"]] for p in ours], atol=1e-5)
+    lora = tmp_path / "lora"
+    assert invoke("export", "--run", out, "--format", "lora", "--output", lora).exit_code == 0
+    assert (lora / classify.HEAD).read_bytes() == (out / classify.HEAD).read_bytes()
+    for fmt in ("merged", "peft", "gguf"):
+        result = invoke("export", "--run", out, "--format", fmt, "--output", tmp_path / fmt)
+        assert result.exit_code == 2 and "--format hf or lora" in result.output, result.output
+        assert not (tmp_path / fmt).exists()

@@ -264,3 +264,33 @@ def test_the_adapter_name_is_the_run_directory_s():
     from finetune.training import outputs
 
     assert reward.ADAPTER == outputs.ADAPTER and reward.HEAD in outputs.OWN_NAMES
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="transformers and PEFT are checked in the PyTorch suite")
+def test_the_hf_export_is_transformers_one_label_classifier_scoring_as_the_run(reward_run, tmp_path):
+    """`finetune export --format hf` of a reward model: transformers' GemmaForSequenceClassification of one label
+    (as TRL's reward models load), whose score of a prompt and answer is the run's (`--reward run:DIR`'s)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from finetune.data import formats, pairs, templates
+
+    out, _, _ = reward_run
+    exported = tmp_path / "hf"
+    result = invoke("export", "--run", out, "--format", "hf", "--output", exported, "--backend", BACKEND)
+    assert result.exit_code == 0, result.output
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
+    assert model.config.num_labels == 1 and model.config.id2label == {0: "LABEL_0"}
+    scorer = reward.RewardRun.opened(f"run:{out}")
+    held = marked_pairs(4, seed=1)
+    prompts, answers = [p["prompt"] for p in held] * 2, [p["chosen"] for p in held] + [p["rejected"] for p in held]
+    ours = scorer.scores(prompts, answers)
+    records = [formats.answered(p, a) for p, a in zip(prompts, answers)]
+    made, _ = pairs.pairs(records, templates.get(scorer.cfg.data.template), scorer.tokenizer, 32)
+    rows = [pair.chosen.token_ids[:-1] for pair in made]  # the inputs: the last id is the last input's label
+    width = max(map(len, rows))
+    pad = model.config.pad_token_id
+    ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    with torch.no_grad():
+        theirs = model(input_ids=ids, attention_mask=(ids != pad).long()).logits[:, 0].numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert np.mean(theirs[:4] > theirs[4:]) >= 0.75  # it prefers the marked answers, as it learned

@@ -153,7 +153,7 @@ def export_run(run, request: Request, target: Path) -> Path:
 
     from finetune.training import runs
 
-    runs.check_writes_text(run, "export")
+    runs.check_writes_text(run, "export", request.format)
 
     before = keras.config.dtype_policy()
     try:
@@ -166,6 +166,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     import keras
 
     from finetune.data import images
+    from finetune.methods import registry
     from finetune.model import builder, presets
     from finetune.platform import backend
     from finetune.training import outputs, resolve, runs
@@ -197,11 +198,15 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
         llamacpp.architecture(lm.backbone)  # refused before anything is merged or written
         if builder.encoders(lm.backbone) or llamacpp.architecture(lm.backbone) in transformers_gguf.ARCHITECTURES:
             _require("safetensors", "GGUF of this model, converted from its transformers export,", extra="gguf")
+    method = registry.get(cfg.train.method)
+    head = None if base or not method.head else run.directory / method.head  # a scoring run's: its own
+    if head is not None and fmt == "hf":
+        classifier_of(lm.backbone, method)
     factors = {} if base else runs.checked_factors(run, lm.backbone)
 
     def write(staging: Path) -> None:
         if fmt == "lora":
-            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON):
+            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON, *([method.head] if head else [])):
                 shutil.copyfile(run.directory / name, staging / name)
             return
         if fmt == "peft":
@@ -225,6 +230,9 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
                 (staging / "task.json").unlink(missing_ok=True)
         else:
             write_transformers(staging, lm.backbone, preprocessor.tokenizer, images.vision_of(preprocessor))
+            if head is not None:
+                as_sequence_classifier(staging, classifier_of(lm.backbone, method), method.head_labels(cfg.train),
+                                       head, preprocessor.tokenizer)  # fmt: skip
 
     def write_marked(staging: Path) -> None:
         from finetune.platform.version import __version__
@@ -406,6 +414,51 @@ def write_transformers(directory: Path, backbone, tokenizer, vision=None) -> Non
     write_unigram_tokenizer(directory, tokenizer)
     if vision is not None:
         write_image_processor(directory, tokenizer, vision)
+
+
+CLASSIFIERS = {
+    "GemmaBackbone": "GemmaForSequenceClassification",
+    "Gemma3Backbone": "Gemma3TextForSequenceClassification",
+}
+"""transformers' sequence classifier of each text backbone whose causal LM write_transformers writes."""
+
+
+def classifier_of(backbone, method) -> str:
+    """The transformers class a scoring run of `method` on `backbone` exports as; refused where it has none."""
+    from finetune.model import families
+
+    kind = type(backbone).__name__
+    if kind not in CLASSIFIERS or getattr(backbone, "vision_encoder", None) is not None:
+        family = families.of_backbone(backbone).title
+        raise UserError(f"transformers has no sequence classifier of {family}'s text decoder, so this {method.title} "
+                        "run cannot be exported with its head as --format hf; export it with --format lora (the "
+                        "adapter and the head's file)")  # fmt: skip
+    return CLASSIFIERS[kind]
+
+
+def as_sequence_classifier(directory: Path, classifier: str, labels: list, head: Path, tokenizer) -> None:
+    """Turn the causal LM write_transformers wrote into `classifier`: its config names the labels and the padding
+    id (by which transformers finds each row's last token), the tied output embedding goes, and the run's head,
+    `kernel` (hidden, labels), becomes `score.weight` (labels, hidden)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    config.update(architectures=[classifier], num_labels=len(labels), pad_token_id=tokenizer.pad_token_id,
+                  id2label={str(i): name for i, name in enumerate(labels)},
+                  label2id={name: i for i, name in enumerate(labels)})  # fmt: skip
+    config.pop("problem_type", None)
+    _write_json(directory / "config.json", config)
+    files = sorted(directory.glob("*.safetensors"))
+    weights = {}
+    for path in files:
+        weights.update(load_file(str(path)))
+        path.unlink()
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    weights.pop("lm_head.weight", None)
+    with np.load(head) as saved:
+        weights["score.weight"] = np.ascontiguousarray(saved["kernel"].T.astype(np.float32))
+    _save_safetensors(directory / "model.safetensors", weights)
 
 
 def describe_pictures(config: dict, backbone, tokenizer) -> None:

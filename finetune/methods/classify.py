@@ -37,7 +37,11 @@ class Classify(Supervised):
     generates = False
     labelled = True
     files = (HEAD,)
+    head = HEAD
     uses = "label records with `finetune predict`"
+
+    def head_labels(self, train) -> list[str]:
+        return list(train.labels)
 
     def decide(self, train) -> dict:
         return {"method": (self.name, self.why), "labels": (list(train.labels), "the training data's, sorted")}

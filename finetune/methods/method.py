@@ -50,6 +50,13 @@ class Method:
     """It trains on records with a `label` (a classifier): --labels is its."""
     uses = ""
     """What a finished run of a method that writes no text is for, beside `finetune eval` (refusals say it)."""
+    head = ""
+    """The file of the score head a finished run writes beside its adapter (its `kernel`, hidden x outputs); "":
+    none. `finetune export --format hf` writes it as transformers' ...ForSequenceClassification's `score`."""
+
+    def head_labels(self, train) -> list[str]:
+        """The names of the score head's outputs, in order: transformers' id2label."""
+        return []
 
     def __repr__(self) -> str:
         return f"<method {self.name}>"

@@ -32,8 +32,12 @@ class RewardModel(preference.Preference):
     held_out_history = ("margin",)
     generates = False
     files = (HEAD,)
+    head = HEAD
     why = "set"
     uses = "give it to GRPO as --reward run:DIR"
+
+    def head_labels(self, train) -> list[str]:
+        return ["LABEL_0"]  # transformers' name for a one-label head, as TRL's reward models load
 
     def __init__(self):
         super().__init__("reward", "reward model", None, defaults={

@@ -41,16 +41,27 @@ def open_run(directory: str | Path) -> Run:
     return Run(directory, cfg, description)
 
 
-def check_writes_text(run: Run, what: str) -> None:
-    """Refuse `finetune what` (generate, export, publish) of a run whose model scores text and writes none: a
-    reward model, whose head no export holds yet."""
+def check_writes_text(run: Run, what: str, fmt: str = "") -> None:
+    """Refuse `finetune what` (generate, export, publish) of a run whose model scores text and writes none (a
+    reward model, a classifier), but its export in a format that holds its score head: transformers'
+    ...ForSequenceClassification (hf), or the adapter and the head's file (lora)."""
     from finetune.methods import registry
 
     method = registry.get(run.config.train.method)
-    if not method.generates:
-        raise UserError(f"{run.directory} is a {method.title} run: it scores text and writes none, and no export "
-                        f"holds its head yet, so `finetune {what}` is refused; score with `finetune eval`, or "
-                        f"{method.uses}")  # fmt: skip
+    if method.generates or (what == "export" and fmt in SCORING_FORMATS and method.head):
+        return
+    held = (
+        f"`finetune export --format {' or '.join(SCORING_FORMATS)}` holds its head, so `finetune {what}"
+        f"{' --format ' + fmt if fmt else ''}` is refused"
+        if method.head
+        else f"`finetune {what}` is refused"
+    )
+    raise UserError(f"{run.directory} is a {method.title} run: it scores text and writes none; {held}. Score with "
+                    f"`finetune eval`, or {method.uses}")  # fmt: skip
+
+
+SCORING_FORMATS = ("hf", "lora")
+"""The export formats that hold a scoring run's head (check_writes_text)."""
 
 
 def where(run: Run) -> str:
