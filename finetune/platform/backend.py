@@ -267,6 +267,26 @@ def precision_rule(kind: str, bfloat16: bool, framework: str, float16_overflows:
     return chosen, f"auto: {why}"
 
 
+def routed_experts_rule(framework: str, device: str, devices: int = 1) -> tuple[bool, str]:
+    """(whether a mixture-of-experts bank computes only the experts each token is routed to, as a grouped matmul
+    (model/experts.py); why): the one rule, for a run here (builder.routed_experts) and for the plan of a device
+    elsewhere. device: cpu, gpu or tpu; devices: how many the run spreads over."""
+    if framework != "jax":
+        return False, (f"on {framework}, keras-hub's dense dispatch computes every expert on every token "
+                       "(routed experts are built on JAX)")  # fmt: skip
+    if device == "cpu":
+        # XLA's CPU compiler has no grouped matmul: it lowers ragged_dot to one masked product per expert over
+        # every token-expert pair, k times the dense dispatch's work.
+        return False, ("on a CPU, keras-hub's dense dispatch computes every expert on every token (XLA's CPU "
+                       "compiler has no grouped matmul)")  # fmt: skip
+    if devices > 1:
+        # Sorting the pairs of a batch sharded over devices would gather it onto each, and a model axis shards the
+        # bank on its experts, which the grouped matmul would gather.
+        return False, (f"over {devices} devices, keras-hub's dense dispatch computes every expert on every token "
+                       "(routed experts are built for one device)")  # fmt: skip
+    return True, "routed: each token through its k experts only, one grouped matmul (jax.lax.ragged_dot) a projection"
+
+
 def _cpuinfo() -> list[tuple[str, str]]:
     """(key, value) lines of /proc/cpuinfo; empty where there is none (not Linux)."""
     try:
