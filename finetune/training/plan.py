@@ -370,7 +370,8 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
     routed = _routed_experts(cfg, target, data * model_size)
-    experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, routed, notes)
+    experts, note = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, routed)
+    notes += [note] if note else []
     # The batch counts the method's examples (a preference pair is two sequences, chosen and rejected), or rows
     # of seq_len where they are packed.
     method = registry.get(cfg.train.method)
@@ -645,8 +646,9 @@ def _routed_experts(cfg: Config, target: tuple[str, Device] | None, devices: int
 
 
 def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int,
-                                     routed: tuple[bool, str], notes) -> float:  # fmt: skip
-    """Bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's.
+                                     routed: tuple[bool, str]) -> tuple[float, str]:  # fmt: skip
+    """(bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's, the plan's note on
+    them; 0 and no note for a model without experts).
 
     The router picks num_experts_per_token (k) of num_experts (E) for each
     token. keras-hub's expert bank (Gemma4MoEBlock), the dense dispatch, runs
@@ -655,13 +657,13 @@ def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precis
     token and expert the gate, up, activated gate and product (4·I) and the
     expert's output and its scaled and weighted copies (3·D). Sharded on the
     experts axis, each device holds its experts' share. The routed dispatch
-    (JAX on one GPU or TPU, experts.routed) keeps the same per token and expert
+    (JAX on one TPU, experts.routed) keeps the same per token and expert
     for the k it computes, plus each pair's gathered input (D). Both keep the
     router's probabilities (float32) and the MoE path's input norm.
     """
     config = model.config
     if not config.get("enable_moe_block"):
-        return 0.0
+        return 0.0, ""
     compute = _BYTES[precision][1]
     experts, active = int(config["num_experts"]), int(config.get("num_experts_per_token") or 8)
     inner, hidden = int(config["expert_intermediate_dim"]), model.dims.hidden_dim
@@ -670,16 +672,17 @@ def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precis
     dense = experts * (4 * inner + 3 * hidden) * compute / split
     layers_tokens = model.dims.num_layers * seq_len
     if not routed[0]:
-        notes.append(f"experts: {active} of {experts} route each token, but {routed[1]}; the activations count "
-                     "what it computes")  # fmt: skip
-        return layers_tokens * (dense + shared)
+        note = (
+            f"experts: {active} of {experts} route each token, but {routed[1]}; the activations count what it computes"
+        )
+        return layers_tokens * (dense + shared), note
     kept = active * (4 * inner + 4 * hidden) * compute
-    notes.append(
-        f"experts: {active} of {experts} route each token, and on {model.name} each token computes its {active} "
-        f"alone (a grouped matmul on JAX): {experts / active:.0f}x fewer expert FLOPs than keras-hub's dense "
-        f"dispatch, and {_size(layers_tokens * (dense - kept))} less activation memory a sequence"
+    note = (
+        f"experts: {active} of {experts} route each token, and each token computes its {active} alone (a grouped "
+        f"matmul, JAX on one TPU): {experts / active:.0f}x fewer expert FLOPs than keras-hub's dense "
+        f"dispatch, and {_size(seq_len * (dense - kept))} less activation memory a layer and sequence"
     )
-    return layers_tokens * (kept + shared)
+    return layers_tokens * (kept + shared), note
 
 
 def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:
