@@ -23,10 +23,10 @@ from finetune import config
 from finetune.cli import app
 from finetune.config import LoraConfig
 from finetune.exports import export
-from finetune.model import builder, experts, families, presets
+from finetune.model import builder, experts, families, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
-from finetune.training import adapter, plan
+from finetune.training import adapter, guards, plan
 
 TOKENS = np.arange(2, 18)[None].astype("int32")
 
@@ -69,7 +69,11 @@ def test_the_bank_s_lora_starts_at_the_base_and_its_merge_gives_the_adapted_outp
     assert len(banks) == 2 and {v.path.split("/")[-1] for v in lm.trainable_weights} == set(experts.FACTORS)
     a = keras.ops.convert_to_numpy(banks[0].lora_gate_proj_a)
     assert a.shape == (4, 32, 2) and np.abs(a).max() <= np.sqrt(6 / 32)  # He uniform over each expert's fan-in
+    fast = {v.path.split("/")[-1] for v in lm.trainable_weights if optimizer.steps_fast_under_lora_plus(v)}
+    assert fast == set(experts.FACTORS[1::2])  # LoRA+ steps the experts' B factors fast, as the others'
+    assert guards.b_factors_all_zero(lm.backbone)
     draw_b(lm)
+    assert not guards.b_factors_all_zero(lm.backbone)
     layers = adapter.layers_with_weights(lm.backbone)
     factors = {i: [v.numpy() for v in (getattr(layers[i], n) for n in experts.FACTORS)]
                for i in lm.backbone._lora_enabled_layers}  # fmt: skip
@@ -100,7 +104,7 @@ def test_the_routed_dispatch_gives_the_dense_outputs_and_lora_gradients(targets)
     for routed in (False, True):
         for bank in experts.banks(backbone):
             bank.routed = routed
-        (_, out), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)  # traced anew: `routed` changed
         results[routed] = (np.asarray(out), [np.asarray(g) for g in grads])
     (dense_out, dense_grads), (routed_out, routed_grads) = results[False], results[True]
     # Within 1e-5 of each one's largest value: float32's rounding, which sums the two dispatches in other orders (in
