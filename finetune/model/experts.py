@@ -17,7 +17,7 @@ MoE build):
   them, and are computed beside the projection, not merged into it: a merged
   bank would be a bank-sized sum each step.
 - Routed dispatch (backend.routed_experts_rule says where: JAX on one TPU,
-  where XLA compiles a grouped matmul): the token-expert pairs the
+  whose XLA has a ragged dot of its own; not yet measured): the token-expert pairs the
   router chose are sorted by expert and each projection is one grouped matmul
   (jax.lax.ragged_dot, with the group sizes per expert), so each token passes
   through its k experts only. Elsewhere keras-hub's dense dispatch runs, with

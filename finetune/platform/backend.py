@@ -276,9 +276,10 @@ def routed_experts_rule(framework: str, device: str, devices: int = 1) -> tuple[
         return False, f"on {framework}, {dense} (routed experts are built on JAX)"
     if device != "tpu":
         # XLA's CPU and (jaxlib 0.10) CUDA compilers have no grouped matmul: they lower ragged_dot to a product of
-        # the pairs' inputs padded out to every expert's slot (M x E*K), k times the dense dispatch's work and
-        # memory. Measured on a B200 at 23 TF/s (marin-community/marin#7012); XLA's Triton ragged dot is in review
-        # (openxla/xla#45995). tools/experts_check.py measures both dispatches on a GPU.
+        # the pairs' inputs padded out to every expert's slot, k times the dense dispatch's work and memory (seen in
+        # the CPU's lowering here; marin-community/marin#7012 measured the CUDA one at 23 TF/s on a B200). XLA's
+        # Triton ragged dot is in review (openxla/xla#45995). On a TPU XLA has its own ragged dot; finetune has not measured it there yet.
+        # tools/experts_check.py measures both dispatches on a device.
         return False, f"on a {device}, {dense} (XLA compiles a grouped matmul on a TPU only)"
     if devices > 1:
         # Sorting the pairs of a batch sharded over devices would gather it onto each, and a model axis shards the
