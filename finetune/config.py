@@ -31,7 +31,7 @@ import yaml
 
 from finetune.data.formats import SAMPLE
 from finetune.data.templates import TEMPLATES
-from finetune.model.families import IMAGE_TOKENS
+from finetune.model.families import IMAGE_TOKENS, expert_conflicts
 from finetune.model.presets import LEARNING_RATE, TINY_NAMES
 from finetune.platform.backend import DEFAULT_BATCH_SIZE
 from finetune.platform.errors import UserError
@@ -327,7 +327,9 @@ class LoraConfig:
     targets: list[str] = setting(
         ["query", "value"],
         "Names of the layers to adapt (Gemma: query, key, value, attention_output, ffw_*), PEFT's names for them "
-        "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or all-linear for every one.",
+        "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or all-linear for every one; experts "
+        "for each expert's gate, up and down projections in a mixture-of-experts Gemma 4 (PEFT's "
+        "target_parameters experts.gate_up_proj and experts.down_proj).",
         flag="--target", panel=LORA, metavar="LAYER", check=_not_empty, label="LoRA targets",
         hint="name a layer to adapt, e.g. --target query --target value",
     )  # fmt: skip
@@ -365,7 +367,8 @@ class LoraConfig:
         return self.resolved_alpha() / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     def conflicts(self, cfg: Config) -> Iterator[str]:
-        """What these settings rule out with the model's."""
+        """What these settings rule out with the model's, and with LoRA on the experts."""
+        yield from expert_conflicts(self.targets, self.dora, self.dropout)
         if self.dora and cfg.model.quantize is not None:
             yield (
                 f"--dora with --quantize {cfg.model.quantize} is not supported: DoRA normalises the whole kernel "

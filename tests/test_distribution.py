@@ -258,7 +258,7 @@ for name in ("tiny-gemma4-moe",):  # the experts' rules, on a 2x4 mesh
     source = presets.resolve(name)
     distribution.setup(DistributionConfig(parallel="model", mesh="2x4"), presets.dims(source), 8)
     lm, _ = model.build(source, 64)
-    model.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"]))
+    model.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear", "experts"]))
     out[name] = {v.path: [str(a) for a in v.value.sharding.spec] + [None] * (len(v.shape) - len(v.value.sharding.spec))
                  for v in lm.backbone.weights}
     keras.distribution.set_distribution(None)
@@ -301,6 +301,7 @@ def test_weights_are_sharded_as_the_layout_says(tmp_path):
     assert moe["decoder_block_0/moe_expert_bank/gate_proj"] == ["model", "None", "None"]
     assert moe["decoder_block_1/moe_expert_bank/down_proj"] == ["model", "None", "None"]
     assert moe["decoder_block_0/moe_router/proj/kernel"] == ["None", "None"]
+    assert moe["decoder_block_0/moe_expert_bank/lora_gate_proj_a"] == ["None", "None", "None"]  # replicated
     assert moe["decoder_block_1/attention/query/kernel"] == ["model", "None", "None"]  # the global layer's
 
 

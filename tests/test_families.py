@@ -52,11 +52,12 @@ in_torch_suite = pytest.mark.skipif(BACKEND != "torch", reason="transformers and
 
 
 def settings(preset, out, data, **more):
+    targets = TARGETS + (["experts"] if preset == "tiny-gemma4-moe" else [])  # the MoE's experts too
     return {
         "backend": BACKEND, "output.dir": str(out), "model.preset": preset, "model.seq_len": 32,
         "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
         "train.samples": 0, "data.path": str(data), "data.max_records": 24, "data.eval_fraction": 0.25,
-        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": TARGETS, **more,
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": targets, **more,
     }  # fmt: skip
 
 
@@ -160,7 +161,9 @@ def test_hf_and_peft_exports_give_the_run_s_logits_in_transformers(trained, tmp_
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(finetune.export(out, "hf", tmp_path / "hf"))
     assert type(hf).__name__ == family.transformers
-    np.testing.assert_allclose(hf_logits(hf), tuned, atol=1e-4)
+    np.testing.assert_allclose(hf_logits(hf), tuned, atol=1e-4)  # the MoE's experts' update merged in
+    if preset == "tiny-gemma4-moe":
+        return  # peft refuses LoRA on the experts (tests/test_experts.py); tiny-gemma4 checks Gemma 4's linears
     base = transformers.AutoModelForCausalLM.from_pretrained(finetune.export(out, "hf", tmp_path / "base", base=True))
     adapted = peft.PeftModel.from_pretrained(base, finetune.export(out, "peft", tmp_path / "peft"))
     np.testing.assert_allclose(hf_logits(adapted), tuned, atol=1e-4)
@@ -169,7 +172,7 @@ def test_hf_and_peft_exports_give_the_run_s_logits_in_transformers(trained, tmp_
 @pytest.mark.parametrize(
     "preset, frozen",
     [
-        ("tiny-gemma4-moe", ["moe_expert_bank", "proj"]),
+        ("tiny-gemma4-moe", ["proj"]),
         ("tiny-gemma4", ["per_layer_input_gate", "per_layer_model_projection"]),
         ("tiny-gemma3n", ["linear_left", "modality_router", "altup_projection_1", "per_layer_projection"]),
     ],
@@ -393,26 +396,3 @@ def test_the_command_line_trains_a_gemma4_preset_directory_on_pictures_and_gener
     answered = typed("generate", "--run", "run", "--image", "sq2.png", "--prompt", "What colour is this?",
                      "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
     assert answered.stdout.strip() and "generated on" in answered.stderr
-
-
-def test_the_command_line_trains_gemma4_s_moe_on_an_int4_base(data, tmp_path):
-    """--quantize int4 on Gemma 4 (refused before: its blocks read the FFW kernels, which came without their
-    scales), LoRA on every linear kind, in a fresh process: the held-out loss falls."""
-    out = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny-gemma4-moe", "--backend", BACKEND, "--quantize",
-         "int4", "--target", "all-linear", "--precision", "float32", "--batch-size", "2", "--data", str(data),
-         "--max-records", "24", "--seq-len", "32", "--max-steps", "6", "--set", "train.samples=0", "--output",
-         str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["eval_loss"] < metrics["eval_loss_before"] and metrics["steps"] == 6
-    assert yaml_value(out, "quantize") == "int4"
-
-
-def yaml_value(run, key):
-    import yaml
-
-    return yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))["model"][key]

@@ -14,7 +14,7 @@ The layers, top to bottom:
   runs, adapter.
 - config (finetune/config.py): the typed settings. It checks names against presets and templates and takes
   backend's default batch sizes, so it sits above model and data, and below everything that reads a Config.
-- model/: presets, archs and families, the builder (builder, quantized, remat, attention), the objective, and
+- model/: presets, archs and families, the builder (builder, quantized, remat, attention, experts), the objective, and
   the layouts of weights over devices (layouts, distribution).
 - data/: records (formats), templates, token ids (batching), packing. model and data import nothing of each
   other; data is lower because a run reads it first.

@@ -92,7 +92,7 @@ def test_newer_families_rules_match_their_variables_and_count_every_weight(prese
     variables, with their shapes and count, and the table's count (archs.parameter_count) is the backbone's."""
     from conftest import float32_policy
 
-    from finetune.model import archs, builder, families, presets
+    from finetune.model import archs, builder, experts, families, presets
 
     family = presets.TINY[preset].family
     config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
@@ -100,4 +100,6 @@ def test_newer_families_rules_match_their_variables_and_count_every_weight(prese
         backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(preset), name=preset)
         assert archs.parameter_count(config, family) == backbone.count_params()
         backbone.enable_lora(2, target_layer_names=builder.lora_layer_names(backbone, list(families.TARGETS)))
+        for bank in experts.banks(backbone):  # the MoE's experts take LoRA factors of their own (lora_experts)
+            experts.enable_lora(bank, 2)
     _check_rules_against(backbone, config, family)

@@ -313,17 +313,18 @@ def test_the_newest_gemma_plan_offline_with_keras_hub_s_counts(args, preset):
     if preset == "gemma4_26b_a4b":
         assert groups["experts gate"]["shape"] == [128, 2816, 704] and groups["experts gate"]["copies"] == 30
         assert any("8 of 128 route each token" in note for note in planned["notes"])
-    result = invoke("--backend", "jax", "--preset", preset, *args, "--target", "query,moe_expert_bank")
+    result = invoke("--backend", "jax", "--preset", preset, *args, "--target", "query,proj")
     assert result.exit_code == 2, result.output
     if preset.startswith("gemma4"):
-        assert "Gemma 4's 'moe_expert_bank' layers stay frozen: the experts" in result.output
+        assert "Gemma 4's 'proj' layers stay frozen: the mixture-of-experts router" in result.output
     else:
-        assert "unknown LoRA target 'moe_expert_bank'" in result.output
+        assert "unknown LoRA target 'proj'" in result.output
 
 
 def test_moe_activations_count_every_expert_keras_hub_computes():
-    dense = make(**{"model.preset": "gemma4_31b", "train.batch_size": 1})
-    moe = make(**{"model.preset": "gemma4_26b_a4b", "train.batch_size": 1})
+    """keras-hub's dense dispatch, which PyTorch runs (JAX's routed one: tests/test_experts.py)."""
+    dense = make(**{"backend": "torch", "model.preset": "gemma4_31b", "train.batch_size": 1})
+    moe = make(**{"backend": "torch", "model.preset": "gemma4_26b_a4b", "train.batch_size": 1})
     config = archs.ARCHS["gemma4_26b_a4b"].config
     experts = 30 * 256 * 128 * (4 * 704 + 3 * 2816) * 2  # layers x tokens x experts x per token, bfloat16
     assert moe.memory["activations"] > experts > dense.memory["activations"]

@@ -203,6 +203,8 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     if head is not None and fmt == "hf":
         classifier_of(lm.backbone, method)
     factors = {} if base else runs.checked_factors(run, lm.backbone)
+    if fmt == "peft":
+        check_peft_layers(lm.backbone, factors, cfg.model.quantize)
 
     def write(staging: Path) -> None:
         if fmt == "lora":
@@ -307,7 +309,8 @@ def publish(target: Path, write) -> None:
 
 def merge(backbone, factors: dict, scale: float) -> None:
     """W += scale * A @ B on each adapted kernel, as Keras' EinsumDense computes its LoRA kernel; under DoRA,
-    W = m * (W + scale * A @ B) / |W + scale * A @ B|, the norm of each output's column (builder._with_lora).
+    W = m * (W + scale * A @ B) / |W + scale * A @ B|, the norm of each output's column (builder._with_lora); and
+    on an expert bank, each expert's W_e += scale * A_e @ B_e for its gate, up and down projections (experts.py).
 
     A is (..., in, rank) and B (rank, out), so A @ B broadcasts over the leading
     axes to the kernel's shape: (heads, hidden, head_dim) for query, key and
@@ -316,17 +319,39 @@ def merge(backbone, factors: dict, scale: float) -> None:
     """
     import numpy as np
 
-    from finetune.model import builder
+    from finetune.model import builder, experts
     from finetune.training import adapter
 
     layers = adapter.layers_with_weights(backbone)
-    for index, (a, b, *magnitude) in factors.items():
+    for index, values in factors.items():
+        if experts.is_bank(layers[index]):  # (A, B) of each projection, (experts, in, r) @ (experts, r, out)
+            for projection, a, b in zip(experts.PROJECTIONS, values[0::2], values[1::2], strict=True):
+                weight = getattr(layers[index], projection)
+                weight.assign(np.asarray(weight.numpy(), dtype=np.float32) + scale * np.matmul(a, b))
+            continue
+        a, b, *magnitude = values
         kernel = layers[index].kernel
         merged = np.asarray(kernel.numpy(), dtype=np.float32) + scale * np.matmul(a, b)
         if magnitude:
             axes = builder.reduced_axes(layers[index])
             merged *= np.expand_dims(magnitude[0] / np.sqrt(np.square(merged).sum(axis=axes)), axes)
         kernel.assign(merged)  # cast on assign
+
+
+def check_peft_layers(backbone, factors: dict, quantize: str | None) -> None:
+    """Refuse a PEFT export of an adapter on the experts, which write_peft does not write: PEFT keeps those under
+    target_parameters, on transformers' fused gate_up_proj, a layout not built here. The merged formats carry them,
+    and lora."""
+    from finetune.model import experts
+    from finetune.training import adapter
+
+    layers = adapter.layers_with_weights(backbone)
+    if any(experts.is_bank(layers[index]) for index in factors):
+        carried = "lora" if quantize else "merged, hf or gguf (the experts' update merged in), or lora"
+        raise UserError(
+            "this run's adapter is on the experts (--target experts), and finetune's peft format carries LoRA on "
+            f"linear layers only; export it with --format {carried}"
+        )
 
 
 def check_transformers_layout(backbone) -> None:

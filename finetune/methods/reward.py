@@ -165,7 +165,7 @@ class RewardRun:
             recipe = builder.Recipe(seq_len=cfg.model.seq_len, precision=precision, lora=cfg.lora, seed=cfg.train.seed)
             model = builder.build_model(presets.resolve(cfg.model.preset), recipe)
             try:
-                model.lm.backbone.load_lora_weights(str(self.directory / ADAPTER))
+                builder.load_lora_weights(model.lm.backbone, str(self.directory / ADAPTER))
             except (OSError, KeyError, ValueError) as e:
                 raise UserError(f"--reward run:{self.directory}: its adapter does not load ({e}); retrain it") from None
             self.view = builder.objective_view(model.lm, self.objective())

@@ -21,6 +21,7 @@ from finetune.data import images
 from finetune.model import (
     attention,
     checkpoints,
+    experts,
     families,
     layouts,
     lora_dropout,
@@ -128,12 +129,21 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
     effective_kernels(lm.backbone, families.get(source.family).read_kernels)
+    experts.install(lm.backbone, routed_experts()[0])
     for layer in quantized.quantized_layers(lm.backbone):
         beside_the_kernel(layer)  # its kernel dequantized only when its input arrives
     if remat:
         rematerialization.enable(lm.backbone)
     lm.compile(sampler="greedy")  # for generate(): training goes through compile()'s view, not lm
     return lm, preprocessor
+
+
+def routed_experts() -> tuple[bool, str]:
+    """(whether a mixture-of-experts bank computes each token's k experts alone, why), on this process' backend,
+    device and distribution (backend.routed_experts_rule, which the plan asks offline)."""
+    distribution = keras.distribution.distribution()
+    devices = 1 if distribution is None else int(np.prod(distribution.device_mesh.shape))
+    return backend.routed_experts_rule(keras.config.backend(), backend.accelerator(), devices)
 
 
 def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, quantize: str | None = None,
@@ -339,6 +349,32 @@ def input_names(lm) -> tuple[str, ...]:
     return names
 
 
+def lora_weight_names(layer) -> tuple[str, ...]:
+    """The LoRA weights an adapted layer holds, in the order adapter.lora.h5 keeps them: a dense layer's A and B
+    (keras-hub's names) and DoRA's magnitude beside them, or an expert bank's A and B of each projection."""
+    if experts.is_bank(layer):
+        return experts.FACTORS
+    dora = ("lora_magnitude",) if getattr(layer, "lora_magnitude", None) is not None else ()
+    return ("lora_kernel_a", "lora_kernel_b", *dora)
+
+
+def load_lora_weights(backbone, path) -> None:
+    """Each adapted layer's LoRA weights (lora_weight_names) from a .lora.h5 at `path`, as keras-hub's
+    load_lora_weights reads them (lora/<layer index>/<name>), DoRA's magnitudes and the experts' factors too,
+    which keras-hub's reader does not know. Raises OSError, KeyError or ValueError on a file that does not fit."""
+    layers = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
+    store = keras_compat.h5_store(path, mode="r")
+    try:
+        if int(store.get("lora")["rank"][()]) != backbone._lora_rank:
+            raise ValueError(f"its LoRA rank is {int(store.get('lora')['rank'][()])}, not {backbone._lora_rank}")
+        for index in backbone._lora_enabled_layers:
+            entry = store.get(f"lora/{index}")
+            for name in lora_weight_names(layers[index]):
+                getattr(layers[index], name).assign(entry[name])
+    finally:
+        store.close()
+
+
 def adaptable_layer_names(backbone) -> set[str]:
     """Layers whose LoRA factors keras-hub can save and load.
 
@@ -365,12 +401,14 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
     """
     backbone = lm.backbone
     names = lora_layer_names(backbone, lora.targets)
+    for message in families.expert_conflicts(lora.targets, lora.dora, lora.dropout):
+        raise UserError(message)  # as the run's config refused it (config.LoraConfig.conflicts)
     choices = ", ".join(adaptable_targets(backbone))
     _adapter_dtype(backbone, names)
     lora_on_the_decoder(backbone, lora.rank, names)
     adapted = [layer for layer in backbone._flatten_layers(include_self=False) if getattr(layer, "lora_enabled", False)]
     # A name shared with a non-dense layer enables that one too; refuse now rather than at save time.
-    unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a")]
+    unsavable = [layer.name for layer in adapted if not hasattr(layer, "lora_kernel_a") and not experts.is_bank(layer)]
     if unsavable:
         raise UserError(
             f"layer {unsavable[0]!r} cannot be adapted (keras-hub saves LoRA of dense layers only); choose from {choices}"
@@ -389,6 +427,8 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
     if lora.dropout:
         lora_dropout.enable(backbone, adapted, lora.dropout, seed)
     for layer in adapted:
+        if experts.is_bank(layer):
+            continue  # its call, LoRA included, is experts.install's
         if lora.dora and quantized.policy_of(layer).quantization_mode is not None:
             raise UserError(
                 f"DoRA needs a float kernel, and layer {layer.name} is quantized; drop --dora or --quantize"
@@ -458,7 +498,8 @@ def encoders(backbone) -> list:
 
 
 def lora_on_the_decoder(backbone, rank: int, names: list[str]) -> None:
-    """keras-hub's backbone.enable_lora on the layers of these names outside the image and audio encoders.
+    """keras-hub's backbone.enable_lora on the layers of these names outside the image and audio encoders, and
+    our LoRA on the expert banks among them (experts.enable_lora).
 
     keras-hub matches layer names across the whole backbone, and Gemma 4's vision encoder is made of Gemma 4
     blocks whose layers bear the decoder's names (query, value, ffw_gating...): `--target query` would adapt the
@@ -470,9 +511,14 @@ def lora_on_the_decoder(backbone, rank: int, names: list[str]) -> None:
     backbone.enable_lora(rank, target_layer_names=[])  # freezes every layer, and counts none
     with_weights = [layer for layer in backbone._flatten_layers(include_self=False) if layer.weights]
     for index, layer in enumerate(with_weights):
-        if layer.name in names and id(layer) not in inside and hasattr(layer, "enable_lora"):
+        if layer.name not in names or id(layer) in inside:
+            continue
+        if hasattr(layer, "enable_lora"):
             layer.trainable = True
             layer.enable_lora(rank)
+            backbone._lora_enabled_layers.append(index)
+        elif experts.is_bank(layer):
+            experts.enable_lora(layer, rank)
             backbone._lora_enabled_layers.append(index)
 
 
@@ -646,11 +692,14 @@ def adaptable_targets(backbone) -> list[str]:
 def lora_layer_names(backbone, targets: list[str]) -> list[str]:
     """The keras-hub layer names `targets` adapt on this backbone; a UserError for one it cannot."""
     family = families.of_backbone(backbone)
-    available = adaptable_layer_names(backbone)
+    banks = {bank.name for bank in experts.banks(backbone)}
+    available = adaptable_layer_names(backbone) | banks
     adaptable = adaptable_targets(backbone)
-    choices = ", ".join(adaptable)
+    choices = ", ".join(adaptable + ([families.EXPERTS] if banks else []))
     names = []
     for target in families.spelled_out(targets, adaptable):
+        if target == families.EXPERTS and not banks:
+            raise UserError(family.without_experts("this model"))
         name = family.layer_of(target)
         why = family.frozen_reason(name)
         if why is not None:
@@ -697,6 +746,9 @@ def initialise_lora(layers, seed: int) -> None:
     """
     rng = np.random.default_rng(seed)
     for layer in layers:
+        if experts.is_bank(layer):
+            experts.initialise(layer, rng)
+            continue
         shape = tuple(layer.lora_kernel_a.shape)
         limit = math.sqrt(6.0 / _fan_in(shape))
         layer.lora_kernel_a.assign(rng.uniform(-limit, limit, shape).astype("float32"))

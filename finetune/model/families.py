@@ -14,7 +14,9 @@ exports load into.
 LoRA targets are named the same way for every family (query, key, value,
 attention_output, ffw_gating, ffw_gating_2, ffw_linear); a family whose
 keras-hub layers are named otherwise (Gemma 3n's q_proj, ...) maps them here,
-and takes its own names too. Pure Python: nothing here imports keras.
+and takes its own names too. `experts` names a mixture-of-experts bank's
+three projections (Gemma 4's 26b_a4b), which are tensors, not linear layers.
+Pure Python: nothing here imports keras.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ TARGETS = ("query", "key", "value", "attention_output", "ffw_gating", "ffw_gatin
 _SAME = {name: name for name in TARGETS}
 ALL_LINEAR = "all-linear"
 """The target that stands for every linear layer kind of the decoder blocks (PEFT's target_modules="all-linear")."""
+EXPERTS = "experts"
+"""The target that puts LoRA on a mixture-of-experts bank: each expert's gate, up and down projections (experts.py).
+Not one of all-linear's, as PEFT's all-linear leaves out transformers' experts, which are parameters, not Linears."""
+# PEFT's target_parameters for transformers' Gemma 4 experts: its gate and up projections are one fused tensor.
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 # PEFT's module names for the same layers (transformers' Gemma), taken as targets in every family.
 PEFT_NAMES = dict(q_proj="query", k_proj="key", v_proj="value", o_proj="attention_output", gate_proj="ffw_gating",
                   up_proj="ffw_gating_2", down_proj="ffw_linear")  # fmt: skip
@@ -36,11 +43,34 @@ PEFT_NAMES = dict(q_proj="query", k_proj="key", v_proj="value", o_proj="attentio
 
 def spelled_out(targets, adaptable) -> list[str]:
     """`targets` in our names, each once, in order: PEFT's names as ours, all-linear as each of `adaptable` (the
-    TARGETS the model has layers for); a family's own layer names stay as they are."""
+    TARGETS the model has layers for), PEFT's target_parameters of the experts (both of them) as experts; a
+    family's own layer names stay as they are."""
+    given = [target for target in targets if target in EXPERT_PARAMETERS]
+    if given and set(given) != set(EXPERT_PARAMETERS):
+        raise UserError(
+            f"--target {given[0]}: finetune adapts an expert's gate, up and down projections together; pass "
+            f"--target {EXPERTS} (or both of {' and '.join(EXPERT_PARAMETERS)})"
+        )
     names = []
     for target in targets:
-        names += list(adaptable) if target == ALL_LINEAR else [PEFT_NAMES.get(target, target)]
+        if target in EXPERT_PARAMETERS:
+            names.append(EXPERTS)
+        else:
+            names += list(adaptable) if target == ALL_LINEAR else [PEFT_NAMES.get(target, target)]
     return list(dict.fromkeys(names))
+
+
+def expert_conflicts(targets, dora: bool, dropout: float):
+    """What LoRA on the experts rules out: DoRA and LoRA dropout, which the experts' LoRA does not compute (PEFT's
+    target_parameters take neither). The run's config refuses them (config.LoraConfig.conflicts), and the builder."""
+    if EXPERTS not in spelled_out(targets, ()):
+        return
+    if dora:
+        yield (f"--dora with --target {EXPERTS}: DoRA is not built for the experts; drop --dora, or target the "
+               "linear layers alone")  # fmt: skip
+    if dropout:
+        yield (f"--lora-dropout with --target {EXPERTS}: LoRA dropout is not built for the experts (nor in PEFT's "
+               "target_parameters); drop --lora-dropout")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -117,11 +147,23 @@ class Family:
     float16_overflows: str | None = None
     """Why float16 computes this family wrong (its activations pass float16's largest value, 65,504), said where
     --precision auto picks float32 instead and where --precision float16 is given; None where float16 is safe."""
+    experts: str | None = None
+    """The keras-hub layer name of the mixture-of-experts bank `--target experts` adapts, in the presets that have
+    one (Gemma 4's 26b_a4b); None where the family has none."""
 
     def layer_of(self, target: str) -> str:
         """The keras-hub layer name a LoRA target names (a family's own names are taken as they are)."""
+        if target == EXPERTS and self.experts:
+            return self.experts
         target = PEFT_NAMES.get(target, target)
         return self.layers.get(target, target)
+
+    def without_experts(self, model: str) -> str:
+        """Why `--target experts` finds nothing to adapt in `model`, a preset of this family without a bank."""
+        if self.experts is None:
+            return f"--target {EXPERTS}: {self.title} has no mixture-of-experts layers; LoRA adapts its linear layers"
+        return (f"--target {EXPERTS}: {model} has no mixture-of-experts layers (a dense {self.title}); "
+                f"{self.title}'s experts are in its mixture-of-experts presets (26b_a4b)")  # fmt: skip
 
     def left_out(self, images: bool) -> tuple[dict, tuple]:
         """(the backbone config keys set to None, the preprocessor's converters set to None) of a build for a run
@@ -172,7 +214,6 @@ FAMILIES = {
         _SAME,
         frozen={
             "proj": "the mixture-of-experts router, which picks each token's experts",
-            "moe_expert_bank": "the experts: keras-hub keeps them as raw (experts, in, out) tensors with no LoRA support",
             "per_layer_input_gate": _PER_LAYER,
             "per_layer_up_proj": _PER_LAYER,
             "per_layer_model_projection": _PER_LAYER,
@@ -183,7 +224,7 @@ FAMILIES = {
         seeing=("vision_encoder", "image_converter"), image_tokens=IMAGE_TOKENS,
         without_images="a run on text builds Gemma 4 without its image encoder; a run on pictures keeps it",
         read_kernels=("ffw_gating", "ffw_gating_2", "ffw_linear"),
-        float16_overflows=_CLAMPED.format(title="Gemma 4", n="4"),
+        float16_overflows=_CLAMPED.format(title="Gemma 4", n="4"), experts="moe_expert_bank",
     ),
     "gemma3n": Family(
         "gemma3n", "Gemma 3n", "Gemma3nBackbone", "Gemma3nCausalLM", "Gemma3nTokenizer", "Gemma3nCausalLMPreprocessor",

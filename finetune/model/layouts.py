@@ -56,7 +56,14 @@ class Rule:
     copies: int = 0
     """How many variables it matches; 0: one per decoder block (one for the embedding)."""
     target: str = ""
-    """The LoRA target (families.TARGETS) these kernels belong to; empty for the rest."""
+    """The LoRA target (families.TARGETS, or families.EXPERTS for an expert bank) these weights belong to; empty for
+    the rest."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether --quantize stores these weights quantized: a LoRA target's kernels (quantized.policies), not an
+        expert bank's tensors, which keras' quantizers do not know."""
+        return bool(self.target) and self.pattern.endswith("/kernel")
 
 
 # D hidden, H query heads, K key/value heads, h head dim, F the FFW kernels' inner width, V vocabulary.
@@ -241,9 +248,11 @@ def _gemma4_rules(c: dict) -> tuple[Rule, ...]:
         bank = f"{_BLOCK}/moe_expert_bank"
         out += [
             Rule("router", rf"{_BLOCK}/moe_router/proj/kernel", (), "D,E", shape=(D, E), copies=L),
-            Rule("experts gate", f"{bank}/gate_proj", (0, 2), "E,D,I", shape=(E, D, inner), copies=L),
-            Rule("experts up", f"{bank}/up_proj", (0, 2), "E,D,I", shape=(E, D, inner), copies=L),
-            Rule("experts down", f"{bank}/down_proj", (0, 1), "E,I,D", shape=(E, inner, D), copies=L),
+            Rule("experts gate", f"{bank}/gate_proj", (0, 2), "E,D,I", shape=(E, D, inner), copies=L, target="experts"),
+            Rule("experts up", f"{bank}/up_proj", (0, 2), "E,D,I", shape=(E, D, inner), copies=L, target="experts"),
+            Rule("experts down", f"{bank}/down_proj", (0, 1), "E,I,D", shape=(E, inner, D), copies=L, target="experts"),
+            # Each expert's LoRA factors (experts.py): A (experts, in, rank), B (experts, rank, out), replicated.
+            Rule("lora_experts", f"{bank}/lora_[a-z]+_proj_[ab]", (), "", ndim=3),
         ]
     if P:
         out += [

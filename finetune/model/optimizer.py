@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
+from finetune.model import experts
 from finetune.platform import keras_compat
 
 SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
@@ -200,7 +201,8 @@ def steps_fast_under_lora_plus(variable) -> bool:
     """Whether LoRA+ steps `variable` at the plus ratio times the learning rate, as PEFT's create_loraplus_optimizer
     sorts parameters: its fast group holds the B factors and every vector, DoRA's magnitudes among them. Its third
     group, LoRA factors of an embedding at their own rate, has nothing here: LoRA adapts no embedding (builder)."""
-    return variable.path.endswith(("lora_kernel_b", "lora_magnitude"))
+    expert_b = tuple(name for name in experts.FACTORS if name.endswith("_b"))  # the expert banks' B factors
+    return variable.path.endswith(("lora_kernel_b", "lora_magnitude", *expert_b))
 
 
 def step_record(optimizer, step: int) -> dict:

@@ -43,7 +43,7 @@ def policies(base_policy: str, mode: str, rules=layouts.RULES) -> keras.dtype_po
     quantized = keras.dtype_policies.get(f"{kind}_from_{base_policy}")
     mapping = keras.dtype_policies.DTypePolicyMap(default_policy=keras.dtype_policies.get(base_policy))
     for rule in rules:
-        if rule.target and rule.pattern.endswith("/kernel"):
+        if rule.quantized:
             mapping[rule.pattern.removesuffix("/kernel")] = quantized
     return mapping
 

@@ -267,6 +267,27 @@ def precision_rule(kind: str, bfloat16: bool, framework: str, float16_overflows:
     return chosen, f"auto: {why}"
 
 
+def routed_experts_rule(framework: str, device: str, devices: int = 1) -> tuple[bool, str]:
+    """(whether a mixture-of-experts bank computes only the experts each token is routed to, as a grouped matmul
+    (model/experts.py); why): the one rule, for a run here (builder.routed_experts) and for the plan of a device
+    elsewhere. device: cpu, gpu or tpu; devices: how many the run spreads over."""
+    dense = "keras-hub's dense dispatch computes every expert on every token"
+    if framework != "jax":
+        return False, f"on {framework}, {dense} (routed experts are built on JAX)"
+    if device != "tpu":
+        # XLA's CPU and (jaxlib 0.10) CUDA compilers have no grouped matmul: they lower ragged_dot to a product of
+        # the pairs' inputs padded out to every expert's slot, k times the dense dispatch's work and memory (seen in
+        # the CPU's lowering here; marin-community/marin#7012 measured the CUDA one at 23 TF/s on a B200). XLA's
+        # Triton ragged dot is in review (openxla/xla#45995). On a TPU XLA has its own ragged dot; finetune has not measured it there yet.
+        # tools/experts_check.py measures both dispatches on a device.
+        return False, f"on a {device}, {dense} (XLA compiles a grouped matmul on a TPU only)"
+    if devices > 1:
+        # Sorting the pairs of a batch sharded over devices would gather it onto each, and a model axis shards the
+        # bank on its experts, which the grouped matmul would gather.
+        return False, f"over {devices} devices, {dense} (routed experts are built for one device)"
+    return True, "routed: each token through its k experts only, one grouped matmul (jax.lax.ragged_dot) a projection"
+
+
 def _cpuinfo() -> list[tuple[str, str]]:
     """(key, value) lines of /proc/cpuinfo; empty where there is none (not Linux)."""
     try:

@@ -995,7 +995,9 @@ def train_flops_per_token(arch: str, vocab: int, seq_len: int) -> float:
     2N forward and 2N backward per token (not the usual 6N). The weights are
     the decoder's kernels as layouts.py lays them out, with a MoE block's
     experts counted at the share a token takes (experts per token over
-    experts), and the logits' projection (tied to the embedding); the
+    experts: the useful work, which the routed dispatch computes, and
+    keras-hub's dense one E / k times over, builder.routed_experts), and the
+    logits' projection (tied to the embedding); the
     embeddings' lookups are not matmuls. Attention's score and value products
     are counted over the whole row, as the dense kernel computes them, or
     over the window on a sliding-window layer, forward once and backward

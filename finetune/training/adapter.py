@@ -56,7 +56,12 @@ def kernel_shape(layer) -> tuple:
 
 def factor_shapes(layer, rank: int, dora: bool = False) -> dict:
     """{lora_kernel_a: shape, lora_kernel_b: shape} of rank-`rank` LoRA on `layer`, as Keras makes them, and
-    DoRA's {lora_magnitude: shape}, one per output (builder.magnitude_shape)."""
+    DoRA's {lora_magnitude: shape}, one per output (builder.magnitude_shape); an expert bank's A and B of each
+    projection (experts.factor_shapes)."""
+    from finetune.model import experts
+
+    if experts.is_bank(layer):
+        return experts.factor_shapes(layer, rank)
     kernel = kernel_shape(layer)
     shapes = {"lora_kernel_a": [*kernel[:-1], rank], "lora_kernel_b": [rank, kernel[-1]]}
     if dora:
@@ -72,16 +77,18 @@ def describe(backbone, run, version: str) -> dict:
     run: resolve.Resolved. The run that trained it: its preset, LoRA (rank, alpha, targets and variant: dropout,
         rslora, dora), template and dtype are recorded.
     """
+    from finetune.model import builder
+
     cfg = run.config
     layers = layers_with_weights(backbone)
-    names = _saved(cfg.lora.dora)
-    adapted = []
+    adapted, factors = [], {}
     for index in backbone._lora_enabled_layers:
         layer = layers[index]
+        names = builder.lora_weight_names(layer)
         entry = {"index": index, "layer": layer.path, "name": layer.name}
         entry.update({name: [int(d) for d in getattr(layer, name).shape] for name in names})
         adapted.append(entry)
-    factors = {entry["index"]: [getattr(layers[entry["index"]], n).numpy() for n in names] for entry in adapted}
+        factors[index] = [getattr(layer, name).numpy() for name in names]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -102,27 +109,46 @@ def describe(backbone, run, version: str) -> dict:
     }
 
 
-def _saved(dora: bool) -> tuple[str, ...]:
-    """The weights adapter.lora.h5 holds for each adapted layer: A and B, and DoRA's magnitude."""
+def _saved(dora: bool, entry: dict | None = None) -> tuple[str, ...]:
+    """The weights adapter.lora.h5 holds for an adapted layer (`entry`, its adapter.json entry): A and B, and DoRA's
+    magnitude; an expert bank's A and B of each projection."""
+    from finetune.model import experts
+
+    if entry is not None and experts.FACTORS[0] in entry:
+        return experts.FACTORS
     return (*FACTORS, MAGNITUDE) if dora else FACTORS
 
 
 def save(backbone, path: Path) -> None:
-    """adapter.lora.h5: keras-hub's save_lora_weights; under DoRA, its layout (lora/rank, lora/<index>/A and B)
-    written through keras' store with each layer's magnitude beside its factors, which keras-hub cannot save."""
+    """adapter.lora.h5: keras-hub's save_lora_weights; under DoRA or with an expert bank adapted, its layout
+    (lora/rank, lora/<index>/<name>) written through keras' store with each layer's weights
+    (builder.lora_weight_names): the magnitudes and the experts' factors, which keras-hub cannot save."""
+    from finetune.model import builder
+
     layers = layers_with_weights(backbone)
-    if not any(hasattr(layers[i], MAGNITUDE) for i in backbone._lora_enabled_layers):
+    adapted = [layers[i] for i in backbone._lora_enabled_layers]
+    if all(builder.lora_weight_names(layer) == FACTORS for layer in adapted):
         backbone.save_lora_weights(str(path))
         return
     store = keras_compat.h5_store(path, mode="w")
     try:
         store.make("lora")["rank"] = backbone._lora_rank
-        for index in backbone._lora_enabled_layers:
+        for index, layer in zip(backbone._lora_enabled_layers, adapted, strict=True):
             entry = store.make(f"lora/{index}")
-            for name in _saved(True):
-                entry[name] = getattr(layers[index], name)
+            for name in builder.lora_weight_names(layer):
+                entry[name] = getattr(layer, name)
     finally:
         store.close()
+
+
+def assign(backbone, factors: dict) -> None:
+    """Give each adapted layer its weights from read_factors' {index: values}, in factor_shapes' order."""
+    from finetune.model import builder
+
+    layers = layers_with_weights(backbone)
+    for index, values in factors.items():
+        for name, value in zip(builder.lora_weight_names(layers[index]), values, strict=True):
+            getattr(layers[index], name).assign(value)
 
 
 def weights_digest(factors: dict) -> str:
@@ -179,7 +205,7 @@ def read(path: Path) -> dict:
     for entry in described.items("adapted", dict):
         entry.field("index", int, check=documents.at_least(0))
         entry.field("layer", str)
-        for name in _saved(bool(described.value.get("dora"))):
+        for name in _saved(bool(described.value.get("dora")), entry.value):
             entry.items(name, int, check=documents.at_least(1))
     described.field("weights_sha256", str)
     return described.value
@@ -240,8 +266,8 @@ def check_against_base(description: dict, backbone, rank: int, path: Path) -> li
 
 
 def read_factors(path: Path, adapted: list[tuple[int, object]], rank: int, description: dict) -> dict:
-    """{index: (A, B)}, or (A, B, magnitude) under DoRA, from a keras-hub .lora.h5, refused unless it holds
-    exactly what adapter.json describes.
+    """{index: (A, B)}, or (A, B, magnitude) under DoRA, or an expert bank's (A, B) of each projection
+    (factor_shapes' order), from a keras-hub .lora.h5, refused unless it holds exactly what adapter.json describes.
 
     keras-hub's load_lora_weights reads the file without checks: a damaged file
     ends in a raw OSError, another rank in a ValueError, and NaN weights load

@@ -46,13 +46,16 @@ def b_factors_all_zero(backbone) -> bool:
     adapter adds nothing to any layer. False under DoRA, whose magnitude changes the layer on its own."""
     import numpy as np
 
+    from finetune.model import builder
     from finetune.training import adapter
 
     layers = adapter.layers_with_weights(backbone)
     adapted = [layers[index] for index in backbone._lora_enabled_layers]
     if any(hasattr(layer, adapter.MAGNITUDE) for layer in adapted):
         return False
-    return all(not np.any(np.asarray(layer.lora_kernel_b.numpy())) for layer in adapted)
+    b_factors = [getattr(layer, name) for layer in adapted for name in builder.lora_weight_names(layer)
+                 if name.endswith("_b")]  # fmt: skip
+    return all(not np.any(np.asarray(b.numpy())) for b in b_factors)
 
 
 def adapter_unchanged(zero_b: bool, before: float | None, after: float | None, rows: list, response_tokens: int,

@@ -195,6 +195,8 @@ class Group:
     """How many variables of this shape: one per decoder block, or 1."""
     layout: str
     bytes_per_device: float
+    quantized: bool = False
+    """Stored in --quantize's int4 or int8 (layouts.Rule.quantized): a decoder kernel LoRA may target."""
 
 
 @dataclass
@@ -350,7 +352,9 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     if remat:  # each block keeps its input; one block's activations exist at a time, in its backward
         kept = model.dims.num_layers * seq_len * model.dims.hidden_dim * _BYTES[precision][1]
         per_sequence = kept + per_sequence / model.dims.num_layers
-    experts = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, notes)
+    routed = _routed_experts(cfg, target, data * model_size)
+    experts, note = _expert_activations_per_sequence(model, kernels, seq_len, precision, model_size, routed)
+    notes += [note] if note else []
     # The batch counts the method's examples (a preference pair is two sequences, chosen and rejected), or rows
     # of seq_len where they are packed.
     method = registry.get(cfg.train.method)
@@ -362,9 +366,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     memory["activations"] = (
         sequences * per_device * (per_sequence + (experts / model.dims.num_layers if remat else experts))
     )
-    memory["dequantized_kernel"] = _dequantized_kernel(
-        groups, cfg.model.quantize, model.dims.num_layers, _BYTES[precision][1]
-    )
+    memory["dequantized_kernel"] = _dequantized_kernel(groups, cfg.model.quantize, _BYTES[precision][1])
     memory["logits"] = _logits(model, kernels, precision, model_size, cfg.backend)
     transient = method.plan_transient(cfg, model.dims, _BYTES[precision][1], per_device, cfg.backend)
     beyond = sum(transient.values()) - memory["activations"] - memory["logits"]
@@ -529,7 +531,8 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
     for p in kernels:
         copies = p.copies
         count = math.prod(p.shape) * copies
-        size = count * (_quantized(quantize) if quantize and p.rule.target else variable_bytes)  # quantized.policies
+        quantized = bool(quantize) and p.rule.quantized  # as quantized.policies stores it
+        size = count * (_quantized(quantize) if quantized else variable_bytes)
         sharded = layouts.MODEL_AXIS in p.axes
         if sharded:
             size /= model_size
@@ -537,7 +540,7 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
             layout = f"model on {_DIM_NAMES[p.rule.shape_of.split(',')[dim]]}"
         else:
             layout = "replicated"
-        groups.append(Group(p.rule.group, p.shape, copies, layout, size))
+        groups.append(Group(p.rule.group, p.shape, copies, layout, size, quantized))
     norms = archs.small_weights(model.config, model.family)
     groups.append(Group("norm scales", (norms,), 1, "replicated", norms * variable_bytes))
     if model.vision_params:
@@ -553,7 +556,7 @@ def _quantized(mode: str) -> float:
     return 0.5 + 5 / 128 if mode == "int4" else 1.0
 
 
-def _dequantized_kernel(groups: list[Group], quantize: str | None, layers: int, compute: int) -> float:
+def _dequantized_kernel(groups: list[Group], quantize: str | None, compute: int) -> float:
     """A quantized base's dequantization at its largest: one decoder kernel's, unpacked (a byte a weight, int4),
     its float steps and the cast to the compute dtype (`compute` bytes a weight), about 1 + 3 x compute bytes a
     weight. One kernel at a time: each layer dequantizes when its input arrives and lets go
@@ -561,20 +564,24 @@ def _dequantized_kernel(groups: list[Group], quantize: str | None, layers: int, 
     asked XLA for one 34.4 GiB buffer so."""
     if quantize is None:
         return 0.0
-    decoder = [g for g in groups if g.copies == layers and g.name not in ("embedding", "norm scales")]
-    weights = max((g.bytes_per_device / g.copies / _quantized(quantize) for g in decoder), default=0.0)
+    weights = max((g.bytes_per_device / g.copies / _quantized(quantize) for g in groups if g.quantized), default=0.0)
     return weights * ((1 if quantize == "int4" else 0) + 3 * compute)
 
 
 def _lora_parameters(model: Model, kernels, targets: list[str], rank: int, dora: bool = False) -> int:
     """LoRA weights: A is the kernel's shape with its last axis replaced by the rank, B is (rank, last axis); with
-    DoRA, a magnitude for each of the kernel's outputs beside them (_outputs)."""
+    DoRA, a magnitude for each of the kernel's outputs beside them (_outputs). An expert bank's tensors (experts,
+    in, out) take A (experts, in, rank) and B (experts, rank, out) (experts.py)."""
     family = families.get(model.family)
     own_names = {layer: target for target, layer in family.layers.items()}  # Gemma 3n's q_proj is query
+    if family.experts:
+        own_names[family.experts] = families.EXPERTS
     adaptable = list(dict.fromkeys(p.rule.target for p in kernels if p.rule.target))
     total = 0
     adaptable_targets = [t for t in families.TARGETS if t in adaptable]
     for target in dict.fromkeys(own_names.get(t, t) for t in families.spelled_out(targets, adaptable_targets)):
+        if target == families.EXPERTS and target not in adaptable:
+            raise UserError(family.without_experts(model.name))
         if target not in adaptable:
             why = family.frozen_reason(family.layer_of(target))
             raise UserError(
@@ -583,7 +590,10 @@ def _lora_parameters(model: Model, kernels, targets: list[str], rank: int, dora:
                 else f"unknown LoRA target {target!r}; {family.title}'s adaptable layers are {', '.join(adaptable)}"
             )
         for p in kernels:
-            if p.rule.target == target:
+            if p.rule.target == target == families.EXPERTS:  # (experts, in, out): each expert's own A and B
+                experts, inputs, outputs = p.shape
+                total += p.copies * experts * (inputs * rank + rank * outputs)
+            elif p.rule.target == target:
                 factors = math.prod(p.shape[:-1]) * rank + rank * p.shape[-1]
                 total += p.copies * (factors + (_outputs(p) if dora else 0))
     return total
@@ -610,31 +620,52 @@ def _parameters(model: Model, notes: list[str]) -> int:
     return loaded + model.encoder_params
 
 
-def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int, notes):
-    """Bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's.
+def _routed_experts(cfg: Config, target: tuple[str, Device] | None, devices: int) -> tuple[bool, str]:
+    """What a run on `target` (without one, an accelerator) does with a mixture-of-experts bank, as the run decides
+    it (builder.routed_experts): (whether each token computes its k experts alone, why)."""
+    from finetune.platform import backend
 
-    The router picks num_experts_per_token of num_experts for each token, but
-    keras-hub's expert bank (Gemma4MoEBlock) runs every expert on every token
-    as one batched matmul and zeroes the others in the combine, so what the
-    backward pass keeps scales with all the experts: per token and expert the
-    gate, up, activated gate and product (4·I) and the expert's output and its
-    scaled and weighted copies (3·D), plus the router's probabilities (float32)
-    and the MoE path's input norm. Sharded on the experts axis, each device
-    holds its experts' share.
+    return backend.routed_experts_rule(cfg.backend, target[1].kind if target else "gpu", devices)
+
+
+def _expert_activations_per_sequence(model: Model, kernels, seq_len: int, precision: str, model_size: int,
+                                     routed: tuple[bool, str]) -> tuple[float, str]:  # fmt: skip
+    """(bytes a Gemma 4 mixture-of-experts layer keeps per sequence beyond the dense FFW's, the plan's note on
+    them; 0 and no note for a model without experts).
+
+    The router picks num_experts_per_token (k) of num_experts (E) for each
+    token. keras-hub's expert bank (Gemma4MoEBlock), the dense dispatch, runs
+    every expert on every token as one batched matmul and zeroes the others in
+    the combine, so what the backward pass keeps scales with all E experts: per
+    token and expert the gate, up, activated gate and product (4·I) and the
+    expert's output and its scaled and weighted copies (3·D). Sharded on the
+    experts axis, each device holds its experts' share. The routed dispatch
+    (JAX on one TPU, experts.routed) keeps the same per token and expert
+    for the k it computes, plus each pair's gathered input (D). Both keep the
+    router's probabilities (float32) and the MoE path's input norm.
     """
     config = model.config
     if not config.get("enable_moe_block"):
-        return 0.0
+        return 0.0, ""
     compute = _BYTES[precision][1]
     experts, active = int(config["num_experts"]), int(config.get("num_experts_per_token") or 8)
     inner, hidden = int(config["expert_intermediate_dim"]), model.dims.hidden_dim
     split = _split(kernels, "experts gate", "E", model_size)
-    per_token = experts * (4 * inner + 3 * hidden) * compute / split + experts * 4 * 2 + 2 * hidden * compute
-    notes.append(
-        f"experts: {active} of {experts} route each token, but keras-hub's expert bank computes all {experts} for "
-        "every token; the activations count what it computes"
+    shared = experts * 4 * 2 + 2 * hidden * compute
+    dense = experts * (4 * inner + 3 * hidden) * compute / split
+    layers_tokens = model.dims.num_layers * seq_len
+    if not routed[0]:
+        note = (
+            f"experts: {active} of {experts} route each token, but {routed[1]}; the activations count what it computes"
+        )
+        return layers_tokens * (dense + shared), note
+    kept = active * (4 * inner + 4 * hidden) * compute
+    note = (
+        f"experts: {active} of {experts} route each token, and each token computes its {active} alone (a grouped "
+        f"matmul, JAX on one TPU): {experts / active:.0f}x fewer expert FLOPs than keras-hub's dense "
+        f"dispatch, and {_size(seq_len * (dense - kept))} less activation memory a layer and sequence"
     )
-    return model.dims.num_layers * seq_len * per_token
+    return layers_tokens * (kept + shared), note
 
 
 def _batch_per_device(batch: int | str, data: int, notes: list[str]) -> int:

@@ -107,17 +107,14 @@ def load_model(run: Run):
 
     resolved = resolve.finished(run.config)
     model = builder.build_model(resolved.source, resolved.recipe(train=False))
-    factors = checked_factors(run, model.lm.backbone)  # before keras-hub assigns anything: it checks nothing
-    model.lm.backbone.load_lora_weights(str(run.directory / outputs.ADAPTER))
-    layers = adapter.layers_with_weights(model.lm.backbone)
-    for index, (_, _, *magnitude) in factors.items():
-        if magnitude:  # DoRA's, which keras-hub's loader leaves out
-            layers[index].lora_magnitude.assign(magnitude[0])
+    # Checked before anything is assigned (keras-hub's load_lora_weights checks nothing), then assigned whole:
+    # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
+    adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))
     return model.lm, model.preprocessor
 
 
 def checked_factors(run: Run, backbone) -> dict:
-    """{layer index: (A, B)}, or (A, B, magnitude) under DoRA, of the run's adapter, once adapter.json fits
+    """{layer index: (A, B)}, or (A, B, magnitude) under DoRA, or an expert bank's six, of the run's adapter, once adapter.json fits
     `backbone` (the run's base, with or without LoRA) and adapter.lora.h5 holds what adapter.json describes."""
     json_path = run.directory / outputs.ADAPTER_JSON
     adapted = adapter.check_against_base(run.adapter, backbone, run.config.lora.rank, json_path)
