@@ -36,13 +36,10 @@ import keras
 import numpy as np
 from keras import ops
 
+from finetune.model import families
 from finetune.platform import keras_compat
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-"""The bank's tensors LoRA adapts: keras-hub's Gemma4MoEBlock's names."""
-FACTORS = tuple(f"lora_{projection}_{side}" for projection in PROJECTIONS for side in "ab")
-"""The bank's LoRA weights, in the order adapter.lora.h5 keeps them: A and B of gate, up and down. Named lora_* so
-that the base's fingerprint (adapter.fingerprint) leaves them out, as it does keras' lora_kernel_a and _b."""
+PROJECTIONS, FACTORS = families.EXPERT_PROJECTIONS, families.EXPERT_FACTORS
 
 
 def is_bank(layer) -> bool:

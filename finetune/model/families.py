@@ -25,6 +25,13 @@ from dataclasses import dataclass, field
 
 from finetune.platform.errors import UserError
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""A mixture-of-experts bank's tensors LoRA adapts (model/experts.py): keras-hub's Gemma4MoEBlock's names."""
+EXPERT_FACTORS = tuple(f"lora_{projection}_{side}" for projection in EXPERT_PROJECTIONS for side in "ab")
+"""A bank's LoRA weights, in the order adapter.lora.h5 keeps them: A and B of gate, up and down. Named lora_* so
+that the base's fingerprint (adapter.fingerprint) leaves them out, as it does keras' lora_kernel_a and _b. Here,
+without keras, for what reads an adapter before a backend is chosen (training/adapter.py)."""
+
 IMAGE_TOKENS = (70, 140, 280, 560, 1120)
 """The soft-token budgets Gemma 4 lets a picture take (--image-tokens): keras-hub's presets take 280."""
 TARGETS = ("query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear")

@@ -112,10 +112,10 @@ def describe(backbone, run, version: str) -> dict:
 def _saved(dora: bool, entry: dict | None = None) -> tuple[str, ...]:
     """The weights adapter.lora.h5 holds for an adapted layer (`entry`, its adapter.json entry): A and B, and DoRA's
     magnitude; an expert bank's A and B of each projection."""
-    from finetune.model import experts
+    from finetune.model import families  # keras-free: an adapter is read before a backend is chosen
 
-    if entry is not None and experts.FACTORS[0] in entry:
-        return experts.FACTORS
+    if entry is not None and families.EXPERT_FACTORS[0] in entry:
+        return families.EXPERT_FACTORS
     return (*FACTORS, MAGNITUDE) if dora else FACTORS
 
 
