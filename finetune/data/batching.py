@@ -186,6 +186,8 @@ def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
     x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
     x.update({name: arrays[name][rows] for name in images.INPUTS if name in names})
+    if "images" in names and "vision_indices" not in names and "vision_indices" in arrays:
+        x["images"] = images.in_batch_order(x["images"], arrays["vision_indices"][rows])
     return x, gathered["loss_labels"], gathered["loss_weights"]
 
 

@@ -102,7 +102,7 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
 
 
 # The presets that see images, named where pictures are refused.
-SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up, the Gemma 4 presets"
+SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, tiny-gemma3n-vision, gemma3_4b and up, Gemma 4 and 3n"
 
 
 def no_vision_encoder(preset: str, what: str) -> UserError:

@@ -167,6 +167,24 @@ TINY_GEMMA3N = dict(
     laurel_rank=4, activation_sparsity_pattern=[0.95, 0.0, 0.0], num_kv_shared_layers=1, final_logit_soft_cap=30.0,
     altup_coef_clip=120.0,
 )  # fmt: skip
+# tiny-gemma3n-vision: tiny-gemma3n's decoder with Gemma 3n's MobileNetV5 image encoder at toy size (keras-hub's
+# MobileNetV5Backbone: an edge-residual stage and a universal-inverted-residual one, each halving the picture, then
+# the multi-scale fusion adapter that Gemma 3n's encoder ends in, pooled to 2x2). A 32x32 picture becomes 4 soft
+# tokens, so a record with two pictures spends 2 x (4 + 2 markers + 4 newlines) tokens on them. Its global layer
+# lets the answer see the picture through tiny-gemma3n's sliding windows of 4.
+TINY_GEMMA3N_VISION_ENCODER = dict(
+    stackwise_block_types=[["er"], ["uir"]], stackwise_num_blocks=[1, 1], stackwise_num_filters=[[8], [16]],
+    stackwise_strides=[[2], [2]], stackwise_act_layers=[["gelu"], ["gelu"]], stackwise_exp_ratios=[[2.0], [2.0]],
+    stackwise_se_ratios=[[0.0], [0.0]], stackwise_dw_kernel_sizes=[[0], [3]],
+    stackwise_dw_start_kernel_sizes=[[0], [3]], stackwise_dw_end_kernel_sizes=[[0], [0]],
+    stackwise_exp_kernel_sizes=[[3], [0]], stackwise_pw_kernel_sizes=[[1], [0]], stackwise_num_heads=[[0], [0]],
+    stackwise_key_dims=[[0], [0]], stackwise_value_dims=[[0], [0]], stackwise_kv_strides=[[0], [0]],
+    stackwise_use_cpe=[[False], [False]], stem_size=8, num_features=16, norm_layer="rms_norm", act_layer="gelu",
+    use_msfa=True, msfa_output_resolution=2, image_shape=[32, 32, 3],
+)  # fmt: skip
+# Its image encoder's and multimodal embedder's weights, as built (tests/test_images.py): `finetune plan` counts them
+# without keras.
+TINY_GEMMA3N_VISION_PARAMS = 5008
 TINY = {
     "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
     "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
@@ -179,6 +197,9 @@ TINY = {
     ),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
+    "tiny-gemma3n-vision": Tiny(
+        "gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm", vision=TINY_GEMMA3N_VISION_ENCODER
+    ),
 }
 TINY_NAMES = "a tiny offline preset (" + ", ".join(TINY) + ")"
 WEIGHT_SEED = 15
@@ -486,6 +507,12 @@ def _vision_preprocessing(family: str, vision: dict) -> dict:
     """
     import keras_hub
 
+    if family == "gemma3n":
+        # MobileNetV5 takes pixels in [0, 1], as transformers' Gemma 3n processor rescales them (no normalizing).
+        converter = keras_hub.layers.Gemma3nImageConverter(image_size=tuple(vision["image_shape"][:2]), scale=1 / 255)
+        # keras-hub counts the audio clips' room against the sequence length too: a picture model takes none.
+        return dict(image_converter=converter, num_vision_tokens_per_image=vision["msfa_output_resolution"] ** 2,
+                    audio_converter=None, max_audios_per_prompt=0)  # fmt: skip
     size, patch, pool = vision["image_size"], vision["patch_size"], vision["pool_size"]
     tokens = (size // patch // pool) ** 2
     if family == "gemma4":
@@ -503,6 +530,19 @@ def _vision_encoder(family: str, vision: dict, output_dim: int, dtype):
 
     cls = keras_hub.models.Gemma4VisionEncoder if family == "gemma4" else keras_hub.models.Gemma3VisionEncoder
     return cls(output_dim=output_dim, dtype=dtype, **vision)
+
+
+def _gemma3n_vision(spec: Tiny, vocabulary_size: int) -> dict:
+    """A tiny Gemma 3n's image encoder arguments: its MobileNetV5 config, its soft tokens, and the ids keras-hub's
+    Gemma 3n places pictures by. Its multimodal embedder takes every id from `vision_vocab_offset` up as a picture's
+    own token, so that range starts past the tokenizer's, as Gemma 3n's does (262,144 of 262,400)."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spec.tokenizer))
+    return dict(vision_encoder_config=dict(spec.vision), vision_hidden_size=spec.vision["num_features"],
+                vision_soft_tokens_per_image=spec.vision["msfa_output_resolution"] ** 2,
+                image_token_id=pieces.piece_to_id("<image_soft_token>"), vision_vocab_offset=vocabulary_size,
+                vision_vocab_size=8)  # fmt: skip
 
 
 def tiny_config(name: str, vocabulary_size: int) -> dict:
@@ -537,7 +577,9 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "backbone")
     config = tiny_config(name, vocabulary_size)
-    if spec.vision is not None:
+    if spec.family == "gemma3n" and spec.vision is not None:
+        config.update(_gemma3n_vision(spec, vocabulary_size))
+    elif spec.vision is not None:
         # The encoder computes in float32 whatever the decoder's precision (keras-hub's choice for bfloat16).
         encoder = _vision_encoder(spec.family, spec.vision, config["hidden_dim"], None)
         config.update(vision_encoder=encoder, image_size=spec.vision["image_size"])
@@ -557,8 +599,9 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
         for layer in compressed:
             quantized.fill(layer, lambda shape, path=f"{layer.path}/kernel": value(path, shape))
         done = {id(v) for layer in compressed for v in layer.weights}
+        paths = families.weight_paths(backbone)
         for weight in backbone.weights:
-            start = value(weight.path, tuple(weight.shape)) if id(weight) not in done else None
+            start = value(paths[id(weight)], tuple(weight.shape)) if id(weight) not in done else None
             if start is not None:
                 weight.assign(start)
     finally:

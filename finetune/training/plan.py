@@ -112,6 +112,9 @@ def model_of(preset: str) -> Model:
         config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
         if spec.vision is None:
             return _model(preset, spec.family, config)
+        if spec.family == "gemma3n":
+            return _model(preset, spec.family, config, presets.TINY_GEMMA3N_VISION_PARAMS,
+                          vision=_mobilenet(spec.vision))  # fmt: skip
         # Built with the run's dtype policy (presets.tiny_backbone): no dtype here, so it computes as the run does.
         vision = dict(spec.vision, output_dim=config["hidden_dim"], max_images=archs.MAX_IMAGES)
         return _model(preset, spec.family, config, archs.vision_parameter_count(vision), vision=vision)
@@ -143,6 +146,14 @@ def model_of(preset: str) -> Model:
         raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
     vision = dict(arch.vision, max_images=archs.MAX_IMAGES) if arch.vision else None
     return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params, vision)
+
+
+def _mobilenet(encoder: dict) -> dict:
+    """The plan's view of a Gemma 3n image encoder (keras-hub's MobileNetV5Backbone config): a convolutional network,
+    whose pictures are a square of pixels and whose soft tokens are its fusion adapter's output grid."""
+    return dict(encoder="mobilenetv5", image_size=int(encoder["image_shape"][0]),
+                tokens_per_image=int(encoder["msfa_output_resolution"]) ** 2, stem_size=int(encoder["stem_size"]),
+                widest=max(max(row) for row in encoder["stackwise_num_filters"]), max_images=archs.MAX_IMAGES)  # fmt: skip
 
 
 def _directory_vision(path: Path, config: dict) -> dict | None:
@@ -469,14 +480,15 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
         return None
     vision = model.vision
     if vision is None:
-        planned = "gemma3_4b, gemma3_12b, gemma3_27b, tiny-gemma3-vision or tiny-gemma4-vision"
-        if model.family == "gemma4":
+        planned = "gemma3_4b, gemma3_12b, gemma3_27b, tiny-gemma3-vision, tiny-gemma4-vision or tiny-gemma3n-vision"
+        if model.encoder_params:
             raise UserError(f"--images {count}: a run on pictures loads {model.name}'s image encoder, whose weights "
                             f"and pass the plan does not count yet; the plan counts {planned}")  # fmt: skip
-        why = families.get(model.family).without_images if model.encoder_params else "it has no vision encoder"
-        raise UserError(f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that "
+        raise UserError(f"--images {count}: {model.name} does not see pictures (it has no vision encoder); plan a preset that "
                         f"does: {planned}")  # fmt: skip
-    most, tokens = int(vision["max_images"]), budget or archs.tokens_per_image(vision)
+    convolutional = vision.get("encoder") == "mobilenetv5"
+    own = int(vision["tokens_per_image"]) if convolutional else archs.tokens_per_image(vision)
+    most, tokens = int(vision["max_images"]), budget or own
     if count > most:
         raise UserError(f"--images {count}: {model.name} takes at most {most} pictures an example "
                         "(keras-hub's max_images_per_prompt)")  # fmt: skip
@@ -487,27 +499,41 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
             f"--images {count} take {spent} tokens ({tokens} soft tokens and {markers} markers each), "
             f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len"
         )
-    # Gemma 4's converter resizes a picture to at most --image-tokens x pool² patches, and pads it to them.
-    patches = budget * int(vision["pool_size"]) ** 2 if budget else archs.patches_per_image(vision)
     size, slots = int(vision["image_size"]), count
-    pixels = slots * patches * int(vision["patch_size"]) ** 2 * 3 * 4  # float32, as images.pixels converts them
     compute = {"float32": 4, None: _BYTES[precision][1]}.get(vision.get("dtype"), 2)
+    if convolutional:
+        patches, forward = size * size, _convolution_forward_per_image(vision, compute)
+        pixels = slots * patches * 3 * 4  # float32, as images.pixels converts them
+    else:
+        # Gemma 4's converter resizes a picture to at most --image-tokens x pool² patches, and pads it to them.
+        patches = budget * int(vision["pool_size"]) ** 2 if budget else archs.patches_per_image(vision)
+        pixels = slots * patches * int(vision["patch_size"]) ** 2 * 3 * 4
+        forward = _vision_forward_per_image(vision, compute, cfg.backend, patches)
     notes.append(f"images: {count} an example, {tokens} soft tokens each: {spent} of the {cfg.model.seq_len} "
                  f"tokens with their markers, {cfg.model.seq_len - spent} left for the text (a longer record is cut)")  # fmt: skip
     notes.append(
-        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, {patches} patches each; its forward "
+        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, {patches} "
+        f"{'pixels' if convolutional else 'patches'} each; its forward "
         "pass is let go before the decoder's, so the total counts the larger"
     )
     notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
                  f"row: {_size(2 * pixels)} a record")  # fmt: skip
     seen = f"up to {patches} patches" if budget else f"{size}x{size}"
     return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, seen=seen, pixels_per_row=pixels,
-                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend, patches))  # fmt: skip
+                forward_per_row=slots * forward)  # fmt: skip
 
 
 # The tokens around a picture's soft tokens (images.py): Gemma 3's <start_of_image>, <end_of_image> and a blank line
 # either side (its tokenizer has "\n\n" as one piece); Gemma 4's <|image> and <image|> alone.
-_IMAGE_MARKERS = {"gemma3": 4, "gemma4": 2}
+_IMAGE_MARKERS = {"gemma3": 4, "gemma3n": 4, "gemma4": 2}
+
+
+def _convolution_forward_per_image(vision: dict, compute: int) -> float:
+    """Bytes a frozen MobileNetV5 pass (Gemma 3n's image encoder) holds at its peak for one picture: a block's input,
+    its expanded map and its output at the stem's resolution (half the picture's side), at the widest channels
+    of the early stages, four times them in all. An estimate from the layout, not measured at Gemma 3n's size."""
+    side = int(vision["image_size"]) // 2
+    return 4 * side * side * max(int(vision["stem_size"]), int(vision["widest"])) * compute
 
 
 def _vision_forward_per_image(vision: dict, compute: int, framework: str, patches: int) -> float:
