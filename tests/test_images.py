@@ -373,7 +373,7 @@ def test_a_vision_preset_trains_on_text_alone_unpacked(preset, tmp_path):
     result = invoke("gemma", "--preset", preset, "--data", data, *flags, "--output", out,
                     "--set", "train.samples=0")  # fmt: skip
     assert result.exit_code == 0, result.output + result.stderr
-    assert "auto: a model with a vision encoder takes keras-hub's own mask" in result.output
+    assert "auto: a model with an image or audio encoder takes keras-hub's own mask" in result.output
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.data import pictures
+from finetune.data import audio, pictures
 from finetune.platform.errors import UserError
 
 PLACEHOLDER = "<image>"
@@ -126,11 +126,13 @@ def _part_text(part, number: int, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "image":
         return PLACEHOLDER
+    if kind == "audio":  # its path is read with the record's clips (audio.py)
+        return audio.PLACEHOLDER
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise UserError(
-        f'{where}: message {number} has a content part that is neither {{"type": "image"}} nor '
-        '{"type": "text", "text": ...}'
+        f'{where}: message {number} has a content part that is neither {{"type": "image"}}, {{"type": "audio", '
+        '"path": ...} nor {"type": "text", "text": ...}'
     )
 
 

@@ -68,6 +68,8 @@ class Tiny:
     """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
     vision: dict | None = field(default=None, hash=False)
     """The vision encoder's keras-hub arguments (its output width is the decoder's); None: text only."""
+    audio: dict | None = field(default=None, hash=False)
+    """The audio encoder's keras-hub arguments and its converter's (`converter`); None: no audio."""
     licence: families.Licence = families.APACHE
     """finetune's own: `tiny`'s weights were pretrained by tools/make_tiny_weights.py, the others' are random."""
 
@@ -182,6 +184,15 @@ TINY_GEMMA3N_VISION_ENCODER = dict(
     stackwise_use_cpe=[[False], [False]], stem_size=8, num_features=16, norm_layer="rms_norm", act_layer="gelu",
     use_msfa=True, msfa_output_resolution=2, image_shape=[32, 32, 3],
 )  # fmt: skip
+# tiny-gemma4-audio: tiny-gemma4's decoder with Gemma 4's audio encoder (keras-hub's Gemma4AudioEncoder: two
+# strided convolutions over the log-mel frames, then conformer blocks and a projection) at toy size. Its converter
+# makes 16 mel bins, 100 frames a second, of at most a second of 16 kHz sound; the convolutions take 4 frames to a
+# soft token, so a clip takes 25 tokens a second (a half-second clip 13), as Gemma 4's do.
+TINY_GEMMA4_AUDIO_ENCODER = dict(
+    input_feat_size=16, hidden_size=16, num_heads=2, num_layers=1, chunk_size=4, context_left=5, context_right=0,
+    conv_kernel_size=3, sscp_conv_channels=(4, 8), output_proj_dims=None,
+    converter=dict(num_mels=16, max_audio_length=1),
+)  # fmt: skip
 # Its image encoder's and multimodal embedder's weights, as built (tests/test_images.py): `finetune plan` counts them
 # without keras.
 TINY_GEMMA3N_VISION_PARAMS = 5008
@@ -194,6 +205,9 @@ TINY = {
     "tiny-gemma4": Tiny("gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma4-vision": Tiny(
         "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-vision" / "tokenizer.spm", vision=TINY_GEMMA4_VISION_ENCODER
+    ),
+    "tiny-gemma4-audio": Tiny(
+        "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-audio" / "tokenizer.spm", audio=TINY_GEMMA4_AUDIO_ENCODER
     ),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
@@ -473,8 +487,12 @@ _VISION_TOKENIZER_ARGS = {"gemma4": dict(has_video_tokens=False)}
 
 
 def tiny_tokenizer(name: str = "tiny"):
-    """The tiny preset's tokenizer, of its family's keras-hub class; with its image tokens where it sees images."""
+    """The tiny preset's tokenizer, of its family's keras-hub class; with its image tokens where it sees images,
+    its audio tokens where it hears."""
     spec = TINY[name]
+    if spec.audio is not None and spec.family == "gemma4":
+        cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
+        return cls(proto=str(spec.tokenizer), has_vision_tokens=False, has_audio_tokens=True, has_video_tokens=False)
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
         return cls(proto=str(spec.tokenizer), **_VISION_TOKENIZER_ARGS.get(spec.family, {}))
@@ -489,6 +507,13 @@ def text_tokenizer(family: str, proto: Path):
 
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
+    if spec.audio is not None:
+        import keras_hub
+
+        cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+        converter = keras_hub.layers.Gemma4AudioConverter(**spec.audio["converter"])
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, image_converter=None, video_converter=None,
+                   audio_converter=converter, audio_input_feat_size=spec.audio["input_feat_size"])  # fmt: skip
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
         arguments = _vision_preprocessing(spec.family, spec.vision)
@@ -530,6 +555,11 @@ def _vision_encoder(family: str, vision: dict, output_dim: int, dtype):
 
     cls = keras_hub.models.Gemma4VisionEncoder if family == "gemma4" else keras_hub.models.Gemma3VisionEncoder
     return cls(output_dim=output_dim, dtype=dtype, **vision)
+
+
+def _tokens_per_clip(audio: dict) -> int:
+    """The soft tokens of a whole clip: its longest, in frames of 10 ms, 4 to a token."""
+    return (int(audio["converter"]["max_audio_length"]) * 100 + 3) // 4
 
 
 def _gemma3n_vision(spec: Tiny, vocabulary_size: int) -> dict:
@@ -577,6 +607,13 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "backbone")
     config = tiny_config(name, vocabulary_size)
+    if spec.audio is not None:
+        import keras_hub
+
+        arguments = {key: value for key, value in spec.audio.items() if key != "converter"}
+        # The encoder computes in float32 whatever the decoder's precision, as the vision encoders do.
+        encoder = keras_hub.models.Gemma4AudioEncoder(output_dim=config["hidden_dim"], **arguments)
+        config.update(audio_encoder=encoder, num_audio_tokens_per_clip=_tokens_per_clip(spec.audio))
     if spec.family == "gemma3n" and spec.vision is not None:
         config.update(_gemma3n_vision(spec, vocabulary_size))
     elif spec.vision is not None:
