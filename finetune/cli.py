@@ -578,6 +578,11 @@ def generate(
     image: list[str] = typer.Option(
         [], "--image", help="A picture that goes with every prompt, where its <image> is (else before it). Repeatable."
     ),
+    audio: Optional[str] = typer.Option(
+        None,
+        "--audio",
+        help="An audio file (WAV, FLAC...) that goes with every prompt, where its <audio> is (else before it).",
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -594,7 +599,7 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, image)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, image, audio)
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:
             print(f"[{number}] {text}")

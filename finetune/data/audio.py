@@ -239,11 +239,12 @@ def attached(example, record, hearing: Hearing, slots: int, per_clip: int, sourc
     return example
 
 
-def generation_input(prompts: list[str], clip, hearing: Hearing) -> dict:
-    """keras-hub's generate() input for prompts that each hear `clip`: its `<audio>` written as the family's marker,
-    which keras-hub's preprocessor expands as training did, and the clip's samples at the converter's rate."""
-    sound = samples(clip, hearing.rate)
-    return {"prompts": [p.replace(PLACEHOLDER, hearing.marker) for p in prompts], "audio": [sound] * len(prompts)}
+def generation_input(prompts: list[str], clips: list, hearing: Hearing) -> dict:
+    """keras-hub's generate() input for prompts that each hear a clip (`clips`, one path a prompt): its `<audio>`
+    written as the family's marker, which keras-hub's preprocessor expands as training did, and the clip's samples
+    at the converter's rate, cut to what the converter keeps."""
+    sounds = [samples(clip, hearing.rate)[: int(hearing.longest * hearing.rate)] for clip in clips]
+    return {"prompts": [p.replace(PLACEHOLDER, hearing.marker) for p in prompts], "audio": sounds}
 
 
 def with_placeholder(prompt: str) -> str:
@@ -256,6 +257,6 @@ def with_placeholder(prompt: str) -> str:
     return prompt
 
 
-def written_prompt(prompt: str, hearing: Hearing, clip) -> str:
-    """A generation_input() prompt as the model reads it: the marker expanded, for counting ids."""
-    return prompt.replace(hearing.marker, hearing.expansion(length(clip, hearing.rate)))
+def written_prompt(prompt: str, hearing: Hearing, samples: int) -> str:
+    """A generation_input() prompt as the model reads it, its clip of `samples` written out as its tokens."""
+    return prompt.replace(hearing.marker, hearing.expansion(samples))

@@ -102,10 +102,32 @@ def vision_of(preprocessor) -> Vision | None:
     expansion += layout.margin
     blank = {name: np.zeros_like(array) for name, array in _converted(converter, np.zeros((32, 32, 3))).items()}
     marker = getattr(tokenizer, layout.marker)
-    kept = (tokenizer.start_of_image_token, getattr(tokenizer, "start_of_audio_token", None))
-    stripped = tuple(token for token in tokenizer.special_tokens if token not in kept)
+    stripped = stripped_tokens(preprocessor)
     return Vision(tokens, preprocessor.max_images_per_prompt, tokenizer.token_to_id(soft), expansion, marker,
                   stripped, converter, blank)  # fmt: skip
+
+
+# The special tokens keras-hub's generate() gives back (the rest it strips): the start of a picture, which the
+# user wrote, and Gemma 3n's start of a clip too.
+KEPT = {"Gemma3nCausalLMPreprocessor": ("start_of_image_token", "start_of_audio_token")}
+
+
+def stripped_tokens(preprocessor) -> tuple:
+    """The tokenizer's special tokens that keras-hub's generate() strips from what it gives back."""
+    tokenizer = preprocessor.tokenizer
+    names = next(
+        (KEPT[c.__name__] for c in type(preprocessor).__mro__ if c.__name__ in KEPT), ("start_of_image_token",)
+    )
+    kept = {getattr(tokenizer, name, None) for name in names}
+    return tuple(token for token in tokenizer.special_tokens if token not in kept)
+
+
+def shown_text(written: str, stripped) -> str:
+    """A prompt as the model reads it (its pictures' and clips' tokens written out), as keras-hub's generate()
+    gives it back: less the special tokens it strips."""
+    for token in stripped:
+        written = written.replace(token, "")
+    return written
 
 
 def parts_to_text(messages, where: str):
@@ -288,10 +310,7 @@ def rgb(path) -> np.ndarray:
 def shown(prompt: str, vision: Vision) -> str:
     """A prompt of generation_input() as keras-hub's generate() returns it: each marker as its expansion, less the
     special tokens keras-hub strips (all but the start-of-image token: Gemma 3 keeps the blank lines around it)."""
-    shown = written_prompt(prompt, vision)
-    for token in vision.stripped:
-        shown = shown.replace(token, "")
-    return shown
+    return shown_text(written_prompt(prompt, vision), vision.stripped)
 
 
 def written_prompt(prompt: str, vision: Vision) -> str:

@@ -184,14 +184,15 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
 
 
 def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
-             pictures=()):  # fmt: skip
+             pictures=(), clip: str | None = None):  # fmt: skip
     """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
     template unless `raw`.
 
     pictures: image paths that go with every prompt, where its `<image>` placeholders are (before its text where
         it has none).
+    clip: an audio file that goes with every prompt, where its `<audio>` placeholder is (else before its text).
     """
-    from finetune.data import images, templates
+    from finetune.data import audio, images, templates
     from finetune.data.formats import Record
     from finetune.methods import prepare
     from finetune.training import scoring
@@ -202,6 +203,11 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]
     if pictures:
         prompts = [images.with_placeholders(p, len(pictures)) for p in prompts]
+    if clip is not None:
+        if pictures:
+            raise UserError("--image and --audio together: give one of them")
+        clip = str(audio.check(Path(clip).expanduser(), "--audio", ""))
+        prompts = [audio.with_placeholder(p) for p in prompts]
     if not raw:
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
@@ -211,6 +217,12 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
             raise prepare.no_vision_encoder(cfg.model.preset, "--image")
         images.limit([Record("", "", images=tuple(pictures))], vision, "--image")
         prompts = images.generation_input(prompts, [pictures] * len(prompts), vision)
+    if clip is not None:
+        hearing = audio.hearing_of(preprocessor)
+        if hearing is None:
+            raise prepare.no_audio_encoder(cfg.model.preset, "--audio")
+        audio.limit([Record("", "", audios=(clip,))], hearing, "--audio")
+        prompts = audio.generation_input(prompts, [clip] * len(prompts), hearing)
     tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
     return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
 
