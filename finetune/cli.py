@@ -413,7 +413,7 @@ PLAN_HELP = (
 )
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
-PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "data.image_tokens", "train.batch_size", "train.method",
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "data.image_tokens", "data.audio_seconds", "train.batch_size", "train.method",
            "train.num_generations", "train.max_completion_length", "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 

@@ -198,3 +198,72 @@ def test_generate_takes_a_clip_through_the_api_and_refuses_a_bad_one(tmp_path):
         finetune.generate(out, "What is this?", audio=str(tmp_path / "nowhere.wav"))
     with pytest.raises(UserError, match="2 <audio> placeholders"):
         finetune.generate(out, "<audio> or <audio>?", audio=str(tmp_path / "c1.wav"))
+
+
+@pytest.mark.one_backend
+def test_a_merged_export_reloads_in_keras_hub_hearing_as_the_run_and_hf_is_refused(tmp_path):
+    """`--format merged` writes the audio converter beside the model: keras-hub's Gemma4CausalLM reloads it and gives
+    the run's outputs on a clip. transformers' export of a Gemma 4 with an encoder is refused, with its reason."""
+    import keras
+    import keras_hub
+
+    import finetune
+    from finetune.training import runs
+
+    data = sounds(tmp_path, 8)
+    out = tmp_path / "run"
+    flags = [
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "2",
+        "--eval-fraction",
+        "0",
+        "--precision",
+        "float32",
+    ]
+    result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--data", data, *flags, "--output", out,
+                    "--set", "train.samples=0")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    finetune.export(out, "merged", tmp_path / "merged")
+    tuned, _ = runs.load_model(runs.open_on(str(out), None))
+    lm = keras_hub.models.Gemma4CausalLM.from_preset(str(tmp_path / "merged"))
+    assert lm.preprocessor.audio_converter.num_mels == 16 and lm.preprocessor.audio_converter.max_audio_length == 1
+    prompt = "<|turn>user\n<|audio|>What is this?<turn|>\n<|turn>model\n"
+    sound = audio.samples(tmp_path / "c0.flac", RATE)
+    x = lm.preprocessor.generate_preprocess({"prompts": [prompt], "audio": [sound]}, sequence_length=48)
+    names = [tensor.name for tensor in keras.tree.flatten(lm.backbone.inputs)]
+    x = {name: keras.ops.convert_to_numpy(value) for name, value in x.items() if name in names}
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
+    )
+    refused = invoke("export", "--run", out, "--format", "hf", "--output", tmp_path / "hf")
+    assert refused.exit_code == 2 and "audio encoder" in refused.stderr and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.one_backend
+def test_the_plan_counts_a_clip_s_tokens_and_the_audio_encoder_as_built():
+    from finetune import config
+    from finetune.model import presets
+    from finetune.platform.errors import UserError
+    from finetune.training import plan
+
+    def planned(**settings):
+        return plan.make(config.load(None, {"backend": "torch", "model.seq_len": 64, **settings}), None, None)
+
+    half = planned(**{"model.preset": "tiny-gemma4-audio", "data.audio_seconds": 0.5})
+    assert half.audio == {"seconds": 0.5, "tokens": 13}  # a half-second clip, as the run writes it
+    assert "audio: a clip of 0.5 s, 13 soft tokens: 15 of the 64 tokens" in " ".join(half.notes)
+    assert half.memory["audio_frames"] == half.batch_size * 100 * 16 * 4 * 2
+    name = "tiny-gemma4-audio"
+    backbone = presets.tiny_backbone(presets.tiny_tokenizer(name).vocabulary_size(), name=name)
+    assert backbone.audio_encoder.count_params() == presets.TINY_GEMMA4_AUDIO_PARAMS == half.model.audio_params
+    for settings, why in [
+        ({"model.preset": "tiny-gemma4", "data.audio_seconds": 1}, "it has none"),
+        ({"model.preset": "gemma4_2b", "data.audio_seconds": 1}, "does not count yet"),
+        ({"model.preset": "tiny-gemma4-audio", "data.audio_seconds": 2}, "hears at most 1 s a clip"),
+    ]:
+        with pytest.raises(UserError, match=why):
+            planned(**settings)

@@ -193,6 +193,8 @@ TINY_GEMMA4_AUDIO_ENCODER = dict(
     conv_kernel_size=3, sscp_conv_channels=(4, 8), output_proj_dims=None,
     converter=dict(num_mels=16, max_audio_length=1),
 )  # fmt: skip
+# Its audio encoder's weights, as built (tests/test_audio.py): `finetune plan` counts them without keras.
+TINY_GEMMA4_AUDIO_PARAMS = 7744
 # Its image encoder's and multimodal embedder's weights, as built (tests/test_images.py): `finetune plan` counts them
 # without keras.
 TINY_GEMMA3N_VISION_PARAMS = 5008
