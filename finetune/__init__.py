@@ -139,15 +139,9 @@ def generate(
     names = [_argument(item.key, item.flag) for item in _config.settings(_config.Sampling)]
     pictures, clip = _argument("images", "--image"), _argument("audio", "--audio")
     with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool), pictures, clip, *names):
-        return runs.generate(
-            _open(run_dir, backend),
-            prompts,
-            max_new_tokens,
-            raw,
-            _config.Sampling.checked(sampling),
-            images or (),
-            audio,
-        )
+        heard = runs.Heard(tuple(images or ()), audio)
+        sampled = _config.Sampling.checked(sampling)
+        return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, sampled, heard)
 
 
 def load(run_dir, backend: str | None = None):

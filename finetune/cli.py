@@ -599,7 +599,7 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, image, audio)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, runs.Heard(tuple(image), audio))
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:
             print(f"[{number}] {text}")

@@ -183,15 +183,21 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
     return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
 
 
-def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
-             pictures=(), clip: str | None = None):  # fmt: skip
-    """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
-    template unless `raw`.
+@dataclass(frozen=True)
+class Heard:
+    """What goes with every prompt of generate() beside its text."""
 
-    pictures: image paths that go with every prompt, where its `<image>` placeholders are (before its text where
-        it has none).
-    clip: an audio file that goes with every prompt, where its `<audio>` placeholder is (else before its text).
-    """
+    pictures: tuple = ()
+    """Image paths, where the prompt's `<image>` placeholders are (before its text where it has none)."""
+    clip: str | None = None
+    """An audio file, where the prompt's `<audio>` placeholder is (else before its text)."""
+
+
+def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
+             media: Heard = Heard()):  # fmt: skip
+    """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
+    template unless `raw`; with `media`'s pictures or clip."""
+    pictures, clip = media.pictures, media.clip
     from finetune.data import audio, images, templates
     from finetune.data.formats import Record
     from finetune.methods import prepare
