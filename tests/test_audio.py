@@ -267,3 +267,33 @@ def test_the_plan_counts_a_clip_s_tokens_and_the_audio_encoder_as_built():
     ]:
         with pytest.raises(UserError, match=why):
             planned(**settings)
+
+
+def _pair(name: str) -> dict:
+    return {"prompt": "<audio>What is this?", "chosen": "tone", "rejected": "noise", "audios": [name]}
+
+
+def _prompt(name: str) -> dict:
+    return {"prompt": "<audio>What is this?", "audios": [name]}
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize(
+    "method, record, expected",
+    [
+        ("dpo", _pair, "does not train on audio yet"),
+        ("grpo", _prompt, "does not train on pictures or audio yet"),
+        ("classify", lambda name: {**llama_factory(name, "tone"), "label": "tone"}, "are not classified yet"),
+    ],
+)
+def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, record, expected, tmp_path):
+    """Its rows would hold the text <audio>, not the clip: refused before anything is written."""
+    name = clip(tmp_path / "a.wav")
+    records = [record(name)] * 2 + [{**record(name), "label": "noise"} if method == "classify" else record(name)] * 2
+    data = write_lines(tmp_path / "data.jsonl", records)
+    out = tmp_path / "run"
+    rewards = ["--reward", "length"] if method == "grpo" else []
+    result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--method", method, *rewards, "--data", data,
+                    "--output", out)  # fmt: skip
+    assert result.exit_code == 2 and expected in result.stderr, result.output + result.stderr
+    assert "Traceback" not in result.output and not out.exists()

@@ -2,9 +2,9 @@
 
 The result ships as finetune/assets/<preset>/tokenizer.spm: `tiny` (and
 `tiny-gemma3`, which reads the same file through Gemma 3's tokenizer class),
-`tiny-gemma4` (and `tiny-gemma4-moe`), `tiny-gemma3n`, `tiny-gemma3-vision`
-(Gemma 3's text tokens plus its image tokens) and `tiny-gemma4-vision` (Gemma 4's
-plus its image tokens) and `tiny-gemma4-audio` (Gemma 4's plus its audio tokens). Each keeps Gemma's
+`tiny-gemma4` (and `tiny-gemma4-moe`), `tiny-gemma3n` (and `tiny-gemma3n-vision`),
+`tiny-gemma3-vision` (Gemma 3's text tokens plus its image tokens), `tiny-gemma4-vision`
+(Gemma 4's plus its image tokens) and `tiny-gemma4-audio` (Gemma 4's plus its audio tokens). Each keeps Gemma's
 special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then the family's
 own special tokens: its chat turn markers, and for Gemma 3n the multimodal
 tokens its tokenizer class requires) and Gemma's text handling (no dummy

@@ -2,7 +2,7 @@
 
 A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
 `tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
-newer family), a local preset directory (made by save_to_preset, or attached
+newer family, and their picture and audio ones), a local preset directory (made by save_to_preset, or attached
 under /kaggle/input), a `kaggle://` handle, a keras-hub preset name such as
 gemma_2b_en, gemma3_1b or gemma4_2b, or a transformers checkpoint (a local
 directory, or an `hf://ORG/NAME` repository) that keras-hub's converters build
