@@ -151,13 +151,14 @@ def test_a_clip_s_soft_tokens_follow_its_length_and_weigh_nothing(tmp_path):
     np.testing.assert_allclose(example.inputs["audio_mel"][0], theirs, atol=1e-4)  # keras-hub's converter's frames
 
 
-def test_tiny_gemma4_audio_learns_tone_from_noise_and_answers_generate_audio(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-gemma4-audio", "tiny-gemma3n-audio"])
+def test_a_tiny_audio_preset_learns_tone_from_noise_and_answers_generate_audio(preset, tmp_path):
     """`finetune gemma` on 24 clips, tones and noise, each asking what it is: the held-out loss falls and the held-out
     accuracy rises past what the text alone gives; then `finetune generate --audio` answers, each in a fresh process as typed."""
     from test_as_typed import finetune as typed
 
     sounds(tmp_path)
-    typed("gemma", "--preset", "tiny-gemma4-audio", "--backend", BACKEND, "--data", "sounds.jsonl", "--max-steps",
+    typed("gemma", "--preset", preset, "--backend", BACKEND, "--data", "sounds.jsonl", "--max-steps",
           "12", "--target", "all-linear", "--seq-len", "64", "--batch-size", "4", "--precision", "float32",
           "--set", "train.samples=0",
           "--output", "run", cwd=tmp_path)  # fmt: skip
@@ -253,6 +254,11 @@ def test_the_plan_counts_a_clip_s_tokens_and_the_audio_encoder_as_built():
     def planned(**settings):
         return plan.make(config.load(None, {"backend": "torch", "model.seq_len": 64, **settings}), None, None)
 
+    gemma3n = planned(**{"model.preset": "tiny-gemma3n-audio", "data.audio_seconds": 0.5})
+    assert gemma3n.audio == {"seconds": 0.5, "tokens": 24}  # Gemma 3n's fixed count, and a blank line either side
+    assert "24 soft tokens: 28 of the 64 tokens" in " ".join(gemma3n.notes)
+    built = presets.tiny_backbone(presets.tiny_vocabulary_size("tiny-gemma3n-audio"), name="tiny-gemma3n-audio")
+    assert built.audio_encoder.count_params() + built.embed_audio.count_params() == gemma3n.model.audio_params
     half = planned(**{"model.preset": "tiny-gemma4-audio", "data.audio_seconds": 0.5})
     assert half.audio == {"seconds": 0.5, "tokens": 13}  # a half-second clip, as the run writes it
     assert "audio: a clip of 0.5 s, 13 soft tokens: 15 of the 64 tokens" in " ".join(half.notes)
@@ -297,3 +303,27 @@ def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, re
                     "--output", out)  # fmt: skip
     assert result.exit_code == 2 and expected in result.stderr, result.output + result.stderr
     assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.one_backend
+def test_gemma3n_gives_every_clip_its_fixed_tokens_and_keras_hub_s_frames(tmp_path):
+    """tiny-gemma3n-audio: a blank line, <start_of_audio>, 24 soft tokens and <end_of_audio>, then a blank line, as
+    keras-hub's Gemma3nCausalLMPreprocessor writes a clip, whatever its length; its frames are its converter's."""
+    import keras
+
+    from finetune.model import presets
+
+    name = "tiny-gemma3n-audio"
+    preprocessor = presets.tiny_preprocessor(name, presets.tiny_tokenizer(name), 64)
+    hearing = audio.hearing_of(preprocessor)
+    assert hearing.tokens(8000) == hearing.tokens(16000) == 24 and hearing.marker == "<start_of_audio>"
+    sound = audio.samples(tmp_path / clip(tmp_path / "a.wav"), RATE)
+    x = preprocessor.generate_preprocess({"prompts": ["<start_of_audio>What is this?"], "audios": [sound]})
+    ids = keras.ops.convert_to_numpy(x["token_ids"])[0]
+    written = preprocessor.tokenizer.tokenize(audio.written_prompt("<start_of_audio>What is this?", hearing, 8000))
+    assert list(ids[1 : 1 + len(written)]) == [int(i) for i in keras.ops.convert_to_numpy(written)]
+    features, held = hearing.converted(sound)
+    np.testing.assert_allclose(features, keras.ops.convert_to_numpy(x["input_features"])[0, 0], atol=1e-5)
+    assert held.sum() == 48 and not keras.ops.convert_to_numpy(x["input_features_mask"])[0, 0].any()  # 1: padding
+    fed = audio.frames((str(tmp_path / "a.wav"),), hearing, 2, 60)["input_features_mask"]
+    assert not fed[0, :48].any() and fed[0, 48:].all() and fed[1].all()  # as keras-hub feeds it: padding marked

@@ -27,9 +27,10 @@ import numpy as np
 from finetune.platform.errors import UserError
 
 PLACEHOLDER = "<audio>"
-# The model inputs beside the tokens (Gemma 4's names): each clip's log-mel frames and which of them hold sound,
-# and where its soft tokens sit, per row; audio_mask is per position.
-PER_ROW = ("audio_mel", "audio_mel_mask", "audio_indices")
+# The model inputs beside the tokens: each clip's log-mel frames and which of them hold sound (Gemma 4's audio_mel
+# and audio_mel_mask, Gemma 3n's input_features and input_features_mask), and where its soft tokens sit, per row;
+# audio_mask is per position. Gemma 3n places its clips by their order in the batch (images.in_batch_order).
+PER_ROW = ("audio_mel", "audio_mel_mask", "audio_indices", "input_features", "input_features_mask")
 INPUTS = (*PER_ROW, "audio_mask")
 
 
@@ -42,27 +43,58 @@ class Hearing:
     stride: int
     """Samples a mel frame advances by (160: 100 frames a second)."""
     longest: float
-    """Seconds of a clip the converter keeps (its max_audio_length; the rest it cuts)."""
+    """Seconds of a clip the converter keeps (Gemma 4's max_audio_length, Gemma 3n's 30; the rest it cuts)."""
     max_clips: int
-    """Clips a record may hold (keras-hub's max_audio_clips_per_prompt)."""
+    """Clips a record may hold (keras-hub's max_audio_clips_per_prompt, max_audios_per_prompt)."""
     placeholder_id: int
     """The id of the soft token, whose positions the clip's embeddings take."""
+    soft: str
+    """The soft token."""
     marker: str
-    """The soft token, which keras-hub's generate() expands into a clip's tokens."""
+    """The token keras-hub's generate() expands into a clip's tokens (Gemma 4's soft token, Gemma 3n's start)."""
     start: str
     end: str
     """What stands on each side of a clip's soft tokens."""
+    margin: str
+    """What stands outside them (Gemma 3n: a blank line either side)."""
+    per_clip: int | None
+    """The soft tokens of every clip, where the family fixes them (Gemma 3n: 188); None: they follow its length."""
+    names: tuple
+    """The model's inputs of a clip's frames and of which frames hold it."""
+    prompt_key: str
+    """What keras-hub's generate() takes the clips as."""
     converter: object
     """keras-hub's audio converter of the preset."""
 
     def tokens(self, samples: int) -> int:
-        """Soft tokens a clip of `samples` (at `rate`) becomes: one per 4 of its mel frames, rounded up, as
-        keras-hub's Gemma4CausalLMPreprocessor counts them."""
+        """Soft tokens a clip of `samples` (at `rate`) becomes: Gemma 3n's fixed count, or one per 4 of its mel
+        frames, rounded up, as keras-hub's Gemma4CausalLMPreprocessor counts them."""
+        if self.per_clip is not None:
+            return self.per_clip
         frames = min(samples, int(self.longest * self.rate)) // self.stride
         return max(1, (frames + 3) // 4)
 
     def expansion(self, samples: int) -> str:
-        return f"{self.start}{self.marker * self.tokens(samples)}{self.end}"
+        return f"{self.margin}{self.start}{self.soft * self.tokens(samples)}{self.end}{self.margin}"
+
+    def converted(self, sound: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(frames, mels) float32 and (frames,) int32, 1 on the frames that hold the clip, as keras-hub's
+        preprocessor makes them: Gemma 4's padded to its converter's whole length, Gemma 3n's the clip's own."""
+        import keras
+
+        if self.per_clip is not None:
+            features, mask = self.converter(sound[None], padding="longest")
+            return _numpy(features)[0].astype(np.float32), _numpy(mask)[0].astype(np.int32)
+        mel = np.asarray(keras.ops.convert_to_numpy(self.converter(sound[None])))[0]
+        mask = np.zeros(len(mel), np.int32)
+        mask[: min(len(sound), len(mel) * self.stride) // self.stride] = 1
+        return mel.astype(np.float32), mask
+
+
+def _numpy(value) -> np.ndarray:
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def hearing_of(preprocessor) -> Hearing | None:
@@ -71,10 +103,19 @@ def hearing_of(preprocessor) -> Hearing | None:
     tokenizer = getattr(preprocessor, "tokenizer", None)
     if converter is None or getattr(tokenizer, "audio_placeholder", None) is None:
         return None
+    soft, start, end = tokenizer.audio_placeholder, tokenizer.start_of_audio_token, tokenizer.end_of_audio_token
+    if hasattr(preprocessor, "num_audio_tokens_per_audio"):  # Gemma 3n: a fixed count, laid out as its pictures
+        return Hearing(int(converter.sampling_rate), int(converter.hop_length), GEMMA3N_LONGEST,
+                       int(preprocessor.max_audios_per_prompt), tokenizer.token_to_id(soft), soft, start, start, end,
+                       "\n\n", int(preprocessor.num_audio_tokens_per_audio), ("input_features", "input_features_mask"),
+                       "audios", converter)  # fmt: skip
     return Hearing(int(converter.sampling_rate), int(converter.stride), float(converter.max_audio_length),
-                   int(preprocessor.max_audio_clips_per_prompt), tokenizer.token_to_id(tokenizer.audio_placeholder),
-                   tokenizer.audio_placeholder, tokenizer.start_of_audio_token, tokenizer.end_of_audio_token,
-                   converter)  # fmt: skip
+                   int(preprocessor.max_audio_clips_per_prompt), tokenizer.token_to_id(soft), soft, soft, start, end,
+                   "", None, ("audio_mel", "audio_mel_mask"), "audio", converter)  # fmt: skip
+
+
+# Gemma 3n's converter cuts a clip at 480,000 samples (its call's max_length): 30 s at 16 kHz.
+GEMMA3N_LONGEST = 30.0
 
 
 def part_text(part: dict) -> str | None:
@@ -194,26 +235,40 @@ def most_tokens(records, hearing: Hearing) -> int:
     return max(counts, default=0)
 
 
-def frames(clips, hearing: Hearing, slots: int) -> dict:
-    """The converter's log-mel frames of `slots` clip slots, each clip's then empty ones: audio_mel (slots, frames,
-    mels) float32, and audio_mel_mask (slots, frames) int32, 1 on the frames that hold the clip."""
-    import keras
+def most_frames(records, hearing: Hearing) -> int:
+    """The most frames a clip of these records takes: every slot's room (Gemma 4: its converter's whole length)."""
+    counts = [len(hearing.converted(samples(path, hearing.rate))[1]) for r in records for path in r.audios]
+    return (
+        max(counts, default=0)
+        if hearing.per_clip is not None
+        else int(hearing.longest * hearing.rate) // hearing.stride
+    )
 
-    count = int(hearing.longest * hearing.rate) // hearing.stride
-    mels = int(hearing.converter.num_mels)
+
+def frames(clips, hearing: Hearing, slots: int, count: int) -> dict:
+    """The converter's log-mel frames of `slots` clip slots of `count` frames, each clip's then empty ones: its
+    frames (slots, count, mels) float32, and (slots, count) int32: 1 on the frames that hold the clip (Gemma 4's
+    audio_mel_mask), or on those that do not (Gemma 3n's input_features_mask, which keras-hub's preprocessor
+    inverts as transformers' model does)."""
+    mels = int(getattr(hearing.converter, "num_mels", getattr(hearing.converter, "feature_size", 0)))
+    padding = int(hearing.per_clip is not None)
     mel = np.zeros((slots, count, mels), np.float32)
-    mask = np.zeros((slots, count), np.int32)
+    mask = np.full((slots, count), padding, np.int32)
     for slot, path in enumerate(clips[:slots]):
-        sound = samples(path, hearing.rate)
-        converted = np.asarray(keras.ops.convert_to_numpy(hearing.converter(sound[None])))[0]
-        mel[slot] = converted[:count]
-        mask[slot, : min(len(sound), count * hearing.stride) // hearing.stride] = 1
-    return {"audio_mel": mel, "audio_mel_mask": mask}
+        converted, held = hearing.converted(samples(path, hearing.rate))
+        mel[slot, : len(converted)] = converted[:count]
+        mask[slot, : len(held)] = np.abs(held[:count] - padding)
+    features, held = hearing.names
+    return {features: mel, held: mask}
 
 
-def model_inputs(clips, token_ids, hearing: Hearing, slots: int, per_clip: int, source: str = "") -> dict:
+def model_inputs(clips, token_ids, hearing: Hearing, slots: int, room: tuple, source: str = "") -> dict:
     """One example's audio inputs: its clips' frames (frames()), and `audio_indices` (slots x per_clip), each clip's
-    soft-token positions at its slot's start, then 0 (a position keras-hub's model restores)."""
+    soft-token positions at its slot's start, then 0 (a position keras-hub's model restores).
+
+    room: (the soft tokens, the frames) of the longest clip of the data (most_tokens(), most_frames()).
+    """
+    per_clip, count = room
     inputs = np.asarray(token_ids[:-1])
     positions = np.flatnonzero(inputs == hearing.placeholder_id).astype(np.int32)
     counts = [hearing.tokens(length(path, hearing.rate)) for path in clips]
@@ -225,15 +280,13 @@ def model_inputs(clips, token_ids, hearing: Hearing, slots: int, per_clip: int, 
     indices = np.zeros(slots * per_clip, np.int32)
     for slot, (start, count) in enumerate(zip(np.cumsum([0, *counts[:-1]]), counts)):
         indices[slot * per_clip : slot * per_clip + count] = positions[start : start + count]
-    return {**frames(clips, hearing, slots), "audio_indices": indices}
+    return {**frames(clips, hearing, slots, count), "audio_indices": indices}
 
 
-def attached(example, record, hearing: Hearing, slots: int, per_clip: int, source: str = ""):
+def attached(example, record, hearing: Hearing, slots: int, room: tuple, source: str = ""):
     """The example with its audio inputs, and weight 0 on its soft tokens: a clip is never a target."""
-    example.inputs = {
-        **example.inputs,
-        **model_inputs(record.audios, example.token_ids, hearing, slots, per_clip, source),
-    }
+    heard = model_inputs(record.audios, example.token_ids, hearing, slots, room, source)
+    example.inputs = {**example.inputs, **heard}
     soft = np.asarray(example.token_ids) == hearing.placeholder_id
     example.weights = [0.0 if is_soft else weight for weight, is_soft in zip(example.weights, soft)]
     return example
@@ -244,7 +297,7 @@ def generation_input(prompts: list[str], clips: list, hearing: Hearing) -> dict:
     written as the family's marker, which keras-hub's preprocessor expands as training did, and the clip's samples
     at the converter's rate, cut to what the converter keeps."""
     sounds = [samples(clip, hearing.rate)[: int(hearing.longest * hearing.rate)] for clip in clips]
-    return {"prompts": [p.replace(PLACEHOLDER, hearing.marker) for p in prompts], "audio": sounds}
+    return {"prompts": [p.replace(PLACEHOLDER, hearing.marker) for p in prompts], hearing.prompt_key: sounds}
 
 
 def with_placeholder(prompt: str) -> str:

@@ -191,8 +191,12 @@ def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
     x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
     x.update({name: arrays[name][rows] for name in MEDIA if name in names})
+    # keras-hub's Gemma 3n places pictures and clips by their order in the batch, and takes no indices.
     if "images" in names and "vision_indices" not in names and "vision_indices" in arrays:
         x["images"] = images.in_batch_order(x["images"], arrays["vision_indices"][rows])
+    if "input_features" in names and "audio_indices" not in names and "audio_indices" in arrays:
+        for name in ("input_features", "input_features_mask"):
+            x[name] = images.in_batch_order(x[name], arrays["audio_indices"][rows])
     return x, gathered["loss_labels"], gathered["loss_weights"]
 
 

@@ -115,7 +115,7 @@ def no_vision_encoder(preset: str, what: str) -> UserError:
 
 
 # The presets that hear audio, named where audio is refused.
-HEAR_AUDIO = "tiny-gemma4-audio; the real Gemma 4 E-models are built without their audio encoder yet"
+HEAR_AUDIO = "tiny-gemma4-audio, tiny-gemma3n-audio; the real Gemma 4 E-models and Gemma 3n are built without their audio encoder yet"
 
 
 def no_audio_encoder(preset: str, what: str) -> UserError:
@@ -148,8 +148,9 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
         slots = max(len(r.images) for r in records)
         pairs = [(record, images.attached(example, record, vision, slots, source)) for record, example in pairs]
     if hearing is not None:
-        slots, per_clip = max(len(r.audios) for r in records), audio.most_tokens(records, hearing)
-        pairs = [(r, audio.attached(e, r, hearing, slots, per_clip, source)) for r, e in pairs]
+        slots = max(len(r.audios) for r in records)
+        room = (audio.most_tokens(records, hearing), audio.most_frames(records, hearing))
+        pairs = [(r, audio.attached(e, r, hearing, slots, room, source)) for r, e in pairs]
     return pairs
 
 

@@ -193,8 +193,26 @@ TINY_GEMMA4_AUDIO_ENCODER = dict(
     conv_kernel_size=3, sscp_conv_channels=(4, 8), output_proj_dims=None,
     converter=dict(num_mels=16, max_audio_length=1),
 )  # fmt: skip
+# tiny-gemma3n-audio: tiny-gemma3n's decoder with Gemma 3n's audio encoder (keras-hub's Gemma3nAudioEncoder: two
+# strided convolutions, then conformer blocks) at toy size. Its converter makes 16 mel bins, 100 frames a second;
+# the convolutions take 4 frames to a soft token, and every clip takes a fixed 24 (a second's), the rest of a
+# shorter clip's filled with the padding embedding, as Gemma 3n's 188 are.
+TINY_GEMMA3N_AUDIO_ENCODER = dict(
+    hidden_size=16, input_feat_size=16, sscp_conv_channel_size=[4, 8], sscp_conv_kernel_size=[[3, 3], [3, 3]],
+    sscp_conv_stride_size=[[2, 2], [2, 2]], sscp_conv_group_norm_eps=1e-3, num_hidden_layers=1, rms_norm_eps=1e-6,
+    gradient_clipping=1e10, residual_weight=0.5, num_attention_heads=2, attention_chunk_size=4,
+    num_attention_context_right=0, num_attention_context_left=5, attention_logit_cap=50.0, conv_kernel_size=3,
+    reduction_factor=1, tokens=24,
+    converter=dict(feature_size=16, sampling_rate=16000, padding_value=0.0, return_attention_mask=True,
+                   frame_length_ms=32.0, hop_length_ms=10.0, min_frequency=125.0, max_frequency=7600.0,
+                   preemphasis=0.97, preemphasis_htk_flavor=True, fft_overdrive=True, dither=0.0,
+                   input_scale_factor=1.0, mel_floor=1e-5, per_bin_mean=None, per_bin_stddev=None,
+                   padding_side="right"),
+)  # fmt: skip
 # Its audio encoder's weights, as built (tests/test_audio.py): `finetune plan` counts them without keras.
 TINY_GEMMA4_AUDIO_PARAMS = 7744
+# tiny-gemma3n-audio's audio encoder's and multimodal embedder's weights, as built (tests/test_audio.py).
+TINY_GEMMA3N_AUDIO_PARAMS = 7864
 # Its image encoder's and multimodal embedder's weights, as built (tests/test_images.py): `finetune plan` counts them
 # without keras.
 TINY_GEMMA3N_VISION_PARAMS = 5008
@@ -210,6 +228,9 @@ TINY = {
     ),
     "tiny-gemma4-audio": Tiny(
         "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-audio" / "tokenizer.spm", audio=TINY_GEMMA4_AUDIO_ENCODER
+    ),
+    "tiny-gemma3n-audio": Tiny(
+        "gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm", audio=TINY_GEMMA3N_AUDIO_ENCODER
     ),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
@@ -509,6 +530,15 @@ def text_tokenizer(family: str, proto: Path):
 
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
+    if spec.audio is not None and spec.family == "gemma3n":
+        import keras_hub
+
+        cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+        converter = keras_hub.layers.Gemma3nAudioConverter(**spec.audio["converter"])
+        # keras-hub counts the pictures' room against the sequence length too: an audio model takes none.
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, image_converter=None,
+                   audio_converter=converter, max_images_per_prompt=0, max_audios_per_prompt=1,
+                   num_audio_tokens_per_audio=spec.audio["tokens"])  # fmt: skip
     if spec.audio is not None:
         import keras_hub
 
@@ -564,6 +594,19 @@ def _tokens_per_clip(audio: dict) -> int:
     return (int(audio["converter"]["max_audio_length"]) * 100 + 3) // 4
 
 
+def _gemma3n_audio(spec: Tiny, vocabulary_size: int) -> dict:
+    """A tiny Gemma 3n's audio encoder arguments, its soft tokens a clip, and the ids it places clips by; its
+    multimodal embedder takes every id from `audio_vocab_offset` up as a clip's own token, past the tokenizer's."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spec.tokenizer))
+    encoder = {key: value for key, value in spec.audio.items() if key not in ("converter", "tokens")}
+    return dict(audio_encoder_config=encoder, audio_hidden_size=spec.audio["hidden_size"],
+                audio_soft_tokens_per_image=spec.audio["tokens"],
+                audio_token_id=pieces.piece_to_id("<audio_soft_token>"), audio_vocab_offset=vocabulary_size + 8,
+                audio_vocab_size=8)  # fmt: skip
+
+
 def _gemma3n_vision(spec: Tiny, vocabulary_size: int) -> dict:
     """A tiny Gemma 3n's image encoder arguments: its MobileNetV5 config, its soft tokens, and the ids keras-hub's
     Gemma 3n places pictures by. Its multimodal embedder takes every id from `vision_vocab_offset` up as a picture's
@@ -609,7 +652,9 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "backbone")
     config = tiny_config(name, vocabulary_size)
-    if spec.audio is not None:
+    if spec.audio is not None and spec.family == "gemma3n":
+        config.update(_gemma3n_audio(spec, vocabulary_size))
+    elif spec.audio is not None:
         import keras_hub
 
         arguments = {key: value for key, value in spec.audio.items() if key != "converter"}

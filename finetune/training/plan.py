@@ -117,7 +117,10 @@ def model_of(preset: str) -> Model:
         config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
         if spec.audio is not None:
             model = _model(preset, spec.family, config)
-            return dataclasses.replace(model, audio=spec.audio, audio_params=presets.TINY_GEMMA4_AUDIO_PARAMS)
+            weights = (
+                presets.TINY_GEMMA3N_AUDIO_PARAMS if spec.family == "gemma3n" else presets.TINY_GEMMA4_AUDIO_PARAMS
+            )
+            return dataclasses.replace(model, audio=spec.audio, audio_params=weights)
         if spec.vision is None:
             return _model(preset, spec.family, config)
         if spec.family == "gemma3n":
@@ -476,6 +479,7 @@ def _audio(model: Model, cfg: Config, precision: str, notes: list[str]) -> dict 
     Gemma 4 gives a clip one soft token per 4 of its 10 ms mel frames (25 a second), between <|audio> and <audio|>
     (audio.py, as keras-hub's Gemma4CausalLMPreprocessor writes it): they take their room out of --seq-len. Every
     clip is converted to the converter's whole length (its max_audio_length), the frames past the clip masked.
+    Gemma 3n gives every clip a fixed count (`tokens`), with a blank line either side, and converts its own frames.
     """
     seconds = cfg.data.audio_seconds
     if not seconds:
@@ -484,16 +488,17 @@ def _audio(model: Model, cfg: Config, precision: str, notes: list[str]) -> dict 
     if heard is None:
         why = "whose weights and pass the plan does not count yet" if model.encoder_params else "it has none"
         raise UserError(f"--audio-seconds {seconds:g}: {model.name}'s audio encoder ({why}); plan a preset that "
-                        "hears: tiny-gemma4-audio")  # fmt: skip
-    longest = float(heard["converter"]["max_audio_length"])
+                        "hears: tiny-gemma4-audio, tiny-gemma3n-audio")  # fmt: skip
+    fixed = heard.get("tokens")
+    longest = float(heard["converter"].get("max_audio_length", 30))
     if seconds > longest:
         raise UserError(f"--audio-seconds {seconds:g}: {model.name} hears at most {longest:g} s a clip")
-    tokens = max(1, (int(seconds * 100) + 3) // 4)
-    spent = tokens + 2
+    tokens = fixed or max(1, (int(seconds * 100) + 3) // 4)
+    spent = tokens + (4 if fixed else 2)
     if spent >= cfg.model.seq_len:
-        raise UserError(f"--audio-seconds {seconds:g} takes {spent} tokens ({tokens} soft tokens and 2 markers), "
+        raise UserError(f"--audio-seconds {seconds:g} takes {spent} tokens ({tokens} soft tokens and its markers), "
                         f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len")  # fmt: skip
-    frames = int(longest * 100)
+    frames = int((seconds if fixed else longest) * 100)
     compute = _BYTES[precision][1]
     notes.append(f"audio: a clip of {seconds:g} s, {tokens} soft tokens: {spent} of the {cfg.model.seq_len} tokens "
                  f"with its markers, {cfg.model.seq_len - spent} left for the text")  # fmt: skip

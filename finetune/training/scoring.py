@@ -75,9 +75,10 @@ def _written(prompts: dict, preprocessor) -> list[str]:
     if prompts.get("images") is not None:
         vision = images.vision_of(preprocessor)
         written = [images.written_prompt(p, vision) for p in written]
-    if prompts.get("audio") is not None:
-        hearing = audio.hearing_of(preprocessor)
-        written = [audio.written_prompt(p, hearing, len(sound)) for p, sound in zip(written, prompts["audio"])]
+    hearing = audio.hearing_of(preprocessor)
+    if hearing is not None and prompts.get(hearing.prompt_key) is not None:
+        sounds = prompts[hearing.prompt_key]
+        written = [audio.written_prompt(p, hearing, len(sound)) for p, sound in zip(written, sounds)]
     return written
 
 
