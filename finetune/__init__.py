@@ -125,7 +125,7 @@ def generate(
         `finetune generate --image`; the run's preset must see images (tiny-gemma3-vision, tiny-gemma4-vision,
         tiny-gemma3n-vision, gemma3_4b and up).
     audio: the path of an audio file that goes with every prompt, where its `<audio>` is (else before it), as
-        `finetune generate --audio`; the run's preset must hear (tiny-gemma4-audio).
+        `finetune generate --audio`; the run's preset must hear (tiny-gemma4-audio, tiny-gemma3n-audio).
 
     sampling: greedy by default; temperature (float), top_p (float), top_k (int) sample with keras-hub's
         samplers, and seed (int) makes the sampling repeatable, as `finetune generate`'s flags of the same names.
