@@ -159,7 +159,7 @@ def test_a_tiny_audio_preset_learns_tone_from_noise_and_answers_generate_audio(p
 
     sounds(tmp_path)
     typed("gemma", "--preset", preset, "--backend", BACKEND, "--data", "sounds.jsonl", "--max-steps",
-          "12", "--target", "all-linear", "--seq-len", "64", "--batch-size", "4", "--precision", "float32",
+          "18", "--target", "all-linear", "--seq-len", "64", "--batch-size", "4", "--precision", "float32",
           "--set", "train.samples=0",
           "--output", "run", cwd=tmp_path)  # fmt: skip
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
