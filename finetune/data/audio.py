@@ -268,7 +268,7 @@ def model_inputs(clips, token_ids, hearing: Hearing, slots: int, room: tuple, so
 
     room: (the soft tokens, the frames) of the longest clip of the data (most_tokens(), most_frames()).
     """
-    per_clip, count = room
+    per_clip, frame_count = room
     inputs = np.asarray(token_ids[:-1])
     positions = np.flatnonzero(inputs == hearing.placeholder_id).astype(np.int32)
     counts = [hearing.tokens(length(path, hearing.rate)) for path in clips]
@@ -280,7 +280,7 @@ def model_inputs(clips, token_ids, hearing: Hearing, slots: int, room: tuple, so
     indices = np.zeros(slots * per_clip, np.int32)
     for slot, (start, count) in enumerate(zip(np.cumsum([0, *counts[:-1]]), counts)):
         indices[slot * per_clip : slot * per_clip + count] = positions[start : start + count]
-    return {**frames(clips, hearing, slots, count), "audio_indices": indices}
+    return {**frames(clips, hearing, slots, frame_count), "audio_indices": indices}
 
 
 def attached(example, record, hearing: Hearing, slots: int, room: tuple, source: str = ""):
