@@ -117,13 +117,15 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None, gener
 
 def generate(
     run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None,
-    images: list | None = None, **sampling,
+    images: list | None = None, audio: str | None = None, **sampling,
 ) -> list[str]:  # fmt: skip
     """Completions from a finished run's model; each prompt goes in the run's template unless `raw`.
 
     images: paths of pictures that go with every prompt, where its `<image>` is (else before it), as
         `finetune generate --image`; the run's preset must see images (tiny-gemma3-vision, tiny-gemma4-vision,
-        gemma3_4b and up).
+        tiny-gemma3n-vision, gemma3_4b and up).
+    audio: the path of an audio file that goes with every prompt, where its `<audio>` is (else before it), as
+        `finetune generate --audio`; the run's preset must hear (tiny-gemma4-audio, tiny-gemma3n-audio).
 
     sampling: greedy by default; temperature (float), top_p (float), top_k (int) sample with keras-hub's
         samplers, and seed (int) makes the sampling repeatable, as `finetune generate`'s flags of the same names.
@@ -135,11 +137,11 @@ def generate(
         raise UserError("prompts must be non-empty strings, e.g. finetune.generate(run_dir, ['What is LoRA?'])")
     tokens = _argument("max_new_tokens", "--max-new-tokens", int)
     names = [_argument(item.key, item.flag) for item in _config.settings(_config.Sampling)]
-    pictures = _argument("images", "--image")
-    with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool), pictures, *names):
-        return runs.generate(
-            _open(run_dir, backend), prompts, max_new_tokens, raw, _config.Sampling.checked(sampling), images or ()
-        )
+    pictures, clip = _argument("images", "--image"), _argument("audio", "--audio")
+    with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool), pictures, clip, *names):
+        heard = runs.Heard(tuple(images or ()), audio)
+        sampled = _config.Sampling.checked(sampling)
+        return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, sampled, heard)
 
 
 def load(run_dir, backend: str | None = None):

@@ -413,7 +413,7 @@ PLAN_HELP = (
 )
 
 # What `finetune plan` takes of a run's settings: those that change the memory a device needs.
-PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "data.image_tokens", "train.batch_size", "train.method",
+PLANNED = ("backend", "model", "lora.rank", "lora.targets", "data.images", "data.image_tokens", "data.audio_seconds", "train.batch_size", "train.method",
            "train.num_generations", "train.max_completion_length", "distribution.parallel", "distribution.mesh")  # fmt: skip
 
 
@@ -578,6 +578,11 @@ def generate(
     image: list[str] = typer.Option(
         [], "--image", help="A picture that goes with every prompt, where its <image> is (else before it). Repeatable."
     ),
+    audio: Optional[str] = typer.Option(
+        None,
+        "--audio",
+        help="An audio file (WAV, FLAC...) that goes with every prompt, where its <audio> is (else before it).",
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -594,7 +599,7 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, image)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, runs.Heard(tuple(image), audio))
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:
             print(f"[{number}] {text}")

@@ -433,6 +433,13 @@ class DataConfig:
         flag="--images", panel=DATA, metavar="N", range=Range(0), default_text="the data's; 0 without it",
         label="images per example", hint="e.g. --images 1",
     )  # fmt: skip
+    audio_seconds: Optional[float] = setting(
+        None,
+        "Seconds of audio per example (one clip) that `finetune plan` counts: its soft tokens in each sequence "
+        "(Gemma 4: 25 a second) and its log-mel frames. A run counts the clips of --data.",
+        flag="--audio-seconds", panel=DATA, metavar="S", range=Range(0, low_open=True), default_text="none",
+        label="audio seconds per example", hint="e.g. --audio-seconds 10",
+    )  # fmt: skip
     image_tokens: Optional[int] = setting(
         None,
         "Gemma 4: the soft tokens each picture takes in the sequence (70, 140, 280, 560 or 1120). Its image "

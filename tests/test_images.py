@@ -12,6 +12,7 @@ from finetune.data import formats, images
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 GEMMA4 = "tiny-gemma4-vision"
+GEMMA3N = "tiny-gemma3n-vision"
 # A test of both vision presets runs tiny-gemma4-vision on every backend where its path differs by backend (its
 # converter, encoder and generation), and in the PyTorch suite alone where it does not (resuming, text alone).
 EVERY_BACKEND = ["tiny-gemma3-vision", GEMMA4]
@@ -137,17 +138,17 @@ def test_a_bad_picture_exits_2_naming_its_line_and_writes_nothing(case, tmp_path
     "preset, why",
     [
         ("tiny", "tiny has no vision encoder;"),
-        ("tiny-gemma3n", "places the encoder's outputs by their count in the batch"),
+        ("tiny-gemma3n", "a run on text builds Gemma 3n without its image encoder"),
     ],
 )
 def test_pictures_on_a_preset_without_a_vision_encoder_exit_2_naming_those_with_one(preset, why, tmp_path):
     result = invoke("gemma", "--preset", preset, "--data", pictures(tmp_path), "--output", tmp_path / "run")
     assert result.exit_code == 2 and why in result.stderr, result.output
-    assert "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up" in result.stderr
+    assert "tiny-gemma3-vision, tiny-gemma4-vision, tiny-gemma3n-vision, gemma3_4b and up" in result.stderr
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("preset", EVERY_BACKEND)
+@pytest.mark.parametrize("preset", [*EVERY_BACKEND, GEMMA3N])
 def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(preset, tmp_path):
     from finetune.data import templates
     from finetune.methods import prepare
@@ -166,7 +167,8 @@ def test_image_inputs_point_at_the_soft_tokens_and_weigh_nothing(preset, tmp_pat
         assert vision.image_size == (32, 32)
         picture = example.inputs["images"]
         assert picture.shape == (1, 32, 32, 3)  # one slot a row: the most pictures a record of the data holds
-        np.testing.assert_allclose(picture[0, 0, 0], red / 127.5 - 1, atol=1e-6)
+        scaled = red / 255 if preset == GEMMA3N else red / 127.5 - 1  # MobileNetV5 takes [0, 1], SigLIP [-1, 1]
+        np.testing.assert_allclose(picture[0, 0, 0], scaled, atol=1e-6)
         return
     # Gemma 4's converter: the 32x32 square as 16 patches of 8x8 (each flattened row by row, then channels) with
     # their (x, y) places. It scales to [0, 1]; the encoder maps that to [-1, 1] itself.
@@ -213,7 +215,7 @@ def _cfg(preset):
 
 @pytest.mark.skipif(BACKEND != "torch", reason="a property of keras-hub's model, checked in the PyTorch suite; every "
                     "suite trains on pictures")  # fmt: skip
-@pytest.mark.parametrize("preset", EVERY_BACKEND)
+@pytest.mark.parametrize("preset", [*EVERY_BACKEND, GEMMA3N])
 def test_the_picture_reaches_the_decoder(preset):
     """The text after an image reads the image: its hidden states change with the picture's colour."""
     import keras
@@ -228,8 +230,8 @@ def test_the_picture_reaches_the_decoder(preset):
     for colour in ("red", "blue"):
         picture = np.full((32, 32, 3), COLOURS[colour], np.uint8)
         x = preprocessor.generate_preprocess({"prompts": [prompt], "images": [[picture]]})
-        x = {k: keras.ops.convert_to_numpy(v) for k, v in x.items() if k in names}
-        hidden.append(keras.ops.convert_to_numpy(backbone(x)))
+        x = {k: keras.ops.convert_to_numpy(v) for k, v in x.items()}
+        hidden.append(keras.ops.convert_to_numpy(backbone({k: v for k, v in x.items() if k in names})))
     soft = np.flatnonzero(x["vision_mask"][0])
     after = int(soft[-1]) + 2  # a text token after the picture
     assert np.abs(hidden[0][0, after] - hidden[1][0, after]).max() > 1e-4
@@ -371,5 +373,83 @@ def test_a_vision_preset_trains_on_text_alone_unpacked(preset, tmp_path):
     result = invoke("gemma", "--preset", preset, "--data", data, *flags, "--output", out,
                     "--set", "train.samples=0")  # fmt: skip
     assert result.exit_code == 0, result.output + result.stderr
-    assert "auto: a model with a vision encoder takes keras-hub's own mask" in result.output
+    assert "auto: a model with an image or audio encoder takes keras-hub's own mask" in result.output
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the batch's layout is the same on every backend; every suite trains "
+                    "tiny-gemma3n-vision on pictures")  # fmt: skip
+def test_a_gemma3n_row_reads_its_own_picture_beside_a_row_with_more(tmp_path):
+    """keras-hub's Gemma 3n places the batch's pictures by their order in the whole batch, not by row. A row with two
+    pictures after a row with one (and an empty slot) gives the same hidden states as it does alone: the batch's
+    pictures are laid out in their order, then the empty slots (images.in_batch_order)."""
+    import keras
+
+    from finetune.data import batching, templates
+    from finetune.methods import prepare
+    from finetune.model import presets
+
+    one = trl(square(tmp_path / "a.png", "red"))
+    two = trl(square(tmp_path / "b.png", "blue"), "blue")
+    two["messages"][0]["content"].insert(0, {"type": "image"})
+    two["images"].insert(0, square(tmp_path / "c.png", "green"))
+    records = formats.read(str(write_lines(tmp_path / "mixed.jsonl", [one, two])))[0]
+    made = prepare.pictured_examples(
+        records, templates.get("gemma-chat"), vision_preprocessor(GEMMA3N), _cfg(GEMMA3N), "x"
+    )
+    arrays = batching.pad([example for _, example in made], 64)
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(GEMMA3N), name=GEMMA3N)
+    names = ("token_ids", "padding_mask", "images")
+
+    def hidden(rows):
+        x, _, _ = batching.inputs(arrays, np.array(rows), 1, 64, names=names)
+        x = {name: x[name] for name in names}
+        x["padding_mask"] = x["padding_mask"] > 0
+        return keras.ops.convert_to_numpy(backbone(x))
+
+    both, alone = hidden([0, 1]), hidden([1])
+    length = len(made[1][1].token_ids) - 1
+    np.testing.assert_allclose(both[1, :length], alone[0, :length], atol=1e-5)
+    np.testing.assert_allclose(both[0], hidden([0])[0], atol=1e-5)
+    flat = batching.inputs(arrays, np.array([0, 1]), 1, 64, names=names)[0]["images"].reshape(4, -1)
+    assert flat[:3].any(axis=1).all() and not flat[3].any()  # the three pictures, then the empty slot
+
+
+def test_gemma3n_trains_on_pictures_from_the_command_line_generates_and_exports_merged(tmp_path):
+    """tiny-gemma3n-vision through `finetune gemma`, `finetune generate --image` and `finetune export --format merged`,
+    each in a fresh process as typed; the merged preset reloads in keras-hub with its image converter and gives the
+    run's outputs on a picture (in the PyTorch suite)."""
+    from test_as_typed import finetune as typed
+
+    pictures(tmp_path, 8)
+    typed("gemma", "--preset", GEMMA3N, "--backend", BACKEND, "--data", "pics.jsonl", "--max-steps", "2",
+          "--seq-len", "64", "--batch-size", "2", "--eval-fraction", "0", "--precision", "float32",
+          "--set", "train.samples=0", "--output", "run", cwd=tmp_path)  # fmt: skip
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    answered = typed("generate", "--run", "run", "--image", "sq1.png", "--prompt", "What colour is this?",
+                     "--max-new-tokens", "2", cwd=tmp_path)  # fmt: skip
+    assert answered.stdout.strip() and "What colour" not in answered.stdout, answered.stdout  # the answer alone
+    if BACKEND == "torch":  # the export is the same from every backend's run
+        typed("export", "--run", "run", "--format", "merged", "--output", "merged", cwd=tmp_path)
+        _merged_gives_the_runs_outputs(tmp_path / "merged", tmp_path / "run", tmp_path / "sq2.png")
+
+
+def _merged_gives_the_runs_outputs(merged, run, picture):
+    import keras
+    import keras_hub
+
+    from finetune.training import runs
+
+    with float32_policy():
+        tuned, _ = runs.load_model(runs.open_on(str(run), None))
+        lm = keras_hub.models.Gemma3nCausalLM.from_preset(str(merged))
+    assert lm.preprocessor.image_converter is not None and lm.preprocessor.num_vision_tokens_per_image == 4
+    prompt = "<start_of_turn>user\n<start_of_image>What colour is this?<end_of_turn>\n<start_of_turn>model\n"
+    x = lm.preprocessor.generate_preprocess(
+        {"prompts": [prompt], "images": [[images.rgb(picture)]]}, sequence_length=40
+    )
+    names = [tensor.name for tensor in keras.tree.flatten(lm.backbone.inputs)]
+    x = {name: keras.ops.convert_to_numpy(value) for name, value in x.items() if name in names}
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
+    )

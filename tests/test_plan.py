@@ -394,6 +394,29 @@ def test_the_encoder_s_config_gives_keras_hub_s_counts():
 
 
 @pytest.mark.one_backend
+def test_the_plan_counts_gemma3n_s_pictures_and_its_encoder_as_built():
+    """tiny-gemma3n-vision: 4 soft tokens a picture and their 4 markers in the sequence, its 32x32 pixels, and the
+    image encoder's and embedder's weights as keras-hub builds them."""
+    from finetune.model import presets
+
+    planned = plan_torch(**{"model.preset": "tiny-gemma3n-vision", "model.seq_len": 64, "data.images": 2})
+    assert planned.images["tokens_per_image"] == 4 and planned.images["image_size"] == 32
+    assert "images: 2 an example, 4 soft tokens each: 16 of the 64 tokens" in " ".join(planned.notes)
+    assert (
+        planned.memory["image_pixels"] == planned.batch_size * 2 * 32 * 32 * 3 * 4
+        and planned.memory["vision_forward"] > 0
+    )
+    name = "tiny-gemma3n-vision"
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(name), name=name)
+    built = backbone.vision_encoder.count_params() + backbone.embed_vision.count_params()
+    assert built == presets.TINY_GEMMA3N_VISION_PARAMS == planned.model.vision_params
+    from finetune.platform.errors import UserError
+
+    with pytest.raises(UserError, match="does not count yet"):
+        plan_torch(**{"model.preset": "gemma3n_e2b", "data.images": 1})
+
+
+@pytest.mark.one_backend
 def test_a_run_counts_its_data_s_pictures_over_images():
     assert resolve._images(None, 1) == resolve.Decision(1, "the most a record of the data holds")
     assert resolve._images(2, 1).value == 1 and "--images 2 is for plans" in resolve._images(2, 1).why
@@ -408,7 +431,7 @@ def test_a_run_counts_its_data_s_pictures_over_images():
         (["--preset", "tiny-gemma3-vision", "--images", "2", "--seq-len", "16"], "raise --seq-len"),
         (["--preset", "gemma_2b_en", "--images", "1"], "it has no vision encoder"),
         (["--preset", "gemma4_4b", "--images", "1"], "the plan does not count yet"),
-        (["--preset", "gemma3n_e2b", "--images", "1"], "does not see pictures here"),
+        (["--preset", "gemma3n_e2b", "--images", "1"], "whose weights and pass the plan does not count yet"),
         (["--preset", "tiny-gemma3-vision", "--images", "one"], "--images"),
     ],
 )

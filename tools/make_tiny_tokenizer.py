@@ -2,9 +2,9 @@
 
 The result ships as finetune/assets/<preset>/tokenizer.spm: `tiny` (and
 `tiny-gemma3`, which reads the same file through Gemma 3's tokenizer class),
-`tiny-gemma4` (and `tiny-gemma4-moe`), `tiny-gemma3n`, `tiny-gemma3-vision`
-(Gemma 3's text tokens plus its image tokens) and `tiny-gemma4-vision` (Gemma 4's
-plus its image tokens). Each keeps Gemma's
+`tiny-gemma4` (and `tiny-gemma4-moe`), `tiny-gemma3n` (and `tiny-gemma3n-vision`),
+`tiny-gemma3-vision` (Gemma 3's text tokens plus its image tokens), `tiny-gemma4-vision`
+(Gemma 4's plus its image tokens) and `tiny-gemma4-audio` (Gemma 4's plus its audio tokens). Each keeps Gemma's
 special-token layout (<pad>=0, <eos>=1, <bos>=2, <unk>=3, then the family's
 own special tokens: its chat turn markers, and for Gemma 3n the multimodal
 tokens its tokenizer class requires) and Gemma's text handling (no dummy
@@ -14,7 +14,7 @@ the family treats it exactly like the real one and any UTF-8 text round-trips.
 The tiny base weights are trained on its ids: after changing tiny's, rerun
 tools/make_tiny_weights.py.
 
-usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N] [--family gemma|gemma4|gemma3n|gemma3-vision|gemma4-vision]
+usage: python tools/make_tiny_tokenizer.py [DATA.jsonl] [OUT.spm] [--vocab N] [--family gemma|gemma4|gemma3n|gemma3-vision|gemma4-vision|gemma4-audio]
 """
 
 import argparse
@@ -33,6 +33,8 @@ SPECIAL = {
     "gemma3-vision": ["<start_of_turn>", "<end_of_turn>", "<img>", "<start_of_image>", "<end_of_image>"],
     # Gemma 4's: its preprocessor expands its soft token <|image|> into <|image>, the soft tokens, then <image|>.
     "gemma4-vision": ["<|turn>", "<turn|>", "<|image>", "<|image|>", "<image|>"],
+    # Gemma 4's audio tokens: its preprocessor expands <|audio|> into <|audio>, a clip's soft tokens, then <audio|>.
+    "gemma4-audio": ["<|turn>", "<turn|>", "<|audio>", "<|audio|>", "<audio|>"],
     "gemma3n": [
         "<start_of_turn>", "<end_of_turn>", "<image_soft_token>", "<audio_soft_token>", "<start_of_image>",
         "<end_of_image>", "<start_of_audio>", "<end_of_audio>", "<mask>", "[multimodal]",
@@ -44,6 +46,7 @@ DEFAULT_OUT = {
     "gemma3n": "tiny-gemma3n",
     "gemma3-vision": "tiny-gemma3-vision",
     "gemma4-vision": "tiny-gemma4-vision",
+    "gemma4-audio": "tiny-gemma4-audio",
 }
 
 

@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from finetune.data import images
+from finetune.data import audio, images
 from finetune.platform.errors import UserError
 
 BOS, EOS = 2, 1  # Gemma's ids; asserted against the tokenizer in tokenize().
 # What a batch feeds the model. Gemma 4's backbone also takes position_ids (model.input_names says which).
 INPUTS = ("token_ids", "padding_mask")
+# The pictures' and audio clips' inputs: per row (kept whole when a batch is cut to its longest row), and all.
+PER_ROW = (*images.PER_ROW, *audio.PER_ROW)
+MEDIA = (*images.INPUTS, *audio.INPUTS)
 
 
 @dataclass
@@ -119,7 +122,9 @@ def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
     }
     if examples and examples[0].inputs:
         arrays.update({key: np.stack([e.inputs[key] for e in examples]) for key in examples[0].inputs})
-        arrays["vision_mask"] = images.vision_mask(arrays["vision_indices"], seq_len)
+        for indices, mask in (("vision_indices", "vision_mask"), ("audio_indices", "audio_mask")):
+            if indices in arrays:
+                arrays[mask] = images.vision_mask(arrays[indices], seq_len)
     return arrays
 
 
@@ -181,11 +186,17 @@ def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None
     names: the model's inputs (model.input_names).
     """
     if length is not None and length < arrays["token_ids"].shape[1]:
-        arrays = {key: value if key in images.PER_ROW else value[:, :length] for key, value in arrays.items()}
+        arrays = {key: value if key in PER_ROW else value[:, :length] for key, value in arrays.items()}
     gathered = targets(arrays, rows, shards, width)
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
     x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
-    x.update({name: arrays[name][rows] for name in images.INPUTS if name in names})
+    x.update({name: arrays[name][rows] for name in MEDIA if name in names})
+    # keras-hub's Gemma 3n places pictures and clips by their order in the batch, and takes no indices.
+    if "images" in names and "vision_indices" not in names and "vision_indices" in arrays:
+        x["images"] = images.in_batch_order(x["images"], arrays["vision_indices"][rows])
+    if "input_features" in names and "audio_indices" not in names and "audio_indices" in arrays:
+        for name in ("input_features", "input_features_mask"):
+            x[name] = images.in_batch_order(x[name], arrays["audio_indices"][rows])
     return x, gathered["loss_labels"], gathered["loss_weights"]
 
 

@@ -51,7 +51,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.data import images, pictures
+from finetune.data import audio, images, pictures
 from finetune.platform import documents, platforms
 from finetune.platform.errors import UserError
 
@@ -107,6 +107,8 @@ class Record:
     those, instruction is the first user turn and response the last assistant turn."""
     images: tuple = ()
     """The record's image files (absolute paths), one `<image>` placeholder in its text for each (images.py)."""
+    audios: tuple = ()
+    """The record's audio files (absolute paths), one `<audio>` placeholder in its text for each (audio.py)."""
     rejected: str = ""
     """Preference pairs: the rejected answer, after the same prompt as the chosen one (`response`, and the last
     assistant turn of `turns`)."""
@@ -637,13 +639,17 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     """The record, with its pictures where it has an `images` list or TRL's content parts (images.py)."""
     if not isinstance(obj, dict):
         return _record(obj, where, fmt)
+    clips = audio.audio_paths(obj, where, source) if not source.startswith("hf:") else ()
     if fmt == "chat" and "messages" in obj:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
     paths = _pictures(obj, where, source)
     record = _labelled(obj, _record(obj, where, fmt), where)
+    texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
+    if clips or "audios" in obj:
+        audio.check_placeholders(texts, clips, where)
+        record = dataclasses.replace(record, audios=clips)
     if not paths and "images" not in obj and not (source.startswith("hf:") and "image" in obj):
         return record
-    texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
     images.check_placeholders(texts, paths, where)
     return dataclasses.replace(record, images=paths)
 
@@ -998,6 +1004,7 @@ def fingerprint(records) -> str:
     for r in records:
         fields = [r.instruction, r.context, r.response, r.category] + ([r.turns] if r.turns else [])
         fields += [[pictures.key(p) for p in r.images]] if r.images else []
+        fields += [["audio", *r.audios]] if r.audios else []
         fields += [r.rejected] if r.rejected else []  # SFT records' fingerprints stay as they were
         fields += [r.columns] if r.columns else []
         fields += [list(r.messages), list(r.tools)] if r.uses_tools else []  # other chats' turns say it all

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.data import pictures
+from finetune.data import audio, pictures
 from finetune.platform.errors import UserError
 
 PLACEHOLDER = "<image>"
@@ -52,6 +52,8 @@ class Layout:
 LAYOUTS = {
     # "\n\n<start_of_image>" + "<img>" x 256 + "<end_of_image>\n\n", from <start_of_image>.
     "Gemma3CausalLMPreprocessor": Layout("start_of_image_token", "\n\n"),
+    # Gemma 3n's as Gemma 3's, with <image_soft_token> x 256.
+    "Gemma3nCausalLMPreprocessor": Layout("start_of_image_token", "\n\n"),
     # "<|image>" + "<|image|>" x 280 + "<image|>", from its soft token <|image|>, with no blank lines.
     "Gemma4CausalLMPreprocessor": Layout("image_placeholder", ""),
 }
@@ -71,8 +73,9 @@ class Vision:
     """The text each `<image>` placeholder becomes."""
     marker: str
     """The token keras-hub's generate() expands into `expansion` (Layout.marker)."""
-    shown_as: str
-    """`expansion` as keras-hub's generate() gives it back: its special tokens stripped but the start-of-image one."""
+    stripped: tuple
+    """The special tokens keras-hub's generate() strips from what it gives back: all the tokenizer's but the
+    start-of-image one (and Gemma 3n's start-of-audio), whether the picture's or a chat turn's (Gemma 3n's)."""
     converter: object
     """keras-hub's image converter of the preset."""
     blank: dict
@@ -99,9 +102,32 @@ def vision_of(preprocessor) -> Vision | None:
     expansion += layout.margin
     blank = {name: np.zeros_like(array) for name, array in _converted(converter, np.zeros((32, 32, 3))).items()}
     marker = getattr(tokenizer, layout.marker)
-    shown_as = expansion.replace(soft, "").replace(tokenizer.end_of_image_token, "")
+    stripped = stripped_tokens(preprocessor)
     return Vision(tokens, preprocessor.max_images_per_prompt, tokenizer.token_to_id(soft), expansion, marker,
-                  shown_as, converter, blank)  # fmt: skip
+                  stripped, converter, blank)  # fmt: skip
+
+
+# The special tokens keras-hub's generate() gives back (the rest it strips): the start of a picture, which the
+# user wrote, and Gemma 3n's start of a clip too.
+KEPT = {"Gemma3nCausalLMPreprocessor": ("start_of_image_token", "start_of_audio_token")}
+
+
+def stripped_tokens(preprocessor) -> tuple:
+    """The tokenizer's special tokens that keras-hub's generate() strips from what it gives back."""
+    tokenizer = preprocessor.tokenizer
+    names = next(
+        (KEPT[c.__name__] for c in type(preprocessor).__mro__ if c.__name__ in KEPT), ("start_of_image_token",)
+    )
+    kept = {getattr(tokenizer, name, None) for name in names}
+    return tuple(token for token in tokenizer.special_tokens if token not in kept)
+
+
+def shown_text(written: str, stripped) -> str:
+    """A prompt as the model reads it (its pictures' and clips' tokens written out), as keras-hub's generate()
+    gives it back: less the special tokens it strips."""
+    for token in stripped:
+        written = written.replace(token, "")
+    return written
 
 
 def parts_to_text(messages, where: str):
@@ -122,11 +148,13 @@ def _part_text(part, number: int, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "image":
         return PLACEHOLDER
+    if kind == "audio":  # its path is read with the record's clips (audio.py)
+        return audio.PLACEHOLDER
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
     raise UserError(
-        f'{where}: message {number} has a content part that is neither {{"type": "image"}} nor '
-        '{"type": "text", "text": ...}'
+        f'{where}: message {number} has a content part that is neither {{"type": "image"}}, {{"type": "audio", '
+        '"path": ...} nor {"type": "text", "text": ...}'
     )
 
 
@@ -223,6 +251,20 @@ def model_inputs(paths, token_ids, vision: Vision, slots: int, source: str = "")
     return {**pixels(paths, vision, slots), "vision_indices": indices}
 
 
+def in_batch_order(pictures: np.ndarray, vision_indices: np.ndarray) -> np.ndarray:
+    """A batch's (rows, slots, ...) pictures for a model that places them by their order in the whole batch, not
+    by row (keras-hub's Gemma 3n, which takes no vision_indices: its n-th soft token of the batch takes the n-th
+    picture of the flattened slots). The pictures are laid out in the batch's order, row by row, then the empty
+    slots, so a row beside one with fewer pictures reads its own."""
+    rows, slots = pictures.shape[:2]
+    if slots == 0:
+        return pictures
+    per_slot = vision_indices.reshape(rows, slots, -1)
+    held = (per_slot[:, :, 0] > 0).reshape(-1)  # a slot's first soft token sits past <bos>: position 0 is empty
+    flat = pictures.reshape(rows * slots, *pictures.shape[2:])
+    return np.concatenate([flat[held], flat[~held]]).reshape(pictures.shape)
+
+
 def vision_mask(vision_indices: np.ndarray, seq_len: int) -> np.ndarray:
     """(rows, seq_len) int32, 1 at each soft token: where keras-hub's decoder places the picture (and Gemma 3's
     lets its tokens see each other both ways)."""
@@ -266,9 +308,9 @@ def rgb(path) -> np.ndarray:
 
 
 def shown(prompt: str, vision: Vision) -> str:
-    """A prompt of generation_input() as keras-hub's generate() returns it: each marker as its expansion less the
+    """A prompt of generation_input() as keras-hub's generate() returns it: each marker as its expansion, less the
     special tokens keras-hub strips (all but the start-of-image token: Gemma 3 keeps the blank lines around it)."""
-    return prompt.replace(vision.marker, vision.shown_as)
+    return shown_text(written_prompt(prompt, vision), vision.stripped)
 
 
 def written_prompt(prompt: str, vision: Vision) -> str:

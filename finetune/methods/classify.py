@@ -154,8 +154,8 @@ def label_of(record, source: str) -> str:
 def sequences(records, template, preprocessor, cfg, source: str, ids: dict | None) -> list:
     """(record, Example, its label or None) of each record. ids: label -> class id, each record's label required
     and checked; None: labels are read where present, and the example's class slot holds 0 (`finetune predict`)."""
-    if any(r.images for r in records):
-        raise UserError(f"{source}: records with pictures are not classified yet; give text records")
+    if any(r.images or r.audios for r in records):
+        raise UserError(f"{source}: records with pictures or audio are not classified yet; give text records")
     tokenizer = prepare.tokenizer_of(preprocessor)
     batching.check_layout(tokenizer)
     seq_len = cfg.model.seq_len

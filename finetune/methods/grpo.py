@@ -68,8 +68,8 @@ class GRPO(Method):
 
     def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
         """records -> the template's prompt -> ids -> split. The batch size counts prompts."""
-        if any(r.images for r in records):
-            raise UserError("--method grpo does not train on pictures yet; give prompts without images")
+        if any(r.images or r.audios for r in records):
+            raise UserError("--method grpo does not train on pictures or audio yet; give prompts without them")
         if cfg.train.batch_size == "auto":
             raise UserError("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number "
                             "(auto is not probed for rollouts yet)")  # fmt: skip

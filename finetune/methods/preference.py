@@ -193,6 +193,10 @@ def _packed(arrays, rows: int, seq_len: int):
 def refuse_pictures(records, method: Method, source: str) -> None:
     """Pairs with pictures are refused before anything is written: their rows would hold the literal text
     `<image>`, not the picture (docs/not-yet.md)."""
+    heard = next((r for r in records if r.audios), None)
+    if heard is not None:
+        raise UserError(f"{heard.where or source}: the pair has audio, and --method {method.name} does not train on "
+                        "audio yet (its rows would hold the text <audio>); give pairs without it")  # fmt: skip
     pictured = next((r for r in records if r.images), None)
     if pictured is not None:
         where = pictured.where or source

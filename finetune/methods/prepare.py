@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.data import batching, formats, images, packing, templates
+from finetune.data import audio, batching, formats, images, packing, templates
 from finetune.model import families, presets
 from finetune.platform.errors import UserError
 
@@ -102,7 +102,7 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
 
 
 # The presets that see images, named where pictures are refused.
-SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up, the Gemma 4 presets"
+SEE_IMAGES = "tiny-gemma3-vision, tiny-gemma4-vision, tiny-gemma3n-vision, gemma3_4b and up, Gemma 4 and 3n"
 
 
 def no_vision_encoder(preset: str, what: str) -> UserError:
@@ -114,27 +114,50 @@ def no_vision_encoder(preset: str, what: str) -> UserError:
                      f"images ({SEE_IMAGES})")  # fmt: skip
 
 
+# The presets that hear audio, named where audio is refused.
+HEAR_AUDIO = "tiny-gemma4-audio, tiny-gemma3n-audio; the real Gemma 4 E-models and Gemma 3n are built without their audio encoder yet"
+
+
+def no_audio_encoder(preset: str, what: str) -> UserError:
+    """The refusal of audio clips (`what` has them) on a preset built without an audio encoder."""
+    return UserError(f"{what} has audio clips, and {preset} has no audio encoder; use a preset that hears "
+                     f"({HEAR_AUDIO})")  # fmt: skip
+
+
 def pictured_examples(records, template, preprocessor, cfg, source: str) -> list:
-    """examples() of records that may hold pictures: each placeholder written as the family's image tokens
-    before tokenizing, and each example given its image inputs after (images.py)."""
+    """examples() of records that may hold pictures or audio clips: each placeholder written as the family's image
+    or audio tokens before tokenizing, and each example given its image and audio inputs after (images.py,
+    audio.py)."""
     seq_len, on_prompt = cfg.model.seq_len, cfg.data.train_on_prompt
-    vision = images.vision_of(preprocessor)
-    pictured = any(r.images for r in records)
-    if vision is None:
-        if pictured:
-            raise no_vision_encoder(cfg.model.preset, source)
+    vision, hearing = images.vision_of(preprocessor), audio.hearing_of(preprocessor)
+    if vision is None and any(r.images for r in records):
+        raise no_vision_encoder(cfg.model.preset, source)
+    if hearing is None and any(r.audios for r in records):
+        raise no_audio_encoder(cfg.model.preset, source)
+    if vision is None and hearing is None:
         return examples(records, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
-    images.limit(records, vision, source)
-    pairs = examples(records, Pictured(template, vision), tokenizer_of(preprocessor), seq_len, on_prompt, source)
-    # Every row has room for the most pictures a record holds, the rest blank: one picture a record encodes one
-    # slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
-    slots = max(len(r.images) for r in records)
-    return [(record, images.attached(example, record, vision, slots, source)) for record, example in pairs]
+    if vision is not None:
+        images.limit(records, vision, source)
+    if hearing is not None:
+        audio.limit(records, hearing, source)
+    written = Pictured(template, vision, hearing)
+    pairs = examples(records, written, tokenizer_of(preprocessor), seq_len, on_prompt, source)
+    # Every row has room for the most pictures (clips) a record holds, the rest blank: one picture a record encodes
+    # one slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
+    if vision is not None:
+        slots = max(len(r.images) for r in records)
+        pairs = [(record, images.attached(example, record, vision, slots, source)) for record, example in pairs]
+    if hearing is not None:
+        slots = max(len(r.audios) for r in records)
+        room = (audio.most_tokens(records, hearing), audio.most_frames(records, hearing))
+        pairs = [(r, audio.attached(e, r, hearing, slots, room, source)) for r, e in pairs]
+    return pairs
 
 
 @dataclass
 class Pictured:
-    """A template whose pieces have each `<image>` placeholder written as the family's image tokens.
+    """A template whose pieces have each `<image>` (`<audio>`) placeholder written as the family's image (audio)
+    tokens.
 
     The tokens are written once the template has rendered the record, as transformers' processors expand the
     template's image token: a chat template trims each message, which would take the image tokens' margins off a
@@ -142,10 +165,16 @@ class Pictured:
     """
 
     template: templates.Template
-    vision: images.Vision
+    vision: images.Vision | None
+    hearing: audio.Hearing | None = None
 
     def segments(self, record) -> list[tuple[str, bool]]:
-        return images.expand(self.template.segments(record), self.vision)
+        segments = self.template.segments(record)
+        if self.vision is not None:
+            segments = images.expand(segments, self.vision)
+        if self.hearing is not None:
+            segments = audio.expand(segments, self.hearing, record.audios)
+        return segments
 
 
 def tokenizer_of(preprocessor):

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finetune.data import images
+from finetune.data import batching
 from finetune.model import (
     attention,
     checkpoints,
@@ -338,9 +338,9 @@ def _transformers_tokenizer(source: presets.Source):
 
 def input_names(lm) -> tuple[str, ...]:
     """What a batch must feed `lm` (batching.inputs makes each): token ids, padding mask, maybe positions, and
-    for a model with a vision encoder its image inputs (images.INPUTS)."""
+    for a model with a vision encoder its image and audio inputs (batching.MEDIA)."""
     names = tuple(tensor.name for tensor in keras.tree.flatten(lm.inputs))
-    fed = ("token_ids", "padding_mask", "position_ids", *images.INPUTS)
+    fed = ("token_ids", "padding_mask", "position_ids", *batching.MEDIA)
     others = [name for name in names if name not in fed]
     if others:
         raise UserError(

@@ -149,6 +149,10 @@ class Family:
     3n and 4 preprocessors assert it when they are made, and prepare text and images with tf ops; Gemma 1 and 2's
     tokenize through the sentencepiece package alone. A process on JAX or PyTorch keeps TensorFlow for them only
     (backend.leave_out_other_frameworks)."""
+    numbered_encoders: tuple = ()
+    """The backbone's encoders (attribute names) whose layers keras names by its process-wide counters
+    (keras-hub's MobileNetV5: conv2d_9 in a second build): their weights are known by their place in the encoder
+    instead (weight_paths)."""
     licence: Licence = GEMMA_TERMS
     """The terms Google released the family's weights under, which a model fine-tuned from them carries."""
     float16_overflows: str | None = None
@@ -249,14 +253,11 @@ FAMILIES = {
             "altup_projection_": "an AltUp projection, kept as pretrained",
             "altup_unembed_projection_": "an AltUp projection, kept as pretrained",
         },
-        transformers="Gemma3nForCausalLM", kaggle_models=("gemma-3n", "gemma3n"),
+        transformers="Gemma3nForCausalLM", kaggle_models=("gemma-3n", "gemma3n"), numbered_encoders=("vision_encoder",),
         encoders=dict(vision_encoder_config=None, audio_encoder_config=None),
         converters=("image_converter", "audio_converter"),
-        without_images=(
-            "keras-hub 0.32's Gemma 3n backbone places the encoder's outputs by their count in the batch, not by "
-            "record, so a record beside one with fewer pictures would read another's; its own Gemma3nCausalLM tests "
-            "are skipped on Keras after 3.8"
-        ),
+        seeing=("vision_encoder_config", "image_converter"),
+        without_images="a run on text builds Gemma 3n without its image encoder; a run on pictures keeps it",
         float16_overflows=(
             "Gemma 3n's activations pass float16's largest value, 65,504, and keras-hub does not clamp them: a "
             "float16 run computes infinities and NaNs"
@@ -326,3 +327,16 @@ def decoder_blocks(backbone) -> list:
     if blocks is None:
         blocks = backbone.language_model.transformer_layers
     return list(blocks)
+
+
+def weight_paths(backbone) -> dict[int, str]:
+    """id(weight) -> a name for each of the backbone's weights that is the same in every build of it: its path,
+    or for an encoder named by keras' counters (Family.numbered_encoders) `<encoder>/<its index there>`. What
+    tells a base apart (adapter.fingerprint) and seeds a tiny preset's random weights (presets.tiny_backbone)."""
+    paths = {id(weight): weight.path for weight in backbone.weights}
+    family = of_class_name(type(backbone).__name__)
+    for name in family.numbered_encoders if family is not None else ():
+        encoder = getattr(backbone, name, None)
+        for index, weight in enumerate(encoder.weights if encoder is not None else ()):
+            paths[id(weight)] = f"{name}/{index}"
+    return paths

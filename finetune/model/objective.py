@@ -29,7 +29,7 @@ from typing import NamedTuple
 import keras
 from keras import ops
 
-from finetune.data import images
+from finetune.data import batching
 from finetune.platform.errors import UserError
 
 
@@ -310,7 +310,7 @@ def _one_graph(train_step, jit_compile: bool):
         shape = tuple(value.shape)
         # So do the per-row image inputs: a run's image slots are fixed, and keras-hub's Gemma 4 layers branch in
         # Python on their count, which a traced graph cannot do on a dynamic one.
-        kept = name.startswith("loss_") or name in images.PER_ROW or len(shape) < 2
+        kept = name.startswith("loss_") or name in batching.PER_ROW or len(shape) < 2
         shape = shape if kept else (shape[0], None, *shape[2:])
         return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
 

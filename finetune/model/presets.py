@@ -2,7 +2,7 @@
 
 A preset is one of: a tiny preset built here, offline (`tiny`, a Gemma 1, and
 `tiny-gemma3`, `tiny-gemma4`, `tiny-gemma4-moe`, `tiny-gemma3n`, one of each
-newer family), a local preset directory (made by save_to_preset, or attached
+newer family, and their picture and audio ones), a local preset directory (made by save_to_preset, or attached
 under /kaggle/input), a `kaggle://` handle, a keras-hub preset name such as
 gemma_2b_en, gemma3_1b or gemma4_2b, or a transformers checkpoint (a local
 directory, or an `hf://ORG/NAME` repository) that keras-hub's converters build
@@ -68,6 +68,8 @@ class Tiny:
     """Shipped base weights; None: drawn from numpy's generator seeded with WEIGHT_SEED, the same on every backend."""
     vision: dict | None = field(default=None, hash=False)
     """The vision encoder's keras-hub arguments (its output width is the decoder's); None: text only."""
+    audio: dict | None = field(default=None, hash=False)
+    """The audio encoder's keras-hub arguments and its converter's (`converter`); None: no audio."""
     licence: families.Licence = families.APACHE
     """finetune's own: `tiny`'s weights were pretrained by tools/make_tiny_weights.py, the others' are random."""
 
@@ -167,6 +169,53 @@ TINY_GEMMA3N = dict(
     laurel_rank=4, activation_sparsity_pattern=[0.95, 0.0, 0.0], num_kv_shared_layers=1, final_logit_soft_cap=30.0,
     altup_coef_clip=120.0,
 )  # fmt: skip
+# tiny-gemma3n-vision: tiny-gemma3n's decoder with Gemma 3n's MobileNetV5 image encoder at toy size (keras-hub's
+# MobileNetV5Backbone: an edge-residual stage and a universal-inverted-residual one, each halving the picture, then
+# the multi-scale fusion adapter that Gemma 3n's encoder ends in, pooled to 2x2). A 32x32 picture becomes 4 soft
+# tokens, so a record with two pictures spends 2 x (4 + 2 markers + 4 newlines) tokens on them. Its global layer
+# lets the answer see the picture through tiny-gemma3n's sliding windows of 4.
+TINY_GEMMA3N_VISION_ENCODER = dict(
+    stackwise_block_types=[["er"], ["uir"]], stackwise_num_blocks=[1, 1], stackwise_num_filters=[[8], [16]],
+    stackwise_strides=[[2], [2]], stackwise_act_layers=[["gelu"], ["gelu"]], stackwise_exp_ratios=[[2.0], [2.0]],
+    stackwise_se_ratios=[[0.0], [0.0]], stackwise_dw_kernel_sizes=[[0], [3]],
+    stackwise_dw_start_kernel_sizes=[[0], [3]], stackwise_dw_end_kernel_sizes=[[0], [0]],
+    stackwise_exp_kernel_sizes=[[3], [0]], stackwise_pw_kernel_sizes=[[1], [0]], stackwise_num_heads=[[0], [0]],
+    stackwise_key_dims=[[0], [0]], stackwise_value_dims=[[0], [0]], stackwise_kv_strides=[[0], [0]],
+    stackwise_use_cpe=[[False], [False]], stem_size=8, num_features=16, norm_layer="rms_norm", act_layer="gelu",
+    use_msfa=True, msfa_output_resolution=2, image_shape=[32, 32, 3],
+)  # fmt: skip
+# tiny-gemma4-audio: tiny-gemma4's decoder with Gemma 4's audio encoder (keras-hub's Gemma4AudioEncoder: two
+# strided convolutions over the log-mel frames, then conformer blocks and a projection) at toy size. Its converter
+# makes 16 mel bins, 100 frames a second, of at most a second of 16 kHz sound; the convolutions take 4 frames to a
+# soft token, so a clip takes 25 tokens a second (a half-second clip 13), as Gemma 4's do.
+TINY_GEMMA4_AUDIO_ENCODER = dict(
+    input_feat_size=16, hidden_size=16, num_heads=2, num_layers=1, chunk_size=4, context_left=5, context_right=0,
+    conv_kernel_size=3, sscp_conv_channels=(4, 8), output_proj_dims=None,
+    converter=dict(num_mels=16, max_audio_length=1),
+)  # fmt: skip
+# tiny-gemma3n-audio: tiny-gemma3n's decoder with Gemma 3n's audio encoder (keras-hub's Gemma3nAudioEncoder: two
+# strided convolutions, then conformer blocks) at toy size. Its converter makes 16 mel bins, 100 frames a second;
+# the convolutions take 4 frames to a soft token, and every clip takes a fixed 24 (a second's), the rest of a
+# shorter clip's filled with the padding embedding, as Gemma 3n's 188 are.
+TINY_GEMMA3N_AUDIO_ENCODER = dict(
+    hidden_size=16, input_feat_size=16, sscp_conv_channel_size=[4, 8], sscp_conv_kernel_size=[[3, 3], [3, 3]],
+    sscp_conv_stride_size=[[2, 2], [2, 2]], sscp_conv_group_norm_eps=1e-3, num_hidden_layers=1, rms_norm_eps=1e-6,
+    gradient_clipping=1e10, residual_weight=0.5, num_attention_heads=2, attention_chunk_size=4,
+    num_attention_context_right=0, num_attention_context_left=5, attention_logit_cap=50.0, conv_kernel_size=3,
+    reduction_factor=1, tokens=24,
+    converter=dict(feature_size=16, sampling_rate=16000, padding_value=0.0, return_attention_mask=True,
+                   frame_length_ms=32.0, hop_length_ms=10.0, min_frequency=125.0, max_frequency=7600.0,
+                   preemphasis=0.97, preemphasis_htk_flavor=True, fft_overdrive=True, dither=0.0,
+                   input_scale_factor=1.0, mel_floor=1e-5, per_bin_mean=None, per_bin_stddev=None,
+                   padding_side="right"),
+)  # fmt: skip
+# Its audio encoder's weights, as built (tests/test_audio.py): `finetune plan` counts them without keras.
+TINY_GEMMA4_AUDIO_PARAMS = 7744
+# tiny-gemma3n-audio's audio encoder's and multimodal embedder's weights, as built (tests/test_audio.py).
+TINY_GEMMA3N_AUDIO_PARAMS = 7864
+# Its image encoder's and multimodal embedder's weights, as built (tests/test_images.py): `finetune plan` counts them
+# without keras.
+TINY_GEMMA3N_VISION_PARAMS = 5008
 TINY = {
     "tiny": Tiny("gemma", TINY_CONFIG, TINY_TOKENIZER, TINY_WEIGHTS),
     "tiny-gemma3": Tiny("gemma3", TINY_GEMMA3, TINY_TOKENIZER),
@@ -177,8 +226,17 @@ TINY = {
     "tiny-gemma4-vision": Tiny(
         "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-vision" / "tokenizer.spm", vision=TINY_GEMMA4_VISION_ENCODER
     ),
+    "tiny-gemma4-audio": Tiny(
+        "gemma4", TINY_GEMMA4, ASSETS / "tiny-gemma4-audio" / "tokenizer.spm", audio=TINY_GEMMA4_AUDIO_ENCODER
+    ),
+    "tiny-gemma3n-audio": Tiny(
+        "gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm", audio=TINY_GEMMA3N_AUDIO_ENCODER
+    ),
     "tiny-gemma4-moe": Tiny("gemma4", TINY_GEMMA4_MOE, ASSETS / "tiny-gemma4" / "tokenizer.spm"),
     "tiny-gemma3n": Tiny("gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm"),
+    "tiny-gemma3n-vision": Tiny(
+        "gemma3n", TINY_GEMMA3N, ASSETS / "tiny-gemma3n" / "tokenizer.spm", vision=TINY_GEMMA3N_VISION_ENCODER
+    ),
 }
 TINY_NAMES = "a tiny offline preset (" + ", ".join(TINY) + ")"
 WEIGHT_SEED = 15
@@ -452,8 +510,12 @@ _VISION_TOKENIZER_ARGS = {"gemma4": dict(has_video_tokens=False)}
 
 
 def tiny_tokenizer(name: str = "tiny"):
-    """The tiny preset's tokenizer, of its family's keras-hub class; with its image tokens where it sees images."""
+    """The tiny preset's tokenizer, of its family's keras-hub class; with its image tokens where it sees images,
+    its audio tokens where it hears."""
     spec = TINY[name]
+    if spec.audio is not None and spec.family == "gemma4":
+        cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
+        return cls(proto=str(spec.tokenizer), has_vision_tokens=False, has_audio_tokens=True, has_video_tokens=False)
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "tokenizer")
         return cls(proto=str(spec.tokenizer), **_VISION_TOKENIZER_ARGS.get(spec.family, {}))
@@ -468,6 +530,22 @@ def text_tokenizer(family: str, proto: Path):
 
 def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     spec = TINY[name]
+    if spec.audio is not None and spec.family == "gemma3n":
+        import keras_hub
+
+        cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+        converter = keras_hub.layers.Gemma3nAudioConverter(**spec.audio["converter"])
+        # keras-hub counts the pictures' room against the sequence length too: an audio model takes none.
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, image_converter=None,
+                   audio_converter=converter, max_images_per_prompt=0, max_audios_per_prompt=1,
+                   num_audio_tokens_per_audio=spec.audio["tokens"])  # fmt: skip
+    if spec.audio is not None:
+        import keras_hub
+
+        cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
+        converter = keras_hub.layers.Gemma4AudioConverter(**spec.audio["converter"])
+        return cls(tokenizer=tokenizer, sequence_length=sequence_length, image_converter=None, video_converter=None,
+                   audio_converter=converter, audio_input_feat_size=spec.audio["input_feat_size"])  # fmt: skip
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
         arguments = _vision_preprocessing(spec.family, spec.vision)
@@ -486,6 +564,12 @@ def _vision_preprocessing(family: str, vision: dict) -> dict:
     """
     import keras_hub
 
+    if family == "gemma3n":
+        # MobileNetV5 takes pixels in [0, 1], as transformers' Gemma 3n processor rescales them (no normalizing).
+        converter = keras_hub.layers.Gemma3nImageConverter(image_size=tuple(vision["image_shape"][:2]), scale=1 / 255)
+        # keras-hub counts the audio clips' room against the sequence length too: a picture model takes none.
+        return dict(image_converter=converter, num_vision_tokens_per_image=vision["msfa_output_resolution"] ** 2,
+                    audio_converter=None, max_audios_per_prompt=0)  # fmt: skip
     size, patch, pool = vision["image_size"], vision["patch_size"], vision["pool_size"]
     tokens = (size // patch // pool) ** 2
     if family == "gemma4":
@@ -503,6 +587,37 @@ def _vision_encoder(family: str, vision: dict, output_dim: int, dtype):
 
     cls = keras_hub.models.Gemma4VisionEncoder if family == "gemma4" else keras_hub.models.Gemma3VisionEncoder
     return cls(output_dim=output_dim, dtype=dtype, **vision)
+
+
+def _tokens_per_clip(audio: dict) -> int:
+    """The soft tokens of a whole clip: its longest, in frames of 10 ms, 4 to a token."""
+    return (int(audio["converter"]["max_audio_length"]) * 100 + 3) // 4
+
+
+def _gemma3n_audio(spec: Tiny, vocabulary_size: int) -> dict:
+    """A tiny Gemma 3n's audio encoder arguments, its soft tokens a clip, and the ids it places clips by; its
+    multimodal embedder takes every id from `audio_vocab_offset` up as a clip's own token, past the tokenizer's."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spec.tokenizer))
+    encoder = {key: value for key, value in spec.audio.items() if key not in ("converter", "tokens")}
+    return dict(audio_encoder_config=encoder, audio_hidden_size=spec.audio["hidden_size"],
+                audio_soft_tokens_per_image=spec.audio["tokens"],
+                audio_token_id=pieces.piece_to_id("<audio_soft_token>"), audio_vocab_offset=vocabulary_size + 8,
+                audio_vocab_size=8)  # fmt: skip
+
+
+def _gemma3n_vision(spec: Tiny, vocabulary_size: int) -> dict:
+    """A tiny Gemma 3n's image encoder arguments: its MobileNetV5 config, its soft tokens, and the ids keras-hub's
+    Gemma 3n places pictures by. Its multimodal embedder takes every id from `vision_vocab_offset` up as a picture's
+    own token, so that range starts past the tokenizer's, as Gemma 3n's does (262,144 of 262,400)."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spec.tokenizer))
+    return dict(vision_encoder_config=dict(spec.vision), vision_hidden_size=spec.vision["num_features"],
+                vision_soft_tokens_per_image=spec.vision["msfa_output_resolution"] ** 2,
+                image_token_id=pieces.piece_to_id("<image_soft_token>"), vision_vocab_offset=vocabulary_size,
+                vision_vocab_size=8)  # fmt: skip
 
 
 def tiny_config(name: str, vocabulary_size: int) -> dict:
@@ -537,7 +652,18 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
     spec = TINY[name]
     cls = families.keras_hub_class(families.get(spec.family), "backbone")
     config = tiny_config(name, vocabulary_size)
-    if spec.vision is not None:
+    if spec.audio is not None and spec.family == "gemma3n":
+        config.update(_gemma3n_audio(spec, vocabulary_size))
+    elif spec.audio is not None:
+        import keras_hub
+
+        arguments = {key: value for key, value in spec.audio.items() if key != "converter"}
+        # The encoder computes in float32 whatever the decoder's precision, as the vision encoders do.
+        encoder = keras_hub.models.Gemma4AudioEncoder(output_dim=config["hidden_dim"], **arguments)
+        config.update(audio_encoder=encoder, num_audio_tokens_per_clip=_tokens_per_clip(spec.audio))
+    if spec.family == "gemma3n" and spec.vision is not None:
+        config.update(_gemma3n_vision(spec, vocabulary_size))
+    elif spec.vision is not None:
         # The encoder computes in float32 whatever the decoder's precision (keras-hub's choice for bfloat16).
         encoder = _vision_encoder(spec.family, spec.vision, config["hidden_dim"], None)
         config.update(vision_encoder=encoder, image_size=spec.vision["image_size"])
@@ -557,8 +683,9 @@ def tiny_backbone(vocabulary_size: int, dtype=None, name: str = "tiny"):
         for layer in compressed:
             quantized.fill(layer, lambda shape, path=f"{layer.path}/kernel": value(path, shape))
         done = {id(v) for layer in compressed for v in layer.weights}
+        paths = families.weight_paths(backbone)
         for weight in backbone.weights:
-            start = value(weight.path, tuple(weight.shape)) if id(weight) not in done else None
+            start = value(paths[id(weight)], tuple(weight.shape)) if id(weight) not in done else None
             if start is not None:
                 weight.assign(start)
     finally:

@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+from finetune.model import families
 from finetune.platform import documents, keras_compat
 from finetune.platform.errors import UserError
 
@@ -32,8 +33,11 @@ def fingerprint(backbone) -> str:
     widths, vocabulary) without reading gigabytes. Two presets of one
     architecture share it, so adapter.json records the preset's name too.
     """
+    paths = families.weight_paths(backbone)
     entries = sorted(
-        (w.path, [int(d) for d in w.shape]) for w in backbone.weights if not w.path.split("/")[-1].startswith("lora_")
+        (paths[id(w)], [int(d) for d in w.shape])
+        for w in backbone.weights
+        if not w.path.split("/")[-1].startswith("lora_")
     )
     return hashlib.sha256(json.dumps(entries).encode("utf-8")).hexdigest()
 

@@ -103,6 +103,11 @@ class Model:
     vision: dict | None = field(default=None, hash=False)
     """A Gemma 3 preset's image encoder config (Gemma3VisionEncoder's arguments, its dtype, and `max_images`, the
     preprocessor's limit); None without one."""
+    audio: dict | None = field(default=None, hash=False)
+    """A tiny audio preset's audio encoder and converter config (Gemma4AudioEncoder's arguments, `converter`);
+    None without one."""
+    audio_params: int = 0
+    """That encoder's weights."""
 
 
 def model_of(preset: str) -> Model:
@@ -110,8 +115,17 @@ def model_of(preset: str) -> Model:
     if preset in presets.TINY:
         spec = presets.TINY[preset]
         config = presets.tiny_config(preset, presets.tiny_vocabulary_size(preset))
+        if spec.audio is not None:
+            model = _model(preset, spec.family, config)
+            weights = (
+                presets.TINY_GEMMA3N_AUDIO_PARAMS if spec.family == "gemma3n" else presets.TINY_GEMMA4_AUDIO_PARAMS
+            )
+            return dataclasses.replace(model, audio=spec.audio, audio_params=weights)
         if spec.vision is None:
             return _model(preset, spec.family, config)
+        if spec.family == "gemma3n":
+            return _model(preset, spec.family, config, presets.TINY_GEMMA3N_VISION_PARAMS,
+                          vision=_mobilenet(spec.vision))  # fmt: skip
         # Built with the run's dtype policy (presets.tiny_backbone): no dtype here, so it computes as the run does.
         vision = dict(spec.vision, output_dim=config["hidden_dim"], max_images=archs.MAX_IMAGES)
         return _model(preset, spec.family, config, archs.vision_parameter_count(vision), vision=vision)
@@ -143,6 +157,14 @@ def model_of(preset: str) -> Model:
         raise UserError(f"no architecture table for preset {preset!r}, and it is not a local directory; {known}")
     vision = dict(arch.vision, max_images=archs.MAX_IMAGES) if arch.vision else None
     return _model(name, arch.family, arch.config, arch.vision_params, arch.encoder_params, vision)
+
+
+def _mobilenet(encoder: dict) -> dict:
+    """The plan's view of a Gemma 3n image encoder (keras-hub's MobileNetV5Backbone config): a convolutional network,
+    whose pictures are a square of pixels and whose soft tokens are its fusion adapter's output grid."""
+    return dict(encoder="mobilenetv5", image_size=int(encoder["image_shape"][0]),
+                tokens_per_image=int(encoder["msfa_output_resolution"]) ** 2, stem_size=int(encoder["stem_size"]),
+                widest=max(max(row) for row in encoder["stackwise_num_filters"]), max_images=archs.MAX_IMAGES)  # fmt: skip
 
 
 def _directory_vision(path: Path, config: dict) -> dict | None:
@@ -221,6 +243,8 @@ class Plan:
     images: dict | None = None
     """With --images: per_example, tokens_per_image, slots (the pictures each row feeds the encoder), image_size, seen
     (what a slot holds, in words: the square, or with --image-tokens its most patches)."""
+    audio: dict | None = None
+    """With --audio-seconds: seconds and tokens (the clip's soft tokens)."""
     device_name: str | None = None
     usable: float | None = None
     fits: bool | None = None
@@ -375,6 +399,10 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         parts = ", ".join(f"{name.replace('_', ' ')} {_size(value)}" for name, value in transient.items())
         notes.append(f"the rollout's sampling ({parts}) exceeds the step's activations and logits: its peak is "
                      "the run's")  # fmt: skip
+    heard = _audio(model, cfg, precision, notes)
+    if heard:
+        memory["audio_frames"] = per_device * heard.pop("frames_per_row")
+        memory["audio_forward"] = per_device * heard.pop("forward_per_row")
     pictured = _pictures(model, cfg, precision, notes)
     if pictured:
         memory["image_pixels"] = per_device * pictured.pop("pixels_per_row")
@@ -406,6 +434,7 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         notes=notes + [p.rule.group + ": " + p.note for p in kernels if p.note.startswith("dimension")],
         remat=remat,
         images=pictured,
+        audio=heard,
     )
     if target is not None:
         _judge(plan, target, cfg)
@@ -418,15 +447,51 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
 
 def _packed(cfg: Config, model: Model, method) -> bool:
     """Whether the run would pack its rows, as resolve.packing decides on the built model: not with --packing off,
-    nor for a method whose rows cannot pack, nor on pictures or a model with a vision encoder (keras-hub's own
+    nor for a method whose rows cannot pack, nor on pictures, audio or a model with an encoder (keras-hub's own
     mask); every text decoder finetune builds takes the per-example mask."""
     if cfg.data.packing == "off" or method.unpacked_why() is not None:
         return False
-    return model.vision is None and not cfg.data.images
+    return model.vision is None and model.audio is None and not cfg.data.images and not cfg.data.audio_seconds
 
 
 # What the decoder's pass holds at its peak, the start of the backward; the rest is held throughout.
 _DECODER_PASS = ("activations", "logits", "dequantized_kernel")
+
+
+def _audio(model: Model, cfg: Config, precision: str, notes: list[str]) -> dict | None:
+    """--audio-seconds S: a clip's place in each sequence, and what feeding it costs per row; None without audio.
+
+    Gemma 4 gives a clip one soft token per 4 of its 10 ms mel frames (25 a second), between <|audio> and <audio|>
+    (audio.py, as keras-hub's Gemma4CausalLMPreprocessor writes it): they take their room out of --seq-len. Every
+    clip is converted to the converter's whole length (its max_audio_length), the frames past the clip masked.
+    Gemma 3n gives every clip a fixed count (`tokens`), with a blank line either side, and converts its own frames.
+    """
+    seconds = cfg.data.audio_seconds
+    if not seconds:
+        return None
+    heard = model.audio
+    if heard is None:
+        why = "whose weights and pass the plan does not count yet" if model.encoder_params else "it has none"
+        raise UserError(f"--audio-seconds {seconds:g}: {model.name}'s audio encoder ({why}); plan a preset that "
+                        "hears: tiny-gemma4-audio, tiny-gemma3n-audio")  # fmt: skip
+    fixed = heard.get("tokens")
+    longest = float(heard["converter"].get("max_audio_length", 30))
+    if seconds > longest:
+        raise UserError(f"--audio-seconds {seconds:g}: {model.name} hears at most {longest:g} s a clip")
+    tokens = fixed or max(1, (int(seconds * 100) + 3) // 4)
+    spent = tokens + (4 if fixed else 2)
+    if spent >= cfg.model.seq_len:
+        raise UserError(f"--audio-seconds {seconds:g} takes {spent} tokens ({tokens} soft tokens and its markers), "
+                        f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len")  # fmt: skip
+    frames = int((seconds if fixed else longest) * 100)
+    compute = _BYTES[precision][1]
+    notes.append(f"audio: a clip of {seconds:g} s, {tokens} soft tokens: {spent} of the {cfg.model.seq_len} tokens "
+                 f"with its markers, {cfg.model.seq_len - spent} left for the text")  # fmt: skip
+    # The frozen encoder's pass: its conformer blocks over a quarter of the frames, a few widths at a time, and
+    # their chunked attention; small beside the decoder's at Gemma 4's sizes. An estimate from the layout.
+    forward = 8 * (frames // 4) * int(heard["hidden_size"]) * compute
+    return dict(seconds=seconds, tokens=tokens, frames_per_row=frames * int(heard["input_feat_size"]) * 4 * 2,
+                forward_per_row=forward)  # fmt: skip
 
 
 def _total(memory: dict[str, float]) -> float:
@@ -435,9 +500,10 @@ def _total(memory: dict[str, float]) -> float:
     The encoder runs first and lets go before the decoder starts: it is frozen and its input (the pixels) takes
     no gradient, so autodiff keeps nothing of its pass for the backward but its output, the soft tokens' embeddings.
     """
-    passes = (*_DECODER_PASS, "vision_forward", "total")
+    passes = (*_DECODER_PASS, "vision_forward", "audio_forward", "total")
     held = sum(v for k, v in memory.items() if k not in passes)
-    return held + max(memory.get("vision_forward", 0.0), sum(memory.get(k, 0.0) for k in _DECODER_PASS))
+    encoders = max(memory.get("vision_forward", 0.0), memory.get("audio_forward", 0.0))
+    return held + max(encoders, sum(memory.get(k, 0.0) for k in _DECODER_PASS))
 
 
 def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> dict | None:
@@ -454,14 +520,15 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
         return None
     vision = model.vision
     if vision is None:
-        planned = "gemma3_4b, gemma3_12b, gemma3_27b, tiny-gemma3-vision or tiny-gemma4-vision"
-        if model.family == "gemma4":
+        planned = "gemma3_4b, gemma3_12b, gemma3_27b, tiny-gemma3-vision, tiny-gemma4-vision or tiny-gemma3n-vision"
+        if model.encoder_params:
             raise UserError(f"--images {count}: a run on pictures loads {model.name}'s image encoder, whose weights "
                             f"and pass the plan does not count yet; the plan counts {planned}")  # fmt: skip
-        why = families.get(model.family).without_images if model.encoder_params else "it has no vision encoder"
-        raise UserError(f"--images {count}: {model.name} does not see pictures here ({why}); plan a preset that "
+        raise UserError(f"--images {count}: {model.name} does not see pictures (it has no vision encoder); plan a preset that "
                         f"does: {planned}")  # fmt: skip
-    most, tokens = int(vision["max_images"]), budget or archs.tokens_per_image(vision)
+    convolutional = vision.get("encoder") == "mobilenetv5"
+    own = int(vision["tokens_per_image"]) if convolutional else archs.tokens_per_image(vision)
+    most, tokens = int(vision["max_images"]), budget or own
     if count > most:
         raise UserError(f"--images {count}: {model.name} takes at most {most} pictures an example "
                         "(keras-hub's max_images_per_prompt)")  # fmt: skip
@@ -472,27 +539,41 @@ def _pictures(model: Model, cfg: Config, precision: str, notes: list[str]) -> di
             f"--images {count} take {spent} tokens ({tokens} soft tokens and {markers} markers each), "
             f"--seq-len {cfg.model.seq_len} leaves no room for text; raise --seq-len"
         )
-    # Gemma 4's converter resizes a picture to at most --image-tokens x pool² patches, and pads it to them.
-    patches = budget * int(vision["pool_size"]) ** 2 if budget else archs.patches_per_image(vision)
     size, slots = int(vision["image_size"]), count
-    pixels = slots * patches * int(vision["patch_size"]) ** 2 * 3 * 4  # float32, as images.pixels converts them
     compute = {"float32": 4, None: _BYTES[precision][1]}.get(vision.get("dtype"), 2)
+    if convolutional:
+        patches, forward = size * size, _convolution_forward_per_image(vision, compute)
+        pixels = slots * patches * 3 * 4  # float32, as images.pixels converts them
+    else:
+        # Gemma 4's converter resizes a picture to at most --image-tokens x pool² patches, and pads it to them.
+        patches = budget * int(vision["pool_size"]) ** 2 if budget else archs.patches_per_image(vision)
+        pixels = slots * patches * int(vision["patch_size"]) ** 2 * 3 * 4
+        forward = _vision_forward_per_image(vision, compute, cfg.backend, patches)
     notes.append(f"images: {count} an example, {tokens} soft tokens each: {spent} of the {cfg.model.seq_len} "
                  f"tokens with their markers, {cfg.model.seq_len - spent} left for the text (a longer record is cut)")  # fmt: skip
     notes.append(
-        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, {patches} patches each; its forward "
+        f"images: the frozen vision encoder encodes {slots} image slot(s) a row, {patches} "
+        f"{'pixels' if convolutional else 'patches'} each; its forward "
         "pass is let go before the decoder's, so the total counts the larger"
     )
     notes.append(f"images: a run holds each record's converted pixels in host memory twice, in its example and its "
                  f"row: {_size(2 * pixels)} a record")  # fmt: skip
     seen = f"up to {patches} patches" if budget else f"{size}x{size}"
     return dict(per_example=count, tokens_per_image=tokens, slots=slots, image_size=size, seen=seen, pixels_per_row=pixels,
-                forward_per_row=slots * _vision_forward_per_image(vision, compute, cfg.backend, patches))  # fmt: skip
+                forward_per_row=slots * forward)  # fmt: skip
 
 
 # The tokens around a picture's soft tokens (images.py): Gemma 3's <start_of_image>, <end_of_image> and a blank line
 # either side (its tokenizer has "\n\n" as one piece); Gemma 4's <|image> and <image|> alone.
-_IMAGE_MARKERS = {"gemma3": 4, "gemma4": 2}
+_IMAGE_MARKERS = {"gemma3": 4, "gemma3n": 4, "gemma4": 2}
+
+
+def _convolution_forward_per_image(vision: dict, compute: int) -> float:
+    """Bytes a frozen MobileNetV5 pass (Gemma 3n's image encoder) holds at its peak for one picture: a block's input,
+    its expanded map and its output at the stem's resolution (half the picture's side), at the widest channels
+    of the early stages, four times them in all. An estimate from the layout, not measured at Gemma 3n's size."""
+    side = int(vision["image_size"]) // 2
+    return 4 * side * side * max(int(vision["stem_size"]), int(vision["widest"])) * compute
 
 
 def _vision_forward_per_image(vision: dict, compute: int, framework: str, patches: int) -> float:
@@ -547,6 +628,9 @@ def _weight_groups(model: Model, kernels, precision: str, quantize: str | None, 
         # keras-hub builds the image encoder in float32 when the model is bfloat16; it is not quantized.
         per = max(variable_bytes, 4)
         groups.append(Group("vision encoder", (model.vision_params,), 1, "replicated", model.vision_params * per))
+    if model.audio_params:
+        per = max(variable_bytes, 4)  # built in float32 too (presets.tiny_backbone)
+        groups.append(Group("audio encoder", (model.audio_params,), 1, "replicated", model.audio_params * per))
     return groups
 
 
@@ -611,7 +695,7 @@ def _outputs(kernel) -> int:
 
 def _parameters(model: Model, notes: list[str]) -> int:
     """The preset's weights, as keras-hub counts them; a note when its encoders are left out of the run."""
-    loaded = archs.parameter_count(model.config, model.family, model.vision_params)
+    loaded = archs.parameter_count(model.config, model.family, model.vision_params + model.audio_params)
     if model.encoder_params:
         notes.append(
             f"its image and audio encoders ({model.encoder_params / 1e9:.2f}B weights) are not loaded: "
@@ -827,6 +911,8 @@ _ROWS = {
     "logits": "logits, one chunk",
     "image_pixels": "pictures, the batch's",
     "vision_forward": "vision encoder, forward",
+    "audio_frames": "audio, log-mel frames",
+    "audio_forward": "audio encoder, forward",
     "runtime": "framework runtime (host)",
     "tensorflow_step": "TensorFlow's step, measured",
     "tensorflow_preprocessing": "TensorFlow, for keras-hub's preprocessor (host)",
@@ -856,6 +942,8 @@ def table(plan: Plan) -> str:
             f"images {shown['per_example']} per example, {shown['tokens_per_image']} soft tokens each; "
             f"{shown['slots']} of {shown['seen']} a row through the vision encoder"
         ]
+    if plan.audio:
+        lines[-1:-1] = [f"audio {plan.audio['seconds']:g} s per example, {plan.audio['tokens']} soft tokens"]
     shapes = [_shape(g) for g in plan.groups]
     width = max(len(s) for s in shapes)
     names = max(18, *(len(g.name) for g in plan.groups))  # Gemma 4's kinds of block name their groups longer

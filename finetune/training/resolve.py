@@ -372,7 +372,7 @@ def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
     text: SFT's examples several to a row, a preference method's pairs as data/pair_packing.py lays them.
 
     method: methods.method.Method. The run's; one whose rows cannot pack says why (Method.unpacked_why).
-    pictured: bool. The data has images. A model with a vision encoder takes keras-hub's own mask (attention.py),
+    pictured: bool. The data has images or audio. A model with an encoder takes keras-hub's own mask (attention.py),
         so rows of several examples would attend across them; its rows are not packed.
     Packed rows split over --parallel's data shards as padded ones do (a packed micro-batch of pairs too:
     pair_packing.inputs), so the mesh decides nothing here.
@@ -387,9 +387,9 @@ def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
             raise UserError(f"--packing on: {why}; pass --packing auto or off")
         print(f"note: packing off: {why}")
         return Decision(False, f"auto: {why}")
-    sees = getattr(lm.backbone, "vision_encoder", None) is not None  # keras-hub's Gemma 3 backbone names it so
+    sees = any(getattr(lm.backbone, name, None) is not None for name in ("vision_encoder", "audio_encoder"))
     if pictured or sees:
-        what = "the data has images, and a row with pictures" if pictured else "a model with a vision encoder"
+        what = "the data has images or audio, and such a row" if pictured else "a model with an image or audio encoder"
         why = f"{what} takes keras-hub's own mask, not the per-example one"
         if setting == "on":
             raise UserError(f"--packing on: {why}; pass --packing off or auto")

@@ -191,15 +191,22 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
     return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
 
 
-def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
-             pictures=()):  # fmt: skip
-    """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
-    template unless `raw`.
+@dataclass(frozen=True)
+class Heard:
+    """What goes with every prompt of generate() beside its text."""
 
-    pictures: image paths that go with every prompt, where its `<image>` placeholders are (before its text where
-        it has none).
-    """
-    from finetune.data import images, templates
+    pictures: tuple = ()
+    """Image paths, where the prompt's `<image>` placeholders are (before its text where it has none)."""
+    clip: str | None = None
+    """An audio file, where the prompt's `<audio>` placeholder is (else before its text)."""
+
+
+def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
+             media: Heard = Heard()):  # fmt: skip
+    """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
+    template unless `raw`; with `media`'s pictures or clip."""
+    pictures, clip = media.pictures, media.clip
+    from finetune.data import audio, images, templates
     from finetune.data.formats import Record
     from finetune.methods import prepare
     from finetune.training import scoring
@@ -210,6 +217,11 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]
     if pictures:
         prompts = [images.with_placeholders(p, len(pictures)) for p in prompts]
+    if clip is not None:
+        if pictures:
+            raise UserError("--image and --audio together: give one of them")
+        clip = str(audio.check(Path(clip).expanduser(), "--audio", ""))
+        prompts = [audio.with_placeholder(p) for p in prompts]
     if not raw:
         prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
     lm, preprocessor = load_model(run)
@@ -219,6 +231,12 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
             raise prepare.no_vision_encoder(cfg.model.preset, "--image")
         images.limit([Record("", "", images=tuple(pictures))], vision, "--image")
         prompts = images.generation_input(prompts, [pictures] * len(prompts), vision)
+    if clip is not None:
+        hearing = audio.hearing_of(preprocessor)
+        if hearing is None:
+            raise prepare.no_audio_encoder(cfg.model.preset, "--audio")
+        audio.limit([Record("", "", audios=(clip,))], hearing, "--audio")
+        prompts = audio.generation_input(prompts, [clip] * len(prompts), hearing)
     tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
     return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 
-from finetune.data import images, templates
+from finetune.data import audio, images, templates
 from finetune.platform.errors import UserError
 from finetune.training import loop
 
@@ -48,8 +48,7 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     elif not isinstance(lm.sampler, keras_hub.samplers.GreedySampler):  # a GRPO run's rollouts compiled theirs in
         lm.compile(sampler="greedy")
     tokenizer = preprocessor.tokenizer
-    vision = images.vision_of(preprocessor) if pictured else None
-    counted = [images.written_prompt(p, vision) for p in texts] if pictured else texts
+    counted = _written(prompts, preprocessor) if pictured else texts
     longest = max(len(tokenizer.tokenize(p)) for p in counted) + 1  # + <bos>
     stop_ids = templates.stop_ids(tokenizer, stop_tokens)
     # Under a distribution the prompts are split over the data axis, which must divide their count.
@@ -64,8 +63,23 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     if isinstance(outputs, str):
         outputs = [outputs]
     outputs = outputs[: len(texts)]
-    shown = [images.shown(p, vision) for p in texts] if pictured else texts
+    stripped = images.stripped_tokens(preprocessor) if pictured else ()
+    shown = [images.shown_text(p, stripped) for p in counted] if pictured else texts
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(shown, outputs)]
+
+
+def _written(prompts: dict, preprocessor) -> list[str]:
+    """Prompts with pictures or a clip (images.generation_input(), audio.generation_input()) as the model reads
+    them: each marker written out as its picture's or clip's tokens."""
+    written = list(prompts["prompts"])
+    if prompts.get("images") is not None:
+        vision = images.vision_of(preprocessor)
+        written = [images.written_prompt(p, vision) for p in written]
+    hearing = audio.hearing_of(preprocessor)
+    if hearing is not None and prompts.get(hearing.prompt_key) is not None:
+        sounds = prompts[hearing.prompt_key]
+        written = [audio.written_prompt(p, hearing, len(sound)) for p, sound in zip(written, sounds)]
+    return written
 
 
 def sampler(sampling):
@@ -134,6 +148,9 @@ class HeldOut:
             self.inputs = images.generation_input(
                 self.prompts, [r.images for r in samples], images.vision_of(self.preprocessor)
             )
+        elif samples and all(len(r.audios) == 1 for r in samples):  # keras-hub's generate() takes a clip a prompt
+            hearing = audio.hearing_of(self.preprocessor)
+            self.inputs = audio.generation_input(self.prompts, [r.audios[0] for r in samples], hearing)
         self.stop_tokens = template.stop_tokens
         self.max_new_tokens = max_new_tokens
 

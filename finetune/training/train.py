@@ -144,7 +144,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     phase(f"loading {cfg.model.preset} on {cfg.backend}: {decided.device_name}, {decided.precision}")
     model = builder.build_model(decided.source, decided.recipe())
     method = decided.method
-    packing = resolve.packing(model.lm, cfg.data.packing, method, any(r.images for r in data.records))
+    packing = resolve.packing(model.lm, cfg.data.packing, method, any(r.images or r.audios for r in data.records))
     probe = functools.partial(
         auto_batch_size, model.trainer, device=decided.device, names=builder.input_names(model.lm)
     )
