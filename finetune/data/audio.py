@@ -188,7 +188,7 @@ def samples(path, rate: int) -> np.ndarray:
     except ImportError:
         raise UserError(
             f"audio {path} is sampled at {own} Hz and the preset takes {rate} Hz; resampling needs scipy "
-            "(pip install scipy), or give the clip at {rate} Hz"
+            f"(pip install scipy), or give the clip at {rate} Hz"
         ) from None
     common = math.gcd(int(own), rate)
     return signal.resample_poly(sound, rate // common, int(own) // common).astype(np.float32)
