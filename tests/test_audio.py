@@ -151,7 +151,11 @@ def test_a_clip_s_soft_tokens_follow_its_length_and_weigh_nothing(tmp_path):
     np.testing.assert_allclose(example.inputs["audio_mel"][0], theirs, atol=1e-4)  # keras-hub's converter's frames
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma4-audio", "tiny-gemma3n-audio"])
+@pytest.mark.parametrize(
+    "preset",
+    # CI time: Gemma 4's audio preset learns on every backend, Gemma 3n's in the PyTorch suite.
+    ["tiny-gemma4-audio", pytest.param("tiny-gemma3n-audio", marks=pytest.mark.backend_neutral)],
+)
 def test_a_tiny_audio_preset_learns_tone_from_noise_and_answers_generate_audio(preset, tmp_path):
     """`finetune gemma` on 24 clips, tones and noise, each asking what it is: the held-out loss falls and the held-out
     accuracy rises past what the text alone gives; then `finetune generate --audio` answers, each in a fresh process as typed."""

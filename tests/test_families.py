@@ -58,6 +58,9 @@ def settings(preset, out, data, **more):
         "model.precision": "float32", "train.batch_size": 2, "train.max_steps": 6, "train.checkpoint_every": 3,
         "train.samples": 0, "data.path": str(data), "data.max_records": 24, "data.eval_fraction": 0.25,
         "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": targets, **more,
+        # PyTorch on a CPU: one thread in every process, so a run and its kill in a fresh process sum in one order
+        # whatever the cores idle when each starts (the count the runs would pick otherwise).
+        "train.threads": 1,
     }  # fmt: skip
 
 
