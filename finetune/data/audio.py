@@ -165,16 +165,6 @@ def check(path: Path, where: str, hint: str = "; paths are relative to the data 
     return path.resolve()
 
 
-def check_placeholders(texts, clips: tuple, where: str) -> None:
-    """One `<audio>` placeholder per clip, or none where a record has no audio."""
-    found = sum(text.count(PLACEHOLDER) for text in texts)
-    if found != len(clips):
-        raise UserError(
-            f"{where}: the record has {found} {PLACEHOLDER} placeholder(s) and {len(clips)} audio clip(s); "
-            "each clip needs one placeholder where it goes"
-        )
-
-
 def samples(path, rate: int) -> np.ndarray:
     """The clip's samples, float32 in [-1, 1], mixed down to one channel and resampled to `rate`."""
     import soundfile

@@ -646,11 +646,11 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     record = _labelled(obj, _record(obj, where, fmt), where)
     texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
     if clips or "audios" in obj:
-        audio.check_placeholders(texts, clips, where)
+        _check_placeholders(texts, clips, where, audio.PLACEHOLDER, "audio clip")
         record = dataclasses.replace(record, audios=clips)
     if not paths and "images" not in obj and not (source.startswith("hf:") and "image" in obj):
         return record
-    images.check_placeholders(texts, paths, where)
+    _check_placeholders(texts, paths, where, images.PLACEHOLDER, "image")
     return dataclasses.replace(record, images=paths)
 
 
@@ -1026,3 +1026,11 @@ def split(records, eval_fraction: float, seed: int, min_eval: int = 1):
     train = [r for i, r in enumerate(records) if i not in held]
     evaluation = [r for i, r in enumerate(records) if i in held]
     return train, evaluation
+
+
+def _check_placeholders(texts, items: tuple, where: str, placeholder: str, item: str) -> None:
+    """One `placeholder` (<image>, <audio>) in the record's texts per picture or clip it names."""
+    found = sum(text.count(placeholder) for text in texts)
+    if found != len(items):
+        raise UserError(f"{where}: the record has {found} {placeholder} placeholder(s) and {len(items)} {item}(s); "
+                        f"each {item.split()[-1]} needs one placeholder where it goes")  # fmt: skip

@@ -195,16 +195,6 @@ def check(path, where: str, hint: str = "; paths are relative to the data file")
     return path if held else path.resolve()
 
 
-def check_placeholders(texts, images: tuple, where: str) -> None:
-    """One `<image>` placeholder per image, or none where a record has no images."""
-    found = sum(text.count(PLACEHOLDER) for text in texts)
-    if found != len(images):
-        raise UserError(
-            f"{where}: the record has {found} {PLACEHOLDER} placeholder(s) and {len(images)} image(s); "
-            "each image needs one placeholder where it goes"
-        )
-
-
 def expand(segments, vision: Vision):
     """A template's (text, trained) segments with each placeholder written as the family's image tokens."""
     return [(text.replace(PLACEHOLDER, vision.expansion), trained) for text, trained in segments]
