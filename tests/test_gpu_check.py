@@ -34,3 +34,4 @@ def test_the_gpu_check_runs_its_benches_and_writes_one_table(tmp_path):
     assert {"float32"} <= set(table["peaks"]) and all(p["device"].startswith("cpu") for p in table["peaks"].values())
     log = (tmp_path / "gpu_check.log").read_text()
     assert "fits:" in log and "gpu_check: done in" in log  # the plan beside the long-context rows
+    assert "routed" in log and "dense" in log  # the expert bank timed both ways

@@ -115,6 +115,14 @@ for entry in "${benches[@]}"; do
   merge
 done
 
+# Gemma 4's expert bank both ways on this device (tools/experts_check.py): whether the routed dispatch beats
+# keras-hub's dense one here, which backend.routed_experts_rule allows on a TPU only. Seconds, not minutes.
+if [ $(( $(date +%s) - started )) -lt "$budget" ]; then
+  small=(); [ "$dry" = 1 ] && small=(--small)
+  KERAS_BACKEND=jax python3 tools/experts_check.py --tokens 1024 "${small[@]}" 2>&1 \
+    | grep -v -E '^(W|I|V)[0-9]{4} |^WARNING: All log messages|absl::InitializeLog' | tee -a "$log"
+fi
+
 for backend in jax torch; do  # the plan beside the long-context rows' measured peaks
   python3 -m finetune plan --preset gemma_2b_en --backend "$backend" --seq-len 8192 --batch-size 1 --rank 4 \
     --device-memory 80GB 2>&1 | grep -v -E '^(W|I|V)[0-9]{4} ' | tail -n 25 | tee -a "$log"
