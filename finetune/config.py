@@ -306,6 +306,44 @@ class ModelConfig:
         "auto (on when the plan says the run would not fit the device's memory without it).",
         flag="--remat", panel=MODEL, choices=REMAT,
     )  # fmt: skip
+    full: bool = setting(
+        False,
+        "Train every weight of the language model instead of LoRA factors (its image and audio encoders stay "
+        "frozen): the run saves the whole model (model.weights.h5), not an adapter. Its weights and AdamW's state "
+        "are float32 (auto precision computes in bf16 where the device has it: mixed_bfloat16). For small models "
+        "(the tiny presets, gemma3-270m, gemma3-1b); not with --quantize, DoRA or other LoRA settings.",
+        flag="--full", panel=MODEL, default_text="LoRA",
+    )  # fmt: skip
+
+    def conflicts(self, cfg: Config) -> Iterator[str]:
+        """What --full rules out: a quantized or 16-bit stored base, LoRA's own settings, and model parallelism."""
+        if not self.full:
+            return
+        if self.quantize is not None:
+            yield (
+                f"--full with --quantize {self.quantize} is not supported: a quantized kernel cannot take AdamW's "
+                "updates; drop --quantize to train every weight, or drop --full to train LoRA on the quantized base"
+            )
+        if self.precision in ("bfloat16", "float16"):
+            yield (
+                f"--full with --precision {self.precision} is not supported: AdamW's small updates round away in "
+                "16-bit weights; pass --precision mixed_bfloat16 (float32 weights, computed in bf16), float32, or "
+                "auto"
+            )
+        default = LoraConfig()
+        for item in settings(LoraConfig, "lora."):
+            name = item.key.split(".")[-1]
+            if getattr(cfg.lora, name) != getattr(default, name):
+                flag = item.flag or f"--set {item.key}"
+                yield (
+                    f"--full trains every weight, so {flag} ({item.key}: {getattr(cfg.lora, name)!r}) is a LoRA "
+                    f"setting it cannot take; drop {item.key} (from the recipe or the command), or drop --full"
+                )
+        if cfg.distribution.parallel == "model":
+            yield (
+                "--full with --parallel model is not supported yet: only LoRA runs are built and tested sharded over "
+                "a model axis; use --parallel data, or drop --full"
+            )
 
 
 @documented
@@ -1208,6 +1246,7 @@ def validate(cfg: Config) -> None:
         message = item.problem(value)
         if message:
             raise UserError(message)
-    for message in [*cfg.lora.conflicts(cfg), *cfg.train.conflicts(), *cfg.distribution.conflicts(cfg),
+    for message in [*cfg.model.conflicts(cfg), *cfg.lora.conflicts(cfg), *cfg.train.conflicts(),
+                    *cfg.distribution.conflicts(cfg),
                     *cfg.eval.conflicts(cfg)]:  # fmt: skip
         raise UserError(message)

@@ -30,6 +30,8 @@ from finetune.platform import keras_compat, storage
 from finetune.platform.errors import UserError
 
 FORMATS = ("lora", "merged", "hf", "peft", "gguf")
+ADAPTER_FORMATS = ("lora", "peft")
+"""The formats of an adapter alone, which a --full run (the whole model trained) has none of."""
 MARKER = "finetune-export.json"
 """Written into every export: its format, the run, and the names it holds; what --overwrite may replace."""
 # keras-hub's Gemma layer names -> transformers' module names (Gemma 3n's keras-hub layers have them already).
@@ -169,9 +171,14 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     from finetune.methods import registry
     from finetune.model import builder, presets
     from finetune.platform import backend
-    from finetune.training import outputs, resolve, runs
+    from finetune.training import full_model, outputs, resolve, runs
 
     cfg = run.config
+    if run.full and fmt in ADAPTER_FORMATS:
+        raise UserError(
+            f"{run.directory} trained every weight (--full), so it has no adapter to export as {fmt}; export the "
+            f"trained model with --format {', '.join(f for f in FORMATS if f not in ADAPTER_FORMATS)}"
+        )
     if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
         raise UserError(
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
@@ -202,7 +209,9 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     head = None if base or not method.head else run.directory / method.head  # a scoring run's: its own
     if head is not None and fmt == "hf":
         classifier_of(lm.backbone, method)
-    factors = {} if base else runs.checked_factors(run, lm.backbone)
+    if run.full and not base:  # the trained weights, checked, in place of the base's: nothing to merge
+        full_model.load(lm.backbone, run.directory, run.adapter)
+    factors = {} if base or run.full else runs.checked_factors(run, lm.backbone)
     if fmt == "peft":
         check_peft_layers(lm.backbone, factors, cfg.model.quantize)
 

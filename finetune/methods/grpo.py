@@ -57,6 +57,9 @@ class GRPO(Method):
         out["epsilon_high"] = out["epsilon_high"] if out["epsilon_high"] is not None else out["epsilon"]
         return out
 
+    def scores_base(self, train) -> bool:
+        return self.constants(train)["beta"] != 0.0
+
     def objective(self, train):
         from finetune.model import grpo_view  # keras: imported once the backend is chosen
 

@@ -128,6 +128,14 @@ class Method:
         """
         raise NotImplementedError
 
+    def scores_base(self, train) -> bool:
+        """Whether the method scores the untrained base beside the model it trains (builder.lora_off: a DPO
+        reference, GRPO's KL term): a --full run then keeps a copy of the base's weights to score it with.
+
+        train: config.TrainConfig, with this method's constants decided.
+        """
+        return False
+
     def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
         """Whatever the method scores once before training (DPO's reference log-probabilities), into the rows of
         `sets` (name -> rows); read back from `saved` (a checkpoint's) when a run resumes. None: nothing.

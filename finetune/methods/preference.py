@@ -135,6 +135,9 @@ class Preference(Method):
         batches = pair_batches.Batches(rows, batch_size, feed)
         return lambda after_batch=None: pair_metrics(model.trainer, batches, after_batch)
 
+    def scores_base(self, train) -> bool:
+        return self.needs_reference
+
     def reference(self, trainer, sets: dict, batch_size: int, feed, saved: dict | None, phase) -> dict | None:
         """DPO's reference log-probabilities of every training and held-out pair: scored once by a fresh run,
         before training, or read back from the checkpoint a resumed run continues from."""

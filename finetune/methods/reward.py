@@ -141,6 +141,9 @@ class RewardRun:
         if cfg.train.method != "reward":
             raise UserError(f"--reward {spec}: {directory} is a --method {cfg.train.method} run, not a reward model; "
                             "train one with --method reward on preference pairs")  # fmt: skip
+        if cfg.model.full:
+            raise UserError(f"--reward {spec}: a --full reward model is not read as a GRPO reward yet; train it with "
+                            "LoRA (drop --full)")  # fmt: skip
         missing = [name for name in (ADAPTER, HEAD) if not (directory / name).is_file()]
         if missing:
             raise UserError(f"--reward {spec}: {directory} has no {missing[0]}, so it is not a finished reward "

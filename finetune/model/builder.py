@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import keras
@@ -70,6 +71,11 @@ class Recipe:
     run (Gemma 4) is built with its image encoder and converter, still without its audio encoder."""
     image_tokens: int | None = None
     """A picture's soft tokens (--image-tokens, Gemma 4); None: the preset's own."""
+    full: bool = False
+    """--full: every weight of the language model trains (train_every_weight); `lora` is None then."""
+    keep_base: bool = False
+    """With `full`: keep a copy of the base's weights, for a method that scores the base beside the model it trains
+    (Method.scores_base; lora_off swaps it in)."""
 
 
 @dataclass
@@ -97,6 +103,8 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
+    if recipe.full:
+        train_every_weight(lm, recipe.keep_base)
     if recipe.neftune_alpha:
         add_embedding_noise(lm, recipe.neftune_alpha, recipe.seed)
     trainer = None
@@ -793,11 +801,49 @@ def objective_view(lm, objective_):
     return objective_.view(lm, chunk_for(lm))
 
 
+def train_every_weight(lm, base: bool = False) -> None:
+    """--full: every weight of the language model trains, as keras-hub builds it (trainable); its image and audio
+    encoders stay frozen, as under LoRA (the plan counts none of their gradients).
+
+    base: bool. Keep a host copy of the weights as they are now, the base's, for lora_off (keep_base).
+    """
+    lm.backbone.trainable = True
+    for encoder in encoders(lm.backbone):
+        encoder.trainable = False
+    if base:
+        keep_base(lm)
+
+
+_BASES = weakref.WeakKeyDictionary()
+"""lm -> (its trainable variables, their base values): what keep_base kept for lora_off."""
+
+
+def keep_base(lm) -> None:
+    """Keep `lm`'s trainable weights as they are now as the base lora_off swaps in: a --full model's before it
+    trains, or before a finished run's trained weights load (`finetune eval` of a DPO run scores its reference)."""
+    variables = list(lm.backbone.trainable_variables)
+    _BASES[lm] = (variables, [np.array(v.numpy()) for v in variables])
+
+
 @contextlib.contextmanager
 def lora_off(lm):
     """`lm` as its base for a while: every adapted layer's LoRA (and DoRA) switched off, as PEFT's
     disable_adapter(); the factors stay as they are. A call traced before keeps what it traced: score with a
-    view made inside."""
+    view made inside.
+
+    A --full model (train_every_weight, keep_base) has no LoRA to switch off: its base's weights are swapped in,
+    and its own put back after."""
+    if lm in _BASES:
+        variables, base = _BASES[lm]
+        trained = [np.array(v.numpy()) for v in variables]
+        for variable, value in zip(variables, base, strict=True):
+            variable.assign(value)
+        try:
+            yield lm
+        finally:
+            for variable, value in zip(variables, trained, strict=True):
+                variable.assign(value)
+        return
     layers = [layer for layer in lm.backbone._flatten_layers(include_self=False)
               if getattr(layer, "lora_enabled", False)]  # fmt: skip
     for layer in layers:

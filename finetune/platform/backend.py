@@ -267,6 +267,18 @@ def precision_rule(kind: str, bfloat16: bool, framework: str, float16_overflows:
     return chosen, f"auto: {why}"
 
 
+def full_weights_precision(precision: str, why: str) -> tuple[str, str]:
+    """What --precision auto (`precision`, `why`: precision_rule's) becomes for a --full run, whose every weight
+    trains: its weights stay float32, computed in bf16 where the device has it (mixed_bfloat16), never stored in
+    16 bits. AdamW's steps of about lr x 1 are below bfloat16's resolution of a weight near 1 (2^-8) at a learning
+    rate of 1e-4, so a bf16 weight would round most of them away; float16 has no mixed policy here."""
+    if precision == "bfloat16":
+        return "mixed_bfloat16", f"{why}; --full keeps its weights float32 (AdamW's steps round away in bf16)"
+    if precision == "float16":
+        return "float32", f"{why}; --full keeps its weights float32 (AdamW's steps round away in float16)"
+    return precision, why
+
+
 def routed_experts_rule(framework: str, device: str, devices: int = 1) -> tuple[bool, str]:
     """(whether a mixture-of-experts bank computes only the experts each token is routed to, as a grouped matmul
     (model/experts.py); why): the one rule, for a run here (builder.routed_experts) and for the plan of a device

@@ -50,7 +50,9 @@ def b_factors_all_zero(backbone) -> bool:
     from finetune.training import adapter
 
     layers = adapter.layers_with_weights(backbone)
-    adapted = [layers[index] for index in backbone._lora_enabled_layers]
+    adapted = [layers[index] for index in getattr(backbone, "_lora_enabled_layers", ())]
+    if not adapted:  # --full: no LoRA; the held-out loss alone says whether the model changed
+        return False
     if any(hasattr(layer, adapter.MAGNITUDE) for layer in adapted):
         return False
     b_factors = [getattr(layer, name) for layer in adapted for name in builder.lora_weight_names(layer)

@@ -35,7 +35,7 @@ import yaml
 from finetune.methods import registry
 from finetune.platform import documents, platforms, storage
 from finetune.platform.errors import RunStopped, UserError
-from finetune.training import checkpoint, loop
+from finetune.training import checkpoint, full_model, loop
 
 ADAPTER = "adapter.lora.h5"
 ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
@@ -48,9 +48,10 @@ LOCK = ".lock"
 MARKER = "finetune-run.json"
 """Written first into every directory a run claims: what tells finetune's run directory from a user's folder."""
 HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
-RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
+WEIGHTS, WEIGHTS_JSON = full_model.WEIGHTS, full_model.DESCRIPTION  # a --full run's model, in place of an adapter
+RUN_MARKERS = (CONFIG, METRICS, ADAPTER, WEIGHTS)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
-OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
+OWN_NAMES = (ADAPTER, ADAPTER_JSON, WEIGHTS, WEIGHTS_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
              checkpoint.DIRECTORY, MLRUNS, WANDB, *registry.FILES)  # fmt: skip
 # The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
 INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32
@@ -125,7 +126,7 @@ def is_run_directory(path: Path) -> bool:
     finished run's adapter beside its metrics."""
     if (path / MARKER).exists() or checkpoint.find(path):
         return True
-    return (path / METRICS).exists() and (path / ADAPTER).exists()
+    return (path / METRICS).exists() and ((path / ADAPTER).exists() or (path / WEIGHTS).exists())
 
 
 def refuse_foreign(path: Path, overwrite: bool, resume: bool) -> None:
@@ -738,7 +739,7 @@ def summary_table(metrics: dict, run_dir) -> str:
         ("backend", metrics["backend"]),
         ("device", f"{metrics['device_name']}, {metrics['dtype_policy']}"),
         ("preset", metrics["preset"]),
-        ("LoRA rank", str(metrics["rank"])),
+        ("trained", "every weight (--full)") if metrics.get("full") else ("LoRA rank", str(metrics["rank"])),
         ("train steps", str(metrics["steps"])),
         ("padding", _padding(metrics)),
         ("train loss", f"{metrics['train_loss']:.4f}"),

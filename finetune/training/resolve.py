@@ -116,7 +116,7 @@ class Resolved:
             precision=cfg.model.precision,
             quantize=cfg.model.quantize,
             remat=self.remat,
-            lora=cfg.lora,
+            lora=None if cfg.model.full else cfg.lora,
             seed=cfg.train.seed,
             neftune_alpha=cfg.train.neftune_alpha if train else None,
             optimizer=builder.Optimizer(
@@ -127,6 +127,8 @@ class Resolved:
             # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
             images=bool(cfg.data.images),
             image_tokens=cfg.data.image_tokens,
+            full=cfg.model.full,
+            keep_base=cfg.model.full and train and self.method.scores_base(cfg.train),
         )
 
     def settled(self, **decided: Decision) -> Resolved:
@@ -306,7 +308,8 @@ def _precision(cfg: Config, device: str, saved: dict | None) -> Decision:
     elif saved is not None:
         decided = Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
     else:
-        return Decision(*backend.auto_precision_why(device, overflows))
+        decided = Decision(*backend.auto_precision_why(device, overflows))
+        return Decision(*backend.full_weights_precision(*decided)) if cfg.model.full else decided
     if decided.value == "float16" and overflows:
         print(f"warning: --precision float16: {overflows}; --precision float32 (or bfloat16 on a bf16 device) "
               "computes it right")  # fmt: skip

@@ -1,4 +1,5 @@
-"""Reopen a finished run: base model plus saved adapter, for eval, generate, load and export.
+"""Reopen a finished run: base model plus saved adapter (or a --full run's trained weights, full_model.py), for
+eval, generate, load and export.
 
 The run's config.yaml says which preset, template and LoRA layout were used;
 the adapter file holds only the LoRA factors (backbone.save_lora_weights), so
@@ -16,7 +17,7 @@ from pathlib import Path
 from finetune import config as config_module
 from finetune.platform import documents
 from finetune.platform.errors import UserError
-from finetune.training import adapter, outputs
+from finetune.training import adapter, full_model, outputs
 
 
 @dataclass
@@ -24,7 +25,12 @@ class Run:
     directory: Path
     config: config_module.Config
     adapter: dict
-    """adapter.json, already checked against config.yaml."""
+    """adapter.json, already checked against config.yaml; a --full run's model.json (full_model.py)."""
+
+    @property
+    def full(self) -> bool:
+        """The run trained every weight (--full): it holds the whole model, not an adapter."""
+        return self.config.model.full
 
 
 def open_run(directory: str | Path) -> Run:
@@ -32,12 +38,18 @@ def open_run(directory: str | Path) -> Run:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
-    for name in ("config.yaml", outputs.ADAPTER):
-        if not (directory / name).is_file():
-            raise UserError(f"{directory} has no {name}, so it is not a finished run; pass --run DIR of a finished run")
-    cfg = config_module.from_dict(config_module.read_recipe(directory / "config.yaml"))
-    description = adapter.read(directory / outputs.ADAPTER_JSON)
-    adapter.check_against_config(description, cfg, directory / outputs.ADAPTER_JSON)
+    if not (directory / outputs.CONFIG).is_file():
+        raise UserError(f"{directory} has no {outputs.CONFIG}, so it is not a finished run; pass --run DIR of a finished run")
+    cfg = config_module.from_dict(config_module.read_recipe(directory / outputs.CONFIG))
+    trained, described = (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
+    if not (directory / trained).is_file():
+        raise UserError(f"{directory} has no {trained}, so it is not a finished run; pass --run DIR of a finished run")
+    if cfg.model.full:
+        description = full_model.read(directory / described)
+        full_model.check_against_config(description, cfg, directory / described)
+    else:
+        description = adapter.read(directory / described)
+        adapter.check_against_config(description, cfg, directory / described)
     return Run(directory, cfg, description)
 
 
@@ -107,6 +119,11 @@ def load_model(run: Run):
 
     resolved = resolve.finished(run.config)
     model = builder.build_model(resolved.source, resolved.recipe(train=False))
+    if run.full:
+        if resolved.method.scores_base(run.config.train):  # `finetune eval` of a DPO run scores its reference
+            builder.keep_base(model.lm)
+        full_model.load(model.lm.backbone, run.directory, run.adapter)
+        return model.lm, model.preprocessor
     # Checked before anything is assigned (keras-hub's load_lora_weights checks nothing), then assigned whole:
     # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
     adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))

@@ -28,7 +28,7 @@ from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
-from finetune.training import adapter, checkpoint, guards, loop, outputs, resolve, scoring, tracking
+from finetune.training import adapter, checkpoint, full_model, guards, loop, outputs, resolve, scoring, tracking
 
 
 def run(cfg: Config, resume: bool = False) -> dict:
@@ -253,7 +253,7 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
             tracker.on_test_end({"step": 0, **start.eval_before})
     advice = divergence_advice(run)
     plan = loop.Plan(session.total_steps, cfg.train.checkpoint_every, run.deadline, advice,
-                     f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, rank {cfg.lora.rank}",
+                     f"batch {cfg.train.batch_size}, seq-len {cfg.model.seq_len}, {_trains(cfg)}",
                      release_host_memory=run.device == "cpu" and bool(cfg.data.images))  # fmt: skip
     scores = session.held_out.metrics if session.held_out else None
     hooks = loop.Hooks(
@@ -279,10 +279,10 @@ def _publish(session: Session, claim: outputs.Claim, start: checkpoint.RunState,
     generated_after = held_out.generate("after", session.phase) if held_out else []
     metrics = _metrics(session, steps, start)
     start.config["resolved"] = _resolved(session.run, claim, start.run_id)
-    session.phase(f"saving the adapter and results to {claim}")
+    session.phase(f"saving the {'model' if session.run.config.model.full else 'adapter'} and results to {claim}")
     samples = held_out.sample_rows(start.generated_before, generated_after) if held_out else []
     claim.publish_results(_files(session, start.config, metrics, steps.progress, samples), metrics)
-    tracking.published(steps.callbacks, metrics, claim.path / outputs.ADAPTER)
+    tracking.published(steps.callbacks, metrics, claim.path / (outputs.WEIGHTS if session.run.config.model.full else outputs.ADAPTER))
     return metrics
 
 
@@ -301,9 +301,10 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
     return {
         "backend": cfg.backend,
         "preset": cfg.model.preset,
-        "rank": cfg.lora.rank,
-        "alpha": run.alpha,
-        "targets": list(cfg.lora.targets),
+        "full": cfg.model.full,  # every weight trained: no LoRA, so no rank, alpha or targets
+        "rank": None if cfg.model.full else cfg.lora.rank,
+        "alpha": None if cfg.model.full else run.alpha,
+        "targets": [] if cfg.model.full else list(cfg.lora.targets),
         "adapted_layers": session.model.adapted,
         "trainable_parameters": builder.trainable_parameters(session.model.trainer),  # with a reward model's head
         "train_examples": len(prepared.train),
@@ -361,11 +362,9 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
     """What a finished run writes: a file name to write(path), for outputs.publish."""
     run, backbone = session.run, session.model.lm.backbone
     history = [{"step": 0, "eval_loss": metrics["eval_loss_before"]}] + progress.rows
-    title = f"{run.config.model.preset} LoRA rank {run.config.lora.rank} on {run.config.backend}"
-    description = adapter.describe(backbone, run, __version__)
+    title = f"{run.config.model.preset} {_trains(run.config)} on {run.config.backend}"
     return {
-        outputs.ADAPTER: lambda p: adapter.save(backbone, p),
-        outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
+        **_model_files(run, backbone),
         outputs.CONFIG: lambda p: outputs.write_config(p, config),
         outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
         outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
@@ -373,6 +372,32 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
         outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
         **run.method.published(session.model.trainer),  # a reward model's head
     }
+
+
+def _model_files(run: resolve.Resolved, backbone) -> dict:
+    """What a run trained, as files: the adapter and adapter.json; a --full run's whole model (full_model.py),
+    whose model.json follows model.weights.h5 (outputs.publish writes them in this order) and records its
+    checksum."""
+    if not run.config.model.full:
+        description = adapter.describe(backbone, run, __version__)
+        return {
+            outputs.ADAPTER: lambda p: adapter.save(backbone, p),
+            outputs.ADAPTER_JSON: lambda p: adapter.write(p, description),
+        }
+    digest = {}
+
+    def weights(path):
+        digest["sha256"] = full_model.save(backbone, path)
+
+    return {
+        outputs.WEIGHTS: weights,
+        outputs.WEIGHTS_JSON: lambda p: adapter.write(p, full_model.describe(backbone, run, __version__, digest["sha256"])),
+    }
+
+
+def _trains(cfg: Config) -> str:
+    """What the run trains, in a few words: `LoRA rank 4`, or `every weight` (--full)."""
+    return "every weight" if cfg.model.full else f"LoRA rank {cfg.lora.rank}"
 
 
 def divergence_advice(run: resolve.Resolved) -> str:
