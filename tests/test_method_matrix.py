@@ -345,3 +345,27 @@ def test_a_pair_job_of_two_processes_trains_and_scores_as_one_device(parallel_ru
     job = parallel_runs["job"]["dpo"]
     assert job["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
     same_steps(parallel_runs["one"]["dpo"], job)
+
+
+@neutral
+@pytest.mark.parametrize("method", METHODS)
+def test_full_trains_every_weight_under_every_method(method, data, tmp_path):
+    """--full below the methods: every weight of the language model trains, finite, and the run publishes the
+    whole model (model.weights.h5) that `finetune eval` reopens; DPO and IPO score their reference, and GRPO its KL
+    term (--beta), on the base's weights kept beside the trained ones (builder.lora_off)."""
+    import h5py
+
+    beta = ["--beta", "0.1"] if registry.get(method).prompted else []
+    out = tmp_path / "run"
+    result = run(method, data, out, "--full", "--batch-size", "4", "--lr", "1e-3", *beta)
+    assert result.exit_code == 0, result.output
+    trained = losses(out)
+    assert len(trained) == 6 and all(math.isfinite(v) for v in trained)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["full"] and metrics["trainable_parameters"] > 300_000  # the tiny model's every weight
+    assert not (out / "adapter.lora.h5").exists()
+    with h5py.File(out / "model.weights.h5") as f:
+        assert len(f["weights"]) > 0
+    evaluated = invoke("eval", "--run", out)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "eval_loss" in evaluated.output or "reward" in evaluated.output

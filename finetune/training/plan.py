@@ -25,7 +25,7 @@ from pathlib import Path
 from finetune.config import Config
 from finetune.methods import registry
 from finetune.model import archs, checkpoints, families, layouts, presets
-from finetune.platform.backend import DEFAULT_BATCH_SIZE
+from finetune.platform.backend import DEFAULT_BATCH_SIZE, full_weights_precision
 from finetune.platform.errors import UserError
 
 GiB = 2**30
@@ -245,6 +245,8 @@ class Plan:
     (what a slot holds, in words: the square, or with --image-tokens its most patches)."""
     audio: dict | None = None
     """With --audio-seconds: seconds and tokens (the clip's soft tokens)."""
+    full: bool = False
+    """--full: every decoder weight trains (memory's gradients and optimizer count them all), no LoRA."""
     device_name: str | None = None
     usable: float | None = None
     fits: bool | None = None
@@ -347,6 +349,8 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
     precision = cfg.model.precision
     if precision == "auto":
         precision, why = auto_precision_why(target, cfg.backend, model.family)
+        if cfg.model.full:  # as resolve decides it: every trained weight stays float32
+            precision, why = full_weights_precision(precision, why)
         if target is None:
             notes.append(f"precision auto is {precision} ({why})")
         elif precision == "float32" and families.get(model.family).float16_overflows:
@@ -361,15 +365,24 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         notes += [fitted] if fitted else []
     kernels = [p for p in placements if p.shape]
     groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
-    lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank, cfg.lora.dora)
-    memory = {
-        "weights": sum(g.bytes_per_device for g in groups),
-        # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each,
-        # and with --grad-accum a sum of the gradients. Activations below are one micro-batch's.
-        "lora_weights": lora * _LORA_BYTES,
-        "lora_gradients": lora * _LORA_BYTES,
-        "optimizer": (2 + (cfg.train.grad_accum > 1)) * lora * _LORA_BYTES,
-    }
+    accumulated = 2 + (cfg.train.grad_accum > 1)  # AdamW's two moments, and with --grad-accum a sum of gradients
+    if cfg.model.full:
+        # Every decoder weight trains (its encoders stay frozen), in float32 (the precision keeps it so): a
+        # gradient and AdamW's moments for each, sharded as the weight is (data parallel replicates them).
+        lora = 0
+        trained = sum(g.bytes_per_device for g in groups if g.name not in _ENCODERS)
+        memory = {"weights": sum(g.bytes_per_device for g in groups), "gradients": trained,
+                  "optimizer": accumulated * trained}  # fmt: skip
+    else:
+        lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank, cfg.lora.dora)
+        memory = {
+            "weights": sum(g.bytes_per_device for g in groups),
+            # LoRA factors are replicated (layouts.RULES), their gradients too, and AdamW keeps two moments each,
+            # and with --grad-accum a sum of the gradients. Activations below are one micro-batch's.
+            "lora_weights": lora * _LORA_BYTES,
+            "lora_gradients": lora * _LORA_BYTES,
+            "optimizer": accumulated * lora * _LORA_BYTES,
+        }
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len
     per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
@@ -435,14 +448,48 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         remat=remat,
         images=pictured,
         audio=heard,
+        full=cfg.model.full,
     )
     if target is not None:
         _judge(plan, target, cfg)
+        if cfg.model.full and not plan.fits:
+            plan.verdict += f"; {_lora_instead(cfg, devices, target)}"
         if cfg.train.batch_size == "auto":
             _largest_batch(plan)
     elif cfg.train.batch_size == "auto":
         plan.notes.append("batch auto: planned at one sequence per device; --device-memory finds the largest that fits")
     return plan
+
+
+_ENCODERS = ("vision encoder", "audio encoder")
+"""The weight groups a --full run leaves frozen (builder.train_every_weight)."""
+
+
+def _lora_instead(cfg: Config, devices: int | None, target: tuple[str, Device]) -> str:
+    """A --full plan that does not fit: what the same run needs with LoRA (the run's default rank and targets)."""
+    lora = make(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, full=False)), devices, target)
+    fits = "fits" if lora.fits else "does not fit either"
+    return (f"drop --full: LoRA r{lora.lora_rank} on {','.join(lora.lora_targets)} needs "
+            f"{_size(lora.memory['total'])} ({fits})")  # fmt: skip
+
+
+def check_full_fits(cfg: Config, device: str, memory: int | None) -> None:
+    """Refuse a --full run the plan says cannot fit one device's `memory` (with --remat auto's choice), with the
+    reason and what LoRA needs instead; nothing to say where the memory is unknown or the preset has no plan.
+
+    cfg: the run's config with its precision decided (resolve.py); device: cpu, gpu or tpu.
+    """
+    if not cfg.model.full or memory is None:
+        return
+    whole = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, xla_mem_fraction=1.0))
+    kind = Device(memory, cfg.model.precision == "mixed_bfloat16", f"this {device}", device)
+    devices = None if cfg.distribution.parallel == "none" else _device_count(cfg)
+    try:
+        planned = make(whole, devices, (device, kind))
+    except UserError:  # no architecture table for this preset: train as it is
+        return
+    if planned.fits is False and planned.memory["total"] > memory:
+        raise UserError(f"--full {planned.verdict.removeprefix('does not fit: ')}")
 
 
 def _packed(cfg: Config, model: Model, method) -> bool:
@@ -840,6 +887,8 @@ def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
 
 def _advice(plan: Plan) -> str:
     m = plan.memory
+    if plan.full and m["weights"] + m["gradients"] + m["optimizer"] > 0.5 * m["total"]:
+        return "the trained weights, their gradients and AdamW's moments dominate (16 bytes a weight)"
     if m["weights"] > 0.5 * m["total"]:
         return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
     if m.get("vision_forward", 0.0) > m["activations"] + m["logits"]:
@@ -879,7 +928,10 @@ def as_dict(plan: Plan) -> dict:
         "quantize": plan.quantize,
         "batch_size": plan.batch_size,
         "seq_len": plan.seq_len,
-        "lora": {"rank": plan.lora_rank, "targets": plan.lora_targets, "parameters": plan.lora_parameters},
+        "full": plan.full,
+        "lora": None
+        if plan.full
+        else {"rank": plan.lora_rank, "targets": plan.lora_targets, "parameters": plan.lora_parameters},
         "groups": [
             {
                 "group": g.name,
@@ -905,6 +957,7 @@ _ROWS = {
     "weights": "weights (frozen base)",
     "lora_weights": "LoRA weights",
     "lora_gradients": "LoRA gradients",
+    "gradients": "gradients (every weight)",
     "optimizer": "AdamW moments",
     "activations": "activations",
     "dequantized_kernel": "one kernel dequantized",
@@ -929,11 +982,15 @@ def table(plan: Plan) -> str:
         f"mesh {plan.data}x{plan.model_axis}: {plan.data} data x {plan.model_axis} model, "
         f"{devices} device{'s' if devices > 1 else ''}",
         f"precision {plan.precision}: base stored in {_dtype(plan.precision, variable_bytes)}, computed in "
-        f"{_dtype(plan.precision, compute_bytes)}, LoRA in float32"
+        f"{_dtype(plan.precision, compute_bytes)}" + ("" if plan.full else ", LoRA in float32")
         + (f"; decoder kernels quantized to {plan.quantize}" if plan.quantize else "")
         + ("; blocks recomputed in the backward (remat)" if plan.remat else ""),
-        f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; LoRA rank {plan.lora_rank} "
-        f"on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)",
+        f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; "
+        + (
+            "every weight trains (--full): its gradients and AdamW's moments in float32"
+            if plan.full
+            else f"LoRA rank {plan.lora_rank} on {', '.join(plan.lora_targets)} ({plan.lora_parameters:,} weights)"
+        ),
         "",
     ]
     if plan.images:
@@ -952,6 +1009,8 @@ def table(plan: Plan) -> str:
         lines.append(f"{group.name:<{names}} {shape:<{width}}  {group.layout:<22} {_size(group.bytes_per_device):>11}")
     lines += ["", "memory per device"]
     for key, label in _ROWS.items():
+        if plan.full and key == "weights":
+            label = "weights (trained)"
         if key in plan.memory and (plan.memory[key] or key != "dequantized_kernel"):
             lines.append(f"  {label:<28} {_size(plan.memory[key]):>11}")
     lines.append(f"  {'total':<28} {_size(plan.memory['total']):>11}")

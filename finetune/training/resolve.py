@@ -192,6 +192,7 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
                                      "devices" + (f" (--mesh {cfg.distribution.mesh})" if cfg.distribution.mesh
                                                   else ""))  # fmt: skip
     decisions["remat"] = Decision(*plan.remat_for(decided, device, backend.device_memory(device)))
+    plan.check_full_fits(decided, device, backend.device_memory(device))  # --full: refused where it cannot fit
     decisions["alpha"] = alpha(cfg.lora)
     chosen = registry.get(cfg.train.method)
     for name, (value, why) in registry.decide(cfg.train, data_format).items():
@@ -309,7 +310,7 @@ def _precision(cfg: Config, device: str, saved: dict | None) -> Decision:
         decided = Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
     else:
         decided = Decision(*backend.auto_precision_why(device, overflows))
-        return Decision(*backend.full_weights_precision(*decided)) if cfg.model.full else decided
+        return Decision(*backend.full_weights_precision(decided.value, decided.why)) if cfg.model.full else decided
     if decided.value == "float16" and overflows:
         print(f"warning: --precision float16: {overflows}; --precision float32 (or bfloat16 on a bf16 device) "
               "computes it right")  # fmt: skip
