@@ -250,7 +250,9 @@ def test_lora_off_swaps_the_base_in_and_the_trained_weights_back():
 
 @neutral
 def test_the_plan_counts_a_gradient_and_two_moments_for_every_weight():
-    full = plan.make(config.load(None, {"model.preset": "gemma3_270m", "model.full": True, "model.precision": "float32"}))
+    full = plan.make(
+        config.load(None, {"model.preset": "gemma3_270m", "model.full": True, "model.precision": "float32"})
+    )
     lora = plan.make(config.load(None, {"model.preset": "gemma3_270m", "model.precision": "float32"}))
     assert full.memory["gradients"] == full.memory["weights"]  # no encoder: every weight trains
     assert full.memory["optimizer"] == 2 * full.memory["weights"]

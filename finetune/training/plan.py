@@ -982,7 +982,8 @@ def table(plan: Plan) -> str:
         f"mesh {plan.data}x{plan.model_axis}: {plan.data} data x {plan.model_axis} model, "
         f"{devices} device{'s' if devices > 1 else ''}",
         f"precision {plan.precision}: base stored in {_dtype(plan.precision, variable_bytes)}, computed in "
-        f"{_dtype(plan.precision, compute_bytes)}" + ("" if plan.full else ", LoRA in float32")
+        f"{_dtype(plan.precision, compute_bytes)}"
+        + ("" if plan.full else ", LoRA in float32")
         + (f"; decoder kernels quantized to {plan.quantize}" if plan.quantize else "")
         + ("; blocks recomputed in the backward (remat)" if plan.remat else ""),
         f"batch {plan.batch_size} ({rows_per_device} per device) x seq {plan.seq_len}; "

@@ -39,9 +39,13 @@ def open_run(directory: str | Path) -> Run:
     if not directory.is_dir():
         raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
     if not (directory / outputs.CONFIG).is_file():
-        raise UserError(f"{directory} has no {outputs.CONFIG}, so it is not a finished run; pass --run DIR of a finished run")
+        raise UserError(
+            f"{directory} has no {outputs.CONFIG}, so it is not a finished run; pass --run DIR of a finished run"
+        )
     cfg = config_module.from_dict(config_module.read_recipe(directory / outputs.CONFIG))
-    trained, described = (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
+    trained, described = (
+        (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
+    )
     if not (directory / trained).is_file():
         raise UserError(f"{directory} has no {trained}, so it is not a finished run; pass --run DIR of a finished run")
     if cfg.model.full:

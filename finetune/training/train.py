@@ -282,7 +282,9 @@ def _publish(session: Session, claim: outputs.Claim, start: checkpoint.RunState,
     session.phase(f"saving the {'model' if session.run.config.model.full else 'adapter'} and results to {claim}")
     samples = held_out.sample_rows(start.generated_before, generated_after) if held_out else []
     claim.publish_results(_files(session, start.config, metrics, steps.progress, samples), metrics)
-    tracking.published(steps.callbacks, metrics, claim.path / (outputs.WEIGHTS if session.run.config.model.full else outputs.ADAPTER))
+    tracking.published(
+        steps.callbacks, metrics, claim.path / (outputs.WEIGHTS if session.run.config.model.full else outputs.ADAPTER)
+    )
     return metrics
 
 
@@ -391,7 +393,9 @@ def _model_files(run: resolve.Resolved, backbone) -> dict:
 
     return {
         outputs.WEIGHTS: weights,
-        outputs.WEIGHTS_JSON: lambda p: adapter.write(p, full_model.describe(backbone, run, __version__, digest["sha256"])),
+        outputs.WEIGHTS_JSON: lambda p: adapter.write(
+            p, full_model.describe(backbone, run, __version__, digest["sha256"])
+        ),
     }
 
 
