@@ -62,7 +62,9 @@ def model_card(run, upload: Upload, licence: families.Licence) -> str:
         "## Training",
         "",
         f"- method: `{cfg.train.method}`",
-        f"- LoRA: rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}, dropout {cfg.lora.dropout}"
+        "- every weight of the language model trained (--full), in float32"
+        if cfg.model.full
+        else f"- LoRA: rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}, dropout {cfg.lora.dropout}"
         + (", rsLoRA" if cfg.lora.rslora else "")
         + (", DoRA" if cfg.lora.dora else ""),
         f"- sequence length {cfg.model.seq_len}, {metrics.get('steps', '?')} steps",
@@ -92,8 +94,9 @@ def model_card(run, upload: Upload, licence: families.Licence) -> str:
 def _opening(cfg, family: families.Family, recorded: dict, upload: Upload) -> str:
     version = recorded.get("versions", {}).get("finetune")
     made = f"finetune {version}" if version else "finetune"
+    kind = "full" if cfg.model.full else "LoRA"  # --full: every weight trained
     return (
-        f"A LoRA fine-tune of `{cfg.model.preset}` ({family.title}) on {_data_name(cfg.data.path)}, made with "
+        f"A {kind} fine-tune of `{cfg.model.preset}` ({family.title}) on {_data_name(cfg.data.path)}, made with "
         f"{made}. This upload is {upload.what}."
     )
 
