@@ -267,7 +267,7 @@ def _arrays(path: Path) -> list[np.ndarray]:
 # Settings a resumed run must share with its checkpoint: anything else would not continue
 # the same training. epochs, max_steps, checkpointing and the output settings may change.
 RESUME_KEYS = (
-    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("model", "quantize"), ("lora", "rank"), ("lora", "alpha"),
+    ("model", "preset"), ("model", "seq_len"), ("model", "precision"), ("model", "quantize"), ("model", "full"), ("lora", "rank"), ("lora", "alpha"),
     ("lora", "targets"), ("data", "template"), ("data", "drop_context"), ("data", "categories"),
     ("data", "max_records"), ("data", "eval_fraction"), ("data", "train_on_prompt"), ("data", "packing"), ("data", "image_tokens"),
     ("train", "batch_size"), ("train", "learning_rate"), ("train", "weight_decay"), ("train", "seed"),
@@ -361,7 +361,7 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
-        if key == "keep_best":  # a checkpoint from before the setting kept no best
+        if key in ("keep_best", "full"):  # a checkpoint from before the setting kept no best, trained LoRA
             then = bool(then)
         if key == "method":  # a checkpoint from before preference methods trained SFT
             then = then or "sft"
