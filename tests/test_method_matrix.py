@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -368,4 +369,9 @@ def test_full_trains_every_weight_under_every_method(method, data, tmp_path):
         assert len(f["weights"]) > 0
     evaluated = invoke("eval", "--run", out)
     assert evaluated.exit_code == 0, evaluated.output
-    assert "eval_loss" in evaluated.output or "reward" in evaluated.output
+    # The reopened model scores as the run's last evaluation did (DPO's reference: the base, swapped back in).
+    loss = re.search(r"eval_loss (\S+)", evaluated.output)
+    if metrics.get("eval_loss") is not None and loss:
+        assert float(loss.group(1)) == pytest.approx(metrics["eval_loss"], rel=1e-4, abs=1e-4), method
+    else:
+        assert "reward" in evaluated.output, evaluated.output
