@@ -247,6 +247,20 @@ def test_lora_off_swaps_the_base_in_and_the_trained_weights_back():
         )
 
 
+@neutral
+def test_a_picture_model_trains_its_decoder_and_keeps_its_encoder_frozen():
+    from finetune.model import builder, presets
+
+    with float32_policy():
+        model = builder.build_model(presets.resolve("tiny-gemma3-vision"), builder.Recipe(seq_len=32,
+                                    precision="float32", full=True, images=True))  # fmt: skip
+    backbone = model.lm.backbone
+    encoder = {id(w) for w in backbone.vision_encoder.weights}
+    trained = backbone.trainable_weights
+    assert encoder and not encoder & {id(w) for w in trained}
+    assert len(trained) == len([w for w in backbone.weights if id(w) not in encoder and "seed" not in w.path])
+
+
 # --- the plan -------------------------------------------------------------------------------------------------
 
 
