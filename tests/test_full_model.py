@@ -33,8 +33,8 @@ def flags(preset, data, out, batch=("--batch-size", "2")):
     """A short --full run: 6 steps of 2 at seq-len 48, float32 (exact), a checkpoint every 3 steps."""
     return ["--preset", preset, "--backend", BACKEND, "--data", str(data), "--seq-len", "48", *batch,
             "--max-records", "24", "--eval-fraction", "0.25", "--max-steps", "6", "--checkpoint-every", "3",
-            "--precision", "float32", "--lr", "1e-3", "--full", "--set", "train.samples=1",
-            "--set", "train.max_new_tokens=4", "--set", "train.threads=1", "--output", str(out)]  # fmt: skip
+            "--precision", "float32", "--lr", "1e-3", "--full", "--set", "train.samples=0",
+            "--set", "train.threads=1", "--output", str(out)]  # fmt: skip
 
 
 def weights(out) -> dict:
@@ -124,13 +124,17 @@ def test_a_full_run_killed_after_a_checkpoint_resumes_to_the_same_weights(whole,
     assert metrics(cut)["eval_loss"] == metrics(out)["eval_loss"]
 
 
-def test_eval_and_generate_reopen_the_trained_model_from_the_command_line(tiny):
-    from finetune.model import builder, presets
-
+def test_eval_reopens_the_trained_model_from_the_command_line(tiny):
     evaluated = invoke("eval", "--run", tiny)
     assert evaluated.exit_code == 0, evaluated.output
     loss = float(re.search(r"eval_loss (\S+)", evaluated.output).group(1))
     assert loss == pytest.approx(metrics(tiny)["eval_loss"], abs=1e-4)
+
+
+@neutral
+def test_generate_and_the_python_api_load_the_trained_model(tiny):
+    from finetune.model import builder, presets
+
     generated = invoke("generate", "--run", tiny, "--prompt", "What is 2 plus 3?", "--max-new-tokens", "4")
     assert generated.exit_code == 0, generated.output
     # The Python API loads the same model: its logits are the trained ones, not the base's.
