@@ -932,6 +932,10 @@ def load(
         settings = read_recipe(recipe)
         _anchor_paths(settings, find_recipe(recipe).parent)
         _merge(data, settings)
+    if (overrides or {}).get("model.full") is True and (data.get("model") or {}).get("full") is not True:
+        # --full on the command line over a LoRA recipe (gemma3-270m's rank 8): the recipe's LoRA section is
+        # left behind, as the run trains no LoRA; LoRA settings given beside --full are still refused.
+        data.pop("lora", None)
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     return absolute_paths(from_dict(data))

@@ -220,6 +220,16 @@ def test_what_full_cannot_go_with_is_refused_and_nothing_is_written(extra, said,
 
 
 @neutral
+def test_full_typed_over_a_lora_recipe_leaves_the_recipe_s_lora_behind():
+    """gemma3-270m's recipe sets rank 8: `--recipe gemma3-270m --full` trains every weight (Google's guide for that
+    model) instead of being refused for the recipe's LoRA section; a LoRA flag typed beside --full is refused."""
+    cfg = config.load("gemma3-270m", {"model.full": True})
+    assert cfg.model.full and cfg.lora.rank == config.LoraConfig().rank and cfg.model.seq_len == 256
+    with pytest.raises(UserError, match=r"--rank \(lora.rank: 8\)"):
+        config.load("gemma3-270m", {"model.full": True, "lora.rank": 8})
+
+
+@neutral
 def test_a_full_run_keeps_its_weights_float32_and_says_why(monkeypatch):
     """auto on a bf16 device computes in bf16 but stores float32 (mixed_bfloat16); float16's device takes float32."""
     cfg = config.load(None, {"model.full": True})
