@@ -29,6 +29,7 @@ from finetune.model import (
     optimizer,
     presets,
     quantized,
+    tokens,
 )
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
@@ -45,6 +46,8 @@ class Optimizer:
     objective: object = None
     """What the run minimises (its method's: objective.ResponseTokens, pair_view.Objective, ...): an object whose
     view(lm, chunk, shards) is the keras.Model that trains it; None: SFT's response tokens."""
+    embedding_learning_rate: float | None = None
+    """--embedding-lr: the new tokens' rows' learning rate; None: learning_rate."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Recipe:
     run (Gemma 4) is built with its image encoder and converter, still without its audio encoder."""
     image_tokens: int | None = None
     """A picture's soft tokens (--image-tokens, Gemma 4); None: the preset's own."""
+    added_tokens: tuple = ()
+    """--add-tokens: new tokens in the tokenizer, their embedding rows trained beside LoRA (tokens.py)."""
 
 
 @dataclass
@@ -83,6 +88,8 @@ class Model:
     """compile()'s training view of `lm`; None when the recipe has no optimizer."""
     adapted: int = 0
     """The layers LoRA adapted."""
+    added: object = None
+    """The new tokens (tokens.Added) where the recipe has some."""
 
     @property
     def tokenizer(self):
@@ -97,6 +104,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
+    added = tokens.add(lm, preprocessor, recipe.added_tokens)  # after LoRA, which freezes every other layer
     if recipe.neftune_alpha:
         add_embedding_noise(lm, recipe.neftune_alpha, recipe.seed)
     trainer = None
@@ -104,8 +112,14 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
         settings = recipe.optimizer
         plus_ratio = getattr(recipe.lora, "plus_ratio", None)
         trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio,
-                          settings.objective)  # fmt: skip
-    return Model(lm, preprocessor, trainer, adapted)
+                          settings.objective, embedding_ratio(settings.embedding_learning_rate,
+                                                              settings.learning_rate))  # fmt: skip
+    return Model(lm, preprocessor, trainer, adapted, added)
+
+
+def embedding_ratio(embedding_learning_rate: float | None, learning_rate: float) -> float | None:
+    """--embedding-lr as a multiple of the run's learning rate (the new rows follow its schedule); None: the same."""
+    return None if embedding_learning_rate is None else embedding_learning_rate / learning_rate
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,
@@ -763,7 +777,7 @@ def _fan_in(shape) -> int:
 
 
 def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None,
-            objective_=None):  # fmt: skip
+            objective_=None, embedding_ratio: float | None = None):  # fmt: skip
     """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
     Its loss is the mean over the weighted (response) tokens of each step,
@@ -776,9 +790,11 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     plus_ratio: float. LoRA+: the B factors and DoRA's magnitudes learn at this many times the A factors' rate.
     objective_: the method's objective (Optimizer.objective), whose view trains; None: SFT's response tokens.
+    embedding_ratio: float. --add-tokens' rows learn at this many times the learning rate (--embedding-lr).
     """
     view = (objective_ or objective.ResponseTokens()).view(lm, chunk_for(lm), shards)
-    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio))
+    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio,
+                                               embedding_ratio=embedding_ratio))  # fmt: skip
 
 
 def train_with(view, controls: optimizer.Controls):

@@ -38,6 +38,8 @@ from finetune.platform.errors import RunStopped, UserError
 from finetune.training import checkpoint, loop
 
 ADAPTER = "adapter.lora.h5"
+TOKEN_ROWS = "adapter.tokens.npy"
+"""--add-tokens' embedding rows (new tokens x width, float32), in adapter.json's added_tokens order."""
 ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
@@ -50,7 +52,7 @@ MARKER = "finetune-run.json"
 HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
-OWN_NAMES = (ADAPTER, ADAPTER_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
+OWN_NAMES = (ADAPTER, ADAPTER_JSON, TOKEN_ROWS, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
              checkpoint.DIRECTORY, MLRUNS, WANDB, *registry.FILES)  # fmt: skip
 # The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
 INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32

@@ -120,13 +120,15 @@ class Resolved:
             seed=cfg.train.seed,
             neftune_alpha=cfg.train.neftune_alpha if train else None,
             optimizer=builder.Optimizer(
-                cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.method.objective(cfg.train)
+                cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.method.objective(cfg.train),
+                embedding_learning_rate=cfg.train.embedding_lr,
             )
             if train
             else None,
             # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
             images=bool(cfg.data.images),
             image_tokens=cfg.data.image_tokens,
+            added_tokens=tuple(cfg.model.add_tokens),
         )
 
     def settled(self, **decided: Decision) -> Resolved:
