@@ -95,7 +95,7 @@ def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy:
         # With new tokens (--add-tokens) the kernel is the base's, and their rows come as the last input: the
         # one kernel gradient made, (softmax - one-hot)'s columns of the new ids times the hidden states.
         if projection is not None:
-            kernel = projection.with_rows(new_rows[0])
+            kernel = tokens.Projection(kernel, new_rows[0], projection.added)  # the inputs, not the closure's
         loss_parts, grad_parts, column_parts = [], [], []
         for start, end in spans:
             h, y = _after(hidden[start:end], loss_parts), labels[start:end]

@@ -222,9 +222,6 @@ class Projection:
         return Projection(self.base / ops.cast(value, self.base.dtype), self.rows / ops.cast(value, self.rows.dtype),
                           self.added)  # fmt: skip
 
-    def with_rows(self, rows) -> Projection:
-        return Projection(self.base, rows, self.added)
-
     def _spots(self):
         """(k, V') float32 one-hot of the new ids, and (V',) whether each column is a new id's."""
         spots = np.zeros((len(self.added.ids), self.added.vocabulary), "float32")
