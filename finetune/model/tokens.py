@@ -266,6 +266,40 @@ def merged_embedding(base: np.ndarray, added: Added, new_rows: np.ndarray) -> np
     return out
 
 
+def merged(lm, preprocessor, tokens, values, recorded: dict | None = None, where: str = "the run"):
+    """`lm` (a plain base, LoRA merged or not) with the new `tokens` as plain weights, for an export: the tokenizer
+    with them, their rows `values` in the embedding matrix; a backbone of the larger vocabulary where tokens were
+    appended (the causal LM returned is then a new one around it, preprocessor detached)."""
+    added, proto = plan(preprocessor.tokenizer, tokens)
+    check_place(added, recorded, where)
+    embedding = token_embedding(lm.backbone)
+    matrix = merged_embedding(np.asarray(embedding.embeddings.numpy()), added, values)
+    preprocessor.tokenizer.set_proto(proto)
+    if not added.appended:
+        embedding.embeddings.assign(matrix)
+        return lm
+    backbone = resized(lm.backbone, added.vocabulary)
+    backbone.token_embedding.embeddings.assign(matrix)
+    return type(lm)(backbone=backbone, preprocessor=None)
+
+
+def resized(backbone, vocabulary: int):
+    """A copy of `backbone` with a vocabulary of `vocabulary` ids: its config so changed, every other weight
+    copied; the embedding is left for the caller."""
+    config = dict(backbone.get_config(), vocabulary_size=vocabulary)
+    fresh = type(backbone).from_config(config)
+    old, new = backbone.weights, fresh.weights
+    if len(old) != len(new):
+        raise UserError(f"cannot resize this model's vocabulary: its copy has {len(new)} weights, not {len(old)}")
+    for before, after in zip(old, new, strict=True):
+        if before is backbone.token_embedding.embeddings:
+            continue
+        if tuple(before.shape) != tuple(after.shape):
+            raise UserError(f"cannot resize this model's vocabulary: {before.path} changed shape with it")
+        after.assign(before.numpy())
+    return fresh
+
+
 def assign_rows(backbone, values) -> None:
     """The new rows from a finished run's file."""
     variable = rows(backbone)
