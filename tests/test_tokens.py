@@ -113,8 +113,10 @@ def test_a_new_token_is_one_id_in_training_eval_and_generate(runs):
 def test_embedding_lr_sets_how_far_the_new_rows_move(runs, base):
     plain, slow = runs
     start = start_rows(*base, NEW)
-    moved = {name: np.abs(np.load(run / "adapter.tokens.npy") - start).max() for name, run in (("plain", plain),
-                                                                                                ("slow", slow))}
+    moved = {
+        name: np.abs(np.load(run / "adapter.tokens.npy") - start).max()
+        for name, run in (("plain", plain), ("slow", slow))
+    }
     # Adam's steps are about the learning rate each: 6 steps at 2e-2 against 6 at 2e-4.
     assert moved["plain"] > 10 * moved["slow"] > 0, moved
 

@@ -319,4 +319,3 @@ def check_place(added: Added, recorded: dict | None, where: str) -> None:
             f"{where} placed its new tokens at ids {list(recorded.get('ids', []))}, this base's tokenizer at "
             f"{list(added.ids)}; use the base the run trained on"
         )
-
