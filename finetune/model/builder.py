@@ -46,8 +46,6 @@ class Optimizer:
     objective: object = None
     """What the run minimises (its method's: objective.ResponseTokens, pair_view.Objective, ...): an object whose
     view(lm, chunk, shards) is the keras.Model that trains it; None: SFT's response tokens."""
-    embedding_learning_rate: float | None = None
-    """--embedding-lr: the new tokens' rows' learning rate; None: learning_rate."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +110,13 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
         settings = recipe.optimizer
         plus_ratio = getattr(recipe.lora, "plus_ratio", None)
         trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio,
-                          settings.objective, embedding_ratio(settings.embedding_learning_rate,
-                                                              settings.learning_rate))  # fmt: skip
+                          settings.objective)  # fmt: skip
     return Model(lm, preprocessor, trainer, adapted, added)
 
 
 def embedding_ratio(embedding_learning_rate: float | None, learning_rate: float) -> float | None:
-    """--embedding-lr as a multiple of the run's learning rate (the new rows follow its schedule); None: the same."""
+    """--embedding-lr as a multiple of the run's learning rate (the new rows follow its schedule); None: the same.
+    A run's steps take it from train_with's controls (training/train.py), as its schedule and clipping."""
     return None if embedding_learning_rate is None else embedding_learning_rate / learning_rate
 
 
@@ -777,7 +775,7 @@ def _fan_in(shape) -> int:
 
 
 def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus_ratio: float | None = None,
-            objective_=None, embedding_ratio: float | None = None):  # fmt: skip
+            objective_=None):  # fmt: skip
     """The model that trains `lm`: a TrainingView with AdamW, without decay on biases and norm scales.
 
     Its loss is the mean over the weighted (response) tokens of each step,
@@ -790,11 +788,9 @@ def compile(lm, learning_rate: float, weight_decay: float, shards: int = 1, plus
     shards: int. Data shards a batch is split over (batching.targets lays out the loss positions per shard).
     plus_ratio: float. LoRA+: the B factors and DoRA's magnitudes learn at this many times the A factors' rate.
     objective_: the method's objective (Optimizer.objective), whose view trains; None: SFT's response tokens.
-    embedding_ratio: float. --add-tokens' rows learn at this many times the learning rate (--embedding-lr).
     """
     view = (objective_ or objective.ResponseTokens()).view(lm, chunk_for(lm), shards)
-    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio,
-                                               embedding_ratio=embedding_ratio))  # fmt: skip
+    return train_with(view, optimizer.Controls(learning_rate, weight_decay, max_grad_norm=None, plus_ratio=plus_ratio))
 
 
 def train_with(view, controls: optimizer.Controls):

@@ -120,11 +120,7 @@ class Resolved:
             seed=cfg.train.seed,
             neftune_alpha=cfg.train.neftune_alpha if train else None,
             optimizer=builder.Optimizer(
-                cfg.train.learning_rate,
-                cfg.train.weight_decay,
-                self.part[2],
-                self.method.objective(cfg.train),
-                embedding_learning_rate=cfg.train.embedding_lr,
+                cfg.train.learning_rate, cfg.train.weight_decay, self.part[2], self.method.objective(cfg.train)
             )
             if train
             else None,
