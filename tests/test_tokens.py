@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import BACKEND, REPO, invoke, write_jsonl
+from conftest import BACKEND, REPO, SHORT, adapter_arrays, invoke, run_with_fault, write_jsonl
 
 import finetune
 from finetune.model import presets
@@ -246,3 +246,20 @@ def test_the_rows_gradient_is_the_tied_kernel_s(base):
     for got, want in zip(jax.grad(ours, (0, 1))(hidden, rows), jax.grad(reference, (0, 1))(hidden, rows)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     assert float(ours(hidden, rows)) == pytest.approx(float(reference(hidden, rows)), rel=1e-5)
+
+
+@neutral
+def test_a_killed_run_resumes_to_the_same_rows(tmp_path):
+    """SIGKILL right after the step-4 checkpoint of an 8-step run, then --resume: the new rows and the adapter are
+    the uninterrupted run's, bit for bit (the checkpoint keeps them with LoRA's factors and their optimizer state)."""
+    data = write_jsonl(tmp_path / "tools.jsonl", records(40))
+    flags = ["--data", data, "--add-tokens", ",".join(NEW), "--precision", "float32", "--seq-len", "32"]
+    whole = tmp_path / "whole"
+    assert invoke("gemma", *SHORT, *flags, "--output", whole).exit_code == 0
+    out = tmp_path / "killed"
+    assert run_with_fault(out, "SIGKILL", 4, *flags).returncode == -9
+    result = invoke("gemma", "--resume", "--output", out)
+    assert result.exit_code == 0 and "resuming" in result.output, result.output
+    np.testing.assert_array_equal(np.load(out / "adapter.tokens.npy"), np.load(whole / "adapter.tokens.npy"))
+    before, after = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
