@@ -18,6 +18,7 @@ starts new rows at the mean of all rows, about what every token means at once).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -63,9 +64,10 @@ class Added:
         return {"tokens": list(self.tokens), "ids": list(self.ids), "vocabulary": self.vocabulary}
 
 
-def plan(tokenizer, tokens) -> tuple[Added, bytes]:
-    """(where each token goes, the tokenizer's SentencePiece model with them) for `tokenizer`: the lowest
-    `<unusedN>` pieces renamed, in order, then pieces appended. Refuses a token that is a piece already."""
+def plan(tokenizer, tokens, rows: int) -> tuple[Added, bytes]:
+    """(where each token goes, the tokenizer's SentencePiece model with them) for `tokenizer` and an embedding of
+    `rows` rows: the lowest `<unusedN>` pieces renamed, in order, then pieces appended. Refuses a token that is a
+    piece already, and appending where the tokenizer has other than `rows` pieces."""
     from sentencepiece import sentencepiece_model_pb2
 
     tokens = tuple(tokens)  # each checked already (config._new_tokens)
@@ -80,7 +82,11 @@ def plan(tokenizer, tokens) -> tuple[Added, bytes]:
             )
     unused = sorted((int(m.group(1)), i) for p, i in pieces.items() if (m := _UNUSED.fullmatch(p)))
     free = [i for _, i in unused]
-    base = len(model.pieces)
+    if len(free) < len(tokens) and len(model.pieces) != rows:
+        raise UserError(
+            f"--add-tokens: this tokenizer has {len(model.pieces)} pieces and its embedding {rows} rows, and too few "
+            f"<unusedN> pieces ({len(free)}) to rename; finetune appends new tokens only where the two agree"
+        )
     before = tuple(tuple(int(t) for t in np.asarray(tokenizer.tokenize(token)).reshape(-1)) for token in tokens)
     ids = []
     for token in tokens:
@@ -92,7 +98,7 @@ def plan(tokenizer, tokens) -> tuple[Added, bytes]:
             piece = model.pieces.add()
         piece.piece, piece.score, piece.type = token, 0.0, sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
         ids.append(index)
-    return Added(tokens, tuple(ids), base, before), model.SerializeToString()
+    return Added(tokens, tuple(ids), rows, before), model.SerializeToString()
 
 
 def _proto_bytes(tokenizer) -> bytes:
@@ -109,7 +115,7 @@ def add(lm, preprocessor, tokens) -> Added | None:
     if not tokens:
         return None
     embedding = token_embedding(lm.backbone)
-    added, proto = plan(preprocessor.tokenizer, tokens)
+    added, proto = plan(preprocessor.tokenizer, tokens, int(embedding.embeddings.shape[0]))
     if added.appended and getattr(lm.backbone, "per_layer_token_embedding", None) is not None:
         raise UserError(
             f"this model also keys a per-layer embedding by token id, of {added.base_vocabulary} ids; a token "
@@ -223,10 +229,7 @@ class Projection:
                           self.added)  # fmt: skip
 
     def _spots(self):
-        """(k, V') float32 one-hot of the new ids, and (V',) whether each column is a new id's."""
-        spots = np.zeros((len(self.added.ids), self.added.vocabulary), "float32")
-        spots[np.arange(len(self.added.ids)), list(self.added.ids)] = 1.0
-        return spots, spots.sum(axis=0) > 0
+        return _spots(self.added.ids, self.added.vocabulary)
 
     def logits(self, hidden, dtype="float32"):
         """hidden (N, D) or (B, T, D) times the kernel with the new rows, in `dtype`."""
@@ -258,6 +261,14 @@ class Projection:
         return ops.cast(ops.take(delta, np.asarray(self.added.ids, "int32"), axis=1), "float32")
 
 
+@functools.lru_cache(maxsize=8)
+def _spots(ids: tuple, vocabulary: int):
+    """(k, V') float32 one-hot of the new ids, and (V',) whether each column is a new id's: made once a run."""
+    spots = np.zeros((len(ids), vocabulary), "float32")
+    spots[np.arange(len(ids)), list(ids)] = 1.0
+    return spots, spots.sum(axis=0) > 0
+
+
 def merged_embedding(base: np.ndarray, added: Added, new_rows: np.ndarray) -> np.ndarray:
     """The embedding matrix with the new rows in place (and appended), as an export holds it, in base's dtype."""
     out = np.zeros((added.vocabulary, base.shape[1]), base.dtype)
@@ -270,9 +281,9 @@ def merged(lm, preprocessor, tokens, values, recorded: dict | None = None, where
     """`lm` (a plain base, LoRA merged or not) with the new `tokens` as plain weights, for an export: the tokenizer
     with them, their rows `values` in the embedding matrix; a backbone of the larger vocabulary where tokens were
     appended (the causal LM returned is then a new one around it, preprocessor detached)."""
-    added, proto = plan(preprocessor.tokenizer, tokens)
-    check_place(added, recorded, where)
     embedding = token_embedding(lm.backbone)
+    added, proto = plan(preprocessor.tokenizer, tokens, int(embedding.embeddings.shape[0]))
+    check_place(added, recorded, where)
     matrix = merged_embedding(np.asarray(embedding.embeddings.numpy()), added, values)
     preprocessor.tokenizer.set_proto(proto)
     if not added.appended:
