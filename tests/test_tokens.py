@@ -47,13 +47,19 @@ def start_rows(tokenizer, embeddings, tokens) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two runs on records that use the new tokens: at the run's learning rate, and at an --embedding-lr 100 times
-    lower (6 steps at 2e-2: enough for the tiny model to answer with a new token)."""
+    """Two runs on records that use the new tokens (6 steps at 2e-2: enough for the tiny model to answer with a
+    new token): from the command line at the run's learning rate, and through the Python API at an embedding
+    learning rate 100 times lower."""
     root = tmp_path_factory.mktemp("tokens")
     data = write_jsonl(root / "tools.jsonl", records())
     plain = train(root / "plain", data, "--add-tokens", ",".join(NEW), "--lr", "2e-2")
-    slow = train(root / "slow", data, "--add-tokens", ",".join(NEW), "--lr", "2e-2", "--embedding-lr", "2e-4")
-    return plain, slow
+    settings = {
+        "backend": BACKEND, "output.dir": str(root / "slow"), "data.path": str(data), "model.precision": "float32",
+        "model.seq_len": 32, "train.batch_size": 4, "train.max_steps": 6, "train.samples": 0,
+        "train.checkpoint_every": 6, "train.learning_rate": 2e-2, "model.add_tokens": NEW, "train.embedding_lr": 2e-4,
+    }  # fmt: skip
+    finetune.run(finetune.load_config("tiny", settings))
+    return plain, root / "slow"
 
 
 @pytest.fixture(scope="module")
