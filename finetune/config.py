@@ -240,6 +240,21 @@ def _norm_or_none(value, name: str) -> str | None:
     return f"{name} must be a number at least 0, or `none` (0 and none turn clipping off), got {value!r}"
 
 
+def _new_tokens(value: list, name: str) -> str | None:
+    """--add-tokens: each token a non-empty piece of text without whitespace, named once (model/tokens.py then
+    refuses one its tokenizer has as a piece already)."""
+    seen = set()
+    for token in value:
+        if not isinstance(token, str) or not token.strip():
+            return f"{name} has an empty token; write them like --add-tokens '<tool>,<sym>'"
+        if any(c.isspace() for c in token):
+            return f"{name} {token!r} holds whitespace; a new token is one piece of text without spaces"
+        if token in seen:
+            return f"{name} names {token!r} twice; name each token once"
+        seen.add(token)
+    return None
+
+
 def _image_budget(value: int, name: str) -> str | None:
     if value in IMAGE_TOKENS:
         return None
@@ -339,11 +354,25 @@ class ModelConfig:
                     f"--full trains every weight, so {flag} ({item.key}: {getattr(cfg.lora, name)!r}) is a LoRA "
                     f"setting it cannot take; drop {item.key} (from the recipe or the command), or drop --full"
                 )
+        if self.add_tokens:
+            yield (
+                "--full with --add-tokens is not supported yet: new tokens' rows train beside LoRA; drop --full to "
+                "train them with LoRA, or drop --add-tokens"
+            )
         if cfg.distribution.parallel == "model":
             yield (
                 "--full with --parallel model is not supported yet: only LoRA runs are built and tested sharded over "
                 "a model axis; use --parallel data, or drop --full"
             )
+    add_tokens: list[str] = setting(
+        [],
+        "New tokens, each one id from now on (a tool marker, a domain symbol): a Gemma tokenizer's <unusedN> "
+        "pieces are renamed (the vocabulary keeps its size), or pieces appended where it has none left; their "
+        "embedding rows train beside LoRA, starting from the mean of their text's pieces' rows, and every other "
+        "row stays as it was.",
+        flag="--add-tokens", panel=MODEL, metavar="TOKEN,...", check=_new_tokens, default_text="none",
+        label="--add-tokens",
+    )  # fmt: skip
 
 
 @documented
@@ -661,6 +690,13 @@ class TrainConfig:
         "alpha / sqrt(tokens * width) for each row's non-padding tokens, as transformers' (the paper uses 5).",
         flag="--neftune-alpha", panel=TRAINING, metavar="A", range=Range(0), label="NEFTune alpha",
         default_text="off", hint="try --neftune-alpha 5",
+    )  # fmt: skip
+    embedding_lr: Optional[float] = setting(
+        None,
+        "With --add-tokens: the learning rate of the new tokens' embedding rows (Unsloth's "
+        "embedding_learning_rate), on the same schedule as --lr.",
+        flag="--embedding-lr", panel=TRAINING, range=Range(0, low_open=True), label="embedding learning rate",
+        default_text="--lr",
     )  # fmt: skip
     xla_mem_fraction: float = setting(
         1.00,
@@ -1252,5 +1288,10 @@ def validate(cfg: Config) -> None:
             raise UserError(message)
     for message in [*cfg.model.conflicts(cfg), *cfg.lora.conflicts(cfg), *cfg.train.conflicts(),
                     *cfg.distribution.conflicts(cfg),
-                    *cfg.eval.conflicts(cfg)]:  # fmt: skip
+                    *cfg.eval.conflicts(cfg), *_token_conflicts(cfg)]:  # fmt: skip
         raise UserError(message)
+
+
+def _token_conflicts(cfg: Config) -> Iterator[str]:
+    if cfg.train.embedding_lr is not None and not cfg.model.add_tokens:
+        yield "--embedding-lr is the learning rate of the rows of --add-tokens; pass --add-tokens, or drop it"

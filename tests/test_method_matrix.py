@@ -122,6 +122,20 @@ def test_dropout_and_neftune_train_finite_to_the_end_with_filler_rows(method, da
 
 
 @neutral
+@pytest.mark.parametrize("method", METHODS)
+def test_added_tokens_train_with_every_method(method, data, tmp_path):
+    """--add-tokens (appended to tiny's vocabulary): a finite run whose new rows are saved beside the adapter; that
+    only they train beside LoRA, and everywhere they go: test_tokens.py."""
+    result = run(method, data, tmp_path / "run", "--batch-size", "4", "--add-tokens", "<tool>,<sym>")
+    assert result.exit_code == 0, result.output
+    assert all(math.isfinite(v) for v in losses(tmp_path / "run"))
+    rows = np.load(tmp_path / "run" / "adapter.tokens.npy")
+    assert rows.shape[0] == 2 and np.isfinite(rows).all()
+    described = json.loads((tmp_path / "run" / "adapter.json").read_text())
+    assert described["added_tokens"]["tokens"] == ["<tool>", "<sym>"]
+
+
+@neutral
 @pytest.mark.parametrize("method", PACKED)
 def test_auto_batch_size_probes_the_method_s_own_batches(method, data, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "auto")

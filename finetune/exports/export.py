@@ -184,6 +184,11 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
         )
+    if fmt == "peft" and cfg.model.add_tokens:
+        raise UserError(
+            "this run added tokens (--add-tokens): a PEFT adapter loads onto the base's tokenizer and embedding, "
+            "which lack them;\nexport it with --format merged, hf, gguf or lora instead"
+        )
     resolved = resolve.finished(cfg)  # the process set up as the run trained: its precision and threads
     source, precision = resolved.source, resolved.precision
     if fmt in ("lora", "peft"):
@@ -212,12 +217,19 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     if run.full and not base:  # the trained weights, checked, in place of the base's: nothing to merge
         full_model.load(lm.backbone, run.directory, run.adapter)
     factors = {} if base or run.full else runs.checked_factors(run, lm.backbone)
+    if fmt in ("merged", "hf", "gguf") and cfg.model.add_tokens and not base:
+        from finetune.model import tokens  # the new tokens become plain pieces and rows of the merged model
+
+        where = str(run.directory / outputs.ADAPTER_JSON)
+        lm = tokens.merged(lm, preprocessor, cfg.model.add_tokens, runs.token_rows(run),
+                           run.adapter.get("added_tokens"), where)  # fmt: skip
     if fmt == "peft":
         check_peft_layers(lm.backbone, factors, cfg.model.quantize)
 
     def write(staging: Path) -> None:
         if fmt == "lora":
-            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON, *([method.head] if head else [])):
+            rows = [outputs.TOKEN_ROWS] if cfg.model.add_tokens else []  # --add-tokens' rows
+            for name in (outputs.ADAPTER, outputs.ADAPTER_JSON, *rows, *([method.head] if head else [])):
                 shutil.copyfile(run.directory / name, staging / name)
             return
         if fmt == "peft":

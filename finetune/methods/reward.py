@@ -23,6 +23,7 @@ from finetune.platform.errors import UserError
 HEAD = "score_head.npz"
 """The head's weights, beside the adapter in a finished run's directory: `kernel`, (hidden, 1) float32."""
 ADAPTER = "adapter.lora.h5"  # training/outputs.ADAPTER, which this layer cannot import (tests/test_reward_model.py)
+TOKEN_ROWS = "adapter.tokens.npy"  # training/outputs.TOKEN_ROWS: --add-tokens' rows
 
 
 class RewardModel(preference.Preference):
@@ -157,7 +158,7 @@ class RewardRun:
         """Build the reward run's model (base, its adapter, its head) on the process's backend."""
         import keras
 
-        from finetune.model import builder, presets
+        from finetune.model import builder, presets, tokens
         from finetune.platform import backend
 
         cfg = self.cfg
@@ -165,10 +166,13 @@ class RewardRun:
         policy = keras.config.dtype_policy()
         keras.config.set_dtype_policy(backend.POLICIES[precision][1])  # its adapter's, as it trained
         try:
-            recipe = builder.Recipe(seq_len=cfg.model.seq_len, precision=precision, lora=cfg.lora, seed=cfg.train.seed)
+            recipe = builder.Recipe(seq_len=cfg.model.seq_len, precision=precision, lora=cfg.lora, seed=cfg.train.seed,
+                                    added_tokens=tuple(cfg.model.add_tokens))  # fmt: skip
             model = builder.build_model(presets.resolve(cfg.model.preset), recipe)
             try:
                 builder.load_lora_weights(model.lm.backbone, str(self.directory / ADAPTER))
+                if model.added is not None:  # its --add-tokens' rows
+                    tokens.assign_rows(model.lm.backbone, np.load(self.directory / TOKEN_ROWS, allow_pickle=False))
             except (OSError, KeyError, ValueError) as e:
                 raise UserError(f"--reward run:{self.directory}: its adapter does not load ({e}); retrain it") from None
             self.view = builder.objective_view(model.lm, self.objective())

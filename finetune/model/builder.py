@@ -30,6 +30,7 @@ from finetune.model import (
     optimizer,
     presets,
     quantized,
+    tokens,
 )
 from finetune.model import remat as rematerialization
 from finetune.platform import backend, keras_compat
@@ -76,6 +77,8 @@ class Recipe:
     keep_base: bool = False
     """With `full`: keep a copy of the base's weights, for a method that scores the base beside the model it trains
     (Method.scores_base; lora_off swaps it in)."""
+    added_tokens: tuple = ()
+    """--add-tokens: new tokens in the tokenizer, their embedding rows trained beside LoRA (tokens.py)."""
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Model:
     """compile()'s training view of `lm`; None when the recipe has no optimizer."""
     adapted: int = 0
     """The layers LoRA adapted."""
+    added: object = None
+    """The new tokens (tokens.Added) where the recipe has some."""
 
     @property
     def tokenizer(self):
@@ -103,6 +108,7 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     adapted = 0
     if recipe.lora is not None:
         adapted = enable_lora(lm, recipe.lora, recipe.seed)
+    added = tokens.add(lm, preprocessor, recipe.added_tokens)  # after LoRA, which freezes every other layer
     if recipe.full:
         train_every_weight(lm, recipe.keep_base)
     if recipe.neftune_alpha:
@@ -113,7 +119,13 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
         plus_ratio = getattr(recipe.lora, "plus_ratio", None)
         trainer = compile(lm, settings.learning_rate, settings.weight_decay, settings.shards, plus_ratio,
                           settings.objective)  # fmt: skip
-    return Model(lm, preprocessor, trainer, adapted)
+    return Model(lm, preprocessor, trainer, adapted, added)
+
+
+def embedding_ratio(embedding_learning_rate: float | None, learning_rate: float) -> float | None:
+    """--embedding-lr as a multiple of the run's learning rate (the new rows follow its schedule); None: the same.
+    A run's steps take it from train_with's controls (training/train.py), as its schedule and clipping."""
+    return None if embedding_learning_rate is None else embedding_learning_rate / learning_rate
 
 
 def build(source: presets.Source, seq_len: int, precision: str = "float32", quantize: str | None = None,

@@ -30,6 +30,7 @@ import keras
 from keras import ops
 
 from finetune.data import batching
+from finetune.model import tokens
 from finetune.platform.errors import UserError
 
 
@@ -52,7 +53,10 @@ def logit_projection(backbone):
 
 
 def _logits(hidden, kernel, soft_cap):
-    logits = ops.cast(ops.matmul(hidden, ops.transpose(kernel)), "float32")
+    if isinstance(kernel, tokens.Projection):  # new tokens' rows (--add-tokens) in their columns
+        logits = kernel.logits(hidden)
+    else:
+        logits = ops.cast(ops.matmul(hidden, ops.transpose(kernel)), "float32")
     if soft_cap is not None:  # Gemma 2's final soft cap: cap * tanh(logits / cap)
         logits = ops.tanh(logits / soft_cap) * soft_cap
     return logits
@@ -84,10 +88,15 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
 def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy: bool):
     labels, weights = targets
     spans = _chunks(hidden.shape[0], chunk)
+    projection = kernel if isinstance(kernel, tokens.Projection) else None
 
     @ops.custom_gradient
-    def losses(hidden, kernel, labels, weights):
-        loss_parts, grad_parts = [], []
+    def losses(hidden, kernel, labels, weights, *new_rows):
+        # With new tokens (--add-tokens) the kernel is the base's, and their rows come as the last input: the
+        # one kernel gradient made, (softmax - one-hot)'s columns of the new ids times the hidden states.
+        if projection is not None:
+            kernel = tokens.Projection(kernel, new_rows[0], projection.added)  # the inputs, not the closure's
+        loss_parts, grad_parts, column_parts = [], [], []
         for start, end in spans:
             h, y = _after(hidden[start:end], loss_parts), labels[start:end]
 
@@ -103,16 +112,22 @@ def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy:
                     delta = delta * slope
                 if entropy:
                     loss = ops.stack([loss, ops.stop_gradient(spread)], axis=-1)
-                return loss, ops.matmul(ops.cast(delta, h.dtype), kernel)
+                if projection is None:
+                    return loss, ops.matmul(ops.cast(delta, h.dtype), kernel)
+                return loss, kernel.times(delta, h.dtype), kernel.columns(delta)
 
             def nothing(h=h):
-                return ops.zeros((h.shape[0], 2) if entropy else (h.shape[0],)), ops.zeros_like(h)
+                empty = ops.zeros((h.shape[0], 2) if entropy else (h.shape[0],)), ops.zeros_like(h)
+                return empty if projection is None else (*empty, ops.zeros((h.shape[0], len(projection.added.ids))))
 
-            loss, grad = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
-            loss_parts.append(loss)
-            grad_parts.append(grad)
+            parts = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
+            loss_parts.append(parts[0])
+            grad_parts.append(parts[1])
+            column_parts.append(parts[2] if projection is not None else None)
         out = ops.concatenate(loss_parts, axis=0) if len(spans) > 1 else loss_parts[0]
         per_position = ops.concatenate(grad_parts, axis=0) if len(spans) > 1 else grad_parts[0]
+        if projection is not None:
+            columns = ops.concatenate(column_parts, axis=0) if len(spans) > 1 else column_parts[0]
 
         def gradient(*args, upstream=None):
             if upstream is None:  # jax and tensorflow pass it positionally, torch by name
@@ -120,10 +135,16 @@ def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy:
             if entropy:  # the entropies carry no gradient
                 upstream = upstream[:, 0]
             scale = ops.cast(ops.expand_dims(upstream, -1), per_position.dtype)
-            return per_position * scale, None, None, None
+            if projection is None:
+                return per_position * scale, None, None, None
+            weighted = columns * ops.cast(scale, "float32")
+            row_grad = ops.matmul(ops.transpose(weighted), ops.cast(hidden, "float32"))
+            return per_position * scale, None, None, None, ops.cast(row_grad, new_rows[0].dtype)
 
         return out, gradient
 
+    if projection is not None:
+        return losses(hidden, projection.base, labels, weights, projection.rows)
     return losses(hidden, kernel, labels, weights)
 
 
@@ -240,7 +261,8 @@ def targets(backbone, inputs, shards: int, rows: int | None = None, training=Non
     kernel, soft_cap = logit_projection(backbone)
     labels = ops.reshape(inputs["loss_labels"], (-1,))
     weights = ops.reshape(inputs["loss_weights"], (-1,))
-    return Targets(hidden, labels, weights, ops.convert_to_tensor(kernel), soft_cap)
+    embedding = getattr(backbone, "token_embedding", None)
+    return Targets(hidden, labels, weights, tokens.projection(embedding, ops.convert_to_tensor(kernel)), soft_cap)
 
 
 class ResponseTokens:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
-from finetune.model import experts
+from finetune.model import experts, tokens
 from finetune.platform import keras_compat
 
 SCHEDULES = ("constant", "linear", "cosine", "cosine_with_min_lr")
@@ -46,6 +46,8 @@ class Controls:
         min_lr_ratio: float. cosine_with_min_lr's floor, a fraction of the peak.
         plus_ratio: float or None. LoRA+: the B factors and DoRA's magnitudes learn at this many times the learning
             rate of the A factors (steps_fast_under_lora_plus).
+        embedding_ratio: float or None. --add-tokens' embedding rows learn at this many times the learning rate
+            (--embedding-lr over --lr); None: at the learning rate.
     """
 
     learning_rate: float
@@ -57,6 +59,7 @@ class Controls:
     max_grad_norm: float | None = 1.0
     min_lr_ratio: float = 0.1
     plus_ratio: float | None = None
+    embedding_ratio: float | None = None
 
 
 def warmup_steps_for(total_steps: int, steps: int | None, ratio: float | None) -> int:
@@ -194,6 +197,8 @@ def adamw(controls: Controls) -> Clipping:
     optimizer.exclude_from_weight_decay(var_names=["bias", "scale", "lora_magnitude"])
     if controls.plus_ratio is not None:
         keras_compat.learning_rate_ratio(optimizer, steps_fast_under_lora_plus, controls.plus_ratio)
+    if controls.embedding_ratio is not None:  # Unsloth's embedding_learning_rate, in one optimizer as LoRA+'s
+        keras_compat.learning_rate_ratio(optimizer, tokens.is_rows, controls.embedding_ratio)
     return optimizer
 
 

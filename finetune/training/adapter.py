@@ -33,11 +33,13 @@ def fingerprint(backbone) -> str:
     widths, vocabulary) without reading gigabytes. Two presets of one
     architecture share it, so adapter.json records the preset's name too.
     """
+    from finetune.model import tokens
+
     paths = families.weight_paths(backbone)
     entries = sorted(
         (paths[id(w)], [int(d) for d in w.shape])
         for w in backbone.weights
-        if not w.path.split("/")[-1].startswith("lora_")
+        if not w.path.split("/")[-1].startswith("lora_") and not tokens.is_rows(w)  # the adapter's, not the base's
     )
     return hashlib.sha256(json.dumps(entries).encode("utf-8")).hexdigest()
 
@@ -81,7 +83,7 @@ def describe(backbone, run, version: str) -> dict:
     run: resolve.Resolved. The run that trained it: its preset, LoRA (rank, alpha, targets and variant: dropout,
         rslora, dora), template and dtype are recorded.
     """
-    from finetune.model import builder
+    from finetune.model import builder, tokens
 
     cfg = run.config
     layers = layers_with_weights(backbone)
@@ -110,7 +112,33 @@ def describe(backbone, run, version: str) -> dict:
         "finetune_version": version,
         "adapted": adapted,
         "weights_sha256": weights_digest(factors),
+        # --add-tokens: the new tokens and their ids; their rows are beside the adapter (outputs.TOKEN_ROWS).
+        **({"added_tokens": tokens.added_of(backbone).describe()} if tokens.added_of(backbone) else {}),
     }
+
+
+def save_token_rows(backbone, path: Path) -> None:
+    import numpy as np
+
+    from finetune.model import tokens
+
+    with open(path, "wb") as f:
+        np.save(f, np.asarray(tokens.rows(backbone).numpy(), "float32"))
+
+
+def read_token_rows(path: Path, description: dict):
+    """The new tokens' rows of a finished run, refused unless they are as many as adapter.json's tokens."""
+    import numpy as np
+
+    count = len(description["added_tokens"]["tokens"])
+    fix = "copy it back from the run that made the adapter, beside adapter.json"
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} ({e}); {fix}") from None
+    if values.ndim != 2 or values.shape[0] != count or not np.isfinite(values).all():
+        raise UserError(f"{path} holds rows of shape {values.shape}, adapter.json names {count} new tokens; {fix}")
+    return values
 
 
 def _saved(dora: bool, entry: dict | None = None) -> tuple[str, ...]:
@@ -212,6 +240,11 @@ def read(path: Path) -> dict:
         for name in _saved(bool(described.value.get("dora")), entry.value):
             entry.items(name, int, check=documents.at_least(1))
     described.field("weights_sha256", str)
+    added = described.section("added_tokens", required=False)
+    if added is not None:
+        added.items("tokens", str)
+        added.items("ids", int, check=documents.at_least(0))
+        added.field("vocabulary", int, check=documents.at_least(1))
     return described.value
 
 
@@ -223,7 +256,9 @@ def check_against_config(description: dict, cfg, path: Path) -> None:
         "alpha": (float(description["alpha"]), cfg.lora.resolved_alpha()),
         "targets": (",".join(description["targets"]), ",".join(cfg.lora.targets)),
         **{key: (bool(description.get(key, False)), getattr(cfg.lora, key)) for key in ("rslora", "dora")},
-    }
+        "added tokens": (",".join(description.get("added_tokens", {}).get("tokens", [])),
+                         ",".join(cfg.model.add_tokens)),
+    }  # fmt: skip
     if _local(said["preset"][0]) and _local(said["preset"][1]):
         del said["preset"]  # a preset directory may move: the base's fingerprint tells whether it is the same model
     for key, (described, configured) in said.items():

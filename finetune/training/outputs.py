@@ -38,6 +38,8 @@ from finetune.platform.errors import RunStopped, UserError
 from finetune.training import checkpoint, full_model, loop
 
 ADAPTER = "adapter.lora.h5"
+TOKEN_ROWS = "adapter.tokens.npy"
+"""--add-tokens' embedding rows (new tokens x width, float32), in adapter.json's added_tokens order."""
 ADAPTER_JSON = "adapter.json"  # what the adapter was trained on (adapter.py)
 METRICS = "metrics.json"
 CONFIG = "config.yaml"
@@ -51,7 +53,7 @@ HISTORY, SAMPLES, LOSS_PLOT = "history.csv", "samples.md", "loss.png"
 WEIGHTS, WEIGHTS_JSON = full_model.WEIGHTS, full_model.DESCRIPTION  # a --full run's model, in place of an adapter
 RUN_MARKERS = (CONFIG, METRICS, ADAPTER, WEIGHTS)
 # Every name a run writes at the top of its directory (checkpoint.DIRECTORY holds the checkpoints).
-OWN_NAMES = (ADAPTER, ADAPTER_JSON, WEIGHTS, WEIGHTS_JSON, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
+OWN_NAMES = (ADAPTER, ADAPTER_JSON, WEIGHTS, WEIGHTS_JSON, TOKEN_ROWS, METRICS, CONFIG, STATUS, TENSORBOARD, LOCK, MARKER, HISTORY, SAMPLES, LOSS_PLOT,
              checkpoint.DIRECTORY, MLRUNS, WANDB, *registry.FILES)  # fmt: skip
 # The longest name a run writes inside its directory, a checkpoint's temporary file, with room to spare.
 INSIDE = len(f"{checkpoint.DIRECTORY}/.tmp-step-000000000-00000000/optimizer.npz") + 32

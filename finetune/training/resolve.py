@@ -129,6 +129,7 @@ class Resolved:
             image_tokens=cfg.data.image_tokens,
             full=cfg.model.full,
             keep_base=cfg.model.full and train and self.method.scores_base(cfg.train),
+            added_tokens=tuple(cfg.model.add_tokens),
         )
 
     def settled(self, **decided: Decision) -> Resolved:

@@ -118,7 +118,7 @@ def open_on(directory: str | Path, chosen: str | None = None) -> Run:
 
 def load_model(run: Run):
     """(causal LM with the run's adapter, preprocessor), on the backend keras is loaded with (select_backend)."""
-    from finetune.model import builder
+    from finetune.model import builder, tokens
     from finetune.training import resolve
 
     resolved = resolve.finished(run.config)
@@ -131,7 +131,18 @@ def load_model(run: Run):
     # Checked before anything is assigned (keras-hub's load_lora_weights checks nothing), then assigned whole:
     # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
     adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))
+    if model.added is not None:  # --add-tokens: the tokenizer placed them where the run did, and their rows
+        tokens.check_place(model.added, run.adapter.get("added_tokens"), str(run.directory / outputs.ADAPTER_JSON))
+        tokens.assign_rows(model.lm.backbone, token_rows(run))
     return model.lm, model.preprocessor
+
+
+def token_rows(run: Run):
+    """The new tokens' rows of a run trained with --add-tokens (outputs.TOKEN_ROWS, checked)."""
+    if "added_tokens" not in run.adapter:
+        raise UserError(f"{run.directory / outputs.ADAPTER_JSON} names no added tokens, config.yaml does; "
+                        "copy adapter.json back from the run")  # fmt: skip
+    return adapter.read_token_rows(run.directory / outputs.TOKEN_ROWS, run.adapter)
 
 
 def checked_factors(run: Run, backbone) -> dict:

@@ -169,7 +169,8 @@ def _optimize(run: resolve.Resolved, trainer) -> None:
     train = run.config.train
     controls = optimizer.Controls(train.learning_rate, train.weight_decay, train.lr_schedule, run.warmup_steps,
                                   run.steps, train.grad_accum, train.clip_norm(), train.min_lr_ratio,
-                                  run.config.lora.plus_ratio)  # fmt: skip
+                                  run.config.lora.plus_ratio,
+                                  builder.embedding_ratio(train.embedding_lr, train.learning_rate))  # fmt: skip
     builder.train_with(trainer, controls)
 
 
@@ -373,6 +374,7 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
         outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
         outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
         **run.method.published(session.model.trainer),  # a reward model's head
+        **({outputs.TOKEN_ROWS: lambda p: adapter.save_token_rows(backbone, p)} if session.model.added else {}),
     }
 
 
