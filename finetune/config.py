@@ -329,9 +329,18 @@ class ModelConfig:
         "(the tiny presets, gemma3-270m, gemma3-1b); not with --quantize, DoRA or other LoRA settings.",
         flag="--full", panel=MODEL, default_text="LoRA",
     )  # fmt: skip
+    add_tokens: list[str] = setting(
+        [],
+        "New tokens, each one id from now on (a tool marker, a domain symbol): a Gemma tokenizer's <unusedN> "
+        "pieces are renamed (the vocabulary keeps its size), or pieces appended where it has none left; their "
+        "embedding rows train beside LoRA, starting from the mean of their text's pieces' rows, and every other "
+        "row stays as it was.",
+        flag="--add-tokens", panel=MODEL, metavar="TOKEN,...", check=_new_tokens, default_text="none",
+        label="--add-tokens",
+    )  # fmt: skip
 
     def conflicts(self, cfg: Config) -> Iterator[str]:
-        """What --full rules out: a quantized or 16-bit stored base, LoRA's own settings, and model parallelism."""
+        """What --full rules out: a quantized or 16-bit stored base, LoRA's settings, new tokens, model parallelism."""
         if not self.full:
             return
         if self.quantize is not None:
@@ -364,15 +373,6 @@ class ModelConfig:
                 "--full with --parallel model is not supported yet: only LoRA runs are built and tested sharded over "
                 "a model axis; use --parallel data, or drop --full"
             )
-    add_tokens: list[str] = setting(
-        [],
-        "New tokens, each one id from now on (a tool marker, a domain symbol): a Gemma tokenizer's <unusedN> "
-        "pieces are renamed (the vocabulary keeps its size), or pieces appended where it has none left; their "
-        "embedding rows train beside LoRA, starting from the mean of their text's pieces' rows, and every other "
-        "row stays as it was.",
-        flag="--add-tokens", panel=MODEL, metavar="TOKEN,...", check=_new_tokens, default_text="none",
-        label="--add-tokens",
-    )  # fmt: skip
 
 
 @documented
