@@ -344,6 +344,16 @@ def lora_model(precision="float32", quantize=None, remat=False, dropout=0.0):
     return lm, preprocessor
 
 
+def forward(model, x):
+    """model(x) as numpy, inference mode. On JAX through keras' jit-compiled predict (one program a shape): an eager
+    call there compiles each op of each shape on its own, which made an eager check of a few batches take a minute."""
+    import keras
+
+    if keras.config.backend() == "jax":
+        return model.predict_on_batch(x)
+    return keras.ops.convert_to_numpy(model(x))
+
+
 def lora_train_losses(lm, steps=6, learning_rate=1e-2):
     """The loss of each of `steps` steps of `lm` on packed_rows, 4 rows a batch. The files import it as
     `train_losses`, the name it had before these files shared it; a run's train_losses above reads history.csv."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 import pytest
-from conftest import float32_policy, lora_model
+from conftest import float32_policy, forward, lora_model
 
 from finetune.config import TrainConfig
 from finetune.data import batching, pair_batches, pair_packing
@@ -39,9 +39,8 @@ def full_logps(lm, arrays, pairs, whole=False):
     out = []
     for side in (arrays.chosen, arrays.rejected):
         side = {**side, "weights": side["padding_mask"].astype(np.float32)} if whole else side
-        logits = keras.ops.convert_to_numpy(
-            lm({"token_ids": side["token_ids"][pairs], "padding_mask": side["padding_mask"][pairs]})
-        ).astype(np.float64)
+        logits = forward(lm, {"token_ids": side["token_ids"][pairs], "padding_mask": side["padding_mask"][pairs]})
+        logits = logits.astype(np.float64)
         logits = logits - logits.max(-1, keepdims=True)
         log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         picked = np.take_along_axis(log_softmax, side["labels"][pairs][..., None], -1)[..., 0]
@@ -97,7 +96,7 @@ def test_each_pair_s_loss_is_its_paper_s_on_the_full_logits(method):
         feed = batching.Feed(length_step=16, inputs=builder.input_names(lm))
         width = pair_batches.target_width(arrays, 4)
         x, _, weights = pair_batches.inputs(arrays, pairs, width, feed, real)
-        got = keras.ops.convert_to_numpy(view(x))
+        got = forward(view, x)
         chosen, rejected = full_logps(lm, arrays, pairs[:3])
         whole = full_logps(lm, arrays, pairs[:3], whole=True)[0]
         expected = expected_losses(method, objective.beta, chosen, rejected, (-3.0, -5.0), objective.label_smoothing,
@@ -209,7 +208,7 @@ def test_a_step_s_metrics_are_means_over_its_real_pairs_when_a_micro_batch_is_al
         real = order.rows(1)
         assert len(real) == 2 and order.metric_weights(1) == [2, 0]
         x, _, _ = pair_batches.inputs(arrays, real, order.width, batching.Feed(inputs=feed.inputs))
-        expected = np.asarray(keras.ops.convert_to_numpy(trainer(x)), np.float64)[:2].mean(axis=0)
+        expected = np.asarray(forward(trainer, x), np.float64)[:2].mean(axis=0)
         hooks = loop.Hooks(loop.Evaluation(None), lambda progress: None, out=open(os.devnull, "w"))
         progress = loop.Loop(trainer, order, loop.Progress(step=1), loop.Plan(2, checkpoint_every=100), hooks).run()
         row = progress.rows[-1]
@@ -258,13 +257,18 @@ def test_packed_pairs_score_each_pair_as_unpacked(method):
         packed = pair_packing.pack(arrays, 2)
         assert len(packed.bundles) < 7 and packed.slots >= 2  # several pairs a micro-batch of 2 rows
         seen = []
+        # The unpacked batches in one shape (one program on JAX): as many pairs as the fullest bundle holds, the
+        # rest filler copies, each row the full 96 tokens.
+        most = max(len(bundle.pairs) for bundle in packed.bundles)
+        width, whole_rows = pair_batches.target_width(arrays, most), batching.Feed(inputs=feed.inputs)
         for bundle in packed.bundles:
             x, y, weights = pair_packing.inputs(packed, bundle, feed)
             held = len(bundle.pairs)
             assert x["token_ids"].shape[0] == 2 and y.shape == weights.shape == (2 * packed.slots, 7)
-            got = keras.ops.convert_to_numpy(view(x))
-            width = pair_batches.target_width(arrays, held)
-            unpacked = keras.ops.convert_to_numpy(view(pair_batches.inputs(arrays, bundle.pairs, width, feed)[0]))
+            got = forward(view, x)
+            pairs = np.concatenate([bundle.pairs, np.repeat(bundle.pairs[-1:], most - held)])
+            real = np.arange(most) < held
+            unpacked = forward(view, pair_batches.inputs(arrays, pairs, width, whole_rows, real)[0])
             np.testing.assert_allclose(got[:held], unpacked[:held], rtol=1e-5, atol=1e-5)
             assert weights[:, 0].tolist() == [1.0] * held + [0.0] * (2 * packed.slots - held)
             seen += bundle.pairs.tolist()
@@ -292,6 +296,6 @@ def test_packed_order_trains_every_pair_once_an_epoch_and_a_step_is_the_mean_ove
                       for x, y, w in order.micro_batches(step)]  # fmt: skip
             pairs = order.rows(step)
             x = pair_batches.inputs(arrays, pairs, pair_batches.target_width(arrays, len(pairs)), feed)[0]
-            expected = keras.ops.convert_to_numpy(trainer(x))[: len(pairs), 0].mean()
+            expected = forward(trainer, x)[: len(pairs), 0].mean()
             assert np.mean(losses) == pytest.approx(expected, rel=1e-5)
             assert sum(order.metric_weights(step)) == len(pairs)

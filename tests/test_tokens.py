@@ -53,6 +53,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokens")
     data = write_jsonl(root / "tools.jsonl", records())
     plain = train(root / "plain", data, "--add-tokens", ",".join(NEW), "--lr", "2e-2")
+    if BACKEND != "torch":  # CI time: the rate ratio's backend part is LoRA+'s (test_builder.py, every backend)
+        return plain, None
     settings = {
         "backend": BACKEND, "output.dir": str(root / "slow"), "data.path": str(data), "model.precision": "float32",
         "model.seq_len": 32, "train.batch_size": 4, "train.max_steps": 6, "train.samples": 0,
@@ -116,6 +118,7 @@ def test_a_new_token_is_one_id_in_training_eval_and_generate(runs):
     assert "<tool>" in answer[0], answer
 
 
+@neutral
 def test_embedding_lr_sets_how_far_the_new_rows_move(runs, base):
     plain, slow = runs
     start = start_rows(*base, NEW)
