@@ -93,7 +93,7 @@ def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoint(tmp_p
     result = invoke("gemma", *SHORT, "--output", out)
     assert result.exit_code == 2, result.output
     message = result.stderr
-    assert "out of memory at step 3 with batch 2, seq-len 64, rank 4" in message and "--batch-size" in message
+    assert "out of memory at step 3 with batch 2, seq-len 64, LoRA rank 4" in message and "--batch-size" in message
     assert "checkpoint at step 2 is kept" in message and "Traceback" not in result.output
     assert checkpoint.latest(out).step == 2 and outputs.read_status(out)["state"] == "failed"
 
