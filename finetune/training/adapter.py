@@ -213,21 +213,9 @@ def read(path: Path) -> dict:
             f"{path.parent} has no {path.name}, which says what its adapter was trained on (runs made before "
             f"finetune wrote it lack one);\nretrain it with: finetune gemma --recipe {path.parent / 'config.yaml'}"
         )
-    fix = "copy it back from the run that made the adapter"
-    try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror or e}); check its permissions") from None
-    described = documents.Document(documents.parse_json(text, str(path), fix), str(path), fix)
-    if described.value.get("format") != FORMAT:
-        raise UserError(f'{path} is not a finetune adapter description (no "format": "{FORMAT}")')
-    if described.value.get("format_version") != FORMAT_VERSION:
-        version = documents.shown(described.value.get("format_version"))
-        raise UserError(f"{path} has format version {version}; this finetune reads {FORMAT_VERSION}")
-    preset = described.section("preset")
-    preset.field("name", str)
-    preset.field("fingerprint", str)
-    preset.field("family", str, required=False)
+    described = described_base(
+        path, FORMAT, FORMAT_VERSION, "adapter", "copy it back from the run that made the adapter"
+    )
     described.field("rank", int, check=documents.at_least(1))
     described.field("alpha", float)
     described.items("targets", str)
@@ -246,6 +234,26 @@ def read(path: Path) -> dict:
         added.items("ids", int, check=documents.at_least(0))
         added.field("vocabulary", int, check=documents.at_least(1))
     return described.value
+
+
+def described_base(path: Path, fmt: str, version: int, what: str, fix: str) -> documents.Document:
+    """A run's description of what it trained (adapter.json, a --full run's model.json) read, refused when not
+    JSON, not of format `fmt` and `version`, or without its base preset's name and fingerprint."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e}); check its permissions") from None
+    described = documents.Document(documents.parse_json(text, str(path), fix), str(path), fix)
+    if described.value.get("format") != fmt:
+        raise UserError(f'{path} is not a finetune {what} description (no "format": "{fmt}")')
+    if described.value.get("format_version") != version:
+        shown = documents.shown(described.value.get("format_version"))
+        raise UserError(f"{path} has format version {shown}; this finetune reads {version}")
+    preset = described.section("preset")
+    preset.field("name", str)
+    preset.field("fingerprint", str)
+    preset.field("family", str, required=False)
+    return described
 
 
 def check_against_config(description: dict, cfg, path: Path) -> None:

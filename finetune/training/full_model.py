@@ -79,20 +79,7 @@ def read(path: Path) -> dict:
     """model.json, refused when missing, not JSON, not ours, or with a field not of the shape describe() writes."""
     if not path.is_file():
         raise UserError(f"{path.parent} has no {path.name}, which says what its trained weights are; {_FIX}")
-    try:
-        text = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror or e}); check its permissions") from None
-    described = documents.Document(documents.parse_json(text, str(path), _FIX), str(path), _FIX)
-    if described.value.get("format") != FORMAT:
-        raise UserError(f'{path} is not a finetune --full model description (no "format": "{FORMAT}")')
-    if described.value.get("format_version") != FORMAT_VERSION:
-        version = documents.shown(described.value.get("format_version"))
-        raise UserError(f"{path} has format version {version}; this finetune reads {FORMAT_VERSION}")
-    preset = described.section("preset")
-    preset.field("name", str)
-    preset.field("fingerprint", str)
-    preset.field("family", str, required=False)
+    described = adapter.described_base(path, FORMAT, FORMAT_VERSION, "--full model", _FIX)
     described.field("weights", int, check=documents.at_least(1))
     described.field("weights_sha256", str)
     return described.value
