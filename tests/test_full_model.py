@@ -310,34 +310,11 @@ def test_the_full_plan_is_within_15_percent_of_what_xla_allocates_for_the_train_
     """test_plan.py's small architecture (float32, batch 4 x 128), every weight trained: XLA's train step holds
     the weights and AdamW's moments (its arguments) and the gradients and activations (its temporaries). Its
     state is donated, as keras' JAX trainer donates it, so the new weights and moments reuse the old ones'."""
-    import jax
-    import keras
-    import keras_hub
+    from test_plan import xla_step_bytes
 
-    from finetune.data import batching, packing
-    from finetune.model import builder, presets
+    from finetune.model import builder
 
-    sizes = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=256, intermediate_dim=2048,
-                 head_dim=64, vocabulary_size=32768)  # fmt: skip
-    with float32_policy():
-        backbone = keras_hub.models.GemmaBackbone(**sizes, dtype="float32")
-        backbone.save_to_preset(str(tmp_path / "small"))
-        lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        builder.train_every_weight(lm)
-        trainer = builder.compile(lm, 1e-3, 0.0)
-        pairs = [(f"Instruction:\nName {i} things.\n\nResponse:\n", "thing " * 30) for i in range(16)]
-        examples, _ = batching.tokenize(pairs, presets.tiny_tokenizer(), 128)
-        x, y, w = batching.TrainOrder(packing.pack(examples, 128), 4, seed=0).batch(0)
-        trainer.train_on_batch(x, y, sample_weight=w)  # builds AdamW
-        state = tuple(
-            [v.value for v in variables]
-            for variables in (trainer.trainable_variables, trainer.non_trainable_variables,
-                              trainer.optimizer.variables, trainer.metrics_variables)
-        )  # fmt: skip
-        step = jax.jit(trainer.train_step, donate_argnums=0)
-        analysis = step.lower(state, (x, y, w)).compile().memory_analysis()
-    del keras
-    measured = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+    measured = xla_step_bytes(tmp_path, builder.train_every_weight, donate=True)
     cfg = config.load(None, {"model.preset": str(tmp_path / "small"), "model.precision": "float32", "model.full": True,
                              "model.seq_len": 128, "train.batch_size": 4, "model.remat": "off"})  # fmt: skip
     planned = plan.make(cfg).memory
