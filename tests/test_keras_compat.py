@@ -208,9 +208,17 @@ def test_keras_collects_garbage_when_a_layer_deletes_a_variable_and_the_build_sc
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(gc.get_freeze_count()) or 0)
+    monkeypatch.setattr(keras_compat, "FULL_COLLECTION_FIRST", True)  # as a user's process has it
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
     with keras_compat.collections_of_new_objects_only():
         del layer._kernel  # what a quantized build does to each float kernel
     assert len(calls) == 2 and calls[1] > 0  # its own collection before freezing, then keras' over the rest
     assert gc.get_freeze_count() == 0  # unfrozen on the way out
+    # The suite's setting: keras' collection alone, over the objects made inside.
+    monkeypatch.setattr(keras_compat, "FULL_COLLECTION_FIRST", False)
+    calls.clear()
+    layer.build((None, 3))
+    with keras_compat.collections_of_new_objects_only():
+        del layer._kernel
+    assert len(calls) == 1 and calls[0] > 0 and gc.get_freeze_count() == 0

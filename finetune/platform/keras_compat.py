@@ -130,6 +130,13 @@ def set_seed_leaving_tensorflow_alone(seed: int) -> None:
         tf.random.set_seed = original
 
 
+FULL_COLLECTION_FIRST = True
+"""Whether collections_of_new_objects_only starts with a full collection: it frees the garbage of what came
+before (a notebook's previous model and its device buffers) before the build loads the next. It walks every
+object of the process: in a test worker that has built hundreds of models on TensorFlow, 14 s a build. The test
+suite turns it off (tests/conftest.py); what came before is then collected by Python's own collections."""
+
+
 @contextlib.contextmanager
 def collections_of_new_objects_only():
     """Within it, the garbage collections keras runs scan only the objects made inside it.
@@ -144,7 +151,8 @@ def collections_of_new_objects_only():
     """
     import gc
 
-    gc.collect()
+    if FULL_COLLECTION_FIRST:
+        gc.collect()
     gc.freeze()
     try:
         yield
