@@ -218,6 +218,7 @@ def test_keras_collects_garbage_when_a_layer_deletes_a_variable_and_the_build_sc
     # The suite's setting: keras' collection alone, over the objects made inside.
     monkeypatch.setattr(keras_compat, "FULL_COLLECTION_FIRST", False)
     calls.clear()
+    layer = keras.layers.Dense(2)
     layer.build((None, 3))
     with keras_compat.collections_of_new_objects_only():
         del layer._kernel
