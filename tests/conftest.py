@@ -23,13 +23,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="finetune-tests-jax-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-# XLA's CPU backend at LLVM optimization level 0: the suite's programs are the same HLO, compiled about twice as
-# fast (a tiny run on JAX: 13.7 s -> 8.7 s, tiny-gemma4: 32.7 s -> 15.4 s) and run slower, which tiny models do
-# not feel. Only the machine code's optimization changes; what each test asserts does not depend on it. Inherited
-# by the workers and the processes they start; a test that sets XLA_FLAGS itself adds to it (XLA_TEST_FLAGS).
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
-if XLA_TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 
 BACKEND = os.environ["KERAS_BACKEND"]
 REPO = Path(__file__).resolve().parent.parent

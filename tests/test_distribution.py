@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BACKEND, REPO, XLA_TEST_FLAGS
+from conftest import BACKEND, REPO
 
 from finetune.config import DistributionConfig
 from finetune.model import distribution
@@ -170,9 +170,7 @@ def test_parallel_needs_jax_and_an_explicit_batch(tiny_args, tmp_path):
 
 
 def _env(devices: int, **extra) -> dict:
-    env = dict(
-        os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}"
-    )
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env

@@ -24,16 +24,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import (
-    BACKEND,
-    REPO,
-    XLA_TEST_FLAGS,
-    adapter_arrays,
-    invoke,
-    killed_after,
-    make_records,
-    write_jsonl,
-)
+from conftest import BACKEND, REPO, adapter_arrays, invoke, killed_after, make_records, write_jsonl
 from test_grpo import story_prompts
 from test_preference_runs import learnable_pairs
 
@@ -319,11 +310,7 @@ def parallel_runs(data, tmp_path_factory):
         ("job", 1, {**job, "distribution.process_id": 0}, ["dpo"]),
         ("job 1", 1, {**job, "distribution.process_id": 1}, ["dpo"]),
     ):
-        env = dict(
-            os.environ,
-            KERAS_BACKEND="jax",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {XLA_TEST_FLAGS}",
-        )
+        env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
         (root / f"tmp-{name}").mkdir()
         env["TMPDIR"] = str(root / f"tmp-{name}")  # process 1's scratch run directory
