@@ -215,6 +215,12 @@ def test_keras_collects_garbage_when_a_layer_deletes_a_variable_and_the_build_sc
         del layer._kernel  # what a quantized build does to each float kernel
     assert len(calls) == 2 and calls[1] > 0  # its own collection before freezing, then keras' over the rest
     assert gc.get_freeze_count() == 0  # unfrozen on the way out
+    # A user's process has it on: only this suite turns it off (conftest), so read it where no conftest ran.
+    import subprocess
+    import sys
+
+    read = "from finetune.platform import keras_compat; print(keras_compat.FULL_COLLECTION_FIRST)"
+    assert subprocess.run([sys.executable, "-c", read], capture_output=True, text=True).stdout.strip() == "True"
     # The suite's setting: keras' collection alone, over the objects made inside.
     monkeypatch.setattr(keras_compat, "FULL_COLLECTION_FIRST", False)
     calls.clear()
