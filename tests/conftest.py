@@ -417,6 +417,64 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+# --- the workers' schedule: the longest files first ----------------------------------------------------------
+# `--dist loadfile` (pyproject.toml) keeps a file's tests on one worker, so that its module fixtures are made once.
+# xdist hands out the files with the most tests first, which left the PyTorch suite's two slowest files, one test
+# each (a torch.compile of the tiny model, 118 s, and the GPU check's dry run, 62 s), for the end: one worker ran
+# them for two minutes while the other sat idle. Each worker is given instead the file that took longest in the
+# last measured run of this backend (tests/durations.json); a file not in it counts a second a test. The order
+# changes no test's outcome. `--store-durations` rewrites this backend's entry from the run just made.
+DURATIONS = TESTS / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true", help=f"write each file's seconds to {DURATIONS.name}")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    try:
+        seconds = json.loads(DURATIONS.read_text(encoding="utf-8")).get(BACKEND, {})
+    except (OSError, ValueError):
+        seconds = {}
+
+    class LongestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            longest_first(self.workqueue, seconds)
+            super()._assign_work_unit(node)  # hands out the workqueue's first file
+
+    return LongestFileFirst(config, log)
+
+
+def longest_first(workqueue, seconds: dict) -> None:
+    """Move the file expected to take longest to the front of xdist's workqueue (file -> {test id: done})."""
+    longest = max(workqueue, key=lambda path: seconds.get(path, len(workqueue[path])))
+    workqueue.move_to_end(longest, last=False)
+
+
+_file_seconds: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller (or a run without workers) adds them up
+        path = report.nodeid.split("::", 1)[0]
+        _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if not session.config.getoption("store_durations", False) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        stored = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stored = {}
+    stored[BACKEND] = {path: round(s, 1) for path, s in _file_seconds.items()}
+    DURATIONS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
 # --- a killed run: tests/test_families.py, tests/test_images.py ---------------------------------------------
 
 
