@@ -28,13 +28,14 @@ def test_tensorboard_log_writes_train_and_eval_tensorboard_scalars(tmp_path):
 
 def test_a_run_imports_its_backend_s_framework_alone(tmp_path, small_data, tiny_args, backend_name):
     """The CLI's run, from start to saved adapter, in its own process: no other framework is imported (keras-hub
-    would import TensorFlow, 590 MiB, and keras JAX, 105 MiB, for nothing)."""
+    would import TensorFlow, 590 MiB, and keras JAX, 105 MiB, for nothing), nor nltk, which keras-hub's ROUGE
+    scorer imports and a run that scores no ROUGE-L never uses (backend.DEFERRED_IMPORTS)."""
     import subprocess
     import sys
 
     code = (
         "import sys, runpy, atexit; sys.argv = sys.argv[1:]; "
-        "atexit.register(lambda: print('LOADED', sorted(m for m in ('jax', 'tensorflow', 'torch') "
+        "atexit.register(lambda: print('LOADED', sorted(m for m in ('jax', 'tensorflow', 'torch', 'nltk') "
         "if sys.modules.get(m) is not None))); "
         "runpy.run_module('finetune', run_name='__main__')"
     )

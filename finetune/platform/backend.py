@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
+import importlib.util
 import os
 import resource
 import sys
 import time
+import types
 from pathlib import Path
 
 from finetune.platform import keras_compat
@@ -49,8 +52,49 @@ def loss_chunk(vocabulary_size: int) -> int:
     return max(16, min(LOSS_CHUNK_MAX, fit // 16 * 16))
 
 
+# Modules keras and keras-hub import at their own import, for features a run may never use: ROUGE's scorer (keras-hub's
+# metrics; it imports nltk and scipy.stats) and pyplot (keras' image gallery). They were 2.1 s of the 5.5 s a
+# `finetune` command took to import keras and keras-hub on JAX (2 cores, Intel Xeon). In a process of our own each
+# is a stand-in until first used (scoring.rouge_l, keras-hub's RougeL, the loss plot), which then imports it.
+DEFERRED_IMPORTS = ("rouge_score.rouge_scorer", "matplotlib.pyplot")
+
+
+class _Deferred(types.ModuleType):
+    """Stands in for a module not imported yet, in sys.modules and as its package's attribute, with the module's
+    spec and file (what `import`, importlib.util.find_spec and inspect.getmodule read of every module); the first
+    other attribute asked of it imports the module, which then replaces it, and is read through it after."""
+
+    def __init__(self, spec):
+        super().__init__(spec.name)
+        self.__spec__, self.__loader__, self.__file__ = spec, spec.loader, spec.origin
+
+    def __getattr__(self, attribute):
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), attribute)
+
+
+def defer_imports_keras_makes() -> list[str]:
+    """Put a stand-in for each of DEFERRED_IMPORTS not imported yet, before keras is; returns their names."""
+    if "keras" in sys.modules:
+        return []
+    deferred = []
+    for name in DEFERRED_IMPORTS:
+        parent, _, child = name.rpartition(".")
+        if name in sys.modules or importlib.util.find_spec(parent) is None:
+            continue
+        spec = importlib.util.find_spec(name)  # imports the package, not the module
+        if spec is None or hasattr(sys.modules[parent], child):
+            continue
+        sys.modules[name] = stand_in = _Deferred(spec)
+        setattr(sys.modules[parent], child, stand_in)
+        deferred.append(name)
+    return deferred
+
+
 # Set by the processes finetune owns (the CLI, a bench row), never by the Python API: a notebook that goes on to
-# import another framework for its own work must be able to.
+# import another framework for its own work must be able to, and gets pyplot and ROUGE's scorer as they are, not
+# DEFERRED_IMPORTS' stand-ins.
 LEAVE_OUT_OTHER_FRAMEWORKS = False
 
 # The modules of each framework that another backend's process would import for nothing.
@@ -101,13 +145,13 @@ def select(backend: str, xla_mem_fraction: float = 1.0, needed: tuple[str, ...] 
                 f"cannot be chosen; choose {current} instead, or restart the kernel and call finetune before "
                 "importing keras"
             )
-    import importlib.util
 
     if importlib.util.find_spec(backend) is None:
         raise UserError(f"the {backend} backend is not installed; pip install 'finetune[{backend}]'")
     os.environ["KERAS_BACKEND"] = backend
     tweaks = {"KERAS_BACKEND": backend}
     if LEAVE_OUT_OTHER_FRAMEWORKS:
+        defer_imports_keras_makes()
         left_out = leave_out_other_frameworks(backend, needed)
         if left_out:
             tweaks["frameworks_left_out"] = ", ".join(left_out)
