@@ -261,10 +261,14 @@ def tiny_args():
 
 runner = CliRunner()
 TESTS = Path(__file__).resolve().parent
-# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps.
+# 8 steps of batch 2 on 40 records (38 to train: 19 steps an epoch); a checkpoint every 2 steps. No samples: these
+# runs are stopped, resumed and compared, and generating a sample before and after training took 6 s a run on
+# TensorFlow (tracing its generate function) for nothing they check. The samples have tests of their own, on every
+# backend: tiny_args' runs (samples.md beside the user's files), test_train's, test_storage's, and test_loop's Ctrl-C
+# while generating them.
 SHORT = [
     "--preset", "tiny", "--backend", BACKEND, "--seq-len", "64", "--batch-size", "2", "--max-records", "40",
-    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=1", "--set", "train.max_new_tokens=4",
+    "--max-steps", "8", "--checkpoint-every", "2", "--set", "train.samples=0",
 ]  # fmt: skip
 
 
