@@ -435,6 +435,7 @@ def pytest_addoption(parser):
     parser.addoption("--store-durations", action="store_true", help=f"write each file's seconds to {DURATIONS.name}")
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None

@@ -74,11 +74,12 @@ NO_TEST_FILE = {
     "classify_view": "the view a classifier trains through: test_classify.py trains it on every backend",
     "chat": "the chat templates' renderer: test_chat_templates.py checks it against transformers' and trains on it",
 }
-END_TO_END = {  # test files of the whole package rather than one module; most run the CLI or API end to end
+END_TO_END = {  # test files of the whole package (or of the suite: test_suite) rather than one module; most run the
+    # CLI or API end to end
     "test_api", "test_image_tokens", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
     "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl", "test_chat_templates",
-    "test_compiled_step", "test_gpu_check",
+    "test_compiled_step", "test_gpu_check", "test_suite",
 }  # fmt: skip
 
 
