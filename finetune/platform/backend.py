@@ -53,9 +53,10 @@ def loss_chunk(vocabulary_size: int) -> int:
 
 
 # Modules keras and keras-hub import at their own import, for features a run may never use: ROUGE's scorer (keras-hub's
-# metrics; it imports nltk and scipy.stats) and pyplot (keras' image gallery). They were 2.1 s of the 5.5 s a
-# `finetune` command took to import keras and keras-hub on JAX (2 cores, Intel Xeon). In a process of our own each
-# is a stand-in until first used (scoring.rouge_l, keras-hub's RougeL, the loss plot), which then imports it.
+# metrics; it imports nltk and scipy.stats) and pyplot (keras' image gallery). They were 2 s of the 6 s a `finetune`
+# command took to import keras and keras-hub on JAX (2 cores, Intel Xeon): 1.3 s ROUGE's, which only `eval
+# --generate` uses, and the rest pyplot's, which a training run's loss plot imports at its end. In a process of our
+# own each is a stand-in until first used (scoring.rouge_l, keras-hub's RougeL, the loss plot), which imports it.
 DEFERRED_IMPORTS = ("rouge_score.rouge_scorer", "matplotlib.pyplot")
 
 
