@@ -446,9 +446,13 @@ def pytest_xdist_make_scheduler(config, log):
     except (OSError, ValueError):
         seconds = {}
 
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):
+        return None  # an xdist whose scheduler is built otherwise (pyproject asks >=3.5): its own order
+
     class LongestFileFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
-            longest_first(self.workqueue, seconds)
+            if hasattr(self.workqueue, "move_to_end"):
+                longest_first(self.workqueue, seconds)
             super()._assign_work_unit(node)  # hands out the workqueue's first file
 
     return LongestFileFirst(config, log)
