@@ -431,6 +431,14 @@ def pytest_collection_modifyitems(config, items):
 DURATIONS = TESTS / "durations.json"
 
 
+def stored_durations() -> dict:
+    """backend -> {test file: seconds} from DURATIONS; empty where it is missing or unreadable."""
+    try:
+        return json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def pytest_addoption(parser):
     parser.addoption("--store-durations", action="store_true", help=f"write each file's seconds to {DURATIONS.name}")
 
@@ -441,10 +449,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    try:
-        seconds = json.loads(DURATIONS.read_text(encoding="utf-8")).get(BACKEND, {})
-    except (OSError, ValueError):
-        seconds = {}
+    seconds = stored_durations().get(BACKEND, {})
 
     if not hasattr(LoadFileScheduling, "_assign_work_unit"):
         return None  # an xdist whose scheduler is built otherwise (pyproject asks >=3.5): its own order
@@ -476,10 +481,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     if not session.config.getoption("store_durations", False) or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    try:
-        stored = json.loads(DURATIONS.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        stored = {}
+    stored = stored_durations()
     stored[BACKEND] = {path: round(s, 1) for path, s in _file_seconds.items()}
     DURATIONS.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 

@@ -1,16 +1,15 @@
 """The suite's own machinery (tests/conftest.py): the order its workers take the test files in."""
 
-import json
 from collections import OrderedDict
 
 import pytest
-from conftest import DURATIONS, TESTS, longest_first
+from conftest import TESTS, longest_first, stored_durations
 
 pytestmark = pytest.mark.one_backend
 
 
 def test_the_stored_durations_name_test_files_that_exist():
-    stored = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    stored = stored_durations()
     assert set(stored) == {"jax", "torch", "tensorflow"}
     for backend, seconds in stored.items():
         missing = [path for path in seconds if not (TESTS.parent / path).is_file()]
