@@ -111,6 +111,11 @@ def test_the_mfu_gives_the_datasheet_s_denominator_on_a_known_gpu():
     assert bench.datasheet_gflops("gpu (Tesla T4)", "bfloat16") is None  # no bf16 units
     assert bench.datasheet_gflops("gpu (NVIDIA L40S)", "bfloat16") is None  # not an L4
     assert bench.datasheet_gflops("cpu (Intel Xeon, 2 cores)", "float32") is None
+    # float32 matmuls run in TF32 on a GPU (backend.apply_tweaks): an H200 measured 335 TFLOP/s in float32, so
+    # plain float32's 67 would put a float32 row's MFU* over 100%. The T4 has no TF32.
+    measured_h200_float32 = 335_679
+    assert bench.datasheet_gflops("gpu (NVIDIA H200)", "float32") > measured_h200_float32
+    assert bench.datasheet_gflops("gpu (Tesla T4)", "float32") == 8_100
     peaks = {"bfloat16": {"gflops": 600_000.0, "backend": "jax", "by_backend": {"jax": 600_000.0},
                           "device": "gpu (NVIDIA H200)"}}  # fmt: skip
     rows = [dict(row("jax", 40_000), vocab=256000)]
