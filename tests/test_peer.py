@@ -25,15 +25,15 @@ FLEX = "torch.nn.attention.flex_attention"
 @pytest.mark.parametrize(
     "device, present, names",
     [
-        ("cuda", ("flash_attn", FLEX, "liger_kernel"), ["flash+liger", "sdpa"]),
-        ("cuda", (FLEX, "liger_kernel"), ["flex+liger", "sdpa"]),
+        ("cuda", ("flash_attn", FLEX, "liger_kernel"), ["flash+liger", "flash", "sdpa"]),
+        ("cuda", (FLEX, "liger_kernel"), ["flex+liger", "flex", "sdpa"]),
         ("cuda", (FLEX,), ["flex", "sdpa"]),
         ("cuda", ("liger_kernel",), ["sdpa+liger", "sdpa"]),
         ("cuda", (), ["sdpa"]),
         ("cpu", ("flash_attn", FLEX, "liger_kernel"), ["sdpa"]),  # all three are CUDA kernels
     ],
 )
-def test_the_strongest_setup_installed_comes_first_then_the_sdpa_floor(device, present, names, monkeypatch):
+def test_the_strongest_setup_installed_comes_first_then_without_liger_then_the_sdpa_floor(device, present, names, monkeypatch):
     _installed_only(monkeypatch, *present)
     assert [setup.name for setup in peer.setups(device)] == names
     assert [peer.Setup.named(name).name for name in names] == names
@@ -50,7 +50,7 @@ def test_the_bench_gives_one_hf_row_per_setup_and_the_verdict_names_the_fastest(
     _installed_only(monkeypatch, FLEX, "liger_kernel")
     monkeypatch.setattr(peer, "device", lambda: "cuda")
     specs = bench.hf_specs(bench.Workload(), ["precision"])
-    assert [(s.setup, s.lever) for s in specs] == [("flex+liger", None), ("sdpa", None), ("flex+liger", "precision")]
+    assert [(s.setup, s.lever) for s in specs] == [("flex+liger", None), ("flex", None), ("sdpa", None), ("flex+liger", "precision")]
     assert [s.setup for s in bench.hf_specs(bench.Workload(peer="sdpa"), [])] == ["sdpa"]
     assert peer.Setup("flex", True).settings("bfloat16") == (
         "transformers + PEFT, padding-free on flex attention (document mask), Liger fused linear CE, bfloat16 base, "
@@ -118,3 +118,21 @@ def test_flex_attention_s_document_mask_gives_the_block_diagonal_loss():
         assert model.config._attn_implementation == peer.Setup(name).implementation
         losses[name] = _loss(model, inputs)
     assert losses["flex"] == pytest.approx(losses["sdpa"], abs=1e-5)
+
+
+def test_every_step_has_one_width_and_its_own_seconds():
+    """Rows are padded to seq_len (a compiled attention kernel sees one shape), the padding is an untrained
+    document of its own, and each timed step's seconds are kept."""
+    lengths = [60, 50, 40, 30, 20, 10, 5, 3]  # four rows of 64: two steps of two
+    steps = peer.batches(_examples(lengths), 64, 2)
+    assert len(steps) == 2 and {tuple(inputs["input_ids"].shape) for inputs, _ in steps} == {(2, 64)}
+    assert sum(trained for _, trained in steps) == sum(lengths) - len(lengths)
+    for inputs, _ in steps:
+        for ids, positions, labels in zip(inputs["input_ids"], inputs["position_ids"], inputs["labels"]):
+            used = int((ids != 0).sum())  # the examples' ids are 3 and up; the padding's are 0
+            tail = 64 - used
+            assert (positions[used:] == torch.arange(tail)).all() and (labels[used:] == -100).all()
+    model = peer.build(bench.ARCHS["tiny"], 300, 4, "float32")
+    done = peer.train(model, steps, warmup=1, timed=2, dtype="float32")
+    assert len(done["losses"]) == 3 and len(done["step_seconds"]) == 2
+    assert done["seconds"] == pytest.approx(sum(done["step_seconds"])) and min(done["step_seconds"]) > 0

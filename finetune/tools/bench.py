@@ -527,6 +527,7 @@ def _work_hf(spec: Spec) -> dict:
     positions = sum(int(inputs["input_ids"].numel()) for inputs, _ in steps[w.warmup : w.warmup + w.steps])
     result = _measured(done["losses"], done["seconds"], done["tokens"], max(positions, done["tokens"]))
     result.update(
+        step_seconds=[round(s, 4) for s in done["step_seconds"]],
         backend="torch",
         recipe="hf",
         lever=spec.lever,

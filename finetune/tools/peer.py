@@ -11,9 +11,10 @@ Hugging Face setup does it:
   in float32 (PEFT's default), the forward under torch.autocast in that dtype,
   as TRL's `bf16=True`/`fp16=True`;
 - examples packed best-fit decreasing into rows of seq_len, each row padded
-  only to the longest row of its batch; position ids restart at 0 for each
-  example and no attention mask is passed (TRL's padding-free packing), so
-  no example attends to another;
+  to seq_len as finetune's are (one shape every step: a compiled kernel is
+  built once); position ids restart at 0 for each example and no attention
+  mask is passed (TRL's padding-free packing), so no example attends to
+  another;
 - the loss over every token but each example's first, as TRL trains
   completion data by default.
 
@@ -35,7 +36,10 @@ On CUDA, where `liger_kernel` is installed, the strongest setup also computes
 the loss with Liger's fused linear cross-entropy (the vocabulary projection and
 the loss in chunks, no logits kept): Liger's Gemma patch on the model instance,
 its loss path alone (LIGER), so the RMSNorm, GeGLU and rope stay transformers'.
-The sdpa floor keeps transformers' loss, today's peer as it was.
+The same attention without Liger is a row of its own, so what Liger buys is
+measured, not assumed (on one H200 the flex+liger row trained 929 tokens/s
+where a flex run without it had trained 31k). The sdpa floor keeps
+transformers' loss, today's peer as it was.
 
 It runs on the torch backend's process and needs transformers and peft
 (`pip install 'finetune[hf]'`).
@@ -103,8 +107,8 @@ def available() -> bool:
 
 
 def setups(device: str, half: bool = True, choice: str = "auto") -> list[Setup]:
-    """The setups the bench trains on `device` (cuda or cpu), the strongest first; with `choice` auto, the sdpa
-    floor after it where it differs. half: the base computes in bf16 or float16 (FlashAttention-2 takes no
+    """The setups the bench trains on `device` (cuda or cpu), the strongest first; with `choice` auto, the same
+    attention without Liger where Liger is installed, then the sdpa floor where it differs. half: the base computes in bf16 or float16 (FlashAttention-2 takes no
     float32). A `choice` not installed here is a UserError saying what it needs."""
     cuda = device == "cuda"
     liger = cuda and _installed("liger_kernel")
@@ -115,8 +119,8 @@ def setups(device: str, half: bool = True, choice: str = "auto") -> list[Setup]:
     }
     if choice == "auto":
         best = next(attention for attention in ("flash", "flex", "sdpa") if present[attention])
-        strongest = Setup(best, liger)
-        return [strongest] if strongest == Setup("sdpa") else [strongest, Setup("sdpa")]
+        found = [Setup(best, True)] if liger else []
+        return found + [Setup(best)] + ([Setup("sdpa")] if best != "sdpa" else [])
     if choice not in CHOICES:
         raise UserError(f"unknown --peer {choice!r}; choose from {', '.join(CHOICES)}")
     if not present[choice]:
@@ -179,7 +183,11 @@ def base(config: dict, vocabulary: int, dtype: str = "bfloat16", attention: str 
 
 
 def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
-    """(inputs, trained tokens) per step: packed rows, batch_size at a time, each padded to its batch's longest."""
+    """(inputs, trained tokens) per step: packed rows, batch_size at a time, each row padded to seq_len.
+
+    One width for every step, as finetune's rows have: a compiled attention kernel (flex attention, which
+    transformers compiles with torch.compile) is built for one shape, not again for each batch's longest row. A
+    row's padded tail is one more document (its position ids restart at 0) with no trained token."""
     import torch
 
     sequences = [example.token_ids[:seq_len] for example in examples]
@@ -187,7 +195,7 @@ def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
     out = []
     for start in range(0, len(rows) - batch_size + 1, batch_size):
         group = rows[start : start + batch_size]
-        width = max(sum(len(s) for s in row) for row in group)
+        width = seq_len
         ids = torch.zeros((len(group), width), dtype=torch.long)
         positions = torch.zeros_like(ids)
         labels = torch.full_like(ids, -100)
@@ -201,17 +209,19 @@ def batches(examples, seq_len: int, batch_size: int) -> list[tuple[dict, int]]:
                 labels[r, offset + 1 : offset + n] = ids[r, offset + 1 : offset + n]  # not across examples
                 offset += n
                 trained += n - 1
+            positions[r, offset:] = torch.arange(width - offset)  # the padding: a document of its own, untrained
         inputs = {"input_ids": ids, "position_ids": positions, "labels": labels}
         out.append(({name: tensor.to(device()) for name, tensor in inputs.items()}, trained))
     return out
 
 
 def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int, dtype: str = "bfloat16") -> dict:
-    """Warm-up steps, then `timed` timed steps; the tokens counted are each example's trained targets."""
+    """Warm-up steps, then `timed` timed steps; the tokens counted are each example's trained targets. Each timed
+    step's seconds are kept too: a step far slower than the others (a recompile, a kernel's autotuning) shows."""
     import torch
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
-    losses, seconds, tokens, kind = [], 0.0, 0, device()
+    losses, step_seconds, tokens, kind = [], [], 0, device()
     for step in range(warmup + timed):
         inputs, trained = steps[step % len(steps)]
         started = time.perf_counter()
@@ -222,6 +232,6 @@ def train(model, steps: list[tuple[dict, int]], warmup: int, timed: int, dtype: 
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))  # float() waits for the device
         if step >= warmup:
-            seconds += time.perf_counter() - started
+            step_seconds.append(time.perf_counter() - started)
             tokens += trained
-    return {"losses": losses, "seconds": seconds, "tokens": tokens}
+    return {"losses": losses, "seconds": sum(step_seconds), "tokens": tokens, "step_seconds": step_seconds}
