@@ -221,12 +221,32 @@ def test_rows_that_cannot_be_written_at_the_end_are_printed(tmp_path, monkeypatc
     def full_disk(path, write):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sys.modules["finetune.training.outputs"], "write_atomic", full_disk)
+    from finetune.training import outputs
+
+    monkeypatch.setattr(outputs, "write_atomic", full_disk)
     with pytest.raises(bench.UserError, match="could not write .*rows.json \\(No space left on device\\); the rows"):
         bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune"], [], json_path=str(out))
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index("[\n") :])[0]["tokens_per_s"] == 900
     assert not out.exists()
+
+
+def test_the_json_holds_each_finished_row_before_the_next_starts(tmp_path, monkeypatch):
+    """A bench stopped mid-way (a lent device's time limit) keeps the rows that finished."""
+    monkeypatch.setattr(bench, "measure_peaks", lambda backends: {})
+    done = dict(row(BACKEND, 900), settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
+    out = tmp_path / "rows.json"
+    seen = []
+
+    def worker(spec):
+        seen.append([r["recipe"] for r in json.loads(out.read_text())] if out.exists() else None)
+        return dict(done, recipe=spec.recipe)
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    bench.run(bench.Workload(arch="tiny"), [BACKEND], ["finetune", "tutorial"], [], json_path=str(out))
+    assert seen == [None, ["finetune"]]
+    assert [r["recipe"] for r in json.loads(out.read_text())] == ["finetune", "tutorial"]
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # no partial file left beside it
 
 
 def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):

@@ -33,7 +33,7 @@ FLEX = "torch.nn.attention.flex_attention"
         ("cpu", ("flash_attn", FLEX, "liger_kernel"), ["sdpa"]),  # all three are CUDA kernels
     ],
 )
-def test_the_strongest_setup_installed_comes_first_then_without_liger_then_the_sdpa_floor(device, present, names, monkeypatch):
+def test_the_strongest_setup_comes_first_then_without_liger_then_the_sdpa_floor(device, present, names, monkeypatch):
     _installed_only(monkeypatch, *present)
     assert [setup.name for setup in peer.setups(device)] == names
     assert [peer.Setup.named(name).name for name in names] == names
@@ -50,7 +50,12 @@ def test_the_bench_gives_one_hf_row_per_setup_and_the_verdict_names_the_fastest(
     _installed_only(monkeypatch, FLEX, "liger_kernel")
     monkeypatch.setattr(peer, "device", lambda: "cuda")
     specs = bench.hf_specs(bench.Workload(), ["precision"])
-    assert [(s.setup, s.lever) for s in specs] == [("flex+liger", None), ("flex", None), ("sdpa", None), ("flex+liger", "precision")]
+    assert [(s.setup, s.lever) for s in specs] == [
+        ("flex+liger", None),
+        ("flex", None),
+        ("sdpa", None),
+        ("flex+liger", "precision"),
+    ]
     assert [s.setup for s in bench.hf_specs(bench.Workload(peer="sdpa"), [])] == ["sdpa"]
     assert peer.Setup("flex", True).settings("bfloat16") == (
         "transformers + PEFT, padding-free on flex attention (document mask), Liger fused linear CE, bfloat16 base, "

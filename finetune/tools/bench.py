@@ -244,7 +244,6 @@ def run(
     """Run every row, one process each, one after another; print the table and the verdict."""
     check(workload, backends, recipes, levers)
     from finetune.platform import storage
-    from finetune.training import outputs
 
     for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
         if path is not None:  # written beside under a temporary name, then renamed (outputs.write_atomic)
@@ -271,6 +270,14 @@ def run(
                 pairs = (f" trained, {row['generation_tokens_per_s']:.0f} generated, {row['step_s']:.2f} s a step "
                          f"({row['generate_s']:.2f} s sampling)")  # fmt: skip
             print(f"  {row['tokens_per_s']:.0f} tokens/s{pairs}, loss {_loss(row)}", flush=True)
+        if json_path is not None and index < len(specs) and any("error" not in r for r in rows):
+            # the rows so far, so a bench stopped later (a device's time limit) keeps them
+            so_far = [dict(r) for r in rows]
+            add_mfu(so_far, workload, peaks)
+            try:
+                _write_json(so_far, json_path)
+            except UserError:  # the disk: said at the end, with every row printed
+                pass
     add_mfu(rows, workload, peaks)
     print()
     print(table(rows))
@@ -278,17 +285,27 @@ def run(
     print(verdict(rows))
     if all("error" in row for row in rows):  # nothing to write
         raise UserError(f"every bench row failed; the first: {rows[0]['error']}")
-    text = json.dumps(rows, indent=1, allow_nan=False) + "\n"
-    for path, write in ((json_path, lambda p: p.write_text(text, encoding="utf-8")),
-                        (plot_path, lambda p: plot(rows, p, workload))):  # fmt: skip
-        if path is None:
-            continue
-        try:
-            outputs.write_atomic(Path(path), write)
-        except OSError as e:  # the disk filled or changed during the bench: the rows are not lost
-            print(text, end="")
-            raise UserError(f"could not write {path} ({e.strerror or e}); the rows are printed above as JSON") from e
+    if json_path is not None:
+        _write_json(rows, json_path)
+    if plot_path is not None:
+        _write(plot_path, lambda p: plot(rows, p, workload), rows)
     return rows
+
+
+def _write_json(rows: list[dict], path: str) -> None:
+    text = json.dumps(rows, indent=1, allow_nan=False) + "\n"
+    _write(path, lambda p: p.write_text(text, encoding="utf-8"), rows)
+
+
+def _write(path: str, write, rows: list[dict]) -> None:
+    """`write` to `path` atomically; where the disk fails, the rows are printed as JSON and the error said."""
+    from finetune.training import outputs
+
+    try:
+        outputs.write_atomic(Path(path), write)
+    except OSError as e:  # the disk filled or changed during the bench: the rows are not lost
+        print(json.dumps(rows, indent=1, allow_nan=False))
+        raise UserError(f"could not write {path} ({e.strerror or e}); the rows are printed above as JSON") from e
 
 
 def run_worker(spec: Spec) -> dict:
