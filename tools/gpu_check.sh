@@ -15,6 +15,9 @@
 # the bench's data and tokenizer; carry both, and run
 #   DATA=.gpu/dolly-real-151.jsonl TOKENIZER=.gpu/bench.spm bash tools/gpu_check.sh --budget 470
 # with a time limit of about 590 s. Checked without TensorFlow on a CPU (a virtual environment without it).
+# The first run (an H200, 2026-11-27) finished in 503 s and held the device 537 s of its 900. A lent machine goes
+# back 30 s after a call: a second call for the benches not reached must be written before the first returns
+# and sent at once, or it starts a bare machine (the wheels installed again, a minute of start).
 #
 # Benches run in priority order and none starts after --budget seconds (default 450), so a device lent by the
 # minute returns what finished; each row also stops at FINETUNE_BENCH_ROW_SECONDS (default 150). The rows of
