@@ -108,8 +108,9 @@ def available() -> bool:
 
 def setups(device: str, half: bool = True, choice: str = "auto") -> list[Setup]:
     """The setups the bench trains on `device` (cuda or cpu), the strongest first; with `choice` auto, the same
-    attention without Liger where Liger is installed, then the sdpa floor where it differs. half: the base computes in bf16 or float16 (FlashAttention-2 takes no
-    float32). A `choice` not installed here is a UserError saying what it needs."""
+    attention without Liger where Liger is installed, then the sdpa floor where it differs. half: the base
+    computes in bf16 or float16 (FlashAttention-2 takes no float32). A `choice` not installed here is a
+    UserError saying what it needs."""
     cuda = device == "cuda"
     liger = cuda and _installed("liger_kernel")
     present = {
