@@ -46,6 +46,19 @@ def float32_policy():
         keras.config.set_dtype_policy(before)
 
 
+@pytest.fixture(autouse=True)
+def _keras_global_dtype_policy_restored():
+    """Each test starts from the global dtype policy the one before it found: a run in the test's process
+    applies its precision globally (`auto` is mixed_float16 or mixed_bfloat16 on some CPUs), and a test that
+    builds a layer read what the test before it had left, passing or failing by the order xdist chose."""
+    keras = sys.modules.get("keras")
+    before = keras.config.dtype_policy() if keras is not None else None
+    yield
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.config.set_dtype_policy(before if before is not None else "float32")  # keras' own default
+
+
 def tensorboard_scalars(log_dir) -> dict:
     """tag -> {step: value} of the TensorBoard event files in `log_dir`, read by TensorBoard's own loader (the
     tensorboard package, which reads them without TensorFlow); each must be a chart TensorBoard draws."""
