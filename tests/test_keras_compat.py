@@ -64,6 +64,51 @@ def test_float16_matmuls_stay_float16_on_a_cpu():
     assert keras.ops.matmul(x, torch.ones((3, 2), dtype=torch.float16)).dtype == torch.float16
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch convert_to_tensor only")
+@pytest.mark.parametrize(
+    "number", [True, 0, 3, -(2**31) - 1, 2**40, 0.1, -2.5, float(np.float64(1e-3)), np.float64(7.5)]
+)
+@pytest.mark.parametrize("dtype", [None, "bool", "int32", "int64", "float32", "bfloat16", "float16"])
+def test_a_python_number_filled_on_the_device_is_what_keras_copies_there(number, dtype):
+    """The fill (keras_compat.filled_number) gives keras' own tensor, value and dtype, for every number and dtype;
+    a float into an integer dtype is left to keras."""
+    import torch
+    from keras.src.backend.torch import core
+
+    filled = keras_compat.filled_number(number, dtype, "cpu")
+    if filled is None:
+        out_of_range = dtype == "int32" and not -(2**31) <= number < 2**31
+        assert (isinstance(number, float) and dtype in ("bool", "int32", "int64")) or out_of_range
+        return
+    copied = core.convert_to_tensor(number, dtype=dtype)  # keras' function, or the patch's on a CPU (keras')
+    assert filled.dtype == copied.dtype and filled.shape == copied.shape == torch.Size([])
+    assert torch.equal(filled, copied), (filled, copied)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch convert_to_tensor only")
+def test_numbers_are_filled_where_keras_runs_on_an_accelerator_and_copied_as_before_on_a_cpu(monkeypatch):
+    import sys
+
+    import torch
+    from keras.src.backend.torch import core
+
+    keras_compat.numbers_filled_on_the_device()
+    assert keras_compat.numbers_filled_on_the_device() is False  # once per process
+    patched = core.convert_to_tensor
+    assert patched.fills_numbers
+    for module in ("keras.src.backend", "keras.src.backend.torch.numpy", "keras.src.backend.torch.nn"):
+        assert sys.modules[module].convert_to_tensor is patched, module  # every binding of keras' function
+    # On a CPU, keras' own copy; on another device, a fill there (the meta device stands in for a GPU here).
+    x = torch.ones((2,), dtype=torch.bfloat16)
+    assert keras.ops.multiply(x, 0.5).tolist() == [0.5, 0.5]
+    assert str(patched(0.5).device) == "cpu"
+    monkeypatch.setattr(core, "get_device", lambda: "meta")
+    on_device = patched(0.5, dtype="bfloat16")
+    assert on_device.device.type == "meta" and on_device.dtype == torch.bfloat16
+    assert patched(True).dtype == torch.bool and patched(2**40).dtype == torch.int64
+    assert patched(2.5, dtype="int32").device.type == "meta"  # left to keras, which copies to the same device
+
+
 def test_the_seed_is_set_without_touching_tensorflows_on_another_backend(monkeypatch):
     import sys
 

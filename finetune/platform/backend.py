@@ -447,6 +447,9 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
 
         torch.set_float32_matmul_precision("high")
         tweaks["torch.float32_matmul_precision"] = "high"
+        if device != "cpu":  # Python numbers filled on the GPU, not copied with a wait (keras_compat)
+            keras_compat.numbers_filled_on_the_device()
+            tweaks["keras.convert_to_tensor"] = "Python numbers filled on the device"
         if device == "cpu":
             count, why = torch_threads(threads)
             torch.set_num_threads(count)

@@ -105,6 +105,64 @@ def keep_float16_matmuls() -> bool:
     return True
 
 
+def numbers_filled_on_the_device() -> bool:
+    """Keras' PyTorch convert_to_tensor makes a Python number a tensor on the device by copying it from the host;
+    make it fill the tensor there instead.
+
+    keras (3.15) calls torch.as_tensor(x, device=...), which builds the number on the host and copies it over:
+    on a GPU, a copy from pageable memory that then waits for the stream, every kernel queued before it
+    included. keras and keras-hub turn a Python number into a tensor about 17 times per decoder layer in a
+    training step (rope's constants, the attention's scale, the masks' fill values, LoRA's scale, softmax's
+    where), so the host waited on the GPU some 320 times in each gemma-2b step, and the host's work and the
+    GPU's never overlapped (PyTorch at 12.6 ms per layer on an H200, BENCHMARKS.md). torch.full makes the same
+    tensor with a fill kernel: no copy, no wait. Python numbers only, with keras' own dtype rule
+    (_number_dtype); arrays still copy, and on a CPU keras' function runs as it was. Every binding of keras'
+    function in keras' modules is replaced. Returns whether it was replaced (once per process).
+    """
+    from keras.src.backend.torch import core
+
+    original = core.convert_to_tensor
+    if getattr(original, "fills_numbers", False):
+        return False
+
+    def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
+        if isinstance(x, (bool, int, float)) and not sparse and not ragged:
+            device = core.get_device()
+            if not str(device).startswith("cpu"):
+                filled = filled_number(x, dtype, device)
+                if filled is not None:
+                    return filled
+        return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
+
+    convert_to_tensor.fills_numbers = True
+    for name, module in list(sys.modules.items()):
+        if name.startswith("keras") and getattr(module, "convert_to_tensor", None) is original:
+            module.convert_to_tensor = convert_to_tensor
+    return True
+
+
+def filled_number(x, dtype, device):
+    """The Python number `x` as keras' PyTorch convert_to_tensor makes it (its dtype rule), filled on `device`; None
+    where a fill could differ from keras' copy (a float into an integer dtype, an integer out of its range)."""
+    import torch
+    from keras.src.backend.torch import core
+
+    if dtype is not None:
+        torch_dtype = core.to_torch_dtype(dtype)
+    elif isinstance(x, bool):
+        torch_dtype = torch.bool
+    elif isinstance(x, int):
+        torch_dtype = torch.int64 if x < -(2**31) or x >= 2**31 else torch.int32
+    else:
+        torch_dtype = core.to_torch_dtype(core.floatx())
+    if isinstance(x, float) and not (torch_dtype.is_floating_point or torch_dtype.is_complex):
+        return None
+    try:
+        return torch.full((), x, dtype=torch_dtype, device=device)
+    except RuntimeError:  # an integer out of the dtype's range, which keras' copy wraps: left to keras
+        return None
+
+
 def set_seed_leaving_tensorflow_alone(seed: int) -> None:
     """keras.utils.set_random_seed, leaving TensorFlow's own seed alone on the other backends.
 
