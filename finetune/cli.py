@@ -482,7 +482,9 @@ def bench(
         show_default=False,
     ),
     levers: str = typer.Option(
-        "", help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat."
+        "",
+        help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat, compile, "
+        "copies (PyTorch: keras' own copy of Python numbers to the GPU).",
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),

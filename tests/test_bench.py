@@ -249,6 +249,23 @@ def test_the_json_holds_each_finished_row_before_the_next_starts(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # no partial file left beside it
 
 
+@pytest.mark.one_backend
+def test_the_copies_lever_is_a_row_of_pytorch_alone(monkeypatch):
+    """`copies` (keras' own copy of each Python number to the GPU, against finetune's fill) is a PyTorch matter;
+    `compile` is not JAX's, which always compiles."""
+    monkeypatch.setattr(bench, "measure_peaks", lambda backends: {})
+    specs = []
+
+    def worker(spec):
+        specs.append((spec.backend, spec.lever))
+        return dict(row(spec.backend, 900), settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    bench.run(bench.Workload(arch="tiny"), ["jax", "torch"], ["finetune"], ["copies", "compile"])
+    assert specs == [("jax", None), ("torch", None), ("torch", "copies"), ("torch", "compile")]
+    assert bench._label({"recipe": "finetune", "lever": "copies"}) == "finetune, numbers copied"
+
+
 def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):
     bench.plot([dict(row(BACKEND, 900), losses=[2.0, 1.5])], tmp_path / "speed", bench.Workload(arch="tiny"))
     assert (tmp_path / "speed").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "speed.png").exists()

@@ -430,10 +430,12 @@ def set_seed(seed: int) -> None:
     keras_compat.set_seed_leaving_tensorflow_alone(seed)
 
 
-def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
+def apply_runtime_tweaks(precision: str, threads: int | None = None, fill_numbers: bool = True) -> dict:
     """TF32 matmuls, PyTorch's CPU threads and the dtype policy; returns the tweaks applied.
 
     threads: int. PyTorch on a CPU: intra-op threads; None picks the idle physical cores.
+    fill_numbers: PyTorch on a GPU: Python numbers filled on the device (keras_compat); False keeps keras' copy
+    (the bench's `copies` lever, to measure what the fill buys).
     """
     import keras
 
@@ -447,7 +449,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None) -> dict:
 
         torch.set_float32_matmul_precision("high")
         tweaks["torch.float32_matmul_precision"] = "high"
-        if device != "cpu":  # Python numbers filled on the GPU, not copied with a wait (keras_compat)
+        if device != "cpu" and fill_numbers:  # Python numbers filled on the GPU, not copied with a wait
             keras_compat.numbers_filled_on_the_device()
             tweaks["keras.convert_to_tensor"] = "Python numbers filled on the device"
         if device == "cpu":
