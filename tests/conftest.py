@@ -46,17 +46,22 @@ def float32_policy():
         keras.config.set_dtype_policy(before)
 
 
-@pytest.fixture(autouse=True)
-def _keras_global_dtype_policy_restored():
-    """Each test starts from the global dtype policy the one before it found: a run in the test's process
-    applies its precision globally (`auto` is mixed_float16 or mixed_bfloat16 on some CPUs), and a test that
-    builds a layer read what the test before it had left, passing or failing by the order xdist chose."""
+def _dtype_policy_kept():
+    """Restore keras' global dtype policy after the caller's scope to what it was before (keras' default, float32,
+    where keras was not imported yet)."""
     keras = sys.modules.get("keras")
     before = keras.config.dtype_policy() if keras is not None else None
     yield
     keras = sys.modules.get("keras")
     if keras is not None:
-        keras.config.set_dtype_policy(before if before is not None else "float32")  # keras' own default
+        keras.config.set_dtype_policy(before if before is not None else "float32")
+
+
+# A run in a test's process applies its precision globally (`auto` is mixed_float16 or mixed_bfloat16 on some
+# CPUs), and a test that builds a layer read what an earlier test, or an earlier module's fixture, had left: it
+# passed or failed by the order xdist chose. Each module, then each test, starts from the policy found before it.
+_keras_dtype_policy_kept_per_module = pytest.fixture(scope="module", autouse=True)(_dtype_policy_kept)
+_keras_dtype_policy_kept_per_test = pytest.fixture(autouse=True)(_dtype_policy_kept)
 
 
 def tensorboard_scalars(log_dir) -> dict:
