@@ -22,8 +22,9 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     args = [
         *("--arch tiny --seq-len 64 --batch-size 2 --steps 1 --warmup 1".split()),
         *("--backends", BACKEND, "--json", str(out), "--plot", str(picture)),
-        # CI time: the packing lever's row is backend-independent code; the PyTorch suite runs it.
-        *(["--levers", "packing"] if BACKEND == "torch" else []),
+        # CI time: the packing lever's row is backend-independent code; the PyTorch suite runs it, and the copies
+        # lever, PyTorch's alone (on a CPU the same as the row without it: the command and the row's settings).
+        *(["--levers", "packing,copies"] if BACKEND == "torch" else []),
     ]
     done = subprocess.run(
         [sys.executable, "-m", "finetune", "bench", *args],
@@ -34,7 +35,7 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())
-    levered = [(BACKEND, "finetune", "packing")] if BACKEND == "torch" else []
+    levered = [(BACKEND, "finetune", "packing"), (BACKEND, "finetune", "copies")] if BACKEND == "torch" else []
     assert [(r["backend"], r["recipe"], r["lever"]) for r in rows] == [
         (BACKEND, "finetune", None),
         (BACKEND, "tutorial", None),
@@ -44,7 +45,10 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
         assert {"backend", "recipe", "tokens_per_s", "padding_fraction", "mfu", "peak_memory_mb", "loss"} <= set(row)
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_memory_mb"] > 0
         assert len(row["losses"]) == 2 and row["loss"] > 0
-    packed, tutorial, *unpacked = rows
+    packed, tutorial = rows[:2]
+    unpacked = [row for row in rows if row["lever"] == "packing"]
+    copied = [row for row in rows if row["lever"] == "copies"]
+    assert all("numbers copied to the device" in row["settings"] for row in copied)
     # Packing is what removes the padding; the tutorial pads every example to seq-len.
     assert all(packed["padding_fraction"] < row["padding_fraction"] / 2 for row in unpacked)
     assert tutorial["padding_fraction"] > packed["padding_fraction"] and tutorial["precision"] == "float32"
