@@ -46,22 +46,29 @@ def float32_policy():
         keras.config.set_dtype_policy(before)
 
 
-def _dtype_policy_kept():
-    """Restore keras' global dtype policy after the caller's scope to what it was before (keras' default, float32,
-    where keras was not imported yet)."""
+# A run in a test's process applies its precision globally (`auto` is mixed_float16 or mixed_bfloat16 on some
+# CPUs), and a test that builds a layer read what an earlier test, an earlier file's fixture or a session fixture
+# had left: it passed or failed by the order xdist chose, and by the machine. Each file starts from keras'
+# default policy, and each test from the policy found before it (a file's own fixtures may set one).
+@pytest.fixture(scope="module", autouse=True, name="_keras_default_dtype_policy_per_file")
+def _keras_default_dtype_policy_per_file():
+    keras = sys.modules.get("keras")
+    if keras is not None:  # a session fixture set up for this file's first test may have set one: not ours
+        keras.config.set_dtype_policy("float32")
+    yield
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True, name="_keras_dtype_policy_kept_per_test")
+def _keras_dtype_policy_kept_per_test():
     keras = sys.modules.get("keras")
     before = keras.config.dtype_policy() if keras is not None else None
     yield
     keras = sys.modules.get("keras")
     if keras is not None:
-        keras.config.set_dtype_policy(before if before is not None else "float32")
-
-
-# A run in a test's process applies its precision globally (`auto` is mixed_float16 or mixed_bfloat16 on some
-# CPUs), and a test that builds a layer read what an earlier test, or an earlier module's fixture, had left: it
-# passed or failed by the order xdist chose. Each module, then each test, starts from the policy found before it.
-_keras_dtype_policy_kept_per_module = pytest.fixture(scope="module", autouse=True)(_dtype_policy_kept)
-_keras_dtype_policy_kept_per_test = pytest.fixture(autouse=True)(_dtype_policy_kept)
+        keras.config.set_dtype_policy(before if before is not None else "float32")  # keras' own default
 
 
 def tensorboard_scalars(log_dir) -> dict:
