@@ -85,19 +85,26 @@ def test_a_python_number_filled_on_the_device_is_what_keras_copies_there(number,
     assert torch.equal(filled, copied), (filled, copied)
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch convert_to_tensor only")
-def test_numbers_are_filled_where_keras_runs_on_an_accelerator_and_copied_as_before_on_a_cpu(monkeypatch):
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch backend only")
+def test_lean_ops_replace_every_binding_of_keras_functions_and_fill_numbers_on_an_accelerator(monkeypatch):
     import sys
 
     import torch
+    from keras.src.backend.common import keras_tensor, variables
     from keras.src.backend.torch import core
 
-    keras_compat.numbers_filled_on_the_device()
-    assert keras_compat.numbers_filled_on_the_device() is False  # once per process
+    keras_compat.lean_torch_ops()
+    assert keras_compat.lean_torch_ops() is False and keras_compat.lean_torch_ops_on()  # once per process
+    for name, modules in {
+        "convert_to_tensor": ("keras.src.backend", "keras.src.backend.torch.numpy", "keras.src.backend.torch.nn"),
+        "any_symbolic_tensors": ("keras.src.backend", "keras.src.ops.numpy", "keras.src.ops.operation"),
+        "standardize_dtype": ("keras.src.backend", "keras.src.backend.torch.core", "keras.src.backend.torch.numpy"),
+    }.items():
+        patched = getattr(core if name == "convert_to_tensor" else keras_tensor if name[0] == "a" else variables, name)
+        assert patched.lean, name
+        for module in modules:
+            assert getattr(sys.modules[module], name) is patched, (name, module)  # every binding of keras' function
     patched = core.convert_to_tensor
-    assert patched.fills_numbers
-    for module in ("keras.src.backend", "keras.src.backend.torch.numpy", "keras.src.backend.torch.nn"):
-        assert sys.modules[module].convert_to_tensor is patched, module  # every binding of keras' function
     # On a CPU, keras' own copy; on another device, a fill there (the meta device stands in for a GPU here).
     x = torch.ones((2,), dtype=torch.bfloat16)
     assert keras.ops.multiply(x, 0.5).tolist() == [0.5, 0.5]
@@ -107,6 +114,74 @@ def test_numbers_are_filled_where_keras_runs_on_an_accelerator_and_copied_as_bef
     assert on_device.device.type == "meta" and on_device.dtype == torch.bfloat16
     assert patched(True).dtype == torch.bool and patched(2**40).dtype == torch.int64
     assert patched(2.5, dtype="int32").device.type == "meta"  # left to keras, which copies to the same device
+    assert patched(x).device.type == "meta"  # a tensor elsewhere is moved, as keras moves it
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch backend only")
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float32", "int32", "torch.float16"])
+def test_lean_convert_to_tensor_returns_what_keras_returns(dtype):
+    """A tensor on keras' device in the dtype asked comes back as the same object, as keras' `.to` calls give it;
+    any other, converted as keras converts it."""
+    import torch
+    from keras.src.backend.torch import core
+
+    keras_compat.lean_torch_ops()
+    own = core.convert_to_tensor.keras_own
+    dtype = getattr(torch, dtype.split(".")[1]) if dtype and dtype.startswith("torch.") else dtype
+    for x in (torch.ones((2, 3)), torch.ones(3, dtype=torch.bfloat16), torch.nn.Parameter(torch.zeros(2)),
+              torch.arange(4), np.ones(3), [1.0, 2.0], 3):  # fmt: skip
+        ours, theirs = core.convert_to_tensor(x, dtype=dtype), own(x, dtype=dtype)
+        assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs)
+        if isinstance(x, torch.Tensor):
+            assert (ours is x) == (theirs is x)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch backend only")
+def test_lean_any_symbolic_tensors_answers_as_keras_for_every_kind_of_argument():
+    import collections
+
+    import torch
+    from keras.src.backend.common import keras_tensor
+
+    keras_compat.lean_torch_ops()
+    symbolic = keras.KerasTensor((2, 3))
+    pair = collections.namedtuple("pair", "a b")
+    cases = [
+        ((), None), ((torch.ones(2), 1, 2.5, True, None, "x"), None), ((symbolic,), None),
+        (([torch.ones(2), (1, symbolic)],), None), (({"a": [symbolic]},), None), (({"a": torch.ones(1)},), None),
+        ((pair(1, symbolic),), None), ((pair(1, 2),), None), ((), {"mask": symbolic}), ((1,), {"mask": None}),
+        ((np.ones(2), keras.Variable(np.ones(2))), None), (([[], ()],), None),
+    ]  # fmt: skip
+    ours = keras_tensor.any_symbolic_tensors
+    assert ours.lean
+    theirs = ours.keras_own
+    for args, kwargs in cases:
+        assert ours(args, kwargs) == theirs(args, kwargs), (args, kwargs)
+    assert [ours(a, k) for a, k in cases].count(True) == 5
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch backend only")
+def test_lean_standardize_dtype_keeps_keras_answer_and_its_errors_and_follows_floatx():
+    import torch
+    from keras.src.backend.common import variables
+
+    keras_compat.lean_torch_ops()
+    ours = variables.standardize_dtype
+    theirs = ours.keras_own
+    for dtype in ("float32", "bfloat16", "int", "int32", np.dtype("float16"), np.float32, torch.bfloat16,
+                  torch.int64, float, int, bool, "float32"):  # fmt: skip
+        assert ours(dtype) == theirs(dtype), dtype
+    with pytest.raises(ValueError, match="Invalid dtype"):
+        ours("float31")
+    with pytest.raises(ValueError, match="Invalid dtype"):
+        ours("float31")  # still raised: an error is not kept
+    previous = keras.config.floatx()
+    try:
+        keras.config.set_floatx("float16")
+        assert ours(None) == "float16"
+    finally:
+        keras.config.set_floatx(previous)
+    assert ours(None) == previous
 
 
 def test_the_seed_is_set_without_touching_tensorflows_on_another_backend(monkeypatch):

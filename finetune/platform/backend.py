@@ -430,12 +430,13 @@ def set_seed(seed: int) -> None:
     keras_compat.set_seed_leaving_tensorflow_alone(seed)
 
 
-def apply_runtime_tweaks(precision: str, threads: int | None = None, fill_numbers: bool = True) -> dict:
+def apply_runtime_tweaks(precision: str, threads: int | None = None, lean_ops: bool = True) -> dict:
     """TF32 matmuls, PyTorch's CPU threads and the dtype policy; returns the tweaks applied.
 
     threads: int. PyTorch on a CPU: intra-op threads; None picks the idle physical cores.
-    fill_numbers: PyTorch on a GPU: Python numbers filled on the device (keras_compat); False keeps keras' copy
-    (the bench's `copies` lever, to measure what the fill buys).
+    lean_ops: PyTorch: keras' per-op host work trimmed, and rotary embeddings made once per shape (exact:
+    keras_compat.lean_torch_ops, rope.py); False keeps keras' own (the bench's `stock` lever, which measures what
+    they buy). Once installed in a process, they stay.
     """
     import keras
 
@@ -449,9 +450,11 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None, fill_number
 
         torch.set_float32_matmul_precision("high")
         tweaks["torch.float32_matmul_precision"] = "high"
-        if device != "cpu" and fill_numbers:  # Python numbers filled on the GPU, not copied with a wait
-            keras_compat.numbers_filled_on_the_device()
-            tweaks["keras.convert_to_tensor"] = "Python numbers filled on the device"
+        if lean_ops:
+            keras_compat.lean_torch_ops()
+            tweaks["keras.ops"] = "lean host work" + (
+                ", Python numbers filled on the device" if device != "cpu" else ""
+            )
         if device == "cpu":
             count, why = torch_threads(threads)
             torch.set_num_threads(count)

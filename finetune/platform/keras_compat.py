@@ -105,40 +105,133 @@ def keep_float16_matmuls() -> bool:
     return True
 
 
-def numbers_filled_on_the_device() -> bool:
-    """Keras' PyTorch convert_to_tensor makes a Python number a tensor on the device by copying it from the host;
-    make it fill the tensor there instead.
+def lean_torch_ops() -> bool:
+    """Keras' per-op host work on PyTorch, trimmed where it computes nothing; the same tensors come out.
 
-    keras (3.15) calls torch.as_tensor(x, device=...), which builds the number on the host and copies it over:
-    on a GPU, a copy from pageable memory that then waits for the stream, every kernel queued before it
-    included. keras and keras-hub turn a Python number into a tensor about 17 times per decoder layer in a
-    training step (rope's constants, the attention's scale, the masks' fill values, LoRA's scale, softmax's
-    where), so the host waited on the GPU some 320 times in each gemma-2b step, and the host's work and the
-    GPU's never overlapped (PyTorch at 12.6 ms per layer on an H200, BENCHMARKS.md). torch.full makes the same
-    tensor with a fill kernel: no copy, no wait. Python numbers only, with keras' own dtype rule
-    (_number_dtype); arrays still copy, and on a CPU keras' function runs as it was. Every binding of keras'
-    function in keras' modules is replaced. Returns whether it was replaced (once per process).
+    A PyTorch step runs every keras op eagerly, in Python, and keras wraps each torch call in work of its own:
+    the decoder layers' steps were host-bound on a GPU (PyTorch at 12.6 ms per decoder layer on an H200 at every
+    family's width, BENCHMARKS.md). Three of keras' (3.15) helpers, called several times by every op:
+
+    - convert_to_tensor: a tensor already on keras' device and in the dtype asked is returned as it is (keras
+      reaches the same tensor through two `.to` calls, a global lookup and a device comparison); a Python number
+      is filled on a GPU (filled_number), where keras copies it from the host and waits for the stream, every
+      kernel queued before it included, some 320 times in a gemma-2b step.
+    - any_symbolic_tensors: a tensor, number, string or None is skipped at once, lists, tuples and dicts looked
+      into the same way, where keras asks torch's pytree whether each argument is a container.
+    - standardize_dtype: kept per dtype (a string, a numpy or a torch dtype); None (floatx, which can change)
+      and Python types go to keras each time.
+
+    Every binding of each function in keras' loaded modules is replaced; the bench's `stock` lever keeps keras'
+    own (backend.apply_runtime_tweaks). rope.enable reads lean_torch_ops_on for its part. Measured on a CPU,
+    where gemma-2b's structure at tiny widths is host-bound: BENCHMARKS.md. Returns whether they were installed
+    (once per process).
     """
+    import numpy as np
+    import torch
+    from keras.src.backend.common import keras_tensor, variables
     from keras.src.backend.torch import core
 
-    original = core.convert_to_tensor
-    if getattr(original, "fills_numbers", False):
+    if lean_torch_ops_on():
         return False
+    originals = {
+        "convert_to_tensor": core.convert_to_tensor,
+        "any_symbolic_tensors": keras_tensor.any_symbolic_tensors,
+        "standardize_dtype": variables.standardize_dtype,
+    }
+    convert, symbolic, standardize = originals.values()
+    tensors = (torch.Tensor, torch.nn.Parameter)
 
     def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
-        if isinstance(x, (bool, int, float)) and not sparse and not ragged:
+        if type(x) in tensors and not sparse and not ragged:
+            if (dtype is None or core.to_torch_dtype(dtype) == x.dtype) and _already_on(x.device, core.get_device()):
+                return x  # the tensor itself, which keras' `.to` calls return
+        elif isinstance(x, (bool, int, float)) and not sparse and not ragged:
             device = core.get_device()
             if not str(device).startswith("cpu"):
                 filled = filled_number(x, dtype, device)
                 if filled is not None:
                     return filled
-        return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
+        return convert(x, dtype=dtype, sparse=sparse, ragged=ragged)
 
-    convert_to_tensor.fills_numbers = True
+    plain = (*tensors, int, float, bool, str, type(None))
+    KerasTensor = keras_tensor.KerasTensor
+
+    def holds_symbolic(x) -> bool:
+        kind = type(x)
+        if kind in plain:
+            return False
+        if kind in (list, tuple):
+            return any(holds_symbolic(item) for item in x)
+        if kind is dict:
+            return any(holds_symbolic(item) for item in x.values())
+        return symbolic((x,))  # keras' own look, for anything else
+
+    def any_symbolic_tensors(args=None, kwargs=None):
+        for items in (args or (), kwargs.values() if kwargs else ()):
+            for x in items:
+                if type(x) not in plain and (isinstance(x, KerasTensor) or holds_symbolic(x)):
+                    return True
+        return False
+
+    kept: dict = {}
+
+    def standardize_dtype(dtype):
+        if isinstance(dtype, (str, np.dtype, torch.dtype)):
+            key = (type(dtype), dtype)
+            found = kept.get(key)
+            if found is None:
+                found = kept[key] = standardize(dtype)  # raises, and keeps nothing, for an unknown dtype
+            return found
+        return standardize(dtype)
+
+    replacements = {"convert_to_tensor": convert_to_tensor, "any_symbolic_tensors": any_symbolic_tensors,
+                    "standardize_dtype": standardize_dtype}  # fmt: skip
+    for attribute, function in replacements.items():
+        function.lean, function.keras_own = True, originals[attribute]
     for name, module in list(sys.modules.items()):
-        if name.startswith("keras") and getattr(module, "convert_to_tensor", None) is original:
-            module.convert_to_tensor = convert_to_tensor
+        if not name.startswith("keras"):
+            continue
+        for attribute, original in originals.items():
+            if getattr(module, attribute, None) is original:
+                setattr(module, attribute, replacements[attribute])
     return True
+
+
+def lean_torch_ops_on() -> bool:
+    """Whether lean_torch_ops installed its functions in this process."""
+    from keras.src.backend.torch import core
+
+    return getattr(core.convert_to_tensor, "lean", False)
+
+
+def _already_on(device, target) -> bool:
+    """Whether a tensor on `device` is on keras' device `target` (get_device's string): where keras' x.to(target)
+    returns x itself. Kept per pair; a CUDA target without an index is the current device, read each time."""
+    key = (device, target)
+    found = _ON.get(key)
+    if found is None:
+        found = _ON[key] = _placed(device, target)
+    if found == "current":
+        import torch
+
+        return device.index == torch.cuda.current_device()
+    return found
+
+
+_ON: dict = {}
+
+
+def _placed(device, target):
+    import torch
+
+    target = torch.device(target) if isinstance(target, str) else target
+    if target.index is not None:
+        return device == target
+    if device.type != target.type:
+        return False
+    if device.type == "cpu":
+        return True
+    return "current" if device.type == "cuda" else False
 
 
 def filled_number(x, dtype, device):
@@ -352,6 +445,28 @@ def gemma_attention_class():
     from keras_hub.src.models.gemma.gemma_attention import CachedGemmaAttention
 
     return CachedGemmaAttention
+
+
+def rotary_embedding_class():
+    """keras-hub's RotaryEmbedding (keras_hub.layers): rope.py recognises its layers by their exact class, whose
+    `_compute_cos_sin_embedding(inputs, start_index, positions)` it calls for the tables."""
+    from keras_hub.src.layers.modeling.rotary_embedding import RotaryEmbedding
+
+    return RotaryEmbedding
+
+
+def torch_dtype(dtype):
+    """The torch dtype of a keras dtype name, as keras' PyTorch backend maps it."""
+    from keras.src.backend.torch import core
+
+    return core.to_torch_dtype(dtype)
+
+
+def on_keras_device(tensor) -> bool:
+    """Whether a torch `tensor` lies on the device keras' PyTorch backend makes new tensors on."""
+    from keras.src.backend.torch import core
+
+    return _already_on(tensor.device, core.get_device())
 
 
 def replace_compute_attention(layer, compute_attention) -> None:
