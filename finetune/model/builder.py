@@ -30,6 +30,7 @@ from finetune.model import (
     optimizer,
     presets,
     quantized,
+    rope,
     tokens,
 )
 from finetune.model import remat as rematerialization
@@ -148,6 +149,7 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
+    rope.enable(lm.backbone)  # PyTorch: the rotary tables made once per shape
     effective_kernels(lm.backbone, families.get(source.family).read_kernels)
     experts.install(lm.backbone, routed_experts()[0])
     for layer in quantized.quantized_layers(lm.backbone):
