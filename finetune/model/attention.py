@@ -174,13 +174,32 @@ def _segment_aware(block, original):
         if bound.get("cache") is not None and not (borrows_cache and _holds_segment_ids(segments)):
             return original(*args, **kwargs)
         segments = ops.cast(segments, "int32")
-        bound["padding_mask"] = ops.greater(segments, 0)
+        tokens, same = _per_row_of_segments(segments)
+        bound["padding_mask"] = tokens
         allowed = ops.cast(original(**bound), "int32")  # keras-hub's own: causal, tokens, its window
-        return ops.minimum(allowed, same_example(segments))
+        return ops.minimum(allowed, same)
 
     compute_attention_mask.segment_aware = True
     compute_attention_mask.keras_hub = original
     return compute_attention_mask
+
+
+def _per_row_of_segments(segments) -> tuple:
+    """(segment id > 0, same_example) of `segments`: what every block of a forward builds alike from the one tensor
+    of segment ids the backbone hands each. On PyTorch, which runs each op as it comes, they are made by the first
+    block and kept on that tensor for the others (and for remat's recomputation), gone with it; JAX and TensorFlow
+    trace the step once, and XLA shares them."""
+    import keras
+
+    kept = None
+    if keras.config.backend() == "torch":
+        import torch
+
+        if type(segments) is torch.Tensor:
+            kept = getattr(segments, "finetune_masks", None)
+            if kept is None:
+                kept = segments.finetune_masks = (ops.greater(segments, 0), same_example(segments))
+    return kept or (ops.greater(segments, 0), same_example(segments))
 
 
 def _holds_segment_ids(mask) -> bool:
