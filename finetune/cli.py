@@ -484,7 +484,7 @@ def bench(
     levers: str = typer.Option(
         "",
         help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat, compile, "
-        "copies (PyTorch: keras' own copy of Python numbers to the GPU).",
+        "stock (PyTorch: keras' own per-op host work, without finetune's lean ops).",
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),

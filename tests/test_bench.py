@@ -22,9 +22,9 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     args = [
         *("--arch tiny --seq-len 64 --batch-size 2 --steps 1 --warmup 1".split()),
         *("--backends", BACKEND, "--json", str(out), "--plot", str(picture)),
-        # CI time: the packing lever's row is backend-independent code; the PyTorch suite runs it, and the copies
-        # lever, PyTorch's alone (on a CPU the same as the row without it: the command and the row's settings).
-        *(["--levers", "packing,copies"] if BACKEND == "torch" else []),
+        # CI time: the packing lever's row is backend-independent code; the PyTorch suite runs it, and the stock
+        # lever, PyTorch's alone (keras' own host work: the same losses as the row without it).
+        *(["--levers", "packing,stock"] if BACKEND == "torch" else []),
     ]
     done = subprocess.run(
         [sys.executable, "-m", "finetune", "bench", *args],
@@ -35,7 +35,7 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())
-    levered = [(BACKEND, "finetune", "packing"), (BACKEND, "finetune", "copies")] if BACKEND == "torch" else []
+    levered = [(BACKEND, "finetune", "packing"), (BACKEND, "finetune", "stock")] if BACKEND == "torch" else []
     assert [(r["backend"], r["recipe"], r["lever"]) for r in rows] == [
         (BACKEND, "finetune", None),
         (BACKEND, "tutorial", None),
@@ -47,8 +47,9 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
         assert len(row["losses"]) == 2 and row["loss"] > 0
     packed, tutorial = rows[:2]
     unpacked = [row for row in rows if row["lever"] == "packing"]
-    copied = [row for row in rows if row["lever"] == "copies"]
-    assert all("numbers copied to the device" in row["settings"] for row in copied)
+    stock = [row for row in rows if row["lever"] == "stock"]
+    assert all("keras' own ops" in row["settings"] for row in stock)
+    assert all(row["losses"] == packed["losses"] for row in stock)  # lean ops are exact: the same tensors
     # Packing is what removes the padding; the tutorial pads every example to seq-len.
     assert all(packed["padding_fraction"] < row["padding_fraction"] / 2 for row in unpacked)
     assert tutorial["padding_fraction"] > packed["padding_fraction"] and tutorial["precision"] == "float32"
@@ -254,8 +255,8 @@ def test_the_json_holds_each_finished_row_before_the_next_starts(tmp_path, monke
 
 
 @pytest.mark.one_backend
-def test_the_copies_lever_is_a_row_of_pytorch_alone(monkeypatch):
-    """`copies` (keras' own copy of each Python number to the GPU, against finetune's fill) is a PyTorch matter;
+def test_the_stock_lever_is_a_row_of_pytorch_alone(monkeypatch):
+    """`stock` (keras' own per-op host work, against finetune's lean ops) is a PyTorch matter;
     `compile` is not JAX's, which always compiles."""
     monkeypatch.setattr(bench, "measure_peaks", lambda backends: {})
     specs = []
@@ -265,9 +266,9 @@ def test_the_copies_lever_is_a_row_of_pytorch_alone(monkeypatch):
         return dict(row(spec.backend, 900), settings="packed", padding_fraction=0.01, peak_memory_mb=2048, loss=1.5)
 
     monkeypatch.setattr(bench, "run_worker", worker)
-    bench.run(bench.Workload(arch="tiny"), ["jax", "torch"], ["finetune"], ["copies", "compile"])
-    assert specs == [("jax", None), ("torch", None), ("torch", "copies"), ("torch", "compile")]
-    assert bench._label({"recipe": "finetune", "lever": "copies"}) == "finetune, numbers copied"
+    bench.run(bench.Workload(arch="tiny"), ["jax", "torch"], ["finetune"], ["stock", "compile"])
+    assert specs == [("jax", None), ("torch", None), ("torch", "stock"), ("torch", "compile")]
+    assert bench._label({"recipe": "finetune", "lever": "stock"}) == "finetune, keras' own ops"
 
 
 def test_the_plot_goes_to_the_path_given_whatever_its_suffix(tmp_path):

@@ -71,7 +71,7 @@ tokenizer=()
 # and gemma2-2b's one; the peer's rows and the rest are still to measure. torch.compile's row ran past 150 s
 # there, so it comes late, with a longer limit.
 benches=(
-  "gemma-2b|--arch gemma-2b --backends jax,torch --recipes finetune,hf --levers copies"
+  "gemma-2b|--arch gemma-2b --backends jax,torch --recipes finetune,hf --levers stock"
   "gemma4-e4b|--arch gemma4-e4b --backends jax,torch --recipes finetune"
   "gemma-2b-8k|--arch gemma-2b --backends jax,torch --recipes finetune --seq-len 8192 --batch-size 1"
   "gemma-2b-hf-round2|--arch gemma-2b --backends torch --recipes hf"

@@ -91,7 +91,7 @@ LEVERS = {
     "int4": "int4 base",
     "remat": "remat on",
     "compile": "compiled step",  # jit_compile on: torch.compile on PyTorch, XLA on TensorFlow; JAX always compiles
-    "copies": "numbers copied",  # PyTorch on a GPU: keras' own copy of each Python number, which waits on the GPU
+    "stock": "keras' own ops",  # PyTorch: keras' per-op host work as it comes, without keras_compat.lean_torch_ops
 }
 ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 
@@ -252,7 +252,7 @@ def run(
     specs = hf_specs(workload, levers) if "hf" in recipes else []
     specs += [Spec(b, r, None, workload) for b in backends for r in recipes if r != "hf"]
     specs += [Spec(b, "finetune", lever, workload) for b in backends for lever in levers
-              if not (lever == "compile" and b == "jax") and not (lever == "copies" and b != "torch")]  # fmt: skip
+              if not (lever == "compile" and b == "jax") and not (lever == "stock" and b != "torch")]  # fmt: skip
     order = ["torch", *backends] if "hf" in recipes else backends
     specs.sort(key=lambda spec: order.index(spec.backend) if spec.recipe != "hf" else -1)  # the peer first
     peaks = measure_peaks(sorted({spec.backend for spec in specs}))
@@ -476,7 +476,7 @@ def _work(spec: Spec) -> dict:
         tweaks = {"device": backend.accelerator(), "dtype_policy": "float32"}
     else:
         tweaks = backend.apply_runtime_tweaks("float32" if spec.lever == "precision" else "auto",
-                                              fill_numbers=spec.lever != "copies")  # fmt: skip
+                                              lean_ops=spec.lever != "stock")  # fmt: skip
     backend.set_seed(0)
     quantize = _quantize(spec)
     source = _random_source(spec.workload)
@@ -691,8 +691,8 @@ def _settings(spec: Spec, tweaks: dict) -> str:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
     if spec.lever == "compile":
         parts.append("torch.compile" if spec.backend == "torch" else "XLA")
-    if spec.lever == "copies":
-        parts.append("numbers copied to the device (keras' own)")
+    if spec.lever == "stock":
+        parts.append("keras' own ops (no lean host work)")
     if spec.lever == "remat" or tweaks.get("remat"):
         parts.append("remat" if spec.lever == "remat" else "remat (auto)")
     threads = tweaks.get("torch.intra_op_threads")
