@@ -25,12 +25,12 @@ from finetune.model import (
     experts,
     families,
     layouts,
+    lean_torch,
     lora_dropout,
     objective,
     optimizer,
     presets,
     quantized,
-    rope,
     tokens,
 )
 from finetune.model import remat as rematerialization
@@ -149,7 +149,7 @@ def build(source: presets.Source, seq_len: int, precision: str = "float32", quan
         raise UserError(f"--quantize {quantize} is not for {families.get(source.family).title} yet: {why}")
     lm, preprocessor = load_base(source, seq_len, backend.POLICIES[precision][0], quantize, images)
     attention.enable(lm.backbone)
-    rope.enable(lm.backbone)  # PyTorch: the rotary tables made once per shape
+    lean_torch.enable(lm.backbone)  # PyTorch: less host work per step, the same tensors
     effective_kernels(lm.backbone, families.get(source.family).read_kernels)
     experts.install(lm.backbone, routed_experts()[0])
     for layer in quantized.quantized_layers(lm.backbone):

@@ -435,7 +435,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None, lean_ops: b
 
     threads: int. PyTorch on a CPU: intra-op threads; None picks the idle physical cores.
     lean_ops: PyTorch: keras' per-op host work trimmed, and rotary embeddings made once per shape (exact:
-    keras_compat.lean_torch_ops, rope.py); False keeps keras' own (the bench's `stock` lever, which measures what
+    keras_compat.lean_torch_ops, lean_torch.py); False keeps keras' own (the bench's `stock` lever, which measures what
     they buy). Once installed in a process, they stay.
     """
     import keras

@@ -122,7 +122,7 @@ def lean_torch_ops() -> bool:
       and Python types go to keras each time.
 
     Every binding of each function in keras' loaded modules is replaced; the bench's `stock` lever keeps keras'
-    own (backend.apply_runtime_tweaks). rope.enable reads lean_torch_ops_on for its part. Measured on a CPU,
+    own (backend.apply_runtime_tweaks). lean_torch.enable reads lean_torch_ops_on for its part. Measured on a CPU,
     where gemma-2b's structure at tiny widths is host-bound: BENCHMARKS.md. Returns whether they were installed
     (once per process).
     """
@@ -448,11 +448,87 @@ def gemma_attention_class():
 
 
 def rotary_embedding_class():
-    """keras-hub's RotaryEmbedding (keras_hub.layers): rope.py recognises its layers by their exact class, whose
+    """keras-hub's RotaryEmbedding (keras_hub.layers): lean_torch.py recognises its layers by their exact class, whose
     `_compute_cos_sin_embedding(inputs, start_index, positions)` it calls for the tables."""
     from keras_hub.src.layers.modeling.rotary_embedding import RotaryEmbedding
 
     return RotaryEmbedding
+
+
+def gemma_decoder_block_class():
+    """keras-hub's Gemma 1/2 decoder block class (keras_hub.src.models.gemma.gemma_decoder_block): lean_torch.py
+    mirrors its call, so recognises its blocks by this exact class."""
+    from keras_hub.src.models.gemma.gemma_decoder_block import GemmaDecoderBlock
+
+    return GemmaDecoderBlock
+
+
+def serving_with_vllm() -> bool:
+    """Whether keras-hub's Gemma attention would take its vLLM paged-attention route (serving on a TPU), which
+    lean_torch.py leaves to keras-hub."""
+    from keras_hub.src.vllm.context import get_vllm_context
+
+    context = get_vllm_context()
+    return context is not None and context.paged_attention_func is not None
+
+
+def current_call_value(name: str):
+    """The value of a call-context argument (`training`) in the layer call under way, as keras' Layer.__call__
+    hands it to the layers called inside; None outside every call."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value(name)
+
+
+def calls_directly(layer, x) -> bool:
+    """Whether keras' Layer.__call__ of the built `layer` on the one tensor `x`, inside another layer's call, would
+    do nothing but call `layer.call`, in the autocast scope of reading_variables_as_computed (keras 3.15's
+    __call__, step by step): `x` needs no conversion (it is in the layer's input dtype) and carries no mask; no
+    autocast scope is open already; the layer is not quantized or rematerialised, has no activity regularizer and
+    no torch hook; no distribution lays its output out; the call context exists already (nothing to open or
+    reset). The input spec check is skipped: a built layer has passed it on its first call. lean_torch.py calls
+    `layer.call` where this holds; where it does not, `layer(x)` as keras does."""
+    import torch
+    from keras.src.backend.common import global_state
+    from keras.src.backend.torch import core
+    from torch.nn.modules import module
+
+    return bool(
+        layer.built
+        and layer._called
+        and getattr(layer, "quantization_mode", None) is None
+        and not layer._remat_mode
+        and layer.activity_regularizer is None
+        and layer.input_dtype == layer.compute_dtype
+        and isinstance(x, torch.Tensor)
+        and x.dtype == core.to_torch_dtype(layer.input_dtype)
+        and getattr(x, "_keras_mask", None) is None
+        and global_state.get_global_attribute("current_call_ctx") is not None
+        and global_state.get_global_attribute("distribution") is None
+        and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+                 or layer._backward_pre_hooks)
+        and not (module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks
+                 or module._global_backward_pre_hooks)
+    )  # fmt: skip
+
+
+def reading_variables_as_computed(layer):
+    """The autocast scope keras' Layer.__call__ (3.15) enters around `layer`'s call: with none open, its compute
+    dtype's where its variables are stored in another (a mixed policy: LoRA's float32 factors, read in bfloat16);
+    inside an outer layer's scope (a mixed model around the backbone), that one kept where it reads in the layer's
+    compute dtype, else cleared or changed as keras does."""
+    from keras.src import backend
+
+    current, scope = backend.get_autocast_scope(), None
+    if current is not None:  # an outer layer's: kept, cleared or changed, as keras' rule has it
+        if not layer.autocast or not backend.is_float_dtype(layer.compute_dtype):
+            scope = backend.AutocastScope(None)
+        elif current.dtype != layer.compute_dtype:
+            scope = backend.AutocastScope(layer.compute_dtype)
+    elif layer.compute_dtype != layer.variable_dtype:
+        scope = backend.AutocastScope(layer.compute_dtype)
+    return scope or contextlib.nullcontext()
 
 
 def torch_dtype(dtype):

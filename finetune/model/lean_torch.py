@@ -1,0 +1,185 @@
+"""keras-hub's Gemma on PyTorch with less host work per step: the same ops on the same tensors, bit for bit.
+
+PyTorch runs a step eagerly, and every keras op and layer call is host work in Python before its kernel is
+queued; on a GPU, PyTorch's step was host-bound at every family's width (12.6 ms per decoder layer on an H200,
+BENCHMARKS.md). JAX and TensorFlow trace a step once, where none of this costs anything, so all of it is
+PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the bench's `stock` lever).
+
+- Rotary embeddings: a RotaryEmbedding layer keeps keras-hub's own cos and sin tables, made by its own method
+  the first time a shape comes (rows of that length, from position 0: training, scoring, a prompt's prefill),
+  and rotates with 4 torch ops, where keras-hub makes the tables again at every call (about 25 keras ops).
+  Anything else (positions given, a later start: each generated token) goes to keras-hub's call. The tables
+  depend on no weight: made outside autograd, they serve every later step and the backward. Gemma 1 and 2 lay
+  the rotated halves out pairwise with torch's stack and reshape.
+- Gemma 1 and 2 decoder blocks and their attention: keras-hub's `call`, line for line, for a pass without a
+  cache, with each sublayer's own `call` called directly where keras' Layer.__call__ would only have called it
+  (keras_compat.calls_directly): built, not quantized, its input already in its dtype, no mask to carry, no
+  hook or regularizer; in keras' autocast scope where its policy is mixed (LoRA's factors); the training flag
+  passed as keras passes it. keras' __call__ costs about 75 us a
+  layer on a CPU, against 37 for an EinsumDense's own call; a block calls 10 of them. The glue between (the
+  residual sums, gelu, the wipe of queries that attend to nothing) is the same torch ops keras' wrappers call.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from finetune.platform import keras_compat
+
+SHAPES_KEPT = 4  # rotary tables per layer: a run's row lengths; generation's later starts are not kept
+
+
+def enable(backbone) -> int:
+    """Give `backbone`'s rotary embeddings, and its Gemma 1 and 2 blocks and attention layers, the lean path;
+    returns how many layers took it (once each). Nothing on JAX or TensorFlow, or with lean ops off."""
+    if keras.config.backend() != "torch" or not keras_compat.lean_torch_ops_on():
+        return 0
+    rotary = keras_compat.rotary_embedding_class()
+    attention, block = keras_compat.gemma_attention_class(), keras_compat.gemma_decoder_block_class()
+    done = 0
+    for layer in backbone._flatten_layers(include_self=False):
+        if not _own_call(layer):  # done already, or another hook's call (remat's): left as it is
+            continue
+        if type(layer) is rotary:
+            keras_compat.replace_call(layer, _kept_tables(layer))
+        elif type(layer) is attention:
+            layer._apply_rope = _interleaved(layer)
+            keras_compat.replace_call(layer, _lean_attention(layer))
+        elif type(layer) is block:
+            keras_compat.replace_call(layer, _lean_block(layer))
+        else:
+            continue
+        done += 1
+    return done
+
+
+def _own_call(layer) -> bool:
+    """Whether `layer` computes with its class's own call (what this module mirrors)."""
+    return getattr(layer.call, "__func__", None) is type(layer).call
+
+
+def _plain(x) -> bool:
+    import torch
+
+    return type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type != "meta"
+
+
+def _kept_tables(layer):
+    import torch
+
+    own = layer.call
+    tables: dict = {}
+
+    def call(inputs, start_index=0, positions=None):
+        if (
+            positions is not None
+            or type(start_index) is not int
+            or start_index != 0
+            or not _plain(inputs)
+            or inputs.ndim < 2
+            or inputs.shape[-1] % 2
+            or not keras_compat.on_keras_device(inputs)
+            or layer.sequence_axis != 1
+            or layer.feature_axis not in (-1, inputs.ndim - 1)
+        ):
+            return own(inputs, start_index=start_index, positions=positions)
+        key = (inputs.ndim, inputs.shape[1], inputs.shape[-1], inputs.device, layer.compute_dtype)
+        kept = tables.get(key)
+        if kept is None:
+            with torch.no_grad():
+                kept = layer._compute_cos_sin_embedding(inputs, 0, None)  # keras-hub's own tables
+            if len(tables) < SHAPES_KEPT:
+                tables[key] = kept
+        cos, sin = kept
+        if inputs.dtype != cos.dtype:  # keras would promote: left to it
+            return own(inputs, start_index=start_index, positions=positions)
+        first, second = torch.chunk(inputs, 2, dim=-1)  # keras-hub's _apply_rotary_pos_emb, in torch
+        return inputs * cos + torch.cat((-second, first), dim=-1) * sin
+
+    call.tables_kept = True
+    return call
+
+
+def _interleaved(layer):
+    """CachedGemmaAttention._apply_rope: the rotation, then the halves laid out pairwise (x0, x_h, x1, x_h+1...),
+    as keras-hub's split, stack and reshape lay them."""
+    import torch
+
+    own = layer._apply_rope
+
+    def apply_rope(x, start_index, positions=None):
+        if positions is not None or not _plain(x) or x.shape[-1] % 2:
+            return own(x, start_index, positions=positions)
+        x = _sublayer(layer.rope_layer, x, None, start_index=start_index)
+        return torch.stack(torch.chunk(x, 2, dim=-1), dim=-1).reshape(x.shape)
+
+    apply_rope.interleaved = True
+    return apply_rope
+
+
+def _training():
+    """The training flag keras' Layer.__call__ would hand a sublayer: the enclosing call's."""
+    return keras_compat.current_call_value("training")
+
+
+def _sublayer(layer, x, training, **kwargs):
+    """`layer(x, **kwargs)` as keras' Layer.__call__ runs it, with its own call directly where that is all
+    __call__ would do (keras_compat.calls_directly)."""
+    if not keras_compat.calls_directly(layer, x):
+        return layer(x, **kwargs)
+    if training is not None and layer._call_has_context_arg.get("training", False):
+        kwargs["training"] = training
+    with keras_compat.reading_variables_as_computed(layer):
+        return layer.call(x, **kwargs)
+
+
+def _lean_block(block):
+    """GemmaDecoderBlock.call for a pass without a cache (keras-hub 0.32), sublayers called directly."""
+    import torch
+
+    own = block.call
+
+    def call(x, padding_mask=None, cache=None, cache_update_index=0):
+        if cache is not None or not _plain(x) or block.dropout:
+            return own(x, padding_mask=padding_mask, cache=cache, cache_update_index=cache_update_index)
+        training = _training()
+        normalized = _sublayer(block.pre_attention_norm, x, training)
+        mask = block._compute_attention_mask(normalized, padding_mask, cache, cache_update_index)
+        attention = _sublayer(block.attention, normalized, training, attention_mask=mask)
+        if block.use_post_attention_norm:
+            attention = _sublayer(block.post_attention_norm, attention, training)
+        attention_x = x + attention
+        normalized = _sublayer(block.pre_ffw_norm, attention_x, training)
+        gate = _sublayer(block.gating_ffw, normalized, training)
+        up = _sublayer(block.gating_ffw_2, normalized, training)
+        hidden = _sublayer(block.ffw_linear, torch.nn.functional.gelu(gate, approximate="tanh") * up, training)
+        if block.use_post_ffw_norm:
+            hidden = _sublayer(block.post_ffw_norm, hidden, training)
+        return hidden + attention_x
+
+    call.lean = True
+    return call
+
+
+def _lean_attention(layer):
+    """CachedGemmaAttention.call for a pass without a cache (keras-hub 0.32), sublayers called directly."""
+    import torch
+
+    own = layer.call
+
+    def call(x, attention_mask=None, cache=None, cache_update_index=0, training=False):
+        if cache is not None or not _plain(x) or not _plain(attention_mask) or keras_compat.serving_with_vllm():
+            return own(x, attention_mask=attention_mask, cache=cache, cache_update_index=cache_update_index,
+                       training=training)  # fmt: skip
+        sublayer_training = _training()
+        query = layer._apply_rope(_sublayer(layer.query_dense, x, sublayer_training), cache_update_index)
+        key = layer._apply_rope(_sublayer(layer.key_dense, x, sublayer_training), cache_update_index)
+        value = _sublayer(layer.value_dense, x, sublayer_training)
+        vector = layer._compute_attention(query, key, value, attention_mask, training=training,
+                                          cache_update_index=cache_update_index)  # fmt: skip
+        attends_to_nothing = torch.all(torch.eq(attention_mask, 0), dim=-1, keepdim=True)[..., None]
+        vector = torch.where(attends_to_nothing, torch.zeros_like(vector), vector)
+        return _sublayer(layer.output_dense, vector, sublayer_training)
+
+    call.lean = True
+    return call

@@ -1,0 +1,216 @@
+"""lean_torch.py: keras-hub's Gemma on PyTorch with less host work: the same tensors, bit for bit, forward and back."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+from finetune.config import LoraConfig
+from finetune.model import attention, builder, families, lean_torch, presets
+from finetune.platform import keras_compat
+
+torch_only = pytest.mark.skipif(BACKEND != "torch", reason="lean_torch.py is PyTorch's alone")
+
+
+def _inputs(backbone, length=12):
+    """A packed row and a row of one example, as the trainer feeds them (segment ids in padding_mask)."""
+    names = {t.name for t in keras.tree.flatten(backbone.inputs)}
+    rng = np.random.default_rng(0)
+    inputs = {"token_ids": rng.integers(1, 50, (2, length)).astype("int32"),
+              "padding_mask": np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 10 + [0] * 2], "int32")}  # fmt: skip
+    if "position_ids" in names:
+        inputs["position_ids"] = np.tile(np.arange(length, dtype="int32"), (2, 1))
+    return {k: v for k, v in inputs.items() if k in names}
+
+
+def _numpy(out):
+    return keras.tree.map_structure(lambda t: keras.ops.convert_to_numpy(keras.ops.cast(t, "float32")), out)
+
+
+@torch_only
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma4"])
+@pytest.mark.parametrize("policy", ["float32", "bfloat16"])
+def test_a_backbone_with_the_tables_kept_computes_what_keras_hub_does(preset, policy):
+    keras.config.set_dtype_policy(policy)
+    keras_compat.lean_torch_ops()
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(preset), name=preset)
+    attention.enable(backbone)
+    inputs = _inputs(backbone)
+    own = _numpy(backbone(inputs))
+    took = lean_torch.enable(backbone)
+    assert took >= len(families.decoder_blocks(backbone))  # a rotary layer (Gemma 1: and its attention) per block
+    assert lean_torch.enable(backbone) == 0  # once
+    for _ in range(2):  # the tables made, then kept
+        ours = _numpy(backbone(inputs))
+        for a, b in zip(keras.tree.flatten(ours), keras.tree.flatten(own)):
+            np.testing.assert_array_equal(a, b)
+
+
+@torch_only
+def test_the_gradients_through_the_kept_tables_are_keras_hubs():
+    import torch
+
+    keras_compat.lean_torch_ops()
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size())
+    inputs = _inputs(backbone)
+    weights = [w for w in backbone.trainable_weights if "query" in w.path or "key" in w.path]
+
+    def gradients():
+        for w in weights:
+            w.value.grad = None
+        out = backbone(inputs)
+        torch.sum(out.float() ** 2).backward()
+        return [w.value.grad.clone() for w in weights]
+
+    own = gradients()
+    lean_torch.enable(backbone)
+    for a, b in zip(gradients(), own):
+        assert torch.equal(a, b)
+
+
+@torch_only
+def test_a_later_start_or_given_positions_go_to_keras_hub_and_few_shapes_are_kept():
+    import torch
+
+    keras_compat.lean_torch_ops()
+    layer = keras_compat.rotary_embedding_class()(max_wavelength=10_000.0)
+    x = torch.randn(2, 8, 3, 16)
+    own = [layer(x), layer(x, start_index=5), layer(x, positions=torch.arange(3, 11))]
+    own_call = layer.call
+    keras_compat.replace_call(layer, lean_torch._kept_tables(layer))
+    ours = [layer(x), layer(x, start_index=5), layer(x, positions=torch.arange(3, 11))]
+    for a, b in zip(ours, own):
+        assert torch.equal(a, b)
+    tables = layer.call.__closure__[[c for c in layer.call.__code__.co_freevars].index("tables")].cell_contents
+    assert len(tables) == 1  # row length 8 from position 0; the other two calls made theirs anew
+    for length in range(9, 9 + 2 * lean_torch.SHAPES_KEPT):
+        y = torch.randn(1, length, 2, 16)
+        assert torch.equal(layer(y), own_call(y))
+    assert len(tables) == lean_torch.SHAPES_KEPT
+
+
+@torch_only
+def test_the_masks_every_block_shares_are_made_once_a_forward(monkeypatch):
+    keras_compat.lean_torch_ops()
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size())
+    attention.enable(backbone)
+    inputs = _inputs(backbone)
+    own = _numpy(backbone(inputs))
+    made = []
+    real = attention.same_example
+    monkeypatch.setattr(attention, "same_example", lambda s: made.append(1) or real(s))
+    for count in (1, 2):
+        np.testing.assert_array_equal(_numpy(backbone(inputs)), own)
+        assert len(made) == count  # one a forward, for its blocks
+    assert len(families.decoder_blocks(backbone)) > 1
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="the traced backends")
+def test_jax_and_tensorflow_keep_keras_hubs_rotary_call():
+    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size())
+    assert lean_torch.enable(backbone) == 0
+
+
+# Gemma 2's block at tiny widths: soft caps, the post norms, a sliding window shorter than the rows, 2 key heads.
+TINY_GEMMA2 = dict(vocabulary_size=presets.tiny_vocabulary_size(), num_layers=2, num_query_heads=4,
+                   num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8, query_head_dim_normalize=False,
+                   use_post_ffw_norm=True, use_post_attention_norm=True, attention_logit_soft_cap=50.0,
+                   final_logit_soft_cap=30.0, use_sliding_window_attention=True, sliding_window_size=4,
+                   tokenizer=str(presets.TINY_TOKENIZER))  # fmt: skip
+
+
+def _source(arch):
+    if arch == "tiny":
+        return presets.resolve("tiny")
+    return presets.Source("random", "tiny-gemma2", "gemma", random=TINY_GEMMA2)
+
+
+def _forward_and_back(lm, inputs):
+    """The backbone's output and every LoRA factor's gradient, under training as a step runs it."""
+    import torch
+
+    factors = [w for w in lm.backbone.trainable_weights]
+    for w in factors:
+        w.value.grad = None
+    out = lm.backbone(inputs, training=True)
+    torch.sum(out.float() ** 2).backward()
+    return out.detach().float().clone(), [w.value.grad.clone() for w in factors]
+
+
+@torch_only
+@pytest.mark.parametrize("arch", ["tiny", "tiny-gemma2"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_lean_blocks_train_as_keras_hubs_forward_and_back(monkeypatch, arch, precision, remat):
+    """The model `finetune gemma` builds (segment masks, LoRA beside the kernel, remat): the lean blocks' outputs
+    and LoRA gradients are keras-hub's call's, bit for bit."""
+    import torch
+
+    keras_compat.lean_torch_ops()
+    keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
+    recipe = builder.Recipe(16, precision, remat=remat, lora=LoraConfig(rank=2, targets=["query", "value"]))
+    lean = builder.build_model(_source(arch), recipe).lm
+    with monkeypatch.context() as patched:
+        patched.setattr(lean_torch, "enable", lambda backbone: 0)
+        lm = builder.build_model(_source(arch), recipe).lm  # keras-hub's calls
+    for theirs, ours in zip(lm.backbone.weights, lean.backbone.weights, strict=True):
+        ours.assign(theirs)  # the same weights and factors (a random arch draws anew)
+    inputs = _inputs(lm.backbone)
+    own, own_grads = _forward_and_back(lm, inputs)
+    _forward_and_back(lean, inputs)  # the first pass builds through keras' __call__
+    attention_layers = [b.attention for b in families.decoder_blocks(lean.backbone)]
+    assert all(getattr(a.call, "lean", False) for a in attention_layers)
+    assert not any(getattr(b.attention.call, "lean", False) for b in families.decoder_blocks(lm.backbone))
+    called = []
+    calls_directly = keras_compat.calls_directly
+    monkeypatch.setattr(
+        keras_compat, "calls_directly", lambda layer, x: called.append(calls_directly(layer, x)) or called[-1]
+    )
+    ours, grads = _forward_and_back(lean, inputs)
+    assert called and all(called), "every sublayer called directly"
+    assert torch.equal(ours, own)
+    assert len(grads) == len(own_grads) >= 4
+    for a, b in zip(grads, own_grads):
+        assert torch.equal(a, b)
+
+
+@torch_only
+def test_a_sublayer_keras_would_convert_or_that_has_a_hook_goes_through_keras_call():
+    import torch
+
+    keras_compat.lean_torch_ops()
+    layer = keras.layers.Dense(3, dtype="mixed_bfloat16")
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    layer(x)
+    with keras_compat.calling(layer, True):
+        assert keras_compat.calls_directly(layer, x)  # float32 variables, computed in bfloat16: in keras' scope
+        with keras_compat.reading_variables_as_computed(layer):
+            assert keras.ops.convert_to_tensor(layer.kernel).dtype == torch.bfloat16
+            float32 = keras.layers.Dense(3, dtype="float32")
+            float32(torch.ones(2, 4))
+            with keras_compat.reading_variables_as_computed(float32):  # the outer scope changed, as keras does
+                assert keras.ops.convert_to_tensor(float32.kernel).dtype == torch.float32
+        plain = keras.layers.Dense(3)
+        plain(torch.ones(2, 4))
+        assert keras_compat.calls_directly(plain, torch.ones(2, 4))
+        assert not keras_compat.calls_directly(plain, x)  # bfloat16 into a float32 layer: keras converts it
+        handle = plain.register_forward_hook(lambda *a: None)
+        assert not keras_compat.calls_directly(plain, torch.ones(2, 4))
+        handle.remove()
+        assert keras_compat.calls_directly(plain, torch.ones(2, 4))
+    assert not keras_compat.calls_directly(plain, torch.ones(2, 4))  # outside every call: keras opens one
+
+
+@torch_only
+def test_generation_with_a_cache_gives_what_keras_hub_gives(monkeypatch):
+    """A cache's passes go to keras-hub's calls; the prompt's and the tokens' are the same either way."""
+    keras_compat.lean_torch_ops()
+    real = lean_torch.enable
+    monkeypatch.setattr(lean_torch, "enable", lambda backbone: 0)
+    recipe = builder.Recipe(16, "float32", lora=LoraConfig(rank=2, targets=["query", "value"]))
+    lm = builder.build_model(presets.resolve("tiny"), recipe).lm
+    prompt = {"token_ids": np.array([[2, 5, 7, 9, 0, 0, 0, 0, 0, 0]], "int32"),
+              "padding_mask": np.array([[1, 1, 1, 1, 0, 0, 0, 0, 0, 0]], "bool")}  # fmt: skip
+    own = lm.generate(prompt, stop_token_ids=None)
+    assert real(lm.backbone) > 0
+    np.testing.assert_array_equal(lm.generate(prompt, stop_token_ids=None)["token_ids"], own["token_ids"])
