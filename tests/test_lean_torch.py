@@ -120,8 +120,8 @@ TINY_GEMMA2 = dict(vocabulary_size=presets.tiny_vocabulary_size(), num_layers=2,
 
 
 def _source(arch):
-    if arch == "tiny":
-        return presets.resolve("tiny")
+    if arch in presets.TINY:
+        return presets.resolve(arch)
     return presets.Source("random", "tiny-gemma2", "gemma", random=TINY_GEMMA2)
 
 
@@ -138,7 +138,7 @@ def _forward_and_back(lm, inputs):
 
 
 @torch_only
-@pytest.mark.parametrize("arch", ["tiny", "tiny-gemma2"])
+@pytest.mark.parametrize("arch", ["tiny", "tiny-gemma2", "tiny-gemma3"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_lean_blocks_train_as_keras_hubs_forward_and_back(monkeypatch, arch, precision, remat):

@@ -11,8 +11,8 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
   Anything else (positions given, a later start: each generated token) goes to keras-hub's call. The tables
   depend on no weight: made outside autograd, they serve every later step and the backward. Gemma 1 and 2 lay
   the rotated halves out pairwise with torch's stack and reshape.
-- Gemma 1 and 2 decoder blocks and their attention: keras-hub's `call`, line for line, for a pass without a
-  cache, with each sublayer's own `call` called directly where keras' Layer.__call__ would only have called it
+- Gemma 1, 2 and 3 decoder blocks and their attention: keras-hub's `call`, line for line, for a pass without
+  a cache, with each sublayer's own `call` called directly where keras' Layer.__call__ would only have called it
   (keras_compat.calls_directly): built, not quantized, its input already in its dtype, no mask to carry, no
   hook or regularizer; in keras' autocast scope where its policy is mixed (LoRA's factors); the training flag
   passed as keras passes it. keras' __call__ costs about 75 us a
@@ -30,23 +30,29 @@ SHAPES_KEPT = 4  # rotary tables per layer: a run's row lengths; generation's la
 
 
 def enable(backbone) -> int:
-    """Give `backbone`'s rotary embeddings, and its Gemma 1 and 2 blocks and attention layers, the lean path;
+    """Give `backbone`'s rotary embeddings, and its Gemma 1, 2 and 3 blocks and attention layers, the lean path;
     returns how many layers took it (once each). Nothing on JAX or TensorFlow, or with lean ops off."""
     if keras.config.backend() != "torch" or not keras_compat.lean_torch_ops_on():
         return 0
     rotary = keras_compat.rotary_embedding_class()
-    attention, block = keras_compat.gemma_attention_class(), keras_compat.gemma_decoder_block_class()
+    gemma, gemma3 = keras_compat.gemma_attention_class(), keras_compat.gemma3_attention_class()
+    blocks = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
+    norms, dense = keras_compat.gemma_rms_normalization_classes(), keras.layers.EinsumDense
     done = 0
     for layer in backbone._flatten_layers(include_self=False):
         if not _own_call(layer):  # done already, or another hook's call (remat's): left as it is
             continue
         if type(layer) is rotary:
             keras_compat.replace_call(layer, _kept_tables(layer))
-        elif type(layer) is attention:
-            layer._apply_rope = _interleaved(layer)
+        elif type(layer) in (gemma, gemma3):
+            layer._apply_rope = _interleaved(layer) if type(layer) is gemma else _rope_directly(layer)
             keras_compat.replace_call(layer, _lean_attention(layer))
-        elif type(layer) is block:
+        elif type(layer) in blocks:
             keras_compat.replace_call(layer, _lean_block(layer))
+        elif type(layer) in norms:
+            keras_compat.replace_call(layer, _lean_norm(layer))
+        elif type(layer) is dense:
+            keras_compat.replace_call(layer, _lean_einsum_dense(layer))
         else:
             continue
         done += 1
@@ -134,52 +140,153 @@ def _sublayer(layer, x, training, **kwargs):
 
 
 def _lean_block(block):
-    """GemmaDecoderBlock.call for a pass without a cache (keras-hub 0.32), sublayers called directly."""
-    import torch
-
+    """keras-hub's Gemma 1/2 (GemmaDecoderBlock) or Gemma 3 (Gemma3DecoderBlock) block call for a pass without a
+    cache (keras-hub 0.32), sublayers called directly. Gemma 3's float16 clipping stays keras-hub's."""
     own = block.call
+    if type(block) is keras_compat.gemma_decoder_block_class():
 
-    def call(x, padding_mask=None, cache=None, cache_update_index=0):
-        if cache is not None or not _plain(x) or block.dropout:
-            return own(x, padding_mask=padding_mask, cache=cache, cache_update_index=cache_update_index)
-        training = _training()
-        normalized = _sublayer(block.pre_attention_norm, x, training)
-        mask = block._compute_attention_mask(normalized, padding_mask, cache, cache_update_index)
-        attention = _sublayer(block.attention, normalized, training, attention_mask=mask)
-        if block.use_post_attention_norm:
-            attention = _sublayer(block.post_attention_norm, attention, training)
-        attention_x = x + attention
-        normalized = _sublayer(block.pre_ffw_norm, attention_x, training)
-        gate = _sublayer(block.gating_ffw, normalized, training)
-        up = _sublayer(block.gating_ffw_2, normalized, training)
-        hidden = _sublayer(block.ffw_linear, torch.nn.functional.gelu(gate, approximate="tanh") * up, training)
-        if block.use_post_ffw_norm:
-            hidden = _sublayer(block.post_ffw_norm, hidden, training)
-        return hidden + attention_x
+        def call(x, padding_mask=None, cache=None, cache_update_index=0):
+            if cache is not None or not _plain(x) or block.dropout:
+                return own(x, padding_mask=padding_mask, cache=cache, cache_update_index=cache_update_index)
+            return _block_pass(block, x, lambda normalized: block._compute_attention_mask(
+                normalized, padding_mask, cache, cache_update_index))  # fmt: skip
+    else:
+
+        def call(x, padding_mask=None, vision_mask=None, cache=None, cache_update_index=0, cache_update_mask=None):
+            if cache is not None or not _plain(x) or block.dropout or x.dtype == _float16():
+                return own(x, padding_mask=padding_mask, vision_mask=vision_mask, cache=cache,
+                           cache_update_index=cache_update_index, cache_update_mask=cache_update_mask)  # fmt: skip
+            return _block_pass(block, x, lambda normalized: block._compute_attention_mask(
+                normalized, padding_mask, vision_mask, cache, cache_update_index))  # fmt: skip
 
     call.lean = True
     return call
 
 
+def _float16():
+    import torch
+
+    return torch.float16
+
+
+def _block_pass(block, x, attention_mask):
+    """The block's pass after its mask method (`attention_mask(normalized x)`), as keras-hub's call runs it."""
+    import torch
+
+    training = _training()
+    normalized = _sublayer(block.pre_attention_norm, x, training)
+    mask = attention_mask(normalized)
+    attention = _sublayer(block.attention, normalized, training, attention_mask=mask)
+    if block.use_post_attention_norm:
+        attention = _sublayer(block.post_attention_norm, attention, training)
+    attention_x = x + attention
+    normalized = _sublayer(block.pre_ffw_norm, attention_x, training)
+    gate = _sublayer(block.gating_ffw, normalized, training)
+    up = _sublayer(block.gating_ffw_2, normalized, training)
+    hidden = _sublayer(block.ffw_linear, torch.nn.functional.gelu(gate, approximate="tanh") * up, training)
+    if block.use_post_ffw_norm:
+        hidden = _sublayer(block.post_ffw_norm, hidden, training)
+    return hidden + attention_x
+
+
 def _lean_attention(layer):
-    """CachedGemmaAttention.call for a pass without a cache (keras-hub 0.32), sublayers called directly."""
+    """keras-hub's Gemma 1/2 (CachedGemmaAttention) or Gemma 3 (CachedGemma3Attention) attention call for a pass
+    without a cache (keras-hub 0.32): query and key norms (Gemma 3), rope, the attention, the wipe of queries
+    that attend to nothing, sublayers called directly."""
+    own = layer.call
+    if type(layer) is keras_compat.gemma_attention_class():
+
+        def call(x, attention_mask=None, cache=None, cache_update_index=0, training=False):
+            if cache is not None or not _plain(x) or not _plain(attention_mask) or keras_compat.serving_with_vllm():
+                return own(x, attention_mask=attention_mask, cache=cache, cache_update_index=cache_update_index,
+                           training=training)  # fmt: skip
+            return _attention_pass(layer, x, attention_mask, cache_update_index, training)
+    else:
+
+        def call(x, attention_mask=None, cache=None, cache_update_index=0, cache_update_mask=None, training=False):
+            if cache is not None or not _plain(x) or not _plain(attention_mask) or keras_compat.serving_with_vllm():
+                return own(x, attention_mask=attention_mask, cache=cache, cache_update_index=cache_update_index,
+                           cache_update_mask=cache_update_mask, training=training)  # fmt: skip
+            return _attention_pass(layer, x, attention_mask, cache_update_index, training)
+
+    call.lean = True
+    return call
+
+
+def _attention_pass(layer, x, attention_mask, cache_update_index, training):
+    import torch
+
+    sublayer_training = _training()
+    normed = getattr(layer, "use_query_key_norm", False)
+    query = _sublayer(layer.query_dense, x, sublayer_training)
+    if normed:
+        query = _sublayer(layer.query_norm, query, sublayer_training)
+    query = layer._apply_rope(query, cache_update_index)
+    key = _sublayer(layer.key_dense, x, sublayer_training)
+    if normed:
+        key = _sublayer(layer.key_norm, key, sublayer_training)
+    key = layer._apply_rope(key, cache_update_index)
+    value = _sublayer(layer.value_dense, x, sublayer_training)
+    vector = layer._compute_attention(query, key, value, attention_mask, training=training,
+                                      cache_update_index=cache_update_index)  # fmt: skip
+    attends_to_nothing = torch.all(torch.eq(attention_mask, 0), dim=-1, keepdim=True)[..., None]
+    vector = torch.where(attends_to_nothing, torch.zeros_like(vector), vector)
+    return _sublayer(layer.output_dense, vector, sublayer_training)
+
+
+def _rope_directly(layer):
+    """CachedGemma3Attention._apply_rope: its rotary layer, called directly."""
+    own = layer._apply_rope
+
+    def apply_rope(x, start_index):
+        if not _plain(x):
+            return own(x, start_index)
+        return _sublayer(layer.rope_layer, x, None, start_index=start_index)
+
+    apply_rope.interleaved = False
+    return apply_rope
+
+
+def _lean_norm(layer):
+    """keras-hub's Gemma and Gemma 3 RMSNormalization.call (the same code), in the torch ops keras' wrappers
+    call: in float32, x / sqrt(mean(x^2) + eps) * (1 + scale), cast to the compute dtype."""
     import torch
 
     own = layer.call
 
-    def call(x, attention_mask=None, cache=None, cache_update_index=0, training=False):
-        if cache is not None or not _plain(x) or not _plain(attention_mask) or keras_compat.serving_with_vllm():
-            return own(x, attention_mask=attention_mask, cache=cache, cache_update_index=cache_update_index,
-                       training=training)  # fmt: skip
-        sublayer_training = _training()
-        query = layer._apply_rope(_sublayer(layer.query_dense, x, sublayer_training), cache_update_index)
-        key = layer._apply_rope(_sublayer(layer.key_dense, x, sublayer_training), cache_update_index)
-        value = _sublayer(layer.value_dense, x, sublayer_training)
-        vector = layer._compute_attention(query, key, value, attention_mask, training=training,
-                                          cache_update_index=cache_update_index)  # fmt: skip
-        attends_to_nothing = torch.all(torch.eq(attention_mask, 0), dim=-1, keepdim=True)[..., None]
-        vector = torch.where(attends_to_nothing, torch.zeros_like(vector), vector)
-        return _sublayer(layer.output_dense, vector, sublayer_training)
+    def call(x):
+        if not _plain(x):
+            return own(x)
+        x = x.to(torch.float32)
+        scale = layer.scale.value.to(torch.float32)  # the variable as keras reads it (in an autocast scope, cast)
+        variance = torch.mean(torch.square(x), [-1], True)
+        normed = x * torch.reciprocal(torch.sqrt(variance + layer.epsilon))
+        return (normed * (1 + scale)).to(keras_compat.torch_dtype(layer.compute_dtype))
 
-    call.lean = True
+    return call
+
+
+def _lean_einsum_dense(layer):
+    """keras' EinsumDense.call for a float kernel without LoRA, bias or activation: torch.einsum of the input
+    and the kernel as keras' einsum converts them. Anything else (LoRA, a quantized kernel, a bias) goes to the
+    layer's own call; where LoRA or quantization gave the layer a call of ours, it is not this layer's own call,
+    and enable leaves it."""
+    import torch
+
+    own = layer.call
+
+    def call(inputs, training=None):
+        if (
+            not _plain(inputs)
+            or getattr(layer, "lora_enabled", False)
+            or getattr(layer, "quantization_mode", None) is not None
+            or layer.bias is not None
+            or layer.activation is not None
+        ):
+            return own(inputs, training=training)
+        kernel = keras.ops.convert_to_tensor(layer.kernel)
+        if inputs.dtype == kernel.dtype == torch.int8:
+            return own(inputs, training=training)
+        return torch.einsum(layer.equation, inputs, kernel)
+
     return call

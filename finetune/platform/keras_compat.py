@@ -463,6 +463,31 @@ def gemma_decoder_block_class():
     return GemmaDecoderBlock
 
 
+def gemma3_decoder_block_class():
+    """keras-hub's Gemma 3 decoder block class (keras_hub.src.models.gemma3.gemma3_decoder_block): as
+    gemma_decoder_block_class."""
+    from keras_hub.src.models.gemma3.gemma3_decoder_block import Gemma3DecoderBlock
+
+    return Gemma3DecoderBlock
+
+
+def gemma3_attention_class():
+    """keras-hub's Gemma 3 attention layer class (keras_hub.src.models.gemma3.gemma3_attention): lean_torch.py
+    mirrors its call."""
+    from keras_hub.src.models.gemma3.gemma3_attention import CachedGemma3Attention
+
+    return CachedGemma3Attention
+
+
+def gemma_rms_normalization_classes() -> tuple:
+    """keras-hub's Gemma (1/2) and Gemma 3 RMSNormalization classes, one code in two modules: lean_torch.py
+    mirrors their call."""
+    from keras_hub.src.models.gemma.rms_normalization import RMSNormalization
+    from keras_hub.src.models.gemma3.gemma3_layers import RMSNormalization as Gemma3RMSNormalization
+
+    return RMSNormalization, Gemma3RMSNormalization
+
+
 def serving_with_vllm() -> bool:
     """Whether keras-hub's Gemma attention would take its vLLM paged-attention route (serving on a TPU), which
     lean_torch.py leaves to keras-hub."""
