@@ -64,7 +64,7 @@ _KERNEL_SETTINGS = {
 }  # fmt: skip
 # tiny-gemma3 and tiny-gemma4 (the MoE's), the tiny presets' decoders: the families' paths, in seconds.
 _TINY = ("tiny-gemma3", "tiny-gemma4-moe")
-FAMILY = {"tiny": "gemma", "cpu-small": "gemma", **{name: presets.TINY[name].family for name in _TINY},
+FAMILY = {"tiny": "gemma", "cpu-small": "gemma", "host-2b": "gemma", **{name: presets.TINY[name].family for name in _TINY},
           **{name: archs.ARCHS[p].family for name, p in PRESETS.items()}}  # fmt: skip
 ARCHS = {
     "tiny": presets.TINY_CONFIG,
@@ -72,6 +72,12 @@ ARCHS = {
        for name in _TINY},
     "cpu-small": dict(
         num_layers=6, num_query_heads=4, num_key_value_heads=1, hidden_dim=512, intermediate_dim=2048, head_dim=128
+    ),
+    # gemma-2b's structure (18 blocks, 8 query heads on one key head) at widths where the arithmetic costs next to
+    # nothing: its step is the host's work per step, what a GPU step waits on where the host is the bottleneck
+    # (PyTorch's, BENCHMARKS.md). Measurable on any CPU, --seq-len 32 --batch-size 1.
+    "host-2b": dict(
+        num_layers=18, num_query_heads=8, num_key_value_heads=1, hidden_dim=64, intermediate_dim=128, head_dim=16
     ),
     **{
         name: {**{k: v for k, v in archs.ARCHS[p].config.items() if k != "vocabulary_size"},
@@ -101,7 +107,7 @@ class Workload:
     """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
 
     arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, tiny-gemma3, tiny-gemma4-moe, "
-                        "cpu-small, gemma-2b, gemma-7b, "
+                        "cpu-small, host-2b (gemma-2b's 18 blocks at width 64: the host's work), gemma-2b, gemma-7b, "
                         "gemma2-2b, gemma3-1b, gemma3-4b (text), gemma4-e4b, gemma4-26b-a4b.", flag="--arch",
                         metavar="NAME")  # fmt: skip
     tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
