@@ -144,11 +144,21 @@ def _forward_and_back(lm, inputs):
 def test_lean_blocks_train_as_keras_hubs_forward_and_back(monkeypatch, arch, precision, remat):
     """The model `finetune gemma` builds (segment masks, LoRA beside the kernel, remat): the lean blocks' outputs
     and LoRA gradients are keras-hub's call's, bit for bit."""
+    _same_as_keras_hub(monkeypatch, arch, precision, remat)
+
+
+@torch_only
+def test_a_quantized_base_keeps_its_own_calls_under_lean_blocks(monkeypatch):
+    """int8 kernels (quantized.py's calls) are left as they are; the blocks around them are lean, and the same."""
+    _same_as_keras_hub(monkeypatch, "tiny", "float32", False, quantize="int8")
+
+
+def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None):
     import torch
 
     keras_compat.lean_torch_ops()
     keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
-    recipe = builder.Recipe(16, precision, remat=remat, lora=LoraConfig(rank=2, targets=["query", "value"]))
+    recipe = builder.Recipe(16, precision, quantize, remat, lora=LoraConfig(rank=2, targets=["query", "value"]))
     lean = builder.build_model(_source(arch), recipe).lm
     with monkeypatch.context() as patched:
         patched.setattr(lean_torch, "enable", lambda backbone: 0)
@@ -167,7 +177,10 @@ def test_lean_blocks_train_as_keras_hubs_forward_and_back(monkeypatch, arch, pre
         keras_compat, "calls_directly", lambda layer, x: called.append(calls_directly(layer, x)) or called[-1]
     )
     ours, grads = _forward_and_back(lean, inputs)
-    assert called and all(called), "every sublayer called directly"
+    if quantize is None:
+        assert called and all(called), "every sublayer called directly"
+    else:  # the quantized projections through keras' __call__ (quantized_call), the norms directly
+        assert any(called) and not all(called)
     assert torch.equal(ours, own)
     assert len(grads) == len(own_grads) >= 4
     for a, b in zip(grads, own_grads):

@@ -15,9 +15,13 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
   a cache, with each sublayer's own `call` called directly where keras' Layer.__call__ would only have called it
   (keras_compat.calls_directly): built, not quantized, its input already in its dtype, no mask to carry, no
   hook or regularizer; in keras' autocast scope where its policy is mixed (LoRA's factors); the training flag
-  passed as keras passes it. keras' __call__ costs about 75 us a
-  layer on a CPU, against 37 for an EinsumDense's own call; a block calls 10 of them. The glue between (the
-  residual sums, gelu, the wipe of queries that attend to nothing) is the same torch ops keras' wrappers call.
+  passed as keras passes it. keras' __call__ costs about 75 us a layer on a CPU, against 37 for an
+  EinsumDense's own call; a block calls 10 of them. The glue between (the residual sums, gelu, the wipe of
+  queries that attend to nothing) is the same torch ops keras' wrappers call.
+- RMS norms (Gemma 1 to 3's) and plain projections (an EinsumDense without LoRA, bias or activation, not
+  quantized): the torch ops keras' op wrappers call, in their order.
+
+A quantized layer, and a layer whose call is another hook's already, is left as it is.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ def enable(backbone) -> int:
     norms, dense = keras_compat.gemma_rms_normalization_classes(), keras.layers.EinsumDense
     done = 0
     for layer in backbone._flatten_layers(include_self=False):
-        if not _own_call(layer):  # done already, or another hook's call (remat's): left as it is
-            continue
+        if not _own_call(layer) or getattr(layer, "quantization_mode", None) is not None:
+            continue  # done already, another hook's call (remat's), or a quantized call (quantized.py's)
         if type(layer) is rotary:
             keras_compat.replace_call(layer, _kept_tables(layer))
         elif type(layer) in (gemma, gemma3):
