@@ -77,6 +77,13 @@ def test_a_later_start_or_given_positions_go_to_keras_hub_and_few_shapes_are_kep
     x = torch.randn(2, 8, 3, 16)
     own = [layer(x), layer(x, start_index=5), layer(x, positions=torch.arange(3, 11))]
     own_call = layer.call
+    first = keras_compat.rotary_embedding_class()(max_wavelength=10_000.0)
+    keras_compat.replace_call(first, lean_torch._kept_tables(first))
+    with torch.inference_mode():
+        first(x)  # its tables made under inference mode (a notebook's generation first)...
+    trained = torch.randn(2, 8, 3, 16, requires_grad=True)
+    first(trained).sum().backward()  # ...serve a pass that saves them for its backward
+    assert torch.equal(trained.grad, torch.func.grad(lambda t: own_call(t).sum())(trained))
     keras_compat.replace_call(layer, lean_torch._kept_tables(layer))
     ours = [layer(x), layer(x, start_index=5), layer(x, positions=torch.arange(3, 11))]
     for a, b in zip(ours, own):

@@ -96,8 +96,10 @@ def _kept_tables(layer):
         key = (inputs.ndim, inputs.shape[1], inputs.shape[-1], inputs.device, layer.compute_dtype)
         kept = tables.get(key)
         if kept is None:
-            with torch.no_grad():
-                kept = layer._compute_cos_sin_embedding(inputs, 0, None)  # keras-hub's own tables
+            # keras-hub's own tables, outside autograd; plain tensors even when made under inference mode, so that
+            # a later training step can save them for its backward
+            with torch.inference_mode(False), torch.no_grad():
+                kept = layer._compute_cos_sin_embedding(inputs, 0, None)
             if len(tables) < SHAPES_KEPT:
                 tables[key] = kept
         cos, sin = kept
