@@ -434,9 +434,9 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None, lean_ops: b
     """TF32 matmuls, PyTorch's CPU threads and the dtype policy; returns the tweaks applied.
 
     threads: int. PyTorch on a CPU: intra-op threads; None picks the idle physical cores.
-    lean_ops: PyTorch: keras' per-op host work trimmed, and rotary embeddings made once per shape (exact:
-    keras_compat.lean_torch_ops, lean_torch.py); False keeps keras' own (the bench's `stock` lever, which measures what
-    they buy). Once installed in a process, they stay.
+    lean_ops: PyTorch: keras' per-op host work trimmed (keras_compat.lean_torch_ops), and the models built after
+    it with less host work per step (lean_torch.py), the same tensors either way; False keeps keras' own (the
+    bench's `stock` lever, which measures what they buy). Once installed in a process, they stay.
     """
     import keras
 
