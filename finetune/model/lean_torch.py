@@ -108,7 +108,6 @@ def _kept_tables(layer):
         first, second = torch.chunk(inputs, 2, dim=-1)  # keras-hub's _apply_rotary_pos_emb, in torch
         return inputs * cos + torch.cat((-second, first), dim=-1) * sin
 
-    call.tables_kept = True
     return call
 
 
@@ -125,7 +124,6 @@ def _interleaved(layer):
         x = _sublayer(layer.rope_layer, x, None, start_index=start_index)
         return torch.stack(torch.chunk(x, 2, dim=-1), dim=-1).reshape(x.shape)
 
-    apply_rope.interleaved = True
     return apply_rope
 
 
@@ -249,7 +247,6 @@ def _rope_directly(layer):
             return own(x, start_index)
         return _sublayer(layer.rope_layer, x, None, start_index=start_index)
 
-    apply_rope.interleaved = False
     return apply_rope
 
 
