@@ -89,8 +89,8 @@ class GRPOView(objective.TrainingView):
         return "float32"
 
     def call(self, inputs, training=None):
-        hidden, labels, weights, kernel, soft_cap = objective.targets(self.lm.backbone, inputs, self.shards,
-                                                                      training=training)  # fmt: skip
+        hidden, labels, weights, kernel, soft_cap, weighted = objective.targets(self.lm.backbone, inputs, self.shards,
+                                                                                training=training)  # fmt: skip
         # The logits at the sampling temperature, as keras-hub's samplers divide the (capped) logits: a kernel and
         # a soft cap both divided by T give exactly that, cap/T tanh((x/T) / (cap/T)) = (cap tanh(x / cap)) / T.
         temperature = self.objective.temperature
@@ -99,10 +99,10 @@ class GRPOView(objective.TrainingView):
         shape = ops.shape(inputs["loss_labels"])
         entropy = None
         if training:  # with each token's entropy, made from the logits the loss makes (TRL's metric)
-            both = objective.token_losses_and_entropies(hidden, kernel, labels, weights, self.chunk, soft_cap)
+            both = objective.token_losses_and_entropies(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
             losses, entropy = both[:, 0], ops.reshape(both[:, 1], shape)
         else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
-            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap)
+            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
         logps = -ops.reshape(losses, shape)
         given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_reference", "loss_advantages")]
         return token_values(self.objective, logps, *given, entropy=entropy)

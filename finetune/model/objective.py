@@ -15,7 +15,9 @@ projected a chunk of positions at a time, inside one custom-gradient op:
   logits are kept for it, and none recomputed; each chunk waits for the one
   before it, so one chunk's logits exist at a time;
 - a chunk whose positions all weigh 0 (the padding of the gathered layout) is
-  skipped.
+  skipped. Compiled, the step chooses on the device (`ops.cond`); run eagerly
+  (PyTorch), that choice is a read of the device for each chunk, so the weights
+  are read once instead, before the backbone runs (weighted_on_host).
 
 So the vocabulary projection costs what the loss needs, and at most one chunk
 of logits exists at a time. The loss is the same as the full projection's
@@ -66,13 +68,36 @@ def _chunks(total: int, chunk: int):
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
 
 
-def token_losses_and_entropies(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+def weighted_on_host(weights):
+    """Whether each position weighs anything, as a numpy array, where a step runs eagerly on PyTorch; else None.
+
+    Run eagerly, choosing a chunk on the device (`ops.cond`) reads the device: on a GPU the host waits for every
+    op queued before it, and at a 256k vocabulary and 4096 positions a step has 32 chunks. targets() reads this
+    once instead, before the backbone runs, when all the device has to finish is the batch's own copy, and the
+    chunks are chosen in Python. Traced or compiled (JAX, TensorFlow, torch.compile), the device chooses.
+    """
+    if keras.config.backend() != "torch":
+        return None
+    import torch
+
+    if torch.compiler.is_compiling() or weights.device.type == "meta":
+        return None
+    return (weights.detach() > 0).cpu().numpy()
+
+
+def _carrying(weighted, spans) -> list | None:
+    """Whether each chunk has a position that weighs anything, from weighted_on_host's array; None: the device
+    chooses (ops.cond)."""
+    return None if weighted is None else [bool(weighted[start:end].any()) for start, end in spans]
+
+
+def token_losses_and_entropies(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
     """(N, 2) float32: token_losses' losses, and each position's entropy of the softmax (GRPO's metric), made from
     the chunk's logits while they exist, without a gradient."""
-    return _token_losses(hidden, kernel, (labels, weights), chunk, soft_cap, entropy=True)
+    return _token_losses(hidden, kernel, (labels, weights, weighted), chunk, soft_cap, entropy=True)
 
 
-def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
     """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
 
     hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
@@ -81,13 +106,15 @@ def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
     scalar times (softmax - one-hot) @ kernel; that product is made in the
     forward, while the chunk's logits exist, and kept (N x D), so the backward
     neither keeps nor recomputes any logits.
+    weighted: weighted_on_host's array (Targets.weighted), or None.
     """
-    return _token_losses(hidden, kernel, (labels, weights), chunk, soft_cap, entropy=False)
+    return _token_losses(hidden, kernel, (labels, weights, weighted), chunk, soft_cap, entropy=False)
 
 
 def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy: bool):
-    labels, weights = targets
+    labels, weights, weighted = targets
     spans = _chunks(hidden.shape[0], chunk)
+    carrying = _carrying(weighted, spans)
     projection = kernel if isinstance(kernel, tokens.Projection) else None
 
     @ops.custom_gradient
@@ -97,8 +124,8 @@ def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy:
         if projection is not None:
             kernel = tokens.Projection(kernel, new_rows[0], projection.added)  # the inputs, not the closure's
         loss_parts, grad_parts, column_parts = [], [], []
-        for start, end in spans:
-            h, y = _after(hidden[start:end], loss_parts), labels[start:end]
+        for number, (start, end) in enumerate(spans):
+            h, y = _after(hidden[start:end], loss_parts, carrying), labels[start:end]
 
             def chunk_loss(h=h, y=y):
                 logits = _logits(h, kernel, soft_cap)
@@ -120,7 +147,10 @@ def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy:
                 empty = ops.zeros((h.shape[0], 2) if entropy else (h.shape[0],)), ops.zeros_like(h)
                 return empty if projection is None else (*empty, ops.zeros((h.shape[0], len(projection.added.ids))))
 
-            parts = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
+            if carrying is None:
+                parts = ops.cond(ops.any(weights[start:end] > 0), chunk_loss, nothing)
+            else:
+                parts = chunk_loss() if carrying[number] else nothing()
             loss_parts.append(parts[0])
             grad_parts.append(parts[1])
             column_parts.append(parts[2] if projection is not None else None)
@@ -197,19 +227,22 @@ def _loss_and_delta_in_place(logits, labels, entropy: bool = False):
     return (top + torch.log(total))[:, 0] - picked, probs, spread
 
 
-def _after(hidden, done: list):
+def _after(hidden, done: list, carrying=None):
     """`hidden`, made to depend on the chunks before it: TensorFlow's executor would otherwise run independent
-    chunks at once (two were alive at the memory peak at gemma-2b's size). A NaN still propagates."""
-    if not done:
+    chunks at once (two were alive at the memory peak at gemma-2b's size). A NaN still propagates. Run eagerly
+    (`carrying` given), the chunks run one after another as written: `hidden` itself."""
+    if not done or carrying is not None:
         return hidden
     return hidden + ops.cast(0.0 * ops.sum(done[-1]), hidden.dtype)
 
 
-def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
+def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
     """(loss, correct) per position, without gradients: what evaluation averages over the weighted tokens."""
     losses, correct = [], []
-    for start, end in _chunks(hidden.shape[0], chunk):
-        h, y = _after(hidden[start:end], losses), labels[start:end]
+    spans = _chunks(hidden.shape[0], chunk)
+    carrying = _carrying(weighted, spans)
+    for number, (start, end) in enumerate(spans):
+        h, y = _after(hidden[start:end], losses, carrying), labels[start:end]
 
         def score(h=h, y=y):
             logits = _logits(h, kernel, soft_cap)
@@ -218,7 +251,11 @@ def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None):
             return ops.logsumexp(logits, axis=-1) - picked, hit
 
         n = end - start
-        loss, hit = ops.cond(ops.any(weights[start:end] > 0), score, lambda n=n: (ops.zeros((n,)), ops.zeros((n,))))
+        skip = lambda n=n: (ops.zeros((n,)), ops.zeros((n,)))  # noqa: E731
+        if carrying is None:
+            loss, hit = ops.cond(ops.any(weights[start:end] > 0), score, skip)
+        else:
+            loss, hit = score() if carrying[number] else skip()
         losses.append(loss)
         correct.append(hit)
     return ops.concatenate(losses, axis=0), ops.concatenate(correct, axis=0)
@@ -253,16 +290,20 @@ class Targets(NamedTuple):
     weights: object
     kernel: object
     soft_cap: float | None
+    weighted: object = None
+    """weighted_on_host's array, read before the backbone ran (PyTorch run eagerly), or None."""
 
 
 def targets(backbone, inputs, shards: int, rows: int | None = None, training=None) -> Targets:
     """The backbone run on a batch's model inputs, and what its loss positions need (_gathered says how)."""
-    hidden = _gathered(backbone, inputs, shards, rows, training=training)
-    kernel, soft_cap = logit_projection(backbone)
     labels = ops.reshape(inputs["loss_labels"], (-1,))
     weights = ops.reshape(inputs["loss_weights"], (-1,))
+    weighted = weighted_on_host(weights)  # before the backbone is queued: the read waits for the batch's copy alone
+    hidden = _gathered(backbone, inputs, shards, rows, training=training)
+    kernel, soft_cap = logit_projection(backbone)
     embedding = getattr(backbone, "token_embedding", None)
-    return Targets(hidden, labels, weights, tokens.projection(embedding, ops.convert_to_tensor(kernel)), soft_cap)
+    kernel = tokens.projection(embedding, ops.convert_to_tensor(kernel))
+    return Targets(hidden, labels, weights, kernel, soft_cap, weighted)
 
 
 class ResponseTokens:
@@ -292,7 +333,7 @@ class TrainingView(keras.Model):
         # keras' trainers pass `training` only to a call that takes it, and JAX's stateless call sets no call
         # context: passed on to the backbone, it reaches LoRA dropout and NEFTune, which act only while training.
         t = targets(self.lm.backbone, inputs, self.shards, training=training)
-        losses = token_losses(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap)
+        losses = token_losses(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap, t.weighted)
         return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
 
     def compute_output_spec(self, inputs):
@@ -360,7 +401,7 @@ class ScoringView(TrainingView):
 
     def call(self, inputs):
         t = targets(self.lm.backbone, inputs, self.shards, self.rows)
-        loss, correct = token_scores(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap)
+        loss, correct = token_scores(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap, t.weighted)
         shape = ops.shape(inputs["loss_labels"])
         return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}
 
