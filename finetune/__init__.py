@@ -60,7 +60,7 @@ def _in_python_words(*arguments: _config.Setting, with_settings: bool = False):
 def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     """Train, evaluate and save a LoRA adapter as `cfg` says; returns the run's metrics.
 
-    cfg: Config, or a nested dict of settings as in a recipe.
+    cfg: Config, or a dict of settings as in a recipe: nested, or with dotted keys ({"lora.rank": 8}).
     resume: bool. Continue the run in cfg.output.dir from its newest checkpoint
         (see README: Resume). Raises RunStopped when SIGTERM, Ctrl-C or the time
         limit stops training early, after saving a checkpoint; SIGTERM or Ctrl-C

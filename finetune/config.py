@@ -1027,10 +1027,11 @@ def parse_duration(text: str) -> float:
 
 
 def from_dict(data: dict) -> Config:
-    """A checked Config from a nested mapping (a recipe, or a run's config.yaml)."""
+    """A checked Config from a nested mapping (a recipe, or a run's config.yaml), whose keys may also be dotted
+    at the top, as load_config's overrides are: {"lora.rank": 8} is {"lora": {"rank": 8}}."""
     # A run's config.yaml adds a `resolved:` record of what the run found; it is
     # not a setting, so a finished run's config can be used as a recipe.
-    data = {k: v for k, v in data.items() if k != "resolved"}
+    data = _undotted({k: v for k, v in data.items() if k != "resolved"})
     cfg = _build(Config, data, prefix="")
     validate(cfg)
     return cfg
@@ -1127,6 +1128,27 @@ def parse_set(pair: str) -> tuple[str, Any]:
     except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, an int past 4300 digits, too deep: as typed
         value = raw
     return key.strip(), value
+
+
+def _undotted(data: dict) -> dict:
+    """`data` with its dotted top-level keys made sections; a setting given both ways is refused."""
+    if not any(isinstance(k, str) and "." in k for k in data):
+        return data
+    nested = {
+        k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if not (isinstance(k, str) and "." in k)
+    }
+    for key, value in data.items():
+        if isinstance(key, str) and "." in key:
+            parts = key.split(".")
+            node = nested
+            for part in parts[:-1]:
+                node = node.get(part) if isinstance(node.get(part), dict) else None
+                if node is None:
+                    break
+            if node is not None and parts[-1] in node:
+                raise UserError(f"config key {key!r} is given twice: dotted, and inside section {parts[0]!r}")
+            set_dotted(nested, key, value)
+    return nested
 
 
 def set_dotted(data: dict, key: str, value: Any) -> None:

@@ -244,3 +244,16 @@ def test_a_message_for_the_command_line_is_reworded_for_python():
 def test_dora_on_a_quantized_base_is_refused_before_anything_runs():
     with pytest.raises(UserError, match="--dora with --quantize int4 is not supported"):
         config.load(None, {"lora.dora": True, "model.quantize": "int4"})
+
+
+def test_a_dict_of_settings_may_name_them_dotted_as_load_config_s_overrides():
+    """finetune.run({"lora.rank": 8}) reads as {"lora": {"rank": 8}} (it said: unknown config key 'lora.rank'; did
+    you mean 'lora.rank'?), beside sections; a setting given both ways is refused."""
+    cfg = config.from_dict({"model.preset": "tiny", "lora": {"rank": 8}, "lora.alpha": 3, "train.max_steps": 5})
+    assert (cfg.model.preset, cfg.lora.rank, cfg.lora.alpha, cfg.train.max_steps) == ("tiny", 8, 3.0, 5)
+    with pytest.raises(UserError, match="'lora.rank' is given twice"):
+        config.from_dict({"lora": {"rank": 8}, "lora.rank": 4})
+    with pytest.raises(UserError, match="unknown config key 'lora.rnak'; did you mean 'lora.rank'"):
+        config.from_dict({"lora.rnak": 4})
+    with pytest.raises(UserError, match="'lora' is not a section"):
+        config.from_dict({"lora": 3, "lora.rank": 2})
