@@ -138,6 +138,13 @@ def completion(i):
     return {"prompt": f"{i} plus 1 is", "completion": f" {i + 1}."}
 
 
+def completion_chat(i):
+    """TRL's conversational prompt-completion, with an earlier answer in the prompt (not trained)."""
+    prompt = [{"role": "user", "content": f"Add {i} and 1."}, {"role": "assistant", "content": f"{i + 1}."},
+              {"role": "user", "content": "And 2?"}]  # fmt: skip
+    return {"prompt": prompt, "completion": [{"role": "assistant", "content": f"{i + 2}."}]}
+
+
 def text(i):
     return {"text": f"The number after {i} is {i + 1}, and the one after that is {i + 2}."}
 
@@ -152,6 +159,7 @@ BUILDERS = {
     "chat": chat,
     "sharegpt": sharegpt,
     "completion": completion,
+    "completion-chat": completion_chat,
     "text": text,
 }
 FLAT = ("dolly", "alpaca", "completion", "text")

@@ -89,3 +89,20 @@ def test_each_family_trains_evaluates_and_generates_from_the_command_line(preset
         assert "exported" in exported.stdout
         config = json.loads((tmp_path / "merged" / "config.json").read_text())
         assert config["class_name"].endswith(("GemmaBackbone", "Gemma3Backbone", "Gemma3nBackbone", "Gemma4Backbone"))
+
+
+@pytest.mark.backend_neutral  # the records' reading and the template's spans: Python's, whatever the backend
+def test_a_conversational_prompt_completion_trains_its_completion_alone_from_the_command_line(tmp_path):
+    """TRL's conversational prompt-completion on Gemma 4's turns: `finetune data` shows the loss on the completion
+    alone, the prompt's earlier answer as context; `finetune gemma` trains it, the template chosen for it."""
+    rows = [{"prompt": [{"role": "user", "content": f"Add {i} and 1."}, {"role": "assistant", "content": f"{i + 1}."},
+                        {"role": "user", "content": "And 2?"}],
+             "completion": [{"role": "assistant", "content": f"{i + 2}."}]} for i in range(24)]  # fmt: skip
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    shown_ = finetune("data", "c.jsonl", "--preset", "tiny-gemma4", cwd=tmp_path).stdout
+    assert "format: completion-chat (prompt, completion, as messages), 24 records" in shown_, shown_
+    assert "  <|turn>model\n  1.<turn|>\n" in shown_ and "  «2.<turn|><eos>»" in shown_, shown_
+    finetune("gemma", "--preset", "tiny-gemma4", "--backend", BACKEND, "--data", "c.jsonl", "--max-steps", "1", *LEAN,
+             "--output", "run", cwd=tmp_path)  # fmt: skip
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text(encoding="utf-8"))["resolved"]
+    assert resolved["template"]["value"] == "gemma4-chat"

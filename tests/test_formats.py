@@ -9,6 +9,7 @@ from conftest import (
     FLAT,
     alpaca,
     completion,
+    completion_chat,
     dolly,
     make_records,
     sharegpt,
@@ -368,7 +369,8 @@ def test_every_container_reads_every_format_the_same(tmp_path, fmt, container):
     rows = [BUILDERS[fmt](i) for i in range(5)]
     path = write(tmp_path / f"d.{container}", rows)
     if container == "csv" and fmt not in FLAT:
-        with pytest.raises(UserError, match=f"{fmt} records hold lists of turns, which a CSV cell cannot"):
+        said = "holds a list of messages written as text" if fmt == "completion-chat" else f"{fmt} records hold lists"
+        with pytest.raises(UserError, match=said):
             formats.read(str(path))
         return
     records, found = formats.read(str(path))
@@ -393,7 +395,37 @@ def test_completion_and_text_records():
     "content, message",
     [
         ([{"question": "a", "answer": "b"}], "a record with 'question', 'answer' is in no format finetune reads"),
-        ([{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}], "as lists of turns are not read"),
+        (
+            [{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}],
+            "item 1: `completion` must be a non-empty list of {role, content} messages",
+        ),
+        (
+            [completion(0), {"prompt": [{"role": "user", "content": "a"}], "completion": "b"}],
+            "item 2: prompt and completion as lists of messages, in a file whose first record has them as text",
+        ),
+        (
+            [{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "b"}]}],
+            "the completion must open with the assistant's message",
+        ),
+        (
+            [
+                {
+                    "prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                    "completion": [{"role": "assistant", "content": "c"}],
+                }
+            ],
+            "message 3 should be the user's",
+        ),  # fmt: skip
+        (
+            [
+                {
+                    "prompt": [{"role": "user", "content": "a"}],
+                    "tools": [],
+                    "completion": [{"role": "assistant", "content": "c"}],
+                }
+            ],
+            "with tools, tool calls or reasoning are not read yet",
+        ),  # fmt: skip
         (
             [completion(0), {"prompt": "a"}],
             "item 2: record has no 'completion' field; this file is in prompt/completion",
@@ -510,3 +542,15 @@ def test_a_folder_suggests_a_compressed_data_file_in_it(tmp_path):
     (tmp_path / "records.jsonl.gz").write_bytes(b"")
     with pytest.raises(UserError, match="records.jsonl.gz"):
         formats.load_records(str(tmp_path))
+
+
+def test_a_conversational_prompt_completion_reads_as_a_chat_whose_prompt_is_not_trained(tmp_path):
+    """TRL's conversational prompt-completion: the two lists joined, a system message first, the count of the
+    prompt's messages kept (templates.py leaves their model turns untrained: test_templates); pictures as TRL's
+    content parts in either list."""
+    row = {"prompt": [{"role": "system", "content": "Be brief."}, *completion_chat(0)["prompt"]],
+           "completion": completion_chat(0)["completion"]}  # fmt: skip
+    (record,), found = formats.read(str(write_jsonl(tmp_path / "c.jsonl", [row])))
+    assert found == "completion-chat" and record.prompt_messages == 4
+    assert [m["role"] for m in record.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert record.turns[-1] == ("assistant", "2.") and record.response == "2."

@@ -147,6 +147,14 @@ def trained_and_not(fmt, i=0):
             ["<start_of_turn>user\nBe brief.\n\nAdd 0 and 1.<end_of_turn>\n<start_of_turn>model\n"],
         ),
         ("completion", [" 1."], ["0 plus 1 is"]),
+        (
+            "completion-chat",
+            ["2.<end_of_turn>"],
+            [
+                "<start_of_turn>user\nAdd 0 and 1.<end_of_turn>\n<start_of_turn>model\n1.<end_of_turn>\n"
+                "<start_of_turn>user\nAnd 2?<end_of_turn>\n<start_of_turn>model\n"
+            ],
+        ),  # fmt: skip
         ("text", ["The number after 0 is 1, and the one after that is 2."], []),
     ],
 )

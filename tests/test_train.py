@@ -344,7 +344,8 @@ def test_every_format_trains_with_no_template(tmp_path, fmt, container):
     )
     assert result.exit_code == 0, result.output + (result.stderr or "")
     assert f"read 24 records, {fmt} format" in result.output
-    chosen = {"chat": "gemma-chat", "sharegpt": "gemma-chat", "completion": "none", "text": "none"}.get(fmt, fmt)
+    chat = ("chat", "sharegpt", "completion-chat")
+    chosen = "gemma-chat" if fmt in chat else {"completion": "none", "text": "none"}.get(fmt, fmt)
     decided = [line.split()[:2] for line in result.output.splitlines() if f"auto: for {fmt} records" in line]
     assert decided == [["template", chosen]], result.output  # the decisions' table
     assert (tmp_path / "r" / "adapter.lora.h5").is_file()

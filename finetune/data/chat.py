@@ -128,6 +128,16 @@ class ChatRenderer:
         return pieces
 
 
+def untrained_before(pieces, cut: int) -> list[tuple[str, bool]]:
+    """(text, trained) pieces with their first `cut` characters not trained (a completion's prompt)."""
+    kept, at = [], 0
+    for text, trained in pieces:
+        inside = max(0, min(len(text), cut - at))
+        kept += [(text[:inside], False), (text[inside:], trained)]
+        at += len(text)
+    return _merged(kept)
+
+
 def _merged(pieces) -> list[tuple[str, bool]]:
     merged = []
     for text, trained in pieces:

@@ -14,6 +14,9 @@ by the first record's keys (FORMATS):
 - sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
   read as chat; an optional top-level `system` string is its system turn;
 - completion: `prompt` and `completion` strings, trained on the completion;
+- completion-chat: `prompt` and `completion` as lists of messages (TRL's
+  conversational prompt-completion): the prompt ends with the user's, the
+  completion is the assistant's answer, and only the completion is trained;
 - text: `text`, trained on every token;
 - preference: `chosen` and `rejected` texts, with a `prompt` text or without one
   (TRL's implicit prompt: the texts' shared beginning, as Anthropic HH's are);
@@ -69,6 +72,7 @@ FORMATS = {
     "tool-chat": "messages, with tools, tool calls or reasoning",
     "sharegpt": "conversations",
     "completion": "prompt, completion",
+    "completion-chat": "prompt, completion, as messages",
     "text": "text",
     "preference": "chosen, rejected, and prompt or none, as text",
     "preference-chat": "chosen, rejected, and prompt or none, as messages",
@@ -80,6 +84,7 @@ CHAT_FORMATS = (
     "chat",
     "tool-chat",
     "sharegpt",
+    "completion-chat",
     "preference-chat",
     "prompts-chat",
 )  # records of turns, rendered by a chat template
@@ -121,6 +126,8 @@ class Record:
     system's first where there is one; tool-chat's also with tool_calls, reasoning_content and tool messages)."""
     tools: tuple = ()
     """Tool-chat records: the tools' JSON schemas ({type: function, function: {name, description, parameters}})."""
+    prompt_messages: int = 0
+    """Completion-chat records: how many of `messages` are the prompt, whose model turns are not trained."""
 
     @property
     def uses_tools(self) -> bool:
@@ -147,7 +154,8 @@ def detect_format(obj) -> str | None:
     if "instruction" in obj:
         return "alpaca" if "output" in obj and "response" not in obj else "dolly"
     if "prompt" in obj and "completion" in obj:
-        return "completion"
+        lists = isinstance(obj["prompt"], list) or isinstance(obj["completion"], list)
+        return "completion-chat" if lists else "completion"
     if "prompt" in obj and "text" not in obj:
         return "prompts-chat" if isinstance(obj["prompt"], list) else "prompts"
     if "text" in obj:
@@ -287,6 +295,12 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
                     f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
                     "give them as JSON Lines, a JSON array or Parquet"
                 )
+            written = _messages_as_text(obj) if container else None
+            if written:  # TRL's conversational forms written out into cells: they would train as that text
+                raise UserError(
+                    f"{where}: the {written!r} cell holds a list of messages written as text, which a {container} "
+                    "file cannot hold as a list; give the records as JSON Lines, a JSON array or Parquet"
+                )
         elif _is_pair(obj) != (fmt in PREFERENCE_FORMATS):
             raise UserError(_mixed(where, fmt))
         elif fmt in PROMPT_FORMATS and detect_format(obj) not in PROMPT_FORMATS:
@@ -298,6 +312,17 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
     if fmt == "chat" and any(r.uses_tools for r in records):
         fmt = "tool-chat"
     return records, fmt
+
+
+MESSAGES_AS_TEXT = re.compile(r"""^\s*\[\s*\{.*['"]role['"]\s*:""", re.DOTALL)
+
+
+def _messages_as_text(obj) -> str | None:
+    """The key of a text cell that holds a list of {role, content} messages written out (JSON or Python's), or None."""
+    for key, value in obj.items() if isinstance(obj, dict) else ():
+        if isinstance(value, str) and MESSAGES_AS_TEXT.match(value):
+            return key
+    return None
 
 
 def _is_pair(obj) -> bool:
@@ -598,6 +623,8 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
         return _pair_record(obj, where, fmt)
     if fmt in PROMPT_FORMATS:
         return _prompt_record(obj, where)
+    if fmt == "completion-chat":
+        return _completion_chat_record(obj, where)
     for name in FORMATS[fmt].split(", "):
         if name not in obj:
             raise UserError(
@@ -615,8 +642,8 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
     if fmt == "completion":
         if isinstance(obj["prompt"], list) or isinstance(obj["completion"], list):
             raise UserError(
-                f"{where}: prompt and completion as lists of turns are not read; give the conversation as "
-                "`messages` (chat format), whose assistant turns are trained"
+                f"{where}: prompt and completion as lists of messages, in a file whose first record has them as "
+                "text; a file holds one form"
             )
         prompt = _field(obj, "prompt", where, required=False)
         return Record(instruction=prompt, response=_field(obj, "completion", where))
@@ -642,6 +669,8 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     clips = audio.audio_paths(obj, where, source) if not source.startswith("hf:") else ()
     if fmt == "chat" and "messages" in obj:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
+    if fmt == "completion-chat":
+        obj = {**obj, **{key: images.parts_to_text(obj.get(key), where) for key in ("prompt", "completion")}}
     paths = _pictures(obj, where, source)
     record = _labelled(obj, _record(obj, where, fmt), where)
     texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
@@ -726,6 +755,29 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
         turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
         messages.insert(0, {"role": "system", "content": system})
     return Record(instruction=turns[0][1], response=turns[-1][1], turns=tuple(turns), messages=tuple(messages))
+
+
+def _completion_chat_record(obj: dict, where: str) -> Record:
+    """TRL's conversational prompt-completion: `prompt` messages ending with the user's, and `completion`, the
+    assistant's answer; read as a chat of the two whose prompt's model turns are not trained (as TRL's
+    completion-only loss)."""
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, list) or not value:
+            raise UserError(
+                f"{where}: `{key}` must be a non-empty list of {{role, content}} messages, as the file's first "
+                f"record's is, got {documents.kind_of(value)}"
+            )
+    if "tools" in obj or _has_tool_turns(prompt) or _has_tool_turns(completion):
+        raise UserError(
+            f"{where}: a prompt and completion with tools, tool calls or reasoning are not read yet; give the "
+            "conversation as `messages` (tool-chat), whose assistant turns are trained"
+        )
+    first = completion[0]
+    if not isinstance(first, dict) or ROLES.get(first.get("role")) != "assistant":
+        raise UserError(f"{where}: the completion must open with the assistant's message, which the model learns")
+    record = _chat_record([*prompt, *completion], where, "prompt and completion", ("role", "content"), ROLES)
+    return dataclasses.replace(record, prompt_messages=len(prompt), where=where)
 
 
 TOOL_KEYS = ("tool_calls", "reasoning_content", "reasoning", "thinking")  # beside role and content: tool-chat's

@@ -140,9 +140,21 @@ class GemmaChat(Template):
         The newline the template writes after the last turn is left off: <eos> follows the model's turn end, where
         generation stops, and a pair's answer is its last piece (pairs.py).
         """
-        pieces = self.renderer.segments(chat.messages_of(record), record.tools)
+        messages = chat.messages_of(record)
+        pieces = self.renderer.segments(messages, record.tools)
         if pieces[-1] == ("\n", False):
             pieces = pieces[:-1]
+        if record.prompt_messages:  # a completion-chat record: its prompt's model turns are not trained
+            thinking = any(chat.reasoning_of(m) for m in messages)
+            prompt = self.renderer.text(
+                messages[: record.prompt_messages], record.tools, add_generation_prompt=True, thinking=thinking
+            )
+            if not "".join(text for text, _ in pieces).startswith(prompt):
+                raise UserError(
+                    f"{record.where}: the {self.renderer.file} chat template renders this prompt otherwise once "
+                    "its completion follows it; give the conversation as `messages`"
+                )
+            pieces = chat.untrained_before(pieces, len(prompt))
         return pieces
 
 
