@@ -291,7 +291,6 @@ def _prompt(name: str) -> dict:
 @pytest.mark.parametrize(
     "method, record, expected",
     [
-        ("dpo", _pair, "does not train on audio yet"),
         ("grpo", _prompt, "does not train on pictures or audio yet"),
         ("classify", lambda name: {**llama_factory(name, "tone"), "label": "tone"}, "are not classified yet"),
     ],
@@ -307,6 +306,26 @@ def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, re
                     "--output", out)  # fmt: skip
     assert result.exit_code == 2 and expected in result.stderr, result.output + result.stderr
     assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.backend_neutral  # the pairs' layout is numpy's; every suite trains on audio (above)
+def test_a_preference_pair_hears_its_clip(tmp_path):
+    """A pair's clip goes in its prompt, and both answers' rows carry it (prepare.Media, as SFT's rows): a tone and
+    noise under the same texts train apart; before, pairs with audio were refused (their rows held the text
+    <audio>)."""
+    import csv
+
+    runs = []
+    for kind in ("tone", "noise"):
+        data = write_lines(tmp_path / f"{kind}.jsonl", [_pair(clip(tmp_path / f"{kind}.wav", kind))] * 8)
+        out = tmp_path / kind
+        result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--method", "dpo", "--data", data, "--max-steps",
+                        "2", "--batch-size", "2", "--set", "train.samples=0", "--output", out)  # fmt: skip
+        assert result.exit_code == 0, result.output + result.stderr
+        with (out / "history.csv").open() as f:
+            runs.append([float(r["grad_norm"]) for r in csv.DictReader(f) if r["train_loss"]])
+    assert len(runs[0]) == 2 and all(np.isfinite(runs[0] + runs[1]))
+    assert runs[0] != runs[1]
 
 
 @pytest.mark.one_backend

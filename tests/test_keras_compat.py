@@ -349,3 +349,23 @@ def test_keras_collects_garbage_when_a_layer_deletes_a_variable_and_the_build_sc
     with keras_compat.collections_of_new_objects_only():
         del layer._kernel
     assert len(calls) == 1 and calls[0] > 0 and gc.get_freeze_count() == 0
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras' TensorFlow add only")
+@pytest.mark.parametrize(
+    "first, second",
+    [((4, 4), (4, 1)), ((2, 3, 3), (3, 1)), ((3, 3), (3, 1)), ((4, 4), (1, 4)), ((2, 5, 4), (4,)), ((2, 4, 5), (1, 4, 1)),
+     ((2, 3, 4), (2, 1, 1)), ((3, 2), (3, 1))],
+)  # fmt: skip
+def test_tensorflow_adds_broadcast_as_numpy_does(first, second):
+    """keras' own add took a (4, 1) beside a (4, 4) for a bias along the last axis (keras-hub's Gemma 3 then put a
+    batch of 4 rows' pictures at the wrong positions); biases along the last axis or axis 1 keep its fused path."""
+    keras_compat.exact_tensorflow_adds()
+    rng = np.random.default_rng(0)
+    for dtype in ("int32", "float32"):
+        a = rng.integers(0, 100, first).astype(dtype)
+        b = rng.integers(0, 100, second).astype(dtype)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.add(a, b)), a + b)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(keras.ops.add(b, a)), a + b)
+    assert keras.ops.add(2, 3) == 5
+    assert not keras_compat.exact_tensorflow_adds()  # once a process

@@ -166,18 +166,27 @@ def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(meth
 
 @neutral
 @pytest.mark.parametrize("method", [m for m in METHODS if registry.get(m).paired])
-def test_pairs_with_pictures_are_refused_before_anything_is_written(method, tmp_path):
-    """They trained on the literal text `<image>`: the pairs path never read the pictures."""
+def test_pairs_with_pictures_train_on_them_with_every_paired_method(method, tmp_path):
+    """They trained on the literal text `<image>`, then were refused; now each side reads the picture
+    (test_pictured_pairs.py: as SFT's rows do). A step's gradient follows the picture: red and blue squares under
+    the same texts train apart."""
     from PIL import Image
 
-    Image.new("RGB", (8, 8), "red").save(tmp_path / "red.png")
-    rows = [{"prompt": "<image>What colour is it?", "chosen": "Red.", "rejected": "Blue.", "images": ["red.png"]}] * 8
-    paired = write_jsonl(tmp_path / "pictured.jsonl", rows)
-    result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--method", method, "--data",
-                    paired, "--batch-size", "2", "--output", tmp_path / "run")  # fmt: skip
-    assert result.exit_code == 2, result.output
-    assert f"--method {method} does not train on pictures" in result.output
-    assert not (tmp_path / "run").exists()
+    runs = []
+    for colour in ("red", "blue"):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"{colour}.png")
+        rows = [{"prompt": "<image>What colour is it?", "chosen": "Red.", "rejected": "Blue.",
+                 "images": [f"{colour}.png"]}] * 8  # fmt: skip
+        paired = write_jsonl(tmp_path / f"{colour}.jsonl", rows)
+        out = tmp_path / colour
+        result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--method", method,
+                        "--data", paired, "--batch-size", "2", "--max-steps", "2", "--set", "train.samples=0",
+                        "--precision", "float32", "--output", out)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "packing off: the data has images" in result.output
+        runs.append(losses(out))
+    assert all(math.isfinite(v) for v in runs[0] + runs[1])
+    assert runs[0] != runs[1]
 
 
 # === Resume ===

@@ -28,6 +28,8 @@ class Pair:
     rejected: batching.Example
     prompt_length: int
     """Ids both sides begin with: <bos> and the prompt as kept."""
+    prompt_cut: bool = False
+    """Whether the prompt lost ids from its left to fit seq_len."""
 
 
 def pairs(records, template, tokenizer, seq_len: int):
@@ -47,7 +49,8 @@ def pairs(records, template, tokenizer, seq_len: int):
         answers = next(pieces), next(pieces)
         kept = _kept_prompt(prompt, max(map(len, answers)), seq_len)
         cut += len(kept) < len(prompt) or any(len(kept) + len(a) + 2 > seq_len + 1 for a in answers)
-        made.append(Pair(*(_example(kept, answer, seq_len) for answer in answers), prompt_length=1 + len(kept)))
+        made.append(Pair(*(_example(kept, answer, seq_len) for answer in answers), prompt_length=1 + len(kept),
+                         prompt_cut=len(kept) < len(prompt)))  # fmt: skip
     return made, cut
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from finetune.data import batching, packing, pair_batches, pair_packing, pairs, templates
+from finetune.data import audio, batching, images, packing, pair_batches, pair_packing, pairs, templates
 from finetune.methods import prepare
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
@@ -59,12 +59,11 @@ class Preference(Method):
     def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
         """records -> template -> a chosen and a rejected Example each -> split -> pairs padded a side to a row, and
         packed where `packed` (pair_packing.py). The batch size counts pairs, or rows where packed."""
-        refuse_pictures(records, self, every_record_of or cfg.data.path)
         seq_len = cfg.model.seq_len
         template = templates.get(cfg.data.template)
         tokenizer = prepare.tokenizer_of(preprocessor)
         prepare.check_seq_len(tokenizer, template, seq_len)
-        usable = pair_examples(records, template, tokenizer, seq_len, every_record_of or cfg.data.path)
+        usable = pair_examples(records, template, preprocessor, cfg, every_record_of or cfg.data.path)
         batch_size, why = cfg.train.batch_size, None
         if batch_size == "auto":
             batch_size, why = self._probe(usable, seq_len, bool(packed), probe, cfg.train.grad_accum)
@@ -112,10 +111,8 @@ class Preference(Method):
         return batch_size, why
 
     def evaluated_on(self, prepared, records, preprocessor, cfg):
-        refuse_pictures(records, self, cfg.eval.data)
         seq_len = cfg.model.seq_len
-        tokenizer = prepare.tokenizer_of(preprocessor)
-        prepared.held_out = pair_examples(records, prepared.template, tokenizer, seq_len, cfg.eval.data)
+        prepared.held_out = pair_examples(records, prepared.template, preprocessor, cfg, cfg.eval.data)
         prepared.held_out_rows = self.pad([p for _, p in prepared.held_out], seq_len)
         return prepared
 
@@ -193,28 +190,41 @@ def _packed(arrays, rows: int, seq_len: int):
     return pair_packing.pack(arrays, rows)
 
 
-def refuse_pictures(records, method: Method, source: str) -> None:
-    """Pairs with pictures are refused before anything is written: their rows would hold the literal text
-    `<image>`, not the picture (docs/not-yet.md)."""
-    heard = next((r for r in records if r.audios), None)
-    if heard is not None:
-        raise UserError(f"{heard.where or source}: the pair has audio, and --method {method.name} does not train on "
-                        "audio yet (its rows would hold the text <audio>); give pairs without it")  # fmt: skip
-    pictured = next((r for r in records if r.images), None)
-    if pictured is not None:
-        where = pictured.where or source
-        raise UserError(f"{where}: the pair has pictures, and --method {method.name} does not train on pictures yet "
-                        "(its rows would hold the text <image>); give pairs without images, or train on them with "
-                        "--method sft")  # fmt: skip
+def pair_examples(records, template, preprocessor, cfg, source: str = "") -> list:
+    """(record, pairs.Pair) of each preference record; says how many were cut to seq_len.
 
-
-def pair_examples(records, template, tokenizer, seq_len: int, source: str = "") -> list:
-    """(record, pairs.Pair) of each preference record; says how many were cut to seq_len."""
-    made, cut = pairs.pairs(records, template, tokenizer, seq_len)
-    if cut:
-        print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping at "
-              "least half the sequence), then the answers at their end; none skipped")  # fmt: skip
-    return list(zip(records, made))
+    Pictures and audio clips, in the prompt (both answers follow it), are written as the family's tokens and
+    attached to both sides, as SFT's examples are (prepare.Media). A pair with them whose prompt would be cut from
+    its left is skipped instead: the cut would take some of their tokens.
+    """
+    seq_len = cfg.model.seq_len
+    tokenizer = prepare.tokenizer_of(preprocessor)
+    media = prepare.Media.of(records, preprocessor, cfg.model.preset, source)
+    if media is None:
+        made, cut = pairs.pairs(records, template, tokenizer, seq_len)
+        if cut:
+            print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping "
+                  "at least half the sequence), then the answers at their end; none skipped")  # fmt: skip
+        return list(zip(records, made))
+    for record in records:
+        if record.images or record.audios:
+            for answer in (record.response, record.rejected):
+                if images.PLACEHOLDER in answer or audio.PLACEHOLDER in answer:
+                    raise UserError(f"{record.where or source}: a pair's pictures and audio clips go in its prompt, "
+                                    "which both answers follow; this one has a placeholder in an answer")  # fmt: skip
+    made, cut = pairs.pairs(records, media.written(template), tokenizer, seq_len)
+    kept = [(r, p) for r, p in zip(records, made) if not (p.prompt_cut and (r.images or r.audios))]
+    if not kept:
+        raise UserError(f"no usable pairs in {source}: the prompts with pictures or audio fill --seq-len {seq_len} "
+                        "with their answers; raise --seq-len")  # fmt: skip
+    if len(kept) < len(made):
+        print(f"note: {len(made) - len(kept)} pairs with pictures or audio skipped: their prompt and answer do not "
+              f"fit --seq-len {seq_len}, and cutting the prompt would cut its image or audio tokens")  # fmt: skip
+    if cut > len(made) - len(kept):
+        print(f"note: {cut - (len(made) - len(kept))} pairs cut to --seq-len {seq_len}: the answers at their end, "
+              "the prompts of pairs without pictures or audio from their left")  # fmt: skip
+    return [(r, pairs.Pair(media.attached(p.chosen, r), media.attached(p.rejected, r), p.prompt_length, p.prompt_cut))
+            for r, p in kept]  # fmt: skip
 
 
 # === Scoring pairs ===

@@ -129,29 +129,55 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
     or audio tokens before tokenizing, and each example given its image and audio inputs after (images.py,
     audio.py)."""
     seq_len, on_prompt = cfg.model.seq_len, cfg.data.train_on_prompt
-    vision, hearing = images.vision_of(preprocessor), audio.hearing_of(preprocessor)
-    if vision is None and any(r.images for r in records):
-        raise no_vision_encoder(cfg.model.preset, source)
-    if hearing is None and any(r.audios for r in records):
-        raise no_audio_encoder(cfg.model.preset, source)
-    if vision is None and hearing is None:
+    media = Media.of(records, preprocessor, cfg.model.preset, source)
+    if media is None:
         return examples(records, template, tokenizer_of(preprocessor), seq_len, on_prompt, source)
-    if vision is not None:
-        images.limit(records, vision, source)
-    if hearing is not None:
-        audio.limit(records, hearing, source)
-    written = Pictured(template, vision, hearing)
-    pairs = examples(records, written, tokenizer_of(preprocessor), seq_len, on_prompt, source)
-    # Every row has room for the most pictures (clips) a record holds, the rest blank: one picture a record encodes
-    # one slot a row, not the family's limit. A text-only file feeds none, and the encoder is skipped.
-    if vision is not None:
-        slots = max(len(r.images) for r in records)
-        pairs = [(record, images.attached(example, record, vision, slots, source)) for record, example in pairs]
-    if hearing is not None:
-        slots = max(len(r.audios) for r in records)
-        room = (audio.most_tokens(records, hearing), audio.most_frames(records, hearing))
-        pairs = [(r, audio.attached(e, r, hearing, slots, room, source)) for r, e in pairs]
-    return pairs
+    made = examples(records, media.written(template), tokenizer_of(preprocessor), seq_len, on_prompt, source)
+    return [(record, media.attached(example, record)) for record, example in made]
+
+
+@dataclass
+class Media:
+    """The pictures' and audio clips' side of records that hold them, below every method: the preset's encoders,
+    checked against the records, and each row's room for the most pictures (clips) a record holds, the rest blank
+    (one picture a record encodes one slot a row, not the family's limit)."""
+
+    vision: images.Vision | None
+    hearing: audio.Hearing | None
+    records: list
+    source: str
+
+    @classmethod
+    def of(cls, records, preprocessor, preset: str, source: str):
+        """The records' Media, refusing what the preset cannot see or hear; None where they and the preset have
+        neither (a text-only file feeds none, and the encoder is skipped)."""
+        vision, hearing = images.vision_of(preprocessor), audio.hearing_of(preprocessor)
+        if vision is None and any(r.images for r in records):
+            raise no_vision_encoder(preset, source)
+        if hearing is None and any(r.audios for r in records):
+            raise no_audio_encoder(preset, source)
+        if vision is None and hearing is None:
+            return None
+        if vision is not None:
+            images.limit(records, vision, source)
+        if hearing is not None:
+            audio.limit(records, hearing, source)
+        return cls(vision, hearing, records, source)
+
+    def written(self, template) -> Pictured:
+        """`template` with each placeholder written as the family's tokens (Pictured)."""
+        return Pictured(template, self.vision, self.hearing)
+
+    def attached(self, example, record):
+        """The example with the record's image and audio inputs, weight 0 on their soft tokens."""
+        if self.vision is not None:
+            slots = max(len(r.images) for r in self.records)
+            example = images.attached(example, record, self.vision, slots, self.source)
+        if self.hearing is not None:
+            slots = max(len(r.audios) for r in self.records)
+            room = (audio.most_tokens(self.records, self.hearing), audio.most_frames(self.records, self.hearing))
+            example = audio.attached(example, record, self.hearing, slots, room, self.source)
+        return example
 
 
 @dataclass
@@ -169,7 +195,13 @@ class Pictured:
     hearing: audio.Hearing | None = None
 
     def segments(self, record) -> list[tuple[str, bool]]:
-        segments = self.template.segments(record)
+        return self._expanded(self.template.segments(record), record)
+
+    def rejected_segments(self, record) -> list[tuple[str, bool]]:
+        """A preference pair's prompt and rejected answer (Template.rejected_segments), its placeholders written."""
+        return self._expanded(self.template.rejected_segments(record), record)
+
+    def _expanded(self, segments, record) -> list[tuple[str, bool]]:
         if self.vision is not None:
             segments = images.expand(segments, self.vision)
         if self.hearing is not None:

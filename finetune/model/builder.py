@@ -181,6 +181,8 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
         for each picture, and its image converter resizes pictures to that many tokens' patches; None keeps the
         preset's.
     """
+    if keras.config.backend() == "tensorflow":
+        keras_compat.exact_tensorflow_adds()  # keras-hub's Gemma 3 places pictures with an add keras misreads
     with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
         lm, preprocessor = _load_base(source, seq_len, dtype, quantize, images)
     with_image_tokens(source, lm, preprocessor, image_tokens)

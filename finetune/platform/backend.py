@@ -469,6 +469,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None, lean_ops: b
 
         tf.config.experimental.enable_tensor_float_32_execution(True)
         tweaks["tensorflow.tensor_float_32"] = True
+        keras_compat.exact_tensorflow_adds()  # a correction: builder.load_base installs it too
     elif device == "gpu":
         import jax
 

@@ -105,6 +105,51 @@ def keep_float16_matmuls() -> bool:
     return True
 
 
+def exact_tensorflow_adds() -> bool:
+    """Keras' TensorFlow `add` puts a (B, 1) tensor beside a (B, N) one along the wrong axis when N == B; make it
+    broadcast as NumPy does.
+
+    keras (3.15) sends an `add` whose second operand squeezes to a vector to tf.nn.bias_add, as a bias along the
+    first operand's last axis (or axis 1), whenever the vector's length matches that axis, without looking at which
+    axis of its own the vector lies on. keras-hub's Gemma 3 places the pictures' embeddings at `vision_indices +
+    row * seq_len`, a (B, tokens) plus (B, 1) add: at as many rows as image tokens a row (4 rows on the tiny vision
+    preset: a batch of 2 preference pairs), every row's pictures went to the wrong positions. Where the bias' axis
+    is the one broadcasting gives, keras' own path is kept. Returns whether Keras' function was replaced (once per
+    process).
+    """
+    import tensorflow as tf
+    from keras.src.backend.common import dtypes
+    from keras.src.backend.tensorflow import numpy as tf_numpy
+
+    original = tf_numpy.add
+    if getattr(original, "broadcasts_exactly", False):
+        return False
+
+    def add(x1, x2):
+        if isinstance(x1, (int, float)) or isinstance(x2, (int, float)):
+            return original(x1, x2)
+        x1, x2 = tf_numpy.convert_to_tensor(x1), tf_numpy.convert_to_tensor(x2)
+        if not _misplaced_as_bias(x1.shape.as_list(), x2.shape.as_list()):
+            return original(x1, x2)
+        dtype = dtypes.result_type(x1.dtype, x2.dtype)
+        return tf.add(tf_numpy.convert_to_tensor(x1, dtype), tf_numpy.convert_to_tensor(x2, dtype))
+
+    add.broadcasts_exactly = True
+    tf_numpy.add = add
+    return True
+
+
+def _misplaced_as_bias(first: list, second: list) -> bool:
+    """Whether keras' TensorFlow `add` takes `second` for a bias along an axis of `first` that broadcasting does not
+    align it with (its condition for tf.nn.bias_add, then the axis broadcasting gives)."""
+    kept = [(axis, size) for axis, size in enumerate(second) if size is None or size > 1]
+    if len(kept) != 1 or len(first) < 2 or kept[0][1] is None or kept[0][1] not in (first[1], first[-1]):
+        return False
+    axis, size = kept[0]
+    biased = len(first) - 1 if first[-1] == size else 1
+    return len(first) - len(second) + axis != biased
+
+
 def lean_torch_ops() -> bool:
     """Keras' per-op host work on PyTorch, trimmed where it computes nothing; the same tensors come out.
 

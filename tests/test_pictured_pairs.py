@@ -1,0 +1,107 @@
+"""Preference pairs with pictures: the picture is laid out on both sides as SFT lays it out, and read by the model.
+
+The pairs path once trained on the literal text `<image>`; then it refused pictures. Now a pair's pictures (in its
+prompt, which both answers follow) are written as the family's image tokens and attached to both rows
+(methods/prepare.Media, shared with SFT's examples). Each method trains on them: test_method_matrix.py.
+"""
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import write_jsonl
+from test_images import square
+
+from finetune.config import TrainConfig
+from finetune.data import batching, formats, images, pair_batches, templates
+from finetune.methods import preference, prepare, registry
+from finetune.platform.errors import UserError
+
+PRESET = "tiny-gemma3-vision"
+
+
+def _cfg(seq_len=64):
+    return SimpleNamespace(model=SimpleNamespace(seq_len=seq_len, preset=PRESET),
+                           data=SimpleNamespace(train_on_prompt=False))  # fmt: skip
+
+
+def _preprocessor():
+    from finetune.model import presets
+
+    return presets.tiny_preprocessor(PRESET, presets.tiny_tokenizer(PRESET), 64)
+
+
+def _pairs(tmp_path, colours=("red", "blue"), long_prompt=False):
+    rows = []
+    for i, colour in enumerate(colours):
+        prompt = "<image>What colour is it?" + (" Think hard." * 40 if long_prompt and i == 0 else "")
+        rows.append({"prompt": prompt, "chosen": f"{colour.title()}.", "rejected": "Green, maybe.",
+                     "images": [square(tmp_path / f"{colour}.png", colour)]})  # fmt: skip
+    records, found = formats.read(str(write_jsonl(tmp_path / "pairs.jsonl", rows)))
+    assert found == "preference"
+    return records
+
+
+@pytest.mark.one_backend
+def test_a_pair_s_picture_is_on_both_sides_where_its_prompt_places_it(tmp_path, capsys):
+    records = _pairs(tmp_path, long_prompt=True)
+    preprocessor = _preprocessor()
+    vision = images.vision_of(preprocessor)
+    made = preference.pair_examples(records, templates.get("none"), preprocessor, _cfg(), "pairs.jsonl")
+    assert "1 pairs with pictures or audio skipped" in capsys.readouterr().out  # its prompt would be cut
+    ((record, pair),) = made
+    assert record.images and record.response == "Blue."
+    for side in (pair.chosen, pair.rejected):
+        ids = np.asarray(side.token_ids)
+        soft = np.flatnonzero(ids[:-1] == vision.placeholder_id)
+        assert len(soft) == vision.tokens_per_image  # the picture's tokens, not the text <image>
+        np.testing.assert_array_equal(side.inputs["vision_indices"], soft)
+        assert not np.asarray(side.weights)[soft].any()  # a picture is never a target
+        assert side.inputs["images"].shape[0] == 1 and side.inputs["images"].any()
+    np.testing.assert_array_equal(pair.chosen.inputs["images"], pair.rejected.inputs["images"])
+    np.testing.assert_array_equal(
+        pair.chosen.token_ids[: pair.prompt_length], pair.rejected.token_ids[: pair.prompt_length]
+    )
+
+
+@pytest.mark.one_backend
+def test_a_placeholder_in_an_answer_is_refused(tmp_path):
+    (record,) = _pairs(tmp_path, colours=("red",))
+    record = dataclasses.replace(record, rejected="<image> Green.")
+    with pytest.raises(UserError, match="pictures and audio clips go in its prompt"):
+        preference.pair_examples([record], templates.get("none"), _preprocessor(), _cfg(), "pairs.jsonl")
+
+
+def test_a_pair_with_a_picture_scores_its_chosen_answer_as_sft_scores_it(tmp_path):
+    """The pair view's log-probability of the chosen answer equals the response-token scoring of the same record
+    as an SFT example with the same picture, and the picture changes it (red and blue, the same text)."""
+    import keras
+
+    from finetune.config import LoraConfig
+    from finetune.model import builder, objective, presets
+    from finetune.platform import backend
+
+    backend.set_seed(0)
+    keras.config.set_dtype_policy("float32")
+    lm, preprocessor = builder.build(presets.Source("tiny", PRESET, "gemma3"), 64, "float32", images=True)
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
+    records = _pairs(tmp_path, colours=("red", "blue"))
+    records = [dataclasses.replace(r, response="Red.") for r in records]  # the same text, two pictures
+    made = preference.pair_examples(records, templates.get("none"), preprocessor, _cfg(), "pairs.jsonl")
+    arrays = pair_batches.pad([p for _, p in made], 64)
+    feed = batching.Feed(inputs=builder.input_names(lm))
+    view = builder.objective_view(lm, registry.get("dpo").objective(TrainConfig(method="dpo")))
+    ((_, values),) = preference.pair_outputs(view, pair_batches.Batches(arrays, 2, feed))
+    paired = values[:, 5]  # logps_chosen
+
+    sft = [dataclasses.replace(r, rejected="") for r in records]
+    examples = [e for _, e in prepare.pictured_examples(sft, templates.get("none"), preprocessor, _cfg(), "x")]
+    rows = batching.pad(examples, 64)
+    x, _, _ = batching.inputs(rows, np.arange(2), 1, batching.target_width(rows, 2), names=feed.inputs)
+    scoring = objective.ScoringView(lm, builder.chunk_for(lm))
+    losses = keras.ops.convert_to_numpy(scoring(x)["loss"])
+    row = x["loss_positions"].ravel() // 64  # each slot's row: the weighted positions lie in front (batching.targets)
+    scored = -np.bincount(row, weights=(losses * x["loss_weights"]).ravel(), minlength=2)
+    np.testing.assert_allclose(paired, scored, rtol=1e-5, atol=1e-5)
+    assert abs(paired[0] - paired[1]) > 1e-4  # the picture reaches the answer's log-probability
