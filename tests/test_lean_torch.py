@@ -178,12 +178,18 @@ def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None):
     attention_layers = [b.attention for b in families.decoder_blocks(lean.backbone)]
     assert all(getattr(a.call, "lean", False) for a in attention_layers)
     assert not any(getattr(b.attention.call, "lean", False) for b in families.decoder_blocks(lm.backbone))
-    called = []
+    called, in_torch = [], []
     calls_directly = keras_compat.calls_directly
     monkeypatch.setattr(
         keras_compat, "calls_directly", lambda layer, x: called.append(calls_directly(layer, x)) or called[-1]
     )
+    with_lora = builder._with_lora_in_torch
+    monkeypatch.setattr(builder, "_with_lora_in_torch", lambda *a: in_torch.append(with_lora(*a)) or in_torch[-1])
     ours, grads = _forward_and_back(lean, inputs)
+    # LoRA in torch ops (builder._with_lora_in_torch) on query and value, again in the backward under remat; a
+    # quantized layer keeps its own call
+    adapted = 2 * len(families.decoder_blocks(lean.backbone)) * (2 if remat else 1) if quantize is None else 0
+    assert len(in_torch) == adapted and all(x is not None for x in in_torch)
     if quantize is None:
         assert called and all(called), "every sublayer called directly"
     else:  # the quantized projections through keras' __call__ (quantized_call), the norms directly
@@ -234,3 +240,20 @@ def test_generation_with_a_cache_gives_what_keras_hub_gives(monkeypatch):
     own = lm.generate(prompt, stop_token_ids=None)
     assert real(lm.backbone) > 0
     np.testing.assert_array_equal(lm.generate(prompt, stop_token_ids=None)["token_ids"], own["token_ids"])
+
+
+@torch_only
+def test_lora_in_torch_ops_trains_after_a_pass_under_inference_mode():
+    """LoRA's scale is made once, outside inference mode: a notebook's generation first, then a training step that
+    saves it for its backward."""
+    import torch
+
+    keras_compat.lean_torch_ops()
+    keras.config.set_dtype_policy("float32")
+    recipe = builder.Recipe(16, "float32", None, False, lora=LoraConfig(rank=2, targets=["query", "value"]))
+    lm = builder.build_model(_source("tiny"), recipe).lm
+    inputs = _inputs(lm.backbone)
+    with torch.inference_mode():
+        first = lm.backbone(inputs)
+    out, grads = _forward_and_back(lm, inputs)
+    assert torch.equal(out, first.float()) and all(g.abs().sum() > 0 for g in grads[1::2])  # B's gradients

@@ -590,6 +590,10 @@ def beside_the_kernel(layer, own_call: bool = False) -> bool:
         return False
 
     def call(inputs, training=None):
+        if layer.lora_enabled and getattr(layer, "lora_in_torch", False) and down is not None:
+            x = _with_lora_in_torch(layer, down, inputs, training)
+            if x is not None:
+                return x
         x = project(inputs)
         if layer.lora_enabled:
             if down is None:
@@ -603,6 +607,52 @@ def beside_the_kernel(layer, own_call: bool = False) -> bool:
 
     keras_compat.replace_call(layer, call)
     return True
+
+
+def _with_lora_in_torch(layer, down: str, inputs, training):
+    """The call above, x W + s (x A) B with the bias, in the torch ops keras' ops call, for a float layer whose
+    input, kernel and compute dtype agree (keras then casts nothing), with no DoRA, no activation and no dropout
+    while training; None where any of that does not hold (the call takes keras' ops). PyTorch with lean ops on
+    (lean_torch.enable marks the layers: `lora_in_torch`): keras' op wrappers cost more host time a LoRA layer
+    than its five kernels on a GPU. Bit for bit keras' (tests/test_lean_torch.py)."""
+    import torch
+
+    compute = keras_compat.torch_dtype(layer.compute_dtype)
+    if (
+        type(inputs) is not torch.Tensor
+        or inputs.dtype != compute
+        or inputs.device.type == "meta"
+        or (compute == torch.float16 and inputs.device.type == "cpu")  # keras multiplies float16 in float32 there
+        or getattr(layer, "lora_magnitude", None) is not None
+        or (training and getattr(layer, "lora_dropout", 0.0))
+        or getattr(layer, "quantization_mode", None) is not None
+        or layer.activation not in (None, keras.activations.linear)  # linear gives its input back
+    ):
+        return None
+    kernel = ops.convert_to_tensor(layer._kernel)  # each variable as keras' ops read it, in its autocast scope
+    if kernel.dtype != compute:
+        return None
+    a, b = (ops.convert_to_tensor(v).to(compute) for v in (layer.lora_kernel_a, layer.lora_kernel_b))
+    if down == "matmul":
+        projected, low = torch.matmul(inputs, kernel), torch.matmul(inputs, a)
+    else:
+        projected, low = torch.einsum(layer.equation, inputs, kernel), torch.einsum(down, inputs, a)
+    x = torch.add(projected, _lora_scale(layer, inputs.device) * torch.matmul(low, b))
+    return x if layer.bias is None else torch.add(x, ops.convert_to_tensor(layer.bias))
+
+
+def _lora_scale(layer, device):
+    """s = alpha / rank as keras' cast makes it, in the compute dtype on `device`, made once (outside inference
+    mode, so that a step after a generation can save it for its backward)."""
+    import torch
+
+    key = (layer.lora_alpha, layer.lora_rank, layer.compute_dtype, device)
+    kept = getattr(layer, "_lora_scale_kept", None)
+    if kept is None or kept[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            kept = (key, ops.cast(layer.lora_alpha / layer.lora_rank, layer.compute_dtype))
+        layer._lora_scale_kept = kept
+    return kept[1]
 
 
 def _with_lora(layer, projections: tuple, inputs, projected, training):

@@ -57,6 +57,7 @@ def enable(backbone) -> int:
             keras_compat.replace_call(layer, _lean_norm(layer))
         elif type(layer) is dense:
             keras_compat.replace_call(layer, _lean_einsum_dense(layer))
+            layer.lora_in_torch = True  # its LoRA call, once enabled (builder.beside_the_kernel), in torch ops
         else:
             continue
         done += 1
