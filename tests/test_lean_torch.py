@@ -257,3 +257,25 @@ def test_lora_in_torch_ops_trains_after_a_pass_under_inference_mode():
         first = lm.backbone(inputs)
     out, grads = _forward_and_back(lm, inputs)
     assert torch.equal(out, first.float()) and all(g.abs().sum() > 0 for g in grads[1::2])  # B's gradients
+
+
+@torch_only
+def test_a_step_collects_the_trainable_weights_and_metrics_once_and_trains_the_same(monkeypatch):
+    """keras' PyTorch train_on_batch walked every layer for the trainable weights three times a step, and for the
+    metrics three more; a view's step (objective.TrainingView) collects each once from its second step on."""
+    import inspect
+
+    from conftest import lora_model, lora_train_losses
+
+    keras_compat.lean_torch_ops()
+    keras.config.set_dtype_policy("float32")
+    own = inspect.getattr_static(keras.layers.Layer, "trainable_weights")
+    walks = []
+    monkeypatch.setattr(keras.layers.Layer, "trainable_weights", property(lambda s: walks.append(1) or own.fget(s)))
+    ours = lora_train_losses(lora_model()[0], steps=4)
+    per_step = len(walks)
+    walks.clear()
+    monkeypatch.setattr(builder.objective.TrainingView, "train_on_batch", keras.Model.train_on_batch)
+    theirs = lora_train_losses(lora_model()[0], steps=4)
+    assert ours == theirs
+    assert len(walks) - per_step == 3 * 2  # keras: three walks a step; ours: one, from the second of 4 steps on

@@ -33,6 +33,7 @@ from keras import ops
 
 from finetune.data import batching
 from finetune.model import tokens
+from finetune.platform import keras_compat
 from finetune.platform.errors import UserError
 
 
@@ -342,6 +343,35 @@ class TrainingView(keras.Model):
     def step_metrics(self) -> list | None:
         """The metrics compile() reports beside the loss, each step; None: the loss alone."""
         return None
+
+    def train_on_batch(self, *args, **kwargs):
+        """keras' train_on_batch, which on PyTorch walks every layer for the trainable weights three times a step
+        and for the metrics three more (about 5% of a host-bound step at gemma-2b's depth): from the second step
+        on, with lean ops on (keras_compat.lean_torch_ops), each is collected once a step (_walked_once). Nothing
+        changes which weights train within a step."""
+        if keras.config.backend() != "torch" or self.train_function is None or not keras_compat.lean_torch_ops_on():
+            return super().train_on_batch(*args, **kwargs)
+        self.__dict__["_walked"] = {}  # past keras' attribute tracking
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        finally:
+            self.__dict__["_walked"] = None
+
+    def _walked_once(self, name: str, walk):
+        walked = self.__dict__.get("_walked")
+        if walked is None:
+            return walk()
+        if name not in walked:
+            walked[name] = walk()
+        return walked[name]
+
+    @property
+    def trainable_weights(self):
+        return self._walked_once("trainable_weights", lambda: super(TrainingView, self).trainable_weights)
+
+    @property
+    def metrics(self):
+        return self._walked_once("metrics", lambda: super(TrainingView, self).metrics)
 
     def make_train_function(self, force=False):
         """On TensorFlow, one graph for every batch length, traced on the first step.
