@@ -292,7 +292,6 @@ def _prompt(name: str) -> dict:
     "method, record, expected",
     [
         ("grpo", _prompt, "does not train on pictures or audio yet"),
-        ("classify", lambda name: {**llama_factory(name, "tone"), "label": "tone"}, "are not classified yet"),
     ],
 )
 def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, record, expected, tmp_path):

@@ -167,3 +167,32 @@ def test_the_hf_export_is_transformers_sequence_classifier_with_the_run_s_probab
         result = invoke("export", "--run", out, "--format", fmt, "--output", tmp_path / fmt)
         assert result.exit_code == 2 and "--format hf or lora" in result.output, result.output
         assert not (tmp_path / fmt).exists()
+
+
+@pytest.mark.backend_neutral  # the rows' layout is numpy's (prepare.Media, as SFT's); every suite trains pictures
+def test_a_classifier_reads_its_records_pictures(tmp_path):
+    """A picture's record is classified from the picture: red and blue squares under the same text and labels
+    train apart (they were refused); `finetune predict` reads a record's picture too."""
+    import csv
+
+    from PIL import Image
+
+    runs = []
+    for colour in ("red", "blue"):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"{colour}.png")
+        rows = [{"text": "<image>What colour is it?", "label": ["warm", "cold"][i % 2], "images": [f"{colour}.png"]}
+                for i in range(8)]  # fmt: skip
+        data = write_jsonl(tmp_path / f"{colour}.jsonl", rows)
+        out = tmp_path / colour
+        result = invoke("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--method", "classify",
+                        "--data", data, "--batch-size", "2", "--max-steps", "2", "--precision", "float32", "--output",
+                        out)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        with (out / "history.csv").open() as f:
+            runs.append([float(r["grad_norm"]) for r in csv.DictReader(f) if r["train_loss"]])
+    assert len(runs[0]) == 2 and np.isfinite(runs[0] + runs[1]).all() and runs[0] != runs[1]
+    predicted = tmp_path / "predicted.jsonl"
+    result = invoke("predict", "--run", tmp_path / "blue", "--data", tmp_path / "red.jsonl", "--output", predicted)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in predicted.read_text().splitlines()]
+    assert len(lines) == 8 and set(lines[0]["probabilities"]) == {"warm", "cold"}

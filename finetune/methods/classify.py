@@ -154,15 +154,19 @@ def label_of(record, source: str) -> str:
 def sequences(records, template, preprocessor, cfg, source: str, ids: dict | None) -> list:
     """(record, Example, its label or None) of each record. ids: label -> class id, each record's label required
     and checked; None: labels are read where present, and the example's class slot holds 0 (`finetune predict`)."""
-    if any(r.images or r.audios for r in records):
-        raise UserError(f"{source}: records with pictures or audio are not classified yet; give text records")
     tokenizer = prepare.tokenizer_of(preprocessor)
     batching.check_layout(tokenizer)
     seq_len = cfg.model.seq_len
+    media = prepare.Media.of(records, preprocessor, cfg.model.preset, source)  # pictures and clips, as SFT's
     texts = ["".join(template.apply(r)) for r in records]
+    if media is not None:
+        texts = [media.expanded(text, record) for text, record in zip(texts, records)]
     pieces = batching.leading_ids(tokenizer, texts, seq_len)
-    out, cut = [], 0
+    out, cut, skipped = [], 0, 0
     for record, piece in zip(records, pieces):
+        if media is not None and (record.images or record.audios) and len(piece) > seq_len - 1:
+            skipped += 1  # cut from its end, it could lose some of its image or audio tokens
+            continue
         given = label_of(record, source) if ids is not None or "label" in record.columns else None
         if ids is not None and given not in ids:
             raise UserError(f"{record.where or source}: label {given!r} is not one of the run's classes "
@@ -171,9 +175,15 @@ def sequences(records, template, preprocessor, cfg, source: str, ids: dict | Non
         tokens = [batching.BOS] + piece[: seq_len - 1]
         # The last id is no input (inputs are ids[:-1]): it is the last token's label, the class id.
         example = batching.Example(tokens + [ids[given] if ids is not None else 0], [0.0] * len(tokens) + [1.0])
-        out.append((record, example, given))
+        out.append((record, media.attached(example, record) if media is not None else example, given))
     if cut:
         print(f"note: {cut} of {len(records)} records cut to --seq-len {seq_len}: their text from its end")
+    if skipped:
+        if not out:
+            raise UserError(f"no usable records in {source}: with their pictures or audio, all are longer than "
+                            f"--seq-len {seq_len}; raise it")  # fmt: skip
+        print(f"note: {skipped} records with pictures or audio skipped: longer than --seq-len {seq_len}, and cutting "
+              "them could cut their image or audio tokens")  # fmt: skip
     return out
 
 

@@ -168,6 +168,10 @@ class Media:
         """`template` with each placeholder written as the family's tokens (Pictured)."""
         return Pictured(template, self.vision, self.hearing)
 
+    def expanded(self, text: str, record) -> str:
+        """`text` (a record's, rendered) with each placeholder written as the family's tokens (Pictured)."""
+        return "".join(piece for piece, _ in self.written(None)._expanded([(text, False)], record))
+
     def attached(self, example, record):
         """The example with the record's image and audio inputs, weight 0 on their soft tokens."""
         if self.vision is not None:
