@@ -112,3 +112,19 @@ def test_a_pair_with_a_picture_scores_its_chosen_answer_as_sft_scores_it(tmp_pat
     scored = -np.bincount(row, weights=(losses * x["loss_weights"]).ravel(), minlength=2)
     np.testing.assert_allclose(paired, scored, rtol=1e-5, atol=1e-5)
     assert abs(paired[0] - paired[1]) > 1e-4  # the picture reaches the answer's log-probability
+
+
+@pytest.mark.one_backend
+def test_the_plan_counts_a_pair_s_pictures_on_both_its_rows():
+    """A pair is two rows, each with its prompt's pictures: the plan's pixels and encoder pass are twice SFT's."""
+    from finetune import config
+    from finetune.training import plan
+
+    def planned(method):
+        settings = {"backend": "torch", "model.preset": PRESET, "model.seq_len": 64, "data.images": 1,
+                    "train.batch_size": 2, "train.method": method}  # fmt: skip
+        return plan.make(config.load(None, settings), None, None).memory
+
+    sft, dpo = planned("sft"), planned("dpo")
+    assert sft["image_pixels"] > 0 and dpo["image_pixels"] == 2 * sft["image_pixels"]
+    assert dpo["vision_forward"] == 2 * sft["vision_forward"]

@@ -412,14 +412,15 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         parts = ", ".join(f"{name.replace('_', ' ')} {_size(value)}" for name, value in transient.items())
         notes.append(f"the rollout's sampling ({parts}) exceeds the step's activations and logits: its peak is "
                      "the run's")  # fmt: skip
+    # Each sequence's row carries its pictures and clips: a pair's two rows each hold its prompt's.
     heard = _audio(model, cfg, precision, notes)
     if heard:
-        memory["audio_frames"] = per_device * heard.pop("frames_per_row")
-        memory["audio_forward"] = per_device * heard.pop("forward_per_row")
+        memory["audio_frames"] = sequences * per_device * heard.pop("frames_per_row")
+        memory["audio_forward"] = sequences * per_device * heard.pop("forward_per_row")
     pictured = _pictures(model, cfg, precision, notes)
     if pictured:
-        memory["image_pixels"] = per_device * pictured.pop("pixels_per_row")
-        memory["vision_forward"] = per_device * pictured.pop("forward_per_row")
+        memory["image_pixels"] = sequences * per_device * pictured.pop("pixels_per_row")
+        memory["vision_forward"] = sequences * per_device * pictured.pop("forward_per_row")
     if target is not None and target[1].kind == "cpu":
         memory["runtime"] = _HOST_RUNTIME[cfg.backend]
         if cfg.backend != "tensorflow" and "tensorflow" in presets.frameworks_needed(cfg.model.preset):
