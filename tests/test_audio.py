@@ -349,3 +349,15 @@ def test_gemma3n_gives_every_clip_its_fixed_tokens_and_keras_hub_s_frames(tmp_pa
     assert held.sum() == 48 and not keras.ops.convert_to_numpy(x["input_features_mask"])[0, 0].any()  # 1: padding
     fed = audio.frames((str(tmp_path / "a.wav"),), hearing, 2, 60)["input_features_mask"]
     assert not fed[0, :48].any() and fed[0, 48:].all() and fed[1].all()  # as keras-hub feeds it: padding marked
+
+
+@pytest.mark.one_backend
+def test_a_conversational_prompt_completion_hears_its_audio_parts(tmp_path):
+    """TRL's conversational prompt-completion with an audio content part in its prompt: the record's clip, and the
+    placeholder where it goes (it was written as the text <audio> with no clip)."""
+    name = clip(tmp_path / "a.wav")
+    question = [{"type": "audio", "path": name}, {"type": "text", "text": "What is this?"}]
+    row = {"prompt": [{"role": "user", "content": question}], "completion": [{"role": "assistant", "content": "tone"}]}
+    (record,), found = formats.read(str(write_lines(tmp_path / "c.jsonl", [row])))
+    assert found == "completion-chat" and record.audios == (str(tmp_path / name),)
+    assert record.instruction.startswith(audio.PLACEHOLDER) and record.prompt_messages == 1

@@ -427,6 +427,10 @@ def test_completion_and_text_records():
             "with tools, tool calls or reasoning are not read yet",
         ),  # fmt: skip
         (
+            [{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": ["assistant"], "content": "c"}]}],
+            "the completion must open with the assistant's message",
+        ),
+        (
             [completion(0), {"prompt": "a"}],
             "item 2: record has no 'completion' field; this file is in prompt/completion",
         ),
@@ -554,3 +558,10 @@ def test_a_conversational_prompt_completion_reads_as_a_chat_whose_prompt_is_not_
     assert found == "completion-chat" and record.prompt_messages == 4
     assert [m["role"] for m in record.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert record.turns[-1] == ("assistant", "2.") and record.response == "2."
+
+
+def test_a_csv_row_holding_messages_written_as_text_is_refused_on_any_row(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,completion\n1 plus 1 is, 2.\n"[{""role"": ""user"", ""content"": ""a""}]",b\n')
+    with pytest.raises(UserError, match=r"d.csv:3: the 'prompt' cell holds a list of messages written as text"):
+        formats.read(str(path))

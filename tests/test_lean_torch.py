@@ -155,6 +155,14 @@ def test_lean_blocks_train_as_keras_hubs_forward_and_back(monkeypatch, arch, pre
 
 
 @torch_only
+def test_a_float16_base_on_a_cpu_trains_as_keras_hubs_where_keras_keeps_its_matmuls_float16(monkeypatch):
+    """A CPU's --precision auto is float16 where it has the units: keras' matmul keeps float16 there
+    (keras_compat.keep_float16_matmuls, as a run installs it), so LoRA's torch ops take float16 too."""
+    keras_compat.keep_float16_matmuls()
+    _same_as_keras_hub(monkeypatch, "tiny", "float16", False)
+
+
+@torch_only
 def test_a_quantized_base_keeps_its_own_calls_under_lean_blocks(monkeypatch):
     """int8 kernels (quantized.py's calls) are left as they are; the blocks around them are lean, and the same."""
     _same_as_keras_hub(monkeypatch, "tiny", "float32", False, quantize="int8")
@@ -164,7 +172,7 @@ def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None):
     import torch
 
     keras_compat.lean_torch_ops()
-    keras.config.set_dtype_policy("mixed_bfloat16" if precision == "bfloat16" else "float32")
+    keras.config.set_dtype_policy({"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}.get(precision, "float32"))
     recipe = builder.Recipe(16, precision, quantize, remat, lora=LoraConfig(rank=2, targets=["query", "value"]))
     lean = builder.build_model(_source(arch), recipe).lm
     with monkeypatch.context() as patched:

@@ -128,3 +128,27 @@ def test_the_plan_counts_a_pair_s_pictures_on_both_its_rows():
     sft, dpo = planned("sft"), planned("dpo")
     assert sft["image_pixels"] > 0 and dpo["image_pixels"] == 2 * sft["image_pixels"]
     assert dpo["vision_forward"] == 2 * sft["vision_forward"]
+
+
+@pytest.mark.one_backend
+def test_orpo_s_every_token_targets_leave_the_picture_s_tokens_out(tmp_path):
+    """ORPO's NLL takes every token of the chosen sequence but the pictures' soft tokens, which weigh 0 in SFT."""
+    preprocessor = _preprocessor()
+    vision = images.vision_of(preprocessor)
+    made = preference.pair_examples(_pairs(tmp_path), templates.get("none"), preprocessor, _cfg(), "pairs.jsonl")
+    arrays = pair_batches.pad([p for _, p in made], 64, whole_chosen=True)
+    targets = pair_batches._targets(arrays, "chosen")
+    soft = arrays.chosen["labels"] == vision.placeholder_id
+    assert soft.sum() == 2 * vision.tokens_per_image and not targets[soft].any()
+    np.testing.assert_array_equal(targets[~soft], arrays.chosen["padding_mask"][~soft])
+
+
+@pytest.mark.one_backend
+def test_predict_refuses_a_pictured_record_too_long_rather_than_leave_a_line_out(tmp_path):
+    """A classifier's training skips a pictured record longer than --seq-len; `finetune predict` writes a line for
+    each record, in order, so there it is refused, naming the record."""
+    from finetune.methods import classify
+
+    records = [dataclasses.replace(r, instruction="<image>" + " long" * 80) for r in _pairs(tmp_path)[:1]]
+    with pytest.raises(UserError, match="longer than the run's --seq-len 64"):
+        classify.sequences(records, templates.get("none"), _preprocessor(), _cfg(), "x.jsonl", None)

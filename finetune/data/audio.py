@@ -227,12 +227,10 @@ def most_tokens(records, hearing: Hearing) -> int:
 
 def most_frames(records, hearing: Hearing) -> int:
     """The most frames a clip of these records takes: every slot's room (Gemma 4: its converter's whole length)."""
-    counts = [len(hearing.converted(samples(path, hearing.rate))[1]) for r in records for path in r.audios]
-    return (
-        max(counts, default=0)
-        if hearing.per_clip is not None
-        else int(hearing.longest * hearing.rate) // hearing.stride
-    )
+    if hearing.per_clip is None:
+        return int(hearing.longest * hearing.rate) // hearing.stride
+    return max((len(hearing.converted(samples(path, hearing.rate))[1]) for r in records for path in r.audios),
+               default=0)  # fmt: skip
 
 
 def frames(clips, hearing: Hearing, slots: int, count: int) -> dict:

@@ -295,17 +295,17 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
                     f"{where}: {fmt} records hold lists of turns, which a {container} cell cannot; "
                     "give them as JSON Lines, a JSON array or Parquet"
                 )
-            written = _messages_as_text(obj) if container else None
-            if written:  # TRL's conversational forms written out into cells: they would train as that text
-                raise UserError(
-                    f"{where}: the {written!r} cell holds a list of messages written as text, which a {container} "
-                    "file cannot hold as a list; give the records as JSON Lines, a JSON array or Parquet"
-                )
         elif _is_pair(obj) != (fmt in PREFERENCE_FORMATS):
             raise UserError(_mixed(where, fmt))
         elif fmt in PROMPT_FORMATS and detect_format(obj) not in PROMPT_FORMATS:
             raise UserError(f"{where}: a record with an answer in a file of prompts alone, as its first record is; "
                             "a file holds prompts alone (for --method grpo) or records with answers, not both")  # fmt: skip
+        written = _messages_as_text(obj) if container else None
+        if written:  # TRL's conversational forms written out into cells: they would train as that text
+            raise UserError(
+                f"{where}: the {written!r} cell holds a list of messages written as text, which a {container} "
+                "file cannot hold as a list; give the records as JSON Lines, a JSON array or Parquet"
+            )
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
@@ -666,7 +666,10 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
     """The record, with its pictures where it has an `images` list or TRL's content parts (images.py)."""
     if not isinstance(obj, dict):
         return _record(obj, where, fmt)
-    clips = audio.audio_paths(obj, where, source) if not source.startswith("hf:") else ()
+    spoken = obj
+    if fmt == "completion-chat" and isinstance(obj.get("prompt"), list) and isinstance(obj.get("completion"), list):
+        spoken = {**obj, "messages": [*obj["prompt"], *obj["completion"]]}  # audio parts in either list
+    clips = audio.audio_paths(spoken, where, source) if not source.startswith("hf:") else ()
     if fmt == "chat" and "messages" in obj:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
     if fmt == "completion-chat":
@@ -774,7 +777,7 @@ def _completion_chat_record(obj: dict, where: str) -> Record:
             "conversation as `messages` (tool-chat), whose assistant turns are trained"
         )
     first = completion[0]
-    if not isinstance(first, dict) or ROLES.get(first.get("role")) != "assistant":
+    if not isinstance(first, dict) or not isinstance(first.get("role"), str) or ROLES.get(first["role"]) != "assistant":
         raise UserError(f"{where}: the completion must open with the assistant's message, which the model learns")
     record = _chat_record([*prompt, *completion], where, "prompt and completion", ("role", "content"), ROLES)
     return dataclasses.replace(record, prompt_messages=len(prompt), where=where)

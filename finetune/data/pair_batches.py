@@ -67,8 +67,18 @@ def _targets(arrays: PairArrays, side: str) -> np.ndarray:
     """Each row's target weights: its answer's, or every real token of a chosen row where whole_chosen."""
     rows = getattr(arrays, side)
     if side == "chosen" and arrays.whole_chosen:
-        return rows["padding_mask"].astype(np.float32)
+        return rows["padding_mask"].astype(np.float32) * (1 - media_labels(rows))
     return rows["weights"]
+
+
+def media_labels(rows) -> np.ndarray:
+    """(rows, seq_len) float32, 1 where the target is a picture's or clip's soft token: the next position's input
+    is one (vision_mask, audio_mask). A soft token is never a target, even of ORPO's every-token NLL."""
+    soft = np.zeros(rows["padding_mask"].shape, np.float32)
+    for key in ("vision_mask", "audio_mask"):
+        if key in rows:
+            soft[:, :-1] = np.maximum(soft[:, :-1], rows[key][:, 1:] != 0)
+    return soft
 
 
 def both_sides(arrays: PairArrays) -> dict:

@@ -165,6 +165,9 @@ def sequences(records, template, preprocessor, cfg, source: str, ids: dict | Non
     out, cut, skipped = [], 0, 0
     for record, piece in zip(records, pieces):
         if media is not None and (record.images or record.audios) and len(piece) > seq_len - 1:
+            if ids is None:  # finetune predict writes a line for each record, in order: none is left out
+                raise UserError(f"{record.where or source}: with its pictures or audio, the record is longer than the "
+                                f"run's --seq-len {seq_len}, and cutting it could cut their tokens; shorten it")  # fmt: skip
             skipped += 1  # cut from its end, it could lose some of its image or audio tokens
             continue
         given = label_of(record, source) if ids is not None or "label" in record.columns else None

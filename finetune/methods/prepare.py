@@ -140,12 +140,15 @@ def pictured_examples(records, template, preprocessor, cfg, source: str) -> list
 class Media:
     """The pictures' and audio clips' side of records that hold them, below every method: the preset's encoders,
     checked against the records, and each row's room for the most pictures (clips) a record holds, the rest blank
-    (one picture a record encodes one slot a row, not the family's limit)."""
+    (one picture a record encodes one slot a row, not the family's limit), found once for all the records."""
 
     vision: images.Vision | None
     hearing: audio.Hearing | None
-    records: list
     source: str
+    image_slots: int = 0
+    audio_slots: int = 0
+    audio_room: tuple = (0, 0)
+    """The most soft tokens and mel frames a clip of the records has (audio.most_tokens, most_frames)."""
 
     @classmethod
     def of(cls, records, preprocessor, preset: str, source: str):
@@ -158,11 +161,15 @@ class Media:
             raise no_audio_encoder(preset, source)
         if vision is None and hearing is None:
             return None
+        media = cls(vision, hearing, source)
         if vision is not None:
             images.limit(records, vision, source)
+            media.image_slots = max((len(r.images) for r in records), default=0)
         if hearing is not None:
             audio.limit(records, hearing, source)
-        return cls(vision, hearing, records, source)
+            media.audio_slots = max((len(r.audios) for r in records), default=0)
+            media.audio_room = (audio.most_tokens(records, hearing), audio.most_frames(records, hearing))
+        return media
 
     def written(self, template) -> Pictured:
         """`template` with each placeholder written as the family's tokens (Pictured)."""
@@ -175,12 +182,9 @@ class Media:
     def attached(self, example, record):
         """The example with the record's image and audio inputs, weight 0 on their soft tokens."""
         if self.vision is not None:
-            slots = max(len(r.images) for r in self.records)
-            example = images.attached(example, record, self.vision, slots, self.source)
+            example = images.attached(example, record, self.vision, self.image_slots, self.source)
         if self.hearing is not None:
-            slots = max(len(r.audios) for r in self.records)
-            room = (audio.most_tokens(self.records, self.hearing), audio.most_frames(self.records, self.hearing))
-            example = audio.attached(example, record, self.hearing, slots, room, self.source)
+            example = audio.attached(example, record, self.hearing, self.audio_slots, self.audio_room, self.source)
         return example
 
 

@@ -590,7 +590,7 @@ def beside_the_kernel(layer, own_call: bool = False) -> bool:
         return False
 
     def call(inputs, training=None):
-        if layer.lora_enabled and getattr(layer, "lora_in_torch", False) and down is not None:
+        if layer.lora_enabled and getattr(layer, "lora_in_torch", False) and down not in (None, "matmul"):
             x = _with_lora_in_torch(layer, down, inputs, training)
             if x is not None:
                 return x
@@ -611,8 +611,9 @@ def beside_the_kernel(layer, own_call: bool = False) -> bool:
 
 def _with_lora_in_torch(layer, down: str, inputs, training):
     """The call above, x W + s (x A) B with the bias, in the torch ops keras' ops call, for a float layer whose
-    input, kernel and compute dtype agree (keras then casts nothing), with no DoRA, no activation and no dropout
-    while training; None where any of that does not hold (the call takes keras' ops). PyTorch with lean ops on
+    input, kernel and compute dtype agree (keras then casts nothing; float16 on a CPU where keras' matmul keeps it,
+    keras_compat.keep_float16_matmuls), with no DoRA, no activation and no dropout while training; an
+    EinsumDense's (lean_torch marks no other). None where any of that does not hold: the call takes keras' ops. PyTorch with lean ops on
     (lean_torch.enable marks the layers: `lora_in_torch`): keras' op wrappers cost more host time a LoRA layer
     than its five kernels on a GPU. Bit for bit keras' (tests/test_lean_torch.py)."""
     import torch
@@ -622,7 +623,7 @@ def _with_lora_in_torch(layer, down: str, inputs, training):
         type(inputs) is not torch.Tensor
         or inputs.dtype != compute
         or inputs.device.type == "meta"
-        or (compute == torch.float16 and inputs.device.type == "cpu")  # keras multiplies float16 in float32 there
+        or (compute == torch.float16 and inputs.device.type == "cpu" and not keras_compat.float16_matmuls_kept())
         or getattr(layer, "lora_magnitude", None) is not None
         or (training and getattr(layer, "lora_dropout", 0.0))
         or getattr(layer, "quantization_mode", None) is not None
@@ -633,17 +634,15 @@ def _with_lora_in_torch(layer, down: str, inputs, training):
     if kernel.dtype != compute:
         return None
     a, b = (ops.convert_to_tensor(v).to(compute) for v in (layer.lora_kernel_a, layer.lora_kernel_b))
-    if down == "matmul":
-        projected, low = torch.matmul(inputs, kernel), torch.matmul(inputs, a)
-    else:
-        projected, low = torch.einsum(layer.equation, inputs, kernel), torch.einsum(down, inputs, a)
+    projected, low = torch.einsum(layer.equation, inputs, kernel), torch.einsum(down, inputs, a)
     x = torch.add(projected, _lora_scale(layer, inputs.device) * torch.matmul(low, b))
     return x if layer.bias is None else torch.add(x, ops.convert_to_tensor(layer.bias))
 
 
 def _lora_scale(layer, device):
-    """s = alpha / rank as keras' cast makes it, in the compute dtype on `device`, made once (outside inference
-    mode, so that a step after a generation can save it for its backward)."""
+    """s = alpha / rank as keras' cast makes it (on keras' device, in the compute dtype), made once for each
+    `device` the inputs come on, outside inference mode, so that a step after a generation can save it for its
+    backward."""
     import torch
 
     key = (layer.lora_alpha, layer.lora_rank, layer.compute_dtype, device)

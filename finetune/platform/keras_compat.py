@@ -150,6 +150,13 @@ def _misplaced_as_bias(first: list, second: list) -> bool:
     return len(first) - len(second) + axis != biased
 
 
+def float16_matmuls_kept() -> bool:
+    """Whether keras' PyTorch matmul multiplies float16 as float16 on a CPU (keep_float16_matmuls is in)."""
+    from keras.src.backend.torch import numpy as torch_numpy
+
+    return bool(getattr(torch_numpy.matmul, "keeps_float16", False))
+
+
 def lean_torch_ops() -> bool:
     """Keras' per-op host work on PyTorch, trimmed where it computes nothing; the same tensors come out.
 
