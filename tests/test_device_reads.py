@@ -95,7 +95,7 @@ def test_chunks_chosen_from_the_host_s_weights_train_as_the_device_s_choice(monk
         import torch
 
         h = hidden.detach().clone().requires_grad_(True)
-        out = objective.token_losses(h, kernel, labels, weights, 8, weighted=weighted)
+        out = objective.token_losses(objective.Targets(h, labels, weights, kernel, None, weighted), 8)
         (out * torch.arange(1.0, 41.0)).sum().backward()
         return out.detach().numpy(), h.grad.numpy()
 

@@ -79,7 +79,7 @@ END_TO_END = {  # test files of the whole package (or of the suite: test_suite) 
     "test_api", "test_image_tokens", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
     "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl", "test_chat_templates",
-    "test_compiled_step", "test_gpu_check", "test_suite",
+    "test_compiled_step", "test_gpu_check", "test_suite", "test_device_reads", "test_pictured_pairs",
 }  # fmt: skip
 
 

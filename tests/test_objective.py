@@ -66,7 +66,7 @@ class Hidden(keras.layers.Layer):
         hidden = keras.ops.convert_to_tensor(self.values) * 1.0  # a tensor, as the backbone hands the op
         kernel = keras.ops.cast(keras.ops.convert_to_tensor(self.kernel), hidden.dtype)
         labels, weights = (keras.ops.convert_to_tensor(a) for a in (self.labels, self.w))
-        losses = objective.token_losses(hidden, kernel, labels, weights, 4, self.soft_cap)
+        losses = objective.token_losses(objective.Targets(hidden, labels, weights, kernel, self.soft_cap), 4)
         return keras.ops.expand_dims(losses, 0) + 0.0 * keras.ops.cast(keras.ops.sum(x), losses.dtype)
 
 

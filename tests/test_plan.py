@@ -484,7 +484,9 @@ def test_the_plan_of_a_frozen_encoder_s_pass_is_within_15_percent_of_what_xla_al
         recipe = builder.Recipe(64, "float32", lora=lora, optimizer=builder.Optimizer(1e-3, 0.0))
         model = builder.build_model(presets.resolve("tiny-gemma3-vision"), recipe)
         records = formats.read(str(tmp_path / "p.jsonl"))[0]
-        cfg = SimpleNamespace(model=SimpleNamespace(seq_len=64), data=SimpleNamespace(train_on_prompt=False))
+        cfg = SimpleNamespace(
+            model=SimpleNamespace(seq_len=64, preset="tiny-gemma3-vision"), data=SimpleNamespace(train_on_prompt=False)
+        )
         usable = prepare.pictured_examples(records, templates.get("gemma-chat"), model.preprocessor, cfg, "p")
         arrays = batching.pad([e for _, e in usable], 64)
         names = builder.input_names(model.lm)

@@ -243,7 +243,7 @@ def test_the_rows_gradient_is_the_tied_kernel_s(base):
 
     def ours(h, r):
         projection = tokens.Projection(ops.convert_to_tensor(embeddings), r, added)
-        return jnp.sum(objective.token_losses(h, projection, labels, weights, 4) * weights)
+        return jnp.sum(objective.token_losses(objective.Targets(h, labels, weights, projection, None), 4) * weights)
 
     def reference(h, r):
         kernel = jnp.asarray(tokens.merged_embedding(embeddings, added, np.zeros_like(rows)))

@@ -89,20 +89,19 @@ class GRPOView(objective.TrainingView):
         return "float32"
 
     def call(self, inputs, training=None):
-        hidden, labels, weights, kernel, soft_cap, weighted = objective.targets(self.lm.backbone, inputs, self.shards,
-                                                                                training=training)  # fmt: skip
+        t = objective.targets(self.lm.backbone, inputs, self.shards, training=training)
         # The logits at the sampling temperature, as keras-hub's samplers divide the (capped) logits: a kernel and
         # a soft cap both divided by T give exactly that, cap/T tanh((x/T) / (cap/T)) = (cap tanh(x / cap)) / T.
         temperature = self.objective.temperature
-        kernel = kernel / ops.cast(temperature, kernel.dtype)
-        soft_cap = soft_cap / temperature if soft_cap is not None else None
+        t = t._replace(kernel=t.kernel / ops.cast(temperature, t.kernel.dtype),
+                       soft_cap=t.soft_cap / temperature if t.soft_cap is not None else None)  # fmt: skip
         shape = ops.shape(inputs["loss_labels"])
         entropy = None
         if training:  # with each token's entropy, made from the logits the loss makes (TRL's metric)
-            both = objective.token_losses_and_entropies(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
+            both = objective.token_losses_and_entropies(t, self.chunk)
             losses, entropy = both[:, 0], ops.reshape(both[:, 1], shape)
         else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
-            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
+            losses, _ = objective.token_scores(t, self.chunk)
         logps = -ops.reshape(losses, shape)
         given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_reference", "loss_advantages")]
         return token_values(self.objective, logps, *given, entropy=entropy)

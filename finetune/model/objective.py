@@ -92,28 +92,29 @@ def _carrying(weighted, spans) -> list | None:
     return None if weighted is None else [bool(weighted[start:end].any()) for start, end in spans]
 
 
-def token_losses_and_entropies(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
+def token_losses_and_entropies(t: Targets, chunk: int):
     """(N, 2) float32: token_losses' losses, and each position's entropy of the softmax (GRPO's metric), made from
     the chunk's logits while they exist, without a gradient."""
-    return _token_losses(hidden, kernel, (labels, weights, weighted), chunk, soft_cap, entropy=True)
+    return _token_losses(t, chunk, entropy=True)
 
 
-def token_losses(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
-    """Per-position cross-entropy of `labels` under `hidden @ kernel.T`, float32, 0 where a chunk weighs nothing.
+def token_losses(t: Targets, chunk: int):
+    """Per-position cross-entropy of `t.labels` under `t.hidden @ t.kernel.T`, float32, 0 where a chunk weighs
+    nothing; `chunk` positions are projected at a time.
 
-    hidden: (N, D) in the compute dtype; kernel: (V, D); labels: (N,) int; weights: (N,).
+    t.hidden: (N, D) in the compute dtype; t.kernel: (V, D); t.labels: (N,) int; t.weights: (N,); t.soft_cap
+    (or None) caps the logits; t.weighted: weighted_on_host's array, or None (the device chooses the chunks).
     The gradient flows to `hidden` only: the kernel is the frozen embedding. Each
     position's loss is a scalar of its own, so its gradient is the upstream
     scalar times (softmax - one-hot) @ kernel; that product is made in the
     forward, while the chunk's logits exist, and kept (N x D), so the backward
     neither keeps nor recomputes any logits.
-    weighted: weighted_on_host's array (Targets.weighted), or None.
     """
-    return _token_losses(hidden, kernel, (labels, weights, weighted), chunk, soft_cap, entropy=False)
+    return _token_losses(t, chunk, entropy=False)
 
 
-def _token_losses(hidden, kernel, targets: tuple, chunk: int, soft_cap, entropy: bool):
-    labels, weights, weighted = targets
+def _token_losses(t: Targets, chunk: int, entropy: bool):
+    hidden, labels, weights, kernel, soft_cap, weighted = t
     spans = _chunks(hidden.shape[0], chunk)
     carrying = _carrying(weighted, spans)
     projection = kernel if isinstance(kernel, tokens.Projection) else None
@@ -237,8 +238,9 @@ def _after(hidden, done: list, carrying=None):
     return hidden + ops.cast(0.0 * ops.sum(done[-1]), hidden.dtype)
 
 
-def token_scores(hidden, kernel, labels, weights, chunk: int, soft_cap=None, weighted=None):
+def token_scores(t: Targets, chunk: int):
     """(loss, correct) per position, without gradients: what evaluation averages over the weighted tokens."""
+    hidden, labels, weights, kernel, soft_cap, weighted = t
     losses, correct = [], []
     spans = _chunks(hidden.shape[0], chunk)
     carrying = _carrying(weighted, spans)
@@ -334,7 +336,7 @@ class TrainingView(keras.Model):
         # keras' trainers pass `training` only to a call that takes it, and JAX's stateless call sets no call
         # context: passed on to the backbone, it reaches LoRA dropout and NEFTune, which act only while training.
         t = targets(self.lm.backbone, inputs, self.shards, training=training)
-        losses = token_losses(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap, t.weighted)
+        losses = token_losses(t, self.chunk)
         return ops.reshape(losses, ops.shape(inputs["loss_labels"]))
 
     def compute_output_spec(self, inputs):
@@ -431,7 +433,7 @@ class ScoringView(TrainingView):
 
     def call(self, inputs):
         t = targets(self.lm.backbone, inputs, self.shards, self.rows)
-        loss, correct = token_scores(t.hidden, t.kernel, t.labels, t.weights, self.chunk, t.soft_cap, t.weighted)
+        loss, correct = token_scores(t, self.chunk)
         shape = ops.shape(inputs["loss_labels"])
         return {"loss": ops.reshape(loss, shape), "correct": ops.reshape(correct, shape)}
 

@@ -131,13 +131,13 @@ class PreferenceView(objective.TrainingView):
         return "float32"
 
     def call(self, inputs, training=None):
-        hidden, labels, weights, kernel, soft_cap, weighted = objective.targets(self.lm.backbone, inputs, self.shards,
-                                                                                training=training)  # fmt: skip
+        t = objective.targets(self.lm.backbone, inputs, self.shards, training=training)
+        weights = t.weights
         if training:
-            losses = objective.token_losses(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
+            losses = objective.token_losses(t, self.chunk)
         else:  # scoring (the reference pass, held-out pairs): no gradient, so no custom-gradient op, which
             # TensorFlow refuses outside a training step when it reads the embedding variable
-            losses, _ = objective.token_scores(hidden, kernel, labels, weights, self.chunk, soft_cap, weighted)
+            losses, _ = objective.token_scores(t, self.chunk)
         rows = inputs["loss_reference"].shape[0]  # the sequences: 2B, or 2S of a packed micro-batch's R rows
         sequence = ops.reshape(inputs["loss_sequence"], (-1,))
         whole = None
