@@ -106,3 +106,20 @@ def test_a_conversational_prompt_completion_trains_its_completion_alone_from_the
              "--output", "run", cwd=tmp_path)  # fmt: skip
     resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text(encoding="utf-8"))["resolved"]
     assert resolved["template"]["value"] == "gemma4-chat"
+
+
+@pytest.mark.backend_neutral  # the pairs' layout is numpy's; test_pictured_pairs checks the numbers on each backend
+def test_preference_pairs_with_pictures_train_from_the_command_line(tmp_path):
+    """`finetune gemma --method dpo` on pairs whose prompt holds a picture, in a fresh process: both answers' rows
+    carry it, and the run writes its adapter."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "red.png")
+    rows = [{"prompt": "<image>What colour is it?", "chosen": "Red.", "rejected": "Blue.", "images": ["red.png"]}] * 8
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    trained = finetune("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--method", "dpo", "--data",
+                       "pairs.jsonl", "--batch-size", "2", "--max-steps", "1", "--set", "train.samples=0", "--output",
+                       "run", cwd=tmp_path)  # fmt: skip
+    assert "packing off: the data has images" in trained.stdout + trained.stderr
+    assert (tmp_path / "run" / "adapter.lora.h5").is_file()
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 1
