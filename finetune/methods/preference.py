@@ -198,31 +198,28 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
     its left is skipped instead: the cut would take some of their tokens.
     """
     seq_len = cfg.model.seq_len
-    tokenizer = prepare.tokenizer_of(preprocessor)
     media = prepare.Media.of(records, preprocessor, cfg.model.preset, source)
-    if media is None:
-        made, cut = pairs.pairs(records, template, tokenizer, seq_len)
-        if cut:
-            print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping "
-                  "at least half the sequence), then the answers at their end; none skipped")  # fmt: skip
-        return list(zip(records, made))
-    for record in records:
-        if record.images or record.audios:
-            for answer in (record.response, record.rejected):
-                if images.PLACEHOLDER in answer or audio.PLACEHOLDER in answer:
-                    raise UserError(f"{record.where or source}: a pair's pictures and audio clips go in its prompt, "
-                                    "which both answers follow; this one has a placeholder in an answer")  # fmt: skip
-    made, cut = pairs.pairs(records, media.written(template), tokenizer, seq_len)
+    for record in records if media is not None else ():
+        for answer in (record.response, record.rejected) if record.images or record.audios else ():
+            if images.PLACEHOLDER in answer or audio.PLACEHOLDER in answer:
+                raise UserError(f"{record.where or source}: a pair's pictures and audio clips go in its prompt, "
+                                "which both answers follow; this one has a placeholder in an answer")  # fmt: skip
+    written = template if media is None else media.written(template)
+    made, cut = pairs.pairs(records, written, prepare.tokenizer_of(preprocessor), seq_len)
     kept = [(r, p) for r, p in zip(records, made) if not (p.prompt_cut and (r.images or r.audios))]
+    skipped = len(made) - len(kept)
     if not kept:
         raise UserError(f"no usable pairs in {source}: the prompts with pictures or audio fill --seq-len {seq_len} "
                         "with their answers; raise --seq-len")  # fmt: skip
-    if len(kept) < len(made):
-        print(f"note: {len(made) - len(kept)} pairs with pictures or audio skipped: their prompt and answer do not "
-              f"fit --seq-len {seq_len}, and cutting the prompt would cut its image or audio tokens")  # fmt: skip
-    if cut > len(made) - len(kept):
-        print(f"note: {cut - (len(made) - len(kept))} pairs cut to --seq-len {seq_len}: the answers at their end, "
-              "the prompts of pairs without pictures or audio from their left")  # fmt: skip
+    if skipped:
+        print(f"note: {skipped} pairs with pictures or audio skipped: their prompt and answer do not fit --seq-len "
+              f"{seq_len}, and cutting the prompt would cut its image or audio tokens")  # fmt: skip
+    if cut > skipped:
+        print(f"note: {cut - skipped} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left "
+              "(keeping at least half the sequence), then the answers at their end; "
+              f"{'none skipped' if not skipped else 'those with pictures or audio were skipped instead'}")  # fmt: skip
+    if media is None:
+        return kept
     return [(r, pairs.Pair(media.attached(p.chosen, r), media.attached(p.rejected, r), p.prompt_length, p.prompt_cut))
             for r, p in kept]  # fmt: skip
 
