@@ -141,7 +141,7 @@ def _forward_and_back(lm, inputs):
         w.value.grad = None
     out = lm.backbone(inputs, training=True)
     torch.sum(out.float() ** 2).backward()
-    return out.detach().float().clone(), [w.value.grad.clone() for w in factors]
+    return out.detach().float().clone(), [None if w.value.grad is None else w.value.grad.clone() for w in factors]
 
 
 @torch_only
@@ -168,12 +168,26 @@ def test_a_quantized_base_keeps_its_own_calls_under_lean_blocks(monkeypatch):
     _same_as_keras_hub(monkeypatch, "tiny", "float32", False, quantize="int8")
 
 
-def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None):
+@torch_only
+@pytest.mark.parametrize(
+    "arch, precision, remat",
+    [("tiny-gemma4", "bfloat16", True), ("tiny-gemma4-moe", "float32", False), ("tiny-gemma3n", "float32", False),
+     ("tiny-gemma3n", "bfloat16", True), ("tiny", "float32", True)],
+)  # fmt: skip
+def test_layers_called_directly_train_as_keras_calls_them_with_lora_dropout(monkeypatch, arch, precision, remat):
+    """Gemma 4's and 3n's blocks call their sublayers from keras-hub's code: keras' Layer.__call__ is skipped where
+    it would only call the layer's call (keras_compat._direct_layer_calls). The training flag LoRA dropout reads
+    reaches every layer as keras hands it: the same masks drawn, the same outputs and gradients, bit for bit."""
+    _same_as_keras_hub(monkeypatch, arch, precision, remat, dropout=0.25)
+
+
+def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None, dropout=0.0):
     import torch
 
     keras_compat.lean_torch_ops()
     keras.config.set_dtype_policy({"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}.get(precision, "float32"))
-    recipe = builder.Recipe(16, precision, quantize, remat, lora=LoraConfig(rank=2, targets=["query", "value"]))
+    lora = LoraConfig(rank=2, targets=["query", "value"], dropout=dropout)
+    recipe = builder.Recipe(16, precision, quantize, remat, lora=lora)
     lean = builder.build_model(_source(arch), recipe).lm
     with monkeypatch.context() as patched:
         patched.setattr(lean_torch, "enable", lambda backbone: 0)
@@ -181,31 +195,47 @@ def _same_as_keras_hub(monkeypatch, arch, precision, remat, quantize=None):
     for theirs, ours in zip(lm.backbone.weights, lean.backbone.weights, strict=True):
         ours.assign(theirs)  # the same weights and factors (a random arch draws anew)
     inputs = _inputs(lm.backbone)
+    for model in (lm, lean):
+        _forward_and_back(model, inputs)  # the first pass builds through keras' __call__ (and counts a dropout pass)
+    keras.utils.set_random_seed(3)
     own, own_grads = _forward_and_back(lm, inputs)
-    _forward_and_back(lean, inputs)  # the first pass builds through keras' __call__
+    mirrored = families.of_backbone(lean.backbone).name in ("gemma", "gemma3")
     attention_layers = [b.attention for b in families.decoder_blocks(lean.backbone)]
-    assert all(getattr(a.call, "lean", False) for a in attention_layers)
+    assert all(getattr(a.call, "lean", False) == mirrored for a in attention_layers)
     assert not any(getattr(b.attention.call, "lean", False) for b in families.decoder_blocks(lm.backbone))
+    assert all(layer.direct_call for layer in lean.backbone._flatten_layers())
+    assert not any(getattr(layer, "direct_call", False) for layer in lm.backbone._flatten_layers())
+    keras.utils.set_random_seed(3)
     called, in_torch = [], []
     calls_directly = keras_compat.calls_directly
-    monkeypatch.setattr(
-        keras_compat, "calls_directly", lambda layer, x: called.append(calls_directly(layer, x)) or called[-1]
-    )
+
+    def counted(layer, x):
+        own_dtype = getattr(x, "dtype", None) == keras_compat.torch_dtype(layer.input_dtype)
+        called.append((id(layer), own_dtype, calls_directly(layer, x)))
+        return called[-1][-1]
+
+    monkeypatch.setattr(keras_compat, "calls_directly", counted)
     with_lora = builder._with_lora_in_torch
     monkeypatch.setattr(builder, "_with_lora_in_torch", lambda *a: in_torch.append(with_lora(*a)) or in_torch[-1])
     ours, grads = _forward_and_back(lean, inputs)
     # LoRA in torch ops (builder._with_lora_in_torch) on query and value, again in the backward under remat; a
     # quantized layer keeps its own call
-    adapted = 2 * len(families.decoder_blocks(lean.backbone)) * (2 if remat else 1) if quantize is None else 0
-    assert len(in_torch) == adapted and all(x is not None for x in in_torch)
+    # the LoRA layers whose call is in torch ops (Gemma 3n's are Dense layers: keras' call)
+    lora_layers = sum(getattr(layer, "lora_enabled", False) and getattr(layer, "lora_in_torch", False)
+                      for layer in lean.backbone._flatten_layers())  # fmt: skip
+    adapted = lora_layers * (2 if remat else 1) if quantize is None else 0
+    assert len(in_torch) == adapted and all((x is None) == bool(dropout) for x in in_torch)  # dropout: keras' ops
+    in_blocks = {id(layer) for block in families.decoder_blocks(lean.backbone) for layer in block._flatten_layers()}
+    # a sublayer of a block given its input in its own dtype (not the float32 softmax of a bfloat16 score)
+    direct = [ok for layer, own_dtype, ok in called if layer in in_blocks and own_dtype]
     if quantize is None:
-        assert called and all(called), "every sublayer called directly"
+        assert len(direct) >= 8 * len(in_blocks) // 10 and all(direct), "every sublayer called directly"
     else:  # the quantized projections through keras' __call__ (quantized_call), the norms directly
-        assert any(called) and not all(called)
+        assert any(direct) and not all(direct)
     assert torch.equal(ours, own)
-    assert len(grads) == len(own_grads) >= 4
+    assert len(grads) == len(own_grads) >= 4 and sum(g is not None for g in grads) >= 4
     for a, b in zip(grads, own_grads):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @torch_only
@@ -217,6 +247,8 @@ def test_a_sublayer_keras_would_convert_or_that_has_a_hook_goes_through_keras_ca
     x = torch.ones(2, 4, dtype=torch.bfloat16)
     layer(x)
     with keras_compat.calling(layer, True):
+        assert not keras_compat.calls_directly(layer, x)  # the call's own context: keras resets it after
+    with keras_compat.calling(keras.layers.Identity(), True):  # inside another layer's call
         assert keras_compat.calls_directly(layer, x)  # float32 variables, computed in bfloat16: in keras' scope
         with keras_compat.reading_variables_as_computed(layer):
             assert keras.ops.convert_to_tensor(layer.kernel).dtype == torch.bfloat16
@@ -287,3 +319,69 @@ def test_a_step_collects_the_trainable_weights_and_metrics_once_and_trains_the_s
     theirs = lora_train_losses(lora_model()[0], steps=4)
     assert ours == theirs
     assert len(walks) - per_step == 3 * 2  # keras: three walks a step; ours: one, from the second of 4 steps on
+
+
+@torch_only
+def test_a_direct_layer_call_resolves_training_and_hands_the_rest_to_keras_as_keras_would():
+    """keras_compat._direct_layer_calls against keras' own __call__, on the cases that decide: the training flag
+    given, None, inherited or defaulted, and given to a call that takes none; a mask on an input, a layer that
+    computes masks, a float argument keras would convert: those go to keras."""
+    import torch
+
+    keras_compat.lean_torch_ops()
+
+    class Seen(keras.layers.Layer):
+        def call(self, x, scale=None, training=None):
+            self.seen = training
+            return x * (2.0 if training else 1.0) * (1.0 if scale is None else scale)
+
+    class Defaulted(keras.layers.Layer):
+        def call(self, x, training=True):
+            self.seen = training
+            return x + 1.0
+
+    class Plain(keras.layers.Layer):
+        def call(self, x):
+            return x - 1.0
+
+    x = torch.ones(2, 3)
+
+    def run(direct, layer_class, outer, **kwargs):
+        layer = layer_class()
+        layer(x)  # built and called once, through keras
+        layer.direct_call = direct
+        took = []
+        calls = keras_compat.calls_directly
+        keras_compat_calls = lambda *a: took.append(calls(*a)) or took[-1]  # noqa: E731
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(keras_compat, "calls_directly", keras_compat_calls)
+            with keras_compat.calling(keras.layers.Identity(), outer):  # inside another layer's call
+                out = layer(x, **kwargs)
+                after = keras_compat.current_call_value("training")
+        return out, getattr(layer, "seen", "-"), after, any(took)
+
+    cases = [(Seen, True, {}), (Seen, False, {}), (Seen, None, {}), (Seen, True, {"training": False}),
+             (Seen, True, {"training": None}), (Defaulted, None, {}), (Defaulted, False, {}),
+             (Plain, True, {"training": False}), (Seen, True, {"scale": 3.0}), (Seen, True, {"scale": torch.ones(3)})]  # fmt: skip
+    for layer_class, outer, kwargs in cases:
+        (out, seen, after, direct), (own, own_seen, own_after, _) = (
+            run(True, layer_class, outer, **kwargs), run(False, layer_class, outer, **kwargs))  # fmt: skip
+        assert torch.equal(out, own) and (seen, after) == (own_seen, own_after), (layer_class, outer, kwargs)
+        assert direct, (layer_class, outer, kwargs)
+    # where keras would convert an argument, carry a mask or compute one: keras' own call
+    outer = keras.layers.Identity()
+    masked = x.clone()
+    masked._keras_mask = torch.ones(2, 3, dtype=torch.bool)
+    for kwargs, first in [({"scale": torch.ones(3, dtype=torch.float64)}, x), ({}, masked)]:
+        layer = Seen()
+        layer(x)
+        with keras_compat.calling(outer, True):
+            assert not keras_compat._direct_call_taken(layer, first, kwargs)
+            assert keras_compat._direct_call_taken(layer, x, {})
+    masking = keras.layers.Masking(mask_value=0.0)
+    zeros = torch.zeros(1, 2, 3)
+    masking(zeros)
+    masking.direct_call = True
+    with keras_compat.calling(outer, True):
+        assert not keras_compat._direct_call_taken(masking, zeros, {})
+        assert masking(zeros)._keras_mask.tolist() == [[False, False]]  # its own mask, as keras sets it

@@ -21,6 +21,10 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
 - RMS norms (Gemma 1 to 3's) and plain projections (an EinsumDense without LoRA, bias or activation, not
   quantized): the torch ops keras' op wrappers call, in their order.
 
+- Every layer of the backbone (Gemma 4's and 3n's blocks and sublayers included, whose calls keras-hub's own code
+  makes): keras' Layer.__call__ skipped where it would do nothing but call the layer's `call`
+  (keras_compat._direct_layer_calls, for the layers marked `direct_call` here).
+
 A quantized layer, and a layer whose call is another hook's already, is left as it is.
 """
 
@@ -34,8 +38,9 @@ SHAPES_KEPT = 4  # rotary tables per layer: a run's row lengths; generation's la
 
 
 def enable(backbone) -> int:
-    """Give `backbone`'s rotary embeddings, and its Gemma 1, 2 and 3 blocks and attention layers, the lean path;
-    returns how many layers took it (once each). Nothing on JAX or TensorFlow, or with lean ops off."""
+    """Give `backbone`'s rotary embeddings, and its Gemma 1, 2 and 3 blocks and attention layers, the lean path, and
+    every layer direct calls; returns how many layers took a lean call (once each). Nothing on JAX or TensorFlow,
+    or with lean ops off."""
     if keras.config.backend() != "torch" or not keras_compat.lean_torch_ops_on():
         return 0
     rotary = keras_compat.rotary_embedding_class()
@@ -43,6 +48,8 @@ def enable(backbone) -> int:
     blocks = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
     norms, dense = keras_compat.gemma_rms_normalization_classes(), keras.layers.EinsumDense
     done = 0
+    for layer in backbone._flatten_layers(include_self=True):
+        layer.direct_call = True  # keras' Layer.__call__ skipped where it would only call `call` (keras_compat)
     for layer in backbone._flatten_layers(include_self=False):
         if not _own_call(layer) or getattr(layer, "quantization_mode", None) is not None:
             continue  # done already, another hook's call (remat's), or a quantized call (quantized.py's)

@@ -246,7 +246,91 @@ def lean_torch_ops() -> bool:
         for attribute, original in originals.items():
             if getattr(module, attribute, None) is original:
                 setattr(module, attribute, replacements[attribute])
+    _direct_layer_calls()
     return True
+
+
+def _direct_layer_calls() -> None:
+    """keras' Layer.__call__ (3.15), for a layer lean_torch.enable marked (`direct_call`), where it would do nothing
+    but call the layer's `call` (_direct_call_taken): that call, at once. keras' __call__ costs about 75 us a layer
+    on a CPU (binding the signature, converting arguments, masks, scopes), a decoder block calls a dozen, and
+    Gemma 4's and 3n's blocks call their sublayers from keras-hub's own code, where lean_torch cannot call them
+    directly. What keras does there is done the same way: the training flag (each call-context argument) resolved
+    and kept in the context for the layers after (_resolve_context_arguments); the layer's name scope (a sublayer
+    first built inside takes the same variable paths); the autocast scope (reading_variables_as_computed).
+    Anything else, and every unmarked layer, goes to keras' own __call__."""
+    from keras.src.layers.layer import Layer
+
+    keras_call = Layer.__call__
+    if getattr(keras_call, "lean", False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and self.__dict__.get("direct_call") and _direct_call_taken(self, args[0], kwargs):
+            _resolve_context_arguments(self, kwargs)
+            with self._open_name_scope(), reading_variables_as_computed(self):
+                return self.call(args[0], **kwargs)
+        return keras_call(self, *args, **kwargs)
+
+    __call__.lean, __call__.keras_own = True, keras_call
+    Layer.__call__ = __call__
+
+
+_MASKS_DEFAULT_TO_NONE: dict = {}  # per layer class: whether every mask argument of its call defaults to None
+
+
+def _direct_call_taken(layer, x, kwargs: dict) -> bool:
+    """Whether keras' Layer.__call__ of `layer` on `x` and `kwargs` would only call `layer.call`: calls_directly
+    holds for `x`; every keyword argument is None, a Python scalar or string, or a tensor of `x`'s type without a
+    keras mask that keras would not convert (not floating, or in `x`'s dtype, the layer's input dtype); the layer
+    computes no mask of its own (keras' `compute_mask`, or none supported) and defaults no mask argument to other
+    than None (keras passes the inputs' masks, None here, to those)."""
+    import inspect
+
+    from keras.src.layers.layer import Layer
+
+    for value in kwargs.values():
+        if value is None or type(value) in (bool, int, float, str):
+            continue
+        if type(value) is not type(x) or getattr(value, "_keras_mask", None) is not None:
+            return False
+        if value.is_floating_point() and value.dtype != x.dtype:
+            return False
+    if not calls_directly(layer, x):
+        return False
+    if layer.supports_masking and type(layer).compute_mask is not Layer.compute_mask:
+        return False
+    kind = type(layer)
+    defaulted = _MASKS_DEFAULT_TO_NONE.get(kind)
+    if defaulted is None:
+        defaulted = _MASKS_DEFAULT_TO_NONE[kind] = all(
+            parameter.default is None or parameter.default is inspect.Parameter.empty
+            for name, parameter in layer._call_signature.parameters.items()
+            if name == "mask" or name.endswith("_mask")
+        )
+    return defaulted
+
+
+def _resolve_context_arguments(layer, kwargs: dict) -> None:
+    """keras' Layer.__call__ (3.15) steps for each call-context argument (`training`), on `kwargs` in place: the
+    value given, else the enclosing call's, else the call signature's default; kept in the call context for the
+    layers called after; passed where the call takes it and it is not None, dropped where the call's signature
+    does not name it."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    parameters = layer._call_signature.parameters
+    for name in layer._call_context_args:
+        if name in kwargs:
+            value = kwargs[name] if name in parameters else kwargs.pop(name)
+        else:
+            value = context.get_value(name)
+            if value is None and name in parameters:
+                default = parameters[name].default
+                value = None if default is parameters[name].empty else default
+        context.set_value(name, value)
+        if value is not None and layer._call_has_context_arg.get(name, False):
+            kwargs[name] = value
 
 
 def lean_torch_ops_on() -> bool:
@@ -563,8 +647,8 @@ def calls_directly(layer, x) -> bool:
     do nothing but call `layer.call`, in the autocast scope of reading_variables_as_computed (keras 3.15's
     __call__, step by step): `x` needs no conversion (it is in the layer's input dtype) and carries no mask; no
     autocast scope is open already; the layer is not quantized or rematerialised, has no activity regularizer and
-    no torch hook; no distribution lays its output out; the call context exists already (nothing to open or
-    reset). The input spec check is skipped: a built layer has passed it on its first call. lean_torch.py calls
+    no torch hook; no distribution lays its output out; the call context exists already, another layer's
+    (nothing to open or reset). The input spec check is skipped: a built layer has passed it on its first call. lean_torch.py calls
     `layer.call` where this holds; where it does not, `layer(x)` as keras does."""
     import torch
     from keras.src.backend.common import global_state
@@ -581,7 +665,7 @@ def calls_directly(layer, x) -> bool:
         and isinstance(x, torch.Tensor)
         and x.dtype == core.to_torch_dtype(layer.input_dtype)
         and getattr(x, "_keras_mask", None) is None
-        and global_state.get_global_attribute("current_call_ctx") is not None
+        and getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", layer) is not layer
         and global_state.get_global_attribute("distribution") is None
         and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
                  or layer._backward_pre_hooks)
