@@ -112,6 +112,39 @@ def test_one_example_rows_get_keras_hub_s_own_mask_in_every_block(lm):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs))
 
 
+def test_blocks_alike_share_one_packed_mask_a_forward_and_it_is_each_ones_own(lm, monkeypatch):
+    """On PyTorch the blocks of a forward whose masks read the same (Gemma 4's sliding layers, its global ones)
+    share the first one's, kept on the segment ids (attention._kept_block_masks): each equals the block's own."""
+    import inspect
+
+    arrays = packing.pack(examples_of([12, 7, 17, 9, 5], seed=3), 32)
+    segments = keras.ops.convert_to_tensor(arrays["segment_ids"], "int32")
+    blocks = families.decoder_blocks(lm.backbone)
+
+    def masks():
+        out = []
+        for block in blocks:
+            wrapped = block._compute_attention_mask
+            names = inspect.signature(wrapped.keras_hub).parameters
+            hidden = keras.ops.zeros((*segments.shape, 8))
+            args = {"x": hidden, "cache": None, "cache_update_index": 0, "vision_mask": None}
+            out.append(wrapped(padding_mask=segments, **{k: v for k, v in args.items() if k in names}))
+        return out
+
+    shared = masks()
+    with monkeypatch.context() as patched:
+        patched.setattr(attention, "_kept_block_masks", lambda segments: None)
+        own = masks()
+    for a, b in zip(shared, own, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+    if keras.config.backend() == "torch":
+        kinds = {attention._block_mask_key(b, segments, 0) for b in blocks}
+        assert len({id(m) for m in shared}) == len(kinds) <= len(blocks)
+        assert len({id(m) for m in own}) == len(blocks)
+    if "sliding_window_size" in str(lm.backbone.get_config()) and len(blocks) > 2:
+        assert not all(np.array_equal(*map(keras.ops.convert_to_numpy, pair)) for pair in zip(shared, shared[1:]))
+
+
 def test_the_segment_mask_of_one_example_rows_is_causal_onto_tokens():
     from keras_hub.src.layers.modeling.transformer_layer_utils import compute_causal_mask
 

@@ -255,19 +255,21 @@ def test_the_json_holds_each_finished_row_before_the_next_starts(tmp_path, monke
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the lean path is PyTorch's")
-def test_host_2b_trains_gemma_2b_blocks_lean_and_stock_to_the_same_losses(tmp_path):
-    """`--arch host-2b` (gemma-2b's 18 blocks at width 64), through the command in fresh processes: PyTorch's lean
-    path and keras' own (the stock lever) train the same losses, digit for digit."""
+@pytest.mark.parametrize("arch", ["host-2b", "host-e4b"])
+def test_the_host_archs_train_lean_and_stock_to_the_same_losses(tmp_path, arch):
+    """`--arch host-2b` and `host-e4b` (gemma-2b's 18 blocks, Gemma 4 e4b's 42, at width 64), through the command
+    in fresh processes: PyTorch's lean path and keras' own (the stock lever) train the same losses, digit for
+    digit."""
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "finetune", "bench", *"--arch host-2b --seq-len 32 --batch-size 1 --steps 2".split(),
+        [sys.executable, "-m", "finetune", "bench", "--arch", arch, *"--seq-len 32 --batch-size 1 --steps 2".split(),
          *"--warmup 1 --backends torch --recipes finetune --levers stock --json".split(), str(out)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "KERAS_BACKEND": BACKEND, "FINETUNE_BENCH_PEAK_SIZE": "512"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lean, stock = json.loads(out.read_text())
-    assert (lean["arch"], lean["lever"], stock["lever"]) == ("host-2b", None, "stock")
+    assert (lean["arch"], lean["lever"], stock["lever"]) == (arch, None, "stock")
     assert "keras' own ops" in stock["settings"] and "keras' own ops" not in lean["settings"]
     assert len(lean["losses"]) == 3 and lean["losses"] == stock["losses"]
 

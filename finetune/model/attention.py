@@ -174,10 +174,18 @@ def _segment_aware(block, original):
         if bound.get("cache") is not None and not (borrows_cache and _holds_segment_ids(segments)):
             return original(*args, **kwargs)
         segments = ops.cast(segments, "int32")
+        kept, key = _kept_block_masks(segments), None
+        if kept is not None and bound.get("cache") is None:
+            key = _block_mask_key(block, bound[names[0]], bound.get("cache_update_index", 0))
+            if key in kept:
+                return kept[key]
         tokens, same = _per_row_of_segments(segments)
         bound["padding_mask"] = tokens
         allowed = ops.cast(original(**bound), "int32")  # keras-hub's own: causal, tokens, its window
-        return ops.minimum(allowed, same)
+        mask = ops.minimum(allowed, same)
+        if key is not None:
+            kept[key] = mask
+        return mask
 
     compute_attention_mask.segment_aware = True
     compute_attention_mask.keras_hub = original
@@ -200,6 +208,40 @@ def _per_row_of_segments(segments) -> tuple:
             if kept is None:
                 kept = segments.finetune_masks = (ops.greater(segments, 0), same_example(segments))
     return kept or (ops.greater(segments, 0), same_example(segments))
+
+
+# What a block's own mask method (keras-hub 0.32) reads of the block besides its arguments: Gemma 3's and 4's
+# bidirectional attention, Gemma 4's sliding window (the window's width is its attention layer's).
+_MASK_ATTRIBUTES = ("use_bidirectional_attention", "use_sliding_window_attention", "is_global_attention")
+
+
+def _kept_block_masks(segments):
+    """On PyTorch, the masks of the blocks of one forward, kept on its tensor of segment ids (as
+    _per_row_of_segments keeps theirs): blocks alike in what their mask reads share one mask, made by the first
+    of them (about 20 ops a block otherwise, and one mask kept for each block's backward where one serves all).
+    None on JAX and TensorFlow, whose traced step shares them already."""
+    import keras
+
+    if keras.config.backend() != "torch":
+        return None
+    import torch
+
+    if type(segments) is not torch.Tensor:
+        return None
+    kept = getattr(segments, "finetune_block_masks", None)
+    if kept is None:
+        kept = segments.finetune_block_masks = {}
+    return kept
+
+
+def _block_mask_key(block, x, cache_update_index):
+    """What `block`'s mask is a function of, for rows of segment ids `x`'s shape without a cache: its class, the
+    attributes its method reads (_MASK_ATTRIBUTES, the window's width) and the rows' shape and device."""
+    if type(cache_update_index) is not int:
+        return None
+    window = getattr(getattr(block, "attention", None), "sliding_window_size", None)
+    attributes = tuple(getattr(block, name, None) for name in _MASK_ATTRIBUTES)
+    return type(block), attributes, window, cache_update_index, tuple(x.shape[:2]), x.device
 
 
 def _holds_segment_ids(mask) -> bool:

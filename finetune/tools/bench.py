@@ -64,7 +64,8 @@ _KERNEL_SETTINGS = {
 }  # fmt: skip
 # tiny-gemma3 and tiny-gemma4 (the MoE's), the tiny presets' decoders: the families' paths, in seconds.
 _TINY = ("tiny-gemma3", "tiny-gemma4-moe")
-FAMILY = {"tiny": "gemma", "cpu-small": "gemma", "host-2b": "gemma", **{name: presets.TINY[name].family for name in _TINY},
+FAMILY = {"tiny": "gemma", "cpu-small": "gemma", "host-2b": "gemma", "host-e4b": "gemma4",
+          **{name: presets.TINY[name].family for name in _TINY},
           **{name: archs.ARCHS[p].family for name, p in PRESETS.items()}}  # fmt: skip
 ARCHS = {
     "tiny": presets.TINY_CONFIG,
@@ -79,6 +80,13 @@ ARCHS = {
     "host-2b": dict(
         num_layers=18, num_query_heads=8, num_key_value_heads=1, hidden_dim=64, intermediate_dim=128, head_dim=16
     ),
+    # Gemma 4 e4b's the same way: its 42 blocks, 8 query heads on 2 key heads, the sliding and global layers, the 18
+    # that borrow keys and values, per-layer inputs (of the tokenizer's vocabulary), at width 64.
+    "host-e4b": {
+        **{k: v for k, v in archs.ARCHS["gemma4_4b"].config.items()
+           if k not in ("vocabulary_size", "vocab_size_per_layer_input")},
+        **dict(hidden_dim=64, intermediate_dim=128, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16),
+    },
     **{
         name: {**{k: v for k, v in archs.ARCHS[p].config.items() if k != "vocabulary_size"},
                **_KERNEL_SETTINGS.get(name, {})}
@@ -107,7 +115,8 @@ class Workload:
     """What every row trains: `finetune bench` takes a flag for each field (cli.with_settings)."""
 
     arch: str = setting("cpu-small", "Gemma architecture, random weights: tiny, tiny-gemma3, tiny-gemma4-moe, "
-                        "cpu-small, host-2b (gemma-2b's 18 blocks at width 64: the host's work), gemma-2b, gemma-7b, "
+                        "cpu-small, host-2b and host-e4b (gemma-2b's 18 blocks and Gemma 4 e4b's 42 at width 64: "
+                        "the host's work), gemma-2b, gemma-7b, "
                         "gemma2-2b, gemma3-1b, gemma3-4b (text), gemma4-e4b, gemma4-26b-a4b.", flag="--arch",
                         metavar="NAME")  # fmt: skip
     tokenizer: str = setting("", "A SentencePiece .spm tokenizer file.", flag="--tokenizer", metavar="FILE",
