@@ -18,7 +18,7 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
   passed as keras passes it. keras' __call__ costs about 75 us a layer on a CPU, against 37 for an
   EinsumDense's own call; a block calls 10 of them. The glue between (the residual sums, gelu, the wipe of
   queries that attend to nothing) is the same torch ops keras' wrappers call.
-- RMS norms (Gemma 1 to 3's) and plain projections (an EinsumDense without LoRA, bias or activation, not
+- RMS norms (Gemma 1 to 4's, and Gemma 4's norm of the values) and plain projections (an EinsumDense without LoRA, bias or activation, not
   quantized): the torch ops keras' op wrappers call, in their order.
 
 - Every layer of the backbone (Gemma 4's and 3n's blocks and sublayers included, whose calls keras-hub's own code
@@ -47,6 +47,7 @@ def enable(backbone) -> int:
     gemma, gemma3 = keras_compat.gemma_attention_class(), keras_compat.gemma3_attention_class()
     blocks = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
     norms, dense = keras_compat.gemma_rms_normalization_classes(), keras.layers.EinsumDense
+    gemma4_norms = keras_compat.gemma4_normalization_classes()
     done = 0
     for layer in backbone._flatten_layers(include_self=True):
         layer.direct_call = True  # keras' Layer.__call__ skipped where it would only call `call` (keras_compat)
@@ -62,6 +63,8 @@ def enable(backbone) -> int:
             keras_compat.replace_call(layer, _lean_block(layer))
         elif type(layer) in norms:
             keras_compat.replace_call(layer, _lean_norm(layer))
+        elif type(layer) in gemma4_norms:
+            keras_compat.replace_call(layer, _lean_gemma4_norm(layer, scaled=type(layer) is gemma4_norms[0]))
         elif type(layer) is dense:
             keras_compat.replace_call(layer, _lean_einsum_dense(layer))
             layer.lora_in_torch = True  # its LoRA call, once enabled (builder.beside_the_kernel), in torch ops
@@ -273,6 +276,33 @@ def _lean_norm(layer):
         variance = torch.mean(torch.square(x), [-1], True)
         normed = x * torch.reciprocal(torch.sqrt(variance + layer.epsilon))
         return (normed * (1 + scale)).to(keras_compat.torch_dtype(layer.compute_dtype))
+
+    return call
+
+
+def _lean_gemma4_norm(layer, scaled: bool):
+    """keras-hub's Gemma 4 RMSNormalization.call (`scaled`) and Gemma4VNorm.call, in the torch ops keras' wrappers
+    call: in float32, x * (mean(x^2) + eps) ** -0.5, times the scale, cast to the compute dtype. The exponent is
+    the 0-d float32 tensor keras' power makes of -0.5, made once a device: torch's pow of a tensor exponent, as
+    keras calls it (not its scalar path)."""
+    import torch
+
+    own = layer.call
+    exponents: dict = {}
+
+    def call(x):
+        if not _plain(x):
+            return own(x)
+        exponent = exponents.get(x.device)
+        if exponent is None:
+            with torch.inference_mode(False), torch.no_grad():
+                exponent = exponents[x.device] = keras.ops.convert_to_tensor(-0.5)
+        x = x.to(torch.float32)
+        variance = torch.mean(torch.square(x), (-1,), True)
+        normed = x * torch.pow(variance + layer.epsilon, exponent)
+        if scaled:
+            normed = normed * layer.scale.value.to(torch.float32)  # the variable as keras reads it
+        return normed.to(keras_compat.torch_dtype(layer.compute_dtype))
 
     return call
 

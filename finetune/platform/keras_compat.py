@@ -624,6 +624,16 @@ def gemma_rms_normalization_classes() -> tuple:
     return RMSNormalization, Gemma3RMSNormalization
 
 
+def gemma4_normalization_classes() -> tuple:
+    """keras-hub's Gemma 4 RMSNormalization (a scale) and Gemma4VNorm (none): lean_torch.py mirrors their call.
+    Empty where keras-hub has no Gemma 4."""
+    try:
+        from keras_hub.src.models.gemma4.gemma4_layers import Gemma4VNorm, RMSNormalization
+    except ImportError:
+        return ()
+    return RMSNormalization, Gemma4VNorm
+
+
 def serving_with_vllm() -> bool:
     """Whether keras-hub's Gemma attention would take its vLLM paged-attention route (serving on a TPU), which
     lean_torch.py leaves to keras-hub."""
