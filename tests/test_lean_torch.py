@@ -389,3 +389,17 @@ def test_a_direct_layer_call_resolves_training_and_hands_the_rest_to_keras_as_ke
     with keras_compat.calling(outer, True):
         assert not keras_compat._direct_call_taken(masking, zeros, {})
         assert masking(zeros)._keras_mask.tolist() == [[False, False]]  # its own mask, as keras sets it
+
+
+@torch_only
+def test_a_direct_layer_call_takes_only_tensors_and_leaves_structures_to_keras():
+    import torch
+
+    keras_compat.lean_torch_ops()
+    layer = keras.layers.Identity()
+    layer(torch.ones(2))
+    with keras_compat.calling(keras.layers.Identity(), True):
+        assert keras_compat._direct_call_taken(layer, torch.ones(2), {"other": torch.ones(2), "n": 3})
+        for x, kwargs in [({"a": torch.ones(2)}, {"b": {"c": 1}}), (torch.ones(2), {"b": {"c": 1}}),
+                          (torch.ones(2), {"b": [torch.ones(2)]}), (np.ones(2, "float32"), {})]:  # fmt: skip
+            assert not keras_compat._direct_call_taken(layer, x, kwargs)

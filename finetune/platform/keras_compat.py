@@ -281,18 +281,21 @@ _MASKS_DEFAULT_TO_NONE: dict = {}  # per layer class: whether every mask argumen
 
 def _direct_call_taken(layer, x, kwargs: dict) -> bool:
     """Whether keras' Layer.__call__ of `layer` on `x` and `kwargs` would only call `layer.call`: calls_directly
-    holds for `x`; every keyword argument is None, a Python scalar or string, or a tensor of `x`'s type without a
+    holds for `x`; every keyword argument is None, a Python scalar or string, or a torch tensor without a
     keras mask that keras would not convert (not floating, or in `x`'s dtype, the layer's input dtype); the layer
     computes no mask of its own (keras' `compute_mask`, or none supported) and defaults no mask argument to other
     than None (keras passes the inputs' masks, None here, to those)."""
     import inspect
 
+    import torch
     from keras.src.layers.layer import Layer
 
+    if not isinstance(x, torch.Tensor):
+        return False
     for value in kwargs.values():
         if value is None or type(value) in (bool, int, float, str):
             continue
-        if type(value) is not type(x) or getattr(value, "_keras_mask", None) is not None:
+        if not isinstance(value, torch.Tensor) or getattr(value, "_keras_mask", None) is not None:
             return False
         if value.is_floating_point() and value.dtype != x.dtype:
             return False
