@@ -18,7 +18,7 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
   passed as keras passes it. keras' __call__ costs about 75 us a layer on a CPU, against 37 for an
   EinsumDense's own call; a block calls 10 of them. The glue between (the residual sums, gelu, the wipe of
   queries that attend to nothing) is the same torch ops keras' wrappers call.
-- RMS norms (Gemma 1 to 4's, and Gemma 4's norm of the values) and plain projections (an EinsumDense without LoRA, bias or activation, not
+- RMS norms (Gemma 1 to 4's and 3n's, and Gemma 4's norm of the values) and plain projections (an EinsumDense without LoRA, bias or activation, not
   quantized): the torch ops keras' op wrappers call, in their order.
 
 - Every layer of the backbone (Gemma 4's and 3n's blocks and sublayers included, whose calls keras-hub's own code
@@ -48,6 +48,7 @@ def enable(backbone) -> int:
     blocks = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
     norms, dense = keras_compat.gemma_rms_normalization_classes(), keras.layers.EinsumDense
     gemma4_norms = keras_compat.gemma4_normalization_classes()
+    gemma3n_norm = keras_compat.gemma3n_normalization_class()
     done = 0
     for layer in backbone._flatten_layers(include_self=True):
         layer.direct_call = True  # keras' Layer.__call__ skipped where it would only call `call` (keras_compat)
@@ -65,6 +66,8 @@ def enable(backbone) -> int:
             keras_compat.replace_call(layer, _lean_norm(layer))
         elif type(layer) in gemma4_norms:
             keras_compat.replace_call(layer, _lean_gemma4_norm(layer, scaled=type(layer) is gemma4_norms[0]))
+        elif gemma3n_norm is not None and type(layer) is gemma3n_norm:
+            keras_compat.replace_call(layer, _lean_gemma3n_norm(layer))
         elif type(layer) is dense:
             keras_compat.replace_call(layer, _lean_einsum_dense(layer))
             layer.lora_in_torch = True  # its LoRA call, once enabled (builder.beside_the_kernel), in torch ops
@@ -303,6 +306,26 @@ def _lean_gemma4_norm(layer, scaled: bool):
         if scaled:
             normed = normed * layer.scale.value.to(torch.float32)  # the variable as keras reads it
         return normed.to(keras_compat.torch_dtype(layer.compute_dtype))
+
+    return call
+
+
+def _lean_gemma3n_norm(layer):
+    """keras-hub's Gemma3nRMSNorm.call in the torch ops keras' wrappers call: x * rsqrt(mean(x^2) + eps) in x's
+    dtype, its mean taken in float32 and cast back as keras' mean does, times the scale (the variable as keras
+    reads it) or 1.0."""
+    import torch
+
+    own = layer.call
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+
+    def call(x):
+        if not _plain(x) or x.dtype not in floats:
+            return own(x)
+        square = torch.square(x)
+        mean = torch.mean(square.to(torch.float32), (-1,), True).to(x.dtype)
+        normed = x * torch.rsqrt(mean + layer.eps)
+        return normed * (layer.scale.value if layer.with_scale else layer.scale)
 
     return call
 

@@ -637,6 +637,15 @@ def gemma4_normalization_classes() -> tuple:
     return RMSNormalization, Gemma4VNorm
 
 
+def gemma3n_normalization_class():
+    """keras-hub's Gemma3nRMSNorm (lean_torch.py mirrors its call), or None where keras-hub has no Gemma 3n."""
+    try:
+        from keras_hub.src.models.gemma3n.rms_normalization import Gemma3nRMSNorm
+    except ImportError:
+        return None
+    return Gemma3nRMSNorm
+
+
 def serving_with_vllm() -> bool:
     """Whether keras-hub's Gemma attention would take its vLLM paged-attention route (serving on a TPU), which
     lean_torch.py leaves to keras-hub."""
