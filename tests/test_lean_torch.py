@@ -382,6 +382,17 @@ def test_a_direct_layer_call_resolves_training_and_hands_the_rest_to_keras_as_ke
         with keras_compat.calling(outer, True):
             assert not keras_compat._direct_call_taken(layer, first, kwargs)
             assert keras_compat._direct_call_taken(layer, x, {})
+    softmax = keras.layers.Softmax()  # supports masks, computes none of its own: the mask given goes on its output
+    scores, allowed = torch.randn(2, 3), torch.tensor([[True, False, True], [True, True, False]])
+    softmax(scores, mask=allowed)
+    softmax.direct_call = True
+    with keras_compat.calling(outer, True):
+        assert keras_compat._direct_call_taken(softmax, scores, {"mask": allowed})
+        assert torch.equal(softmax(scores, mask=allowed)._keras_mask, allowed)
+        seen = Seen()
+        seen(x)
+        assert keras_compat._direct_call_taken(seen, x, {"scale": 2.0})
+        assert not keras_compat._direct_call_taken(seen, x, {"mask": allowed})  # keras would warn it is lost
     masking = keras.layers.Masking(mask_value=0.0)
     zeros = torch.zeros(1, 2, 3)
     masking(zeros)

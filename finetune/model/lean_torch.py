@@ -294,7 +294,7 @@ def _lean_gemma4_norm(layer, scaled: bool):
     exponents: dict = {}
 
     def call(x):
-        if not _plain(x):
+        if not _plain(x) or not keras_compat.on_keras_device(x):
             return own(x)
         exponent = exponents.get(x.device)
         if exponent is None:
@@ -320,7 +320,7 @@ def _lean_gemma3n_norm(layer):
     floats = (torch.float32, torch.bfloat16, torch.float16)
 
     def call(x):
-        if not _plain(x) or x.dtype not in floats:
+        if not _plain(x) or x.dtype not in floats or not keras_compat.on_keras_device(x):
             return own(x)
         square = torch.square(x)
         mean = torch.mean(square.to(torch.float32), (-1,), True).to(x.dtype)

@@ -269,7 +269,11 @@ def _direct_layer_calls() -> None:
         if len(args) == 1 and self.__dict__.get("direct_call") and _direct_call_taken(self, args[0], kwargs):
             _resolve_context_arguments(self, kwargs)
             with self._open_name_scope(), reading_variables_as_computed(self):
-                return self.call(args[0], **kwargs)
+                outputs = self.call(args[0], **kwargs)
+            mask = kwargs.get("mask")
+            if mask is not None:  # a mask given (a softmax's): on the outputs, as keras' _set_mask_metadata sets it
+                self._set_mask_metadata(args[0], outputs, mask)
+            return outputs
         return keras_call(self, *args, **kwargs)
 
     __call__.lean, __call__.keras_own = True, keras_call
@@ -283,8 +287,9 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
     """Whether keras' Layer.__call__ of `layer` on `x` and `kwargs` would only call `layer.call`: calls_directly
     holds for `x`; every keyword argument is None, a Python scalar or string, or a torch tensor without a
     keras mask that keras would not convert (not floating, or in `x`'s dtype, the layer's input dtype); the layer
-    computes no mask of its own (keras' `compute_mask`, or none supported) and defaults no mask argument to other
-    than None (keras passes the inputs' masks, None here, to those)."""
+    computes no mask of its own (keras' `compute_mask`, or none supported), takes a mask only where it supports
+    masks, and defaults no mask argument to other than None (keras passes the inputs' masks, None here, to those).
+    keras' input spec check is skipped, as calls_directly says: a shape it would refuse fails in torch instead."""
     import inspect
 
     import torch
@@ -303,6 +308,8 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
         return False
     if layer.supports_masking and type(layer).compute_mask is not Layer.compute_mask:
         return False
+    if not layer.supports_masking and kwargs.get("mask") is not None:
+        return False  # keras warns that the mask is lost
     kind = type(layer)
     defaulted = _MASKS_DEFAULT_TO_NONE.get(kind)
     if defaulted is None:
