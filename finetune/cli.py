@@ -256,7 +256,7 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 Verbose = Annotated[
     bool, typer.Option("--verbose", help="Also show the frameworks' own log lines (TensorFlow, XLA, SentencePiece).")
 ]
-RunDir = Annotated[str, typer.Option("--run", help="A finished run directory.")]
+RunDir = Annotated[str, typer.Option("--run", help="A finished run directory: a path or gs://BUCKET/PATH.")]
 RunBackend = Annotated[
     Optional[str],
     typer.Option(

@@ -363,3 +363,40 @@ def test_a_url_is_left_to_its_file_system():
     storage.check_output("gs://bucket/" + "x" * 300, "--output", directory=True)
     with pytest.raises(UserError, match="--json is empty"):
         storage.check_output(" ", "--json")
+
+
+def test_a_run_in_a_bucket_is_evaluated_generated_exported_and_published_from_it(bucket, tmp_path):
+    """eval, generate, export and publish take --run gs://...: the run's own files, copied from the bucket (not
+    its checkpoints), and copied again when the run there is trained anew."""
+    train("--output", "gs://b/runs/a")
+    remote = bucket / "b" / "runs" / "a"
+    result = invoke("eval", "--run", "gs://b/runs/a")
+    assert result.exit_code == 0, result.output + result.stderr
+    metrics = json.loads((remote / "metrics.json").read_text())
+    loss = float(result.stdout.split("eval_loss ")[1].split()[0])
+    assert loss == pytest.approx(metrics["eval_loss"], abs=1e-4)
+    assert "read gs://b/runs/a" in result.stderr
+    result = invoke("generate", "--run", "gs://b/runs/a/", "--prompt", "Say hi", "--max-new-tokens", "3")
+    assert result.exit_code == 0 and result.stdout.strip(), result.output + result.stderr
+    result = invoke("export", "--run", "gs://b/runs/a", "--format", "lora", "--output", tmp_path / "exported")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert json.loads((tmp_path / "exported" / "finetune-export.json").read_text())["run"] == "gs://b/runs/a"
+    result = invoke("publish", "--run", "gs://b/runs/a", "--to", "hf://someone/tiny", "--dry-run")
+    assert result.exit_code == 0, result.output + result.stderr
+    (copy,) = (tmp_path / "tmp" / "finetune-fetched").iterdir()
+    assert {p.name for p in copy.iterdir() if not p.name.startswith(".")} == {
+        p.name for p in remote.iterdir() if p.is_file()
+    }  # the run's files; its checkpoints and logs stay in the bucket
+    train("--output", "gs://b/runs/a", "--overwrite", "--seed", "7")  # the same sizes, other factors
+    assert invoke("eval", "--run", "gs://b/runs/a").exit_code == 0
+    assert (copy / "adapter.lora.h5").read_bytes() == (remote / "adapter.lora.h5").read_bytes()
+
+
+def test_a_bucket_path_that_holds_no_finished_run_is_refused(bucket, tmp_path):
+    for run, said in [("gs://b/none", "gs://b/none does not exist"),
+                      ("gs://b/half", "gs://b/half has no config.yaml, so it is not a finished run")]:  # fmt: skip
+        (bucket / "b" / "half").mkdir(exist_ok=True)
+        (bucket / "b" / "half" / "status.json").write_text('{"state": "running"}')
+        result = invoke("eval", "--run", run)
+        assert result.exit_code == 2 and said in result.stderr, result.output + result.stderr
+        assert "Traceback" not in result.output + result.stderr

@@ -262,7 +262,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
 
         write(staging)
         files = sorted([*(entry.name for entry in staging.iterdir()), MARKER])
-        about = {"finetune": __version__, "format": fmt, "run": str(run.directory.resolve()), "files": files}
+        about = {"finetune": __version__, "format": fmt, "run": run.origin, "files": files}
         (staging / MARKER).write_text(json.dumps(about, indent=1) + "\n", encoding="utf-8")
 
     try:
@@ -287,7 +287,7 @@ def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str, vision=Non
     from finetune.data.formats import Record
     from finetune.model import builder
 
-    name, arch = run.directory.resolve().name, llamacpp.architecture(backbone)
+    name, arch = run.name, llamacpp.architecture(backbone)
     projector = mmproj.FILE if builder.encoders(backbone) else None
     if arch in transformers_gguf.ARCHITECTURES or projector:
         # llama.cpp's converter reads a transformers checkpoint; so do these, from our own export of it.

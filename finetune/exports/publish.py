@@ -167,8 +167,6 @@ def open_finished(run_dir):
     """The run in `run_dir` (runs.Run), once it is a finished one: its adapter, config and metrics.json."""
     from finetune.training import outputs, runs
 
-    if "://" in str(run_dir):
-        raise UserError(f"--run {run_dir}: publish reads a local run directory; copy the run down first")
     run = runs.open_run(run_dir)
     if outputs.is_locked(run.directory) or outputs.checked_metrics(run.directory) is None:
         raise UserError(

@@ -269,5 +269,52 @@ class Mirror:
             self.sent[name] = (stat.st_size, stat.st_mtime_ns)
 
 
+def fetched(url: str) -> Path:
+    """A local copy of the files at the top of the remote directory `url`: what `finetune eval`, `generate`,
+    `export` and `publish` read of a finished run on Cloud Storage. Its checkpoints and logs stay where they are.
+
+    The copy is kept under the temporary directory by URL (finetune-fetched/), and a file is fetched again only
+    when the bucket's copy changed (its size, time or generation differ): a run trained again into the same URL
+    is read anew. Each file arrives under a hidden name and is renamed into place; a file gone from the bucket
+    goes from the copy. An unreachable or missing directory is a UserError."""
+    import json
+
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
+    local = Path(tempfile.gettempdir()) / "finetune-fetched" / digest
+    try:
+        fs.invalidate_cache()
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise UserError(f"{url} does not exist; check the path") from None
+    except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot read {url} ({reason}); check the path and your credentials "
+                        "(gcloud auth application-default login)") from None  # fmt: skip
+    local.mkdir(parents=True, exist_ok=True)
+    stamps_file = local / ".fetched.json"
+    try:
+        stamps = json.loads(stamps_file.read_text())
+    except (OSError, ValueError):
+        stamps = {}
+    files = {}
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "file" and not name.startswith("."):
+            files[name] = [entry.get("size"), *(str(entry.get(key)) for key in ("mtime", "updated", "generation"))]
+    for name, stamp in files.items():
+        path = local / name
+        if not path.is_file() or stamps.get(name) != stamp:
+            partial = local / f".partial-{uuid.uuid4().hex[:8]}.{name}"
+            fs.get_file(f"{root}/{name}", str(partial))
+            os.replace(partial, path)
+    for path in local.iterdir():
+        if path.name not in files and not path.name.startswith("."):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    stamps_file.write_text(json.dumps(files))
+    return local
+
+
 def remove_staging(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)

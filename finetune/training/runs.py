@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import config as config_module
-from finetune.platform import documents
+from finetune.platform import documents, storage
 from finetune.platform.errors import UserError
 from finetune.training import adapter, full_model, outputs
 
@@ -26,6 +26,18 @@ class Run:
     config: config_module.Config
     adapter: dict
     """adapter.json, already checked against config.yaml; a --full run's model.json (full_model.py)."""
+    url: str = ""
+    """Where a run on Cloud Storage was read from (`directory` is then the local copy of its files)."""
+
+    @property
+    def origin(self) -> str:
+        """The run as its user names it: its URL, else its directory's full path."""
+        return self.url or str(self.directory.resolve())
+
+    @property
+    def name(self) -> str:
+        """The run directory's own name (the URL's last part for a run on Cloud Storage)."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1] if self.url else self.directory.resolve().name
 
     @property
     def full(self) -> bool:
@@ -34,7 +46,16 @@ class Run:
 
 
 def open_run(directory: str | Path) -> Run:
-    """Read a run directory's config; pure Python, so it can run before the backend is chosen."""
+    """Read a run directory's config; pure Python, so it can run before the backend is chosen. A run on Cloud
+    Storage (gs://, any fsspec URL) is read from a local copy of its files (storage.fetched)."""
+    url = ""
+    if storage.is_remote(str(directory)):
+        url = str(directory).rstrip("/")
+        directory = storage.fetched(url)
+        if not (directory / outputs.CONFIG).is_file():
+            raise UserError(f"{url} has no {outputs.CONFIG}, so it is not a finished run; pass --run of a "
+                            "finished run")  # fmt: skip
+        print(f"read {url} (its files copied to {directory})", file=sys.stderr)
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
@@ -54,7 +75,7 @@ def open_run(directory: str | Path) -> Run:
     else:
         description = adapter.read(directory / described)
         adapter.check_against_config(description, cfg, directory / described)
-    return Run(directory, cfg, description)
+    return Run(directory, cfg, description, url)
 
 
 def check_writes_text(run: Run, what: str, fmt: str = "") -> None:
