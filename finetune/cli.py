@@ -822,7 +822,9 @@ def recipes_copy(
 @funneled()
 def runs_(
     directory: str = typer.Argument(
-        "runs", help="A run directory, or a directory of runs. (default: runs)", show_default=False
+        "runs",
+        help="A run directory, or a directory of runs: a path or gs://BUCKET/PATH. (default: runs)",
+        show_default=False,
     ),
     debug: Debug = False,
     verbose: Verbose = False,

@@ -400,3 +400,37 @@ def test_a_bucket_path_that_holds_no_finished_run_is_refused(bucket, tmp_path):
         result = invoke("eval", "--run", run)
         assert result.exit_code == 2 and said in result.stderr, result.output + result.stderr
         assert "Traceback" not in result.output + result.stderr
+
+
+def test_runs_lists_a_bucket_as_it_lists_a_local_directory_without_fetching_weights(bucket, tmp_path, monkeypatch):
+    """`finetune runs gs://...`: each run's state from its status, metrics and checkpoints' manifests, as the same
+    directory lists on disk; no weights are fetched. A run whose status says running is running (no lock there)."""
+    import shutil
+
+    train("--output", "gs://b/runs/a", "--checkpoint-every", "1")
+    runs_dir = bucket / "b" / "runs"
+    shutil.copytree(runs_dir / "a" / "checkpoints", runs_dir / "c" / "checkpoints")
+    (runs_dir / "c" / "status.json").write_text('{"state": "running", "step": 1}')
+    (runs_dir / "d").mkdir()
+    (runs_dir / "d" / "status.json").write_text('{"state": "stopped", "step": 0, "message": "stopped by hand"}')
+    fetched = []
+    get_file = LocalBucket.get_file
+    monkeypatch.setattr(
+        LocalBucket, "get_file", lambda self, rpath, lpath, **k: fetched.append(rpath) or get_file(self, rpath, lpath)
+    )
+    local = invoke("runs", runs_dir)
+    remote = invoke("runs", "gs://b/runs/")
+    assert local.exit_code == 0 and remote.exit_code == 0, remote.output + remote.stderr
+    assert fetched and all(p.rsplit("/", 1)[-1] in ("status.json", "metrics.json", "finetune-run.json",
+                                                    "manifest.json") for p in fetched)  # fmt: skip
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in remote.stdout.splitlines()[1:] if line.strip()}
+    assert set(rows) == {"gs://b/runs/a", "gs://b/runs/c", "gs://b/runs/d"}
+    for name in ("a", "d"):  # as the same folder lists on disk
+        (on_disk,) = [line for line in local.stdout.splitlines() if line.startswith(str(runs_dir / name))]
+        assert on_disk.split(None, 1)[1].split() == rows[f"gs://b/runs/{name}"].split()
+    assert rows["gs://b/runs/a"].split()[:2] == ["finished", "2"]
+    assert rows["gs://b/runs/c"].startswith("running") and "its job's state says which" in rows["gs://b/runs/c"]
+    assert "checkpointed" in [line for line in local.stdout.splitlines() if "/c " in line or "/c  " in line][0]
+    result = invoke("runs", "gs://b/none")
+    assert result.exit_code == 2 and "gs://b/none is not a directory" in result.stderr
+    assert not list((tmp_path / "tmp").glob("finetune-listed-*"))  # the stand-ins are gone

@@ -14,6 +14,7 @@ files into it always works.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -314,6 +315,72 @@ def fetched(url: str) -> Path:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     stamps_file.write_text(json.dumps(files))
     return local
+
+
+@contextlib.contextmanager
+def listed(url: str, files: tuple[str, ...], folder: str, inside: str):
+    """Yields (URL, local stand-in) for the remote directory `url` and each directory in it: what `finetune runs`
+    reads of runs on Cloud Storage, without their weights. A stand-in holds the small `files` (status and
+    metrics), and for each directory under `folder` (the checkpoints) its `inside` file (the manifest) and,
+    for the other files listed there, empty files of the bucket's sizes (sparse: no space taken), so that a
+    checkpoint is judged whole or not as a local one is. The stand-ins live in a temporary directory, removed
+    when the block ends."""
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    base = Path(tempfile.mkdtemp(prefix="finetune-listed-"))
+    try:
+        try:
+            found = _stand_ins(fs, root, url.rstrip("/"), base, (files, folder, inside))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"cannot list {url} ({reason}); check the path and your credentials "
+                            "(gcloud auth application-default login)") from None  # fmt: skip
+        yield found
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _stand_ins(fs, root: str, url: str, base: Path, wanted: tuple) -> list[tuple[str, Path]]:
+    files, folder, inside = wanted
+    fs.invalidate_cache()
+    if not fs.isdir(root):
+        raise UserError(f"{url} is not a directory; pass a run directory or a directory of runs")
+    names = [""] + sorted(_name(e) for e in fs.ls(root, detail=True)
+                          if e.get("type") == "directory" and not _name(e).startswith("."))  # fmt: skip
+    found = []
+    for name in names:
+        remote, local = f"{root}/{name}".rstrip("/"), base / (name or ".run")
+        local.mkdir(parents=True, exist_ok=True)
+        here = {_name(e): e for e in fs.ls(remote, detail=True)}
+        for file in files:
+            if here.get(file, {}).get("type") == "file":
+                fs.get_file(f"{remote}/{file}", str(local / file))
+        if here.get(folder, {}).get("type") == "directory":
+            for entry in fs.ls(f"{remote}/{folder}", detail=True):
+                if entry.get("type") == "directory" and not _name(entry).startswith("."):
+                    _stand_in(fs, entry["name"].rstrip("/"), local / folder / _name(entry), inside)
+        found.append((f"{url}/{name}".rstrip("/"), local))
+    return found
+
+
+def _name(entry: dict) -> str:
+    return entry["name"].rstrip("/").rsplit("/", 1)[-1]
+
+
+def _stand_in(fs, remote: str, local: Path, inside: str) -> None:
+    """The remote folder `remote` as `local`: its `inside` file fetched, its other files empty of their size."""
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in fs.ls(remote, detail=True):
+        name = _name(entry)
+        if entry.get("type") != "file" or name.startswith("."):
+            continue
+        if name == inside:
+            fs.get_file(entry["name"], str(local / name))
+        else:
+            with open(local / name, "wb") as f:
+                f.truncate(int(entry.get("size") or 0))
 
 
 def remove_staging(path: Path) -> None:

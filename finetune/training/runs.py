@@ -295,7 +295,10 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
 
 
 def list_runs(directory: str | Path) -> list[dict]:
-    """A row per run in `directory` (or for `directory` itself): its path, state, step and eval loss."""
+    """A row per run in `directory` (or for `directory` itself): its path, state, step and eval loss. A directory
+    on Cloud Storage (gs://, any fsspec URL) is read through local stand-ins of its runs (storage.listed)."""
+    if storage.is_remote(str(directory)):
+        return _remote_rows(str(directory))
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory; pass a run directory or a directory of runs")
@@ -304,6 +307,33 @@ def list_runs(directory: str | Path) -> list[dict]:
     except OSError as e:
         raise UserError(f"cannot list {directory} ({e.strerror or e}); check its permissions") from None
     return [row for row in map(_described, candidates) if row is not None]
+
+
+def _remote_rows(url: str) -> list[dict]:
+    """list_runs of a directory on Cloud Storage. A run there holds no lock (a job elsewhere writes it): one whose
+    status says running is listed as running, its note saying that its job's own state tells whether it still is."""
+    from finetune.training import checkpoint
+
+    rows = []
+    with storage.listed(url, (outputs.STATUS, outputs.METRICS, outputs.MARKER), checkpoint.DIRECTORY,
+                        checkpoint.MANIFEST) as found:  # fmt: skip
+        for remote, local in found:
+            row = _described(local)
+            if row is None:
+                continue
+            row["run"] = remote
+            if row["state"] in ("checkpointed", "failed") and _status_of(local) == "running":
+                last = f"; last checkpoint step {row['step']}" if row["state"] == "checkpointed" else ""
+                row["state"], row["note"] = "running", f"or ended without a word: its job's state says which{last}"
+            rows.append(row)
+    return rows
+
+
+def _status_of(directory: Path) -> str | None:
+    try:
+        return (outputs.checked_status(directory) or {}).get("state")
+    except documents.DocumentError:
+        return None
 
 
 def _described(path: Path) -> dict | None:
