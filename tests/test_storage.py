@@ -383,7 +383,7 @@ def test_a_run_in_a_bucket_is_evaluated_generated_exported_and_published_from_it
     assert json.loads((tmp_path / "exported" / "finetune-export.json").read_text())["run"] == "gs://b/runs/a"
     result = invoke("publish", "--run", "gs://b/runs/a", "--to", "hf://someone/tiny", "--dry-run")
     assert result.exit_code == 0, result.output + result.stderr
-    (copy,) = (tmp_path / "tmp" / "finetune-fetched").iterdir()
+    (copy,) = (tmp_path / "tmp").glob("finetune-fetched-*/*")
     assert {p.name for p in copy.iterdir() if not p.name.startswith(".")} == {
         p.name for p in remote.iterdir() if p.is_file()
     }  # the run's files; its checkpoints and logs stay in the bucket
@@ -434,3 +434,28 @@ def test_runs_lists_a_bucket_as_it_lists_a_local_directory_without_fetching_weig
     result = invoke("runs", "gs://b/none")
     assert result.exit_code == 2 and "gs://b/none is not a directory" in result.stderr
     assert not list((tmp_path / "tmp").glob("finetune-listed-*"))  # the stand-ins are gone
+
+
+def test_a_bucket_run_read_past_a_failure_or_a_file_path_is_refused_with_nothing_half_copied(bucket, monkeypatch):
+    """A download that fails midway, a URL of one of the run's files, and a run without metrics.json (being
+    written) are exit 2 with one line; no partial file stays in the copy."""
+    train("--output", "gs://b/runs/a")
+    result = invoke("eval", "--run", "gs://b/runs/a/config.yaml")
+    assert result.exit_code == 2 and "gs://b/runs/a/config.yaml is a file; pass the run's directory" in result.stderr
+
+    def broken(self, rpath, lpath, **kwargs):
+        with open(lpath, "wb") as f:
+            f.write(b"half")
+        raise ConnectionError("connection reset by peer")
+
+    get_file = LocalBucket.get_file
+    monkeypatch.setattr(LocalBucket, "get_file", broken)
+    result = invoke("eval", "--run", "gs://b/runs/a")
+    assert result.exit_code == 2 and "cannot copy gs://b/runs/a to " in result.stderr, result.output
+    assert "connection reset by peer" in result.stderr and "Traceback" not in result.output + result.stderr
+    (copy,) = (bucket.parent / "tmp").glob("finetune-fetched-*/*")
+    assert not [p for p in copy.iterdir() if p.name.startswith(".partial")]
+    monkeypatch.setattr(LocalBucket, "get_file", get_file)
+    (bucket / "b" / "runs" / "a" / "metrics.json").unlink()
+    result = invoke("eval", "--run", "gs://b/runs/a")
+    assert result.exit_code == 2 and "gs://b/runs/a has no metrics.json, so it is not a finished run" in result.stderr

@@ -176,7 +176,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     cfg = run.config
     if run.full and fmt in ADAPTER_FORMATS:
         raise UserError(
-            f"{run.directory} trained every weight (--full), so it has no adapter to export as {fmt}; export the "
+            f"{run.shown} trained every weight (--full), so it has no adapter to export as {fmt}; export the "
             f"trained model with --format {', '.join(f for f in FORMATS if f not in ADAPTER_FORMATS)}"
         )
     if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:

@@ -170,7 +170,7 @@ def open_finished(run_dir):
     run = runs.open_run(run_dir)
     if outputs.is_locked(run.directory) or outputs.checked_metrics(run.directory) is None:
         raise UserError(
-            f"{run.directory} has no metrics.json, so it is not a finished run; publish a run once it has finished "
+            f"{run.shown} has no metrics.json, so it is not a finished run; publish a run once it has finished "
             "(finetune runs shows its state)"
         )
     return run

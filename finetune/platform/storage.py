@@ -270,51 +270,80 @@ class Mirror:
             self.sent[name] = (stat.st_size, stat.st_mtime_ns)
 
 
-def fetched(url: str) -> Path:
-    """A local copy of the files at the top of the remote directory `url`: what `finetune eval`, `generate`,
-    `export` and `publish` read of a finished run on Cloud Storage. Its checkpoints and logs stay where they are.
+def fetched(url: str, names: tuple[str, ...]) -> Path:
+    """A local copy of the files `names` at the top of the remote directory `url` (those present): what `finetune
+    eval`, `generate`, `export` and `publish` read of a finished run on Cloud Storage. Its checkpoints and logs,
+    and anything else there, stay where they are.
 
-    The copy is kept under the temporary directory by URL (finetune-fetched/), and a file is fetched again only
-    when the bucket's copy changed (its size, time or generation differ): a run trained again into the same URL
-    is read anew. Each file arrives under a hidden name and is renamed into place; a file gone from the bucket
-    goes from the copy. An unreachable or missing directory is a UserError."""
+    The copy is kept under the temporary directory, in a folder of this user's (mode 700), by URL; a file is
+    fetched again only when the bucket's copy changed (its size or a version the store gives: generation,
+    time, etag), and always where the store gives no version. Each file arrives under a hidden name and is renamed
+    into place; a file gone from the bucket goes from the copy. A path that is missing, is a file, or cannot be
+    read or copied is a UserError, with nothing half-copied left behind."""
     import json
 
     fs, root = filesystem(url)
     root = root.rstrip("/")
-    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
-    local = Path(tempfile.gettempdir()) / "finetune-fetched" / digest
     try:
         fs.invalidate_cache()
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
         raise UserError(f"{url} does not exist; check the path") from None
     except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"cannot read {url} ({reason}); check the path and your credentials "
+        raise UserError(f"cannot read {url} ({_reason(e)}); check the path and your credentials "
                         "(gcloud auth application-default login)") from None  # fmt: skip
-    local.mkdir(parents=True, exist_ok=True)
-    stamps_file = local / ".fetched.json"
+    if any(e.get("type") == "file" and e["name"].rstrip("/") == root for e in entries):
+        raise UserError(f"{url} is a file; pass the run's directory, the folder that holds its config.yaml")
+    wanted = {_name(e): e for e in entries if e.get("type") == "file" and _name(e) in names}
+    base = Path(tempfile.gettempdir()) / f"finetune-fetched-{_user()}"
+    local = base / hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
     try:
-        stamps = json.loads(stamps_file.read_text())
-    except (OSError, ValueError):
-        stamps = {}
-    files = {}
-    for entry in entries:
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        if entry.get("type") == "file" and not name.startswith("."):
-            files[name] = [entry.get("size"), *(str(entry.get(key)) for key in ("mtime", "updated", "generation"))]
-    for name, stamp in files.items():
-        path = local / name
-        if not path.is_file() or stamps.get(name) != stamp:
-            partial = local / f".partial-{uuid.uuid4().hex[:8]}.{name}"
-            fs.get_file(f"{root}/{name}", str(partial))
-            os.replace(partial, path)
-    for path in local.iterdir():
-        if path.name not in files and not path.name.startswith("."):
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    stamps_file.write_text(json.dumps(files))
+        base.mkdir(mode=0o700, exist_ok=True)
+        local.mkdir(exist_ok=True)
+        stamps_file = local / ".fetched.json"
+        try:
+            stamps = json.loads(stamps_file.read_text())
+        except (OSError, ValueError):
+            stamps = {}
+        kept = {}
+        for name, entry in wanted.items():
+            stamp = _version(entry)
+            if not (local / name).is_file() or stamp is None or stamps.get(name) != stamp:
+                partial = local / f".partial-{uuid.uuid4().hex[:8]}.{name}"
+                try:
+                    fs.get_file(entry["name"], str(partial))
+                    os.replace(partial, local / name)
+                finally:
+                    partial.unlink(missing_ok=True)
+            kept[name] = stamp
+        for path in local.iterdir():
+            if path.name not in wanted and (not path.name.startswith(".") or path.name.startswith(".partial-")):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+        written = local / f".fetched-{uuid.uuid4().hex[:8]}.json"
+        written.write_text(json.dumps(kept))
+        os.replace(written, stamps_file)
+    except Exception as e:  # noqa: BLE001 - the store's errors, a full disk, another user's folder
+        raise UserError(f"cannot copy {url} to {local} ({_reason(e)}); check your credentials and the space "
+                        "free there") from None  # fmt: skip
     return local
+
+
+def _reason(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _user() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+
+
+_VERSION_KEYS = ("generation", "mtime", "updated", "etag", "ETag", "md5Hash", "LastModified", "last_modified")
+
+
+def _version(entry: dict) -> list | None:
+    """What tells one copy of a remote file from another: its size and the versions its store lists, or None
+    where the store lists none (the file is then fetched every time)."""
+    versions = [str(entry[key]) for key in _VERSION_KEYS if entry.get(key) is not None]
+    return [entry.get("size"), *versions] if versions else None
 
 
 @contextlib.contextmanager

@@ -30,6 +30,11 @@ class Run:
     """Where a run on Cloud Storage was read from (`directory` is then the local copy of its files)."""
 
     @property
+    def shown(self) -> str:
+        """Where messages say the run is: its URL, else its directory as given."""
+        return self.url or str(self.directory)
+
+    @property
     def origin(self) -> str:
         """The run as its user names it: its URL, else its directory's full path."""
         return self.url or str(self.directory.resolve())
@@ -51,12 +56,14 @@ def open_run(directory: str | Path) -> Run:
     url = ""
     if storage.is_remote(str(directory)):
         url = str(directory).rstrip("/")
-        directory = storage.fetched(url)
-        if not (directory / outputs.CONFIG).is_file():
-            raise UserError(f"{url} has no {outputs.CONFIG}, so it is not a finished run; pass --run of a "
-                            "finished run")  # fmt: skip
+        directory = storage.fetched(url, outputs.OWN_NAMES)
+        for name in (outputs.CONFIG, outputs.METRICS):  # no lock there: metrics.json, written last, says finished
+            if not (directory / name).is_file():
+                raise UserError(f"{url} has no {name}, so it is not a finished run (or it is being written); pass "
+                                "--run of a finished run")  # fmt: skip
         print(f"read {url} (its files copied to {directory})", file=sys.stderr)
     directory = Path(directory)
+    shown = url or directory  # where messages say the run is
     if not directory.is_dir():
         raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
     if not (directory / outputs.CONFIG).is_file():
@@ -68,13 +75,18 @@ def open_run(directory: str | Path) -> Run:
         (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
     )
     if not (directory / trained).is_file():
-        raise UserError(f"{directory} has no {trained}, so it is not a finished run; pass --run DIR of a finished run")
-    if cfg.model.full:
-        description = full_model.read(directory / described)
-        full_model.check_against_config(description, cfg, directory / described)
-    else:
-        description = adapter.read(directory / described)
-        adapter.check_against_config(description, cfg, directory / described)
+        raise UserError(f"{shown} has no {trained}, so it is not a finished run; pass --run DIR of a finished run")
+    try:
+        if cfg.model.full:
+            description = full_model.read(directory / described)
+            full_model.check_against_config(description, cfg, directory / described)
+        else:
+            description = adapter.read(directory / described)
+            adapter.check_against_config(description, cfg, directory / described)
+    except UserError as e:
+        if url:  # the local copy's path, said as the bucket's
+            raise UserError(str(e).replace(str(directory), url)) from None
+        raise
     return Run(directory, cfg, description, url)
 
 
@@ -93,7 +105,7 @@ def check_writes_text(run: Run, what: str, fmt: str = "") -> None:
         if method.head
         else f"`finetune {what}` is refused"
     )
-    raise UserError(f"{run.directory} is a {method.title} run: it scores text and writes none; {held}. Score with "
+    raise UserError(f"{run.shown} is a {method.title} run: it scores text and writes none; {held}. Score with "
                     f"`finetune eval`, or {method.uses}")  # fmt: skip
 
 
@@ -161,7 +173,7 @@ def load_model(run: Run):
 def token_rows(run: Run):
     """The new tokens' rows of a run trained with --add-tokens (outputs.TOKEN_ROWS, checked)."""
     if "added_tokens" not in run.adapter:
-        raise UserError(f"{run.directory / outputs.ADAPTER_JSON} names no added tokens, config.yaml does; "
+        raise UserError(f"{run.shown}/{outputs.ADAPTER_JSON} names no added tokens, config.yaml does; "
                         "copy adapter.json back from the run")  # fmt: skip
     return adapter.read_token_rows(run.directory / outputs.TOKEN_ROWS, run.adapter)
 
@@ -187,7 +199,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     cfg = run.config
     if data_path is None and cfg.eval.data is None and cfg.data.eval_fraction == 0:
         raise UserError(
-            f"{run.directory} held no records out (--eval-fraction 0), so it has none of its own to evaluate; "
+            f"{run.shown} held no records out (--eval-fraction 0), so it has none of its own to evaluate; "
             "pass --data FILE to evaluate on a file"
         )
     if generate:
