@@ -123,3 +123,22 @@ def test_preference_pairs_with_pictures_train_from_the_command_line(tmp_path):
     assert "packing off: the data has images" in trained.stdout + trained.stderr
     assert (tmp_path / "run" / "adapter.lora.h5").is_file()
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 1
+
+
+@pytest.mark.backend_neutral
+def test_a_run_in_a_bucket_is_listed_and_evaluated_where_it_lies_from_the_command_line(tmp_path):
+    """`finetune runs URL` and `finetune eval --run URL` in fresh processes. A file:// URL stands for the bucket
+    (fsspec's local file system, which every process has; gs:// reads through the same code with gcsfs)."""
+    import shutil
+
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--max-steps", "2", *LEAN, "--output", "runs/a",
+             cwd=tmp_path)  # fmt: skip
+    shutil.copytree(tmp_path / "runs" / "a", tmp_path / "bucket" / "runs" / "a")
+    url = f"file://{tmp_path / 'bucket' / 'runs'}"
+    listed = finetune("runs", url, cwd=tmp_path)
+    (row,) = [line for line in listed.stdout.splitlines() if line.startswith(f"{url}/a")]
+    assert row.split()[1:3] == ["finished", "2"], listed.stdout
+    evaluated = finetune("eval", "--run", f"{url}/a", cwd=tmp_path)
+    metrics = json.loads((tmp_path / "runs" / "a" / "metrics.json").read_text())
+    loss = float(evaluated.stdout.split("eval_loss ")[1].split()[0])
+    assert abs(loss - metrics["eval_loss"]) < 1e-4 and f"read {url}/a" in evaluated.stderr
