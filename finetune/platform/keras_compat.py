@@ -281,6 +281,16 @@ def _direct_layer_calls() -> None:
 
 
 _MASKS_DEFAULT_TO_NONE: dict = {}  # per layer class: whether every mask argument of its call defaults to None
+_DIRECT_NEEDS: tuple = ()  # (torch, keras' Layer), imported once: _direct_call_taken runs at every layer call
+
+
+def _direct_needs() -> tuple:
+    global _DIRECT_NEEDS
+    import torch
+    from keras.src.layers.layer import Layer
+
+    _DIRECT_NEEDS = (torch, Layer)
+    return _DIRECT_NEEDS
 
 
 def _direct_call_taken(layer, x, kwargs: dict) -> bool:
@@ -290,11 +300,7 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
     computes no mask of its own (keras' `compute_mask`, or none supported), takes a mask only where it supports
     masks, and defaults no mask argument to other than None (keras passes the inputs' masks, None here, to those).
     keras' input spec check is skipped, as calls_directly says: a shape it would refuse fails in torch instead."""
-    import inspect
-
-    import torch
-    from keras.src.layers.layer import Layer
-
+    torch, layer_class = _DIRECT_NEEDS or _direct_needs()
     if not isinstance(x, torch.Tensor):
         return False
     for value in kwargs.values():
@@ -306,7 +312,7 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
             return False
     if not calls_directly(layer, x):
         return False
-    if layer.supports_masking and type(layer).compute_mask is not Layer.compute_mask:
+    if layer.supports_masking and type(layer).compute_mask is not layer_class.compute_mask:
         return False
     if not layer.supports_masking and kwargs.get("mask") is not None:
         return False  # keras warns that the mask is lost
@@ -314,7 +320,7 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
     defaulted = _MASKS_DEFAULT_TO_NONE.get(kind)
     if defaulted is None:
         defaulted = _MASKS_DEFAULT_TO_NONE[kind] = all(
-            parameter.default is None or parameter.default is inspect.Parameter.empty
+            parameter.default is None or parameter.default is parameter.empty
             for name, parameter in layer._call_signature.parameters.items()
             if name == "mask" or name.endswith("_mask")
         )
@@ -677,8 +683,8 @@ def calls_directly(layer, x) -> bool:
     __call__, step by step): `x` needs no conversion (it is in the layer's input dtype) and carries no mask; no
     autocast scope is open already; the layer is not quantized or rematerialised, has no activity regularizer and
     no torch hook; no distribution lays its output out; the call context exists already, another layer's
-    (nothing to open or reset). The input spec check is skipped: a built layer has passed it on its first call. lean_torch.py calls
-    `layer.call` where this holds; where it does not, `layer(x)` as keras does."""
+    (nothing to open or reset). The input spec check is skipped: a built layer has passed it on its first call.
+    lean_torch.py calls `layer.call` where this holds; where it does not, `layer(x)` as keras does."""
     import torch
     from keras.src.backend.common import global_state
     from keras.src.backend.torch import core
