@@ -18,8 +18,8 @@ PyTorch's alone, and on only where keras_compat.lean_torch_ops is (off under the
   passed as keras passes it. keras' __call__ costs about 75 us a layer on a CPU, against 37 for an
   EinsumDense's own call; a block calls 10 of them. The glue between (the residual sums, gelu, the wipe of
   queries that attend to nothing) is the same torch ops keras' wrappers call.
-- RMS norms (Gemma 1 to 4's and 3n's, and Gemma 4's norm of the values) and plain projections (an EinsumDense without LoRA, bias or activation, not
-  quantized): the torch ops keras' op wrappers call, in their order.
+- RMS norms (Gemma 1 to 4's and 3n's, and Gemma 4's norm of the values) and plain projections (an EinsumDense
+  without LoRA, bias or activation, not quantized): the torch ops keras' op wrappers call, in their order.
 
 - Every layer of the backbone (Gemma 4's and 3n's blocks and sublayers included, whose calls keras-hub's own code
   makes): keras' Layer.__call__ skipped where it would do nothing but call the layer's `call`
