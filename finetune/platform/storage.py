@@ -159,9 +159,8 @@ def check_writable(url: str) -> None:
         fs.pipe_file(probe, b"finetune checks it can write here\n")
         fs.rm_file(probe)
     except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
-            f"cannot write to {url} ({reason});\ncheck the bucket name and your credentials "
+            f"cannot write to {url} ({_reason(e)});\ncheck the bucket name and your credentials "
             "(gcloud auth application-default login), or pass another --output"
         ) from None
 
@@ -363,8 +362,7 @@ def listed(url: str, files: tuple[str, ...], folder: str, inside: str):
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - each file system raises its own errors (HttpError, auth, OSError)
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"cannot list {url} ({reason}); check the path and your credentials "
+            raise UserError(f"cannot list {url} ({_reason(e)}); check the path and your credentials "
                             "(gcloud auth application-default login)") from None  # fmt: skip
         yield found
     finally:
