@@ -171,8 +171,12 @@ def staging_dir(url: str) -> Path:
     The same URL always stages in the same place, so the run directory's lock
     keeps two runs on this machine from writing to one URL.
     """
-    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "finetune-staging" / digest
+    return Path(tempfile.gettempdir()) / "finetune-staging" / _digest(url)
+
+
+def _digest(url: str) -> str:
+    """A short name for `url`, the same with or without a trailing slash: its staged or fetched copy's folder."""
+    return hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
 
 
 def _files(local: Path) -> dict[str, Path]:
@@ -295,7 +299,7 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
         raise UserError(f"{url} is a file; pass the run's directory, the folder that holds its config.yaml")
     wanted = {_name(e): e for e in entries if e.get("type") == "file" and _name(e) in names}
     base = Path(tempfile.gettempdir()) / f"finetune-fetched-{_user()}"
-    local = base / hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
+    local = base / _digest(url)
     try:
         base.mkdir(mode=0o700, exist_ok=True)
         local.mkdir(exist_ok=True)
@@ -374,13 +378,13 @@ def _stand_ins(fs, root: str, url: str, base: Path, wanted: tuple) -> list[tuple
     fs.invalidate_cache()
     if not fs.isdir(root):
         raise UserError(f"{url} is not a directory; pass a run directory or a directory of runs")
-    names = [""] + sorted(_name(e) for e in fs.ls(root, detail=True)
-                          if e.get("type") == "directory" and not _name(e).startswith("."))  # fmt: skip
+    top = {_name(e): e for e in fs.ls(root, detail=True)}
+    names = [""] + sorted(name for name, e in top.items() if e.get("type") == "directory" and not name.startswith("."))
     found = []
     for name in names:
         remote, local = f"{root}/{name}".rstrip("/"), base / (name or ".run")
         local.mkdir(parents=True, exist_ok=True)
-        here = {_name(e): e for e in fs.ls(remote, detail=True)}
+        here = {_name(e): e for e in fs.ls(remote, detail=True)} if name else top
         for file in files:
             if here.get(file, {}).get("type") == "file":
                 fs.get_file(f"{remote}/{file}", str(local / file))
