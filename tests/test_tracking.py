@@ -191,7 +191,9 @@ def test_a_resumed_run_carries_on_its_mlflow_and_wandb_runs(tmp_path, monkeypatc
 
 
 def wandb_records(run_dir):
-    """wandb_file_records once the run's exit record is written: W&B's service writes the file behind the run."""
+    """wandb_file_records once the run's exit record is written: W&B's service writes the file behind the run, so a
+    read may meet a record half written (left for the next read)."""
+    records = []
     for _ in range(60):
         records = wandb_file_records(run_dir)
         if any(r.WhichOneof("record_type") == "exit" for r in records):
@@ -203,6 +205,7 @@ def wandb_records(run_dir):
 def wandb_file_records(run_dir):
     """The records of W&B's offline run file, in wandb's own protobuf: it ships no reader, so the file's LevelDB-log
     framing (32 KiB blocks of chunks with a 7-byte header: crc, length, type) is undone here."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -213,11 +216,16 @@ def wandb_file_records(run_dir):
         if left < 7 or (length, kind) == (0, 0):
             position += left
             continue
+        if position + 7 + length > len(data):
+            break  # the writer's last chunk, not all of it on disk yet
         pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a whole record, or its last chunk
             record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
+            try:
+                record.ParseFromString(pending)
+            except DecodeError:
+                break  # a record whose bytes are not all written yet: the caller reads again
             records.append(record)
             pending = b""
     return records
