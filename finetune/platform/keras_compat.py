@@ -281,16 +281,27 @@ def _direct_layer_calls() -> None:
 
 
 _MASKS_DEFAULT_TO_NONE: dict = {}  # per layer class: whether every mask argument of its call defaults to None
-_DIRECT_NEEDS: tuple = ()  # (torch, keras' Layer), imported once: _direct_call_taken runs at every layer call
+_NEEDS = None  # the modules the per-call functions below read, imported once (_needs): they run at every layer call
 
 
-def _direct_needs() -> tuple:
-    global _DIRECT_NEEDS
-    import torch
-    from keras.src.layers.layer import Layer
+def _needs():
+    """torch, keras' Layer, and the keras and torch modules calls_directly and the direct calls read, imported
+    once: an import statement in a function costs a lookup at each call (about a microsecond), and these run
+    thousands of times a step."""
+    global _NEEDS
+    if _NEEDS is None:
+        import types
 
-    _DIRECT_NEEDS = (torch, Layer)
-    return _DIRECT_NEEDS
+        import torch
+        from keras.src import backend
+        from keras.src.backend.common import global_state
+        from keras.src.backend.torch import core
+        from keras.src.layers.layer import Layer
+        from torch.nn.modules import module
+
+        _NEEDS = types.SimpleNamespace(torch=torch, Layer=Layer, global_state=global_state, core=core,
+                                       module=module, backend=backend)  # fmt: skip
+    return _NEEDS
 
 
 def _direct_call_taken(layer, x, kwargs: dict) -> bool:
@@ -300,7 +311,8 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
     computes no mask of its own (keras' `compute_mask`, or none supported), takes a mask only where it supports
     masks, and defaults no mask argument to other than None (keras passes the inputs' masks, None here, to those).
     keras' input spec check is skipped, as calls_directly says: a shape it would refuse fails in torch instead."""
-    torch, layer_class = _DIRECT_NEEDS or _direct_needs()
+    needs = _NEEDS or _needs()
+    torch, layer_class = needs.torch, needs.Layer
     if not isinstance(x, torch.Tensor):
         return False
     for value in kwargs.values():
@@ -332,9 +344,7 @@ def _resolve_context_arguments(layer, kwargs: dict) -> None:
     value given, else the enclosing call's, else the call signature's default; kept in the call context for the
     layers called after; passed where the call takes it and it is not None, dropped where the call's signature
     does not name it."""
-    from keras.src.backend.common import global_state
-
-    context = global_state.get_global_attribute("current_call_ctx")
+    context = (_NEEDS or _needs()).global_state.get_global_attribute("current_call_ctx")
     parameters = layer._call_signature.parameters
     for name in layer._call_context_args:
         if name in kwargs:
@@ -685,11 +695,8 @@ def calls_directly(layer, x) -> bool:
     no torch hook; no distribution lays its output out; the call context exists already, another layer's
     (nothing to open or reset). The input spec check is skipped: a built layer has passed it on its first call.
     lean_torch.py calls `layer.call` where this holds; where it does not, `layer(x)` as keras does."""
-    import torch
-    from keras.src.backend.common import global_state
-    from keras.src.backend.torch import core
-    from torch.nn.modules import module
-
+    needs = _NEEDS or _needs()
+    torch, global_state, core, module = needs.torch, needs.global_state, needs.core, needs.module
     return bool(
         layer.built
         and layer._called
@@ -729,16 +736,12 @@ def reading_variables_as_computed(layer):
 
 def torch_dtype(dtype):
     """The torch dtype of a keras dtype name, as keras' PyTorch backend maps it."""
-    from keras.src.backend.torch import core
-
-    return core.to_torch_dtype(dtype)
+    return (_NEEDS or _needs()).core.to_torch_dtype(dtype)
 
 
 def on_keras_device(tensor) -> bool:
     """Whether a torch `tensor` lies on the device keras' PyTorch backend makes new tensors on."""
-    from keras.src.backend.torch import core
-
-    return _already_on(tensor.device, core.get_device())
+    return _already_on(tensor.device, (_NEEDS or _needs()).core.get_device())
 
 
 def replace_compute_attention(layer, compute_attention) -> None:
