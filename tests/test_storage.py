@@ -9,6 +9,8 @@ import importlib
 import json
 import sys
 import tempfile
+import threading
+import time
 import types
 
 import pytest
@@ -459,3 +461,39 @@ def test_a_bucket_run_read_past_a_failure_or_a_file_path_is_refused_with_nothing
     (bucket / "b" / "runs" / "a" / "metrics.json").unlink()
     result = invoke("eval", "--run", "gs://b/runs/a")
     assert result.exit_code == 2 and "gs://b/runs/a has no metrics.json, so it is not a finished run" in result.stderr
+
+
+def test_two_readers_of_a_bucket_run_at_once_take_turns(bucket, monkeypatch):
+    """Two processes fetching the same run (a notebook's eval beside a generate) take turns: neither clears the
+    other's file in flight (the second's cleanup removed the first's half-copied file, which failed its rename)."""
+    train("--output", "gs://b/runs/a")
+    get_file, first = LocalBucket.get_file, threading.Event()
+
+    def slow_first(self, rpath, lpath, **kwargs):
+        get_file(self, rpath, lpath, **kwargs)
+        if not first.is_set():  # the first copy of the first reader waits, written, for the other to run
+            first.set()
+            time.sleep(1.0)
+
+    monkeypatch.setattr(LocalBucket, "get_file", slow_first)
+    found, errors = [], []
+
+    def read():
+        try:
+            found.append(storage.fetched("gs://b/runs/a", ("config.yaml", "metrics.json", "adapter.json")))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    threads[0].start()
+    first.wait(10)
+    threads[1].start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and len(found) == 2 and found[0] == found[1]
+    assert sorted(p.name for p in found[0].iterdir()) == [
+        ".fetched.json",
+        "adapter.json",
+        "config.yaml",
+        "metrics.json",
+    ]

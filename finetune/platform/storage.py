@@ -281,10 +281,9 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     The copy is kept under the temporary directory, in a folder of this user's (mode 700), by URL; a file is
     fetched again only when the bucket's copy changed (its size or a version the store gives: generation,
     time, etag), and always where the store gives no version. Each file arrives under a hidden name and is renamed
-    into place; a file gone from the bucket goes from the copy. A path that is missing, is a file, or cannot be
-    read or copied is a UserError, with nothing half-copied left behind."""
-    import json
-
+    into place; a file gone from the bucket goes from the copy. Two processes reading the same URL at once take
+    turns (an flock beside the copy), so neither clears the other's file in flight. A path that is missing, is a
+    file, or cannot be read or copied is a UserError, with nothing half-copied left behind."""
     fs, root = filesystem(url)
     root = root.rstrip("/")
     try:
@@ -303,32 +302,60 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     try:
         base.mkdir(mode=0o700, exist_ok=True)
         local.mkdir(exist_ok=True)
-        stamps_file = local / ".fetched.json"
-        try:
-            stamps = json.loads(stamps_file.read_text())
-        except (OSError, ValueError):
-            stamps = {}
-        kept = {}
-        for name, entry in wanted.items():
-            stamp = _version(entry)
-            if not (local / name).is_file() or stamp is None or stamps.get(name) != stamp:
-                partial = local / f".partial-{uuid.uuid4().hex[:8]}.{name}"
-                try:
-                    fs.get_file(entry["name"], str(partial))
-                    os.replace(partial, local / name)
-                finally:
-                    partial.unlink(missing_ok=True)
-            kept[name] = stamp
-        for path in local.iterdir():
-            if path.name not in wanted and (not path.name.startswith(".") or path.name.startswith(".partial-")):
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
-        written = local / f".fetched-{uuid.uuid4().hex[:8]}.json"
-        written.write_text(json.dumps(kept))
-        os.replace(written, stamps_file)
+        with _taking_turns(base / f"{local.name}.lock"):
+            _fetch_into(local, fs, wanted)
     except Exception as e:  # noqa: BLE001 - the store's errors, a full disk, another user's folder
         raise UserError(f"cannot copy {url} to {local} ({_reason(e)}); check your credentials and the space "
                         "free there") from None  # fmt: skip
     return local
+
+
+@contextlib.contextmanager
+def _taking_turns(path: Path):
+    """An exclusive flock on `path` for the block, waited for; unguarded where the system offers none."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path, "a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (FUSE)
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _fetch_into(local: Path, fs, wanted: dict) -> None:
+    """fetched's copy of the remote `wanted` entries (by name) into `local`, by their versions."""
+    import json
+
+    stamps_file = local / ".fetched.json"
+    try:
+        stamps = json.loads(stamps_file.read_text())
+    except (OSError, ValueError):
+        stamps = {}
+    kept = {}
+    for name, entry in wanted.items():
+        stamp = _version(entry)
+        if not (local / name).is_file() or stamp is None or stamps.get(name) != stamp:
+            partial = local / f".partial-{uuid.uuid4().hex[:8]}.{name}"
+            try:
+                fs.get_file(entry["name"], str(partial))
+                os.replace(partial, local / name)
+            finally:
+                partial.unlink(missing_ok=True)
+        kept[name] = stamp
+    for path in local.iterdir():
+        if path.name not in wanted and (not path.name.startswith(".") or path.name.startswith(".partial-")):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    written = local / f".fetched-{uuid.uuid4().hex[:8]}.json"
+    written.write_text(json.dumps(kept))
+    os.replace(written, stamps_file)
 
 
 def _reason(error: BaseException) -> str:
