@@ -282,7 +282,7 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     fetched again only when the bucket's copy changed (its size or a version the store gives: generation,
     time, etag), and always where the store gives no version. Each file arrives under a hidden name and is renamed
     into place; a file gone from the bucket goes from the copy. Two processes reading the same URL at once take
-    turns (an flock beside the copy), so neither clears the other's file in flight. A path that is missing, is a
+    turns (an flock in the copy), so neither clears the other's file in flight. A path that is missing, is a
     file, or cannot be read or copied is a UserError, with nothing half-copied left behind."""
     fs, root = filesystem(url)
     root = root.rstrip("/")
@@ -302,7 +302,7 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     try:
         base.mkdir(mode=0o700, exist_ok=True)
         local.mkdir(exist_ok=True)
-        with _taking_turns(base / f"{local.name}.lock"):
+        with _taking_turns(local / ".lock"):
             _fetch_into(local, fs, wanted)
     except Exception as e:  # noqa: BLE001 - the store's errors, a full disk, another user's folder
         raise UserError(f"cannot copy {url} to {local} ({_reason(e)}); check your credentials and the space "
