@@ -483,8 +483,9 @@ def bench(
     ),
     levers: str = typer.Option(
         "",
-        help="Comma-separated levers, each one more finetune row: packing, precision, int4, int8, remat, compile, "
-        "stock (PyTorch: keras' own per-op host work, without finetune's lean ops).",
+        help="Comma-separated levers, each one more finetune row: packing (off), grouped (packing off, batches of "
+        "like length: --group-by-length), precision, int4, int8, remat, compile, stock (PyTorch: keras' own "
+        "per-op host work, without finetune's lean ops).",
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the rows as a JSON list to this file."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Draw tokens/s and loss per step to this PNG."),

@@ -578,6 +578,13 @@ class TrainConfig:
         "over all their response tokens.",
         flag="--grad-accum", panel=TRAINING, metavar="K", range=Range(1), label="gradient accumulation",
     )  # fmt: skip
+    group_by_length: bool = setting(
+        False,
+        "Batch examples of like length together (as transformers' group_by_length): each step's rows are drawn "
+        "from a stretch of the epoch's shuffled order, longest first, so a batch cut to its longest row carries "
+        "less padding. For --packing off, where each example is a row; packed rows are near full already.",
+        flag="--group-by-length", panel=TRAINING, default_text="shuffled rows",
+    )  # fmt: skip
     method: str = setting(
         "sft",
         "The objective: sft (the response tokens' cross-entropy), a preference loss on (prompt, chosen, "

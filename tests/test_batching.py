@@ -97,3 +97,47 @@ def test_counted_tokens_are_those_of_the_trained_batch(tokenizer):
 def test_template_overhead_counts_fixed_text(tokenizer):
     overhead = batching.template_overhead(tokenizer, templates.get("alpaca"))
     assert overhead > batching.template_overhead(tokenizer, templates.get("dolly")) > 2
+
+
+@pytest.mark.parametrize("count, size", [(1000, 8), (37, 4), (5, 4)])
+def test_grouped_epochs_train_every_row_once_in_steps_of_like_length(count, size):
+    """--group-by-length: an epoch is still every row once, in the same count of steps; each stretch of steps
+    (the shuffled order cut in GROUP_STEPS steps, or a quarter of the epoch) runs longest first; another epoch or
+    seed groups other rows; the same (seed, step) gives the same rows, asked in any order (exact resume)."""
+    lengths = np.random.default_rng(0).integers(1, 500, count)
+    plain, grouped = batching.EpochRows(count, size, 3), batching.EpochRows(count, size, 3, lengths)
+    assert grouped.steps_per_epoch == plain.steps_per_epoch
+    for epoch in range(2):
+        steps = range(epoch * grouped.steps_per_epoch, (epoch + 1) * grouped.steps_per_epoch)
+        rows = [grouped(step) for step in steps]
+        assert sorted(np.concatenate(rows).tolist()) == list(range(count))
+        assert [len(r) for r in rows] == [len(plain(step)) for step in steps]
+        stretch = max(1, min(batching.GROUP_STEPS, grouped.steps_per_epoch // 4))
+        for first in range(0, len(rows), stretch):
+            ordered = lengths[np.concatenate(rows[first : first + stretch])]
+            assert (np.diff(ordered) <= 0).all()  # longest first within the stretch
+        # Each stretch holds the rows the plain order's same steps hold: grouping reorders within a stretch only.
+        for first in range(0, len(rows), stretch):
+            mine = np.concatenate(rows[first : first + stretch])
+            theirs = np.concatenate([plain(steps[i]) for i in range(first, min(first + stretch, len(rows)))])
+            assert sorted(mine.tolist()) == sorted(theirs.tolist())
+    assert not np.array_equal(grouped(0), batching.EpochRows(count, size, 4, lengths)(0)) or count <= size
+    fresh = batching.EpochRows(count, size, 3, lengths)
+    for step in (grouped.steps_per_epoch + 1, 2):
+        np.testing.assert_array_equal(fresh(step), grouped(step))
+
+
+def test_grouped_batches_of_padded_rows_carry_less_padding(tokenizer):
+    """What grouping is for: the rows of each step cut to its longest (PyTorch's length step), for examples of
+    10 to 80 tokens, carry less than half the shuffled order's padding, and train the same tokens."""
+    examples, _ = batching.tokenize([(f"Q{i}:\n", "word " * (1 + (i * 37) % 30)) for i in range(96)], tokenizer,
+                                    seq_len=80)  # fmt: skip
+    arrays = batching.pad(examples, 80)
+
+    def positions(grouped: bool) -> tuple[int, int]:
+        order = batching.TrainOrder(arrays, 4, seed=0, feed=batching.Feed(length_step=16, grouped=grouped))
+        batches = [order.batch(step)[0] for step in range(order.steps_per_epoch)]
+        return sum(x["token_ids"].size for x in batches), sum(int(x["padding_mask"].sum()) for x in batches)
+
+    (plain, tokens), (grouped, same) = positions(False), positions(True)
+    assert same == tokens and grouped - tokens < 0.5 * (plain - tokens)  # the padding halved, at least

@@ -24,7 +24,7 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
         *("--backends", BACKEND, "--json", str(out), "--plot", str(picture)),
         # CI time: the packing lever's row is backend-independent code; the PyTorch suite runs it, and the stock
         # lever, PyTorch's alone (keras' own host work: the same losses as the row without it).
-        *(["--levers", "packing,stock"] if BACKEND == "torch" else []),
+        *(["--levers", "packing,grouped,stock"] if BACKEND == "torch" else []),
     ]
     done = subprocess.run(
         [sys.executable, "-m", "finetune", "bench", *args],
@@ -35,7 +35,7 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = json.loads(out.read_text())
-    levered = [(BACKEND, "finetune", "packing"), (BACKEND, "finetune", "stock")] if BACKEND == "torch" else []
+    levered = [(BACKEND, "finetune", lever) for lever in ("packing", "grouped", "stock")] if BACKEND == "torch" else []
     assert [(r["backend"], r["recipe"], r["lever"]) for r in rows] == [
         (BACKEND, "finetune", None),
         (BACKEND, "tutorial", None),
@@ -52,6 +52,11 @@ def test_the_bench_runs_both_recipes_and_a_lever_on_this_backend(tmp_path):
     assert all(row["losses"] == packed["losses"] for row in stock)  # lean ops are exact: the same tensors
     # Packing is what removes the padding; the tutorial pads every example to seq-len.
     assert all(packed["padding_fraction"] < row["padding_fraction"] / 2 for row in unpacked)
+    # Batches of like length (--group-by-length) carry less of the padding packing off leaves.
+    for grouped in (row for row in rows if row["lever"] == "grouped"):
+        assert "batches of like length" in grouped["settings"] and grouped["padding_fraction"] < min(
+            row["padding_fraction"] for row in unpacked
+        )
     assert tutorial["padding_fraction"] > packed["padding_fraction"] and tutorial["precision"] == "float32"
     assert picture.read_bytes()[:4] == b"\x89PNG"
     lines = done.stdout.strip().splitlines()

@@ -155,9 +155,59 @@ def test_packing_trains(method, data, tmp_path):
 
 
 @neutral
+@pytest.mark.parametrize("method", PACKED)
+def test_group_by_length_trains_and_resumes_exactly(method, data, tmp_path):
+    """--group-by-length (the order below the methods, batching.EpochRows): a finite run over two epochs' ends,
+    and a stop after step 2's checkpoint resumed to the same losses: the grouped order is a function of (seed,
+    step) too. With packed rows it says it leaves them be."""
+    whole = tmp_path / "whole"
+    result = run(method, data, whole, "--batch-size", "4", "--packing", "off", "--group-by-length", "--max-steps",
+                 "6", "--checkpoint-every", "2", "--keep-checkpoints", "9")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "--group-by-length leaves packed rows" not in result.output
+    trained = losses(whole)
+    assert len(trained) == 12 and all(math.isfinite(v) for v in trained)
+    out = killed_after(whole, tmp_path / "stopped", 2)
+    (out / "history.csv").unlink()
+    result = invoke("gemma", "--resume", "--output", out)
+    assert result.exit_code == 0 and "resuming" in result.output, result.output
+    assert losses(out) == pytest.approx(trained, rel=1e-6, abs=1e-5)
+    if method == "sft":
+        result = run(method, data, tmp_path / "packed", "--batch-size", "4", "--packing", "on", "--group-by-length")
+        assert result.exit_code == 0 and "--group-by-length leaves packed rows" in result.output, result.output
+
+
+@pytest.mark.one_backend  # numpy: the order each method's rows train in
+@pytest.mark.parametrize("method", PACKED)
+def test_each_method_s_grouped_order_trains_every_row_once_in_no_more_positions(method, data):
+    from finetune import config
+    from finetune.data import batching
+    from finetune.methods import prepare
+    from finetune.model import presets
+
+    chosen = registry.get(method)
+    cfg = config.from_dict({"model": {"preset": "tiny", "seq_len": 48},
+                            "data": {"path": str(data[method]), "template": "none" if chosen.paired else "dolly"},
+                            "train": {"method": method, "batch_size": 2, "group_by_length": True}})  # fmt: skip
+    records, _ = prepare.read(cfg, cfg.data.path)
+    prepared = chosen.prepare(records, presets.tiny_tokenizer(), cfg, packed=False)
+    plain, grouped = (chosen.order(prepared, cfg, batching.Feed(length_step=4, grouped=g)) for g in (False, True))
+    steps = range(grouped.steps_per_epoch)
+    assert grouped.steps_per_epoch == plain.steps_per_epoch
+    count = len(prepared.rows["token_ids"]) if isinstance(prepared.rows, dict) else len(prepared.rows)
+    assert sorted(np.concatenate([grouped.rows(s) for s in steps]).tolist()) == list(range(count))
+
+    def positions(order) -> int:
+        return sum(x["token_ids"].size for s in steps for x, _, _ in order.micro_batches(s))
+
+    assert positions(grouped) <= positions(plain)
+
+
+@neutral
 @pytest.mark.parametrize("method", ROWS_OF_THEIR_OWN)
 @pytest.mark.parametrize("flags, said", [(["--batch-size", "auto"], "--batch-size counts prompts"),
-                                         (["--packing", "on"], "is a row of its own")])  # fmt: skip
+                                         (["--packing", "on"], "is a row of its own"),
+                                         (["--group-by-length"], "--group-by-length: GRPO pads every prompt")])  # fmt: skip
 def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(method, data, tmp_path, flags, said):
     result = run(method, data, tmp_path / "run", *flags)
     assert result.exit_code == 2 and said in result.output, result.output

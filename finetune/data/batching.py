@@ -251,35 +251,55 @@ class Feed:
     length_step: int or None. Cut each batch to its longest row, rounded up to this (length_step()); None keeps
         seq_len.
     inputs: tuple of str. The model's input names (builder.input_names).
+    grouped: bool. Training orders draw each step's rows of like length (--group-by-length; EpochRows).
     """
 
     part: tuple = (0, 1, 1)
     length_step: int | None = None
     inputs: tuple = INPUTS
+    grouped: bool = False
+
+
+GROUP_STEPS = 50
+"""--group-by-length: the most steps of rows sorted together (transformers' mega-batch is 50 batches)."""
 
 
 class EpochRows:
     """Which rows each optimizer step trains, a pure function of (seed, step): data epoch e takes the rows of
     permutation(seed + e) in order, `size` at a time, every row once; the last step of an epoch may hold fewer.
-    TrainOrder (rows of tokens) and pair_batches.PairOrder (pairs) both draw their steps from it."""
+    TrainOrder (rows of tokens) and pair_batches.PairOrder (pairs) both draw their steps from it.
 
-    def __init__(self, count: int, size: int, seed: int):
+    lengths: each row's length, to group rows of like length (--group-by-length): the epoch's permutation is cut
+    into stretches of `size` x GROUP_STEPS rows (fewer, so an epoch has at least four), each sorted longest first
+    (ties in shuffled order). Steps then hold rows of like length, in an order still shuffled across stretches;
+    every row is trained once an epoch, the step count is unchanged, and each stretch's first step is its longest
+    (an out-of-memory shows in the first steps)."""
+
+    def __init__(self, count: int, size: int, seed: int, lengths: np.ndarray | None = None):
         self.count, self.size, self.seed = count, size, seed
         self.steps_per_epoch = -(-count // size)
+        self.lengths = None if lengths is None else np.asarray(lengths)
         self._epoch, self._order = None, None
 
     def __call__(self, step: int) -> np.ndarray:
         epoch, index = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
-            self._epoch, self._order = epoch, np.random.default_rng(self.seed + epoch).permutation(self.count)
+            order = np.random.default_rng(self.seed + epoch).permutation(self.count)
+            self._epoch, self._order = epoch, order if self.lengths is None else self._grouped(order)
         return self._order[index * self.size : (index + 1) * self.size]
+
+    def _grouped(self, order: np.ndarray) -> np.ndarray:
+        stretch = self.size * max(1, min(GROUP_STEPS, self.steps_per_epoch // 4))
+        parts = [order[i : i + stretch] for i in range(0, len(order), stretch)]
+        return np.concatenate([part[np.argsort(-self.lengths[part], kind="stable")] for part in parts])
 
 
 class TrainOrder:
     """The training batches of every global optimizer step, a pure function of (seed, step).
 
-    Data epoch e trains the rows of permutation(seed + e) in order, batch_size x
-    grad_accum at a time: every row once per epoch. The last step of an epoch
+    Data epoch e trains the rows of permutation(seed + e) in order (grouped by
+    length with feed.grouped: EpochRows), batch_size x grad_accum at a time:
+    every row once per epoch. The last step of an epoch
     may hold fewer rows; it is filled up with weight-0 copies of its own rows,
     so every micro-batch keeps one shape (one XLA compile) and its length, and
     nothing is dropped. Since step s always trains the same rows, a run resumed
@@ -303,12 +323,13 @@ class TrainOrder:
         self.grad_accum = grad_accum
         self.seed = seed
         self.part = feed.part
-        self._rows = EpochRows(len(arrays["token_ids"]), batch_size * grad_accum, seed)
+        self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
+        self._rows = EpochRows(len(arrays["token_ids"]), batch_size * grad_accum, seed,
+                               self.lengths if feed.grouped else None)  # fmt: skip
         self.steps_per_epoch = self._rows.steps_per_epoch
         self.width = target_width(arrays, batch_size // feed.part[2])
         self.length_step = feed.length_step
         """Cut each micro-batch to its longest row, rounded up to this (length_step()); None keeps seq_len."""
-        self.lengths = np.count_nonzero(arrays["padding_mask"], axis=1)
 
     def rows(self, step: int) -> np.ndarray:
         """The rows optimizer step `step` trains: batch_size x grad_accum, or fewer at an epoch's end."""

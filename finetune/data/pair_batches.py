@@ -141,10 +141,16 @@ def inputs(arrays: PairArrays, pairs: np.ndarray, width: int, feed: batching.Fee
     return x, np.zeros_like(weights[local]), weights[local]
 
 
+def sequence_lengths(arrays: PairArrays) -> np.ndarray:
+    """(N, 2) int: each pair's chosen and rejected sequence's positions."""
+    return np.stack([arrays.chosen["padding_mask"].sum(1), arrays.rejected["padding_mask"].sum(1)], axis=1)
+
+
 class PairOrder:
     """batching.TrainOrder for pairs: the pairs of every optimizer step, a pure function of (seed, step).
 
-    Epoch e trains the pairs of permutation(seed + e), batch_size x grad_accum at a time; the last step of an
+    Epoch e trains the pairs of permutation(seed + e) (grouped by length with feed.grouped: batching.EpochRows),
+    batch_size x grad_accum at a time; the last step of an
     epoch is filled with weight-0 copies. Each real pair weighs grad_accum / (the step's real pairs): summed
     (objective.TokenShare) and averaged over the micro-batches (Keras' accumulation), the loss is the mean over
     the step's pairs, as one batch of them all gives.
@@ -156,7 +162,8 @@ class PairOrder:
         self.grad_accum = grad_accum
         self.seed = seed
         self.feed = feed
-        self._rows = batching.EpochRows(len(arrays), batch_size * grad_accum, seed)
+        longer = sequence_lengths(arrays).max(1) if feed.grouped else None  # what the pair's two rows are cut to
+        self._rows = batching.EpochRows(len(arrays), batch_size * grad_accum, seed, longer)
         self.steps_per_epoch = self._rows.steps_per_epoch
         self.width = target_width(arrays, batch_size, feed.part[2])
 

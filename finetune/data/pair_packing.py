@@ -79,13 +79,8 @@ class Packed:
 
     def padding_fraction(self) -> float:
         """The share of the packed micro-batches' positions that hold no token."""
-        tokens = sequence_lengths(self.arrays).sum()
+        tokens = pair_batches.sequence_lengths(self.arrays).sum()
         return float(1.0 - tokens / (len(self.bundles) * self.rows * self.seq_len))
-
-
-def sequence_lengths(arrays: pair_batches.PairArrays) -> np.ndarray:
-    """(N, 2) int: each pair's chosen and rejected sequence's positions."""
-    return np.stack([arrays.chosen["padding_mask"].sum(1), arrays.rejected["padding_mask"].sum(1)], axis=1)
 
 
 def place(lengths: np.ndarray, rows: int, seq_len: int) -> list[Bundle]:
@@ -134,7 +129,7 @@ def pack(arrays: pair_batches.PairArrays, rows: int) -> Packed:
     seq_len = arrays.chosen["token_ids"].shape[1]
     if rows * seq_len < 2:
         raise ValueError("a micro-batch needs room for a pair")
-    bundles = place(sequence_lengths(arrays), rows, seq_len)
+    bundles = place(pair_batches.sequence_lengths(arrays), rows, seq_len)
     targets = np.stack([(_side_targets(arrays, side) > 0).sum(1) for side in ("chosen", "rejected")], axis=1)
     per_row = np.zeros((len(bundles), rows), np.int64)  # each row's targets, in each micro-batch
     for index, bundle in enumerate(bundles):

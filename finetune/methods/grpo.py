@@ -50,6 +50,9 @@ class GRPO(Method):
     def unpacked_why(self) -> str | None:
         return "--method grpo: each rollout (a prompt and one completion) is a row of its own"
 
+    def ungrouped_why(self) -> str | None:
+        return "GRPO pads every prompt to the widest (its sampler's one compiled shape), so their lengths set nothing"
+
     def constants(self, train) -> dict:
         """This method's constants as decided (unset ones take their defaults)."""
         out = {name: getattr(train, name, None) for name in self.defaults}

@@ -87,6 +87,10 @@ class Method:
         """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
         return None
 
+    def ungrouped_why(self) -> str | None:
+        """Why grouping this method's rows by length (--group-by-length) would change nothing; None when it can."""
+        return None
+
     def objective(self, train):
         """What the run minimises, for builder.Optimizer: an object whose view(lm, chunk, shards) trains it.
 

@@ -93,7 +93,7 @@ class Preference(Method):
 
         def batch_of(size, names):
             feed = batching.Feed(inputs=names)
-            fits = pair_packing.sequence_lengths(trial).sum(1) <= size * seq_len  # a pair in one micro-batch
+            fits = pair_batches.sequence_lengths(trial).sum(1) <= size * seq_len  # a pair in one micro-batch
             if packed and fits.any():
                 laid = pair_packing.pack(pair_batches.subset(trial, np.flatnonzero(fits)), size)
                 return pair_packing.inputs(laid, laid.bundles[0], feed)
@@ -101,7 +101,7 @@ class Preference(Method):
 
         if packed:  # the rows all the pairs' sequences fill, packed
             every = self.pad([p for _, p in usable], seq_len)
-            lengths = pair_packing.sequence_lengths(every).ravel().tolist()
+            lengths = pair_batches.sequence_lengths(every).ravel().tolist()
             entries = len(packing.best_fit_decreasing(lengths, seq_len))
         else:
             entries = len(usable)
@@ -182,7 +182,7 @@ class Preference(Method):
 
 def _packed(arrays, rows: int, seq_len: int):
     """The training pairs packed into micro-batches of `rows` rows; refuses a pair one micro-batch cannot hold."""
-    lengths = pair_packing.sequence_lengths(arrays)
+    lengths = pair_batches.sequence_lengths(arrays)
     if rows == 1 and int(lengths.sum(1).max()) > seq_len:
         raise UserError(f"a pair of {int(lengths.sum(1).max())} tokens does not fit one row of --seq-len {seq_len}, "
                         "and packed pairs keep both sequences in one micro-batch of --batch-size rows; pass "

@@ -71,6 +71,8 @@ def decide(train, data_format: str) -> dict:
     if getattr(train, "labels", None) and not method.labelled:
         raise UserError(f"--labels names a classifier's classes; --method {method.name} has none: leave it out or "
                         "pass --method classify")  # fmt: skip
+    if getattr(train, "group_by_length", False) and method.ungrouped_why():
+        raise UserError(f"--group-by-length: {method.ungrouped_why()}; leave it out")
     if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one
         raise UserError(f"--beta 0 leaves {method.title}'s loss nothing to weigh; give a positive --beta")
     return method.decide(train)

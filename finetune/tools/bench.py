@@ -100,6 +100,7 @@ BACKENDS = ("jax", "torch", "tensorflow")
 RECIPES = ("finetune", "tutorial", "hf")
 LEVERS = {
     "packing": "packing off",
+    "grouped": "packing off, batches of like length",  # --group-by-length: the padding packing off leaves, less
     "precision": "float32",
     "int8": "int8 base",
     "int4": "int4 base",
@@ -107,6 +108,7 @@ LEVERS = {
     "compile": "compiled step",  # jit_compile on: torch.compile on PyTorch, XLA on TensorFlow; JAX always compiles
     "stock": "keras' own ops",  # PyTorch: keras' per-op host work as it comes, without keras_compat.lean_torch_ops
 }
+UNPACKED = ("packing", "grouped")  # the levers whose rows hold one example each
 ROW = "BENCH-ROW "  # a worker's last stdout line: this, then the row as JSON
 
 
@@ -695,11 +697,12 @@ def _train_rollouts(spec: Spec, model, method) -> dict:
 def _settings(spec: Spec, tweaks: dict) -> str:
     if spec.recipe == "tutorial":
         return "one example per row, float32, fit()"
-    parts = ["packing off" if spec.lever == "packing" else "packed", f"{tweaks['dtype_policy']} base"]
+    parts = [LEVERS[spec.lever] if spec.lever in UNPACKED else "packed", f"{tweaks['dtype_policy']} base"]
     if registry.get(spec.workload.method).prompted:
         parts[0] = f"{spec.workload.method}, G {spec.workload.num_generations}, keras-hub generate"
     if registry.get(spec.workload.method).paired:  # pairs: packed whole, or a row per answer
-        packed = "pairs packed" if spec.lever != "packing" else "2 rows a pair"
+        packed = "pairs packed" if spec.lever not in UNPACKED else "2 rows a pair"
+        packed += ", batches of like length" if spec.lever == "grouped" else ""
         parts[0] = f"{spec.workload.method}, {packed}"
     quantize = _quantize(spec)
     if quantize:
@@ -781,14 +784,16 @@ def _train_finetune(spec: Spec, model) -> dict:
     w = spec.workload
     trainer = model.trainer
     _, _, examples = _examples(w, model.tokenizer)
-    rows = prepare.rows(examples, w.seq_len, packed=spec.lever != "packing")
+    rows = prepare.rows(examples, w.seq_len, packed=spec.lever not in UNPACKED)
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
-                         inputs=builder.input_names(model.lm))  # fmt: skip
+                         inputs=builder.input_names(model.lm), grouped=spec.lever == "grouped")  # fmt: skip
     order = batching.TrainOrder(rows, w.batch_size, seed=0, feed=feed)
+    compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
-    # The first step of each batch shape compiles it (as loop.py, it is not timed): run until `steps` are.
+    # Where each batch length compiles (JAX), a step of a new length is not timed (as loop.py): run until `steps`
+    # are. Elsewhere every step after the warm-up is: a length left out would leave out the steps of its rows.
     while timed < w.steps and step < w.warmup + w.steps + 16:
         x, y, sample_weight = order.batch(step)
         started = time.perf_counter()
@@ -796,10 +801,10 @@ def _train_finetune(spec: Spec, model) -> dict:
         elapsed = time.perf_counter() - started
         losses.append(float(loss))
         shape = x["token_ids"].shape
-        if step >= w.warmup and shape in shapes:
+        if step >= w.warmup and (shape in shapes or not compiles):
             seconds += elapsed
             tokens += order.tokens(step)[0]
-            positions += len(x["token_ids"]) * w.seq_len  # padding counts against a full row, as unpacked
+            positions += x["token_ids"].size  # the positions computed: each batch is cut to its longest row
             timed += 1
         shapes.add(shape)
         step += 1
@@ -848,8 +853,8 @@ def _train_pairs(spec: Spec, model, method, objective) -> dict:
     if len(arrays) < w.batch_size:
         raise UserError(f"the data makes {len(arrays)} pairs, fewer than one batch of {w.batch_size}")
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
-                         inputs=builder.input_names(model.lm))  # fmt: skip
-    if spec.lever == "packing":
+                         inputs=builder.input_names(model.lm), grouped=spec.lever == "grouped")  # fmt: skip
+    if spec.lever in UNPACKED:
         order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
     else:
         order = pair_packing.PackedPairOrder(pair_packing.pack(arrays, w.batch_size), 0, feed)
@@ -1137,7 +1142,8 @@ def table(rows: list[dict]) -> str:
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out.append(
-        "tokens/s: non-padding tokens of the timed steps (warm-up excluded). loss: mean training loss of all steps;"
+        "tokens/s: non-padding tokens of the timed steps (warm-up excluded). padding: the share of the positions "
+        "those steps computed. loss: mean training loss of all steps;"
         " finetune's is per response token, the tutorial's is Keras' default (every token's loss summed, divided"
         " by every position, padding included)."
     )

@@ -276,7 +276,7 @@ RESUME_KEYS = (
     ("train", "simpo_gamma"), ("train", "num_generations"), ("train", "max_completion_length"), ("train", "temperature"),
     ("train", "top_p"), ("train", "epsilon"), ("train", "epsilon_high"), ("train", "num_iterations"),
     ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward_weights"), ("train", "center_rewards"),  # --reward may name a fixed one
-    ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
+    ("train", "group_by_length"), ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
 )  # fmt: skip
 
 
@@ -361,7 +361,7 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
-        if key in ("keep_best", "full"):  # a checkpoint from before the setting kept no best, trained LoRA
+        if key in ("keep_best", "full", "group_by_length"):  # from before the setting: no best, LoRA, shuffled
             then = bool(then)
         if key == "method":  # a checkpoint from before preference methods trained SFT
             then = then or "sft"

@@ -155,7 +155,11 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
-    feed = batching.Feed(decided.part, step, builder.input_names(model.lm))
+    grouped = cfg.train.group_by_length and not packing.value
+    if cfg.train.group_by_length and packing.value:
+        print("note: --group-by-length leaves packed rows as they are (each near --seq-len); pass --packing off "
+              "to batch examples of like length")  # fmt: skip
+    feed = batching.Feed(decided.part, step, builder.input_names(model.lm), grouped)
     order = method.order(prepared, cfg, feed, model)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
     run = decided.settled(**settled)
