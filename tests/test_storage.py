@@ -5,8 +5,10 @@ keeps each "bucket" as a folder under a temporary directory, so no network
 and no gcsfs are needed. Staging directories go to a temporary directory too.
 """
 
+import fcntl
 import importlib
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -385,7 +387,7 @@ def test_a_run_in_a_bucket_is_evaluated_generated_exported_and_published_from_it
     assert json.loads((tmp_path / "exported" / "finetune-export.json").read_text())["run"] == "gs://b/runs/a"
     result = invoke("publish", "--run", "gs://b/runs/a", "--to", "hf://someone/tiny", "--dry-run")
     assert result.exit_code == 0, result.output + result.stderr
-    (copy,) = (tmp_path / "tmp").glob("finetune-fetched-*/*")
+    (copy,) = [p for p in (tmp_path / "tmp").glob("finetune-fetched-*/*") if p.is_dir()]  # beside: its lock
     assert {p.name for p in copy.iterdir() if not p.name.startswith(".")} == {
         p.name for p in remote.iterdir() if p.is_file()
     }  # the run's files; its checkpoints and logs stay in the bucket
@@ -455,7 +457,7 @@ def test_a_bucket_run_read_past_a_failure_or_a_file_path_is_refused_with_nothing
     result = invoke("eval", "--run", "gs://b/runs/a")
     assert result.exit_code == 2 and "cannot copy gs://b/runs/a to " in result.stderr, result.output
     assert "connection reset by peer" in result.stderr and "Traceback" not in result.output + result.stderr
-    (copy,) = (bucket.parent / "tmp").glob("finetune-fetched-*/*")
+    (copy,) = [p for p in (bucket.parent / "tmp").glob("finetune-fetched-*/*") if p.is_dir()]
     assert not [p for p in copy.iterdir() if p.name.startswith(".partial")]
     monkeypatch.setattr(LocalBucket, "get_file", get_file)
     (bucket / "b" / "runs" / "a" / "metrics.json").unlink()
@@ -492,4 +494,24 @@ def test_two_readers_of_a_bucket_run_at_once_take_turns(bucket, monkeypatch):
         thread.join(30)
     assert not errors and len(found) == 2 and found[0] == found[1]
     names = {p.name for p in found[0].iterdir()}
-    assert names == {".fetched.json", ".lock", "adapter.json", "config.yaml", "metrics.json"}
+    assert names == {".fetched.json", "adapter.json", "config.yaml", "metrics.json"}
+
+
+def test_a_copy_not_fetched_for_a_week_is_removed_at_the_next_fetch(bucket, monkeypatch):
+    """A --full run's copy holds its weights: copies of other URLs last fetched UNUSED_DAYS ago go at the next
+    fetch, unless another process holds them (being fetched); a recent one stays."""
+    train("--output", "gs://b/runs/a")
+    train("--output", "gs://b/runs/b")
+    names = ("config.yaml", "metrics.json")
+    stale, recent = storage.fetched("gs://b/runs/a", names), storage.fetched("gs://b/runs/b", names)
+    week = time.time() - storage.UNUSED_DAYS * 86400 - 60
+    os.utime(stale / ".fetched.json", (week, week))
+    held = open(stale.parent / f"{stale.name}.lock", "a")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    storage.fetched("gs://b/runs/b", names)
+    assert stale.is_dir()  # held by another reader: left
+    fcntl.flock(held, fcntl.LOCK_UN)
+    held.close()
+    storage.fetched("gs://b/runs/b", names)
+    assert not stale.exists() and (recent / "config.yaml").is_file()
+    assert (storage.fetched("gs://b/runs/a", names) / "metrics.json").is_file()  # fetched anew when asked again

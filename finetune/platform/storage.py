@@ -282,8 +282,9 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     fetched again only when the bucket's copy changed (its size or a version the store gives: generation,
     time, etag), and always where the store gives no version. Each file arrives under a hidden name and is renamed
     into place; a file gone from the bucket goes from the copy. Two processes reading the same URL at once take
-    turns (an flock in the copy), so neither clears the other's file in flight. A path that is missing, is a
-    file, or cannot be read or copied is a UserError, with nothing half-copied left behind."""
+    turns (an flock beside the copy), so neither clears the other's file in flight. Copies of other URLs not fetched
+    for UNUSED_DAYS are removed. A path that is missing, is a file, or cannot be read or copied is a UserError,
+    with nothing half-copied left behind."""
     fs, root = filesystem(url)
     root = root.rstrip("/")
     try:
@@ -301,13 +302,42 @@ def fetched(url: str, names: tuple[str, ...]) -> Path:
     local = base / _digest(url)
     try:
         base.mkdir(mode=0o700, exist_ok=True)
-        local.mkdir(exist_ok=True)
-        with _taking_turns(local / ".lock"):
+        with _taking_turns(base / f"{local.name}.lock"):  # beside the copy: kept when a stale copy is removed
+            local.mkdir(exist_ok=True)
             _fetch_into(local, fs, wanted)
     except Exception as e:  # noqa: BLE001 - the store's errors, a full disk, another user's folder
         raise UserError(f"cannot copy {url} to {local} ({_reason(e)}); check your credentials and the space "
                         "free there") from None  # fmt: skip
+    _prune(base, local)
     return local
+
+
+UNUSED_DAYS = 7
+"""A fetched copy not fetched again for this long is removed (a --full run's copy holds its weights)."""
+
+
+def _prune(base: Path, kept: Path) -> None:
+    """Remove the copies under `base` but `kept` that were last fetched UNUSED_DAYS ago or more, each under its
+    lock, taken without waiting (a copy being fetched is left); best effort: what cannot be removed stays."""
+    import time
+
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock to take, so nothing is removed
+        return
+    old = time.time() - UNUSED_DAYS * 86400
+    for copy in base.iterdir():
+        try:
+            stamped = copy / ".fetched.json"
+            if copy == kept or not copy.is_dir() or copy.is_symlink():
+                continue
+            if (stamped.stat().st_mtime if stamped.exists() else copy.stat().st_mtime) > old:
+                continue
+            with open(base / f"{copy.name}.lock", "a") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(copy)
+        except OSError:
+            continue
 
 
 @contextlib.contextmanager
