@@ -339,6 +339,7 @@ def test_the_grpo_bench_times_sampling_apart_from_training(tmp_path):
         ("--recipes tutorial", "the tutorial trains SFT"),
         ("--num-generations 1", "--num-generations must be at least 2"),
         ("--seq-len 64 --max-completion-length 60", "--max-completion-length must be from 1"),
+        ("--levers grouped", "--levers grouped: --method grpo: each rollout"),
     ],
 )
 @pytest.mark.backend_neutral

@@ -5,7 +5,6 @@ keeps each "bucket" as a folder under a temporary directory, so no network
 and no gcsfs are needed. Staging directories go to a temporary directory too.
 """
 
-import fcntl
 import importlib
 import json
 import os
@@ -500,6 +499,7 @@ def test_two_readers_of_a_bucket_run_at_once_take_turns(bucket, monkeypatch):
 def test_a_copy_not_fetched_for_a_week_is_removed_at_the_next_fetch(bucket, monkeypatch):
     """A --full run's copy holds its weights: copies of other URLs last fetched UNUSED_DAYS ago go at the next
     fetch, unless another process holds them (being fetched); a recent one stays."""
+    fcntl = pytest.importorskip("fcntl")
     train("--output", "gs://b/runs/a")
     train("--output", "gs://b/runs/b")
     names = ("config.yaml", "metrics.json")

@@ -270,10 +270,11 @@ class EpochRows:
     TrainOrder (rows of tokens) and pair_batches.PairOrder (pairs) both draw their steps from it.
 
     lengths: each row's length, to group rows of like length (--group-by-length): the epoch's permutation is cut
-    into stretches of `size` x GROUP_STEPS rows (fewer, so an epoch has at least four), each sorted longest first
-    (ties in shuffled order). Steps then hold rows of like length, in an order still shuffled across stretches;
-    every row is trained once an epoch, the step count is unchanged, and each stretch's first step is its longest
-    (an out-of-memory shows in the first steps)."""
+    into stretches of `size` x GROUP_STEPS rows (fewer, so an epoch has about four), each sorted longest first
+    (ties in shuffled order), and the epoch's longest row trades places with the first stretch's first (an
+    out-of-memory shows at the epoch's first step, as transformers' LengthGroupedSampler does). Steps then hold rows of like
+    length, in an order still shuffled across stretches; every row is trained once an epoch, and the step count
+    is unchanged."""
 
     def __init__(self, count: int, size: int, seed: int, lengths: np.ndarray | None = None):
         self.count, self.size, self.seed = count, size, seed
@@ -289,9 +290,12 @@ class EpochRows:
         return self._order[index * self.size : (index + 1) * self.size]
 
     def _grouped(self, order: np.ndarray) -> np.ndarray:
-        stretch = self.size * max(1, min(GROUP_STEPS, self.steps_per_epoch // 4))
+        stretch = self.size * max(1, min(GROUP_STEPS, -(-self.steps_per_epoch // 4)))
         parts = [order[i : i + stretch] for i in range(0, len(order), stretch)]
-        return np.concatenate([part[np.argsort(-self.lengths[part], kind="stable")] for part in parts])
+        grouped = np.concatenate([part[np.argsort(-self.lengths[part], kind="stable")] for part in parts])
+        longest = int(np.argmax(self.lengths[grouped]))  # the first of its stretch: sorted longest first
+        grouped[[0, longest]] = grouped[[longest, 0]]  # the epoch's longest row into its first step
+        return grouped
 
 
 class TrainOrder:

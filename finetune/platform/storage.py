@@ -335,6 +335,8 @@ def _prune(base: Path, kept: Path) -> None:
                 continue
             with open(base / f"{copy.name}.lock", "a") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if stamped.exists() and stamped.stat().st_mtime > old:
+                    continue  # fetched again since it was judged: being read
                 shutil.rmtree(copy)
         except OSError:
             continue

@@ -192,6 +192,9 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
     if method.prompted and "tutorial" in recipes:
         raise UserError(f"--method {workload.method} benches recipes finetune and hf (TRL's GRPOTrainer); the "
                         "tutorial trains SFT: leave it out of --recipes")  # fmt: skip
+    unpacked = [lever for lever in levers if lever in UNPACKED]
+    if unpacked and method.unpacked_why():  # GRPO: each rollout is a row of its own already
+        raise UserError(f"--levers {unpacked[0]}: {method.unpacked_why()}; leave it out")
     if method.prompted and workload.num_generations < 2:
         raise UserError(f"--num-generations must be at least 2 (a group's advantages need two), got "
                         f"{workload.num_generations}")  # fmt: skip
@@ -773,6 +776,16 @@ def _examples(workload: Workload, tokenizer):
     return records, template, [e for _, e in usable]
 
 
+def _compiles_per_length(spec: Spec) -> bool:
+    """Whether each batch length of the row's train step compiles a program: XLA's (batching.compiles_per_length),
+    or the compile lever's (jit_compile: torch.compile, XLA on TensorFlow), whose first step of a length is not
+    timed."""
+    from finetune.data import batching
+    from finetune.platform import backend
+
+    return spec.lever == "compile" or batching.compiles_per_length(spec.backend, backend.accelerator())
+
+
 def _train_finetune(spec: Spec, model) -> dict:
     """The steps `finetune gemma` takes: segment-aware mask, numpy LoRA init, the response-token loss view,
     one train_on_batch per step."""
@@ -790,7 +803,7 @@ def _train_finetune(spec: Spec, model) -> dict:
     feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
                          inputs=builder.input_names(model.lm), grouped=spec.lever == "grouped")  # fmt: skip
     order = batching.TrainOrder(rows, w.batch_size, seed=0, feed=feed)
-    compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
+    compiles = _compiles_per_length(spec)  # else every length is timed
     losses, seconds, tokens, positions, timed, shapes, step = [], 0.0, 0, 0, 0, set(), 0
     # Where each batch length compiles (JAX), a step of a new length is not timed (as loop.py): run until `steps`
     # are. Elsewhere every step after the warm-up is: a length left out would leave out the steps of its rows.
@@ -858,7 +871,7 @@ def _train_pairs(spec: Spec, model, method, objective) -> dict:
         order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)
     else:
         order = pair_packing.PackedPairOrder(pair_packing.pack(arrays, w.batch_size), 0, feed)
-    compiles = batching.compiles_per_length(spec.backend, backend.accelerator())  # else every length is timed
+    compiles = _compiles_per_length(spec)  # else every length is timed
     scored = np.zeros(len(arrays), bool)
     if method.needs_reference:
         with builder.lora_off(model.lm):  # a view made inside, so a compiled call traces the base
