@@ -142,3 +142,22 @@ def test_a_run_in_a_bucket_is_listed_and_evaluated_where_it_lies_from_the_comman
     metrics = json.loads((tmp_path / "runs" / "a" / "metrics.json").read_text())
     loss = float(evaluated.stdout.split("eval_loss ")[1].split()[0])
     assert abs(loss - metrics["eval_loss"]) < 1e-4 and f"read {url}/a" in evaluated.stderr
+
+
+@pytest.mark.backend_neutral  # the order is numpy's (batching.EpochRows); the method matrix trains each method
+def test_group_by_length_trains_from_the_command_line_and_grpo_refuses_it(tmp_path):
+    """`finetune gemma --packing off --group-by-length` in a fresh process trains and records the setting; GRPO,
+    whose prompts share one width, refuses it with exit 2 and writes nothing."""
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--packing", "off", "--group-by-length",
+             "--max-steps", "2", *LEAN, "--output", "run", cwd=tmp_path)  # fmt: skip
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text(encoding="utf-8"))
+    assert config["train"]["group_by_length"] is True
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Tell {i}."}) + "\n" for i in range(8)))
+    command = Path(sys.executable).with_name("finetune")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    refused = subprocess.run([str(command), "gemma", "--preset", "tiny", "--method", "grpo", "--reward", "format:The",
+                              "--data", "p.jsonl", "--group-by-length", "--output", "grpo"], capture_output=True,
+                             text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and "--group-by-length: GRPO pads every prompt" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "grpo").exists()
