@@ -397,6 +397,9 @@ def gemma(
         base = outputs.settings_to_resume(settings["output.dir"])
     cfg = config_module.load(recipe, overrides, base=base)
     if plan_only:  # before finetune.run: no keras, no download, nothing written
+        from finetune.methods import registry
+
+        registry.check(cfg)  # what the run would refuse of these settings, the plan refuses too
         _print_plan(cfg, None, None)
         return
     import finetune

@@ -161,3 +161,7 @@ def test_group_by_length_trains_from_the_command_line_and_grpo_refuses_it(tmp_pa
                              text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
     assert refused.returncode == 2 and "--group-by-length: GRPO pads every prompt" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "grpo").exists()
+    planned = subprocess.run([str(command), "gemma", "--preset", "tiny", "--method", "grpo", "--reward", "format:The",
+                              "--group-by-length", "--plan-only"], capture_output=True, text=True, cwd=tmp_path,
+                             env=env, timeout=300)  # fmt: skip
+    assert planned.returncode == 2 and "--group-by-length: GRPO pads every prompt" in planned.stderr, planned.stderr

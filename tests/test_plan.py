@@ -139,6 +139,30 @@ def test_plan_only_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+# Settings a run refuses before it reads its data; --plan-only, which reads none, refuses them alike.
+REFUSED_SETTINGS = [
+    (["--method", "grpo", "--reward", "exact", "--group-by-length"], "--group-by-length: GRPO pads every prompt"),
+    (["--method", "grpo", "--reward", "exact", "--packing", "on"], "--packing on: --method grpo: each rollout"),
+    (["--method", "grpo", "--reward", "exact", "--batch-size", "auto"], "--batch-size counts prompts"),
+    (["--method", "grpo"], "learns from rewards: pass --reward"),
+    (["--method", "dpo", "--num-generations", "4"], "--num-generations is GRPO's"),
+    (["--method", "sft", "--labels", "a,b"], "--labels names a classifier's classes"),
+    (["--method", "orpo", "--beta", "0"], "--beta 0 leaves ORPO's loss nothing to weigh"),
+]
+
+
+@pytest.mark.backend_neutral  # the settings' checks (methods/registry.check) are Python before any backend
+@pytest.mark.parametrize("flags,message", REFUSED_SETTINGS, ids=[" ".join(f[1:3]) for f, _ in REFUSED_SETTINGS])
+def test_plan_only_refuses_what_the_run_refuses(tmp_path, monkeypatch, flags, message):
+    """A plan of a run that would be refused is no plan: --plan-only exits 2 with the run's own message, and the
+    run itself refuses it before its data is read (the data file does not exist) or its output made."""
+    monkeypatch.chdir(tmp_path)
+    for extra in (["--plan-only"], ["--data", "missing.jsonl"]):
+        result = runner.invoke(app, ["gemma", "--preset", "tiny", "--output", "run", *flags, *extra])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), (extra, result.output)
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_lora_counts_follow_the_factor_shapes():
     # query and value of gemma_7b_en, rank 4: A (16, 3072, 4) and B (4, 256) each, in 28 blocks.
     planned = make(**{"model.preset": "gemma_7b_en"})

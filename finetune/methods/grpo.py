@@ -47,6 +47,14 @@ class GRPO(Method):
         decided["reward"] = (list(train.reward), "set")
         return decided
 
+    def refusal(self, train) -> str | None:
+        if not train.reward:
+            return rewards.NONE_GIVEN
+        if train.batch_size == "auto":
+            return ("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number (auto is "
+                    "not probed for rollouts yet)")  # fmt: skip
+        return None
+
     def unpacked_why(self) -> str | None:
         return "--method grpo: each rollout (a prompt and one completion) is a row of its own"
 
@@ -76,9 +84,6 @@ class GRPO(Method):
         """records -> the template's prompt -> ids -> split. The batch size counts prompts."""
         if any(r.images or r.audios for r in records):
             raise UserError("--method grpo does not train on pictures or audio yet; give prompts without them")
-        if cfg.train.batch_size == "auto":
-            raise UserError("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number "
-                            "(auto is not probed for rollouts yet)")  # fmt: skip
         template = templates.get(cfg.data.template)
         tokenizer = prepare.tokenizer_of(preprocessor)
         usable = [(record, None) for record in records]

@@ -83,6 +83,11 @@ class Method:
         run resolves: a classifier's classes. Unchanged for most methods."""
         return cfg
 
+    def refusal(self, train) -> str | None:
+        """What this method refuses of the settings alone, before data or weights load (registry.check); None when
+        nothing. train: config.TrainConfig."""
+        return None
+
     def unpacked_why(self) -> str | None:
         """Why this method's rows cannot be packed; None when they can (resolve.packing decides the rest)."""
         return None

@@ -51,10 +51,6 @@ def decide(train, data_format: str) -> dict:
     if method.prompted and not prompts:
         raise UserError(f"--method {method.name} trains on prompts alone ({{\"prompt\": ...}} records, text or "
                         f"messages) and writes its own completions; the data is {data_format}: give prompts")  # fmt: skip
-    for name, flag in REWARD_FLAGS.items():
-        if getattr(train, name, None) and not method.prompted:
-            raise UserError(f"{flag} scores GRPO's completions; --method {method.name} has none: leave it out or "
-                            "pass --method grpo")  # fmt: skip
     paired = data_format in formats.PREFERENCE_FORMATS
     if paired and not method.paired:
         takers = ", ".join(m.name for m in METHODS.values() if m.paired)
@@ -63,6 +59,34 @@ def decide(train, data_format: str) -> dict:
     if method.paired and not paired:
         raise UserError(f"--method {method.name} trains on preference pairs ({{prompt, chosen, rejected}} records); "
                         f"the data is {data_format}: give pairs, or pass --method sft")  # fmt: skip
+    _check_settings(method, train)
+    return method.decide(train)
+
+
+def check(cfg) -> None:
+    """What the settings alone refuse for --method's method, before any data is read or weights load: each run
+    checks it first, and `--plan-only`, which reads neither, checks it too (a plan of a run that would be refused
+    is no plan). registry.decide checks the rest, against the data's form.
+
+    cfg: config.Config.
+    """
+    method = get(cfg.train.method)
+    _check_settings(method, cfg.train)
+    why = method.unpacked_why()
+    if why and cfg.data.packing == "on":
+        raise UserError(f"--packing on: {why}; pass --packing auto or off")
+    refusal = method.refusal(cfg.train)
+    if refusal:
+        raise UserError(refusal)
+
+
+def _check_settings(method: Method, train) -> None:
+    """The other methods' settings, left out or refused by name; GRPO's reward functions; --group-by-length and
+    --beta where this method has no use for them."""
+    for name, flag in REWARD_FLAGS.items():
+        if getattr(train, name, None) and not method.prompted:
+            raise UserError(f"{flag} scores GRPO's completions; --method {method.name} has none: leave it out or "
+                            "pass --method grpo")  # fmt: skip
     for name, flag in CONSTANT_FLAGS.items():
         if getattr(train, name, None) is not None and name not in method.defaults:
             owners = [m for m in METHODS.values() if name in m.defaults]
@@ -75,4 +99,3 @@ def decide(train, data_format: str) -> dict:
         raise UserError(f"--group-by-length: {method.ungrouped_why()}; leave it out")
     if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one
         raise UserError(f"--beta 0 leaves {method.title}'s loss nothing to weigh; give a positive --beta")
-    return method.decide(train)

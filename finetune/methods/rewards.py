@@ -35,6 +35,8 @@ BUILT_INS = {
     "installed; else the last number of each, after GSM8K's '####' or inside \\boxed{} where those are), else 0",
     "run:DIR": "the score a trained reward model (a finished --method reward run) gives the prompt and completion",
 }
+NONE_GIVEN = ("--method grpo learns from rewards: pass --reward FILE.py:FUNCTION (or a built-in: "
+              f"{', '.join(BUILT_INS)}), once per reward function")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,7 @@ class Reward:
 def load(specs: list, weights: list, max_completion_length: int) -> list[Reward]:
     """The rewards --reward names, with --reward-weights (1 each when none are given)."""
     if not specs:
-        raise UserError("--method grpo learns from rewards: pass --reward FILE.py:FUNCTION (or a built-in: "
-                        f"{', '.join(BUILT_INS)}), once per reward function")  # fmt: skip
+        raise UserError(NONE_GIVEN)
     if weights and len(weights) != len(specs):
         raise UserError(f"--reward-weights gives {len(weights)} weights for {len(specs)} --reward functions; give "
                         "one each, in order")  # fmt: skip

@@ -23,7 +23,7 @@ import numpy as np
 
 from finetune.config import Config
 from finetune.data import batching, formats
-from finetune.methods import prepare
+from finetune.methods import prepare, registry
 from finetune.model import builder, distribution, optimizer, presets
 from finetune.platform import backend
 from finetune.platform.errors import UserError
@@ -48,6 +48,7 @@ def _run(cfg: Config, resume: bool) -> dict:
     phase = loop.Phases()
     job = _join(cfg, resume)
     tracking.check(cfg.output.report_to)
+    registry.check(cfg)  # the settings alone, before a file is read or written
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
