@@ -107,6 +107,12 @@ def test_rows_are_packed_by_default_and_padded_with_packing_off(tmp_path):
     padded = read(tmp_path / "padded")[0]
     assert not padded["packing"] and padded["padding_fraction"] == padded["padding_fraction_unpacked"]
     assert packed["trained_tokens"] > 2 * padded["trained_tokens"]  # the same two steps carry more tokens
+    # Of the positions the steps computed: rows cut to each batch's longest row compute no more padding than full
+    # rows hold, and batches of like length (--group-by-length) less again.
+    train(tmp_path / "grouped", "--seq-len", "256", "--packing", "off", "--group-by-length")
+    grouped = read(tmp_path / "grouped")[0]
+    assert 0 <= packed["padding_computed"] < packed["padding_fraction_unpacked"] / 2
+    assert grouped["padding_computed"] < padded["padding_computed"] <= padded["padding_fraction"]
 
 
 def test_backend_tweaks_are_recorded(two_step_run):

@@ -40,6 +40,10 @@ class Progress:
     """Held-out metrics, with the step, after each data epoch, every --eval-every steps and after the last step."""
     trained_tokens: int = 0
     response_tokens: int = 0
+    computed_positions: int = 0
+    """Positions of the micro-batches this process fed the model (each cut to its longest row where it is cut)."""
+    computed_padding: int = 0
+    """Those of them that were padding: with computed_positions, what --packing and --group-by-length save."""
     train_seconds: float = 0.0
     """Time in optimizer steps, over every session of the run."""
     stopped_early: dict | None = None
@@ -407,6 +411,9 @@ class Loop:
             losses.append(float(logs["loss"]))
             reported.append({name: float(value) for name, value in logs.items() if name != "loss"})
             shapes.add(tuple(x["token_ids"].shape))
+            mask = x["padding_mask"]  # numpy (batching.inputs): 0 at padding, a segment id or 1 elsewhere
+            self.progress.computed_positions += mask.size
+            self.progress.computed_padding += mask.size - int(np.count_nonzero(mask))
             if self.release_host_memory:
                 backend.release_freed_host_memory()
         seconds = time.perf_counter() - started

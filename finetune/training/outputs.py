@@ -785,11 +785,16 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
 
 
 def _padding(metrics: dict) -> str:
-    """The share of trained positions that were padding, and what packing saved."""
-    if metrics.get("padding_fraction") is None:  # a run from before it was measured, or GRPO's rollouts
+    """The share of trained positions that were padding, and what packing saved: of the positions the steps
+    computed where the loop counted them (padding_computed), else of the prepared rows."""
+    computed = metrics.get("padding_computed")
+    if metrics.get("packing") and metrics.get("padding_fraction") is not None:
+        now = metrics["padding_fraction"] if computed is None else computed
+        return f"{metrics['padding_fraction_unpacked']:.0%} -> {now:.0%} (packed)"
+    if computed is not None:  # rows cut to each batch's longest: grouped by length, fewer positions
+        return f"{computed:.0%} of the positions computed (not packed)"
+    if metrics.get("padding_fraction") is None:  # a run from before it was measured
         return "n/a"
-    if metrics.get("packing"):
-        return f"{metrics['padding_fraction_unpacked']:.0%} -> {metrics['padding_fraction']:.0%} (packed)"
     return f"{metrics['padding_fraction']:.0%} (not packed)"
 
 

@@ -338,6 +338,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "packing": prepared.packed,
         "padding_fraction": prepared.padding["padding_fraction"],
         "padding_fraction_unpacked": prepared.padding["unpacked"],
+        "padding_computed": _share(progress.computed_padding, progress.computed_positions),
         "trained_tokens": progress.trained_tokens,
         "response_tokens": progress.response_tokens,
         # Non-padding tokens per second of optimizer steps in this session, its first
@@ -485,3 +486,8 @@ def _versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
+
+
+def _share(part: int, whole: int) -> float | None:
+    """part / whole; None where nothing was counted (a run resumed from a checkpoint that did not count it)."""
+    return part / whole if whole else None
