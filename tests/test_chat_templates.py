@@ -131,6 +131,32 @@ def test_gemma4_renders_the_system_turn_tools_thinking_calls_and_answers():
     assert "Two tools" not in text and "<|channel>thought\nOne call.\n<channel|>" in text
 
 
+# TOOL_CHAT in TRL's conversational prompt-completion form: the prompt holds the first exchange, calls and all, up
+# to the second question; the completion is the answer to it, a call, the tool's answer and the reply.
+TOOL_COMPLETION = {"tools": TOOL_CHAT["tools"], "prompt": TOOL_CHAT["messages"][:7],
+                   "completion": TOOL_CHAT["messages"][7:]}  # fmt: skip
+
+
+@pytest.mark.one_backend
+def test_a_prompt_and_completion_with_tools_renders_as_the_chat_and_trains_the_completion_only():
+    """TRL's prompt-completion form with tools reads as tool-chat; it renders as the same conversation given as
+    `messages` does, and trains the completion's model turns (not the tool's answer), not the prompt's."""
+    record, found = read(TOOL_COMPLETION)
+    as_chat, _ = read(TOOL_CHAT)
+    assert found == "tool-chat" and record.prompt_messages == 7 and record.tools == as_chat.tools
+    whole = templates.get("gemma4-chat").segments(as_chat)
+    trained, untrained, pieces = trained_and_not("gemma4-chat", record)
+    assert "".join(t for t, _ in pieces) == "".join(t for t, _ in whole)
+    for said in ("call:get_weather{city:<|\"|>Oslo", "4 degrees tomorrow in Oslo.", "<|channel>thought\nOne call."):
+        assert said in trained and said not in untrained
+    for given in ("It is 31 degrees and humid, and 14:05.", "call:get_time{", "And in Oslo tomorrow?",
+                  "4 degrees<|\"|>"):  # fmt: skip
+        assert given in untrained and given not in trained
+    # What the chat form trains after the prompt, the completion form trains too, and nothing before it.
+    chat_trained = "".join(t for t, on in whole if on)
+    assert chat_trained.endswith(trained) and len(trained) < len(chat_trained)
+
+
 def trained_and_not(name, record):
     pieces = templates.get(name).segments(record)
     return "".join(t for t, on in pieces if on), "".join(t for t, on in pieces if not on), pieces
@@ -264,6 +290,23 @@ def test_tool_calling_data_trains_tiny_gemma4_through_the_cli_by_the_recipe(tmp_
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [v for k, v in metrics.items() if "loss" in k and isinstance(v, float)]
     assert losses and all(math.isfinite(v) for v in losses), metrics
+
+
+def test_tool_calling_prompt_completion_trains_tiny_gemma4_and_tiny_gemma3_refuses_it(tmp_path):
+    """The prompt-completion form of tool-calling chats trains tiny-gemma4 in a fresh process; tiny-gemma3, whose
+    template has no tool turns, refuses it with exit 2 before anything is written."""
+    records = [{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in tool_records()]
+    data = write_jsonl(tmp_path / "tools.jsonl", records)
+    done = finetune("gemma", "--preset", "tiny-gemma4", "--backend", BACKEND, "--data", data, "--seq-len", "128",
+                    "--batch-size", "2", "--max-steps", "2", "--precision", "float32", "--set", "train.samples=0",
+                    "--output", tmp_path / "run")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tool-chat format" in done.stdout and "gemma4-chat" in done.stdout
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
+    refused = finetune("gemma", "--preset", "tiny-gemma3", "--backend", BACKEND, "--data", data, "--max-steps", "2",
+                       "--output", tmp_path / "refused")  # fmt: skip
+    assert refused.returncode == 2 and "Gemma 3's chat template has no tool turns" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "refused").exists()
 
 
 @pytest.mark.backend_neutral

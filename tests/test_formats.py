@@ -421,10 +421,10 @@ def test_completion_and_text_records():
                 {
                     "prompt": [{"role": "user", "content": "a"}],
                     "tools": [],
-                    "completion": [{"role": "assistant", "content": "c"}],
+                    "completion": [{"role": "assistant", "content": "c"}, {"role": "tool", "content": "d"}],
                 }
             ],
-            "with tools, tool calls or reasoning are not read yet",
+            "message 3 is a tool's answer with no assistant tool_calls before it",
         ),  # fmt: skip
         (
             [{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": ["assistant"], "content": "c"}]}],

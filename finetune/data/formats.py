@@ -17,6 +17,8 @@ by the first record's keys (FORMATS):
 - completion-chat: `prompt` and `completion` as lists of messages (TRL's
   conversational prompt-completion): the prompt ends with the user's, the
   completion is the assistant's answer, and only the completion is trained;
+  with tools, tool calls or reasoning it is read as tool-chat, the completion's
+  model turns trained;
 - text: `text`, trained on every token;
 - preference: `chosen` and `rejected` texts, with a `prompt` text or without one
   (TRL's implicit prompt: the texts' shared beginning, as Anthropic HH's are);
@@ -69,7 +71,7 @@ FORMATS = {
     "dolly": "instruction, response",
     "alpaca": "instruction, output",
     "chat": "messages",
-    "tool-chat": "messages, with tools, tool calls or reasoning",
+    "tool-chat": "messages, or prompt and completion as messages, with tools, tool calls or reasoning",
     "sharegpt": "conversations",
     "completion": "prompt, completion",
     "completion-chat": "prompt, completion, as messages",
@@ -309,8 +311,8 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
-    if fmt == "chat" and any(r.uses_tools for r in records):
-        fmt = "tool-chat"
+    if fmt in ("chat", "completion-chat") and any(r.uses_tools for r in records):
+        fmt = "tool-chat"  # a template that renders tools is needed (templates.for_data)
     return records, fmt
 
 
@@ -771,15 +773,13 @@ def _completion_chat_record(obj: dict, where: str) -> Record:
                 f"{where}: `{key}` must be a non-empty list of {{role, content}} messages, as the file's first "
                 f"record's is, got {documents.kind_of(value)}"
             )
-    if "tools" in obj or _has_tool_turns(prompt) or _has_tool_turns(completion):
-        raise UserError(
-            f"{where}: a prompt and completion with tools, tool calls or reasoning are not read yet; give the "
-            "conversation as `messages` (tool-chat), whose assistant turns are trained"
-        )
     first = completion[0]
     if not isinstance(first, dict) or not isinstance(first.get("role"), str) or ROLES.get(first["role"]) != "assistant":
         raise UserError(f"{where}: the completion must open with the assistant's message, which the model learns")
-    record = _chat_record([*prompt, *completion], where, "prompt and completion", ("role", "content"), ROLES)
+    if "tools" in obj or _has_tool_turns(prompt) or _has_tool_turns(completion):  # read as tool-chat (read())
+        record = _tool_chat_record({"tools": obj.get("tools"), "messages": [*prompt, *completion]}, where)
+    else:
+        record = _chat_record([*prompt, *completion], where, "prompt and completion", ("role", "content"), ROLES)
     return dataclasses.replace(record, prompt_messages=len(prompt), where=where)
 
 
