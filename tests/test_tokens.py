@@ -215,6 +215,42 @@ def test_refusals_exit_2_and_write_nothing(flags, words, tmp_path):
     assert words in result.output and not out.exists()
 
 
+@neutral  # the swap is keras' assign; the reference pass itself: test_preference.py on every backend
+def test_a_dpo_reference_scores_the_new_rows_as_they_started_in_training_and_in_eval(tmp_path):
+    """DPO's reference is the base model: its new rows as they started (the mean of their pieces'), not as they
+    trained. The run's held-out scores, taken against the reference of its first step, are `finetune eval`'s
+    again, where the trained rows are loaded before the reference is scored."""
+    pairs = [{"prompt": f"Call tool {i}.", "chosen": f"<tool> {i} <sym>", "rejected": f"no {i}"} for i in range(24)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    out = train(tmp_path / "dpo", data, "--method", "dpo", "--add-tokens", ",".join(NEW), "--embedding-lr", "0.5")
+    metrics = json.loads((out / "metrics.json").read_text())
+    moved = np.load(out / "adapter.tokens.npy")
+    evaluated = invoke("eval", "--run", out)
+    assert evaluated.exit_code == 0, evaluated.output
+    said = float(evaluated.output.split("eval_loss ")[1].split()[0])
+    assert said == pytest.approx(metrics["eval_loss"], abs=1e-4), (said, metrics["eval_loss"])
+    assert np.abs(moved - np.load(out / "adapter.tokens.npy")).max() == 0  # eval wrote nothing over the run's
+
+
+def test_lora_off_puts_the_new_rows_as_they_started_and_back(base):
+    """builder.lora_off (a DPO reference, GRPO's KL base): the new rows at their start inside, the trained ones
+    after, on every backend."""
+    from finetune.config import LoraConfig
+    from finetune.model import builder, tokens
+
+    tokenizer, embeddings = base
+    lm, preprocessor = builder.load_base(presets.Source("tiny", "tiny", "gemma"), 48, "float32")
+    builder.enable_lora(lm, LoraConfig(rank=2))
+    tokens.add(lm, preprocessor, NEW)
+    start = start_rows(tokenizer, embeddings, NEW)
+    variable = tokens.rows(lm.backbone)
+    trained = start + 1.0
+    variable.assign(trained)
+    with builder.lora_off(lm):
+        np.testing.assert_allclose(np.asarray(variable.numpy()), start, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(variable.numpy()), trained)
+
+
 @neutral
 def test_peft_export_is_refused_with_its_reason(runs, tmp_path):
     result = invoke("export", "--run", runs[0], "--format", "peft", "--output", tmp_path / "peft")

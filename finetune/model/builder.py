@@ -893,7 +893,7 @@ def keep_base(lm) -> None:
 @contextlib.contextmanager
 def lora_off(lm):
     """`lm` as its base for a while: every adapted layer's LoRA (and DoRA) switched off, as PEFT's
-    disable_adapter(); the factors stay as they are. A call traced before keeps what it traced: score with a
+    disable_adapter(), and new tokens' rows (--add-tokens) as they started; the factors stay as they are. A call traced before keeps what it traced: score with a
     view made inside.
 
     A --full model (train_every_weight, keep_base) has no LoRA to switch off: its base's weights are swapped in,
@@ -914,7 +914,8 @@ def lora_off(lm):
     for layer in layers:
         layer.lora_enabled = False
     try:
-        yield lm
+        with tokens.at_start(lm.backbone):  # --add-tokens: the new rows as they started, the base's
+            yield lm
     finally:
         for layer in layers:
             layer.lora_enabled = True

@@ -18,6 +18,7 @@ starts new rows at the mean of all rows, about what every token means at once).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass
@@ -126,7 +127,26 @@ def add(lm, preprocessor, tokens) -> Added | None:
     start = np.stack([base[list(pieces)].mean(axis=0) for pieces in added.pieces]).astype("float32")
     install(embedding, added)
     embedding.added_token_rows.assign(start)
+    embedding.added_token_start = start  # the base model's rows: what at_start swaps in
     return added
+
+
+@contextlib.contextmanager
+def at_start(backbone):
+    """The new token rows as they started (add()) for a while, as the base model has them: what a DPO reference
+    and GRPO's KL term score (builder.lora_off), in training and in a later `finetune eval` alike; the trained rows
+    are put back after. Nothing where the model has no new tokens."""
+    variable = rows(backbone)
+    start = getattr(getattr(backbone, "token_embedding", None), "added_token_start", None)
+    if variable is None or start is None:
+        yield
+        return
+    trained = np.array(ops.convert_to_numpy(variable))
+    variable.assign(start)
+    try:
+        yield
+    finally:
+        variable.assign(trained)
 
 
 def token_embedding(backbone):
