@@ -131,6 +131,24 @@ def test_a_grpo_run_takes_the_reward_model_as_its_reward(reward_run, tmp_path, m
     assert len(set(np.round(values, 4))) > 1  # the completions score apart
 
 
+@pytest.mark.backend_neutral  # the recipe is Python; quantized layers on every backend: test_quantized.py
+def test_a_quantized_reward_model_scores_grpo_s_completions_on_its_quantized_base(tmp_path):
+    """A reward model trained on an int8 base scores GRPO's completions on that base (resolve.adapter_recipe, as
+    `finetune eval` builds it), not on a float one its adapter and head never saw."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", marked_pairs(24))
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "finetune", "gemma", "--preset", "tiny", "--backend", BACKEND, "--precision",
+            "float32", "--quantize", "int8", "--method", "reward", "--data", str(data), "--seq-len", "32",
+            "--batch-size", "4", "--max-steps", "6", "--lr", "1e-2", "--set", "train.samples=0",
+            "--output", str(out)]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    prompts = [f"Tell me about {w}." for w in WORDS[:4]]
+    completions = ["thanks apple river", "stone cloud green", "music thanks paper", "light table glass"]
+    scored = reward.RewardRun.opened(f"run:{out}").scores(prompts, completions)
+    assert scored == pytest.approx(direct_scores(out, prompts, completions), abs=1e-4)
+
+
 @pytest.mark.backend_neutral  # the reward run above trained on every backend; this reads its files
 def test_the_reward_model_scores_a_conversational_prompt_in_its_chat_template(reward_run, tmp_path):
     """A prompt of messages (TRL's conversational prompt form) and a completion message are scored in a chat

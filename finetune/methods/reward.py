@@ -11,6 +11,7 @@ checkpoints keep them; a finished run writes them beside its adapter (HEAD), and
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -160,14 +161,17 @@ class RewardRun:
 
         from finetune.model import builder, presets, tokens
         from finetune.platform import backend
+        from finetune.training import resolve
 
         cfg = self.cfg
         precision = cfg.model.precision if cfg.model.precision in backend.POLICIES else "float32"
         policy = keras.config.dtype_policy()
         keras.config.set_dtype_policy(backend.POLICIES[precision][1])  # its adapter's, as it trained
         try:
-            recipe = builder.Recipe(seq_len=cfg.model.seq_len, precision=precision, lora=cfg.lora, seed=cfg.train.seed,
-                                    added_tokens=tuple(cfg.model.add_tokens))  # fmt: skip
+            # The model its adapter trained on (--quantize included), as `finetune eval` rebuilds it; text alone, as
+            # GRPO's prompts are.
+            as_trained = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
+            recipe = dataclasses.replace(resolve.adapter_recipe(as_trained), images=False, image_tokens=None)
             model = builder.build_model(presets.resolve(cfg.model.preset), recipe)
             try:
                 builder.load_lora_weights(model.lm.backbone, str(self.directory / ADAPTER))
