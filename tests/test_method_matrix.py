@@ -215,6 +215,21 @@ def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(meth
 
 
 @neutral
+@pytest.mark.parametrize("method", METHODS)
+def test_train_on_prompt_trains_where_the_loss_takes_prompts_and_is_refused_elsewhere(method, data, tmp_path):
+    """--train-on-prompt was read by SFT alone, and recorded as set by every method: a run that did not do what its
+    config.yaml said. A method whose loss has no place for prompt tokens refuses it, exit 2, nothing written."""
+    result = run(method, data, tmp_path / "run", "--batch-size", "4", "--train-on-prompt")
+    if not registry.get(method).prompt_loss:
+        assert result.exit_code == 2 and "--train-on-prompt puts the prompt's tokens" in result.output, result.output
+        assert not (tmp_path / "run").exists()
+        return
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["response_tokens"] == metrics["trained_tokens"]  # every token carries the loss
+
+
+@neutral
 @pytest.mark.parametrize("method", [m for m in METHODS if registry.get(m).paired])
 def test_pairs_with_pictures_train_on_them_with_every_paired_method(method, tmp_path):
     """They trained on the literal text `<image>`, then were refused; now each side reads the picture

@@ -36,6 +36,7 @@ class Classify(Supervised):
     held_out_history = ("macro_f1",)
     generates = False
     labelled = True
+    prompt_loss = False  # a score of the whole record
     files = (HEAD,)
     head = HEAD
     uses = "label records with `finetune predict`"

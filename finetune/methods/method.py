@@ -48,6 +48,9 @@ class Method:
     """The files a finished run writes beside its adapter (published), by name: a reward model's head."""
     labelled = False
     """It trains on records with a `label` (a classifier): --labels is its."""
+    prompt_loss = False
+    """Its loss can take the prompt's tokens too (--train-on-prompt): SFT's cross-entropy. A preference loss
+    compares answers, GRPO's its completions, a classifier's and a reward model's a score."""
     uses = ""
     """What a finished run of a method that writes no text is for, beside `finetune eval` (refusals say it)."""
     head = ""

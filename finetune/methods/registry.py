@@ -72,6 +72,10 @@ def check(cfg) -> None:
     """
     method = get(cfg.train.method)
     _check_settings(method, cfg.train)
+    if cfg.data.train_on_prompt and not method.prompt_loss:
+        takers = " or ".join(m.name for m in METHODS.values() if m.prompt_loss)
+        raise UserError(f"--train-on-prompt puts the prompt's tokens in the loss; {method.title}'s loss has no place "
+                        f"for them: leave it out or pass --method {takers}")  # fmt: skip
     why = method.unpacked_why()
     if why and cfg.data.packing == "on":
         raise UserError(f"--packing on: {why}; pass --packing auto or off")

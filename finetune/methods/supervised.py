@@ -21,6 +21,7 @@ class Supervised(Method):
     name = "sft"
     title = "SFT"
     why = "supervised: the response tokens' cross-entropy"
+    prompt_loss = True
 
     def objective(self, train):
         from finetune.model import objective  # keras: imported once the backend is chosen
