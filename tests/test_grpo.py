@@ -33,6 +33,11 @@ def opens_with_the(prompts, completions, **columns):
 
 def broken(prompts, completions, **columns):
     raise RuntimeError("no judge today")
+
+
+def the_but_held_out_the_same(prompts, completions, **columns):
+    """opens_with_the, and 0.5 for every held-out prompt (they open with "Held"), whatever it is answered."""
+    return [0.5 if p.startswith("Held") else float(c.strip().startswith("The")) for p, c in zip(prompts, completions)]
 '''
 SUBJECTS = ["a cat", "the sea", "a king", "rain", "a robot", "winter", "a bridge", "music", "a road", "fire", "a lamp",
             "the moon", "a boat", "bread", "a clock", "snow", "a horse", "the city", "a garden", "a river", "a teacher",
@@ -118,6 +123,21 @@ def learned(files, tmp_path_factory):
     done = grpo(*learning_flags(files, out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "metrics.json").read_text()), done.stdout
+
+
+@pytest.mark.backend_neutral  # the guard is Python over metrics; GRPO's training: the tests below, every backend
+def test_a_held_out_reward_that_stays_the_same_does_not_call_a_trained_adapter_unchanged(files, tmp_path):
+    """GRPO's held-out score is a mean reward of sampled text, which can stay the same while the adapter moves: the
+    same score before and after is no evidence (Method.held_out_moves), and the moved B factors say it changed."""
+    data, reward_file = files
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": f"Held out: tell me about {s}."} for s in SUBJECTS[:4]])
+    out = tmp_path / "run"
+    done = grpo("--data", data, "--eval-data", held, "--reward", f"{reward_file}:the_but_held_out_the_same",
+                "--eval-fraction", "0", "--max-steps", "2", "--output", out)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_reward"] == metrics["eval_reward_before"] == 0.5, metrics
+    assert metrics["adapter_changed"] is True, metrics["adapter_changed_why"]
 
 
 def test_grpo_learns_from_the_command_line(learned):

@@ -25,6 +25,7 @@ class GRPO(Method):
     sequences_per_example = 8  # --num-generations' default: each prompt is G rows
     why = "set"
     held_out = held_out_history = ("reward",)
+    held_out_moves = False  # rewards of sampled text: the same mean says little (Method.held_out_moves)
     examples = "prompts"
     defaults = {
         "beta": (0.0, "TRL's GRPOConfig: no KL term, so no reference pass"),

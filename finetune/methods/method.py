@@ -48,6 +48,10 @@ class Method:
     """The files a finished run writes beside its adapter (published), by name: a reward model's head."""
     labelled = False
     """It trains on records with a `label` (a classifier): --labels is its."""
+    held_out_moves = True
+    """Its held-out loss moves with any change of the weights (a mean of continuous scores), so the same loss before
+    and after says the adapter did not change (guards.adapter_unchanged). GRPO's is a mean reward of sampled text,
+    which a small held-out set can leave the same while the adapter moved."""
     prompt_loss = False
     """Its loss can take the prompt's tokens too (--train-on-prompt): SFT's cross-entropy. A preference loss
     compares answers, GRPO's its completions, a classifier's and a reward model's a score."""

@@ -302,9 +302,11 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
     after = progress.best() if cfg.eval.keep_best else (progress.evaluations or [None])[-1]
     train_losses = [r["train_loss"] for r in progress.rows if "train_loss" in r]
     trained = [r for r in progress.rows if "train_loss" in r]
+    # Where the held-out loss need not move with the weights (Method.held_out_moves), the B factors alone say.
+    losses = [e["loss"] if e and run.method.held_out_moves else None for e in (before, after)]
     unchanged = guards.adapter_unchanged(
-        guards.b_factors_all_zero(session.model.lm.backbone), before and before["loss"], after and after["loss"],
-        trained, progress.response_tokens, cfg.train.learning_rate,
+        guards.b_factors_all_zero(session.model.lm.backbone), *losses, trained, progress.response_tokens,
+        cfg.train.learning_rate,
     )  # fmt: skip
     return {
         "backend": cfg.backend,
