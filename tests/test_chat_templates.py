@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -147,7 +148,7 @@ def test_a_prompt_and_completion_with_tools_renders_as_the_chat_and_trains_the_c
     whole = templates.get("gemma4-chat").segments(as_chat)
     trained, untrained, pieces = trained_and_not("gemma4-chat", record)
     assert "".join(t for t, _ in pieces) == "".join(t for t, _ in whole)
-    for said in ("call:get_weather{city:<|\"|>Oslo", "4 degrees tomorrow in Oslo.", "<|channel>thought\nOne call."):
+    for said in ('call:get_weather{city:<|"|>Oslo', "4 degrees tomorrow in Oslo.", "<|channel>thought\nOne call."):
         assert said in trained and said not in untrained
     for given in ("It is 31 degrees and humid, and 14:05.", "call:get_time{", "And in Oslo tomorrow?",
                   "4 degrees<|\"|>"):  # fmt: skip
@@ -155,6 +156,54 @@ def test_a_prompt_and_completion_with_tools_renders_as_the_chat_and_trains_the_c
     # What the chat form trains after the prompt, the completion form trains too, and nothing before it.
     chat_trained = "".join(t for t, on in whole if on)
     assert chat_trained.endswith(trained) and len(trained) < len(chat_trained)
+
+
+def sharegpt_of(obj: dict) -> dict:
+    """TOOL_CHAT's first exchange in LLaMA-Factory's ShareGPT form (glaive_toolcall_en's): `function_call` turns of
+    JSON {name, arguments} (a list for two at once), `observation` turns, bare function schemas as JSON text."""
+    speakers = {"user": "human", "assistant": "gpt", "tool": "observation"}
+    turns = []
+    for m in obj["messages"][1:6]:
+        if "tool_calls" in m:
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            turns.append({"from": "function_call", "value": json.dumps(calls if len(calls) > 1 else calls[0])})
+        else:
+            turns.append({"from": speakers[m["role"]], "value": m["content"]})
+    tools = json.dumps([t["function"] for t in obj["tools"]])
+    return {"conversations": turns, "system": obj["messages"][0]["content"], "tools": tools}
+
+
+@pytest.mark.one_backend
+def test_llama_factory_s_sharegpt_tool_turns_read_as_the_same_tool_chat():
+    """ShareGPT with function_call and observation turns and `tools` reads as tool-chat: the same text and trained
+    spans as the conversation in TRL's form (without the thinking, which ShareGPT has no place for)."""
+    as_trl = copy.deepcopy(TOOL_CHAT)
+    as_trl["messages"] = [{k: v for k, v in m.items() if k not in ("reasoning_content", "id", "tool_call_id")}
+                          for m in as_trl["messages"][:6]]  # fmt: skip
+    for m in as_trl["messages"]:
+        for c in m.get("tool_calls", []):
+            c.pop("id", None)
+    record, found = read(sharegpt_of(TOOL_CHAT))
+    expected, _ = read(as_trl)
+    assert found == "tool-chat" and record.tools == expected.tools
+    ours, theirs = (templates.get("gemma4-chat").segments(r) for r in (record, expected))
+    assert [on for _, on in ours] == [on for _, on in theirs]
+    # The text alike, but for the tool message's name, which ShareGPT's observation has only from a single call.
+    assert "".join(t for t, _ in ours).replace("response:get_weather", "response:") == "".join(
+        t for t, _ in theirs).replace("response:get_weather", "response:")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "turn, message",
+    [({"from": "function_call", "value": "get_weather(Hanoi)"}, "message 2 is a function_call whose value is not a call"),
+     ({"from": "function_call", "value": '{"arguments": {}}'}, "message 2 is a function_call whose value is not a call"),
+     ({"from": "robot", "value": "x"}, "message 2 has from 'robot'; use system (first only), human, user, gpt"),
+     ({"from": "observation", "value": "31"}, "message 2 is a tool's answer with no assistant tool_calls before it")],
+)  # fmt: skip
+def test_malformed_sharegpt_tool_turns_name_the_record_and_message(turn, message):
+    obj = {"conversations": [{"from": "human", "value": "Hi?"}, turn, {"from": "gpt", "value": "Hi."}], "tools": "[]"}
+    with pytest.raises(UserError, match=re.escape(f"x.jsonl:1: {message}")):
+        read(obj)
 
 
 def trained_and_not(name, record):
@@ -292,11 +341,27 @@ def test_tool_calling_data_trains_tiny_gemma4_through_the_cli_by_the_recipe(tmp_
     assert losses and all(math.isfinite(v) for v in losses), metrics
 
 
-def test_tool_calling_prompt_completion_trains_tiny_gemma4_and_tiny_gemma3_refuses_it(tmp_path):
-    """The prompt-completion form of tool-calling chats trains tiny-gemma4 in a fresh process; tiny-gemma3, whose
-    template has no tool turns, refuses it with exit 2 before anything is written."""
-    records = [{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in tool_records()]
-    data = write_jsonl(tmp_path / "tools.jsonl", records)
+def prompt_completion(record: dict) -> dict:
+    """A tool_records() chat in TRL's prompt-completion form."""
+    return {"prompt": record["messages"][:1], "completion": record["messages"][1:]}
+
+
+def llama_factory(record: dict) -> dict:
+    """A tool_records() chat in LLaMA-Factory's ShareGPT form."""
+    user, called, answer, reply = record["messages"]
+    call = called["tool_calls"][0]["function"]
+    return {"conversations": [{"from": "human", "value": user["content"]},
+                              {"from": "function_call", "value": json.dumps(call)},
+                              {"from": "observation", "value": answer["content"]},
+                              {"from": "gpt", "value": reply["content"]}]}  # fmt: skip
+
+
+@pytest.mark.backend_neutral  # the forms are read in Python; tool-chat trains on every backend (the test above)
+@pytest.mark.parametrize("form", [prompt_completion, llama_factory])
+def test_other_forms_of_tool_calls_train_tiny_gemma4_and_tiny_gemma3_refuses_them(form, tmp_path):
+    """TRL's prompt-completion form and LLaMA-Factory's ShareGPT form of tool-calling chats train tiny-gemma4 in a
+    fresh process; tiny-gemma3, whose template has no tool turns, refuses them with exit 2, nothing written."""
+    data = write_jsonl(tmp_path / "tools.jsonl", [form(r) for r in tool_records()])
     done = finetune("gemma", "--preset", "tiny-gemma4", "--backend", BACKEND, "--data", data, "--seq-len", "128",
                     "--batch-size", "2", "--max-steps", "2", "--precision", "float32", "--set", "train.samples=0",
                     "--output", tmp_path / "run")  # fmt: skip

@@ -12,7 +12,9 @@ by the first record's keys (FORMATS):
   assistant messages with `tool_calls` ({type: function, function: {name,
   arguments}}) and `reasoning_content`, and `tool` messages with the tools' answers;
 - sharegpt: `conversations`, a list of `{from, value}` turns (human, gpt, system),
-  read as chat; an optional top-level `system` string is its system turn;
+  read as chat; an optional top-level `system` string is its system turn. With
+  LLaMA-Factory's tool turns (`function_call`, `observation`) or `tools` it is
+  read as tool-chat;
 - completion: `prompt` and `completion` strings, trained on the completion;
 - completion-chat: `prompt` and `completion` as lists of messages (TRL's
   conversational prompt-completion): the prompt ends with the user's, the
@@ -71,7 +73,7 @@ FORMATS = {
     "dolly": "instruction, response",
     "alpaca": "instruction, output",
     "chat": "messages",
-    "tool-chat": "messages, or prompt and completion as messages, with tools, tool calls or reasoning",
+    "tool-chat": "messages (or prompt and completion, or ShareGPT's conversations) with tools, tool calls or reasoning",
     "sharegpt": "conversations",
     "completion": "prompt, completion",
     "completion-chat": "prompt, completion, as messages",
@@ -311,7 +313,7 @@ def _records(rows, source: str, container: str = "") -> tuple[list[Record], str]
         records.append(_with_images(obj, where, fmt, source))
     if fmt is None:
         raise UserError(f"{source} holds no records; it needs one record per line or row")
-    if fmt in ("chat", "completion-chat") and any(r.uses_tools for r in records):
+    if fmt in ("chat", "completion-chat", "sharegpt") and any(r.uses_tools for r in records):
         fmt = "tool-chat"  # a template that renders tools is needed (templates.for_data)
     return records, fmt
 
@@ -640,6 +642,8 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
         return _chat_record(obj["messages"], where, "messages", ("role", "content"), ROLES)
     if fmt == "sharegpt":
         system = _field(obj, "system", where, required=False)
+        if _sharegpt_tools(obj):
+            return _sharegpt_tool_record(obj, where, system)
         return _chat_record(obj["conversations"], where, "conversations", ("from", "value"), SHAREGPT_ROLES, system)
     if fmt == "completion":
         if isinstance(obj["prompt"], list) or isinstance(obj["completion"], list):
@@ -781,6 +785,78 @@ def _completion_chat_record(obj: dict, where: str) -> Record:
     else:
         record = _chat_record([*prompt, *completion], where, "prompt and completion", ("role", "content"), ROLES)
     return dataclasses.replace(record, prompt_messages=len(prompt), where=where)
+
+
+# LLaMA-Factory's ShareGPT speakers for tools: the model's call (a JSON {name, arguments}, or a list of them) and the
+# tool's answer.
+SHAREGPT_TOOL_ROLES = ("function_call", "observation")
+
+
+def _sharegpt_tools(obj: dict) -> bool:
+    """Whether a ShareGPT record has tools (a non-empty `tools`) or tool turns: LLaMA-Factory's form of them."""
+    turns = obj.get("conversations")
+    called = isinstance(turns, list) and any(isinstance(t, dict) and t.get("from") in SHAREGPT_TOOL_ROLES
+                                             for t in turns)  # fmt: skip
+    tools = obj.get("tools")
+    return called or (tools is not None and tools != "" and tools != [] and tools != "[]")
+
+
+def _sharegpt_tool_record(obj: dict, where: str, system: str) -> Record:
+    """LLaMA-Factory's ShareGPT with tools, read as tool-chat: `function_call` turns are the assistant's tool_calls,
+    `observation` turns the tools' answers, and `tools` (a list or its JSON text) the schemas, each either OpenAI's
+    {type: function, function: {...}} or the bare function {name, description, parameters}."""
+    turns = obj["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: `conversations` must be a non-empty list of {{from, value}} turns")
+    messages = [{"role": "system", "content": system}] if system else []
+    named = None  # the function the last call named: the name an observation answers
+    for number, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise UserError(f"{where}: message {number} must be an object with a `from` and a string `value`")
+        speaker, value = turn.get("from"), turn["value"]
+        if speaker == "system" and number == 1:
+            messages.insert(0, {"role": "system", "content": value})
+        elif speaker == "function_call":
+            calls = _json_calls(value, number, where)
+            named = calls[0]["function"]["name"] if len(calls) == 1 else None
+            messages.append({"role": "assistant", "tool_calls": calls})
+        elif speaker == "observation":
+            messages.append({"role": "tool", "content": value, **({"name": named} if named else {})})
+        elif isinstance(speaker, str) and speaker in SHAREGPT_ROLES:
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+        else:
+            speakers = ", ".join([*SHAREGPT_ROLES, *SHAREGPT_TOOL_ROLES])
+            raise UserError(f"{where}: message {number} has from {speaker!r}; use system (first only), {speakers}")
+    return _tool_chat_record({"tools": _bare_tools(obj.get("tools"), where), "messages": messages}, where)
+
+
+def _json_calls(value: str, number: int, where: str) -> list:
+    """A function_call turn's calls: its JSON {name, arguments} (or a list of them) as tool_calls."""
+    try:
+        calls = json.loads(value)
+    except ValueError:
+        calls = None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise UserError(f"{where}: message {number} is a function_call whose value is not a call: it must be the "
+                        'JSON text of {"name": ..., "arguments": {...}}, or a list of them')  # fmt: skip
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
+
+
+def _bare_tools(tools, where: str):
+    """`tools` with each bare function schema ({name, description, parameters}) put in OpenAI's {type: function,
+    function: ...}, as tool-chat reads them; empty text is none."""
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise UserError(f"{where}: `tools` is text that is not JSON; give a list of tool schemas") from None
+    if not isinstance(tools, list):
+        return tools  # _tools says what it must be
+    return [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t
+            else t for t in tools]  # fmt: skip
 
 
 TOOL_KEYS = ("tool_calls", "reasoning_content", "reasoning", "thinking")  # beside role and content: tool-chat's

@@ -161,7 +161,6 @@ class RewardRun:
 
         from finetune.model import builder, presets, tokens
         from finetune.platform import backend
-        from finetune.training import resolve
 
         cfg = self.cfg
         precision = cfg.model.precision if cfg.model.precision in backend.POLICIES else "float32"
@@ -171,7 +170,7 @@ class RewardRun:
             # The model its adapter trained on (--quantize included), as `finetune eval` rebuilds it; text alone, as
             # GRPO's prompts are.
             as_trained = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
-            recipe = dataclasses.replace(resolve.adapter_recipe(as_trained), images=False, image_tokens=None)
+            recipe = dataclasses.replace(builder.adapter_recipe(as_trained), images=False, image_tokens=None)
             model = builder.build_model(presets.resolve(cfg.model.preset), recipe)
             try:
                 builder.load_lora_weights(model.lm.backbone, str(self.directory / ADAPTER))

@@ -82,6 +82,27 @@ class Recipe:
     """--add-tokens: new tokens in the tokenizer, their embedding rows trained beside LoRA (tokens.py)."""
 
 
+def adapter_recipe(cfg) -> Recipe:
+    """The model a finished run's adapter loads onto, nothing compiled: its base as it trained (precision, as
+    decided; --quantize), LoRA in its layout, its new tokens, its image encoder where its data had pictures.
+    resolve.Resolved.recipe builds on it, and a GRPO reward model (methods/reward.py) is rebuilt by it.
+
+    cfg: config.Config, its precision decided (not auto).
+    """
+    return Recipe(
+        seq_len=cfg.model.seq_len,
+        precision=cfg.model.precision,
+        quantize=cfg.model.quantize,
+        lora=None if cfg.model.full else cfg.lora,
+        seed=cfg.train.seed,
+        # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
+        images=bool(cfg.data.images),
+        image_tokens=cfg.data.image_tokens,
+        full=cfg.model.full,
+        added_tokens=tuple(cfg.model.add_tokens),
+    )
+
+
 @dataclass
 class Model:
     """A model build_model made."""

@@ -112,9 +112,9 @@ class Resolved:
 
         cfg = self.config
         if not train:
-            return dataclasses.replace(adapter_recipe(cfg), remat=self.remat)
+            return dataclasses.replace(builder.adapter_recipe(cfg), remat=self.remat)
         return dataclasses.replace(
-            adapter_recipe(cfg),
+            builder.adapter_recipe(cfg),
             remat=self.remat,
             neftune_alpha=cfg.train.neftune_alpha,
             optimizer=builder.Optimizer(
@@ -195,26 +195,6 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
     decisions["time_limit"] = limit
     return Resolved(decided, decisions, source, device, runtime["device_name"], runtime, deadline, distributed,
                     distribution.data_part())  # fmt: skip
-
-
-def adapter_recipe(cfg: Config):
-    """The model a finished run's adapter loads onto (a builder.Recipe, nothing compiled): its base as it trained
-    (precision, as decided; --quantize), LoRA in its layout, its new tokens, its image encoder where its data had
-    pictures. Resolved.recipe builds on it, and a GRPO reward model (methods/reward.py) is rebuilt by it."""
-    from finetune.model import builder  # keras: imported once the backend is chosen
-
-    return builder.Recipe(
-        seq_len=cfg.model.seq_len,
-        precision=cfg.model.precision,
-        quantize=cfg.model.quantize,
-        lora=None if cfg.model.full else cfg.lora,
-        seed=cfg.train.seed,
-        # The data's pictures, as decided (a finished run's config.yaml recorded it): the encoder comes back.
-        images=bool(cfg.data.images),
-        image_tokens=cfg.data.image_tokens,
-        full=cfg.model.full,
-        added_tokens=tuple(cfg.model.add_tokens),
-    )
 
 
 def finished(cfg: Config) -> Resolved:
