@@ -4,6 +4,9 @@ trained text marked.
 How each format is read is test_data.py's; how each is rendered and weighted is test_templates.py's.
 """
 
+import re
+
+import numpy as np
 import pytest
 from conftest import CHAT, completion, text, write
 from typer.testing import CliRunner
@@ -22,6 +25,9 @@ def test_finetune_data_reports_the_format_tokens_packing_and_a_marked_example(tm
     assert "template: none (auto, for this format)" in lines
     assert any(line.startswith("tokens (tiny's tokenizer") for line in lines)
     assert any(line.startswith("packing at seq-len 64: 30 rows -> ") for line in lines)
+    unpacked = next(line for line in lines if line.startswith("--packing off, batches of 8 cut to their longest"))
+    shuffled, grouped = (int(share) for share in re.findall(r"(\d+)%", unpacked))
+    assert grouped <= shuffled, unpacked
     assert lines[-1] == "  1 plus 1 is« 2.<eos>»"
 
 
@@ -71,3 +77,15 @@ def test_finetune_data_reads_the_split_a_run_would(tmp_path, monkeypatch):
     assert "4 records" in CliRunner().invoke(app, command).output  # train, as a run reads by default
     refused = CliRunner().invoke(app, [*command, "--data-split", "validation"])
     assert refused.exit_code == 2 and "choose one of train, test with --data-split" in refused.output
+
+
+def test_computed_padding_counts_each_batch_cut_to_its_longest_row():
+    """Rows of 16 and 48 tokens in batches of 2: a batch of two 48s or two 16s computes no padding, a mixed one 32
+    positions of it. Grouping by length mixes fewer; full rows of 64 would hold half."""
+    lengths = np.array([16, 48] * 8)
+    grouped = datacheck.computed_padding(lengths, 2, 64, grouped=True)
+    shuffled = datacheck.computed_padding(lengths, 2, 64, grouped=False)
+    order = datacheck.batching.EpochRows(16, 2, 0)
+    positions = sum(2 * lengths[order(step)].max() for step in range(8))
+    assert shuffled == pytest.approx(1 - lengths.sum() / positions)
+    assert 0 <= grouped < shuffled < 1 / 3 < 0.5
