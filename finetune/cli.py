@@ -621,6 +621,7 @@ def predict_(
     output: str = typer.Option(
         ..., "--output", help="The JSON Lines file to write, one line a record.", metavar="FILE"
     ),  # fmt: skip
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace --output if it exists."),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -632,7 +633,7 @@ def predict_(
     _refuse_empty({"--run": run}, fix="pass --run DIR of a finished run")
     _refuse_empty({"--data": data, "--output": output})
     saved = runs.open_on(run, backend)
-    count = runs.predict_run(saved, data, output)
+    count = runs.predict_run(saved, data, output, overwrite)
     print(f"predicted {count} records to {output}")
     print(f"predicted on {runs.where(saved)}", file=sys.stderr)
 

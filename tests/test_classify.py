@@ -8,6 +8,7 @@ The task is learnable by the tiny model: a record's label is decided by one word
 """
 
 import json
+from pathlib import Path
 import random
 import subprocess
 import sys
@@ -101,6 +102,25 @@ def test_refusals(tmp_path):
         assert not out.exists()
     result = invoke("predict", "--run", tmp_path / "none", "--data", good, "--output", good)
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_predict_writes_over_no_file_of_the_run_nor_another_without_overwrite(classify_run, tmp_path):
+    """--output in the run's directory (its config.yaml) is refused even with --overwrite; an existing file needs
+    --overwrite; a directory that cannot be written is exit 2 before the model loads. Nothing is touched."""
+    out, data, _, _ = classify_run
+    config = (out / "config.yaml").read_bytes()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("mine\n")
+    for target, extra, said in ((out / "config.yaml", ["--overwrite"], "is in the run's directory"),
+                                (kept, [], "exists; pass --overwrite"),
+                                (Path("/proc/predicted.jsonl"), [], "give --output a path you can write")):  # fmt: skip
+        result = invoke("predict", "--run", out, "--data", data, "--output", target, *extra)
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    assert (out / "config.yaml").read_bytes() == config and kept.read_text() == "mine\n"
+    result = invoke("eval", "--run", out, "--generate", "2")
+    assert result.exit_code == 2 and "`finetune eval --generate` is refused" in result.output, result.output
+    result = invoke("predict", "--run", out, "--data", data, "--output", kept, "--overwrite", "--backend", BACKEND)
+    assert result.exit_code == 0 and kept.read_text().count("\n") == len(data.read_text().splitlines())
 
 
 @pytest.mark.backend_neutral

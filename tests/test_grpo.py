@@ -35,6 +35,10 @@ def broken(prompts, completions, **columns):
     raise RuntimeError("no judge today")
 
 
+def none_at_all(prompts, completions, **columns):
+    return [None for _ in completions]
+
+
 def the_but_held_out_the_same(prompts, completions, **columns):
     """opens_with_the, and 0.5 for every held-out prompt (they open with "Held"), whatever it is answered."""
     return [0.5 if p.startswith("Held") else float(c.strip().startswith("The")) for p, c in zip(prompts, completions)]
@@ -123,6 +127,20 @@ def learned(files, tmp_path_factory):
     done = grpo(*learning_flags(files, out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "metrics.json").read_text()), done.stdout
+
+
+@pytest.mark.backend_neutral  # the metrics are Python; GRPO's training: the tests below, every backend
+def test_a_reward_function_that_gives_none_for_every_completion_leaves_its_metrics_empty(files, tmp_path):
+    """TRL's reward functions may return None for a completion they do not score; one that does for all of them
+    left NaN in the step's metrics, which the checkpoint could not write (exit 1). Its metrics are now empty."""
+    data, reward_file = files
+    out = tmp_path / "run"
+    done = grpo("--data", data, "--reward", f"{reward_file}:none_at_all", "--max-steps", "1", "--output", out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (out / "history.csv").open() as f:
+        step = next(r for r in csv.DictReader(f) if r["train_loss"])
+    assert step["reward_none_at_all"] == "" and step["completion_length"] != ""
+    assert json.loads((out / "metrics.json").read_text())["train_reward"] is None
 
 
 @pytest.mark.backend_neutral  # the guard is Python over metrics; GRPO's training: the tests below, every backend

@@ -216,6 +216,17 @@ def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(meth
 
 @neutral
 @pytest.mark.parametrize("method", METHODS)
+def test_held_out_records_of_another_kind_are_refused(method, data, tmp_path):
+    """--eval-data of another kind than --data (pairs beside SFT records, SFT records beside pairs or prompts) was
+    scored as if it were the run's; it is refused as --data of that kind is, exit 2, nothing written."""
+    other = data["sft"] if registry.get(method).paired else data["dpo"]
+    result = run(method, data, tmp_path / "run", "--eval-data", other, "--eval-fraction", "0")
+    assert result.exit_code == 2 and "hold out records of the kind the run trains on" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
+@neutral
+@pytest.mark.parametrize("method", METHODS)
 def test_train_on_prompt_trains_where_the_loss_takes_prompts_and_is_refused_elsewhere(method, data, tmp_path):
     """--train-on-prompt was read by SFT alone, and recorded as set by every method: a run that did not do what its
     config.yaml said. A method whose loss has no place for prompt tokens refuses it, exit 2, nothing written."""

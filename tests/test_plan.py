@@ -149,6 +149,7 @@ REFUSED_SETTINGS = [
     (["--method", "sft", "--labels", "a,b"], "--labels names a classifier's classes"),
     (["--method", "orpo", "--beta", "0"], "--beta 0 leaves ORPO's loss nothing to weigh"),
     (["--method", "dpo", "--train-on-prompt"], "--train-on-prompt puts the prompt's tokens in the loss; DPO's"),
+    (["--method", "classify", "--labels", "good", "--labels", "good", "--labels", "bad"], "names 'good' twice"),
 ]
 
 

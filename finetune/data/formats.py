@@ -94,6 +94,16 @@ CHAT_FORMATS = (
 )  # records of turns, rendered by a chat template
 PREFERENCE_FORMATS = ("preference", "preference-chat")  # pairs of a chosen and a rejected answer
 PROMPT_FORMATS = ("prompts", "prompts-chat")  # prompts alone: online RL writes the completions
+
+
+def kind(fmt: str) -> str:
+    """What records of format `fmt` are, as a method takes them: preference pairs, prompts alone, or records with
+    an answer (any other format)."""
+    if fmt in PREFERENCE_FORMATS:
+        return "preference pairs"
+    return "prompts alone" if fmt in PROMPT_FORMATS else "records with answers"
+
+
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
 # ShareGPT's speakers, as community sets name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}

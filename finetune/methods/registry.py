@@ -99,6 +99,9 @@ def _check_settings(method: Method, train) -> None:
     if getattr(train, "labels", None) and not method.labelled:
         raise UserError(f"--labels names a classifier's classes; --method {method.name} has none: leave it out or "
                         "pass --method classify")  # fmt: skip
+    twice = sorted({label for label in getattr(train, "labels", None) or () if list(train.labels).count(label) > 1})
+    if twice:
+        raise UserError(f"--labels names {twice[0]!r} twice; name each class once")
     if getattr(train, "group_by_length", False) and method.ungrouped_why():
         raise UserError(f"--group-by-length: {method.ungrouped_why()}; leave it out")
     if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one

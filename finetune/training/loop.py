@@ -429,6 +429,9 @@ class Loop:
         applied = {name: sum(w * r[name] for w, r in zip(weights, reported)) / total for name in reported[0]}
         applied.update(optimizer.step_record(self.trainer.optimizer, step))
         applied.update(getattr(self.order, "step_metrics", lambda _: {})(step))  # GRPO's rollouts: rewards, lengths
+        # A metric with no value this step (a reward function that gave None for every completion: its mean) is
+        # None, an empty cell in history.csv, not a NaN that state.json and metrics.json cannot hold.
+        applied = {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in applied.items()}
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         return loss, seconds, shapes, applied

@@ -203,6 +203,7 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
             "pass --data FILE to evaluate on a file"
         )
     if generate:
+        check_writes_text(run, "eval --generate")  # a classifier or reward model writes no answers to score
         scoring.check_rouge()
     path = data_path or cfg.eval.data or cfg.data.path
     records, _ = prepare.read(cfg, path, trained=True)
@@ -218,11 +219,12 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     return result
 
 
-def predict_run(run: Run, data_path: str, output: str | Path) -> int:
+def predict_run(run: Run, data_path: str, output: str | Path, overwrite: bool = False) -> int:
     """Write what the run makes of each record of `data_path` (a classifier: its predicted label and every
     class's probability) to `output`, one JSON line a record, in their order; returns how many.
 
-    The output is written whole or not at all (a temporary file renamed into place), and never over the data.
+    The output is written whole or not at all (a temporary file renamed into place), never over the data or a file
+    of the run, and over another file only with `overwrite`.
     """
     import json
 
@@ -231,18 +233,40 @@ def predict_run(run: Run, data_path: str, output: str | Path) -> int:
     output = Path(output).expanduser()
     if output.exists() and output.resolve() == Path(data_path).expanduser().resolve():
         raise UserError(f"--output {output} is the --data file; give another path, the data is never overwritten")
+    if output.resolve().is_relative_to(Path(run.directory).resolve()):
+        raise UserError(f"--output {output} is in the run's directory, whose files it would replace; give a path "
+                        "outside it")  # fmt: skip
     if output.is_dir() or not output.parent.is_dir():
         raise UserError(f"--output {output} is a directory or in none that exists; give a file path in one")
+    if output.exists() and not overwrite:
+        raise UserError(f"--output {output} exists; pass --overwrite to replace it, or give a new path")
+    temporary = output.with_name(f".{output.name}.partial")
+    _writable(temporary)  # before the model loads
     method = registry.get(run.config.train.method)
     records, _ = prepare.read(run.config, data_path, trained=True)
     if not method.labelled:  # before the model loads
         method.predict(None, None, run.config, records, run.directory)
     lm, preprocessor = load_model(run)
     lines = method.predict(lm, preprocessor, run.config, records, run.directory)
-    temporary = output.with_name(f".{output.name}.partial")
-    temporary.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
-    temporary.replace(output)
+    try:
+        temporary.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+        temporary.replace(output)
+    except OSError as e:
+        temporary.unlink(missing_ok=True)
+        raise UserError(f"could not write --output {output}: {e.strerror or e}") from None
     return len(lines)
+
+
+def _writable(path: Path) -> None:
+    """A UserError where `path` cannot be written (a read-only or special file system), the file left as it was."""
+    try:
+        with open(path, "x", encoding="utf-8"):
+            pass
+    except FileExistsError:
+        return  # a partial file of an earlier try: it is replaced
+    except OSError as e:
+        raise UserError(f"cannot write {path.parent}: {e.strerror or e}; give --output a path you can write") from None
+    path.unlink(missing_ok=True)
 
 
 def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:

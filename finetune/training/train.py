@@ -114,7 +114,13 @@ class Data:
 def _read(cfg: Config) -> Data:
     """The training records and any --eval-data file's, read and checked before anything is written."""
     records, data_format = prepare.read(cfg, cfg.data.path)
-    eval_records = prepare.read(cfg, cfg.eval.data)[0] if cfg.eval.data else None
+    eval_records = None
+    if cfg.eval.data:
+        eval_records, eval_format = prepare.read(cfg, cfg.eval.data)
+        if formats.kind(eval_format) != formats.kind(data_format):
+            raise UserError(f"--eval-data {cfg.eval.data} holds {formats.kind(eval_format)} ({eval_format}), and "
+                            f"--data {formats.kind(data_format)} ({data_format}); hold out records of the kind the run "
+                            "trains on")  # fmt: skip
     return Data(records, data_format, formats.fingerprint(records), eval_records)
 
 
