@@ -8,10 +8,10 @@ The task is learnable by the tiny model: a record's label is decided by one word
 """
 
 import json
-from pathlib import Path
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
