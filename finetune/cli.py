@@ -568,6 +568,8 @@ def data_(
     config_module.check("data.template", template)
     config_module.check("model.seq_len", seq_len, name="--seq-len")
     config_module.check("data.split", split, name="--data-split")
+    if os.environ.get("KERAS_BACKEND"):  # keras loads the tokenizer on it
+        config_module.check("backend", os.environ["KERAS_BACKEND"])
     for line in datacheck.report(file, preset, template, seq_len, example=example, split=split):
         print(line)
 

@@ -340,7 +340,12 @@ class ModelConfig:
     )  # fmt: skip
 
     def conflicts(self, cfg: Config) -> Iterator[str]:
-        """What --full rules out: a quantized or 16-bit stored base, LoRA's settings, new tokens, model parallelism."""
+        """An int8 base in float16 (keras refuses it); what --full rules out: a quantized or 16-bit stored base,
+        LoRA's settings, new tokens, model parallelism."""
+        if self.quantize == "int8" and self.precision == "float16":
+            yield ("--quantize int8 with --precision float16 is not supported: keras' int8 layers do not compute in "
+                   "float16; pass --precision bfloat16, float32 or auto (which picks float32 for an int8 base where "
+                   "it would pick float16)")  # fmt: skip
         if not self.full:
             return
         if self.quantize is not None:

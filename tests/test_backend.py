@@ -94,6 +94,15 @@ def test_out_of_memory_errors_are_recognised_on_every_backend():
     assert backend.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert backend.is_out_of_memory(Exception("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
     assert not backend.is_out_of_memory(ValueError("shapes do not match"))
+    # PyTorch's CPU allocator, under keras' error naming the layer (`finetune generate --max-new-tokens 100000`).
+    try:
+        try:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 80028802592 bytes")
+        except RuntimeError as inner:
+            raise RuntimeError("Exception encountered when calling CachedGemmaAttention.call().") from inner
+    except RuntimeError as wrapped:
+        assert backend.is_out_of_memory(wrapped)
+    assert backend.is_out_of_memory(MemoryError()) and not backend.is_out_of_memory(ValueError("memory layout"))
 
 
 def test_default_batch_sizes_follow_the_measured_fit():

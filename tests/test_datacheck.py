@@ -89,3 +89,11 @@ def test_computed_padding_counts_each_batch_cut_to_its_longest_row():
     positions = sum(2 * lengths[order(step)].max() for step in range(8))
     assert shuffled == pytest.approx(1 - lengths.sum() / positions)
     assert 0 <= grouped < shuffled < 1 / 3 < 0.5
+
+
+def test_an_unknown_keras_backend_is_refused_as_the_run_refuses_it(tmp_path, monkeypatch):
+    """`finetune data` loads the tokenizer through keras, on KERAS_BACKEND: an unknown one was an exit 1."""
+    path = write(tmp_path / "c.csv", [completion(i) for i in range(4)])
+    monkeypatch.setenv("KERAS_BACKEND", "bogus")
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny"])
+    assert result.exit_code == 2 and "unknown backend 'bogus' (from KERAS_BACKEND)" in result.output, result.output

@@ -131,3 +131,23 @@ def test_lora_factors_stay_float32_on_an_int4_bfloat16_base():
     finally:
         keras.config.set_dtype_policy(before)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.backend_neutral  # the settings' check and auto's choice are Python
+def test_an_int8_base_is_not_computed_in_float16(tmp_path, monkeypatch):
+    """keras' int8 layers refuse float16 (it was an exit 1 when the model was built): --precision float16 with
+    --quantize int8 is exit 2 before anything is written, and auto picks float32 where it would pick float16."""
+    from conftest import invoke
+
+    from finetune import config
+    from finetune.platform import backend
+    from finetune.training import resolve
+
+    out = tmp_path / "run"
+    result = invoke("gemma", "--preset", "tiny", "--quantize", "int8", "--precision", "float16", "--output", out)
+    assert result.exit_code == 2 and "keras' int8 layers do not compute in float16" in result.output
+    assert not out.exists()
+    monkeypatch.setattr(backend, "auto_precision_why", lambda device, overflows: ("float16", "auto: a T4"))
+    for mode, expected in (("int8", "float32"), ("int4", "float16"), (None, "float16")):
+        cfg = config.load("tiny", {"model.quantize": mode})
+        assert resolve._precision(cfg, "gpu", None).value == expected, mode

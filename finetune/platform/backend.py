@@ -541,8 +541,18 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is an accelerator or host out-of-memory error, on any backend."""
     # Case-insensitive: XLA says "RESOURCE_EXHAUSTED: Out of memory", torch "CUDA out of memory",
     # TensorFlow raises ResourceExhaustedError.
-    text = f"{type(error).__name__}: {error}".lower()
-    return any(k in text for k in ("resource_exhausted", "resourceexhausted", "out of memory", "outofmemory"))
+    # PyTorch's CPU allocator says "can't allocate memory", numpy raises MemoryError; keras may wrap either in an
+    # error of its own that names the layer, so the errors it was raised from are read too.
+    marks = ("resource_exhausted", "resourceexhausted", "out of memory", "outofmemory", "can't allocate memory",
+             "memoryerror")  # fmt: skip
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = f"{type(error).__name__}: {error}".lower()
+        if any(k in text for k in marks):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def release_freed_host_memory() -> bool:

@@ -302,6 +302,9 @@ def _precision(cfg: Config, device: str, saved: dict | None) -> Decision:
         decided = Decision(_saved(saved, "model", "precision"), "resumed: auto chose it when the run started")
     else:
         decided = Decision(*backend.auto_precision_why(device, overflows))
+        if decided.value == "float16" and cfg.model.quantize == "int8":  # keras' int8 layers refuse float16
+            return Decision("float32", f"auto: {decided.why.removeprefix('auto: ')}, but float32 for an int8 base, "
+                                       "which keras does not compute in float16")  # fmt: skip
         return Decision(*backend.full_weights_precision(decided.value, decided.why)) if cfg.model.full else decided
     if decided.value == "float16" and overflows:
         print(f"warning: --precision float16: {overflows}; --precision float32 (or bfloat16 on a bf16 device) "
