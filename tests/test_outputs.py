@@ -173,6 +173,18 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(tmp_path):
     assert {c.run_id for c in checkpoint.find(out)} == {metrics_run_id(out)}  # the old run's are gone
 
 
+def test_an_overwrite_that_fails_before_its_first_checkpoint_leaves_the_old_run_as_it_was(tmp_path):
+    """Not a file more or less: its TensorBoard logs were left beside the old run's."""
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != outputs.LOCK}
+    result = invoke("gemma", *SHORT, "--lr", "1e9", "--overwrite", "--output", out)
+    assert result.exit_code == 2 and "diverged" in result.stderr
+    assert {
+        p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != outputs.LOCK
+    } == files
+
+
 def metrics_run_id(out):
     return yaml.safe_load((out / "config.yaml").read_text())["resolved"]["run_id"]
 

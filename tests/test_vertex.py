@@ -75,9 +75,11 @@ def test_a_cpu_machine_has_no_accelerator_fields():
         (["--recipe", "tiny", *L4, "--set", "train.epoch=2"], "unknown config key 'train.epoch'"),
         (["--recipe", "tiny", *L4, "--set", "backend=torch"], "has JAX only"),
         (["--recipe", "tiny", *L4, "--set", "output.dir=runs/a"], "would be lost with the job's container"),
+        (["--recipe", "tiny", *L4, "--set", "train.method=grpo", "--set", "train.reward=[exact]", "--set",
+          "data.packing=on"], "data.packing on: train.method grpo"),
     ],
     ids=["unknown-recipe", "no-replicas", "negative-count", "count-without-type", "bad-type", "local-output",
-         "replicas-without-parallel", "bad-key", "torch-recipe", "recipe-local-output"],
+         "replicas-without-parallel", "bad-key", "torch-recipe", "recipe-local-output", "method-refusal"],
 )  # fmt: skip
 def test_a_job_that_could_not_run_exits_2_with_one_line(args, message):
     result = runner.invoke(app, ["vertex-spec", *args])

@@ -87,6 +87,9 @@ def check(recipe: str, machine: Machine, replicas: int, output: Optional[str], s
             f"--replicas {replicas} starts one process per machine, but this recipe trains on one device "
             "(distribution.parallel none); add --set distribution.parallel=data (or model)"
         )
+    from finetune.methods import registry
+
+    registry.check(cfg)  # what the job's run would refuse of these settings, before a machine is paid for
     return cfg
 
 

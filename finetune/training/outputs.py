@@ -272,6 +272,8 @@ class Claim:
         mirrors = [] if scratch else vertex_mirrors(path)
         self.mirrors = [m for m in (remote, *mirrors) if m is not None]
         self.had_tensorboard = (path / TENSORBOARD).exists()
+        self.tensorboard_files = _files_under(path / TENSORBOARD)  # an --overwrite of a run: its old logs
+        self.checkpoints_before = _names_in(path / checkpoint.DIRECTORY)
         self.published = False
         self.finished = False
         """The results are written and status.json says finished: nothing that follows may say otherwise."""
@@ -414,8 +416,8 @@ class Claim:
         claim the directory in between and lose it.
         """
         try:
-            if checkpoint.find(self.path):
-                return
+            if checkpoint.find(self.path) and _names_in(self.path / checkpoint.DIRECTORY) - self.checkpoints_before:
+                return  # a checkpoint of its own: the run resumes from it
             if self.created:
                 shutil.rmtree(self.path, ignore_errors=True)
                 return
@@ -423,11 +425,23 @@ class Claim:
                 (self.path / LOCK).unlink(missing_ok=True)
             if not self.had_tensorboard:
                 shutil.rmtree(self.path / TENSORBOARD, ignore_errors=True)
+            for file in _files_under(self.path / TENSORBOARD) - self.tensorboard_files:  # beside an old run's logs
+                file.unlink(missing_ok=True)
             empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
             if empty.is_dir() and not any(empty.iterdir()):
                 empty.rmdir()
         finally:
             self.release()
+
+
+def _files_under(path: Path) -> set:
+    """Every file under `path`; none where it is no directory."""
+    return {p for p in path.rglob("*") if p.is_file()} if path.is_dir() else set()
+
+
+def _names_in(path: Path) -> set:
+    """The names of `path`'s entries; none where it is no directory."""
+    return {p.name for p in path.iterdir()} if path.is_dir() else set()
 
 
 def _stopping_at_once(step: int):
