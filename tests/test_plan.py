@@ -143,13 +143,21 @@ def test_plan_only_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch):
 REFUSED_SETTINGS = [
     (["--method", "grpo", "--reward", "exact", "--group-by-length"], "--group-by-length: GRPO pads every prompt"),
     (["--method", "grpo", "--reward", "exact", "--packing", "on"], "--packing on: --method grpo: each rollout"),
-    (["--method", "grpo", "--reward", "exact", "--batch-size", "auto"], "--batch-size counts prompts"),
+    (
+        ["--method", "grpo", "--reward", "exact", "--max-completion-length", "8", "--batch-size", "auto"],
+        "--batch-size counts prompts",
+    ),
     (["--method", "grpo"], "learns from rewards: pass --reward"),
     (["--method", "dpo", "--num-generations", "4"], "--num-generations is GRPO's"),
     (["--method", "sft", "--labels", "a,b"], "--labels names a classifier's classes"),
     (["--method", "orpo", "--beta", "0"], "--beta 0 leaves ORPO's loss nothing to weigh"),
     (["--method", "dpo", "--train-on-prompt"], "--train-on-prompt puts the prompt's tokens in the loss; DPO's"),
     (["--method", "classify", "--labels", "good", "--labels", "good", "--labels", "bad"], "names 'good' twice"),
+    (["--method", "grpo", "--reward", "exact", "--reward-weights", "1", "--reward-weights", "2"], "gives 2 weights"),
+    (
+        ["--method", "grpo", "--reward", "exact", "--max-completion-length", "48", "--seq-len", "48"],
+        "--seq-len 48 leaves 0 tokens for the prompt",
+    ),
 ]
 
 

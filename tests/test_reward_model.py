@@ -261,7 +261,7 @@ def test_a_grpo_reward_that_names_no_reward_model_is_refused(which, reward_run, 
         (target / reward.HEAD).unlink()
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Tell me about apple."}] * 8)
     result = invoke("gemma", "--preset", "tiny", "--method", "grpo", "--data", prompts, "--reward", f"run:{target}",
-                    "--output", tmp_path / "g")  # fmt: skip
+                    "--max-completion-length", "8", "--output", tmp_path / "g")  # fmt: skip
     assert result.exit_code == 2 and said in result.output, result.output
     assert not (tmp_path / "g").exists()
 

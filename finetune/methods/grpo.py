@@ -48,9 +48,12 @@ class GRPO(Method):
         decided["reward"] = (list(train.reward), "set")
         return decided
 
-    def refusal(self, train) -> str | None:
-        if not train.reward:
-            return rewards.NONE_GIVEN
+    def refusal(self, cfg) -> str | None:
+        train = cfg.train
+        refused = rewards.refused(train.reward, train.reward_weights)
+        if refused:
+            return refused
+        rollouts.prompt_room(cfg.model.seq_len, self.constants(train)["max_completion_length"])  # raises
         if train.batch_size == "auto":
             return ("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number (auto is "
                     "not probed for rollouts yet)")  # fmt: skip

@@ -90,9 +90,9 @@ class Method:
         run resolves: a classifier's classes. Unchanged for most methods."""
         return cfg
 
-    def refusal(self, train) -> str | None:
+    def refusal(self, cfg) -> str | None:
         """What this method refuses of the settings alone, before data or weights load (registry.check); None when
-        nothing. train: config.TrainConfig."""
+        nothing. cfg: config.Config."""
         return None
 
     def unpacked_why(self) -> str | None:

@@ -79,7 +79,7 @@ def check(cfg) -> None:
     why = method.unpacked_why()
     if why and cfg.data.packing == "on":
         raise UserError(f"--packing on: {why}; pass --packing auto or off")
-    refusal = method.refusal(cfg.train)
+    refusal = method.refusal(cfg)
     if refusal:
         raise UserError(refusal)
 

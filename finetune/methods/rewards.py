@@ -53,13 +53,20 @@ class Reward:
     weight: float = 1.0
 
 
+def refused(specs: list, weights: list) -> str | None:
+    """Why --reward and --reward-weights cannot be taken as given, before any function loads; None when they can."""
+    if not specs:
+        return NONE_GIVEN
+    if weights and len(weights) != len(specs):
+        return f"--reward-weights gives {len(weights)} weights for {len(specs)} --reward functions; give one each, in order"
+    return None
+
+
 def load(specs: list, weights: list, max_completion_length: int) -> list[Reward]:
     """The rewards --reward names, with --reward-weights (1 each when none are given)."""
-    if not specs:
-        raise UserError(NONE_GIVEN)
-    if weights and len(weights) != len(specs):
-        raise UserError(f"--reward-weights gives {len(weights)} weights for {len(specs)} --reward functions; give "
-                        "one each, in order")  # fmt: skip
+    refusal = refused(specs, weights)
+    if refusal:
+        raise UserError(refusal)
     functions = [function_of(spec, max_completion_length) for spec in specs]
     names = [name for name, _ in functions]
     seen = {}

@@ -71,15 +71,22 @@ class Prompts:
         return len(self.ids)
 
 
+def prompt_room(seq_len: int, max_completion_length: int) -> int:
+    """The positions a prompt has beside its completion; a UserError where fewer than 8 (registry.check and the
+    rollouts both ask)."""
+    room = seq_len - max_completion_length
+    if room < 8:
+        raise UserError(f"--seq-len {seq_len} leaves {room} tokens for the prompt beside --max-completion-length "
+                        f"{max_completion_length}; raise --seq-len or lower --max-completion-length")  # fmt: skip
+    return room
+
+
 def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: int, width: int | None = None):
     """Prompts of (record, _) pairs: each prompt cut from its left to leave --max-completion-length in seq_len.
 
     width: the prompt width (P) to pad to; the longest prompt's when None (the held-out prompts take the
         training prompts', so that both share the rollouts' compiled shape)."""
-    room = seq_len - sampling.max_completion_length
-    if room < 8:
-        raise UserError(f"--seq-len {seq_len} leaves {room} tokens for the prompt beside --max-completion-length "
-                        f"{sampling.max_completion_length}; raise --seq-len or lower --max-completion-length")  # fmt: skip
+    room = prompt_room(seq_len, sampling.max_completion_length)
     records = [record for record, _ in pairs]
     texts = [template.apply(record)[0] for record in records]
     ids = [[batching.BOS, *row][-room:] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
