@@ -300,7 +300,7 @@ def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, re
     records = [record(name)] * 2 + [{**record(name), "label": "noise"} if method == "classify" else record(name)] * 2
     data = write_lines(tmp_path / "data.jsonl", records)
     out = tmp_path / "run"
-    rewards = ["--reward", "length"] if method == "grpo" else []
+    rewards = ["--reward", "length", "--max-completion-length", "8"] if method == "grpo" else []
     result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--method", method, *rewards, "--data", data,
                     "--output", out)  # fmt: skip
     assert result.exit_code == 2 and expected in result.stderr, result.output + result.stderr

@@ -216,3 +216,25 @@ def test_a_classifier_reads_its_records_pictures(tmp_path):
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in predicted.read_text().splitlines()]
     assert len(lines) == 8 and set(lines[0]["probabilities"]) == {"warm", "cold"}
+
+
+@pytest.mark.backend_neutral  # the check is numpy on the head's file
+@pytest.mark.parametrize("broken", ["shape", "bytes"])
+def test_export_checks_the_head_as_eval_does_and_writes_nothing(broken, classify_run, tmp_path):
+    """A head of another shape than the run's classes (it wrote transformers' id2label beside a score of 5 rows),
+    or a file that is no head (it was copied as is), is exit 2 before anything is written."""
+    import shutil
+
+    out, _, _, _ = classify_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    hidden = np.load(out / classify.HEAD)["kernel"].shape[0]
+    if broken == "shape":
+        np.savez(run / classify.HEAD, kernel=np.zeros((hidden, 5), np.float32))
+    else:
+        (run / classify.HEAD).write_bytes(b"not a head")
+    for fmt in ("lora", "hf"):
+        result = invoke("export", "--run", run, "--format", fmt, "--output", tmp_path / fmt)
+        said = "holds a head of shape (" if broken == "shape" else "is not a readable score head"
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert not (tmp_path / fmt).exists()

@@ -212,6 +212,11 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             _require("safetensors", "GGUF of this model, converted from its transformers export,", extra="gguf")
     method = registry.get(cfg.train.method)
     head = None if base or not method.head else run.directory / method.head  # a scoring run's: its own
+    if head is not None:  # checked as `finetune eval` and predict check it, before anything is written
+        from finetune.methods import reward
+
+        outputs_of = max(len(method.head_labels(cfg.train)), 1)
+        reward.read_head(head, (int(lm.backbone.hidden_dim), outputs_of))
     if head is not None and fmt == "hf":
         classifier_of(lm.backbone, method)
     if run.full and not base:  # the trained weights, checked, in place of the base's: nothing to merge

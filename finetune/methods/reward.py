@@ -103,16 +103,22 @@ def save_head(head, path: Path) -> None:
 
 def load_head(head, path: Path) -> None:
     """Assign a finished run's head weights to `head`, refused unless they are finite and of its shape."""
+    head.kernel.assign(read_head(path, tuple(head.kernel.shape)))
+
+
+def read_head(path: Path, shape: tuple) -> np.ndarray:
+    """A finished run's score head (a reward model's or a classifier's), refused unless it is readable, finite and
+    of `shape` (hidden, outputs): what loading it (`finetune eval`, predict, a GRPO reward) and exporting it check."""
     fix = "copy it back from the run that made it, or retrain the run"
     try:
         with np.load(path, allow_pickle=False) as stored:
             kernel = np.asarray(stored["kernel"], np.float32)
     except (OSError, KeyError, ValueError) as e:
-        raise UserError(f"{path} is not a readable reward head ({type(e).__name__}); {fix}") from None
-    if kernel.shape != tuple(head.kernel.shape) or not np.isfinite(kernel).all():
+        raise UserError(f"{path} is not a readable score head ({type(e).__name__}); {fix}") from None
+    if kernel.shape != tuple(shape) or not np.isfinite(kernel).all():
         raise UserError(f"{path} holds a head of shape {kernel.shape} (finite: {np.isfinite(kernel).all()}), this "
-                        f"model's is {tuple(head.kernel.shape)}; {fix}")  # fmt: skip
-    head.kernel.assign(kernel)
+                        f"model's is {tuple(shape)}; {fix}")  # fmt: skip
+    return kernel
 
 
 # === A trained reward model as a GRPO reward: --reward run:DIR ===

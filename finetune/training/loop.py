@@ -411,9 +411,10 @@ class Loop:
             losses.append(float(logs["loss"]))
             reported.append({name: float(value) for name, value in logs.items() if name != "loss"})
             shapes.add(tuple(x["token_ids"].shape))
-            mask = x["padding_mask"]  # numpy (batching.inputs): 0 at padding, a segment id or 1 elsewhere
-            self.progress.computed_positions += mask.size
-            self.progress.computed_padding += mask.size - int(np.count_nonzero(mask))
+            mask = x.get("padding_mask")  # numpy (batching.inputs): 0 at padding, a segment id or 1 elsewhere
+            if mask is not None:
+                self.progress.computed_positions += mask.size
+                self.progress.computed_padding += mask.size - int(np.count_nonzero(mask))
             if self.release_host_memory:
                 backend.release_freed_host_memory()
         seconds = time.perf_counter() - started
@@ -429,11 +430,11 @@ class Loop:
         applied = {name: sum(w * r[name] for w, r in zip(weights, reported)) / total for name in reported[0]}
         applied.update(optimizer.step_record(self.trainer.optimizer, step))
         applied.update(getattr(self.order, "step_metrics", lambda _: {})(step))  # GRPO's rollouts: rewards, lengths
+        if not math.isfinite(applied.get("grad_norm", 0.0)):
+            raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         # A metric with no value this step (a reward function that gave None for every completion: its mean) is
         # None, an empty cell in history.csv, not a NaN that state.json and metrics.json cannot hold.
         applied = {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in applied.items()}
-        if not math.isfinite(applied.get("grad_norm", 0.0)):
-            raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         return loss, seconds, shapes, applied
 
     def _evaluated_at(self, step: int) -> bool:
