@@ -425,8 +425,11 @@ class Claim:
                 (self.path / LOCK).unlink(missing_ok=True)
             if not self.had_tensorboard:
                 shutil.rmtree(self.path / TENSORBOARD, ignore_errors=True)
-            for file in _files_under(self.path / TENSORBOARD) - self.tensorboard_files:  # beside an old run's logs
-                file.unlink(missing_ok=True)
+            for file, size in _files_under(self.path / TENSORBOARD).items():  # beside or after an old run's logs
+                if file not in self.tensorboard_files:
+                    file.unlink(missing_ok=True)
+                elif size > self.tensorboard_files[file]:  # events appended to an old run's file: cut back
+                    os.truncate(file, self.tensorboard_files[file])
             empty = self.path / checkpoint.DIRECTORY  # left by a first save that failed
             if empty.is_dir() and not any(empty.iterdir()):
                 empty.rmdir()
@@ -434,9 +437,9 @@ class Claim:
             self.release()
 
 
-def _files_under(path: Path) -> set:
-    """Every file under `path`; none where it is no directory."""
-    return {p for p in path.rglob("*") if p.is_file()} if path.is_dir() else set()
+def _files_under(path: Path) -> dict:
+    """Every file under `path`, with its size; none where it is no directory."""
+    return {p: p.stat().st_size for p in path.rglob("*") if p.is_file()} if path.is_dir() else {}
 
 
 def _names_in(path: Path) -> set:
