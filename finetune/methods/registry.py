@@ -6,6 +6,8 @@ asks which method runs (tests/test_methods.py walks the code for such a question
 
 from __future__ import annotations
 
+from collections import Counter
+
 from finetune.data import formats
 from finetune.methods import classify, grpo, preference, reward, supervised
 from finetune.methods.method import Method
@@ -99,7 +101,7 @@ def _check_settings(method: Method, train) -> None:
     if getattr(train, "labels", None) and not method.labelled:
         raise UserError(f"--labels names a classifier's classes; --method {method.name} has none: leave it out or "
                         "pass --method classify")  # fmt: skip
-    twice = sorted({label for label in getattr(train, "labels", None) or () if list(train.labels).count(label) > 1})
+    twice = [label for label, count in Counter(getattr(train, "labels", None) or ()).items() if count > 1]
     if twice:
         raise UserError(f"--labels names {twice[0]!r} twice; name each class once")
     if getattr(train, "group_by_length", False) and method.ungrouped_why():

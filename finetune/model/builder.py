@@ -914,8 +914,8 @@ def keep_base(lm) -> None:
 @contextlib.contextmanager
 def lora_off(lm):
     """`lm` as its base for a while: every adapted layer's LoRA (and DoRA) switched off, as PEFT's
-    disable_adapter(), and new tokens' rows (--add-tokens) as they started; the factors stay as they are. A call traced before keeps what it traced: score with a
-    view made inside.
+    disable_adapter(), and new tokens' rows (--add-tokens) as they started; the factors stay as they are. A call
+    traced before keeps what it traced: score with a view made inside.
 
     A --full model (train_every_weight, keep_base) has no LoRA to switch off: its base's weights are swapped in,
     and its own put back after."""

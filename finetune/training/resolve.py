@@ -381,9 +381,7 @@ def packing(lm, setting: str, method, pictured: bool = False) -> Decision:
     if setting == "off":
         return Decision(False, "set")
     why = method.unpacked_why()
-    if why:
-        if setting == "on":
-            raise UserError(f"--packing on: {why}; pass --packing auto or off")
+    if why:  # --packing on was refused with the settings (registry.check)
         print(f"note: packing off: {why}")
         return Decision(False, f"auto: {why}")
     sees = any(getattr(lm.backbone, name, None) is not None for name in ("vision_encoder", "audio_encoder"))
