@@ -86,3 +86,17 @@ def test_a_packed_micro_batch_splits_over_data_shards_and_processes():
             np.testing.assert_array_equal(np.concatenate([p[0][name] for p in parts]), value, err_msg=name)
         np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), whole[2])
         assert parts[0][0]["token_ids"].shape[0] == 2 and parts[0][2].shape[0] == packed.slots
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_tokens_a_run_counts_are_the_slots_its_loss_weighs(whole):
+    """response_tokens (metrics.json) is what the loss was taken on: the answers', and with ORPO's NLL every token of
+    the chosen sequences, prompts too, as the batch's loss weights mark them."""
+    arrays = pair_batches.pad(tiny_pairs(6), 64, whole_chosen=whole)
+    pairs = np.arange(6)
+    fed, trained = pair_batches.tokens(arrays, pairs)
+    x, _, _ = pair_batches.inputs(arrays, pairs, 64, batching.Feed())
+    assert trained == int((x["loss_weights"] > 0).sum())
+    answers = sum(int(side["weights"].sum()) for side in (arrays.chosen, arrays.rejected))
+    assert (trained > answers) if whole else (trained == answers)
+    assert fed == sum(int(side["padding_mask"].sum()) for side in (arrays.chosen, arrays.rejected))

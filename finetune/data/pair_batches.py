@@ -93,6 +93,13 @@ def target_width(arrays: PairArrays, pairs_per_batch: int, shards: int = 1) -> i
     return batching.target_width(both, 2 * pairs_per_batch // shards)
 
 
+def tokens(arrays: PairArrays, pairs: np.ndarray) -> tuple[int, int]:
+    """Non-padding input tokens of `pairs`, both sides, and the tokens their loss is taken on: the answers', and
+    with them every token of the chosen sequences where whole_chosen (ORPO's NLL trains the prompts too)."""
+    fed = sum(int(side["padding_mask"][pairs].sum()) for side in (arrays.chosen, arrays.rejected))
+    return fed, int(sum(_targets(arrays, side)[pairs].sum() for side in ("chosen", "rejected")))
+
+
 def nll_scale(arrays: PairArrays, pairs: np.ndarray) -> float:
     """ORPO's NLL weight of each chosen token, as a pair's share: `pairs`' count over their chosen sequences' tokens.
     Summed over a step's pairs at each pair's share (1 / its pairs), a pair's chosen tokens times this make the
@@ -193,11 +200,7 @@ class PairOrder:
         return [min(max(real - micro * self.batch_size, 0), self.batch_size) for micro in range(self.grad_accum)]
 
     def tokens(self, step: int) -> tuple[int, int]:
-        """Non-padding input tokens and answer tokens of the step's pairs, both sides."""
-        pairs = self.rows(step)
-        sides = (self.arrays.chosen, self.arrays.rejected)
-        return (sum(int(side["padding_mask"][pairs].sum()) for side in sides),
-                sum(int(side["weights"][pairs].sum()) for side in sides))  # fmt: skip
+        return tokens(self.arrays, self.rows(step))
 
 
 @dataclass

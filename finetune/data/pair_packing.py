@@ -249,8 +249,4 @@ class PackedPairOrder:
         return held + [0] * (self.grad_accum - len(held))
 
     def tokens(self, step: int) -> tuple[int, int]:
-        """Non-padding input tokens and answer tokens of the step's pairs, both sides."""
-        pairs = self.rows(step)
-        sides = (self.arrays.chosen, self.arrays.rejected)
-        return (sum(int(side["padding_mask"][pairs].sum()) for side in sides),
-                sum(int(side["weights"][pairs].sum()) for side in sides))  # fmt: skip
+        return pair_batches.tokens(self.arrays, self.rows(step))
