@@ -1058,7 +1058,7 @@ def read_recipe(recipe: str | Path) -> dict:
     """The settings in a recipe: a YAML file, or a shipped recipe by name (see `find_recipe`)."""
     path = find_recipe(recipe)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_OnceLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: an int past 4300 digits
         raise UserError(_yaml_error(e, path)) from None
     except RecursionError:
@@ -1070,6 +1070,26 @@ def read_recipe(recipe: str | Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a mapping of keys such as `train:` and `lora:`")
     return data
+
+
+class _OnceLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, which refuses a key given twice in one mapping: YAML keeps the last silently, so a
+    recipe's second `rank:` would overrule the first unseen."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # a list or mapping as a key: construct_mapping's own error names it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_OnceLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _OnceLoader.construct_mapping)
 
 
 def _yaml_error(error: Exception, path: Path) -> str:

@@ -249,6 +249,7 @@ CASES = [
     recipe("recipe-nested-integer-key", "train:\n  7: 1\n", "config key 7 in section train is not a name"),
     recipe("recipe-section-list", "train: [1, 2]\n", "'train' is not a section"),
     recipe("recipe-invalid-yaml", "train: {epochs: [1\n", "is not valid YAML"),
+    recipe("recipe-key-twice", "lora:\n  rank: 4\n  rank: 8\n", "key 'rank' is given twice"),
     recipe("recipe-not-utf8", "train:\n  epochs: 1 # \u00e9t\u00e9\n".encode("cp1252"), "recipe-not-utf8.yaml"),
     recipe("recipe-unknown-key", "train:\n  epoch: 2\n", "unknown config key 'train.epoch'"),
     Case("recipe-missing", lambda w: ["--recipe", w.tmp / "missing.yaml"], "missing.yaml"),

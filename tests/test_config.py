@@ -174,6 +174,8 @@ def test_bare_on_and_off_reach_word_settings_as_words(tmp_path):
         (b"seed: 1\n---\nseed: 2\n", "r.yaml:2 is not valid YAML: expected a single document in the stream, but"),
         (b"seed: 1\nnote: caf\xe9\n", "r.yaml:2 is not valid YAML: not UTF-8 text"),
         (b"a: !!python/object:os.system x\n", "r.yaml:1 is not valid YAML: could not determine a constructor"),
+        (b"lora:\n  rank: 4\n  alpha: 8\n  rank: 16\n", "r.yaml:4 is not valid YAML: key 'rank' is given twice"),
+        (b"lora:\n  rank: 4\ntrain: {}\nlora:\n  alpha: 8\n", "r.yaml:4 is not valid YAML: key 'lora' is given twice"),
     ],
 )
 def test_a_broken_recipe_names_its_file_and_line(tmp_path, body, message):
