@@ -497,7 +497,7 @@ def bench(
 ):
     """Train the same LoRA workload on each backend, one process each, and compare tokens/s, MFU and memory."""
     workload = bench_module.Workload(**_typed(bench_module.Workload, settings))
-    chosen = _split_list([backends]) if backends else bench_module.installed_backends()
+    chosen = (_split_list([backends]) or []) if backends is not None else bench_module.installed_backends()
     recipes = bench_module.default_recipes(workload) if recipes is None else recipes
     bench_module.run(workload, chosen, _split_list([recipes]) or [], _split_list([levers]) or [], json_path, plot_path)
 

@@ -160,12 +160,25 @@ def default_recipes(workload: Workload) -> str:
     return "finetune" if method.paired or method.prompted else "finetune,tutorial"
 
 
+def _check_tokenizer(path: str) -> None:
+    """--tokenizer: a SentencePiece model file that loads, before any row spends its time."""
+    import sentencepiece
+
+    if not Path(path).is_file():
+        raise UserError(f"tokenizer {path} does not exist; pass a SentencePiece .spm file")
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError):
+        raise UserError(f"tokenizer {path} is not a SentencePiece model; pass an .spm file, such as a Gemma "
+                        "preset's tokenizer.model") from None  # fmt: skip
+
+
 def check(workload: Workload, backends: list[str], recipes: list[str], levers: list[str]) -> None:
     """Everything a user can get wrong, before any process starts."""
     if workload.arch not in ARCHS:
         raise UserError(f"unknown arch {workload.arch!r}; choose one of {', '.join(ARCHS)}")
-    if workload.tokenizer and not Path(workload.tokenizer).is_file():
-        raise UserError(f"tokenizer {workload.tokenizer} does not exist; pass a SentencePiece .spm file")
+    if workload.tokenizer:
+        _check_tokenizer(workload.tokenizer)
     for name, value, least in (
         ("seq-len", workload.seq_len, 16),
         ("batch-size", workload.batch_size, 1),
