@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import SHORT, _history, invoke, make_records, run_with_fault, train, train_losses, write_jsonl
 
+from finetune import config
 from finetune.training import checkpoint, outputs, runs
 
 
@@ -132,6 +133,28 @@ def test_resume_refuses_held_out_records_that_changed(tmp_path):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
     held.write_bytes(kept)
     train(out, "--resume", "--max-steps", "4")
+
+
+@pytest.mark.backend_neutral
+def test_resume_refuses_another_lora_variant_or_regularizer_naming_the_key(tmp_path):
+    """Dropout, NEFTune, rsLoRA, DoRA, LoRA+ and new tokens change what the steps compute (or the variables the
+    checkpoint holds): a resume that asks for another of them exits 2 naming the key, and touches nothing. A
+    checkpoint written before these were checked (no key) resumes as it was."""
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for flags, key in ((["--lora-dropout", "0.1"], "lora.dropout"), (["--neftune-alpha", "5"], "train.neftune_alpha"),
+                       (["--rslora"], "lora.rslora"), (["--dora"], "lora.dora"),
+                       (["--lora-plus-ratio", "4"], "lora.plus_ratio"), (["--add-tokens", "<x>"], "model.add_tokens")):
+        result = invoke("gemma", "--resume", "--max-steps", "3", "--output", out, *flags)
+        assert result.exit_code == 2 and f"trained with {key}=" in result.stderr, (flags, result.stderr)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    found = checkpoint.latest(out)
+    state = found.state()
+    cfg = config.load(None, {}, base=state["config"])
+    assert state["config"]["lora"].pop("dropout") == 0.0
+    (found.path / "state.json").write_text(json.dumps(state))  # as a checkpoint from before wrote it
+    checkpoint.check_compatible(found, cfg, (state["data_fingerprint"], state.get("eval_data_fingerprint")), out)
 
 
 @pytest.mark.one_backend  # numpy arrays and files only

@@ -277,7 +277,11 @@ RESUME_KEYS = (
     ("train", "top_p"), ("train", "epsilon"), ("train", "epsilon_high"), ("train", "num_iterations"),
     ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward_weights"), ("train", "center_rewards"),  # --reward may name a fixed one
     ("train", "group_by_length"), ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
+    ("lora", "dropout"), ("lora", "rslora"), ("lora", "dora"), ("lora", "plus_ratio"), ("model", "add_tokens"),
+    ("train", "neftune_alpha"), ("train", "embedding_lr"), ("train", "labels"),
 )  # fmt: skip
+# Keys RESUME_KEYS gained after checkpoints were written without them: such a checkpoint's value is unknown.
+_LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune_alpha", "embedding_lr", "labels"}
 
 
 def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None:
@@ -361,6 +365,8 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
     ours = cfg.to_dict()
     for section, key in RESUME_KEYS:
         then, now = saved["config"].get(section, {}).get(key), ours[section][key]  # .get: keys added since
+        if key in _LATER_KEYS and key not in saved["config"].get(section, {}):
+            continue
         if key in ("keep_best", "full", "group_by_length"):  # from before the setting: no best, LoRA, shuffled
             then = bool(then)
         if key == "method":  # a checkpoint from before preference methods trained SFT
