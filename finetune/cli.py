@@ -400,11 +400,27 @@ def gemma(
         from finetune.methods import registry
 
         registry.check(cfg)  # what the run would refuse of these settings, the plan refuses too
+        _check_local_reads(cfg)
         _print_plan(cfg, None, None)
         return
     import finetune
 
     finetune.run_as_command(cfg, resume=resume)
+
+
+def _check_local_reads(cfg) -> None:
+    """What --plan-only can check on this machine of what the run would refuse, reading but writing nothing: a
+    local --output that holds a run (without --overwrite) or cannot be written, and GRPO's --reward functions,
+    which load (a FILE.py runs; run:DIR is read, not built). A gs:// output is left to the run."""
+    from finetune.methods import registry, rewards
+    from finetune.platform import storage
+    from finetune.training import outputs
+
+    if cfg.output.dir is not None and not storage.is_staged(cfg.output.dir):
+        outputs.check_target(cfg.output.dir, cfg.output.overwrite, False)
+    method = registry.get(cfg.train.method)
+    if method.prompted:
+        rewards.load(cfg.train.reward, cfg.train.reward_weights, method.constants(cfg.train)["max_completion_length"])
 
 
 # The families `finetune plan` has shapes for, as preset name patterns: gemma_*, gemma2_*, ...

@@ -173,6 +173,36 @@ def test_plan_only_refuses_what_the_run_refuses(tmp_path, monkeypatch, flags, me
         assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.backend_neutral  # files and Python before any backend
+def test_plan_only_reads_the_output_and_the_rewards_as_the_run_would(tmp_path, monkeypatch):
+    """--plan-only refuses, as the run does and writing nothing, an --output that holds a run (without
+    --overwrite), a folder of the user's, and a --reward that does not load; with --overwrite, or rewards that
+    load, it plans."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "finetune-run.json").write_text("{}")
+    (tmp_path / "old" / "metrics.json").write_text("{}")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    (tmp_path / "bad.py").write_text("raise ValueError('broken')\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    grpo = ["--method", "grpo", "--max-completion-length", "32", "--batch-size", "2", "--output", "new"]
+    for flags, message in (
+        (["--output", "old"], "already holds a run"),
+        (["--output", "mine"], "mine"),
+        ([*grpo, "--reward", "bad.py:f"], "bad.py failed to load (ValueError: broken)"),
+        ([*grpo, "--reward", "exact", "--reward", "run:old"], "has no config.yaml"),
+    ):
+        # The run refuses an output before it reads its data (missing here); a reward once it has read it.
+        for extra in (["--plan-only"], ["--data", "missing.jsonl"]) if "--reward" not in flags else (["--plan-only"],):
+            result = runner.invoke(app, ["gemma", "--preset", "tiny", *flags, *extra])
+            assert result.exit_code == 2 and message in " ".join(result.output.split()), (flags, extra, result.output)
+    for flags in (["--output", "old", "--overwrite"], [*grpo, "--reward", "exact"]):
+        result = runner.invoke(app, ["gemma", "--preset", "tiny", *flags, "--plan-only"])
+        assert result.exit_code == 0, (flags, result.output)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_lora_counts_follow_the_factor_shapes():
     # query and value of gemma_7b_en, rank 4: A (16, 3072, 4) and B (4, 256) each, in 28 blocks.
     planned = make(**{"model.preset": "gemma_7b_en"})
