@@ -474,3 +474,35 @@ def test_full_trains_every_weight_under_every_method(method, data, tmp_path):
         assert float(loss.group(1)) == pytest.approx(metrics["eval_loss"], rel=1e-4, abs=1e-4), method
     else:
         assert "reward" in evaluated.output, evaluated.output
+
+
+# The LoRA variants and a quantized base, each below the methods: (flags, what metrics.json or config.yaml records).
+VARIANTS = {
+    "int8-rslora-plus": ["--quantize", "int8", "--rslora", "--lora-plus-ratio", "4"],
+    "dora-cosine-best": ["--dora", "--lr-schedule", "cosine", "--warmup-steps", "1", "--keep-best", "--eval-every",
+                         "1"],
+}  # fmt: skip
+
+
+@neutral
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("method", METHODS)
+def test_lora_variants_and_a_quantized_base_train_under_every_method(method, variant, data, plain, tmp_path):
+    """A quantized base, rsLoRA, LoRA+, DoRA, a schedule and --keep-best under every method: finite steps that
+    differ from the plain run's (the variant took effect), and a finished run `finetune eval` scores as the run's
+    own last (or kept best) evaluation."""
+    out = tmp_path / "run"
+    result = run(method, data, out, "--batch-size", "4", "--remat", "off", "--packing", "off", *VARIANTS[variant])
+    assert result.exit_code == 0, result.output
+    trained = losses(out)
+    assert len(trained) == 6 and all(math.isfinite(v) for v in trained)
+    # Steps 2 and 3 (step 1's loss is the base's where B starts at 0) and every gradient norm (GRPO's losses are 0).
+    assert not np.allclose(trained[1:], plain[method][1:], rtol=1e-6, atol=0), "the variant changed nothing"
+    metrics = json.loads((out / "metrics.json").read_text())
+    evaluated = invoke("eval", "--run", out)
+    assert evaluated.exit_code == 0, evaluated.output
+    loss = re.search(r"eval_loss (\S+)", evaluated.output)
+    if metrics.get("eval_loss") is not None and loss:
+        assert float(loss.group(1)) == pytest.approx(metrics["eval_loss"], rel=1e-4, abs=1e-4), (method, variant)
+    else:
+        assert "reward" in evaluated.output, evaluated.output
