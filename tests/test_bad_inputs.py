@@ -450,8 +450,12 @@ CASES = [
     bench("bench-unknown-recipe", ["--recipes", "trl"], "unknown recipe 'trl'"),
     bench("bench-no-recipe", ["--recipes", ""], "nothing to run"),
     bench("bench-no-backend", ["--backends", ""], "nothing to run"),
-    Case("bench-bad-tokenizer", lambda w: ["--tokenizer", w.file("bad.spm", "not a model")], "bad.spm is not a "
-         "SentencePiece model", "bench"),
+    Case(
+        "bench-bad-tokenizer",
+        lambda w: ["--tokenizer", w.file("bad.spm", "not a model")],
+        "bad.spm is not a SentencePiece model",
+        "bench",
+    ),
     bench("bench-zero-steps", ["--steps", "0"], "--steps must be at least 1"),
     Case("bench-missing-tokenizer", lambda w: ["--tokenizer", w.tmp / "no.spm"], "no.spm does not exist", "bench"),
     Case("bench-missing-data", lambda w: ["--data", w.tmp / "none.jsonl"], "none.jsonl", "bench"),

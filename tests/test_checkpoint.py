@@ -143,9 +143,14 @@ def test_resume_refuses_another_lora_variant_or_regularizer_naming_the_key(tmp_p
     out = tmp_path / "run"
     train(out, "--max-steps", "2")
     files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    for flags, key in ((["--lora-dropout", "0.1"], "lora.dropout"), (["--neftune-alpha", "5"], "train.neftune_alpha"),
-                       (["--rslora"], "lora.rslora"), (["--dora"], "lora.dora"),
-                       (["--lora-plus-ratio", "4"], "lora.plus_ratio"), (["--add-tokens", "<x>"], "model.add_tokens")):
+    for flags, key in (
+        (["--lora-dropout", "0.1"], "lora.dropout"),
+        (["--neftune-alpha", "5"], "train.neftune_alpha"),
+        (["--rslora"], "lora.rslora"),
+        (["--dora"], "lora.dora"),
+        (["--lora-plus-ratio", "4"], "lora.plus_ratio"),
+        (["--add-tokens", "<x>"], "model.add_tokens"),
+    ):
         result = invoke("gemma", "--resume", "--max-steps", "3", "--output", out, *flags)
         assert result.exit_code == 2 and f"trained with {key}=" in result.stderr, (flags, result.stderr)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
