@@ -115,6 +115,30 @@ def test_early_stop_ends_after_patience_evaluations_without_improvement():
     assert saved[-1] == 8
 
 
+def test_grpo_s_log_says_its_held_out_reward_where_its_loss_is_the_negated_reward(capsys):
+    """GRPO's held-out loss is its negated mean reward (lower is better for --early-stop and --keep-best); what the
+    log and the summary say is the reward."""
+    from finetune.methods import registry
+    from finetune.training import outputs
+
+    grpo = registry.get("grpo")
+    scores = iter([{"loss": -r, "reward": r, "accuracy": 1.0} for r in (0.2, 0.5, 0.4, 0.3, 0.1)])
+    settings = loop.Evaluation(scores.__next__, 2, True, 2, ("reward",), grpo)
+    hooks = loop.Hooks(settings, lambda progress: None, out=open(os.devnull, "w"))
+    steps = loop.Loop(Trainer(), Order(), loop.Progress(), loop.Plan(10, checkpoint_every=100), hooks)
+    steps.run()
+    assert (
+        "2 evaluations without a higher held-out reward than 0.5000 at step 4" in steps.progress.stopped_early["reason"]
+    )
+    steps.restore_best()
+    assert "keep best: publishing the adapter of step 4 (eval reward 0.5000, 100% of the prompts above 0)" in (
+        capsys.readouterr().out
+    )
+    rows = dict(outputs._eval_rows({"method": "grpo", "eval_loss_before": -0.1, "eval_loss": -0.5, "best_step": 4,
+                                    "eval_reward_before": 0.1, "eval_reward": 0.5}))  # fmt: skip
+    assert rows == {"eval reward": "0.100 -> 0.500 (best, step 4)"}
+
+
 def test_no_held_out_records_means_no_evaluation():
     steps, saved = scripted_loop([], total_steps=3)
     steps.evaluation = loop.Evaluation(None)

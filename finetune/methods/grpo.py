@@ -26,6 +26,15 @@ class GRPO(Method):
     why = "set"
     held_out = held_out_history = ("reward",)
     held_out_moves = False  # rewards of sampled text: the same mean says little (Method.held_out_moves)
+    loss_named = False  # the negated mean reward: the summary says the reward
+
+    def held_out_words(self, result: dict) -> str:
+        # Its held-out loss is the negated mean reward (lower is better for --keep-best): the log says the reward.
+        return f"eval reward {result['reward']:.4f}, {result['accuracy']:.0%} of the prompts above 0"
+
+    def better_words(self, best: dict) -> str:
+        return f"a higher held-out reward than {best['reward']:.4f}"
+
     examples = "prompts"
     defaults = {
         "beta": (0.0, "TRL's GRPOConfig: no KL term, so no reference pass"),

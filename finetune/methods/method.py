@@ -52,6 +52,9 @@ class Method:
     """Its held-out loss moves with any change of the weights (a mean of continuous scores), so the same loss before
     and after says the adapter did not change (guards.adapter_unchanged). GRPO's is a mean reward of sampled text,
     which a small held-out set can leave the same while the adapter moved."""
+    loss_named = True
+    """Its held-out loss is a score of its own that the summary shows; GRPO's is its negated mean reward (lower is
+    better, for --keep-best and --early-stop), which the summary shows as the reward."""
     prompt_loss = False
     """Its loss can take the prompt's tokens too (--train-on-prompt): SFT's cross-entropy. A preference loss
     compares answers, GRPO's its completions, a classifier's and a reward model's a score."""
@@ -60,6 +63,14 @@ class Method:
     head = ""
     """The file of the score head a finished run writes beside its adapter (its `kernel`, hidden x outputs); "":
     none. `finetune export --format hf` writes it as transformers' ...ForSequenceClassification's `score`."""
+
+    def held_out_words(self, result: dict) -> str:
+        """An evaluation's scores (the held-out metrics, `result`) as the run's log says them."""
+        return f"eval loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f}"
+
+    def better_words(self, best: dict) -> str:
+        """What an evaluation must score to beat `best`, the best one so far (--early-stop's reason)."""
+        return f"a lower held-out loss than {best['loss']:.4f}"
 
     def head_labels(self, train) -> list[str]:
         """The names of the score head's outputs, in order: transformers' id2label."""

@@ -90,6 +90,17 @@ class Evaluation:
     early_stop: int | None = None
     history: tuple = ()
     """The held-out metrics history.csv keeps beside the loss and accuracy (the method's held_out_history)."""
+    method: object = None
+    """The run's method (methods/method.Method), whose words the log says the scores in; None: SFT's."""
+
+    def words(self, result: dict) -> str:
+        """`result`, an evaluation's scores, as the log says them (Method.held_out_words)."""
+        return self._method().held_out_words(result)
+
+    def _method(self):
+        from finetune.methods import registry  # read once a run has its method: loop.py is below them
+
+        return self.method or registry.get("sft")
 
     def due(self, step: int, steps_per_epoch: int, total_steps: int) -> bool:
         """Whether to evaluate after `step`."""
@@ -104,10 +115,8 @@ class Evaluation:
         if self.early_stop is None or stale < self.early_stop:
             return None
         best = progress.best()
-        return (
-            f"{stale} evaluations without a lower held-out loss than {best['loss']:.4f} at step {best.get('step')} "
-            f"(--early-stop {self.early_stop})"
-        )
+        return f"{stale} evaluations without {self._method().better_words(best)} at step {best.get('step')} " \
+               f"(--early-stop {self.early_stop})"  # fmt: skip
 
 
 def _stopped_before_training(name: str) -> str:
@@ -455,7 +464,7 @@ class Loop:
         for variable, value in zip(self.trainer.trainable_variables, self.progress.best_weights):
             variable.assign(value)
         if best["step"] != self.progress.step:
-            print(f"keep best: publishing the adapter of step {best['step']} (held-out loss {best['loss']:.4f})")
+            print(f"keep best: publishing the adapter of step {best['step']} ({self.evaluation.words(best)})")
         return best
 
     def tokens_per_second(self) -> float | None:
@@ -484,8 +493,7 @@ class Loop:
             }
         )
         self._report.line(
-            f"epoch {epoch}: eval loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} "
-            f"(step {self.progress.step}/{self.total_steps})"
+            f"epoch {epoch}: {self.evaluation.words(result)} (step {self.progress.step}/{self.total_steps})"
         )
 
     def _save(self) -> None:

@@ -790,12 +790,16 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
     if metrics.get("eval_loss") is None:
         return [("eval", "skipped: nothing held out (--eval-fraction 0)")]
     best = f" (best, step {metrics['best_step']})" if metrics.get("best_step") is not None else ""
-    rows = [("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}{best}")]
+    method = registry.get(metrics.get("method", "sft"))  # a run from before methods trained SFT
+    rows = (
+        [("eval loss", f"{metrics['eval_loss_before']:.4f} -> {metrics['eval_loss']:.4f}")] if method.loss_named else []
+    )
     digits = {"perplexity": 2}
-    for name in registry.get(metrics.get("method", "sft")).held_out:  # a run from before methods trained SFT
+    for name in method.held_out:
         before, after = metrics.get(f"eval_{name}_before"), metrics[f"eval_{name}"]
         shown = [f"{value:.{digits.get(name, 3)}f}" for value in (before, after) if value is not None]
         rows.append((f"eval {name.replace('_', ' ')}", " -> ".join(shown)))
+    rows[0] = (rows[0][0], rows[0][1] + best)
     if metrics.get("stopped_early"):
         rows.append(("stopped early", f"at step {metrics['stopped_early']['at_step']}"))
     return rows

@@ -220,7 +220,7 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
     elif session.found is None:
         session.phase(f"evaluating before training ({session.held_out.rows} held-out records)")
         before = session.held_out.metrics()
-        print(f"eval loss before training: {before['loss']:.4f}")
+        print(f"{session.run.method.held_out_words(before)} before training")
         warning = _broken_forward(session, before)
         if warning:
             print(f"warning: {warning}")
@@ -270,7 +270,7 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
     scores = session.held_out.metrics if session.held_out else None
     hooks = loop.Hooks(
         evaluation=loop.Evaluation(
-            scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop, run.method.held_out_history
+            scores, cfg.eval.every, cfg.eval.keep_best, cfg.eval.early_stop, run.method.held_out_history, run.method
         ),
         save_checkpoint=functools.partial(claim.checkpoint, trainer, start, cfg.train.keep_checkpoints, advice),
         callbacks=trackers,
