@@ -305,22 +305,33 @@ def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     assert all(total == each for total, each in scored) and {"0.000", "1.000"} >= {t for t, _ in scored}
 
 
-@pytest.mark.one_backend  # the note is Python's; the scoring passes run on every backend in test_grpo_view's view
-def test_a_resume_within_a_batch_of_rollouts_says_it_samples_the_batch_again(files, tmp_path):
-    """--num-iterations 2 trains each batch of rollouts two steps, scored when sampled (and, with --beta, under the
-    base); killed after step 1, the resumed run samples step 2's batch again, and says so (docs/not-yet.md)."""
+def test_a_run_killed_within_a_batch_of_rollouts_resumes_to_the_uninterrupted_run(files, tmp_path):
+    """--num-iterations 2 trains each batch of rollouts two steps, scored when sampled and under the base (--beta);
+    killed after step 1, the checkpoint kept step 2's batch (order.npz), and the resumed run trains on it as the
+    uninterrupted run did: the same history and adapter."""
     data, reward_file = files
-    out = tmp_path / "run"
     flags = ["--data", data, "--reward", f"{reward_file}:opens_with_the", "--num-iterations", "2", "--beta", "0.04",
-             "--max-steps", "4", "--eval-fraction", "0", "--checkpoint-every", "1", "--output", out]  # fmt: skip
-    killed = grpo(*flags, fault=("SIGKILL", 1))
+             "--max-steps", "4", "--eval-fraction", "0", "--checkpoint-every", "1"]  # fmt: skip
+    whole = tmp_path / "whole"
+    done = grpo(*flags, "--output", whole)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = tmp_path / "run"
+    killed = grpo(*flags, "--output", out, fault=("SIGKILL", 1))
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert (checkpoint.latest(out).path / checkpoint.ORDER).is_file()
     resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
                              capture_output=True, text=True, timeout=600)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "note: resumed at step 2, within a batch of rollouts that --num-iterations 2" in resumed.stdout
-    rows = history(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["kl"] >= 0 for r in rows)
+    assert "sampled again" not in resumed.stdout and "rollout 2: reward" in resumed.stdout
+    assert "rollout 1: reward" not in resumed.stdout  # step 2 trained on step 1's batch, kept
+    expected, got = history(whole), history(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and all(r["kl"] >= 0 for r in got)
+    for a, b in zip(got, expected):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
+    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert first.keys() == second.keys() and len(first) > 1
+    for name in first:
+        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.one_backend  # the sampler itself is checked on every family and backend in test_rollouts.py

@@ -9,11 +9,13 @@ each slot's advantage, and where asked its log-probability when sampled and unde
 steps train on one batch of rollouts.
 
 Each rollout's sampler is seeded from (--seed, the batch's index), so a run samples the same completions
-wherever it is resumed, where the backend's sampling is deterministic.
+wherever it is resumed, where the backend's sampling is deterministic; a checkpoint part way through a batch's
+--num-iterations steps keeps the batch (kept, checkpoint.ORDER), which the resumed run trains on as it was.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -364,12 +366,40 @@ class RolloutOrder:
         """The rollouts' rewards and completion lengths, for history.csv."""
         return self._made(step).metrics
 
+    def kept(self, steps: int) -> dict | None:
+        """What a checkpoint after `steps` steps keeps to go on exactly: the batch of rollouts the next step trains
+        on where it was sampled already (part way through its --num-iterations steps), by name; None otherwise."""
+        made = self._rollout
+        if made is None or steps % self.iterations == 0 or made.group != steps // self.iterations:
+            return None
+        arrays = {"group": np.array(made.group), "tokens": np.array(made.tokens), "weights": np.array(made.weights),
+                  "metrics": np.array(json.dumps(made.metrics))}  # fmt: skip
+        for index, ((x, y, w), _) in enumerate(made.batches):
+            arrays.update({f"batch{index}.x.{name}": np.asarray(value) for name, value in x.items()})
+            arrays[f"batch{index}.y"], arrays[f"batch{index}.w"] = np.asarray(y), np.asarray(w)
+        return arrays
+
+    def take_up(self, steps: int, arrays: dict) -> None:
+        """Go on from a checkpoint after `steps` steps with the batch of rollouts it kept (kept)."""
+        group = int(arrays["group"])
+        if group != steps // self.iterations:
+            return
+        batches = []
+        while f"batch{len(batches)}.y" in arrays:
+            index, prefix = len(batches), f"batch{len(batches)}.x."
+            x = {name[len(prefix) :]: value for name, value in arrays.items() if name.startswith(prefix)}
+            batches.append(((x, arrays[f"batch{index}.y"], arrays[f"batch{index}.w"]), None))
+        self._rollout = Rollout(group, batches, tuple(int(t) for t in arrays["tokens"]),
+                                json.loads(str(arrays["metrics"])), [float(w) for w in arrays["weights"]])  # fmt: skip
+        self._first = False
+
     def _made(self, step: int) -> Rollout:
         group = step // self.iterations
         if self._rollout is None and step % self.iterations:
             print(f"note: resumed at step {step + 1}, within a batch of rollouts that --num-iterations "
-                  f"{self.iterations} trains on: it is sampled again from the adapter as it stands, so the run goes "
-                  "on from here as an uninterrupted one would not (docs/not-yet.md)", flush=True)  # fmt: skip
+                  f"{self.iterations} trains on, which the checkpoint did not keep (an older finetune wrote it): it "
+                  "is sampled again from the adapter as it stands, so the run goes on from here as an uninterrupted "
+                  "one would not", flush=True)  # fmt: skip
         if self._rollout is None or self._rollout.group != group:
             self._rollout = self._roll(group, step)
         return self._rollout

@@ -9,6 +9,8 @@ The frozen base is never written; a resume rebuilds it from the preset.
         optimizer.npz   optimizer variables, in order
         state.json      step, config, data fingerprint, history and metrics so far
         best.npz        with --keep-best: the trainable variables at the best evaluation so far
+        order.npz       what the data order needs to go on exactly (GRPO's batch of rollouts part way through
+                        the --num-iterations steps that train on it), where it needs anything
         manifest.json   size and sha256 of the files above: written last
 
 Writes are atomic the way Orbax's are: the files go into a hidden temporary
@@ -40,6 +42,7 @@ DIRECTORY = "checkpoints"
 MANIFEST = "manifest.json"
 FILES = ("weights.npz", "optimizer.npz", "state.json")
 BEST = "best.npz"
+ORDER = "order.npz"
 FORMAT = 1
 
 
@@ -76,6 +79,7 @@ class RunState:
         (fingerprints: the training records' and the --eval-data records', as check_compatible compared them)."""
         progress = loop.Progress.from_state(state["progress"])
         progress.best_weights = state.get("best_weights")
+        progress.order_arrays = state.get("order_arrays")
         return cls(state["run_id"], progress, state["eval_before"], state["generated_before"], config, fingerprints[0],
                    state.get("reference"), fingerprints[1])  # fmt: skip
 
@@ -83,8 +87,10 @@ class RunState:
         """state.json at `progress` (self.progress, as the loop passes it), less the variables' paths; with the
         best weights (--keep-best), which save() writes to best.npz."""
         best = {} if progress.best_weights is None else {"best_weights": progress.best_weights}
+        order = {} if progress.order_arrays is None else {"order_arrays": progress.order_arrays}
         return (
             best
+            | order
             | {
                 "run_id": self.run_id,
                 "step": progress.step,
@@ -117,10 +123,11 @@ class Checkpoint:
 def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict) -> Checkpoint:
     """Write one checkpoint atomically; returns it. Raises OSError (disk full, unwritable).
 
-    state: dict. state.json's; its `best_weights`, when there, go to best.npz instead.
+    state: dict. state.json's; its `best_weights` and `order_arrays`, when there, go to best.npz and order.npz.
     """
     state = dict(state)
     best = state.pop("best_weights", None)
+    order = state.pop("order_arrays", None)
     parent = Path(run_dir) / DIRECTORY
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / f"step-{step:08d}-{run_id}"
@@ -139,6 +146,10 @@ def save(run_dir: Path, run_id: str, step: int, weights, optimizer, state: dict)
         }
         if best is not None:
             contents[BEST] = _npz(best)
+        if order is not None:
+            buffer = io.BytesIO()
+            np.savez(buffer, **order)
+            contents[ORDER] = buffer.getvalue()
         for name, payload in contents.items():
             storage.write_synced(temporary / name, payload)
         created = time.time()
@@ -210,6 +221,9 @@ def load(checkpoint: Checkpoint) -> tuple[list[np.ndarray], list[np.ndarray], di
     state = checkpoint.state()
     if (checkpoint.path / BEST).is_file():
         state["best_weights"] = _arrays(checkpoint.path / BEST)
+    if (checkpoint.path / ORDER).is_file():
+        with np.load(checkpoint.path / ORDER, allow_pickle=False) as stored:
+            state["order_arrays"] = {name: stored[name] for name in stored.files}
     return weights, optimizer, state
 
 
@@ -238,7 +252,7 @@ def _checked(path: Path, verify: bool) -> Checkpoint:
         if not set(FILES) <= set(manifest["files"]):
             raise CheckpointError(f"{path}: its manifest lists no {sorted(set(FILES) - set(manifest['files']))[0]}")
         for name in manifest["files"]:
-            if name not in (*FILES, BEST):
+            if name not in (*FILES, BEST, ORDER):
                 raise CheckpointError(f"{path}: its manifest lists an unknown file {name!r}")
             expected = manifest["files"][name]
             file = path / name

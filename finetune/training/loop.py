@@ -28,6 +28,8 @@ import numpy as np
 from finetune.platform import backend
 from finetune.platform.errors import RunStopped, UserError
 
+_IN_FILES = ("best_weights", "order_arrays")  # Progress' arrays: a checkpoint's files of their own, not state.json
+
 
 @dataclass
 class Progress:
@@ -51,16 +53,20 @@ class Progress:
     best_weights: list | None = None
     """The trainable variables' values at the best evaluation (--keep-best); a checkpoint keeps them in a file of
     their own (checkpoint.BEST), not in state.json."""
+    order_arrays: dict | None = None
+    """What the order needs to go on as the uninterrupted run would, by name (Order.kept: GRPO's batch of rollouts
+    part way through the --num-iterations steps that train on it); a checkpoint keeps them in a file of their own
+    (checkpoint.ORDER)."""
 
     def to_state(self) -> dict:
         state = asdict(self)
-        del state["best_weights"]
+        del state["best_weights"], state["order_arrays"]
         return state
 
     @classmethod
     def from_state(cls, state: dict) -> Progress:
         # .get: a checkpoint saved before a field was added resumes with its default.
-        return cls(**{k: state[k] for k in asdict(cls()) if k in state and k != "best_weights"})
+        return cls(**{k: state[k] for k in asdict(cls()) if k in state and k not in _IN_FILES})
 
     def best(self) -> dict | None:
         """The evaluation with the lowest held-out loss, the earliest of equals; None before any."""
@@ -363,6 +369,8 @@ class Loop:
 
     def _run(self) -> Progress:
         progress, order = self.progress, self.order
+        if progress.order_arrays is not None and hasattr(order, "take_up"):  # resumed where the order kept some
+            order.take_up(progress.step, progress.order_arrays)
         with StopSignals.mode(None) as signals:
             while progress.step < self.total_steps and not progress.stopped_early:
                 step = progress.step
@@ -498,6 +506,7 @@ class Loop:
 
     def _save(self) -> None:
         started = time.perf_counter()
+        self.progress.order_arrays = self.order.kept(self.progress.step) if hasattr(self.order, "kept") else None
         self.save_checkpoint(self.progress)
         self._longest["save"] = max(self._longest["save"], time.perf_counter() - started)
         self.last_saved = self.progress.step
