@@ -611,3 +611,31 @@ def test_the_plan_refuses_a_quantized_base_the_run_refuses(monkeypatch):
     monkeypatch.setitem(families.FAMILIES, "gemma4", refusing)
     with pytest.raises(UserError, match="--quantize int4 is not for Gemma 4 yet: a reason"):
         make(device="24GB", **{"model.preset": "gemma4_31b", "model.quantize": "int4"})
+
+
+@pytest.mark.backend_neutral  # the plan's Python
+def test_new_tokens_rows_are_counted_with_their_gradients_and_moments():
+    """--add-tokens trains a float32 row of the hidden width per token beside LoRA (model/tokens.py): its weights,
+    gradients and AdamW's two moments, and with --grad-accum their sum, are in the plan."""
+    base = make(**{"model.preset": "gemma_2b_en"})
+    added = make(**{"model.preset": "gemma_2b_en", "model.add_tokens": ["<a>", "<b>", "<c>"]})
+    rows = 3 * 2048
+    assert added.memory["new_token_rows"] == 4 * rows * 4 and "new_token_rows" not in base.memory
+    assert added.memory["total"] - base.memory["total"] == pytest.approx(added.memory["new_token_rows"])
+    assert any("3 new embedding rows (6,144 weights)" in note for note in added.notes)
+    accumulating = make(**{"model.preset": "gemma_2b_en", "model.add_tokens": ["<a>"], "train.grad_accum": 2})
+    assert accumulating.memory["new_token_rows"] == 5 * 2048 * 4
+
+
+@pytest.mark.backend_neutral  # the plan's Python
+def test_the_table_shows_every_part_of_the_memory_it_totals():
+    """Each part the total counts has its row: GRPO's rollout beyond the step and --add-tokens' rows were counted
+    in the total and shown nowhere."""
+    grpo = {"model.preset": "gemma3_270m", "train.method": "grpo", "train.num_generations": 8, "model.seq_len": 1024,
+            "train.batch_size": 1, "model.remat": "on", "model.precision": "bfloat16"}  # fmt: skip
+    for settings in (grpo, {"model.add_tokens": ["<a>"]}, {"model.quantize": "int8"}):
+        planned = make(**{"model.preset": "gemma_2b_en", "backend": "torch", **settings}, device="h100")
+        shown = plan.table(planned)
+        parts = [key for key, value in planned.memory.items() if key != "total" and value]
+        assert parts and all(plan._ROWS[key] in shown for key in parts), (settings, parts)
+    assert "rollout" in make(**{"backend": "torch", **grpo}, device="h100").memory

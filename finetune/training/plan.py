@@ -383,6 +383,11 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
             "lora_gradients": lora * _LORA_BYTES,
             "optimizer": accumulated * lora * _LORA_BYTES,
         }
+        added = len(cfg.model.add_tokens or ()) * model.dims.hidden_dim  # --add-tokens: their rows train too
+        if added:
+            memory["new_token_rows"] = (2 + accumulated) * added * _LORA_BYTES  # weights, gradients, moments
+            notes.append(f"--add-tokens: {len(cfg.model.add_tokens)} new embedding rows ({added:,} weights) train "
+                         "beside LoRA, in float32")  # fmt: skip
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len
     per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
@@ -960,9 +965,11 @@ _ROWS = {
     "lora_gradients": "LoRA gradients",
     "gradients": "gradients (every weight)",
     "optimizer": "AdamW moments",
+    "new_token_rows": "new token rows, trained",
     "activations": "activations",
     "dequantized_kernel": "one kernel dequantized",
     "logits": "logits, one chunk",
+    "rollout": "rollout sampling, beyond the step",
     "image_pixels": "pictures, the batch's",
     "vision_forward": "vision encoder, forward",
     "audio_frames": "audio, log-mel frames",
