@@ -283,6 +283,23 @@ CASES = [
     gemma("target-unknown", ["--target", "qkv"], "no layer named 'qkv'"),
     # Runs for eval and generate.
     run_case("run-no-config", "eval", lambda r, w: (r / "config.yaml").unlink(), "has no config.yaml"),
+    Case(
+        "eval-on-pairs",
+        lambda w: [
+            "--run",
+            w.run_copy(),
+            "--data",
+            w.file("pairs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'),
+        ],
+        "holds preference pairs (preference); the run is sft, which takes records with answers",
+        command="eval",
+    ),
+    Case(
+        "eval-on-prompts",
+        lambda w: ["--run", w.run_copy(), "--data", w.file("prompts.jsonl", '{"prompt": "a"}\n')],
+        "holds prompts alone (prompts); the run is sft, which takes records with answers",
+        command="eval",
+    ),
     run_case("run-no-adapter", "generate", lambda r, w: (r / ADAPTER).unlink(), f"has no {ADAPTER}"),
     run_case("run-truncated-adapter", "eval", lambda r, w: _truncate(r / ADAPTER), "not a readable adapter"),
     run_case(

@@ -173,6 +173,17 @@ def test_grpo_learns_from_the_command_line(learned):
     assert "rollout 12: reward" in stdout and "scored alike" not in stdout
 
 
+def test_eval_generate_of_a_grpo_run_is_refused_and_its_data_must_be_prompts(learned, tmp_path):
+    """Its prompts have no reference answers for ROUGE-L (it scored 0 every time), and records with answers are
+    not what it scores (a mean reward of 1.0 on them)."""
+    out, _, _ = learned
+    refused = invoke("eval", "--run", out, "--generate", "1")
+    assert refused.exit_code == 2 and "no reference answers for --generate" in refused.stderr, refused.output
+    answers = write_jsonl(tmp_path / "answers.jsonl", [{"text": "a b c", "label": "good"}])
+    refused = invoke("eval", "--run", out, "--data", answers)
+    assert refused.exit_code == 2 and "the run is grpo, which takes prompts alone" in refused.stderr, refused.output
+
+
 def history(out) -> list[dict]:
     with (out / "history.csv").open() as f:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]

@@ -74,3 +74,18 @@ def test_the_held_out_split_does_not_depend_on_the_batch_size(tokenizer):
     one = SFT.prepare(records(64), tokenizer, cfg, packed=False)
     assert [r for r, _ in four.held_out] == [r for r, _ in one.held_out] and len(one.held_out) == 3
     assert [r for r, _ in four.train] == [r for r, _ in one.train]
+
+
+@pytest.mark.one_backend  # files and Python
+def test_predict_reads_every_record_whatever_the_run_s_filters(tmp_path):
+    """`finetune predict` writes a line for each record of its file, in order: a run trained with --max-records
+    60 wrote 60 lines for a file of 96."""
+    from conftest import write_jsonl
+
+    from finetune import config
+    from finetune.methods import prepare
+
+    data = write_jsonl(tmp_path / "d.jsonl", make_records(7))
+    cfg = config.load(None, {"data.max_records": 3, "data.path": str(data)})
+    assert len(prepare.read(cfg, str(data), trained=True)[0]) == 3
+    assert len(prepare.read(cfg, str(data), trained=True, filtered=False)[0]) == 7

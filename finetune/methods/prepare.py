@@ -53,19 +53,22 @@ def split(usable: list, cfg, every_record_of: str | None = None) -> tuple[list, 
     return formats.split(usable, cfg.data.eval_fraction, cfg.train.seed)
 
 
-def read(cfg, path: str, trained: bool = False) -> tuple[list[formats.Record], str]:
+def read(cfg, path: str, trained: bool = False, filtered: bool = True) -> tuple[list[formats.Record], str]:
     """(the records of `path`, checked and filtered as the config says; their format).
 
     The template for the format is decided with the run's other settings (resolve.py).
 
     trained: bool. `cfg` is a trained run's (`finetune eval`): its template and filters are fixed, so records
         the template cannot render, or the filters refuse, are said to be wrong for the run, not flags to change.
+    filtered: bool. False: every record, whatever the config's filters (`finetune predict`: a line each).
     """
     records, found = formats.read(path, cfg.data.split if path == cfg.data.path else "train")
     if trained:
         family_chat = families.get(presets.family_of(cfg.model.preset)).chat_template
         templates.for_data(cfg.data.template, found, family_chat, cfg.model.preset, path, trained=True)
     print(f"read {len(records)} records, {found} format, from {path}")
+    if not filtered:
+        return records, found
     kept = formats.filter_records(
         records,
         drop_context=cfg.data.drop_context,

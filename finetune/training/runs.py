@@ -202,15 +202,19 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
             f"{run.shown} held no records out (--eval-fraction 0), so it has none of its own to evaluate; "
             "pass --data FILE to evaluate on a file"
         )
+    method = registry.get(cfg.train.method)
     if generate:
         check_writes_text(run, "eval --generate")  # a classifier or reward model writes no answers to score
+        if method.prompted:
+            raise UserError(f"{run.shown} is a {method.title} run: its prompts have no reference answers for "
+                            "--generate to score against; its held-out reward is `finetune eval`'s score")  # fmt: skip
         scoring.check_rouge()
     path = data_path or cfg.eval.data or cfg.data.path
-    records, _ = prepare.read(cfg, path, trained=True)
+    records, found = prepare.read(cfg, path, trained=True)
+    _check_kind(method, found, path)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
     other_file = path if (data_path is not None or cfg.eval.data is not None) else None
-    method = registry.get(cfg.train.method)
     prepared = method.prepare(records, preprocessor, cfg, every_record_of=other_file)
     result = method.evaluate(lm, cfg, prepared.held_out_rows, run.directory)
     result["examples"] = len(prepared.held_out)
@@ -243,7 +247,9 @@ def predict_run(run: Run, data_path: str, output: str | Path, overwrite: bool = 
     temporary = output.with_name(f".{output.name}.partial")
     _writable(temporary)  # before the model loads
     method = registry.get(run.config.train.method)
-    records, _ = prepare.read(run.config, data_path, trained=True)
+    # Every record, one line each in order: the run's own filters (--max-records, --category) chose its data.
+    records, found = prepare.read(run.config, data_path, trained=True, filtered=False)
+    _check_kind(method, found, data_path)
     if not method.labelled:  # before the model loads
         method.predict(None, None, run.config, records, run.directory)
     lm, preprocessor = load_model(run)
@@ -255,6 +261,17 @@ def predict_run(run: Run, data_path: str, output: str | Path, overwrite: bool = 
         temporary.unlink(missing_ok=True)
         raise UserError(f"could not write --output {output}: {e.strerror or e}") from None
     return len(lines)
+
+
+def _check_kind(method, data_format: str, path: str) -> None:
+    """Refuse records of another kind than the run's method takes (formats.kind), as its training did: a DPO run
+    scored on Dolly records scored an empty rejected answer."""
+    from finetune.data import formats
+
+    takes = "preference pairs" if method.paired else "prompts alone" if method.prompted else "records with answers"
+    if formats.kind(data_format) != takes:
+        raise UserError(f"{path} holds {formats.kind(data_format)} ({data_format}); the run is {method.name}, "
+                        f"which takes {takes}, as it trained on: give a file of those")  # fmt: skip
 
 
 def _writable(path: Path) -> None:
@@ -275,7 +292,7 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
 
     held_out = [record for record, _ in prepared.held_out[:count]]
     template = prepared.template
-    prompts = [template.sample_prompt(r) for r in held_out]
+    prompts = scoring.sample_inputs([template.sample_prompt(r) for r in held_out], held_out, preprocessor)
     answers = scoring.generate(lm, preprocessor, prompts, max_new_tokens, template.stop_tokens)
     return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
 

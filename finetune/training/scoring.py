@@ -121,6 +121,17 @@ def rouge_l(predictions: list[str], references: list[str]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
+def sample_inputs(prompts: list[str], records, preprocessor):
+    """What generate() is given for the sample prompts of `records`: the prompts, with the records' pictures or
+    clips where they have any (images.generation_input, audio.generation_input)."""
+    if any(r.images for r in records):
+        return images.generation_input(prompts, [r.images for r in records], images.vision_of(preprocessor))
+    if records and all(len(r.audios) == 1 for r in records):  # keras-hub's generate() takes a clip a prompt
+        hearing = audio.hearing_of(preprocessor)
+        return audio.generation_input(prompts, [r.audios[0] for r in records], hearing)
+    return prompts
+
+
 class HeldOut:
     """The records a run holds out: metrics over them, and generations on the first few's prompts (samples.md).
 
@@ -142,15 +153,8 @@ class HeldOut:
         self.preprocessor = model.preprocessor
         self.samples = samples
         self.prompts = [template.sample_prompt(r) for r in samples]
-        self.inputs = self.prompts
+        self.inputs = sample_inputs(self.prompts, samples, self.preprocessor)
         """What generate() is given: the prompts, with their pictures where the samples have any."""
-        if any(r.images for r in samples):
-            self.inputs = images.generation_input(
-                self.prompts, [r.images for r in samples], images.vision_of(self.preprocessor)
-            )
-        elif samples and all(len(r.audios) == 1 for r in samples):  # keras-hub's generate() takes a clip a prompt
-            hearing = audio.hearing_of(self.preprocessor)
-            self.inputs = audio.generation_input(self.prompts, [r.audios[0] for r in samples], hearing)
         self.stop_tokens = template.stop_tokens
         self.max_new_tokens = max_new_tokens
 
