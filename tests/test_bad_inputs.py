@@ -284,6 +284,13 @@ CASES = [
     # Runs for eval and generate.
     run_case("run-no-config", "eval", lambda r, w: (r / "config.yaml").unlink(), "has no config.yaml"),
     Case(
+        "export-into-the-run",
+        lambda w: ["--run", (r := w.run_copy()), "--format", "lora", "--output", r / "exp"],
+        "is inside the run's directory",
+        command="export",
+    ),
+    run_case("run-no-metrics", "generate", lambda r, w: (r / "metrics.json").unlink(), "has no metrics.json, so it"),
+    Case(
         "eval-on-pairs",
         lambda w: [
             "--run",

@@ -80,6 +80,8 @@ def export(run_dir, request: Request, backend: str | None = None) -> Path:
 
     target = check_request(request)
     run = runs.open_on(run_dir, backend)
+    if Path(target).resolve().is_relative_to(Path(run.directory).resolve()):
+        raise UserError(f"--output {target} is inside the run's directory; export to a directory outside it")
     return export_run(run, request, target)
 
 

@@ -196,6 +196,7 @@ def publish(run_dir, request: Request, backend: str | None = None) -> Published:
 
     where, form = check(request)
     run = open_finished(run_dir)
+    runs.check_writes_text(run, "publish")  # a classifier or reward model: its exports are not published yet
     licence = licence_of(run)
     runs.select_backend(run, backend)
     scratch = Path(tempfile.mkdtemp(prefix="finetune-publish-"))

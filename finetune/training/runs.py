@@ -70,6 +70,9 @@ def open_run(directory: str | Path) -> Run:
         raise UserError(
             f"{directory} has no {outputs.CONFIG}, so it is not a finished run; pass --run DIR of a finished run"
         )
+    if not (directory / outputs.METRICS).is_file():  # written last: without it the files may be of two runs
+        raise UserError(f"{directory} has no {outputs.METRICS}, so it is not a finished run (it stopped or is being "
+                        f"written); finish it with `finetune gemma --resume --output {directory}`")  # fmt: skip
     cfg = config_module.from_dict(config_module.read_recipe(directory / outputs.CONFIG))
     trained, described = (
         (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
