@@ -289,6 +289,7 @@ CASES = [
         "is inside the run's directory",
         command="export",
     ),
+    generate("generate-placeholder-without-picture", ["--prompt", "<image>What is it?"], "no --image gives it"),
     run_case("run-no-metrics", "generate", lambda r, w: (r / "metrics.json").unlink(), "has no metrics.json, so it"),
     Case(
         "eval-on-pairs",

@@ -324,6 +324,10 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     cfg = run.config
     template = templates.get(cfg.data.template)
     pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]
+    for placeholder, given, flag in ((images.PLACEHOLDER, pictures, "--image"), (audio.PLACEHOLDER, clip, "--audio")):
+        if not given and any(placeholder in p for p in prompts):  # it would be read as text, the marker's pieces
+            raise UserError(f"the prompt has {placeholder}, where a picture or clip goes, and no {flag} gives it: "
+                            f"pass {flag} FILE, or leave {placeholder} out")  # fmt: skip
     if pictures:
         prompts = [images.with_placeholders(p, len(pictures)) for p in prompts]
     if clip is not None:
