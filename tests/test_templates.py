@@ -122,6 +122,11 @@ def test_a_text_records_sample_starts_from_its_opening_words():
     record = formats.Record(instruction="", response=text(5)["text"])
     assert templates.get("none").sample_prompt(record) == "The number after"
     assert templates.get("none").sample_prompt(formats.Record(instruction="", response="One")) == "One"
+    # Its reference is the rest, what the model would go on with: prompt and reference make the whole text.
+    reference = templates.get("none").sample_reference(record)
+    assert not reference.startswith("The") and record.response == f"The number after {reference}"
+    dolly = formats.Record(instruction="Say a", response="a")
+    assert templates.get("dolly").sample_reference(dolly) == "a"
 
 
 def trained_and_not(fmt, i=0):

@@ -59,6 +59,10 @@ class Template:
         """What a sample generation before and after training is given for `record`."""
         return self.apply(record)[0]
 
+    def sample_reference(self, record: Record) -> str:
+        """What a sample generation for `record` is compared with (samples.md, eval --generate's ROUGE-L)."""
+        return record.response
+
     def stop_ids(self, tokenizer) -> tuple[int, ...]:
         return stop_ids(tokenizer, self.stop_tokens)
 
@@ -193,6 +197,12 @@ class NoTemplate(Template):
             return record.instruction
         words = re.findall(r"\S+\s*", record.response)
         return "".join(words[: max(1, min(16, len(words) // 4))]).rstrip()
+
+    def sample_reference(self, record: Record) -> str:
+        """The rest of a text record after its sample prompt's opening words: what the model would go on with."""
+        if record.instruction:
+            return record.response
+        return record.response[len(self.sample_prompt(record)) :].lstrip()
 
 
 TEMPLATES = {t.name: t for t in (Dolly(), Alpaca(), GemmaChat(), Gemma4Chat(), NoTemplate())}

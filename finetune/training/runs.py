@@ -297,7 +297,10 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
     template = prepared.template
     prompts = scoring.sample_inputs([template.sample_prompt(r) for r in held_out], held_out, preprocessor)
     answers = scoring.generate(lm, preprocessor, prompts, max_new_tokens, template.stop_tokens)
-    return {"rougeL": scoring.rouge_l(answers, [r.response for r in held_out]), "generated": len(held_out)}
+    return {
+        "rougeL": scoring.rouge_l(answers, [template.sample_reference(r) for r in held_out]),
+        "generated": len(held_out),
+    }
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,7 @@ class HeldOut:
         self.lm = model.lm
         self.preprocessor = model.preprocessor
         self.samples = samples
+        self.template = template
         self.prompts = [template.sample_prompt(r) for r in samples]
         self.inputs = sample_inputs(self.prompts, samples, self.preprocessor)
         """What generate() is given: the prompts, with their pictures where the samples have any."""
@@ -175,7 +176,7 @@ class HeldOut:
     def sample_rows(self, before: list[str], after: list[str]) -> list[dict]:
         """samples.md's rows (outputs.write_samples)."""
         rows = [
-            {"prompt": p, "reference": r.response, "before": b, "after": a}
+            {"prompt": p, "reference": self.template.sample_reference(r), "before": b, "after": a}
             for p, r, b, a in zip(self.prompts, self.samples, before, after)
         ]
         if self.judge is not None and rows:
