@@ -1,3 +1,4 @@
+import json
 import re
 
 import pytest
@@ -195,3 +196,24 @@ def test_generation_stops_at_the_stop_tokens_the_tokenizer_has_and_gemma4_at_a_t
     ids = template.stop_ids(tokenizer)
     unknown = tokenizer.token_to_id("<|tool_response>")
     assert unknown not in ids and tokenizer.token_to_id("<turn|>") in ids and tokenizer.token_to_id("<eos>") in ids
+
+
+def test_a_tool_chat_sample_is_compared_with_the_call_it_trains_after_its_prompt(tmp_path):
+    """After the sample prompt (the system turn with the declarations, the user's turn) a tool-chat record trains
+    the model to call the tool, where generation stops (<|tool_response>): that call is the reference, not the
+    final reply, which only follows the tool's response."""
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Lima"}}}
+    tool = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    record = {"tools": [tool], "messages": [{"role": "user", "content": "Weather in Lima?"},
+              {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "name": "weather", "content": "28"},
+              {"role": "assistant", "content": "It is 28 degrees."}]}  # fmt: skip
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    records, found = formats.read(str(path), "train")
+    gemma4 = templates.get("gemma4-chat")
+    reference = gemma4.sample_reference(records[0])
+    assert found == "tool-chat" and reference.startswith("<|tool_call>call:weather{") and "Lima" in reference
+    assert reference.endswith("<tool_call|>") and "28 degrees" not in reference
+    whole = "".join(text for text, _ in gemma4.segments(records[0]))
+    assert whole.startswith(gemma4.sample_prompt(records[0]) + reference)

@@ -60,8 +60,11 @@ class Template:
         return self.apply(record)[0]
 
     def sample_reference(self, record: Record) -> str:
-        """What a sample generation for `record` is compared with (samples.md, eval --generate's ROUGE-L)."""
-        return record.response
+        """What a sample generation for `record` is compared with (samples.md, eval --generate's ROUGE-L): what the
+        record trains the model to write after its sample prompt, up to where generation stops. A tool-chat
+        record's is its tool call, which hands over to the tool (<|tool_response>), not its final reply."""
+        rest = self.apply(record)[1]
+        return rest[: min((rest.find(t) for t in self.stop_tokens if t in rest), default=len(rest))]
 
     def stop_ids(self, tokenizer) -> tuple[int, ...]:
         return stop_ids(tokenizer, self.stop_tokens)
