@@ -290,6 +290,12 @@ CASES = [
         command="export",
     ),
     generate("generate-placeholder-without-picture", ["--prompt", "<image>What is it?"], "no --image gives it"),
+    Case(
+        "run-is-a-file",
+        lambda w: ["--run", w.file("notes.jsonl", "{}\n")],
+        "is a file, not a run directory",
+        command="eval",
+    ),
     run_case("run-no-metrics", "generate", lambda r, w: (r / "metrics.json").unlink(), "has no metrics.json, so it"),
     Case(
         "eval-on-pairs",

@@ -65,7 +65,8 @@ def open_run(directory: str | Path) -> Run:
     directory = Path(directory)
     shown = url or directory  # where messages say the run is
     if not directory.is_dir():
-        raise UserError(f"run directory {directory} does not exist; pass --run DIR of a run made by finetune gemma")
+        what = "is a file, not a run directory" if directory.exists() else "does not exist"
+        raise UserError(f"run directory {directory} {what}; pass --run DIR of a run made by finetune gemma")
     if not (directory / outputs.CONFIG).is_file():
         raise UserError(
             f"{directory} has no {outputs.CONFIG}, so it is not a finished run; pass --run DIR of a finished run"
