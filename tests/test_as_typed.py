@@ -165,3 +165,37 @@ def test_group_by_length_trains_from_the_command_line_and_grpo_refuses_it(tmp_pa
                               "--group-by-length", "--plan-only"], capture_output=True, text=True, cwd=tmp_path,
                              env=env, timeout=300)  # fmt: skip
     assert planned.returncode == 2 and "--group-by-length: GRPO pads every prompt" in planned.stderr, planned.stderr
+
+
+def refused(*args: str, cwd: Path) -> str:
+    """The installed `finetune`, in a fresh process, refusing a user's mistake: exit 2, one message, no traceback."""
+    command = Path(sys.executable).with_name("finetune")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([str(command), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.returncode, done.stderr[-2000:])
+    return done.stderr
+
+
+@pytest.mark.backend_neutral  # the refusals are Python before or beside the backend's work
+def test_a_finished_run_s_mistakes_are_refused_as_typed(tmp_path):
+    """What this round refused, as users type it: a recipe giving a key twice; a resume with another LoRA dropout;
+    eval on data of another kind than the run's method; export into the run's directory; a prompt's <image> with
+    no --image. Each exits 2 naming the fault, and the run's files stay as they were."""
+    run = "runs/typed"
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--max-steps", "2", *LEAN, "--output", run,
+             cwd=tmp_path)  # fmt: skip
+    files = {p: p.read_bytes() for p in (tmp_path / run).rglob("*") if p.is_file()}
+    (tmp_path / "twice.yaml").write_text("lora:\n  rank: 4\n  rank: 8\n")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    for args, said in (
+        (
+            ["gemma", "--recipe", "twice.yaml", "--plan-only"],
+            "twice.yaml:3 is not valid YAML: key 'rank' is given twice",
+        ),
+        (["gemma", "--resume", "--output", run, "--max-steps", "3", "--lora-dropout", "0.1"], "lora.dropout=0.0"),
+        (["eval", "--run", run, "--data", "pairs.jsonl"], "the run is sft, which takes records with answers"),
+        (["export", "--run", run, "--format", "lora", "--output", f"{run}/exported"], "inside the run's directory"),
+        (["generate", "--run", run, "--prompt", "<image>What is it?"], "no --image gives it"),
+    ):
+        assert said in " ".join(refused(*args, cwd=tmp_path).split()), args
+    assert {p: p.read_bytes() for p in (tmp_path / run).rglob("*") if p.is_file()} == files
