@@ -289,13 +289,15 @@ RESUME_KEYS = (
     ("train", "grad_accum"), ("train", "max_grad_norm"), ("train", "method"), ("train", "beta"), ("train", "label_smoothing"),
     ("train", "simpo_gamma"), ("train", "num_generations"), ("train", "max_completion_length"), ("train", "temperature"),
     ("train", "top_p"), ("train", "epsilon"), ("train", "epsilon_high"), ("train", "num_iterations"),
-    ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward_weights"), ("train", "center_rewards"),  # --reward may name a fixed one
+    ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward"), ("train", "reward_weights"), ("train", "center_rewards"),
     ("train", "group_by_length"), ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
     ("lora", "dropout"), ("lora", "rslora"), ("lora", "dora"), ("lora", "plus_ratio"), ("model", "add_tokens"),
     ("train", "neftune_alpha"), ("train", "embedding_lr"), ("train", "labels"),
 )  # fmt: skip
 # Keys RESUME_KEYS gained after checkpoints were written without them: such a checkpoint's value is unknown.
-_LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune_alpha", "embedding_lr", "labels"}
+# (--reward compares the functions' names, not their bodies: the same FILE.py:FUNCTION, fixed, resumes.)
+_LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune_alpha", "embedding_lr", "labels",
+               "reward"}  # fmt: skip
 
 
 def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None:
