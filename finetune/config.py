@@ -976,10 +976,16 @@ def load(
         when resuming, so `--resume` alone continues the run as it was.
     """
     data: dict = copy.deepcopy(base) if base else {}
+    settings = {}
     if recipe is not None:
         settings = read_recipe(recipe)
         _anchor_paths(settings, find_recipe(recipe).parent)
         _merge(data, settings)
+    train = settings.get("train")
+    asked = {*(overrides or {}), *(f"train.{key}" for key in (train if isinstance(train, dict) else {}))}
+    if base and "train.epochs" in asked and "train.max_steps" not in asked:
+        # A resume of a --max-steps run that asks for more epochs: the checkpoint's max_steps would win over them.
+        data.setdefault("train", {})["max_steps"] = None
     if (overrides or {}).get("model.full") is True and (data.get("model") or {}).get("full") is not True:
         # --full on the command line over a LoRA recipe (gemma3-270m's rank 8): the recipe's LoRA section is
         # left behind, as the run trains no LoRA; LoRA settings given beside --full are still refused.

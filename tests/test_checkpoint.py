@@ -8,6 +8,7 @@ test_outputs.py's.
 """
 
 import json
+import shutil
 
 import h5py
 import numpy as np
@@ -66,10 +67,29 @@ def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_p
     ]:
         result = invoke("gemma", "--resume", *flags, "--output", out)
         assert result.exit_code == 2 and named in result.stderr, (flags, result.output)
-    train(out, "--resume", "--max-steps", "8")
+    resumed = train(out, "--resume", "--max-steps", "8")
     assert metrics(out)["steps"] == 8 and train_losses(out) == train_losses(uninterrupted)
+    assert "planned again" not in resumed.output  # a constant rate past the warmup: no step's rate changes
     result = invoke("gemma", "--resume", "--output", out)
-    assert result.exit_code == 2 and "already trained 8 of 8 steps" in result.stderr
+    assert result.exit_code == 2 and "already trained 8 of 8 steps; raise --epochs or" in result.stderr
+    result = invoke("gemma", "--resume", "--epochs", "1", "--output", out)  # the checkpoint's --max-steps 8 goes
+    assert result.exit_code == 0 and "1 epochs of 14 steps" in result.output, result.output + result.stderr
+    assert metrics(out)["steps"] == 14
+
+
+@pytest.mark.backend_neutral
+def test_a_resume_that_trains_further_plans_a_decaying_schedule_again_and_says_so(tmp_path):
+    """A cosine decay and a --warmup-ratio are planned over the run's steps: raised from 4 to 8, they stretch over
+    8 from step 5 on (as transformers' scheduler rebuilt for the new total), and the run says what step 5 gets."""
+    out = tmp_path / "cosine"
+    train(out, "--max-steps", "4", "--lr-schedule", "cosine", "--warmup-ratio", "0.25", "--lr", "0.01")
+    result = train(out, "--resume", "--max-steps", "8")
+    said = ("the cosine learning-rate schedule is planned again over 8 steps, not the 4 the run started with, its "
+            "warmup over 2 steps, not 1: step 5 trains at 0.75x the peak rate, where the first plan gave 0x")  # fmt: skip
+    assert said in result.output, result.output
+    rates = [float(row["learning_rate"]) for row in _history(out) if row["learning_rate"]]
+    # step 4 ended the first plan at 0.01 x (1 + cos(pi x 2/3)) / 2; step 5 is 0.01 x (1 + cos(pi x 2/6)) / 2
+    assert rates[3] == pytest.approx(0.0025) and rates[4] == pytest.approx(0.0075), rates
 
 
 @pytest.mark.backend_neutral
@@ -97,6 +117,22 @@ def test_an_overwrite_killed_before_publishing_is_published_by_resume(tmp_path, 
     assert metrics(out)["steps"] == 2  # the old run's results are still there
     train(out, "--resume")
     assert metrics(out)["steps"] == 8 and yaml.safe_load((out / "config.yaml").read_text())["train"]["seed"] == 3
+
+
+@pytest.mark.backend_neutral
+def test_resume_of_a_finished_run_without_checkpoints_is_refused_unless_overwrite_replaces_it(tmp_path):
+    """--resume --overwrite is the one command a job restarted from the top can repeat: it resumes a checkpoint
+    when there is one, and otherwise replaces what is there."""
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    shutil.rmtree(out / "checkpoints")
+    before = metrics(out)
+    result = invoke("gemma", *SHORT, "--resume", "--max-steps", "2", "--output", out)
+    assert result.exit_code == 2 and "finished run without checkpoints; pass --overwrite" in result.stderr
+    assert metrics(out) == before
+    result = invoke("gemma", *SHORT, "--resume", "--overwrite", "--max-steps", "2", "--output", out)
+    assert result.exit_code == 0 and "replacing the finished one (--overwrite)" in result.output, result.output
+    assert metrics(out)["run_id"] != before["run_id"] and [c.step for c in checkpoint.find(out)] == [2]
 
 
 @pytest.mark.backend_neutral

@@ -300,23 +300,25 @@ _LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune
                "reward"}  # fmt: skip
 
 
-def to_resume(target, resume: bool, published: dict | None) -> Checkpoint | None:
+def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoint | None:
     """The checkpoint a run continues from: with --resume, the newest valid one in `target`.
 
     Without one the run starts afresh in `target`, with a note, unless a finished
-    run is there: that one has nothing to resume, and is refused.
+    run is there: that one has nothing to resume, and is refused without --overwrite.
 
     Args:
         target: outputs.Target. The run directory.
+        output: config.OutputConfig. Its --overwrite.
         published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
     """
     if not resume:
         return None
     found = newest(target.path)
     if found is None:
-        if published is not None:
+        if published is not None and not output.overwrite:
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
-        print(f"note: no checkpoint in {target} to resume from; starting a new run there")
+        replacing = ", replacing the finished one (--overwrite)" if published is not None else ""
+        print(f"note: no checkpoint in {target} to resume from; starting a new run there{replacing}")
     return found
 
 

@@ -260,6 +260,34 @@ def steps(train, steps_per_epoch: int) -> dict:
     return {"steps": decided, "warmup_steps": Decision(warmup, why)}
 
 
+def replanned(train, saved: dict, steps_per_epoch: int, done: int) -> str | None:
+    """What a resume that trains to another end than first planned does to the learning-rate schedule, as a note:
+    the decay (linear, cosine) and a --warmup-ratio are planned over the run's steps, so they stretch over the new
+    total from the step the checkpoint reached; None where no step's rate changes.
+
+    train: config.TrainConfig. The resumed run's (schedule, warmup and floor are the checkpoint's: RESUME_KEYS).
+    saved: dict. The checkpoint's config (state.json's).
+    done: int. The steps the checkpoint trained: the next step is optimizer step `done` (from 0).
+    """
+    from finetune.model import optimizer
+
+    first = steps(dataclasses.replace(train, **{k: saved["train"].get(k) for k in ("epochs", "max_steps")}),
+                  steps_per_epoch)  # fmt: skip
+    now = steps(train, steps_per_epoch)
+    plans = [(d["warmup_steps"].value, d["steps"].value) for d in (first, now)]
+    if plans[0] == plans[1]:
+        return None
+    factors = [
+        optimizer.lr_factor(done, train.lr_schedule, warmup, total, train.min_lr_ratio) for warmup, total in plans
+    ]
+    if train.lr_schedule == "constant" and all(done >= warmup for warmup, _ in plans):
+        return None
+    warmup = f", its warmup over {plans[1][0]} steps, not {plans[0][0]}" if plans[0][0] != plans[1][0] else ""
+    return (f"the {train.lr_schedule} learning-rate schedule is planned again over {plans[1][1]} steps, not the "
+            f"{plans[0][1]} the run started with{warmup}: step {done + 1} trains at {factors[1]:.3g}x the peak rate, "
+            f"where the first plan gave {factors[0]:.3g}x")  # fmt: skip
+
+
 def _decided(cfg: Config, decisions: dict) -> Config:
     """`cfg` with the decided values in place of its `auto` and unset ones."""
     value = {name: d.value for name, d in decisions.items()}

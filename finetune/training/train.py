@@ -52,7 +52,7 @@ def _run(cfg: Config, resume: bool) -> dict:
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
-    found = checkpoint.to_resume(target, resume, outputs.read_metrics(target.path))
+    found = checkpoint.to_resume(target, cfg.output, resume, outputs.read_metrics(target.path))
     data = _read(cfg)
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
@@ -169,6 +169,9 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     feed = batching.Feed(decided.part, step, builder.input_names(model.lm), grouped)
     order = method.order(prepared, cfg, feed, model)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
+    changed = found and resolve.replanned(cfg.train, found.state()["config"], order.steps_per_epoch, found.step)
+    if changed:
+        print(f"note: {changed}")
     run = decided.settled(**settled)
     print(run.table())
     _optimize(run, model.trainer)
