@@ -282,8 +282,9 @@ def test_a_bad_reward_mid_run_exits_2_naming_it_and_the_prompt_and_keeps_the_las
         assert other.exit_code == 2 and "train.num_generations=8" in other.output, other.output
         other = invoke("gemma", "--resume", "--reward", "length", "--output", out)  # its rewards would not compare
         assert other.exit_code == 2 and "train.reward=[" in other.output, other.output
-        resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
-                                 capture_output=True, text=True, timeout=600)  # fmt: skip
+        # --packing off is what GRPO's rows were (auto left them unpacked): the same run, resumed
+        resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--packing", "off", "--output",
+                                  str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
         assert json.loads((out / "metrics.json").read_text())["steps"] == 4
 

@@ -62,6 +62,8 @@ class RunState:
             is no longer the base's). None for the other methods.
         eval_data_fingerprint: str. The --eval-data file's records' (None without one): a resume refuses a
             held-out set that changed, since the scores before and after would not compare.
+        packed: bool. Whether the rows packed, as --packing decided on the built model: a resume compares what
+            its own setting decides with this, not with the setting (auto packs one method's rows and not another's).
     """
 
     run_id: str
@@ -72,6 +74,7 @@ class RunState:
     data_fingerprint: str
     reference: dict | None = None
     eval_data_fingerprint: str | None = None
+    packed: bool | None = None
 
     @classmethod
     def resumed(cls, state: dict, config: dict, fingerprints: tuple) -> RunState:
@@ -102,6 +105,7 @@ class RunState:
                 "progress": progress.to_state(),
             }
             | ({} if self.reference is None else {"reference": self.reference})
+            | ({} if self.packed is None else {"packed": self.packed})
         )
 
 
@@ -389,8 +393,8 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
             then = bool(then)
         if key == "method":  # a checkpoint from before preference methods trained SFT
             then = then or "sft"
-        if key == "packing":  # auto is on
-            then, now = ("off" if v == "off" else "on" for v in (then, now))
+        if key == "packing":
+            then, now = _packing(saved, then, now)
         if then != now:
             raise UserError(
                 f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
@@ -412,6 +416,21 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
             f"cannot resume {target}: {now} differ from those its checkpoint was evaluated on; "
             "restore that data, or start a new run with another --output"
         )
+
+
+def _packing(saved: dict, then: str | None, now: str) -> tuple[str, str]:
+    """(how the checkpoint's rows were laid, how this run's --packing would lay them), each "on" or "off".
+
+    A checkpoint keeps what its setting decided (RunState.packed): auto packs the same rows again, so only a
+    setting that says otherwise differs. One from before it was kept is taken as its setting said: auto is on.
+    """
+    packed = saved.get("packed")
+    if packed is None:
+        return ("off" if then == "off" else "on"), ("off" if now == "off" else "on")
+    then = "on" if packed else "off"
+    if now == "auto":  # decides as the run's own auto did; after a run set off, auto may pack
+        return then, then if saved["config"]["data"].get("packing") != "off" else "on"
+    return then, now
 
 
 def kept(lm) -> list:

@@ -234,6 +234,7 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
         restored = checkpoint.restore(session.model.trainer, session.found)
         start = checkpoint.RunState.resumed(restored, config, fingerprints)
         print(f"resuming {target} at step {start.progress.step}/{session.total_steps}")
+    start.packed = session.run.packed
     session.eval_seconds = time.perf_counter() - started
     return start
 
