@@ -43,6 +43,9 @@ def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
     result = invoke("gemma", "--resume", "--output", out)  # every other setting comes from the checkpoint
     assert result.exit_code == 0, result.output + (result.stderr or "")
     assert "resuming" in result.output and "step 4/8" in result.output
+    table = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
+    for name in ("template", "precision", "batch_size"):  # the checkpoint's, as the table says
+        assert table[name].endswith("resumed: as the run started"), table[name]
     whole, resumed = adapter_arrays(uninterrupted / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
     assert whole.keys() == resumed.keys() and len(whole) > 1
     for name in whole:

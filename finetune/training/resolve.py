@@ -175,6 +175,8 @@ def resolve(cfg: Config, data_format: str, saved: dict | None = None, images: in
     budget = _image_tokens(cfg, source, saved)
     if budget is not None:
         decisions["image_tokens"] = budget
+    if saved is not None:
+        _resumed(decisions, saved)
     decided = _decided(cfg, decisions)
     distributed = None
     if cfg.distribution.parallel != "none":  # before the model is built: its weights are made sharded
@@ -286,6 +288,19 @@ def replanned(train, saved: dict, steps_per_epoch: int, done: int) -> str | None
     return (f"the {train.lr_schedule} learning-rate schedule is planned again over {plans[1][1]} steps, not the "
             f"{plans[0][1]} the run started with{warmup}: step {done + 1} trains at {factors[1]:.3g}x the peak rate, "
             f"where the first plan gave {factors[0]:.3g}x")  # fmt: skip
+
+
+# The decisions a resumed run takes from its checkpoint, and where the checkpoint's config keeps them.
+_RESUMED = {"template": ("data", "template"), "precision": ("model", "precision"), "batch_size": ("train", "batch_size"),
+            "learning_rate": ("train", "learning_rate"), "image_tokens": ("data", "image_tokens")}  # fmt: skip
+
+
+def _resumed(decisions: dict, saved: dict) -> None:
+    """Say `resumed` beside a decision whose value came from the checkpoint: `--resume` on the command line takes
+    the checkpoint's settings as its own (cli: config.load's base), so they reach here as if they were set."""
+    for name, (section, key) in _RESUMED.items():
+        if name in decisions and decisions[name].why == "set" and decisions[name].value == _saved(saved, section, key):
+            decisions[name] = Decision(decisions[name].value, "resumed: as the run started")
 
 
 def _decided(cfg: Config, decisions: dict) -> Config:
