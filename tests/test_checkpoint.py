@@ -9,6 +9,7 @@ test_outputs.py's.
 
 import json
 import shutil
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -217,6 +218,26 @@ def test_a_crash_between_writing_and_renaming_keeps_the_previous_checkpoint(tmp_
     loaded, _, state = checkpoint.load(found)
     np.testing.assert_array_equal(loaded[0], weights[0])
     assert state == {"step": 2}
+
+
+@pytest.mark.one_backend  # numpy arrays and files only
+def test_a_prune_killed_part_way_leaves_nothing_the_next_prune_keeps(tmp_path, monkeypatch):
+    """A checkpoint half deleted would have no manifest: find() skips it, so no later prune would remove it."""
+    for step in (2, 4, 6):
+        checkpoint.save(tmp_path, "abc", step, [np.full(4, step, np.float32)], [], {"step": step})
+    real = shutil.rmtree
+
+    def killed(path, ignore_errors=False):  # the manifest goes, then the process dies
+        (Path(path) / "manifest.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune(tmp_path, "abc", 2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    assert [c.step for c in checkpoint.find(tmp_path)] == [4, 6] and checkpoint.problems(tmp_path) == []
+    checkpoint.prune(tmp_path, "abc", 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004-abc", "step-00000006-abc"]
 
 
 @pytest.mark.one_backend  # numpy arrays and files only

@@ -236,7 +236,7 @@ def prune(run_dir: Path, run_id: str, keep: int) -> None:
     found = find(run_dir)
     ours = [c for c in found if c.run_id == run_id]
     for checkpoint in ours[:-keep]:
-        shutil.rmtree(checkpoint.path, ignore_errors=True)
+        _remove(checkpoint.path)
     for path in (Path(run_dir) / DIRECTORY).glob(".tmp-*"):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -245,7 +245,18 @@ def remove_others(run_dir: Path, run_id: str) -> None:
     """Delete checkpoints of other runs once this one has finished in their place (--overwrite)."""
     for checkpoint in find(run_dir):
         if checkpoint.run_id != run_id:
-            shutil.rmtree(checkpoint.path, ignore_errors=True)
+            _remove(checkpoint.path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: renamed out of sight first, so a kill part way leaves a hidden .tmp- directory, which
+    the next prune removes, not a torn checkpoint that find() skips and nothing would ever remove."""
+    hidden = path.parent / f".tmp-gone-{path.name}"
+    try:
+        os.rename(path, hidden)
+    except OSError:
+        hidden = path
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _checked(path: Path, verify: bool) -> Checkpoint:
