@@ -93,3 +93,23 @@ def test_each_method_decides_its_constants_with_their_reasons():
     assert registry.decide(config.TrainConfig(), "alpaca") == {
         "method": ("sft", "supervised: the response tokens' cross-entropy")
     }
+
+
+@pytest.mark.parametrize("name", list(registry.METHODS))
+@pytest.mark.parametrize("data_format", ["alpaca", "preference", "prompts"])
+def test_each_method_takes_one_kind_of_records_in_training_and_in_eval_alike(name, data_format):
+    """Method.takes is the one answer: training (registry.decide) and eval/predict (runs._check_kind) refuse the
+    same formats, each naming the data's."""
+    from finetune.data import formats
+    from finetune.training import runs
+
+    method = registry.get(name)
+    train = config.TrainConfig(method=name, reward=["exact"] if method.prompted else [])
+    takes = formats.kind(data_format) == method.takes
+    refusals = []
+    for check in (lambda: registry.decide(train, data_format), lambda: runs._check_kind(method, data_format, "d")):
+        try:
+            check()
+        except UserError as e:
+            refusals.append(str(e))
+    assert refusals == [] if takes else len(refusals) == 2 and all(data_format in r for r in refusals), refusals

@@ -55,6 +55,13 @@ class Method:
     loss_named = True
     """Its held-out loss is a score of its own that the summary shows; GRPO's is its negated mean reward (lower is
     better, for --keep-best and --early-stop), which the summary shows as the reward."""
+
+    @property
+    def takes(self) -> str:
+        """The records it trains on, as formats.kind names their kind: data of another kind is refused wherever
+        the method meets it (training, eval, predict)."""
+        return "preference pairs" if self.paired else "prompts alone" if self.prompted else "records with answers"
+
     prompt_loss = False
     """Its loss can take the prompt's tokens too (--train-on-prompt): SFT's cross-entropy. A preference loss
     compares answers, GRPO's its completions, a classifier's and a reward model's a score."""

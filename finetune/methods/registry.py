@@ -45,24 +45,28 @@ def decide(train, data_format: str) -> dict:
     train: config.TrainConfig. data_format: the records' format (formats.read).
     """
     method = get(train.method)
-    prompts = data_format in formats.PROMPT_FORMATS
-    if prompts and not method.prompted:
-        takers = ", ".join(m.name for m in METHODS.values() if m.prompted)
-        raise UserError(f"the data is {data_format}: prompts alone, with no answers to learn from; pass --method "
-                        f"{takers} (online RL with --reward functions), or give records with answers")  # fmt: skip
-    if method.prompted and not prompts:
-        raise UserError(f"--method {method.name} trains on prompts alone ({{\"prompt\": ...}} records, text or "
-                        f"messages) and writes its own completions; the data is {data_format}: give prompts")  # fmt: skip
-    paired = data_format in formats.PREFERENCE_FORMATS
-    if paired and not method.paired:
-        takers = ", ".join(m.name for m in METHODS.values() if m.paired)
-        raise UserError(f"the data is {data_format} pairs (chosen and rejected answers); pass --method {takers} to "
-                        "train on them, or give SFT records")  # fmt: skip
-    if method.paired and not paired:
-        raise UserError(f"--method {method.name} trains on preference pairs ({{prompt, chosen, rejected}} records); "
-                        f"the data is {data_format}: give pairs, or pass --method sft")  # fmt: skip
+    found = formats.kind(data_format)
+    if found != method.takes:
+        raise UserError(_other_kind(method, data_format, found))
     _check_settings(method, train)
     return method.decide(train)
+
+
+def _other_kind(method, data_format: str, found: str) -> str:
+    """Why `method` cannot train on data of `data_format` (of the kind `found`, not Method.takes), and what to pass."""
+    if found == "prompts alone":
+        takers = ", ".join(m.name for m in METHODS.values() if m.takes == found)
+        return (f"the data is {data_format}: prompts alone, with no answers to learn from; pass --method {takers} "
+                "(online RL with --reward functions), or give records with answers")  # fmt: skip
+    if method.prompted:
+        return (f"--method {method.name} trains on prompts alone ({{\"prompt\": ...}} records, text or messages) "
+                f"and writes its own completions; the data is {data_format}: give prompts")  # fmt: skip
+    if found == "preference pairs":
+        takers = ", ".join(m.name for m in METHODS.values() if m.takes == found)
+        return (f"the data is {data_format} pairs (chosen and rejected answers); pass --method {takers} to train on "
+                "them, or give SFT records")  # fmt: skip
+    return (f"--method {method.name} trains on preference pairs ({{prompt, chosen, rejected}} records); the data is "
+            f"{data_format}: give pairs, or pass --method sft")  # fmt: skip
 
 
 def check(cfg) -> None:

@@ -272,10 +272,9 @@ def _check_kind(method, data_format: str, path: str) -> None:
     scored on Dolly records scored an empty rejected answer."""
     from finetune.data import formats
 
-    takes = "preference pairs" if method.paired else "prompts alone" if method.prompted else "records with answers"
-    if formats.kind(data_format) != takes:
+    if formats.kind(data_format) != method.takes:
         raise UserError(f"{path} holds {formats.kind(data_format)} ({data_format}); the run is {method.name}, "
-                        f"which takes {takes}, as it trained on: give a file of those")  # fmt: skip
+                        f"which takes {method.takes}, as it trained on: give a file of those")  # fmt: skip
 
 
 def _writable(path: Path) -> None:
