@@ -12,6 +12,7 @@ import pytest
 from conftest import BACKEND, SHORT, invoke, make_records, run_with_fault, train, write_jsonl
 
 import finetune
+from finetune.methods import registry
 from finetune.training import loop
 
 
@@ -85,7 +86,8 @@ class Order:
 def scripted_loop(losses, total_steps=10, **evaluation):
     scores = iter(losses)
     saved = []
-    settings = loop.Evaluation(lambda: {"loss": next(scores), "perplexity": 1.0, "accuracy": 0.5}, **evaluation)
+    score = lambda: {"loss": next(scores), "perplexity": 1.0, "accuracy": 0.5}  # noqa: E731
+    settings = loop.Evaluation(score, **evaluation, method=registry.get("sft"))
     hooks = loop.Hooks(settings, lambda progress: saved.append(progress.step), out=open(os.devnull, "w"))
     steps = loop.Loop(Trainer(), Order(), loop.Progress(), loop.Plan(total_steps, checkpoint_every=100), hooks)
     return steps, saved
@@ -118,7 +120,6 @@ def test_early_stop_ends_after_patience_evaluations_without_improvement():
 def test_grpo_s_log_says_its_held_out_reward_where_its_loss_is_the_negated_reward(capsys):
     """GRPO's held-out loss is its negated mean reward (lower is better for --early-stop and --keep-best); what the
     log and the summary say is the reward."""
-    from finetune.methods import registry
     from finetune.training import outputs
 
     grpo = registry.get("grpo")

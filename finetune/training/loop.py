@@ -97,16 +97,11 @@ class Evaluation:
     history: tuple = ()
     """The held-out metrics history.csv keeps beside the loss and accuracy (the method's held_out_history)."""
     method: object = None
-    """The run's method (methods/method.Method), whose words the log says the scores in; None: SFT's."""
+    """The run's method (methods/method.Method), whose words the log says the scores in: given with `score`."""
 
     def words(self, result: dict) -> str:
         """`result`, an evaluation's scores, as the log says them (Method.held_out_words)."""
-        return self._method().held_out_words(result)
-
-    def _method(self):
-        from finetune.methods import registry  # read once a run has its method: loop.py is below them
-
-        return self.method or registry.get("sft")
+        return self.method.held_out_words(result)
 
     def due(self, step: int, steps_per_epoch: int, total_steps: int) -> bool:
         """Whether to evaluate after `step`."""
@@ -121,7 +116,7 @@ class Evaluation:
         if self.early_stop is None or stale < self.early_stop:
             return None
         best = progress.best()
-        return f"{stale} evaluations without {self._method().better_words(best)} at step {best.get('step')} " \
+        return f"{stale} evaluations without {self.method.better_words(best)} at step {best.get('step')} " \
                f"(--early-stop {self.early_stop})"  # fmt: skip
 
 
