@@ -12,6 +12,7 @@ import pytest
 from conftest import BACKEND, SHORT, invoke, make_records, run_with_fault, train, write_jsonl
 
 import finetune
+from finetune.data import batching
 from finetune.methods import registry
 from finetune.training import loop
 
@@ -67,7 +68,7 @@ class Trainer:
         return {"loss": 1.0}
 
 
-class Order:
+class Order(batching.Order):
     steps_per_epoch = 100
 
     def batch(self, step):

@@ -298,7 +298,28 @@ class EpochRows:
         return grouped
 
 
-class TrainOrder:
+class Order:
+    """What the loop (training/loop.py) asks of the order a method's rows train in, whatever the method.
+
+    An order gives each optimizer step's micro-batches (micro_batches), their metric weights (metric_weights) and
+    tokens (tokens), as a pure function of (seed, step), so that a resumed run trains what an uninterrupted one did.
+    The steps below are those few orders need; each is a no-op here.
+    """
+
+    def step_metrics(self, step: int) -> dict:
+        """What history.csv keeps of step `step` beside the loss (GRPO's rewards and lengths); {} for most."""
+        return {}
+
+    def kept(self, steps: int) -> dict | None:
+        """Arrays a checkpoint after `steps` steps keeps so that the next step trains what it would have (GRPO's
+        batch of rollouts part way through --num-iterations); None where the order is a function of the step."""
+        return None
+
+    def take_up(self, steps: int, arrays: dict) -> None:
+        """Go on from a checkpoint after `steps` steps with the arrays kept() gave it."""
+
+
+class TrainOrder(Order):
     """The training batches of every global optimizer step, a pure function of (seed, step).
 
     Data epoch e trains the rows of permutation(seed + e) in order (grouped by

@@ -153,7 +153,7 @@ def sequence_lengths(arrays: PairArrays) -> np.ndarray:
     return np.stack([arrays.chosen["padding_mask"].sum(1), arrays.rejected["padding_mask"].sum(1)], axis=1)
 
 
-class PairOrder:
+class PairOrder(batching.Order):
     """batching.TrainOrder for pairs: the pairs of every optimizer step, a pure function of (seed, step).
 
     Epoch e trains the pairs of permutation(seed + e) (grouped by length with feed.grouped: batching.EpochRows),

@@ -202,7 +202,7 @@ def inputs(packed: Packed, bundle: Bundle, feed: batching.Feed, real: bool = Tru
     return x, np.zeros_like(weights[outputs]), weights[outputs]
 
 
-class PackedPairOrder:
+class PackedPairOrder(batching.Order):
     """pair_batches.PairOrder for packed pairs: the micro-batches of every optimizer step, a pure function of
     (seed, step).
 

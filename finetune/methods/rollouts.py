@@ -336,7 +336,7 @@ class Rollout:
     weights: list = field(default_factory=list)
 
 
-class RolloutOrder:
+class RolloutOrder(batching.Order):
     """The micro-batches of every optimizer step: --batch-size prompts a micro-batch, --num-generations rows
     each; a fresh batch of rollouts every --num-iterations steps (methods/grpo.py)."""
 

@@ -364,7 +364,7 @@ class Loop:
 
     def _run(self) -> Progress:
         progress, order = self.progress, self.order
-        if progress.order_arrays is not None and hasattr(order, "take_up"):  # resumed where the order kept some
+        if progress.order_arrays is not None:  # resumed where the order kept some
             order.take_up(progress.step, progress.order_arrays)
         with StopSignals.mode(None) as signals:
             while progress.step < self.total_steps and not progress.stopped_early:
@@ -441,7 +441,7 @@ class Loop:
         total = sum(weights)
         applied = {name: sum(w * r[name] for w, r in zip(weights, reported)) / total for name in reported[0]}
         applied.update(optimizer.step_record(self.trainer.optimizer, step))
-        applied.update(getattr(self.order, "step_metrics", lambda _: {})(step))  # GRPO's rollouts: rewards, lengths
+        applied.update(self.order.step_metrics(step))  # GRPO's rollouts: rewards, lengths
         if not math.isfinite(applied.get("grad_norm", 0.0)):
             raise self._diverged(f"the gradient norm is {applied['grad_norm']} at step {step + 1}")
         # A metric with no value this step (a reward function that gave None for every completion: its mean) is
@@ -501,7 +501,7 @@ class Loop:
 
     def _save(self) -> None:
         started = time.perf_counter()
-        self.progress.order_arrays = self.order.kept(self.progress.step) if hasattr(self.order, "kept") else None
+        self.progress.order_arrays = self.order.kept(self.progress.step)
         self.save_checkpoint(self.progress)
         self._longest["save"] = max(self._longest["save"], time.perf_counter() - started)
         self.last_saved = self.progress.step
