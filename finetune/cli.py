@@ -395,6 +395,7 @@ def gemma(
         from finetune.training import outputs
 
         base = outputs.settings_to_resume(settings["output.dir"])
+        _note_resumed_backend(settings["backend"], base)
     cfg = config_module.load(recipe, overrides, base=base)
     if plan_only:  # before finetune.run: no keras, no download, nothing written
         from finetune.methods import registry
@@ -874,6 +875,15 @@ def _note_keras_backend(flag: str | None) -> None:
     env = os.environ.get("KERAS_BACKEND")
     if flag in config_module.BACKENDS and env and env != flag:
         print(f"note: --backend {flag} overrides KERAS_BACKEND={env}", file=sys.stderr)
+
+
+def _note_resumed_backend(flag: str | None, base: dict | None) -> None:
+    """A resume trains on the checkpoint's backend unless --backend names another: say so where KERAS_BACKEND,
+    which a Keras user expects to choose, names another."""
+    env, then = os.environ.get("KERAS_BACKEND"), (base or {}).get("backend")
+    if flag is None and then and env in config_module.BACKENDS and env != then:
+        print(f"note: resuming on {then}, the backend the run trained on; KERAS_BACKEND={env} is not used "
+              f"(--backend {env} would resume there)", file=sys.stderr)  # fmt: skip
 
 
 def _split_list(values):

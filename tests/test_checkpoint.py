@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import SHORT, _history, invoke, make_records, run_with_fault, train, train_losses, write_jsonl
+from conftest import BACKEND, SHORT, _history, invoke, make_records, run_with_fault, train, train_losses, write_jsonl
 
 from finetune import config
 from finetune.training import checkpoint, outputs, runs
@@ -59,7 +59,7 @@ def test_a_killed_run_resumes_to_the_same_adapter(uninterrupted, tmp_path):
 
 
 @pytest.mark.backend_neutral
-def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_path):
+def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_path, monkeypatch):
     out = tmp_path / "extend"
     train(out, "--max-steps", "4")
     for flags, named in [
@@ -76,8 +76,11 @@ def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_p
     assert "planned again" not in resumed.output  # a constant rate past the warmup: no step's rate changes
     result = invoke("gemma", "--resume", "--output", out)
     assert result.exit_code == 2 and "already trained 8 of 8 steps; raise --epochs or" in result.stderr
+    other = next(b for b in config.BACKENDS if b != BACKEND)
+    monkeypatch.setenv("KERAS_BACKEND", other)  # the checkpoint's backend wins, and the run says so
     result = invoke("gemma", "--resume", "--epochs", "1", "--output", out)  # the checkpoint's --max-steps 8 goes
     assert result.exit_code == 0 and "1 epochs of 14 steps" in result.output, result.output + result.stderr
+    assert f"resuming on {BACKEND}, the backend the run trained on; KERAS_BACKEND={other} is not used" in result.stderr
     assert metrics(out)["steps"] == 14
 
 
