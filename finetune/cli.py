@@ -608,6 +608,19 @@ def generate(
         "--audio",
         help="An audio file (WAV, FLAC...) that goes with every prompt, where its <audio> is (else before it).",
     ),
+    system: Optional[str] = typer.Option(
+        None,
+        "--system",
+        help="A system prompt before every prompt, as the run's chat template puts one.",
+        metavar="TEXT",
+    ),  # fmt: skip
+    tools: Optional[str] = typer.Option(
+        None,
+        "--tools",
+        help="A JSON file of tool schemas the model may call (a list, as a tool-chat record's `tools`), declared "
+        "as the run's template declares them (gemma4-chat).",
+        metavar="FILE",
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -624,7 +637,8 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, runs.Heard(tuple(image), audio))
+    given = runs.Given(tuple(image), audio, system, tools)
+    answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, given)
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:
             print(f"[{number}] {text}")

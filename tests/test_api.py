@@ -37,6 +37,10 @@ def test_generate_takes_one_prompt_or_several(finished):
     assert len(finetune.generate(str(out), ["a", "b"], max_new_tokens=2)) == 2
     with pytest.raises(UserError, match="prompts must be non-empty strings"):
         finetune.generate(out, ["fine", " "])
+    with pytest.raises(UserError, match="^system needs a chat template, and the run's is dolly"):
+        finetune.generate(out, "Name a colour.", system="Be brief.")
+    with pytest.raises(UserError, match="^tools holds no tools"):
+        finetune.generate(out, "Name a colour.", tools=[])
 
 
 def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished):

@@ -399,6 +399,47 @@ CASES = [
     generate("generate-negative-tokens", ["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
     Case("generate-empty-prompt", lambda w: ["--run", w.run_copy(), "--prompt", ""], "--prompt is empty", "generate"),
     generate("generate-tokens-not-int", ["--max-new-tokens", "x"], "invalid value for '--max-new-tokens'"),
+    generate(
+        "generate-system-without-chat",
+        ["--system", "Be brief."],
+        "--system needs a chat template, and the run's is dolly",
+    ),
+    generate(
+        "generate-raw-with-system",
+        ["--raw", "--system", "Be brief."],
+        "--raw sends the prompt as is; put the system prompt",
+    ),
+    Case(
+        "generate-tools-not-json",
+        lambda w: ["--run", w.run_copy(), "--prompt", "hi", "--tools", w.file("t.json", "{no")],
+        "t.json is not JSON; give a list of tool schemas",
+        "generate",
+    ),
+    Case(
+        "generate-tools-not-schemas",
+        lambda w: ["--run", w.run_copy(), "--prompt", "hi", "--tools", w.file("t.json", '[{"x": 1}]')],
+        "tools[0] is not a tool schema",
+        "generate",
+    ),
+    Case(
+        "generate-tools-missing",
+        lambda w: ["--run", w.run_copy(), "--prompt", "hi", "--tools", w.tmp / "none.json"],
+        "none.json: cannot read it",
+        "generate",
+    ),
+    Case(
+        "generate-tools-without-tool-template",
+        lambda w: [
+            "--run",
+            w.run_copy(),
+            "--prompt",
+            "hi",
+            "--tools",
+            w.file("t.json", '[{"name": "weather", "parameters": {"type": "object"}}]'),
+        ],
+        "--tools needs a template that declares tools (gemma4-chat), and the run's is dolly",
+        "generate",
+    ),
     # Checkpoints and resume.
     gemma("checkpoint-every-zero", ["--checkpoint-every", "0"], "checkpoint every must be at least 1"),
     gemma("keep-checkpoints-zero", ["--keep-checkpoints", "0"], "keep checkpoints must be at least 1"),

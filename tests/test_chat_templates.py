@@ -339,6 +339,31 @@ def test_tool_calling_data_trains_tiny_gemma4_through_the_cli_by_the_recipe(tmp_
     metrics = json.loads((out / "metrics.json").read_text())
     losses = [v for k, v in metrics.items() if "loss" in k and isinstance(v, float)]
     assert losses and all(math.isfinite(v) for v in losses), metrics
+    # Prompted as it trained: the tools declared, a system prompt before the question.
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER["function"], TIME]), encoding="utf-8")  # bare and OpenAI's forms
+    answered = finetune("generate", "--run", out, "--system", "Answer briefly.", "--tools", tools, "--prompt", "Paris?",
+                        "--max-new-tokens", "3")  # fmt: skip
+    assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr[-3000:]
+
+
+@pytest.mark.one_backend  # the text the template renders: Python's
+@pytest.mark.parametrize("name", ["gemma-chat", "gemma4-chat"])
+def test_generate_s_system_prompt_and_tools_render_as_a_record_of_them_trains(name, tmp_path):
+    """`finetune generate --system --tools` prompts the model with the text training put before the model's turn
+    of a chat record with that system message and those tools (Gemma 3's folds the system into the user turn)."""
+    from finetune.training import runs
+
+    template = templates.get(name)
+    tools = [WEATHER, TIME] if template.tools else None
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": "Sunny."}]  # fmt: skip
+    record = {"messages": messages, **({"tools": tools} if tools else {})}
+    records, _ = formats.read(str(write_jsonl(tmp_path / "one.jsonl", [record])))
+    given = runs.Given(system="Answer briefly.", tools=tools)
+    asked = template.apply(runs._framing(given, template, raw=False)("Paris?"))[0]
+    assert asked == template.apply(records[0])[0]
+    assert "Answer briefly." in asked and ("get_time" in asked) == bool(tools), asked
 
 
 def prompt_completion(record: dict) -> dict:

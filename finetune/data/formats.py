@@ -53,6 +53,7 @@ import decimal
 import hashlib
 import io
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
@@ -983,6 +984,29 @@ def _tools(tools, where: str) -> tuple:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise UserError(f"{where}: tools[{index}] is not a tool schema: `tools` must be {form}")
     return tuple(tools)
+
+
+def read_tools(tools, flag: str = "--tools") -> tuple:
+    """Tool schemas given with every prompt (`finetune generate --tools`): a JSON file's path, or the schemas. The
+    file holds a list of them (or {"tools": [...]}), each OpenAI's {type: function, function: {name, ...}} or a bare
+    {name, description, parameters}, as a tool-chat record's `tools`."""
+    where = flag
+    if isinstance(tools, (str, os.PathLike)):
+        where = f"{flag} {tools}"
+        try:
+            text = open(os.path.expanduser(tools), encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        try:
+            tools = json.loads(text)
+        except ValueError:
+            raise UserError(f"{where} is not JSON; give a list of tool schemas") from None
+    if isinstance(tools, dict) and "tools" in tools:
+        tools = tools["tools"]
+    found = _tools(_bare_tools(list(tools) if isinstance(tools, tuple) else tools, where), where)
+    if not found:
+        raise UserError(f"{where} holds no tools; give a list of tool schemas, or leave {flag} out")
+    return found
 
 
 def answered(prompt, completion: str) -> Record:

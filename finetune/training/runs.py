@@ -304,20 +304,25 @@ def _rouge(lm, preprocessor, prepared, count: int, max_new_tokens: int) -> dict:
 
 
 @dataclass(frozen=True)
-class Heard:
+class Given:
     """What goes with every prompt of generate() beside its text."""
 
     pictures: tuple = ()
     """Image paths, where the prompt's `<image>` placeholders are (before its text where it has none)."""
     clip: str | None = None
     """An audio file, where the prompt's `<audio>` placeholder is (else before its text)."""
+    system: str | None = None
+    """A system prompt, before each prompt as the run's chat template puts a conversation's first message."""
+    tools: object = None
+    """Tool schemas the model may call (formats.read_tools: a JSON file's path, or the schemas), declared as the
+    run's chat template declares a tool-chat record's."""
 
 
 def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
-             media: Heard = Heard()):  # fmt: skip
+             given: Given = Given()):  # fmt: skip
     """Completions, greedy unless `sampling` (config.Sampling) asks to sample; each prompt is put in the run's
-    template unless `raw`; with `media`'s pictures or clip."""
-    pictures, clip = media.pictures, media.clip
+    template unless `raw`; with `given`'s pictures or clip, system prompt and tools."""
+    pictures, clip = given.pictures, given.clip
     from finetune.data import audio, images, templates
     from finetune.data.formats import Record
     from finetune.methods import prepare
@@ -326,6 +331,7 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     check_writes_text(run, "generate")
     cfg = run.config
     template = templates.get(cfg.data.template)
+    framed = _framing(given, template, raw)  # before the files are read: a refusal of the flags comes first
     pictures = [images.check(Path(p).expanduser(), "--image", "") for p in pictures]
     for placeholder, given, flag in ((images.PLACEHOLDER, pictures, "--image"), (audio.PLACEHOLDER, clip, "--audio")):
         if not given and any(placeholder in p for p in prompts):  # it would be read as text, the marker's pieces
@@ -339,7 +345,7 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
         clip = str(audio.check(Path(clip).expanduser(), "--audio", ""))
         prompts = [audio.with_placeholder(p) for p in prompts]
     if not raw:
-        prompts = [template.apply(Record(instruction=p, response="-"))[0] for p in prompts]
+        prompts = [template.apply(framed(p))[0] for p in prompts]
     lm, preprocessor = load_model(run)
     if pictures:
         vision = images.vision_of(preprocessor)
@@ -355,6 +361,35 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
         prompts = audio.generation_input(prompts, [clip] * len(prompts), hearing)
     tokens = cfg.train.max_new_tokens if max_new_tokens is None else max_new_tokens
     return scoring.generate(lm, preprocessor, prompts, tokens, template.stop_tokens, sampling)
+
+
+def _framing(given: Given, template, raw: bool):
+    """prompt -> the Record the run's template renders for it, with `given`'s system prompt and tools; refuses
+    them where the template has no place for them (they would be dropped, or read as the prompt's own words)."""
+    from finetune.data import formats, templates
+
+    asked = {"system prompt": given.system, "tool declarations": given.tools}
+    asked = [words for words, value in asked.items() if value is not None]
+    if asked and raw:
+        raise UserError(f"--raw sends the prompt as is; put the {' and '.join(asked)} in its text, or drop --raw")
+    if given.system is not None and template.name not in templates.CHAT:
+        raise UserError(f"--system needs a chat template, and the run's is {template.name}; put the instructions in "
+                        "the prompt")  # fmt: skip
+    if given.system is not None and not given.system.strip():
+        raise UserError("--system is empty; give the system prompt's text, or leave it out")
+    tools = formats.read_tools(given.tools) if given.tools is not None else ()
+    if tools and not template.tools:
+        raise UserError(f"--tools needs a template that declares tools (gemma4-chat), and the run's is "
+                        f"{template.name}: it trained without tool turns")  # fmt: skip
+    system = ({"role": "system", "content": given.system},) if given.system is not None else ()
+
+    def framed(prompt: str):
+        if not system and not tools:
+            return formats.Record(instruction=prompt, response="-")
+        messages = (*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": "-"})
+        return formats.Record(instruction=prompt, response="-", messages=messages, tools=tools)
+
+    return framed
 
 
 def list_runs(directory: str | Path) -> list[dict]:
