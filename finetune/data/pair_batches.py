@@ -194,7 +194,7 @@ class PairOrder(batching.Order):
 
     def metric_weights(self, step: int) -> list[int]:
         """The real pairs of each of the step's micro-batches: the weight of its reported metrics (each a mean over
-        its own real pairs, PairMean) in the step's mean. A micro-batch of filler pairs alone reports 0s, which
+        its own real pairs, objective.ColumnMean) in the step's mean. A micro-batch of filler pairs alone reports 0s, which
         weigh nothing."""
         real = len(self.rows(step))
         return [min(max(real - micro * self.batch_size, 0), self.batch_size) for micro in range(self.grad_accum)]

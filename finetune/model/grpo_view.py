@@ -107,34 +107,7 @@ class GRPOView(objective.TrainingView):
         return token_values(self.objective, logps, *given, entropy=entropy)
 
     def step_metrics(self) -> list:
-        return [TokenMean(COLUMNS.index(name), name) for name in METRICS]
+        return [objective.ColumnMean(COLUMNS.index(name), name, by_weight=False) for name in METRICS]
 
     def compute_output_spec(self, inputs):
         return keras.KerasTensor((*inputs["loss_labels"].shape, len(COLUMNS)), dtype="float32")
-
-
-class TokenMean(keras.metrics.Metric):
-    """The mean of one column of a GRPOView's output over the completion tokens (the slots column 0 weighs), as
-    TRL's masked means of the KL and the clip ratios."""
-
-    def __init__(self, column: int, name: str, **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.column = column
-        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        del y_true
-        mask = ops.cast(ops.cast(sample_weight[..., 0], "float32") > 0, "float32")
-        self.total.assign_add(ops.sum(ops.cast(y_pred[..., self.column], "float32") * mask))
-        self.count.assign_add(ops.sum(mask))
-
-    def result(self):
-        return self.total / ops.maximum(self.count, 1.0)
-
-    def reset_state(self):
-        self.total.assign(0.0)
-        self.count.assign(0.0)
-
-    def get_config(self):
-        return {**super().get_config(), "column": self.column}

@@ -474,3 +474,35 @@ class TokenShare(keras.losses.Loss):
     def call(self, y_true, y_pred):
         del y_true  # the labels went in with the inputs
         return y_pred
+
+
+class ColumnMean(keras.metrics.Metric):
+    """The mean of one column of a method's view output (a step metric TRL names), over what its loss weighs.
+
+    by_weight: bool. Each row (a pair) counts by its column-0 weight, its share of the step (0 for padding rows and
+        filler pairs): a preference or reward view's. False: each slot the column-0 weight keeps counts once, as
+        TRL's masked means over completion tokens (GRPO's KL and clip ratios).
+    """
+
+    def __init__(self, column: int, name: str, by_weight: bool = True, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.column, self.by_weight = column, by_weight
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_true
+        weight = ops.cast(sample_weight[..., 0], "float32")
+        weight = weight if self.by_weight else ops.cast(weight > 0, "float32")
+        self.total.assign_add(ops.sum(ops.cast(y_pred[..., self.column], "float32") * weight))
+        self.count.assign_add(ops.sum(weight))
+
+    def result(self):
+        return self.total / ops.maximum(self.count, 1e-12)
+
+    def reset_state(self):
+        self.total.assign(0.0)
+        self.count.assign(0.0)
+
+    def get_config(self):
+        return {**super().get_config(), "column": self.column, "by_weight": self.by_weight}

@@ -18,7 +18,7 @@ call() returns, for each pair i, in row i (rows B..2B-1 hold zeros):
 COLUMNS = loss, rewards_chosen, rewards_rejected, reward_accuracy,
 reward_margin, logps_chosen, logps_rejected. Training weighs column 0 alone
 (objective.TokenShare sums output times weight); the others are reported as
-TRL names them, through PairMean metrics.
+TRL names them, through objective.ColumnMean metrics.
 """
 
 from __future__ import annotations
@@ -156,33 +156,6 @@ class PreferenceView(objective.TrainingView):
         return keras.KerasTensor((inputs["loss_reference"].shape[0], len(COLUMNS)), dtype="float32")
 
 
-class PairMean(keras.metrics.Metric):
-    """The mean of one column of a PreferenceView's output over the pairs, each weighted by its column-0 weight
-    (its share of the step; 0 for padding rows and filler pairs)."""
-
-    def __init__(self, column: int, name: str, **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.column = column
-        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        del y_true
-        weight = ops.cast(sample_weight[:, 0], "float32")
-        self.total.assign_add(ops.sum(ops.cast(y_pred[:, self.column], "float32") * weight))
-        self.count.assign_add(ops.sum(weight))
-
-    def result(self):
-        return self.total / ops.maximum(self.count, 1e-12)
-
-    def reset_state(self):
-        self.total.assign(0.0)
-        self.count.assign(0.0)
-
-    def get_config(self):
-        return {**super().get_config(), "column": self.column}
-
-
 def metrics() -> list:
-    """The step's TRL-named metrics, each a PairMean of its column."""
-    return [PairMean(index + 1, name) for index, name in enumerate(METRICS)]
+    """The step's TRL-named metrics, each an objective.ColumnMean of its column over the pairs."""
+    return [objective.ColumnMean(index + 1, name) for index, name in enumerate(METRICS)]

@@ -21,7 +21,7 @@ import keras
 from keras import ops
 
 from finetune.data import pair_batches
-from finetune.model import objective, pair_view, score_head
+from finetune.model import objective, score_head
 
 COLUMNS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy", "margin")
 METRICS = COLUMNS[1:]
@@ -95,7 +95,7 @@ class RewardView(objective.TrainingView):
 
     def step_metrics(self) -> list:
         """TRL's RewardTrainer's metrics of the step's pairs, each a mean weighted as the loss weighs them."""
-        return [pair_view.PairMean(index + 1, name) for index, name in enumerate(METRICS)]
+        return [objective.ColumnMean(index + 1, name) for index, name in enumerate(METRICS)]
 
     def compute_output_spec(self, inputs):
         return keras.KerasTensor((inputs["loss_reference"].shape[0], WIDTH), dtype="float32")
