@@ -107,8 +107,12 @@ def test_resume_to_an_earlier_end(tmp_path):
     assert run_with_fault(out, "SIGTERM", 2).returncode == 143
     result = invoke("gemma", "--resume", "--max-steps", "2", "--output", out)
     assert result.exit_code == 2 and "trained 3 steps, more than the 2" in result.stderr
-    train(out, "--resume", "--max-steps", "3", "--set", "train.batch_size=null")
+    # A sample asked for on resume (the run started with none) is generated after training, with none before.
+    train(out, "--resume", "--max-steps", "3", "--set", "train.batch_size=null", "--set", "train.samples=1")
     assert metrics(out)["steps"] == 3 and metrics(out)["batch_size"] == 2
+    samples = (out / "samples.md").read_text()
+    assert samples.count("## Sample") == 1 and "(none: the run was resumed with more --samples" in samples, samples
+    assert samples.split("**After training**")[1].strip().startswith("````text"), samples
     rows = _history(out)
     assert rows[-1]["step"] == "3" and rows[-1]["eval_loss"]
 

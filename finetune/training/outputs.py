@@ -719,6 +719,14 @@ def write_samples(path: Path, samples: list[dict]) -> None:
         for title, key in SAMPLE_SECTIONS:
             if key == "reference" and not sample[key]:  # prompts alone (GRPO): nothing to compare with
                 continue
+            if sample[key] is None:  # a sample added when the run was resumed: none before training
+                lines += [
+                    f"**{title}**",
+                    "",
+                    "(none: the run was resumed with more --samples than it started with)",
+                    "",
+                ]
+                continue
             lines += [f"**{title}**", "", _fence(sample[key]), ""]
             if f"{key}_score" in sample:  # the method's score of the generation (GRPO's rewards)
                 lines += [sample[f"{key}_score"], ""]

@@ -174,13 +174,16 @@ class HeldOut:
         return generate(self.lm, self.preprocessor, self.inputs, self.max_new_tokens, self.stop_tokens)
 
     def sample_rows(self, before: list[str], after: list[str]) -> list[dict]:
-        """samples.md's rows (outputs.write_samples)."""
+        """samples.md's rows (outputs.write_samples). A sample with no generation before training (a run resumed
+        with more --samples than it started with) has None there, and is kept with its generation after."""
+        before = [*before, *[None] * (len(after) - len(before))]
         rows = [
             {"prompt": p, "reference": self.template.sample_reference(r), "before": b, "after": a}
             for p, r, b, a in zip(self.prompts, self.samples, before, after)
         ]
         if self.judge is not None and rows:
-            for when, generations in (("before", before), ("after", after)):
-                for row, scored in zip(rows, self.judge(generations)):
+            for when in ("before", "after"):
+                made = [row for row in rows if row[when] is not None]
+                for row, scored in zip(made, self.judge([row[when] for row in made]) if made else []):
                     row[f"{when}_score"] = scored
         return rows
