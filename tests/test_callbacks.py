@@ -26,6 +26,29 @@ def test_tensorboard_log_writes_train_and_eval_tensorboard_scalars(tmp_path):
     assert held_out == {"loss": {0: 3.0, 2: 1.5}, "accuracy": {0: 0.25, 2: 0.5}, "perplexity": {0: 20.0, 2: 4.5}}
 
 
+@pytest.mark.backend_neutral
+def test_a_resumed_log_hides_what_a_killed_session_logged_past_its_checkpoint(tmp_path):
+    """Killed after step 5 with its checkpoint at step 3: the resumed session logs steps 4 and 5 again, and
+    TensorBoard, reading the run's directory as its server does (plugin_event_accumulator), charts each step once,
+    the resumed session's value."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator as event_accumulator
+    from tensorboard.util import tensor_util
+
+    optimizer = types.SimpleNamespace(learning_rate=0.5)
+    killed = callbacks.TensorBoardLog(tmp_path, optimizer)
+    for step in range(1, 6):
+        killed.on_train_batch_end(step, {"loss": float(step)})
+    killed.on_train_end()
+    resumed = callbacks.TensorBoardLog(tmp_path, optimizer, resumed_at=3)
+    for step in range(4, 7):
+        resumed.on_train_batch_end(step, {"loss": 10.0 + step})
+    resumed.on_train_end()
+    board = event_accumulator.EventAccumulator(str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0})
+    board.Reload()
+    charted = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in board.Tensors("loss")]
+    assert charted == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
 def test_a_run_imports_its_backend_s_framework_alone(tmp_path, small_data, tiny_args, backend_name):
     """The CLI's run, from start to saved adapter, in its own process: no other framework is imported (keras-hub
     would import TensorFlow, 590 MiB, and keras JAX, 105 MiB, for nothing), nor nltk, which keras-hub's ROUGE

@@ -28,15 +28,18 @@ class TensorBoardLog(keras.callbacks.Callback):
         log_dir: Path. The TensorBoard log directory (`<run>/tensorboard`).
         optimizer: keras.optimizers.Optimizer. Its learning rate is logged for a step whose logs do not
             name the rate the step applied.
+        resumed_at: int. The checkpoint's step, for a run resumed from one: the steps after it, which a killed
+            session may have logged already, are logged again, and TensorBoard shows the new ones alone.
     """
 
-    def __init__(self, log_dir: Path, optimizer):
+    def __init__(self, log_dir: Path, optimizer, resumed_at: int | None = None):
         super().__init__()
         # === Config ===
         self.log_dir = Path(log_dir)
         self.optimizer = optimizer
         # === Writers ===
-        self._files = {run: events.EventFile(self.log_dir / run) for run in ("train", "eval")}
+        purge = 0 if resumed_at is None else resumed_at + 1
+        self._files = {run: events.EventFile(self.log_dir / run, purge) for run in ("train", "eval")}
         self._step = 0
 
     def on_train_batch_end(self, batch, logs=None):

@@ -10,7 +10,10 @@ metadata and a float32 scalar tensor, which TensorBoard charts.
 
 Wire format, from the protocol buffer definitions TensorBoard reads
 (event.proto, summary.proto, tensor.proto):
-- Event: wall_time = 1 (double), step = 2 (int64), file_version = 3 (string), summary = 5;
+- Event: wall_time = 1 (double), step = 2 (int64), file_version = 3 (string), summary = 5, session_log = 7;
+- SessionLog: status = 1 (START is 1). Each session of a run opens with one, as TensorFlow's supervisor did: the
+  first one seen starts the run, and each later one, at step N, makes TensorBoard drop the events before it of
+  step N and later (a restarted job's purge_step, as tensorboardX writes it);
 - Summary: value = 1 (repeated); Summary.Value: tag = 1, tensor = 8, metadata = 9;
 - SummaryMetadata: plugin_data = 1; PluginData: plugin_name = 1;
 - TensorProto: dtype = 1 (DT_FLOAT is 1), tensor_shape = 2 (empty: a scalar), float_val = 5.
@@ -89,15 +92,20 @@ def scalar_event(tag: str, value: float, step: int, wall_time: float | None = No
 
 
 class EventFile:
-    """One run's event file: `events.out.tfevents.<time>.<host>` in `log_dir`, flushed after every write."""
+    """One run's event file: `events.out.tfevents.<time>.<host>` in `log_dir`, flushed after every write.
 
-    def __init__(self, log_dir: Path):
+    purge_from: int. The first step this session logs (its SessionLog.START's step): after a kill, a session resumed
+        from a checkpoint logs again steps that an earlier one logged, and TensorBoard hides those of the earlier.
+    """
+
+    def __init__(self, log_dir: Path, purge_from: int = 0):
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         self.path = log_dir / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.finetune"
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close()
         self._file.write(record(_event(now, 0, _field(3, b"brain.Event:2"))))
+        self._file.write(record(_event(now, purge_from, _field(7, _varint(1 << 3) + _varint(1)))))
         self._file.flush()
 
     def scalars(self, step: int, values: dict) -> None:

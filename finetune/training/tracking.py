@@ -122,15 +122,16 @@ def flat(settings: dict, prefix: str = "") -> dict:
 def open_trackers(report_to: list[str], stack: contextlib.ExitStack, run_dir: Path, optimizer, run: dict) -> list:
     """The trackers --report-to names, entered on `stack` so that each ends with the run, however it ends.
 
-    run: dict. name (the run's id), params (its config, as config.yaml holds it) and resumed (whether this
-        session resumes it from a checkpoint: MLflow and W&B then carry on the tracker's run it began).
+    run: dict. name (the run's id), params (its config, as config.yaml holds it) and resumed (the step of the
+        checkpoint this session resumes from, None for a new run: MLflow and W&B then carry on the tracker's run
+        it began, and TensorBoard hides what a killed session logged after that step).
     """
     found = []
     for name in report_to:
         if name == "tensorboard":
-            found.append(callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, optimizer))
+            found.append(callbacks.TensorBoardLog(run_dir / outputs.TENSORBOARD, optimizer, run.get("resumed")))
         elif name == "mlflow":
-            found.append(MLflowLog(run_dir, run["name"], flat(run["params"]), run.get("resumed", False)))
+            found.append(MLflowLog(run_dir, run["name"], flat(run["params"]), run.get("resumed") is not None))
         elif name == "wandb":
             found.append(WandbLog(run_dir, run["name"], flat(run["params"])))
     return [stack.enter_context(tracker) for tracker in found]

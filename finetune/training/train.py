@@ -262,7 +262,7 @@ def _train(session: Session, claim: outputs.Claim, start: checkpoint.RunState, s
     status.json as it goes."""
     run, trainer = session.run, session.model.trainer
     cfg = run.config
-    about = {"name": start.run_id, "params": start.config, "resumed": session.found is not None}
+    about = {"name": start.run_id, "params": start.config, "resumed": session.found.step if session.found else None}
     trackers = tracking.open_trackers(cfg.output.report_to, stack, claim.path, trainer.optimizer, about)
     if session.found is None and start.eval_before:  # None: nothing held out
         for tracker in trackers:
