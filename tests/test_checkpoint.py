@@ -17,6 +17,7 @@ import pytest
 import yaml
 from conftest import BACKEND, SHORT, _history, invoke, make_records, run_with_fault, train, train_losses, write_jsonl
 
+import finetune
 from finetune import config
 from finetune.training import checkpoint, outputs, runs
 
@@ -207,6 +208,27 @@ def test_resume_refuses_another_lora_variant_or_regularizer_naming_the_key(tmp_p
     assert state["config"]["lora"].pop("dropout") == 0.0
     (found.path / "state.json").write_text(json.dumps(state))  # as a checkpoint from before wrote it
     checkpoint.check_compatible(found, cfg, (state["data_fingerprint"], state.get("eval_data_fingerprint")), out)
+
+
+@pytest.mark.backend_neutral
+def test_a_checkpoint_with_a_setting_this_version_lacks_is_refused_naming_the_version_that_wrote_it(tmp_path):
+    """A run checkpointed by a newer finetune, resumed by this one: exit 2 naming both versions, nothing touched."""
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    found = checkpoint.latest(out)
+    state = found.state()
+    assert state["finetune_version"] == finetune.__version__
+    state["config"]["train"]["new_knob"] = 3
+    state["finetune_version"] = "9.9.0"
+    weights, optimizer, _ = checkpoint.load(found)
+    shutil.rmtree(found.path)
+    checkpoint.save(out, found.run_id, found.step, weights, optimizer, state)  # whole, with its checksums
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = invoke("gemma", "--resume", "--max-steps", "3", "--output", out)
+    assert result.exit_code == 2, result.output
+    said = f"its checkpoint was written by finetune 9.9.0, and this version ({finetune.__version__}) cannot take"
+    assert said in result.stderr and "new_knob" in result.stderr, result.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
 @pytest.mark.one_backend  # numpy arrays and files only

@@ -96,6 +96,7 @@ class RunState:
             | order
             | {
                 "run_id": self.run_id,
+                "finetune_version": __version__,
                 "step": progress.step,
                 "config": self.config,
                 "data_fingerprint": self.data_fingerprint,

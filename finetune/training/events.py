@@ -92,7 +92,8 @@ def scalar_event(tag: str, value: float, step: int, wall_time: float | None = No
 
 
 class EventFile:
-    """One run's event file: `events.out.tfevents.<time>.<host>` in `log_dir`, flushed after every write.
+    """One session's event file, `events.out.tfevents.<time>.<host>.<ns>.finetune` in `log_dir`, flushed after every
+    write.
 
     purge_from: int. The first step this session logs (its SessionLog.START's step): after a kill, a session resumed
         from a checkpoint logs again steps that an earlier one logged, and TensorBoard hides those of the earlier.
@@ -102,8 +103,12 @@ class EventFile:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        self.path = log_dir / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.finetune"
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close()
+        # A file of its own (x), never another session's: one started in the same second had the same name, and
+        # was appended to. The nanoseconds sort a later session's file after an earlier one's, as TensorBoard
+        # reads a run's files in name order (the session start's purge needs it).
+        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{time.time_ns()}.finetune"
+        self.path = log_dir / name
+        self._file = open(self.path, "xb")  # noqa: SIM115 - held open until close()
         self._file.write(record(_event(now, 0, _field(3, b"brain.Event:2"))))
         self._file.write(record(_event(now, purge_from, _field(7, _varint(1 << 3) + _varint(1)))))
         self._file.flush()

@@ -832,5 +832,19 @@ def settings_to_resume(output: str | None) -> dict | None:
 
     A gs:// run's checkpoints are copied to its staging directory here, and found there again by the run.
     """
+    from finetune import config as config_module
+    from finetune.platform.version import __version__
+
     found = checkpoint.newest(check_target(output, False, True).path)
-    return found.state()["config"] if found else None
+    if found is None:
+        return None
+    state = found.state()
+    try:
+        config_module.from_dict(state["config"])
+    except UserError as e:  # a key or value of another version's (a newer one's setting)
+        written = state.get("finetune_version")
+        by = f"finetune {written}" if written else "a version of finetune from before checkpoints named theirs"
+        raise UserError(f"cannot resume {output}: its checkpoint was written by {by}, and this version "
+                        f"({__version__}) cannot take its settings ({e}); resume it with the version that wrote it, "
+                        "or start a new run with another --output") from None  # fmt: skip
+    return state["config"]
