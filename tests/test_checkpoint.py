@@ -19,6 +19,7 @@ from conftest import BACKEND, SHORT, _history, invoke, make_records, run_with_fa
 
 import finetune
 from finetune import config
+from finetune.methods import registry
 from finetune.training import checkpoint, outputs, runs
 
 
@@ -358,3 +359,22 @@ def test_a_checkpoint_of_finetune_0_1_0_is_refused_naming_the_version(tmp_path):
         checkpoint.check_compatible(found, cfg, ("x", None), tmp_path)
     found = SimpleNamespace(state=lambda: {"config": cfg.to_dict(), "data_fingerprint": "x"})
     checkpoint.check_compatible(found, cfg, ("x", None), tmp_path)  # this version's: nothing to refuse
+
+
+@pytest.mark.one_backend  # the comparison alone
+@pytest.mark.parametrize(
+    "setting, packed, method, asked, same",
+    [
+        ("auto", False, "grpo", "off", True),  # GRPO's rows never pack: off is what auto did
+        ("auto", True, "sft", "off", False),
+        ("auto", True, "sft", "auto", True),
+        ("auto", False, "sft", "on", False),
+        ("off", False, "grpo", "auto", True),  # auto leaves GRPO's rows as they were
+        ("off", False, "sft", "auto", False),  # auto would pack SFT's
+        (None, None, "sft", "off", False),  # a checkpoint from before the decision was kept: auto read as on
+    ],
+)
+def test_resume_compares_how_the_rows_were_laid_not_the_packing_setting(setting, packed, method, asked, same):
+    saved = {"config": {"data": {"packing": setting or "auto"}}, **({} if packed is None else {"packed": packed})}
+    then, now = checkpoint._packing(saved, setting or "auto", asked, registry.get(method))
+    assert (then == now) is same, (then, now)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from finetune.methods import registry
 from finetune.platform import storage
 from finetune.platform.errors import UserError
 from finetune.platform.version import __version__
@@ -406,7 +407,7 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
         if key == "method":  # a checkpoint from before preference methods trained SFT
             then = then or "sft"
         if key == "packing":
-            then, now = _packing(saved, then, now)
+            then, now = _packing(saved, then, now, registry.get(cfg.train.method))
         if then != now:
             raise UserError(
                 f"cannot resume {target}: its checkpoint was trained with {section}.{key}={then!r}, this run asks "
@@ -430,18 +431,21 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
         )
 
 
-def _packing(saved: dict, then: str | None, now: str) -> tuple[str, str]:
+def _packing(saved: dict, then: str | None, now: str, method) -> tuple[str, str]:
     """(how the checkpoint's rows were laid, how this run's --packing would lay them), each "on" or "off".
 
     A checkpoint keeps what its setting decided (RunState.packed): auto packs the same rows again, so only a
     setting that says otherwise differs. One from before it was kept is taken as its setting said: auto is on.
+    method: methods.method.Method. The run's: auto never packs rows it cannot (Method.unpacked_why).
     """
     packed = saved.get("packed")
     if packed is None:
         return ("off" if then == "off" else "on"), ("off" if now == "off" else "on")
     then = "on" if packed else "off"
-    if now == "auto":  # decides as the run's own auto did; after a run set off, auto may pack
-        return then, then if saved["config"]["data"].get("packing") != "off" else "on"
+    if now == "auto" and saved["config"]["data"].get("packing") != "off":
+        return then, then  # decides as the run's own auto did
+    if now == "auto":  # after a run set off, auto packs where the method's rows can pack
+        return then, "off" if method.unpacked_why() else "on"
     return then, now
 
 
