@@ -199,3 +199,20 @@ def test_a_finished_run_s_mistakes_are_refused_as_typed(tmp_path):
     ):
         assert said in " ".join(refused(*args, cwd=tmp_path).split()), args
     assert {p: p.read_bytes() for p in (tmp_path / run).rglob("*") if p.is_file()} == files
+
+
+@pytest.mark.backend_neutral  # the resume's decisions are Python's; resuming itself is tested on every backend
+def test_a_finished_run_trains_further_as_typed(tmp_path):
+    """This round's resume, as users type it: `--epochs` on a `--max-steps` run trains to the epochs, the decayed
+    schedule is said to stretch, the table says what the checkpoint decided, and `generate` takes a system prompt
+    only where the template has a place for it."""
+    run = "runs/typed"
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--max-steps", "2", "--lr-schedule", "cosine",
+             "--checkpoint-every", "1", *LEAN, "--output", run, cwd=tmp_path)  # fmt: skip
+    further = finetune("gemma", "--resume", "--output", run, "--epochs", "1", cwd=tmp_path)
+    steps = json.loads((tmp_path / run / "metrics.json").read_text())["steps"]
+    assert steps > 2 and f"1 epochs of {steps} steps" in further.stdout, further.stdout
+    assert f"planned again over {steps} steps, not the 2 the run started with" in further.stdout, further.stdout
+    assert [line for line in further.stdout.splitlines() if line.startswith("precision") and "resumed" in line]
+    said = refused("generate", "--run", run, "--prompt", "Hi.", "--system", "Be brief.", cwd=tmp_path)
+    assert "--system needs a chat template, and the run's is dolly" in said, said
