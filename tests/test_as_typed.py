@@ -212,7 +212,7 @@ def test_a_finished_run_trains_further_as_typed(tmp_path):
     further = finetune("gemma", "--resume", "--output", run, "--epochs", "1", cwd=tmp_path)
     steps = json.loads((tmp_path / run / "metrics.json").read_text())["steps"]
     assert steps > 2 and f"1 epochs of {steps} steps" in further.stdout, further.stdout
-    assert f"planned again over {steps} steps, not the 2 the run started with" in further.stdout, further.stdout
+    assert f"planned again over {steps} steps, not the 2 its checkpoint planned" in further.stdout, further.stdout
     assert [line for line in further.stdout.splitlines() if line.startswith("precision") and "resumed" in line]
     said = refused("generate", "--run", run, "--prompt", "Hi.", "--system", "Be brief.", cwd=tmp_path)
     assert "--system needs a chat template, and the run's is dolly" in said, said

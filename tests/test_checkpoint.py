@@ -93,8 +93,8 @@ def test_a_resume_that_trains_further_plans_a_decaying_schedule_again_and_says_s
     out = tmp_path / "cosine"
     train(out, "--max-steps", "4", "--lr-schedule", "cosine", "--warmup-ratio", "0.25", "--lr", "0.01")
     result = train(out, "--resume", "--max-steps", "8")
-    said = ("the cosine learning-rate schedule is planned again over 8 steps, not the 4 the run started with, its "
-            "warmup over 2 steps, not 1: step 5 trains at 0.75x the peak rate, where the first plan gave 0x")  # fmt: skip
+    said = ("the cosine learning-rate schedule is planned again over 8 steps, not the 4 its checkpoint planned, its "
+            "warmup over 2 steps, not 1: step 5 trains at 0.75x the peak rate, where that plan gave 0x")  # fmt: skip
     assert said in result.output, result.output
     rates = [float(row["learning_rate"]) for row in _history(out) if row["learning_rate"]]
     # step 4 ended the first plan at 0.01 x (1 + cos(pi x 2/3)) / 2; step 5 is 0.01 x (1 + cos(pi x 2/6)) / 2

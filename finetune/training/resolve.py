@@ -277,17 +277,15 @@ def replanned(train, saved: dict, steps_per_epoch: int, done: int) -> str | None
                   steps_per_epoch)  # fmt: skip
     now = steps(train, steps_per_epoch)
     plans = [(d["warmup_steps"].value, d["steps"].value) for d in (first, now)]
-    if plans[0] == plans[1]:
+    if plans[0] == plans[1] or (train.lr_schedule == "constant" and all(done >= warmup for warmup, _ in plans)):
         return None
     factors = [
         optimizer.lr_factor(done, train.lr_schedule, warmup, total, train.min_lr_ratio) for warmup, total in plans
     ]
-    if train.lr_schedule == "constant" and all(done >= warmup for warmup, _ in plans):
-        return None
     warmup = f", its warmup over {plans[1][0]} steps, not {plans[0][0]}" if plans[0][0] != plans[1][0] else ""
     return (f"the {train.lr_schedule} learning-rate schedule is planned again over {plans[1][1]} steps, not the "
-            f"{plans[0][1]} the run started with{warmup}: step {done + 1} trains at {factors[1]:.3g}x the peak rate, "
-            f"where the first plan gave {factors[0]:.3g}x")  # fmt: skip
+            f"{plans[0][1]} its checkpoint planned{warmup}: step {done + 1} trains at {factors[1]:.3g}x the peak "
+            f"rate, where that plan gave {factors[0]:.3g}x")  # fmt: skip
 
 
 # The decisions a resumed run takes from its checkpoint, and where the checkpoint's config keeps them.
