@@ -318,8 +318,11 @@ def test_a_preference_pair_hears_its_clip(tmp_path):
     for kind in ("tone", "noise"):
         data = write_lines(tmp_path / f"{kind}.jsonl", [_pair(clip(tmp_path / f"{kind}.wav", kind))] * 8)
         out = tmp_path / kind
+        # bfloat16 on every machine: the default on a GPU, where keras' PyTorch einsum once refused the audio
+        # encoder's mixed dtypes (keras_compat.promoted_torch_einsums)
         result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--method", "dpo", "--data", data, "--max-steps",
-                        "2", "--batch-size", "2", "--set", "train.samples=0", "--output", out)  # fmt: skip
+                        "2", "--batch-size", "2", "--set", "train.samples=0", "--precision", "bfloat16",
+                        "--output", out)  # fmt: skip
         assert result.exit_code == 0, result.output + result.stderr
         with (out / "history.csv").open() as f:
             runs.append([float(r["grad_norm"]) for r in csv.DictReader(f) if r["train_loss"]])

@@ -113,7 +113,7 @@ def test_resume_to_an_earlier_end(tmp_path):
     train(out, "--resume", "--max-steps", "3", "--set", "train.batch_size=null", "--set", "train.samples=1")
     assert metrics(out)["steps"] == 3 and metrics(out)["batch_size"] == 2
     samples = (out / "samples.md").read_text()
-    assert samples.count("## Sample") == 1 and "(none: the run was resumed with more --samples" in samples, samples
+    assert samples.count("## Sample") == 1 and "(none: the run was resumed asking for more samples" in samples, samples
     assert samples.split("**After training**")[1].strip().startswith("````text"), samples
     rows = _history(out)
     assert rows[-1]["step"] == "3" and rows[-1]["eval_loss"]

@@ -64,6 +64,23 @@ def test_float16_matmuls_stay_float16_on_a_cpu():
     assert keras.ops.matmul(x, torch.ones((3, 2), dtype=torch.float16)).dtype == torch.float16
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch einsum only")
+def test_einsums_of_two_float_dtypes_promote_on_pytorch_as_on_the_other_backends():
+    """keras-hub's Gemma 4 audio attention weighs float32 values by bfloat16 probabilities (test_audio trains it)."""
+    import numpy as np
+    import torch
+
+    keras_compat.promoted_torch_einsums()
+    assert keras_compat.promoted_torch_einsums() is False  # once per process
+    probs = torch.full((2, 3), 0.5, dtype=torch.bfloat16)
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    mixed = keras.ops.einsum("wc,ch->wh", probs, values)
+    assert mixed.dtype == torch.float32
+    np.testing.assert_allclose(mixed.numpy(), 0.5 * values.numpy().sum(0, keepdims=True).repeat(2, 0))
+    ints = torch.ones((2, 2), dtype=torch.int8)
+    assert keras.ops.einsum("ij,jk->ik", ints, ints).dtype == torch.int32  # keras' own path
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="keras' PyTorch convert_to_tensor only")
 @pytest.mark.parametrize(
     "number", [True, 0, 3, -(2**31) - 1, 2**40, 0.1, -2.5, float(np.float64(1e-3)), np.float64(7.5)]

@@ -450,6 +450,7 @@ def apply_runtime_tweaks(precision: str, threads: int | None = None, lean_ops: b
 
         torch.set_float32_matmul_precision("high")
         tweaks["torch.float32_matmul_precision"] = "high"
+        keras_compat.promoted_torch_einsums()  # a correction: keras-hub's Gemma 4 audio mixes dtypes there
         if lean_ops:
             keras_compat.lean_torch_ops()
             tweaks["keras.ops"] = "lean host work" + (

@@ -139,6 +139,35 @@ def exact_tensorflow_adds() -> bool:
     return True
 
 
+def promoted_torch_einsums() -> bool:
+    """Keras' PyTorch einsum hands operands of two float dtypes to torch.einsum, which refuses them; make it promote
+    them first, as keras' JAX and TensorFlow einsums do (keras.ops' type promotion).
+
+    keras-hub's Gemma 4 audio encoder (Gemma4AudioAttention, keras-hub 0.32) weighs float32 values by attention
+    probabilities cast to the compute dtype: on PyTorch in bfloat16, the default on a GPU and on a CPU with bf16
+    units, every run with audio stopped there ("expected scalar type BFloat16 but found Float"). Operands of one
+    dtype take keras' own path. Returns whether Keras' function was replaced (once per process).
+    """
+    from keras.src.backend.common import dtypes
+    from keras.src.backend.torch import numpy as torch_numpy
+
+    original = torch_numpy.einsum
+    if getattr(original, "promotes", False):
+        return False
+
+    def einsum(subscripts, *operands, **kwargs):
+        operands = [torch_numpy.convert_to_tensor(x) for x in operands]
+        found = {x.dtype for x in operands}
+        if len(found) > 1 and all(d.is_floating_point for d in found):
+            dtype = dtypes.result_type(*(torch_numpy.standardize_dtype(x.dtype) for x in operands))
+            operands = [torch_numpy.cast(x, dtype) for x in operands]
+        return original(subscripts, *operands, **kwargs)
+
+    einsum.promotes = True
+    torch_numpy.einsum = einsum
+    return True
+
+
 def _misplaced_as_bias(first: list, second: list) -> bool:
     """Whether keras' TensorFlow `add` takes `second` for a bias along an axis of `first` that broadcasting does not
     align it with (its condition for tf.nn.bias_add, then the axis broadcasting gives)."""

@@ -723,7 +723,7 @@ def write_samples(path: Path, samples: list[dict]) -> None:
                 lines += [
                     f"**{title}**",
                     "",
-                    "(none: the run was resumed with more --samples than it started with)",
+                    "(none: the run was resumed asking for more samples than it started with)",
                     "",
                 ]
                 continue
