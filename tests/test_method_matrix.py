@@ -419,11 +419,13 @@ def parallel_runs(data, tmp_path_factory):
 
 
 def same_steps(one: dict, other: dict) -> None:
-    """`other`'s training losses and held-out scores before and after are `one`'s within 1e-5, and finite."""
+    """`other`'s training losses and held-out scores before and after are `one`'s within 1e-5 (relative, or absolute
+    near 0), and finite. float32 sums taken in another order (a shard's, then both) differ in their last bits, and two
+    steps later a loss of 25 (IPO's) differed by 1.4e-6 of itself on one machine: a wrong gather differs by far more."""
     assert len(other["losses"]) == 2 and all(math.isfinite(v) for v in other["losses"])
-    assert other["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-5)
+    assert other["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-5)
     for name in ("eval_loss_before", "eval_loss"):
-        assert math.isfinite(other[name]) and other[name] == pytest.approx(one[name], rel=1e-6, abs=1e-5), name
+        assert math.isfinite(other[name]) and other[name] == pytest.approx(one[name], rel=1e-5, abs=1e-5), name
 
 
 @pytest.mark.parametrize("method", METHODS)
