@@ -256,7 +256,7 @@ def judge(prompts, completions, **columns):
 @pytest.mark.one_backend  # the checks are Python's; the checkpoints' own tests run on every backend
 @pytest.mark.parametrize("bad, said", [("raise RuntimeError('no judge today')", "raised RuntimeError: no judge today"),
                                        ("return [1.0]", "returned 1 values for 32 completions"),
-                                       ("return [float('nan')] * len(completions)", "returned nan, not a number or None")])  # fmt: skip
+                                       ("return [float('nan')] * len(completions)", "returned nan, not a finite number or None")])  # fmt: skip
 def test_a_bad_reward_mid_run_exits_2_naming_it_and_the_prompt_and_keeps_the_last_checkpoint(files, tmp_path, bad,
                                                                                              said):  # fmt: skip
     """The third batch of rollouts (step 3) goes wrong: exit 2 naming the function, the step and a prompt of the

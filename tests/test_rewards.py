@@ -20,6 +20,16 @@ def test_builtins_score_as_documented():
     (math,) = rewards.load(["math"], [], 8)
     got = math.function(["p"] * 3, ["so 1,234.0", "\\boxed{7} then 9", "none"], answer=["#### 1234", "7", "3"])
     assert got == [1.0, 1.0, 0.0]
+    # A hyphen between numbers is no minus sign; an empty answer is none (every text would contain it).
+    got = math.function(["p"] * 3, ["in 1914-1918", "pages 10-15", "x = -3"], answer=["1918", "15", "-3"])
+    assert got == [1.0, 1.0, 1.0]
+    assert math.function(["p"], ["7"], answer=[" "]) == [None]
+    assert exact.function(["p", "p"], ["anything", "x"], answer=["", "  "]) == [None, None]
+
+
+def test_two_rewards_of_one_name_are_told_apart_in_order():
+    names = [reward.name for reward in rewards.load(["length", "exact", "length"], [], 8)]
+    assert names == ["length_1", "exact", "length_2"]
 
 
 def test_a_file_function_gets_the_columns(tmp_path):
@@ -35,7 +45,7 @@ def test_a_file_function_gets_the_columns(tmp_path):
 @pytest.mark.parametrize(
     "body, said",
     [("raise ValueError('boom')", "raised ValueError: boom"), ("return [1.0]", "returned 1 values for 2"),
-     ("return [float('nan'), 1.0]", "returned nan")],
+     ("return [float('nan'), 1.0]", "returned nan"), ("return [float('inf'), 1.0]", "returned inf, not a finite")],
 )  # fmt: skip
 def test_a_bad_reward_stops_naming_itself_and_the_prompt(tmp_path, body, said):
     path = tmp_path / "bad.py"

@@ -68,12 +68,11 @@ def load(specs: list, weights: list, max_completion_length: int) -> list[Reward]
     if refusal:
         raise UserError(refusal)
     functions = [function_of(spec, max_completion_length) for spec in specs]
-    names = [name for name, _ in functions]
-    seen = {}
-    for index, name in enumerate(names):  # two rewards of one name get their metrics apart
+    given = [name for name, _ in functions]
+    seen, names = {}, []
+    for name in given:  # two rewards of one name get their metrics apart: name_1, name_2
         seen[name] = seen.get(name, 0) + 1
-        if names.count(name) > 1:
-            names[index] = f"{name}_{seen[name]}"
+        names.append(f"{name}_{seen[name]}" if given.count(name) > 1 else name)
     return [Reward(name, f, float(w)) for name, (_, f), w in zip(names, functions, weights or [1.0] * len(specs))]
 
 
@@ -158,9 +157,11 @@ def _answers(columns: dict, name: str, count: int) -> list:
 
 
 def exact(prompts, completions, **columns):
-    """1 where the record's answer (stripped) appears in the completion; None where the record has none."""
+    """1 where the record's answer (stripped) appears in the completion; None where the record has none (or an
+    empty one, which every text contains)."""
     answers = _answers(columns, "exact", len(completions))
-    return [None if a is None else float(str(a).strip() in _text(c)) for c, a in zip(completions, answers)]
+    answers = [None if a is None or not str(a).strip() else str(a).strip() for a in answers]
+    return [None if a is None else float(a in _text(c)) for c, a in zip(completions, answers)]
 
 
 def math_reward(prompts, completions, **columns):
@@ -172,7 +173,7 @@ def math_reward(prompts, completions, **columns):
         math_verify = None
     out = []
     for completion, answer in zip(completions, answers):
-        if answer is None:
+        if answer is None or not str(answer).strip():
             out.append(None)
         elif math_verify is not None:
             out.append(float(math_verify.verify(math_verify.parse(str(answer)), math_verify.parse(_text(completion)))))
@@ -181,7 +182,8 @@ def math_reward(prompts, completions, **columns):
     return out
 
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A minus sign is one where no digit, letter or point stands before it: "1914-1918" ends in 1918, not -1918.
+NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 
 
 def final_number(text: str) -> float | None:
@@ -213,7 +215,7 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: dict
     """(completions, functions) float64: each function's reward of each completion, NaN where it gave None.
 
     columns: the prompt records' other keys, each a list as long as `completions`. A function that raises,
-    returns anything but one number or None per completion, or a NaN, stops the run (a UserError, exit 2),
+    returns anything but one number or None per completion, or a NaN or an infinity, stops the run (a UserError, exit 2),
     naming the function and the prompt.
     """
     table = np.full((len(completions), len(rewards)), np.nan)
@@ -229,8 +231,8 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: dict
         for row, value in enumerate(values):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or math.isnan(value):
-                raise _stopped(reward, prompts[row], step, f"returned {value!r}, not a number or None")
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise _stopped(reward, prompts[row], step, f"returned {value!r}, not a finite number or None")
             table[row, index] = float(value)
     return table
 
