@@ -15,6 +15,7 @@ The head is the view's, so checkpoints keep it; a finished run writes it beside 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +137,8 @@ class Classify(Supervised):
 
 def _order(label: str):
     """Labels sort as numbers where they are whole numbers, else as text."""
-    return (0, int(label), "") if label.lstrip("-").isdigit() else (1, 0, label)
+    whole = re.fullmatch(r"-?[0-9]+", label)  # ASCII digits: str.isdigit() takes '²', which int() refuses
+    return (0, int(label), "") if whole else (1, 0, label)
 
 
 def label_of(record, source: str) -> str:
@@ -171,7 +173,7 @@ def sequences(records, template, preprocessor, cfg, source: str, ids: dict | Non
                                 f"run's --seq-len {seq_len}, and cutting it could cut their tokens; shorten it")  # fmt: skip
             skipped += 1  # cut from its end, it could lose some of its image or audio tokens
             continue
-        given = label_of(record, source) if ids is not None or "label" in record.columns else None
+        given = label_of(record, source) if ids is not None or record.columns.get("label") is not None else None
         if ids is not None and given not in ids:
             raise UserError(f"{record.where or source}: label {given!r} is not one of the run's classes "
                             f"({', '.join(ids)})")  # fmt: skip
@@ -226,14 +228,15 @@ def class_metrics(view, batches, after_batch=None) -> dict:
     loss = np.log(np.exp(shifted).sum(-1)) - shifted[np.arange(len(labels)), labels]
     predicted = logits.argmax(-1)
     return {"loss": float(loss.mean()), "accuracy": float((predicted == labels).mean()),
-            "macro_f1": macro_f1(labels, predicted, logits.shape[1])}  # fmt: skip
+            "macro_f1": macro_f1(labels, predicted)}  # fmt: skip
 
 
-def macro_f1(labels, predicted, classes: int) -> float:
-    """The mean over the classes of each one's F1 (2 TP / (2 TP + FP + FN), 0 for a class never labelled nor
-    predicted), as sklearn's f1_score(average="macro", zero_division=0) over `classes` labels."""
+def macro_f1(labels, predicted) -> float:
+    """The mean of each class's F1 (2 TP / (2 TP + FP + FN)) over the classes labelled or predicted, as sklearn's
+    f1_score(average="macro", zero_division=0) and Hugging Face evaluate's f1 give it: a class the held-out records
+    neither hold nor get is left out, not counted as an F1 of 0."""
     scores = []
-    for c in range(classes):
+    for c in np.union1d(labels, predicted):
         hit = int(np.sum((predicted == c) & (labels == c)))
         wrong = int(np.sum(predicted == c)) + int(np.sum(labels == c)) - 2 * hit
         scores.append(2 * hit / (2 * hit + wrong) if hit + wrong else 0.0)
