@@ -150,6 +150,8 @@ def test_packing_trains(method, data, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "4", "--packing", "on")
     assert result.exit_code == 0, result.output
     assert "packing: " in result.output and "padding " in result.output, result.output
+    held = json.loads((tmp_path / "run" / "metrics.json").read_text())["eval_examples"]  # records, not rows' arrays
+    assert f"evaluating before training ({held} held-out records)" in result.output, result.output
     trained = losses(tmp_path / "run")
     assert len(trained) == 6 and all(math.isfinite(v) for v in trained)
 

@@ -205,7 +205,9 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
     rows = prepared.held_out_rows
     scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
-    held_out = scoring.HeldOut(scores, len(rows), model, samples, prepared.template, cfg.train.max_new_tokens)
+    # The records held out, as the line before the first evaluation counts them (rows is a dict of arrays for SFT).
+    held_out = scoring.HeldOut(scores, len(prepared.held_out), model, samples, prepared.template,
+                               cfg.train.max_new_tokens)  # fmt: skip
     if samples:
         held_out.judge = run.method.sample_scores(cfg, samples, prepare.tokenizer_of(model.preprocessor))
     return held_out
