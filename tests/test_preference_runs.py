@@ -223,6 +223,23 @@ def test_a_prompt_longer_than_seq_len_is_cut_and_the_run_trains(method, tmp_path
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == 2
 
 
+@pytest.mark.backend_neutral  # pairs are cut in Python before any model
+@pytest.mark.parametrize("method", ["dpo", "reward"])
+def test_a_pair_whose_answers_the_cut_leaves_alike_is_skipped_and_said(method, tmp_path):
+    """Answers that differ only past --seq-len are the same tokens once cut: no preference to learn (DPO's ln 2 and
+    no gradient), and a held-out one scored the same before and after ("the adapter did not change")."""
+    rows = learnable_pairs(16)
+    for row in rows[:3]:
+        row["chosen"], row["rejected"] = "apple " * 40 + "yes", "apple " * 40 + "no"
+    data = write_jsonl(tmp_path / "alike.jsonl", rows)
+    result = invoke("gemma", *FAST, "--seq-len", "32", "--method", method, "--data", data, "--max-steps", "2",
+                    "--output", tmp_path / "run")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "note: 3 pairs skipped: cut to --seq-len 32, their chosen and rejected answers are the same" in result.output
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["train_examples"] + metrics["eval_examples"] == 13
+
+
 class _Stop(Exception):
     pass
 

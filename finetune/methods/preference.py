@@ -195,7 +195,9 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
 
     Pictures and audio clips, in the prompt (both answers follow it), are written as the family's tokens and
     attached to both sides, as SFT's examples are (prepare.Media). A pair with them whose prompt would be cut from
-    its left is skipped instead: the cut would take some of their tokens.
+    its left is skipped instead: the cut would take some of their tokens. So is a pair whose answers the cut left
+    the same tokens: it has no preference to learn (a loss of ln 2 and no gradient, in DPO), and a held-out one
+    would score the same before and after.
     """
     seq_len = cfg.model.seq_len
     media = prepare.Media.of(records, preprocessor, cfg.model.preset, source)
@@ -208,9 +210,14 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
     made, cut = pairs.pairs(records, written, prepare.tokenizer_of(preprocessor), seq_len)
     kept = [(r, p) for r, p in zip(records, made) if not (p.prompt_cut and (r.images or r.audios))]
     skipped = len(made) - len(kept)
+    alike = [(r, p) for r, p in kept if p.chosen.token_ids == p.rejected.token_ids]
+    if alike:
+        kept = [(r, p) for r, p in kept if p.chosen.token_ids != p.rejected.token_ids]
+        print(f"note: {len(alike)} pairs skipped: cut to --seq-len {seq_len}, their chosen and rejected answers are "
+              f"the same tokens (the first: {alike[0][0].where or source}); raise --seq-len to keep them")  # fmt: skip
     if not kept:
         raise UserError(f"no usable pairs in {source}: the prompts with pictures or audio fill --seq-len {seq_len} "
-                        "with their answers; raise --seq-len")  # fmt: skip
+                        "with their answers, or the cut leaves both answers the same; raise --seq-len")  # fmt: skip
     if skipped:
         print(f"note: {skipped} pairs with pictures or audio skipped: their prompt and answer do not fit --seq-len "
               f"{seq_len}, and cutting the prompt would cut its image or audio tokens")  # fmt: skip
