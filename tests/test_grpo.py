@@ -220,6 +220,7 @@ def test_eval_and_export_of_a_grpo_run(learned, tmp_path):
     evaluated = invoke("eval", "--run", out)
     assert evaluated.exit_code == 0, evaluated.output
     assert f"eval_reward {metrics['eval_reward']:.4f}" in evaluated.output, evaluated.output
+    assert f"eval_accuracy {metrics['eval_accuracy']:.4f}" in evaluated.output, evaluated.output  # as docs/rl.md says
     assert finetune.evaluate(out)["reward"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
     for fmt, written in [("peft", "adapter_config.json"), ("merged", "config.json")]:
         exported = invoke("export", "--run", out, "--format", fmt, "--output", tmp_path / fmt)

@@ -24,7 +24,8 @@ class GRPO(Method):
     prompted = True
     sequences_per_example = 8  # --num-generations' default: each prompt is G rows
     why = "set"
-    held_out = held_out_history = ("reward",)
+    held_out = ("reward", "accuracy")  # the share of prompts whose completion scored above 0
+    held_out_history = ("reward",)
     held_out_moves = False  # rewards of sampled text: the same mean says little (Method.held_out_moves)
     loss_named = False  # the negated mean reward: the summary says the reward
 
