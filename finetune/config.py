@@ -489,7 +489,7 @@ class DataConfig:
     )  # fmt: skip
     eval_fraction: float = setting(
         0.05,
-        "Share of records held out for evaluation (at least one batch); 0 holds none out: with --eval-data that "
+        "Share of records held out for evaluation (at least one record); 0 holds none out: with --eval-data that "
         "file is evaluated instead, without it evaluation is skipped.",
         flag="--eval-fraction", panel=DATA, range=Range(0, 1, high_open=True), hint="try 0.05",
     )  # fmt: skip
