@@ -361,3 +361,21 @@ def test_grpo_trains_the_newer_families_from_the_command_line(files, tmp_path, p
     done = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "rollout 2: reward" in done.stdout and json.loads((out / "metrics.json").read_text())["steps"] == 2
+
+
+@pytest.mark.one_backend  # the prompts are rendered in Python before any rollout
+def test_text_prompts_with_held_out_prompts_as_messages_are_refused_before_anything_is_written(files, tmp_path):
+    """The template auto picks for text prompts (none) read a message list as its first user text, system turn and
+    all dropped: the held-out rewards would score other prompts than those the run trains on."""
+    data, _ = files
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": f"Tell me about {s}."}],
+                                                  "answer": s} for s in SUBJECTS[:4]])  # fmt: skip
+    out = tmp_path / "run"
+    refused = invoke("gemma", *FAST, "--method", "grpo", "--reward", "length", "--data", data, "--eval-data", chat, "--eval-fraction", "0",
+                     "--max-steps", "1", "--output", out)  # fmt: skip
+    assert refused.exit_code == 2, refused.output
+    assert (
+        "a prompt given as messages needs a chat template" in refused.stderr and "the run's is none" in refused.stderr
+    )
+    assert not out.exists()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from finetune.data import batching
+from finetune.data import batching, templates
 from finetune.methods import rewards as rewards_module
 from finetune.platform.errors import UserError
 
@@ -90,6 +90,11 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
         training prompts', so that both share the rollouts' compiled shape)."""
     room = prompt_room(seq_len, sampling.max_completion_length)
     records = [record for record, _ in pairs]
+    turned = next((r for r in records if r.turns or r.messages), None)
+    if turned is not None and template.name not in templates.CHAT:  # text prompts' template: turns read as text
+        raise UserError(f"{turned.where or 'a prompt'}: a prompt given as messages needs a chat template "
+                        f"({', '.join(templates.CHAT)}), and the run's is {template.name}, chosen for text prompts; "
+                        "give the training and held-out prompts in one form")  # fmt: skip
     texts = [template.apply(record)[0] for record in records]
     ids = [[batching.BOS, *row][-room:] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
     cut = sum(len(row) == room for row in ids)
