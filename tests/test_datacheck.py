@@ -31,6 +31,17 @@ def test_finetune_data_reports_the_format_tokens_packing_and_a_marked_example(tm
     assert lines[-1] == "  1 plus 1 is« 2.<eos>»"
 
 
+def test_finetune_data_reports_prompts_as_grpo_takes_them(tmp_path):
+    """Prompts alone: no loss, packing or skipped records to report (it reported SFT's); their tokens and one."""
+    path = write(tmp_path / "p.jsonl", [{"prompt": f"Tell me about {i}.", "answer": str(i)} for i in range(7)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--example", "3"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "format: prompts (prompt alone, as text), 7 prompts" in lines and lines[-1] == "  Tell me about 2."
+    assert any(line.startswith("prompt tokens (tiny's tokenizer, with <bos>): min ") for line in lines)
+    assert not any(line.startswith(("loss on", "packing", "seq-len")) for line in lines), lines
+
+
 def test_finetune_data_without_a_tokenizer_still_reports_the_rest(tmp_path, monkeypatch):
     for name in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_CONFIG_DIR"):
         monkeypatch.delenv(name, raising=False)

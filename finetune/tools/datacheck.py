@@ -31,7 +31,9 @@ def report(path: str, preset: str, template: str, seq_len: int, example: int = 1
     chosen, _ = templates.for_data(template, found, family_chat, preset, path)
     renderer = templates.get(chosen)
     how = "auto, for this format" if template == "auto" else "given"
-    kind = "pairs" if found in formats.PREFERENCE_FORMATS else "records"
+    kind = (
+        "pairs" if found in formats.PREFERENCE_FORMATS else "prompts" if found in formats.PROMPT_FORMATS else "records"
+    )
     lines = [
         f"data: {path}",
         f"format: {found} ({formats.FORMATS[found]}), {len(records)} {kind}",
@@ -39,6 +41,8 @@ def report(path: str, preset: str, template: str, seq_len: int, example: int = 1
     ]
     if kind == "pairs":
         return lines + _pair_report(records, renderer, preset, seq_len, example)
+    if kind == "prompts":
+        return lines + _prompt_report(records, renderer, preset, example)
     items = [renderer.segments(r) for r in records]
     lines += images.summary(records)
     lines += _tokens(items, preset, seq_len, train_on_prompt, pictured=any(r.images for r in records))
@@ -126,6 +130,28 @@ def _pair_report(records, renderer, preset: str, seq_len: int, example: int) -> 
                         ("rejected", _marked(rejected[-1][0]))):  # fmt: skip
         lines += [f"  {label}:"] + [("    " + line).rstrip() for line in text.split("\n")]
     return lines
+
+
+def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
+    """Prompts alone (GRPO's): their tokens and one of them, rendered. No loss, packing or skipping to report: the
+    run writes the completions, and cuts a prompt from its left to leave them room (rollouts.prompts_of)."""
+    from finetune.model import builder  # imports keras: only once the data has been read
+
+    texts = [renderer.apply(r)[0] for r in records]
+    lines = ["GRPO (--method grpo) writes the completions: a prompt longer than --seq-len less "
+             "--max-completion-length is cut from its left, and none is skipped"]  # fmt: skip
+    try:
+        tokenizer = builder.load_tokenizer(presets.resolve(preset))
+    except UserError as e:
+        first = re.split(r"[;\n]|\. ", str(e))[0]
+        lines.append(f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny")
+    else:
+        lengths = np.array([1 + len(ids) for ids in batching.leading_ids(tokenizer, texts, 10**9)])
+        lines.append(f"prompt tokens ({preset}'s tokenizer, with <bos>): min {lengths.min():,}, median "
+                     f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max "
+                     f"{lengths.max():,}")  # fmt: skip
+    lines.append(f"example: prompt {example}, as the model is given it:")
+    return lines + [("  " + line).rstrip() for line in texts[example - 1].split("\n")]
 
 
 def _marked(answer: str) -> str:
