@@ -129,6 +129,15 @@ def test_a_grpo_run_takes_the_reward_model_as_its_reward(reward_run, tmp_path, m
     texts, completions, values = trained[-1]
     assert values == pytest.approx(direct_scores(out, texts, completions), abs=1e-4)
     assert len(set(np.round(values, 4))) > 1  # the completions score apart
+    # Prompts as messages: this reward model, trained on text pairs, could score none of them (it failed at the
+    # first rollout, naming the GRPO run's template); refused before anything is written, naming its own.
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": f"Tell me about {w}."}]}
+                                                 for w in WORDS[:8]])  # fmt: skip
+    refused = invoke("gemma", "--preset", "tiny", "--backend", BACKEND, "--method", "grpo", "--data", chat, "--reward",
+                     f"run:{out}", "--max-completion-length", "4", "--seq-len", "32", "--max-steps", "1", "--output",
+                     tmp_path / "chat-run")  # fmt: skip
+    assert refused.exit_code == 2 and "the reward model was trained on text pairs" in refused.stderr, refused.output
+    assert not (tmp_path / "chat-run").exists()
 
 
 @pytest.mark.backend_neutral  # the recipe is Python; quantized layers on every backend: test_quantized.py

@@ -161,6 +161,15 @@ class RewardRun:
                             "plain LoRA")  # fmt: skip
         return cls(directory, cfg)
 
+    def check_prompts(self, records) -> None:
+        """Refuse GRPO prompts given as messages where the reward run's template, fixed when it trained, renders
+        text alone: it could score none of their completions."""
+        turned = next((r for r in records if r.turns or r.messages), None)
+        if turned is not None and self.cfg.data.template not in templates.CHAT:
+            raise UserError(f"--reward run:{self.directory}: the reward model was trained on text pairs (its template "
+                            f"is {self.cfg.data.template}) and cannot score prompts given as messages "
+                            f"({turned.where or 'the data'}); train it on conversational pairs, or give text prompts")  # fmt: skip
+
     def load(self) -> None:
         """Build the reward run's model (base, its adapter, its head) on the process's backend."""
         import keras

@@ -52,6 +52,14 @@ class Reward:
     function: object
     weight: float = 1.0
 
+    def check_prompts(self, records) -> None:
+        """Refuse prompts the function cannot score, before any rollout: a reward model's template (a finished
+        reward run's) must render them with their completions."""
+        from finetune.methods import reward
+
+        if isinstance(self.function, reward.RewardRun):
+            self.function.check_prompts(records)
+
 
 def refused(specs: list, weights: list) -> str | None:
     """Why --reward and --reward-weights cannot be taken as given, before any function loads; None when they can."""

@@ -95,6 +95,8 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
         raise UserError(f"{turned.where or 'a prompt'}: a prompt given as messages needs a chat template "
                         f"({', '.join(templates.CHAT)}), and the run's is {template.name}, chosen for text prompts; "
                         "give the training and held-out prompts in one form")  # fmt: skip
+    for reward in sampling.rewards:
+        reward.check_prompts(records)
     texts = [template.apply(record)[0] for record in records]
     ids = [[batching.BOS, *row][-room:] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
     cut = sum(len(row) == room for row in ids)
