@@ -109,6 +109,23 @@ def test_rollouts_sample_and_the_samples_stay_greedy_whichever_ran_last():
         assert again == first
 
 
+@pytest.mark.one_backend  # the ids and the note: Python's
+def test_prompts_cut_to_leave_the_completions_room_are_counted_by_split(capsys):
+    """Each note says how many of which prompts were cut: the training prompts', then the held-out ones'."""
+    from finetune.data import formats, templates
+    from finetune.model import builder, presets
+
+    tokenizer = builder.load_tokenizer(presets.resolve("tiny"))
+    pairs = [(formats.Record("word " * n, ""), None) for n in (40, 2, 60)]
+    sampling = rollouts.Sampling(2, 8, 1.0, 1.0, 0, (), (1,))
+    train = rollouts.prompts_of(pairs, templates.get("none"), tokenizer, sampling, 32)
+    assert train.ids.shape == (3, 24) and train.lengths[0] == train.lengths[2] == 24 > train.lengths[1]
+    rollouts.prompts_of(pairs[:2], templates.get("none"), tokenizer, sampling, 32, train.ids.shape[1])
+    said = capsys.readouterr().out
+    assert "note: 2 of 3 prompts cut to 24 tokens from their left" in said
+    assert "note: 1 of 2 held-out prompts cut to 24 tokens" in said
+
+
 def test_prompts_of_like_length_share_a_call_of_generate_and_far_ones_do_not():
     """keras-hub's loop runs from a call's shortest prompt to its longest, plus the completion budget: on PyTorch
     rows far apart in length are sampled in calls of their own; under XLA (a shape compiled per row count) one."""

@@ -100,8 +100,10 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     texts = [template.apply(record)[0] for record in records]
     ids = [[batching.BOS, *row][-room:] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
     cut = sum(len(row) == room for row in ids)
-    if cut:
-        print(f"note: {cut} prompts cut to {room} tokens from their left (--seq-len less --max-completion-length)")
+    if cut:  # the held-out prompts take the training prompts' width: given, they are the held-out ones
+        which = "held-out " if width is not None else ""
+        print(f"note: {cut} of {len(ids)} {which}prompts cut to {room} tokens from their left (--seq-len less "
+              "--max-completion-length)")  # fmt: skip
     longest = max((len(row) for row in ids), default=1)
     width = max(width or 0, longest)
     padded = np.zeros((len(ids), width), np.int32)
