@@ -137,8 +137,13 @@ def test_grpo_s_log_says_its_held_out_reward_where_its_loss_is_the_negated_rewar
         capsys.readouterr().out
     )
     rows = dict(outputs._eval_rows({"method": "grpo", "eval_loss_before": -0.1, "eval_loss": -0.5, "best_step": 4,
+                                    "eval_reward_before": 0.1, "eval_reward": 0.5, "eval_accuracy_before": 0.25,
+                                    "eval_accuracy": 1.0}))  # fmt: skip
+    assert rows == {"eval reward": "0.100 -> 0.500 (best, step 4)", "eval accuracy": "0.250 -> 1.000"}
+    # A run from before GRPO's metrics.json had eval_accuracy: its summary has the reward alone.
+    rows = dict(outputs._eval_rows({"method": "grpo", "eval_loss_before": -0.1, "eval_loss": -0.5,
                                     "eval_reward_before": 0.1, "eval_reward": 0.5}))  # fmt: skip
-    assert rows == {"eval reward": "0.100 -> 0.500 (best, step 4)"}
+    assert rows == {"eval reward": "0.100 -> 0.500"}
 
 
 def test_no_held_out_records_means_no_evaluation():

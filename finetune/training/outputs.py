@@ -804,7 +804,9 @@ def _eval_rows(metrics: dict) -> list[tuple[str, str]]:
     )
     digits = {"perplexity": 2}
     for name in method.held_out:
-        before, after = metrics.get(f"eval_{name}_before"), metrics[f"eval_{name}"]
+        before, after = metrics.get(f"eval_{name}_before"), metrics.get(f"eval_{name}")
+        if after is None:  # a metric the method gained since the run (GRPO's eval_accuracy)
+            continue
         shown = [f"{value:.{digits.get(name, 3)}f}" for value in (before, after) if value is not None]
         rows.append((f"eval {name.replace('_', ' ')}", " -> ".join(shown)))
     rows[0] = (rows[0][0], rows[0][1] + best)
