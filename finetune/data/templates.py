@@ -220,6 +220,14 @@ def pair_segments(template: Template, record: Record) -> tuple[list, list]:
     return template.segments(record), template.rejected_segments(record)
 
 
+def read_as_text(name: str, records):
+    """The first of `records` given as a conversation (turns or messages) that the template `name`, one of text
+    (dolly, alpaca, none), would read as plain text, its other turns dropped; None where it renders them all."""
+    if name in CHAT:
+        return None
+    return next((r for r in records if r.turns or r.messages), None)
+
+
 def get(name: str):
     return TEMPLATES[name]
 

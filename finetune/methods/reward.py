@@ -164,8 +164,8 @@ class RewardRun:
     def check_prompts(self, records) -> None:
         """Refuse GRPO prompts given as messages where the reward run's template, fixed when it trained, renders
         text alone: it could score none of their completions."""
-        turned = next((r for r in records if r.turns or r.messages), None)
-        if turned is not None and self.cfg.data.template not in templates.CHAT:
+        turned = templates.read_as_text(self.cfg.data.template, records)
+        if turned is not None:
             raise UserError(f"--reward run:{self.directory}: the reward model was trained on text pairs (its template "
                             f"is {self.cfg.data.template}) and cannot score prompts given as messages "
                             f"({turned.where or 'the data'}); train it on conversational pairs, or give text prompts")  # fmt: skip

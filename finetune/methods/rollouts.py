@@ -90,8 +90,8 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
         training prompts', so that both share the rollouts' compiled shape)."""
     room = prompt_room(seq_len, sampling.max_completion_length)
     records = [record for record, _ in pairs]
-    turned = next((r for r in records if r.turns or r.messages), None)
-    if turned is not None and template.name not in templates.CHAT:  # text prompts' template: turns read as text
+    turned = templates.read_as_text(template.name, records)
+    if turned is not None:
         raise UserError(f"{turned.where or 'a prompt'}: a prompt given as messages needs a chat template "
                         f"({', '.join(templates.CHAT)}), and the run's is {template.name}, chosen for text prompts; "
                         "give the training and held-out prompts in one form")  # fmt: skip
