@@ -53,12 +53,11 @@ class Reward:
     weight: float = 1.0
 
     def check_prompts(self, records) -> None:
-        """Refuse prompts the function cannot score, before any rollout: a reward model's template (a finished
-        reward run's) must render them with their completions."""
-        from finetune.methods import reward
-
-        if isinstance(self.function, reward.RewardRun):
-            self.function.check_prompts(records)
+        """Refuse prompts the function cannot score, before any rollout, where it says which (its own
+        `check_prompts`: a reward run's template, fixed when it trained, must render them with their completions)."""
+        check = getattr(self.function, "check_prompts", None)
+        if callable(check):
+            check(records)
 
 
 def refused(specs: list, weights: list) -> str | None:

@@ -137,7 +137,7 @@ class HeldOut:
 
     Args:
         score: callable() -> dict. The held-out metrics as the model stands (the method's held_out_scores).
-        rows: int. The held-out records scored (prepared.held_out: records, pairs or prompts), as the log counts them.
+        records: int. The held-out records scored (prepared.held_out: records, pairs or prompts), as the log counts them.
         model: builder.Model. The run's model: its causal LM and preprocessor generate the samples.
         samples: list of data.Record. The held-out records to generate for; their responses are the references.
         template: templates.Template. Puts each sample's prompt in the run's format.
@@ -146,9 +146,9 @@ class HeldOut:
 
     judge = None  # the method's sample_scores (a line under each generation), where it scores them
 
-    def __init__(self, score, rows: int, model, samples, template, max_new_tokens: int):
+    def __init__(self, score, records: int, model, samples, template, max_new_tokens: int):
         self.score = score
-        self.rows = rows
+        self.records = records
         self.lm = model.lm
         self.preprocessor = model.preprocessor
         self.samples = samples

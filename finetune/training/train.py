@@ -223,7 +223,7 @@ def _start(session: Session, fingerprints: tuple, target: outputs.Target) -> che
         start = checkpoint.RunState(uuid.uuid4().hex[:8], loop.Progress(), None, [], config, fingerprints[0],
                                     reference, fingerprints[1])  # fmt: skip
     elif session.found is None:
-        session.phase(f"evaluating before training ({session.held_out.rows} held-out records)")
+        session.phase(f"evaluating before training ({session.held_out.records} held-out records)")
         before = session.held_out.metrics()
         print(f"{session.run.method.held_out_words(before)} before training")
         warning = _broken_forward(session, before)
