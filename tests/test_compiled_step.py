@@ -1,10 +1,11 @@
-"""A compiled train step (Keras' jit_compile: torch.compile on PyTorch, the bench's `compile` lever) trains what
-the eager step trains: the same losses in float32 on a CPU. JAX's step is always compiled (XLA)."""
+"""The bench's `compile` lever on PyTorch (lean_torch.compile_blocks: each decoder block's pass compiled with
+torch.compile) trains what the eager step trains: the same losses in float32 on a CPU, one graph a block. JAX's
+step is always compiled (XLA); TensorFlow's lever is Keras' jit_compile."""
 
 import keras
 import numpy as np
 import pytest
-from conftest import float32_policy, lora_model, packed_rows
+from conftest import float32_policy, packed_rows
 
 from finetune.data import batching
 from finetune.model import builder, presets
@@ -12,23 +13,45 @@ from finetune.model import builder, presets
 pytestmark = pytest.mark.skipif(keras.config.backend() != "torch", reason="torch.compile: the PyTorch backend's")
 
 
-def losses(compiled: bool, steps: int = 2) -> list[float]:
-    lm, _ = lora_model()
+def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[float], int]:
+    """The losses of `steps` steps of `preset`'s tiny model (LoRA on query and value) on PyTorch's lean path, with
+    each decoder block's pass compiled (lean_torch.compile_blocks, the bench's `compile` lever) or eager; and how
+    many blocks took the compiled pass."""
+    from finetune.config import LoraConfig
+    from finetune.model import lean_torch
+    from finetune.platform import backend, keras_compat
+
+    keras_compat.lean_torch_ops()  # what apply_runtime_tweaks installs; lean_torch.enable reads it
+    backend.set_seed(0)
+    lm, preprocessor = builder.build(presets.resolve(preset), 48, "float32")
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
+    took = lean_torch.compile_blocks(lm.backbone) if compiled else 0
     trainer = builder.compile(lm, 1e-2, 0.0)
-    trainer.jit_compile = compiled  # what the train function is made with, at the first step
-    order = batching.TrainOrder(packed_rows(presets.tiny_tokenizer()), 4, seed=0)
+    order = batching.TrainOrder(packed_rows(preprocessor.tokenizer), 4, seed=0)
     found = []
     for step in range(steps):
         x, y, w = order.batch(step)
         found.append(float(trainer.train_on_batch(x, y, sample_weight=w)))
-    assert (trainer.train_function is not None) and (hasattr(trainer.train_function, "_torchdynamo_orig_callable")
-                                                     or not compiled)  # fmt: skip
-    return found
+    return found, took
 
 
-def test_the_compiled_step_trains_what_the_eager_one_does():
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3"])
+def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
+    """The bench's `compile` lever on PyTorch: every Gemma 1 and Gemma 3 block's pass compiled (regional
+    compilation) trains what the eager blocks do, in float32 on a CPU, and each is one graph: a graph break
+    would put keras' per-op host work back between its pieces."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from finetune.model import families
+
     with float32_policy():
-        eager = losses(False)
-        compiled = losses(True)
+        eager, _ = block_losses(preset, False)
+        counters.clear()
+        compiled, took = block_losses(preset, True)
+    assert took == len(families.decoder_blocks(builder.build(presets.resolve(preset), 48, "float32")[0].backbone))
     assert eager[-1] < eager[0]  # it learns, so equal losses say the updates were equal too
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] >= took  # it compiled: a graph per block at least (grad modes)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()

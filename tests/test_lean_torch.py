@@ -403,6 +403,36 @@ def test_a_direct_layer_call_resolves_training_and_hands_the_rest_to_keras_as_ke
 
 
 @torch_only
+@pytest.mark.parametrize("layer_dtype", ["float32", "mixed_bfloat16"])
+def test_a_direct_call_converts_a_float_input_as_keras_does(layer_dtype):
+    """keras-hub's float32 softmax given bfloat16 logits (a bfloat16 Gemma's attention): keras' __call__ casts the
+    logits to float32 first; the direct call does the same and gives keras' output and mask, bit for bit, where it
+    had gone to keras' own call (whose reads torch.compile could not trace: lean_torch.compile_blocks)."""
+    import torch
+
+    keras_compat.lean_torch_ops()
+    scores = torch.randn(2, 3, 5).to(torch.bfloat16)
+    allowed = torch.tensor([[[1, 1, 0, 1, 0]] * 3, [[1, 0, 1, 1, 1]] * 3], dtype=torch.int32)
+    outer = keras.layers.Identity()
+
+    def run(direct):
+        softmax = keras.layers.Softmax(dtype=layer_dtype)
+        softmax(scores, mask=allowed)
+        softmax.direct_call = direct
+        with keras_compat.calling(outer, True):
+            taken = keras_compat._direct_call_taken(softmax, keras_compat._as_input(softmax, scores), {"mask": allowed})
+            return softmax(scores, mask=allowed), taken
+
+    (out, taken), (own, _) = run(True), run(False)
+    assert taken and out.dtype == own.dtype and torch.equal(out, own)
+    assert torch.equal(out._keras_mask, own._keras_mask)
+    assert out.dtype == (torch.float32 if layer_dtype == "float32" else torch.bfloat16)
+    softmax = keras.layers.Softmax(dtype=layer_dtype)
+    assert keras_compat._as_input(softmax, allowed) is allowed  # integers as they are
+    assert keras_compat._as_input(softmax, scores).dtype == out.dtype  # floats in its compute dtype
+
+
+@torch_only
 def test_a_direct_layer_call_takes_only_tensors_and_leaves_structures_to_keras():
     import torch
 

@@ -68,19 +68,20 @@ tokenizer=()
 
 # name | arguments (after the common ones) | the row time limit, where not the default. Priority order, from the
 # first run on an H200 (2026-11-27, BENCHMARKS.md): gemma-2b's finetune rows have two rounds there, and gemma3-1b's
-# and gemma2-2b's one; the peer's rows and the rest are still to measure. torch.compile's row ran past 150 s
-# there, so it comes late, with a longer limit. host-2b and host-e4b are gemma-2b's and Gemma 4 e4b's blocks at
-# width 64: the host's work per step on this machine, PyTorch's lean path beside keras' own (the stock lever), in
-# seconds.
+# and gemma2-2b's one; the peer's rows and the rest are still to measure. The compile lever on PyTorch compiles
+# each decoder block (lean_torch.compile_blocks): the one lever measured on a CPU to take the host's work per op
+# away (keras' whole-step compile ran past 150 s there), so it comes second, with a longer limit for its
+# compilation. host-2b and host-e4b are gemma-2b's and Gemma 4 e4b's blocks at width 64: the host's work per step
+# on this machine, PyTorch's lean path beside keras' own (the stock lever) and compiled blocks, in seconds.
 benches=(
   "gemma-2b|--arch gemma-2b --backends jax,torch --recipes finetune,hf --levers stock"
-  "host-2b|--arch host-2b --backends jax,torch --recipes finetune --levers stock --seq-len 32 --batch-size 1 --steps 20"
+  "gemma-2b-compile|--arch gemma-2b --backends torch --recipes finetune --levers compile|300"
+  "host-2b|--arch host-2b --backends jax,torch --recipes finetune --levers stock,compile --seq-len 32 --batch-size 1 --steps 20|300"
   "host-e4b|--arch host-e4b --backends torch --recipes finetune --levers stock --seq-len 32 --batch-size 1 --steps 20"
   "gemma4-e4b|--arch gemma4-e4b --backends jax,torch --recipes finetune"
   "gemma-2b-8k|--arch gemma-2b --backends jax,torch --recipes finetune --seq-len 8192 --batch-size 1"
   "gemma-2b-hf-round2|--arch gemma-2b --backends torch --recipes hf"
   "gemma3-4b|--arch gemma3-4b --backends jax,torch --recipes finetune"
-  "gemma-2b-compile|--arch gemma-2b --backends torch --recipes finetune --levers compile|300"
   "gemma4-26b-a4b|--arch gemma4-26b-a4b --backends jax --recipes finetune --batch-size 2"
 )
 

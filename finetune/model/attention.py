@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import math
 
-import numpy as np
 from keras import ops
 
 from finetune.model import families
@@ -83,7 +83,7 @@ def _one_key_head_layout(block) -> None:
         width = layer.head_dim if layer.query_head_dim_normalize else layer.hidden_dim // layer.num_query_heads
         if layer.use_sliding_window_attention and attention_mask is not None:
             attention_mask = layer._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
-        q = ops.multiply(q, ops.cast(1 / np.sqrt(width), q.dtype))
+        q = ops.multiply(q, ops.cast(1 / math.sqrt(width), q.dtype))  # a float: torch.compile traces no numpy scalar
         logits = ops.einsum("btnh,bsh->btns", q, k[:, :, 0, :])
         if layer.logit_soft_cap is not None:
             logits = ops.multiply(ops.tanh(ops.divide(logits, layer.logit_soft_cap)), layer.logit_soft_cap)

@@ -166,6 +166,9 @@ def _lean_block(block):
         def call(x, padding_mask=None, cache=None, cache_update_index=0):
             if cache is not None or not _plain(x) or block.dropout:
                 return own(x, padding_mask=padding_mask, cache=cache, cache_update_index=cache_update_index)
+            if _compiled_here(block, x):
+                mask = block._compute_attention_mask(x, padding_mask, cache, cache_update_index)
+                return _compiled_pass()(block, x, mask)
             return _block_pass(block, x, lambda normalized: block._compute_attention_mask(
                 normalized, padding_mask, cache, cache_update_index))  # fmt: skip
     else:
@@ -174,11 +177,64 @@ def _lean_block(block):
             if cache is not None or not _plain(x) or block.dropout or x.dtype == _float16():
                 return own(x, padding_mask=padding_mask, vision_mask=vision_mask, cache=cache,
                            cache_update_index=cache_update_index, cache_update_mask=cache_update_mask)  # fmt: skip
+            if _compiled_here(block, x):
+                mask = block._compute_attention_mask(x, padding_mask, vision_mask, cache, cache_update_index)
+                return _compiled_pass()(block, x, mask)
             return _block_pass(block, x, lambda normalized: block._compute_attention_mask(
                 normalized, padding_mask, vision_mask, cache, cache_update_index))  # fmt: skip
 
     call.lean = True
     return call
+
+
+def compile_blocks(backbone) -> int:
+    """Compile each lean Gemma 1, 2 or 3 decoder block's pass with torch.compile (the bench's `compile` lever on
+    PyTorch), and return how many blocks took it; 0 where none is lean (JAX, TensorFlow, the `stock` lever).
+
+    Regional compilation: the block's pass after its attention mask (made eagerly, as before, and shared by the
+    blocks) is one graph, so keras' per-op host work and the eager step's kernel launches go for every op of the
+    block, forward and backward. The pass is the same function for every block, traced once for each (its
+    sublayers are other objects) and shape; the generated kernels are reused, so a deeper model traces more but
+    compiles no more. keras' whole-step compile (jit_compile) had not finished compiling gemma-2b's step in 150 s
+    on an H200 (BENCHMARKS.md). A block with dropout, a cache (generation) or a float16 Gemma 3 input takes the
+    eager path, as before."""
+    import torch
+
+    kinds = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
+    blocks = [layer for layer in backbone._flatten_layers(include_self=False)
+              if type(layer) in kinds and getattr(layer.call, "lean", False)]  # fmt: skip
+    if not blocks:
+        return 0
+    keras_compat.prepare_direct_calls(backbone._flatten_layers(include_self=True))
+    config = torch._dynamo.config
+    # one trace per block, per grad mode (training, evaluation) and per row shape, where torch's default keeps 8
+    config.recompile_limit = max(config.recompile_limit, 8 * len(blocks))
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 32 * len(blocks))
+    for block in blocks:
+        block.__dict__["compiled_pass"] = True  # keras' __setattr__ would track it
+    return len(blocks)
+
+
+def _compiled_here(block, x) -> bool:
+    """Whether `block` takes its compiled pass on `x`: compiled (compile_blocks), and x carries no keras mask, so
+    that its mask made from x is the one keras-hub makes from its normalized x (they differ in values alone)."""
+    return block.__dict__.get("compiled_pass", False) and getattr(x, "_keras_mask", None) is None
+
+
+_COMPILED: list = []
+
+
+def _compiled_pass():
+    """_mask_given_pass compiled, once a process."""
+    if not _COMPILED:
+        import torch
+
+        _COMPILED.append(torch.compile(_mask_given_pass, dynamic=False))
+    return _COMPILED[0]
+
+
+def _mask_given_pass(block, x, mask):
+    return _block_pass(block, x, lambda normalized: mask)
 
 
 def _float16():

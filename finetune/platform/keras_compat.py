@@ -11,6 +11,7 @@ No keras import at module level: backend.py, below everything, uses this before 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 
@@ -196,7 +197,8 @@ def lean_torch_ops() -> bool:
     - convert_to_tensor: a tensor already on keras' device and in the dtype asked is returned as it is (keras
       reaches the same tensor through two `.to` calls, a global lookup and a device comparison); a Python number
       is filled on a GPU (filled_number), where keras copies it from the host and waits for the stream, every
-      kernel queued before it included, some 320 times in a gemma-2b step.
+      kernel queued before it included, some 320 times in a gemma-2b step. Under torch.compile, a numpy value
+      with a dtype asked is converted as keras does, without the read of its dtype that the compiler cannot trace.
     - any_symbolic_tensors: a tensor, number, string or None is skipped at once, lists, tuples and dicts looked
       into the same way, where keras asks torch's pytree whether each argument is a container.
     - standardize_dtype: kept per dtype (a string, a numpy or a torch dtype); None (floatx, which can change)
@@ -221,6 +223,7 @@ def lean_torch_ops() -> bool:
     }
     convert, symbolic, standardize = originals.values()
     tensors = (torch.Tensor, torch.nn.Parameter)
+    numbers, compiling = (np.ndarray, np.floating), torch.compiler.is_compiling
 
     def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
         if type(x) in tensors and not sparse and not ragged:
@@ -232,6 +235,10 @@ def lean_torch_ops() -> bool:
                 filled = filled_number(x, dtype, device)
                 if filled is not None:
                     return filled
+        elif dtype is not None and isinstance(x, numbers) and compiling():
+            # keras' path for a numpy value, torch.as_tensor(np.array(x), dtype), less its read of x.dtype, which
+            # torch.compile cannot trace (keras-hub's attention casts a numpy scale: lean_torch.compile_blocks)
+            return torch.as_tensor(x, dtype=core.to_torch_dtype(dtype), device=core.get_device())
         return convert(x, dtype=dtype, sparse=sparse, ragged=ragged)
 
     plain = (*tensors, int, float, bool, str, type(None))
@@ -295,14 +302,16 @@ def _direct_layer_calls() -> None:
         return
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and self.__dict__.get("direct_call") and _direct_call_taken(self, args[0], kwargs):
-            _resolve_context_arguments(self, kwargs)
-            with self._open_name_scope(), reading_variables_as_computed(self):
-                outputs = self.call(args[0], **kwargs)
-            mask = kwargs.get("mask")
-            if mask is not None:  # a mask given (a softmax's): on the outputs, as keras' _set_mask_metadata sets it
-                self._set_mask_metadata(args[0], outputs, mask)
-            return outputs
+        if len(args) == 1 and self.__dict__.get("direct_call"):
+            x = _as_input(self, args[0])
+            if _direct_call_taken(self, x, kwargs):
+                _resolve_context_arguments(self, kwargs)
+                with self._open_name_scope(), reading_variables_as_computed(self):
+                    outputs = self.call(x, **kwargs)
+                mask = kwargs.get("mask")
+                if mask is not None:  # a mask given (a softmax's): on the outputs, as keras' _set_mask_metadata does
+                    self._set_mask_metadata(x, outputs, mask)
+                return outputs
         return keras_call(self, *args, **kwargs)
 
     __call__.lean, __call__.keras_own = True, keras_call
@@ -325,11 +334,13 @@ def _needs():
         from keras.src import backend
         from keras.src.backend.common import global_state
         from keras.src.backend.torch import core
+        from keras.src.dtype_policies import dtype_policy
         from keras.src.layers.layer import Layer
         from torch.nn.modules import module
 
+        plain_policies = (dtype_policy.DTypePolicy, dtype_policy.FloatDTypePolicy)  # keras' own convert_input
         _NEEDS = types.SimpleNamespace(torch=torch, Layer=Layer, global_state=global_state, core=core,
-                                       module=module, backend=backend)  # fmt: skip
+                                       module=module, backend=backend, plain_policies=plain_policies)  # fmt: skip
     return _NEEDS
 
 
@@ -357,15 +368,60 @@ def _direct_call_taken(layer, x, kwargs: dict) -> bool:
         return False
     if not layer.supports_masking and kwargs.get("mask") is not None:
         return False  # keras warns that the mask is lost
+    return _masks_default_to_none(layer)
+
+
+def _masks_default_to_none(layer) -> bool:
+    """Whether every mask argument of `layer`'s call defaults to None (or to nothing), once per class."""
     kind = type(layer)
     defaulted = _MASKS_DEFAULT_TO_NONE.get(kind)
     if defaulted is None:
         defaulted = _MASKS_DEFAULT_TO_NONE[kind] = all(
-            parameter.default is None or parameter.default is parameter.empty
-            for name, parameter in layer._call_signature.parameters.items()
+            default is None or default is _EMPTY
+            for name, default in _call_parameters(layer).items()
             if name == "mask" or name.endswith("_mask")
         )
     return defaulted
+
+
+_CALL_PARAMETERS: dict = {}  # per layer class: its call's parameters and their defaults (_call_parameters)
+_EMPTY = inspect.Parameter.empty
+
+
+def _call_parameters(layer) -> dict:
+    """{name: default} of `layer`'s call signature (keras' `_call_signature`, made from the class's call in
+    Layer.__init__), read once per class into a plain dict: the direct calls read it at every layer call, and
+    torch.compile cannot trace a read of the signature's mapping after a dict changed (lean_torch.compile_blocks)."""
+    kind = type(layer)
+    found = _CALL_PARAMETERS.get(kind)
+    if found is None:
+        found = _CALL_PARAMETERS[kind] = {name: p.default for name, p in layer._call_signature.parameters.items()}
+    return found
+
+
+def prepare_direct_calls(layers) -> None:
+    """What the direct calls of `layers` read once per class, read now: a compiled region that calls them then
+    changes no dict of this module (lean_torch.compile_blocks)."""
+    for layer in layers:
+        _masks_default_to_none(layer)  # and _call_parameters
+
+
+def _as_input(layer, x):
+    """`x` as keras' Layer.__call__ (3.15, its step 1) hands it to `layer`'s call: a floating torch tensor in another
+    floating dtype than the layer's input dtype, cast to it where the layer converts its inputs and autocasts
+    (keras-hub's float32 softmax, given bfloat16 logits), by keras' own DTypePolicy; anything else as it is, for
+    _direct_call_taken to judge."""
+    needs = _NEEDS or _needs()
+    if (
+        not isinstance(x, needs.torch.Tensor)
+        or not x.is_floating_point()
+        or getattr(x, "_keras_mask", None) is not None
+    ):
+        return x
+    if not (layer._convert_input_args and layer.autocast) or type(layer.dtype_policy) not in needs.plain_policies:
+        return x
+    dtype = needs.core.to_torch_dtype(layer.input_dtype)
+    return x.to(dtype) if dtype.is_floating_point and x.dtype != dtype else x
 
 
 def _resolve_context_arguments(layer, kwargs: dict) -> None:
@@ -374,15 +430,15 @@ def _resolve_context_arguments(layer, kwargs: dict) -> None:
     layers called after; passed where the call takes it and it is not None, dropped where the call's signature
     does not name it."""
     context = (_NEEDS or _needs()).global_state.get_global_attribute("current_call_ctx")
-    parameters = layer._call_signature.parameters
+    parameters = _call_parameters(layer)
     for name in layer._call_context_args:
         if name in kwargs:
             value = kwargs[name] if name in parameters else kwargs.pop(name)
         else:
             value = context.get_value(name)
             if value is None and name in parameters:
-                default = parameters[name].default
-                value = None if default is parameters[name].empty else default
+                default = parameters[name]
+                value = None if default is _EMPTY else default
         context.set_value(name, value)
         if value is not None and layer._call_has_context_arg.get(name, False):
             kwargs[name] = value
