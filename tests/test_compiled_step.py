@@ -27,7 +27,8 @@ def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[floa
     builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
     took = lean_torch.compile_blocks(lm.backbone) if compiled else 0
     trainer = builder.compile(lm, 1e-2, 0.0)
-    order = batching.TrainOrder(packed_rows(preprocessor.tokenizer), 4, seed=0)
+    feed = batching.Feed(inputs=builder.input_names(lm))  # Gemma 4's position ids
+    order = batching.TrainOrder(packed_rows(preprocessor.tokenizer), 4, seed=0, feed=feed)
     found = []
     for step in range(steps):
         x, y, w = order.batch(step)
@@ -35,11 +36,11 @@ def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[floa
     return found, took
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma4"])
 def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
-    """The bench's `compile` lever on PyTorch: every Gemma 1 and Gemma 3 block's pass compiled (regional
-    compilation) trains what the eager blocks do, in float32 on a CPU, and each is one graph: a graph break
-    would put keras' per-op host work back between its pieces."""
+    """The bench's `compile` lever on PyTorch: every decoder block's pass compiled (regional compilation: the lean
+    Gemma 1-3 blocks after their mask, keras-hub's own Gemma 4 blocks) trains what the eager blocks do, in float32 on a CPU, and each is one graph:
+    a graph break would put keras' per-op host work back between its pieces."""
     import torch
     from torch._dynamo.utils import counters
 

@@ -164,8 +164,8 @@ def _segment_aware(block, original):
 
     def compute_attention_mask(*args, **kwargs):
         bound = {**dict(zip(names, args)), **kwargs}
-        keys = GENERATION_KEYS.get()
-        if keys is not None and bound.get("cache") is not None:  # a left-padded prompt's generation
+        keys = GENERATION_KEYS.get() if bound.get("cache") is not None else None  # (a compiled block has none)
+        if keys is not None:  # a left-padded prompt's generation
             allowed = ops.cast(original(*args, **kwargs), "int32")
             return ops.minimum(allowed, ops.expand_dims(ops.cast(keys, "int32"), 1))
         segments = bound.get("padding_mask")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import keras
 
+from finetune.model import families
 from finetune.platform import keras_compat
 
 SHAPES_KEPT = 4  # rotary tables per layer: a run's row lengths; generation's later starts are not kept
@@ -188,21 +189,26 @@ def _lean_block(block):
 
 
 def compile_blocks(backbone) -> int:
-    """Compile each lean Gemma 1, 2 or 3 decoder block's pass with torch.compile (the bench's `compile` lever on
-    PyTorch), and return how many blocks took it; 0 where none is lean (JAX, TensorFlow, the `stock` lever).
+    """Compile each decoder block's pass with torch.compile (the bench's `compile` lever on PyTorch), and return
+    how many blocks took it; 0 on JAX and TensorFlow, or without lean ops (the `stock` lever).
 
-    Regional compilation: the block's pass after its attention mask (made eagerly, as before, and shared by the
-    blocks) is one graph, so keras' per-op host work and the eager step's kernel launches go for every op of the
-    block, forward and backward. The pass is the same function for every block, traced once for each (its
-    sublayers are other objects) and shape; the generated kernels are reused, so a deeper model traces more but
+    Regional compilation: a block's pass is one graph, so keras' per-op host work and the eager step's kernel
+    launches go for every op of the block, forward and backward. Gemma 1, 2 and 3: the lean block's pass after
+    its attention mask (made eagerly, as before, and shared by the blocks). Gemma 4: keras-hub's own call of the
+    block, its mask inside. The pass is the same function for every block, traced once for each (its sublayers
+    are other objects), grad mode and shape; the generated kernels are reused, so a deeper model traces more but
     compiles no more. keras' whole-step compile (jit_compile) had not finished compiling gemma-2b's step in 150 s
     on an H200 (BENCHMARKS.md). A block with dropout, a cache (generation) or a float16 Gemma 3 input takes the
-    eager path, as before."""
+    eager path, as before; Gemma 3n's blocks (given a tuple) and a remat block stay eager."""
     import torch
 
-    kinds = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
-    blocks = [layer for layer in backbone._flatten_layers(include_self=False)
-              if type(layer) in kinds and getattr(layer.call, "lean", False)]  # fmt: skip
+    if keras.config.backend() != "torch" or not keras_compat.lean_torch_ops_on():
+        return 0
+    lean = (keras_compat.gemma_decoder_block_class(), keras_compat.gemma3_decoder_block_class())
+    own = keras_compat.gemma4_decoder_block_class()  # Gemma 3n's blocks take a tuple: left eager
+    blocks = [block for block in families.decoder_blocks(backbone)
+              if (type(block) in lean and getattr(block.call, "lean", False))
+              or (own is not None and type(block) is own and _own_call(block))]  # fmt: skip
     if not blocks:
         return 0
     keras_compat.prepare_direct_calls(backbone._flatten_layers(include_self=True))
@@ -211,8 +217,30 @@ def compile_blocks(backbone) -> int:
     config.recompile_limit = max(config.recompile_limit, 8 * len(blocks))
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 32 * len(blocks))
     for block in blocks:
-        block.__dict__["compiled_pass"] = True  # keras' __setattr__ would track it
+        if type(block) in lean:
+            block.__dict__["compiled_pass"] = True  # keras' __setattr__ would track it
+        else:  # Gemma 4's: keras-hub's own call, compiled where no cache is given
+            keras_compat.replace_call(block, _compiled_own_call(block))
     return len(blocks)
+
+
+def _compiled_own_call(block):
+    """keras-hub's call of `block` (Gemma 4), compiled for a pass without a cache: each keyword argument a
+    tensor, None or a structure of them (Gemma 4's shared keys and values); generation's passes, with a cache, run
+    as they were."""
+    own = block.call
+
+    def call(x, *args, **kwargs):
+        if args or kwargs.get("cache") is not None or not _plain(x) or getattr(x, "_keras_mask", None) is not None:
+            return own(x, *args, **kwargs)
+        return _compiled_pass(_own_pass)(own, x, kwargs)
+
+    call.compiled = True
+    return call
+
+
+def _own_pass(call, x, kwargs):
+    return call(x, **kwargs)
 
 
 def _compiled_here(block, x) -> bool:
@@ -221,16 +249,17 @@ def _compiled_here(block, x) -> bool:
     return block.__dict__.get("compiled_pass", False) and getattr(x, "_keras_mask", None) is None
 
 
-_COMPILED: list = []
+_COMPILED: dict = {}
 
 
-def _compiled_pass():
-    """_mask_given_pass compiled, once a process."""
-    if not _COMPILED:
+def _compiled_pass(function=None):
+    """`function` (the lean blocks' _mask_given_pass) compiled, once a process."""
+    function = function or _mask_given_pass
+    if function not in _COMPILED:
         import torch
 
-        _COMPILED.append(torch.compile(_mask_given_pass, dynamic=False))
-    return _COMPILED[0]
+        _COMPILED[function] = torch.compile(function, dynamic=False)
+    return _COMPILED[function]
 
 
 def _mask_given_pass(block, x, mask):

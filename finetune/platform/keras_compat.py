@@ -745,6 +745,16 @@ def gemma4_normalization_classes() -> tuple:
     return RMSNormalization, Gemma4VNorm
 
 
+def gemma4_decoder_block_class():
+    """keras-hub's Gemma 4 text decoder block class (lean_torch.compile_blocks compiles its own call), or None where
+    keras-hub has no Gemma 4."""
+    try:
+        from keras_hub.src.models.gemma4.gemma4_decoder_block import Gemma4TextDecoderBlock
+    except ImportError:
+        return None
+    return Gemma4TextDecoderBlock
+
+
 def gemma3n_normalization_class():
     """keras-hub's Gemma3nRMSNorm (lean_torch.py mirrors its call), or None where keras-hub has no Gemma 3n."""
     try:
