@@ -183,6 +183,35 @@ def test_overwrite_replaces_an_export_and_nothing_of_the_users(trained, tmp_path
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_keeps_a_file_of_the_users_inside_an_exports_folders(trained, tmp_path):
+    """A merged export holds folders (assets/tokenizer): a file or folder the user put in one is theirs, and the
+    swap would lose it. The export lists every path it wrote; one of an earlier finetune, which listed its
+    top-level names alone, is refused where it has folders."""
+    run, _, _ = trained
+    out = export(run, "merged", tmp_path / "merged")
+    assert "assets/tokenizer" in json.loads((out / MARKER).read_text())["tree"]
+    export(run, "merged", out, "--overwrite")  # its own files and folders alone: replaced
+    for mine, named in ((out / "assets" / "tokenizer" / "extra.txt", "assets/tokenizer/extra.txt"),
+                        (out / "assets" / "mydir" / "k.txt", "assets/mydir")):  # fmt: skip
+        mine.parent.mkdir(exist_ok=True)
+        mine.write_text("mine")
+        before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+        for fmt in ("merged", "lora"):
+            result = invoke("--run", run, "--format", fmt, "--output", out, "--overwrite")
+            assert result.exit_code == 2 and "in it is not the export's own" in result.stderr, result.output
+            assert f"{named} in it is not" in result.stderr or f"{named}, " in result.stderr, result.stderr
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before and mine.read_text() == "mine"
+        mine.unlink()
+        if mine.parent.name == "mydir":
+            mine.parent.rmdir()
+    about = json.loads((out / MARKER).read_text())
+    del about["tree"]  # as an earlier finetune wrote it
+    (out / MARKER).write_text(json.dumps(about))
+    result = invoke("--run", run, "--format", "lora", "--output", out, "--overwrite")
+    assert result.exit_code == 2 and "did not list the files in its folders" in result.stderr, result.output
+    assert (out / "assets").is_dir()
+
+
 @pytest.mark.parametrize("where", ["folder", "current directory", "the run"])
 def test_overwrite_never_replaces_a_folder_that_is_not_an_export(trained, tmp_path, monkeypatch, where):
     """`--output . --overwrite` in a user's project, or the run's own directory: refused, every file kept."""

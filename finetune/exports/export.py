@@ -127,21 +127,38 @@ def refuse_foreign(target: Path) -> None:
     """--overwrite swaps the whole directory: only an earlier export holding nothing but its own files may go."""
     present = sorted(entry.name for entry in target.iterdir())
     try:
-        written = json.loads((target / MARKER).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        written = None
+        about = json.loads((target / MARKER).read_text(encoding="utf-8"))
+        written, tree = about["files"], about.get("tree")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        written, tree = None, None
     if not isinstance(written, list):
         shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
         raise UserError(
             f"output {target} is not a finetune export and holds files ({shown}); choose a new or empty --output "
             "(--overwrite replaces only an earlier export)"
         )
-    added = [name for name in present if name not in written]
+    if not isinstance(tree, list):  # an export of an earlier finetune, which listed its top-level names alone
+        if any((target / name).is_dir() and not (target / name).is_symlink() for name in written):
+            raise UserError(
+                f"output {target} is an export of an earlier finetune, which did not list the files in its folders, "
+                "so --overwrite cannot tell them from yours; remove it yourself or choose another --output"
+            )
+        tree = written
+    added = [name for name in _entries(target) if name not in set(tree)]
     if added:
         raise UserError(
             f"output {target} is an earlier export, but {', '.join(added[:3])} in it is not the export's own; "
             "move it out or choose another --output"
         )
+
+
+def _entries(directory: Path) -> list[str]:
+    """Every file and folder under `directory`, as paths relative to it (a link is not followed)."""
+    found = []
+    for root, folders, files in os.walk(directory):
+        base = Path(root).relative_to(directory)
+        found += [(base / name).as_posix() for name in (*folders, *files)]
+    return sorted(found)
 
 
 def _require(package: str, what: str, extra: str = "hf") -> None:
@@ -269,7 +286,8 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
 
         write(staging)
         files = sorted([*(entry.name for entry in staging.iterdir()), MARKER])
-        about = {"finetune": __version__, "format": fmt, "run": run.origin, "files": files}
+        tree = sorted([*_entries(staging), MARKER])  # what --overwrite may replace, down to each file
+        about = {"finetune": __version__, "format": fmt, "run": run.origin, "files": files, "tree": tree}
         (staging / MARKER).write_text(json.dumps(about, indent=1) + "\n", encoding="utf-8")
 
     try:
