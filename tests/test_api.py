@@ -43,6 +43,19 @@ def test_generate_takes_one_prompt_or_several(finished):
         finetune.generate(out, "Name a colour.", tools=[])
 
 
+def test_each_prompt_gets_its_own_max_new_tokens_whatever_shares_its_batch(finished):
+    """keras-hub samples a batch to one length: beside a long prompt, a short one came back with 50 tokens for 5.
+    Each answer is now its prompt's alone: the same beside others as by itself (greedy), within the budget."""
+    out, _ = finished
+    short, long = "Hi", "Name a city in France, and tell me about its rivers, its food and its people. " * 4
+    (alone,) = finetune.generate(out, short, max_new_tokens=5)
+    together = finetune.generate(out, [short, long], max_new_tokens=5)
+    assert together[0] == alone
+    tokenizer = finetune.load(out).preprocessor.tokenizer
+    for text in together:
+        assert len(tokenizer.tokenize(text)) <= 5 + 1, text  # a text may tokenize one piece apart from its ids
+
+
 def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished):
     out, _ = finished
     lm = finetune.load(out)

@@ -57,7 +57,8 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     replicas = distribution.data_replicas()
     extra = -len(texts) % replicas
     padded = {k: v + [v[-1]] * extra for k, v in prompts.items()} if pictured else texts + [texts[-1]] * extra
-    with preprocessor_attached(lm, preprocessor), loop.StopSignals.deferred():
+    with preprocessor_attached(lm, preprocessor), each_its_budget(preprocessor, max_new_tokens), \
+            loop.StopSignals.deferred():  # fmt: skip
         outputs = lm.generate(padded, max_length=longest + max_new_tokens, stop_token_ids=stop_ids)
     loop.check_stop()  # a run's stop (loop.StopSignals) that came while generating
     if isinstance(outputs, str):
@@ -66,6 +67,42 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     stripped = images.stripped_tokens(preprocessor) if pictured else ()
     shown = [images.shown_text(p, stripped) for p in counted] if pictured else texts
     return [out[len(p) :] if out.startswith(p) else out for p, out in zip(shown, outputs)]
+
+
+@contextlib.contextmanager
+def each_its_budget(preprocessor, max_new_tokens: int):
+    """Each row of keras-hub's generate ending `max_new_tokens` after its own prompt.
+
+    keras-hub samples a batch up to one max_length (the longest prompt's end and the budget), from its shortest
+    prompt's end, so a shorter prompt's row came back with more than `max_new_tokens` (50 tokens for 5 beside a
+    long prompt): its text depended on which prompts shared its batch, and so did ROUGE-L. Each row's prompt
+    length is read from generate_preprocess's padding mask (a picture's or clip's tokens counted, as the model
+    reads them), and the mask cut there plus the budget before generate_postprocess makes text of the ids."""
+    import numpy as np
+    from keras import ops
+
+    own_preprocess, own_postprocess = preprocessor.generate_preprocess, preprocessor.generate_postprocess
+    ends = []
+
+    def generate_preprocess(*args, **kwargs):
+        x = own_preprocess(*args, **kwargs)
+        ends.append(np.sum(ops.convert_to_numpy(x["padding_mask"]).astype(bool), axis=1) + max_new_tokens)
+        return x
+
+    def generate_postprocess(x):
+        mask = ops.convert_to_numpy(x["padding_mask"]).astype(bool)
+        end = ends.pop(0) if ends else None
+        if end is not None and len(end) == len(mask):
+            x = {**x, "padding_mask": mask & (np.arange(mask.shape[1])[None, :] < end[:, None])}
+        return own_postprocess(x)
+
+    # the instance's own attributes, which keras-hub's generate calls, and not keras' setattr (nothing to track)
+    preprocessor.__dict__.update(generate_preprocess=generate_preprocess, generate_postprocess=generate_postprocess)
+    try:
+        yield
+    finally:
+        preprocessor.__dict__.pop("generate_preprocess", None)
+        preprocessor.__dict__.pop("generate_postprocess", None)
 
 
 def _written(prompts: dict, preprocessor) -> list[str]:
