@@ -78,17 +78,40 @@ def test_lora_loads_onto_the_base_with_plain_keras_hub(trained, tmp_path):
     out = export(run, "lora", tmp_path / "lora")
     assert sorted(p.name for p in out.iterdir()) == ["adapter.json", "adapter.lora.h5", MARKER]
     assert (out / "adapter.lora.h5").read_bytes() == (run / "adapter.lora.h5").read_bytes()
+    np.testing.assert_allclose(documented_keras_hub_load(out), tuned, atol=2e-5)
+
+
+def documented_keras_hub_load(out):
+    """The logits of the tiny base with the lora export at `out` loaded as export.md's plain keras-hub recipe
+    does it."""
     described = json.loads((out / "adapter.json").read_text())
     with float32_policy():
         lm = base_model()
-        lm.backbone.enable_lora(described["rank"], target_layer_names=described["targets"])
+        lm.backbone.enable_lora(described["rank"], target_layer_names=described["target_layer_names"])
         for layer in lm.backbone._flatten_layers(include_self=False):
             if getattr(layer, "lora_enabled", False):
                 layer.lora_alpha = described["alpha"]
         lm.backbone.load_lora_weights(str(out / "adapter.lora.h5"))
         # keras-hub merges the factors into the kernel, the run applied them beside it (model.beside_the_kernel):
         # the same function, float32 sums in another order.
-        np.testing.assert_allclose(logits(lm), tuned, atol=2e-5)
+        return logits(lm)
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "down_proj"]])
+def test_the_keras_hub_recipe_takes_a_run_given_an_alias_or_transformers_names(targets, tmp_path):
+    """adapter.json's `targets` keeps what the run was given; keras-hub's enable_lora matched none of all-linear
+    or q_proj, and loaded nothing (the base, silently) or failed. `target_layer_names` are keras-hub's."""
+    out = tmp_path / "run"
+    settings = {"backend": BACKEND, "output.dir": str(out), "model.seq_len": 64, "model.precision": "float32",
+                "train.batch_size": 2, "train.max_steps": 2, "train.samples": 0, "data.max_records": 20,
+                "lora.rank": RANK, "lora.alpha": ALPHA, "lora.targets": targets}  # fmt: skip
+    with float32_policy():
+        finetune.run(finetune.load_config("tiny", settings))
+        tuned = logits(finetune.load(out))
+    exported = export(out, "lora", tmp_path / "lora")
+    named = json.loads((exported / "adapter.json").read_text())["target_layer_names"]
+    assert named == (sorted(TARGETS) if targets == ["all-linear"] else ["ffw_linear", "query"])
+    np.testing.assert_allclose(documented_keras_hub_load(exported), tuned, atol=2e-5)
 
 
 def test_merged_is_a_preset_keras_hub_loads_without_finetune(trained, tmp_path):

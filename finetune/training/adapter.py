@@ -101,7 +101,9 @@ def describe(backbone, run, version: str) -> dict:
         "preset": {"name": cfg.model.preset, "family": run.source.family, "fingerprint": fingerprint(backbone)},
         "rank": int(cfg.lora.rank),
         "alpha": float(run.alpha),
-        "targets": list(cfg.lora.targets),
+        "targets": list(cfg.lora.targets),  # as given: aliases (all-linear) and transformers' names included
+        # keras-hub's names of the adapted layers: what its enable_lora takes (export.md's recipe)
+        "target_layer_names": sorted({entry["name"] for entry in adapted}),
         "dropout": float(cfg.lora.dropout),
         "rslora": bool(cfg.lora.rslora),
         "dora": bool(cfg.lora.dora),
