@@ -64,6 +64,25 @@ def test_a_gemma_4_card_is_apache_and_names_no_base_model_the_hub_lacks(tmp_path
     assert "Gemma Terms of Use" not in body and "`gemma4_2b` (Gemma 4)" in body
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_the_card_says_what_goes_up_for_an_adapter_run_or_a_full_one_and_the_familys_loader(tmp_path, full):
+    """A --full run has no adapter: its card said "with the adapter merged in", tagged lora. A Gemma 4 preset
+    loads with its own class: keras-hub's CausalLM.from_preset takes another for its backbone."""
+    from finetune.exports import publish
+
+    run = run_directory(tmp_path, {"model": {"preset": "gemma4_2b", "full": full}}, "gemma4")
+    licence = presets.licence_of("gemma4_2b", "gemma4")
+    for form in ("merged", "hf", "gguf"):
+        what = publish.FORMS[form].described(run.full, "Gemma4CausalLM")
+        text = card.model_card(run, card.Upload(what, publish.FORMS[form].library, "hf://me/x"), licence)
+        _, front, body = text.split("---\n", 2)
+        assert ("adapter" in body.split("## Base model")[0]) is not full, body
+        assert ("every weight" in body.split("## Base model")[0]) is full, body
+        assert ("lora" in yaml.safe_load(front)["tags"]) is not full
+        if form == "merged":
+            assert "keras_hub.models.Gemma4CausalLM.from_preset" in body
+
+
 def test_a_local_data_file_is_named_by_its_name_alone(tmp_path):
     settings = {"model": {"preset": "tiny"}, "data": {"path": "/home/alice/secret-project/train.jsonl"}}
     _, body = card_of(run_directory(tmp_path, settings, "gemma"))

@@ -119,7 +119,8 @@ def _metadata(cfg, upload: Upload, licence: families.Licence, family: families.F
         found["datasets"] = [cfg.data.path.removeprefix("hf:").split(":")[0]]
     found["library_name"] = upload.library
     found["pipeline_tag"] = "text-generation"
-    found["tags"] = list(dict.fromkeys(["finetune", "lora", family.name, cfg.train.method, upload.library]))
+    kind = "full-fine-tune" if cfg.model.full else "lora"
+    found["tags"] = list(dict.fromkeys(["finetune", kind, family.name, cfg.train.method, upload.library]))
     return found
 
 

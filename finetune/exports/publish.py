@@ -34,20 +34,26 @@ class Form:
     export: str
     """The export.FORMATS format that writes the files."""
     what: str
+    """How the card says what goes up: {model} the weights (merged, or a --full run's), {causal_lm} the family's
+    keras-hub class."""
     library: str
     """The Hub's library_name for the card."""
 
+    def described(self, full: bool, causal_lm: str) -> str:
+        """`what` for a run that trained every weight (`full`) or an adapter, of the family whose keras-hub task
+        class is `causal_lm` (keras-hub's generic CausalLM.from_preset takes another class for a Gemma 4)."""
+        model = "the trained model (every weight, --full)" if full else "the model with the adapter merged in"
+        return self.what.format(model=model, causal_lm=causal_lm)
 
-KERAS = Form(
-    "merged", "a keras-hub preset with the adapter merged in, for keras_hub.models.CausalLM.from_preset", "keras-hub"
-)
+
+KERAS = Form("merged", "a keras-hub preset of {model}, for keras_hub.models.{causal_lm}.from_preset", "keras-hub")
 FORMS = {
     "keras": KERAS,
     "merged": KERAS,  # export's name for the same preset
     "lora": Form("lora", "the LoRA adapter for keras-hub (adapter.lora.h5, and adapter.json naming its base)", "keras-hub"),
-    "hf": Form("hf", "the model with the adapter merged in, in transformers' format", "transformers"),
+    "hf": Form("hf", "{model}, in transformers' format", "transformers"),
     "peft": Form("peft", "the adapter for PEFT, on the base model in transformers' format", "peft"),
-    "gguf": Form("gguf", "the model with the adapter merged in, as GGUF for llama.cpp and Ollama", "gguf"),
+    "gguf": Form("gguf", "{model}, as GGUF for llama.cpp and Ollama", "gguf"),
 }  # fmt: skip
 KAGGLE_FORMS = ("keras", "merged")
 """What goes to Kaggle Models: keras-hub presets, which keras_hub.upload_preset uploads."""
@@ -205,7 +211,10 @@ def publish(run_dir, request: Request, backend: str | None = None) -> Published:
         wanted = export.Request(form.export, folder)
         export.export_run(run, wanted, export.check_request(wanted))
         (folder / export.MARKER).unlink()  # export's own record, which names the run's local path
-        text = card.model_card(run, card.Upload(form.what, form.library, str(where)), licence)
+        from finetune.model import families
+
+        what = form.described(run.full, families.get(run.adapter["preset"]["family"]).causal_lm)
+        text = card.model_card(run, card.Upload(what, form.library, str(where)), licence)
         (folder / README).write_text(text, encoding="utf-8")
         files = [(str(p.relative_to(folder)), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()]
         if not request.dry_run:
