@@ -90,6 +90,16 @@ def test_finetune_data_reads_the_split_a_run_would(tmp_path, monkeypatch):
     assert refused.exit_code == 2 and "choose one of train, test with --data-split" in refused.output
 
 
+def test_rows_that_fill_the_sequence_report_no_negative_padding(tmp_path):
+    """Records longer than --seq-len fill every position: an example's tokens are one more than its positions (the
+    targets shift by one), which the report counted as positions, and said "padding -1%"."""
+    path = write(tmp_path / "long.jsonl", [{"prompt": f"Say {i}.", "completion": "word " * 200} for i in range(16)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--seq-len", "32"])
+    assert result.exit_code == 0, result.output
+    unpacked = next(line for line in result.output.splitlines() if line.startswith("--packing off, batches of 8"))
+    assert re.findall(r"padding (-?\d+)% of the positions computed, (-?\d+)%", unpacked) == [("0", "0")], unpacked
+
+
 def test_computed_padding_counts_each_batch_cut_to_its_longest_row():
     """Rows of 16 and 48 tokens in batches of 2: a batch of two 48s or two 16s computes no padding, a mixed one 32
     positions of it. Grouping by length mixes fewer; full rows of 64 would hold half."""

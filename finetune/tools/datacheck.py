@@ -98,7 +98,7 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, pictured: b
             f"packing at seq-len {seq_len}: {len(examples)} rows -> {len(packed['token_ids'])}, padding "
             f"{packing.padding_fraction(padded):.0%} -> {packing.padding_fraction(packed):.0%}"
         )
-        kept = np.array([len(e.token_ids) for e in examples])
+        kept = np.array([len(e.token_ids) - 1 for e in examples])  # positions: inputs, shifted one from targets
         shuffled, grouped = (computed_padding(kept, BATCH, seq_len, by_length) for by_length in (False, True))
         lines.append(f"--packing off, batches of {BATCH} cut to their longest row: padding {shuffled:.0%} of the "
                      f"positions computed, {grouped:.0%} with --group-by-length")  # fmt: skip
