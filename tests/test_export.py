@@ -154,6 +154,35 @@ def hf_logits(model, tokens=TOKENS):
 
 
 @in_torch_suite
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma4"])
+def test_a_chat_runs_hf_export_carries_its_chat_template_and_stops_at_the_turn_end(preset, tmp_path):
+    """transformers' apply_chat_template renders a conversation as the run rendered its records (the model's own
+    template, <bos> first), and generate stops at the model's turn end, as `finetune generate` does: the export
+    of a chat run had neither, and apply_chat_template failed."""
+    transformers = pytest.importorskip("transformers", reason="pip install 'finetune[hf]'")
+    from conftest import CHAT, chat, write_jsonl
+
+    from finetune.data import chat as chats
+    from finetune.data import templates
+
+    data = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(12)])
+    out = tmp_path / "run"
+    settings = {"backend": BACKEND, "output.dir": str(out), "data.path": str(data), "model.seq_len": 64,
+                "train.batch_size": 2, "train.max_steps": 1, "train.samples": 0, "model.preset": preset,
+                "data.template": "auto"}  # fmt: skip
+    finetune.run(finetune.load_config("tiny", settings))
+    used = templates.TEMPLATES[yaml.safe_load((out / "config.yaml").read_text())["data"]["template"]]
+    exported = export(out, "hf", tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    for messages in (CHAT["messages"], CHAT["messages"][1:4]):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == chats.BOS + used.renderer.text(messages, add_generation_prompt=True), rendered
+    stops = json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
+    assert tokenizer.convert_tokens_to_ids(used.renderer.turn_end) in stops and tokenizer.eos_token_id in stops
+    transformers.GenerationConfig.from_pretrained(exported)  # it reads
+
+
+@in_torch_suite
 def test_hf_loads_in_transformers_with_the_fine_tuning(trained, tmp_path):
     transformers = pytest.importorskip(
         "transformers", reason="the hf format is checked in transformers: pip install 'finetune[hf]'"

@@ -277,6 +277,8 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
                 (staging / "task.json").unlink(missing_ok=True)
         else:
             write_transformers(staging, lm.backbone, preprocessor.tokenizer, images.vision_of(preprocessor))
+            if head is None:
+                write_chat_template(staging, cfg.data.template, preprocessor.tokenizer)
             if head is not None:
                 as_sequence_classifier(staging, classifier_of(lm.backbone, method), method.head_labels(cfg.train),
                                        head, preprocessor.tokenizer)  # fmt: skip
@@ -597,6 +599,29 @@ def write_image_processor(directory: Path, tokenizer, vision) -> None:
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     config.update(marks, processor_class="Gemma3Processor", extra_special_tokens=marks)
     _write_json(directory / "tokenizer_config.json", config)
+
+
+def write_chat_template(directory: Path, template: str, tokenizer) -> None:
+    """A chat run's template in the transformers export: the model's own chat template, which the run rendered
+    its records with (data/chat_templates), as tokenizer_config.json's chat_template, for apply_chat_template and
+    the servers that read it; and the model's turn end among generation_config.json's stop ids, where generation
+    stops as `finetune generate` does. Nothing for a text template (dolly, alpaca, none): it has no conversation."""
+    from finetune.data import chat, templates
+
+    if template not in templates.CHAT:
+        return
+    used = templates.TEMPLATES[template]
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = chat.source(used.renderer.file)
+    _write_json(directory / "tokenizer_config.json", config)
+    generation = directory / "generation_config.json"  # Gemma 1's export has none: its ids, as transformers' own
+    found = json.loads(generation.read_text(encoding="utf-8")) if generation.is_file() else {
+        "bos_token_id": tokenizer.start_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    given = found.get("eos_token_id")
+    stops = [given] if isinstance(given, int) else list(given or [])
+    stops += [i for i in templates.stop_ids(tokenizer, used.stop_tokens) if i not in stops]
+    found["eos_token_id"] = stops
+    _write_json(generation, found)
 
 
 def _write_json(path: Path, document: dict) -> None:
