@@ -8,6 +8,7 @@ summed once instead of per call), hf and peft 1e-4 (another framework's kernels)
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,7 +159,8 @@ def hf_logits(model, tokens=TOKENS):
 def test_a_chat_runs_hf_export_carries_its_chat_template_and_stops_at_the_turn_end(preset, tmp_path):
     """transformers' apply_chat_template renders a conversation as the run rendered its records (the model's own
     template, <bos> first), and generate stops at the model's turn end, as `finetune generate` does: the export
-    of a chat run had neither, and apply_chat_template failed."""
+    of a chat run had neither, and apply_chat_template failed. The gguf's Modelfile takes Ollama's system
+    message, which it dropped."""
     transformers = pytest.importorskip("transformers", reason="pip install 'finetune[hf]'")
     from conftest import CHAT, chat, write_jsonl
 
@@ -180,6 +182,15 @@ def test_a_chat_runs_hf_export_carries_its_chat_template_and_stops_at_the_turn_e
     stops = json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
     assert tokenizer.convert_tokens_to_ids(used.renderer.turn_end) in stops and tokenizer.eos_token_id in stops
     transformers.GenerationConfig.from_pretrained(exported)  # it reads
+    # Ollama's Modelfile: a system message goes where the model's template puts one, as `finetune generate
+    # --system` renders it; without one, the prompt alone. Ollama's Go template, filled in as Ollama fills it.
+    template = re.search(r'TEMPLATE """(.*?)"""', (export(out, "gguf", tmp_path / "gguf") / "Modelfile").read_text(),
+                         re.S).group(1)  # fmt: skip
+    told, plain = re.fullmatch(r"\{\{ if \.System \}\}(.*)\{\{ else \}\}(.*)\{\{ end \}\}", template, re.S).groups()
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    fill = lambda text: text.replace("{{ .System }}", "Be brief.").replace("{{ .Prompt }}", "Hi")  # noqa: E731
+    assert fill(told) == used.renderer.text(turns, add_generation_prompt=True)
+    assert fill(plain) == used.renderer.text(turns[1:], add_generation_prompt=True)
 
 
 @in_torch_suite

@@ -328,6 +328,10 @@ def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str, vision=Non
         llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=name)
     template = templates.get(run.config.data.template)
     prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
+    if run.config.data.template in templates.CHAT:  # Ollama's system message, where the model's template puts one
+        turns = (("system", "{{ .System }}"), ("user", "{{ .Prompt }}"), ("assistant", "-"))
+        told = template.apply(Record(instruction="", response="", turns=turns))[0]
+        prompt = f"{{{{ if .System }}}}{told}{{{{ else }}}}{prompt}{{{{ end }}}}"
     modelfile = llamacpp.modelfile(prompt, template.stop_tokens, projector)
     (directory / llamacpp.MODELFILE).write_text(modelfile, encoding="utf-8")
 
