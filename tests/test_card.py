@@ -22,7 +22,8 @@ RESOLVED = {
 }
 METRICS = {
     "steps": 40, "train_examples": 380, "eval_examples": 20, "eval_loss_before": 1.5, "eval_loss": 1.25,
-    "eval_accuracy_before": 0.5, "eval_accuracy": 0.625, "eval_perplexity": 3.4903,
+    "eval_accuracy_before": 0.5, "eval_accuracy": 0.625, "eval_perplexity": 3.4903, "trained_tokens": 20480,
+    "response_tokens": 9000,
 }  # fmt: skip
 
 
@@ -96,7 +97,12 @@ def test_every_decision_and_held_out_metric_is_in_the_card(tmp_path):
     assert "| packing | on | auto: examples packed \\| padding 3% of 16% |" in body  # a | in a reason stays in its cell
     assert "| loss | 1.5000 | 1.2500 |" in body and "| accuracy | 0.5000 | 0.6250 |" in body
     assert "| perplexity |  | 3.4903 |" in body  # no value before training: an empty cell
-    assert "Held-out examples: 20." in body and "380 trained on, 20 held out" in body
+    assert "Held-out examples: 20." in body and "380 in the training set, 20 held out" in body
+    assert "- trained: 40 steps over 20,480 tokens, the loss on 9,000 of them" in body and "keep-best" not in body
+    kept = {**METRICS, "best_step": 30}
+    (tmp_path / "best").mkdir()
+    _, body = card_of(run_directory(tmp_path / "best", {"model": {"preset": "tiny"}}, "gemma", kept))
+    assert "the adapter and its held-out metrics are step 30's" in body
     assert "- keras-hub 0.32.0" in body and "made with finetune 0.2.0" in body
 
 

@@ -140,7 +140,16 @@ def _data(cfg, metrics: dict) -> list[str]:
     if cfg.eval.data:
         lines.append(f"- held-out data: {_data_name(cfg.eval.data)}")
     if "train_examples" in metrics:
-        lines.append(f"- examples: {metrics['train_examples']} trained on, {metrics.get('eval_examples', 0)} held out")
+        lines.append(f"- examples: {metrics['train_examples']} in the training set, {metrics.get('eval_examples', 0)} "
+                     "held out")  # fmt: skip
+    if isinstance(metrics.get("trained_tokens"), int) and isinstance(metrics.get("steps"), int):
+        # what the steps went through: a run of fewer steps than an epoch saw part of the set
+        lines.append(f"- trained: {metrics['steps']} steps over {metrics['trained_tokens']:,} tokens"
+                     + (f", the loss on {metrics['response_tokens']:,} of them"
+                        if isinstance(metrics.get("response_tokens"), int) else ""))  # fmt: skip
+    if metrics.get("best_step") is not None:
+        lines.append(f"- the adapter and its held-out metrics are step {metrics['best_step']}'s, the best held-out "
+                     "loss (--keep-best)")  # fmt: skip
     if cfg.data.max_records:
         lines.append(f"- the first {cfg.data.max_records} records were read (--max-records)")
     return lines
