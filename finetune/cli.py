@@ -644,6 +644,9 @@ def generate(
             print(f"[{number}] {text}")
         print(answer)
     print(f"generated on {runs.where(saved)}", file=sys.stderr)
+    if sampling.greedy and sampling.seed is not None:
+        print("note: --seed seeds sampling, and these answers are greedy (the most likely token each step); "
+              "sample with --temperature, --top-p or --top-k", file=sys.stderr)  # fmt: skip
 
 
 @app.command("predict")

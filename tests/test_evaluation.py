@@ -321,6 +321,8 @@ def test_generate_typed_labels_several_prompts_and_samples(tiny_run):
     lines = result.stdout.splitlines()
     assert lines[0] == "[1] one" and "[2] two" in lines
     again = typed("generate", *flags, "--prompt", "one", "--prompt", "two", "--top-p", "0.9", "--seed", "3")
-    assert again.stdout == result.stdout
+    assert again.stdout == result.stdout and "note: --seed" not in result.stderr
+    greedy = invoke("generate", *flags, "--prompt", "one", "--seed", "3")  # a seed, and nothing to seed: said
+    assert greedy.exit_code == 0 and "note: --seed seeds sampling, and these answers are greedy" in greedy.stderr
     refused = invoke("generate", "--run", tiny_run, "--prompt", "x", "--temperature", "0")
     assert refused.exit_code == 2 and "--temperature must be positive" in refused.stderr
