@@ -54,6 +54,22 @@ def _finished(path, metrics='{"steps": 8, "eval_loss": 1.25}'):
     return path
 
 
+def test_a_finished_run_under_a_run_over_it_that_died_says_so(tmp_path, monkeypatch):
+    """--overwrite over a finished run keeps its results until the new one finishes; killed, the new run left its
+    status (running, its pid gone) and checkpoints, and the listing said finished alone."""
+    run = _finished(tmp_path / "run")
+    assert runs.describe(run)["note"] == ""
+    outputs.write_status(run, "running", 105)
+    monkeypatch.setattr(checkpoint, "find", lambda path, verify=False: [types.SimpleNamespace(step=100)])
+    row = runs.describe(run)
+    assert row["state"] == "finished" and row["step"] == 8  # its results stand until the run over it finishes
+    assert row["note"] == ("a run over it (--overwrite) was killed or lost at checkpoint step 100, which --resume "
+                           "continues")  # fmt: skip
+    outputs.write_status(run, "failed", 3, "diverged")
+    monkeypatch.setattr(checkpoint, "find", lambda path, verify=False: [])
+    assert runs.describe(run)["note"] == "a run over it (--overwrite) failed"
+
+
 def test_a_broken_run_is_listed_beside_the_good_ones(tmp_path):
     parent = tmp_path / "all"
     _finished(parent / "a-good")

@@ -470,6 +470,11 @@ def describe(path: Path) -> dict | None:
         loss = metrics.get("eval_loss")  # None: the run held nothing out
         row.update(state="finished", step=metrics["steps"], eval_loss="" if loss is None else f"{loss:.4f}")
         row["note"] = guard_note(metrics)
+        later = status.get("state")
+        if later in ("running", "failed", "stopped"):  # a run started over it (--overwrite) that did not finish
+            how = "was killed or lost" if later == "running" else later
+            row["note"] = "; ".join(filter(None, [row["note"], f"a run over it (--overwrite) {how}" + (
+                f" at checkpoint step {found[-1].step}, which --resume continues" if found else "")]))  # fmt: skip
         return row
     if not found:
         row["step"] = status.get("step", "")
