@@ -83,6 +83,11 @@ def test_each_family_trains_evaluates_and_generates_from_the_command_line(preset
                              cwd=tmp_path)  # fmt: skip
         assert generated.stdout.strip(), "generate printed nothing"
         assert f"generated on {BACKEND}: {where}" in generated.stderr
+        # beside a long prompt, the short one's answer is its own: keras-hub's batch had run it past its budget
+        long = "Name a city in France, and say what its rivers and its food are like. " * 3
+        both = finetune("generate", "--run", run, "--prompt", "Name a colour.", "--prompt", long,
+                        "--max-new-tokens", "3", cwd=tmp_path)  # fmt: skip
+        assert both.stdout.startswith(f"[1] Name a colour.\n{generated.stdout}[2] "), both.stdout
 
     if reads_back(preset) == "export":
         exported = finetune("export", "--run", run, "--format", "merged", "--output", "merged", cwd=tmp_path)
