@@ -232,7 +232,7 @@ def _overrides(pairs: list[str] | None, settings: dict) -> dict:
 
 RECIPE_PANEL = "Recipe and diagnostics"
 Recipe = Annotated[
-    Optional[str],
+    Optional[list[str]],  # one, refused where repeated (the_recipe): the last would win silently
     typer.Option(
         "--recipe",
         help="YAML recipe file, or a shipped recipe by name (`finetune recipes` lists them); flags and --set "
@@ -385,6 +385,7 @@ def gemma(
     Precedence: built-in defaults < --recipe < --set < named flags.
     """
     # The settings' own flags (--output, --data, --mesh, ...) are checked with the rest of the config.
+    recipe = the_recipe(recipe)
     _refuse_empty({"--recipe": recipe})
     _note_keras_backend(settings["backend"])
     overrides = _overrides(set_, settings)
@@ -465,6 +466,7 @@ def plan(
     verbose: Verbose = False,
 ):
     """`finetune plan` (its help is PLAN_HELP, which names the families archs.py has shapes for)."""
+    recipe = the_recipe(recipe)
     _refuse_empty({"--recipe": recipe, "--device-memory": device_memory})
     overrides = _overrides(set_, settings)
     # A run refuses --batch-size auto with --parallel (its probe has no mesh); a plan finds that size.
@@ -878,6 +880,14 @@ def runs_(
         print(f"no runs in {directory}")
         return
     print(runs.format_table(rows))
+
+
+def the_recipe(given: list[str] | None) -> str | None:
+    """The one --recipe given, or None; two are refused: one would replace the other whole, not merge with it."""
+    if given and len(given) > 1:
+        raise UserError(f"--recipe is given {len(given)} times ({', '.join(given)}); give one recipe, and change "
+                        "its settings with --set or flags")  # fmt: skip
+    return given[0] if given else None
 
 
 def _refuse_empty(flags: dict, fix: str = "give it a value or leave the flag out") -> None:

@@ -1190,6 +1190,9 @@ def _undotted(data: dict) -> dict:
 
 
 def set_dotted(data: dict, key: str, value: Any) -> None:
+    """`data[key] = value` for a dotted key; a section given as a mapping (`--set 'train={epochs: 2}'`) is merged
+    into the one there, as a recipe is merged into the defaults, not put in its place (which dropped the
+    recipe's other settings of that section, silently)."""
     parts = key.split(".")
     node = data
     for part in parts[:-1]:
@@ -1197,7 +1200,10 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise UserError(f"config key {key!r}: {part!r} is not a section")
         node = child
-    node[parts[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+        _merge(node[parts[-1]], value)
+    else:
+        node[parts[-1]] = value
 
 
 # A flag in a message, and the word after it: `--overwrite to`, `--parallel data`, `--output gs://BUCKET/PATH.`

@@ -292,7 +292,7 @@ def test_an_option_declared_once_is_a_flag_a_recipe_key_a_help_entry_and_documen
     @extended.command()
     @cli.with_settings(Extended)
     def train(settings: dict, recipe: cli.Recipe = None, set_: cli.SetPairs = None):
-        seen.append(config.load(recipe, cli._overrides(set_, settings)).extra.warmup_steps)
+        seen.append(config.load(cli.the_recipe(recipe), cli._overrides(set_, settings)).extra.warmup_steps)
 
     # The flag, under its panel, with its default.
     result = runner.invoke(extended, ["--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})

@@ -127,3 +127,28 @@ def test_recipes_copy_to_a_place_it_cannot_write_exits_2(tmp_path, read_only_dir
         result = CliRunner().invoke(app, ["recipes", "copy", "tiny", str(dest)])
         assert result.exit_code == 2 and expected in result.stderr, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["read-only"] and not list(read_only_dir.iterdir())
+
+
+def test_a_section_set_whole_merges_into_the_recipes_section(tmp_path):
+    """`--set 'train={learning_rate: 0.04}'` replaced the recipe's whole train section: its max_steps and
+    samples fell back to the defaults, silently. A section given as a mapping is merged, as a recipe is."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  preset: tiny\n  seq_len: 48\ntrain:\n  max_steps: 3\n  learning_rate: 0.02\n")
+    cfg = config.load(recipe, {"train": {"learning_rate": 0.04}, "model": {}})
+    assert (cfg.train.max_steps, cfg.train.learning_rate) == (3, 0.04)
+    assert (cfg.model.preset, cfg.model.seq_len) == ("tiny", 48)
+    parsed = dict([config.parse_set("train={learning_rate: 0.05}")])  # as the command line reads it
+    assert config.load(recipe, parsed).train.max_steps == 3
+    assert config.load(recipe, {"train.max_steps": 5}).train.learning_rate == 0.02  # a key alone, as before
+
+
+def test_a_second_recipe_is_refused_not_the_first_dropped(tmp_path):
+    """Two --recipe: the last replaced the first whole (its data, preset and learning rate gone), silently."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text("model:\n  preset: tiny\n")
+    for command in ("gemma", "plan"):
+        extra = ["--plan-only"] if command == "gemma" else []
+        result = CliRunner().invoke(app, [command, "--recipe", str(tmp_path / "a.yaml"), "--recipe",
+                                          str(tmp_path / "b.yaml"), *extra])  # fmt: skip
+        assert result.exit_code == 2 and "--recipe is given 2 times" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml", "b.yaml"]
