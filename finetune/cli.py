@@ -403,7 +403,10 @@ def gemma(
 
         registry.check(cfg)  # what the run would refuse of these settings, the plan refuses too
         _check_local_reads(cfg)
-        _print_plan(cfg, None, None)
+        from finetune.platform import backend
+
+        # the run trains here: on a machine without a GPU or TPU, its CPU and memory decide (precision included)
+        _print_plan(cfg, None, "cpu" if backend.no_accelerator_here() else None)
         return
     import finetune
 

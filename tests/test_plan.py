@@ -139,6 +139,22 @@ def test_plan_only_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_plan_only_plans_for_this_machine_as_the_run_decides(accelerator, tmp_path, monkeypatch):
+    """--plan-only plans the run that would train here: with no GPU or TPU, on this CPU, where `auto` is what the
+    run decides (float32 for JAX); it said bfloat16 and half the weights' bytes, "name a device" it cannot name."""
+    from finetune.platform import backend
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(backend, "no_accelerator_here", lambda: not accelerator)
+    result = runner.invoke(app, ["gemma", "--preset", "tiny", "--backend", "jax", "--plan-only"])
+    assert result.exit_code == 0, result.output
+    if accelerator:  # one that cannot be named without loading a framework: a bf16 accelerator is assumed
+        assert "precision bfloat16" in result.output
+    else:
+        assert "precision float32" in result.output and "note: precision auto is float32 on cpu" in result.output
+
+
 # Settings a run refuses before it reads its data; --plan-only, which reads none, refuses them alike.
 REFUSED_SETTINGS = [
     (["--method", "grpo", "--reward", "exact", "--group-by-length"], "--group-by-length: GRPO pads every prompt"),

@@ -186,6 +186,17 @@ def accelerator() -> str:
     return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
 
 
+def no_accelerator_here() -> bool:
+    """Whether this machine shows no GPU or TPU, read from its device files and TPU variables without importing a
+    framework (`--plan-only` plans for this machine before any loads): NVIDIA's /dev/nvidia*, ROCm's /dev/kfd,
+    a TPU's /dev/accel* or /dev/vfio, TPU_NAME or TPU_ACCELERATOR_TYPE."""
+    import glob
+
+    if any(os.environ.get(name) for name in ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "COLAB_TPU_ADDR")):
+        return False
+    return not any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel*", "/dev/vfio/*"))
+
+
 def device_name(device: str) -> str:
     """What the run computes on, as the console and metrics.json name it: `cpu (AMD EPYC 7B13, 2 cores)`,
     `gpu (NVIDIA H100 80GB HBM3)`, `tpu (TPU v5 lite)`; the kind alone where the framework does not say."""
