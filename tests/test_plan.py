@@ -465,6 +465,22 @@ def test_batch_size_auto_fits_fewer_rows_with_pictures_where_the_encoder_s_pass_
 
 
 @pytest.mark.one_backend
+def test_batch_size_auto_is_the_largest_batch_the_plan_says_fits():
+    """The loss's logits are one chunk of positions, whatever the batch: auto counted them per row, and said 9
+    for gemma_2b_en on a T4, where the plan of 10 fits."""
+    settings = {"model.preset": "gemma_2b_en", "model.remat": "off"}
+    planned = make(device="t4", **settings, **{"train.batch_size": "auto"})
+    (note,) = [n for n in planned.notes if n.startswith("batch auto")]
+    rows = int(re.search(r"up to (\d+) sequences", note).group(1))
+
+    def fits(batch):
+        sized = make(device="t4", **settings, **{"train.batch_size": batch})
+        return sized.memory["total"] <= sized.usable * (1 - plan.HEADROOM)
+
+    assert rows >= 2 and fits(rows) and not fits(rows + 1)
+
+
+@pytest.mark.one_backend
 def test_the_encoder_s_config_gives_keras_hub_s_counts():
     for name in ("gemma3_4b", "gemma3_12b", "gemma3_27b"):
         arch = archs.ARCHS[name]

@@ -906,10 +906,10 @@ def _advice(plan: Plan) -> str:
 def _largest_batch(plan: Plan) -> None:
     """For --batch-size auto: the largest batch whose plan fits, in steps of the data axis."""
     m = plan.memory
-    rows_scale = ("activations", "logits", "image_pixels", "vision_forward", "total")
-    fixed = sum(v for k, v in m.items() if k not in rows_scale)
+    rows_scale = ("activations", "image_pixels", "vision_forward", "total")
+    fixed = sum(v for k, v in m.items() if k not in rows_scale)  # the loss's logits too: one chunk of positions
     # planned at one row per device; a row's pictures are fed, then encoded before the decoder's pass
-    per_row = m.get("image_pixels", 0.0) + max(m.get("vision_forward", 0.0), m["activations"] + m["logits"])
+    per_row = m.get("image_pixels", 0.0) + max(m.get("vision_forward", 0.0), m["activations"])
     room = plan.usable * (1 - HEADROOM) - fixed
     rows = int(room // per_row) if per_row > 0 and room > 0 else 0
     plan.notes.append(
