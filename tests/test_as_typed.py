@@ -206,6 +206,24 @@ def test_a_finished_run_s_mistakes_are_refused_as_typed(tmp_path):
     assert {p: p.read_bytes() for p in (tmp_path / run).rglob("*") if p.is_file()} == files
 
 
+@pytest.mark.backend_neutral  # the refusals and the listing are Python's
+def test_this_rounds_refusals_keep_every_file_as_typed(tmp_path):
+    """Two --recipe (the last had replaced the first whole), and --overwrite of an export holding a file of the
+    user's in its folders (it was deleted): each exits 2, and every file stays."""
+    run = "runs/typed"
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--max-steps", "2", *LEAN, "--output", run,
+             cwd=tmp_path)  # fmt: skip
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text("model:\n  preset: tiny\n")
+    said = refused("gemma", "--recipe", "a.yaml", "--recipe", "b.yaml", "--output", "other", cwd=tmp_path)
+    assert "--recipe is given 2 times (a.yaml, b.yaml)" in said and not (tmp_path / "other").exists()
+    finetune("export", "--run", run, "--format", "merged", "--output", "merged", cwd=tmp_path)
+    mine = tmp_path / "merged" / "assets" / "tokenizer" / "notes.txt"
+    mine.write_text("mine")
+    said = refused("export", "--run", run, "--format", "lora", "--output", "merged", "--overwrite", cwd=tmp_path)
+    assert "assets/tokenizer/notes.txt in it is not the export's own" in said and mine.read_text() == "mine"
+
+
 @pytest.mark.backend_neutral  # the resume's decisions are Python's; resuming itself is tested on every backend
 def test_a_finished_run_trains_further_as_typed(tmp_path):
     """This round's resume, as users type it: `--epochs` on a `--max-steps` run trains to the epochs, the decayed
