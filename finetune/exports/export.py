@@ -144,7 +144,8 @@ def refuse_foreign(target: Path) -> None:
                 "so --overwrite cannot tell them from yours; remove it yourself or choose another --output"
             )
         tree = written
-    added = [name for name in _entries(target) if name not in set(tree)]
+    own = set(tree)
+    added = [name for name in _entries(target) if name not in own]
     if added:
         raise UserError(
             f"output {target} is an earlier export, but {', '.join(added[:3])} in it is not the export's own; "
