@@ -74,8 +74,8 @@ def test_the_card_says_what_goes_up_for_an_adapter_run_or_a_full_one_and_the_fam
     run = run_directory(tmp_path, {"model": {"preset": "gemma4_2b", "full": full}}, "gemma4")
     licence = presets.licence_of("gemma4_2b", "gemma4")
     for form in ("merged", "hf", "gguf"):
-        what = publish.FORMS[form].described(run.full, "Gemma4CausalLM")
-        text = card.model_card(run, card.Upload(what, publish.FORMS[form].library, "hf://me/x"), licence)
+        upload = card.Upload(publish.FORMS[form].what, publish.FORMS[form].library, "hf://me/x")
+        text = card.model_card(run, upload, licence)
         _, front, body = text.split("---\n", 2)
         assert ("adapter" in body.split("## Base model")[0]) is not full, body
         assert ("every weight" in body.split("## Base model")[0]) is full, body

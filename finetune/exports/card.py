@@ -23,7 +23,9 @@ from finetune.training import outputs
 class Upload:
     """What goes up, as the card describes it.
 
-    what: str. A sentence's worth: "the adapter for PEFT", "a keras-hub preset with the adapter merged in".
+    what: str. A sentence's worth: "the adapter for PEFT", "{model}, in transformers' format"; the card fills
+        {model} (the weights: merged with the adapter, or a --full run's) and {causal_lm} (the family's keras-hub
+        class, which keras-hub's generic CausalLM.from_preset does not pick for a Gemma 4) from the run.
     library: str. The Hub's library_name: keras-hub, transformers, peft or gguf.
     destination: str. hf://USER/NAME or kaggle://OWNER/MODEL/keras/VARIATION.
     """
@@ -95,9 +97,11 @@ def _opening(cfg, family: families.Family, recorded: dict, upload: Upload) -> st
     version = recorded.get("versions", {}).get("finetune")
     made = f"finetune {version}" if version else "finetune"
     kind = "full" if cfg.model.full else "LoRA"  # --full: every weight trained
+    model = "the trained model (every weight, --full)" if cfg.model.full else "the model with the adapter merged in"
+    what = upload.what.format(model=model, causal_lm=family.causal_lm)
     return (
         f"A {kind} fine-tune of `{cfg.model.preset}` ({family.title}) on {_data_name(cfg.data.path)}, made with "
-        f"{made}. This upload is {upload.what}."
+        f"{made}. This upload is {what}."
     )
 
 

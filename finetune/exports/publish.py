@@ -34,16 +34,9 @@ class Form:
     export: str
     """The export.FORMATS format that writes the files."""
     what: str
-    """How the card says what goes up: {model} the weights (merged, or a --full run's), {causal_lm} the family's
-    keras-hub class."""
+    """How the card says what goes up (card.Upload.what, whose {model} and {causal_lm} the card fills)."""
     library: str
     """The Hub's library_name for the card."""
-
-    def described(self, full: bool, causal_lm: str) -> str:
-        """`what` for a run that trained every weight (`full`) or an adapter, of the family whose keras-hub task
-        class is `causal_lm` (keras-hub's generic CausalLM.from_preset takes another class for a Gemma 4)."""
-        model = "the trained model (every weight, --full)" if full else "the model with the adapter merged in"
-        return self.what.format(model=model, causal_lm=causal_lm)
 
 
 KERAS = Form("merged", "a keras-hub preset of {model}, for keras_hub.models.{causal_lm}.from_preset", "keras-hub")
@@ -211,10 +204,7 @@ def publish(run_dir, request: Request, backend: str | None = None) -> Published:
         wanted = export.Request(form.export, folder)
         export.export_run(run, wanted, export.check_request(wanted))
         (folder / export.MARKER).unlink()  # export's own record, which names the run's local path
-        from finetune.model import families
-
-        what = form.described(run.full, families.get(run.adapter["preset"]["family"]).causal_lm)
-        text = card.model_card(run, card.Upload(what, form.library, str(where)), licence)
+        text = card.model_card(run, card.Upload(form.what, form.library, str(where)), licence)
         (folder / README).write_text(text, encoding="utf-8")
         files = [(str(p.relative_to(folder)), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()]
         if not request.dry_run:
