@@ -1281,19 +1281,22 @@ def _build(cls, data: Any, prefix: str):
         close = difflib.get_close_matches(key, keys(), n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(keys())}"
         raise UserError(f"unknown config key {key!r}; {hint}")
+    whole = {f.name for f in dataclasses.fields(cls) if f.metadata.get("setting", {}).get("whole")}
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, prefix + name + ".")
         else:
-            kwargs[name] = _coerce(prefix + name, hint, value)
+            kwargs[name] = _coerce(prefix + name, hint, value, whole=name in whole)
     return cls(**kwargs)
 
 
-def _coerce(key: str, hint, value):
-    """Check `value` against the annotation; ints pass where floats are wanted."""
-    allowed = typing.get_args(hint) or (hint,)
+def _coerce(key: str, hint, value, whole: bool = False):
+    """Check `value` against the annotation; ints pass where floats are wanted, and a string where a list of them
+    is wanted is read as its flag reads it: split at commas, or one item where the flag takes each value `whole`."""
+    union = typing.get_origin(hint) in (Union, types.UnionType)
+    allowed = typing.get_args(hint) if union else (hint,)
     if str in allowed and bool not in allowed and isinstance(value, bool):
         # YAML 1.1 reads a bare on/off (also yes/no, true/false) as a boolean; our word settings
         # (packing, time limit) take the words on and off.
@@ -1304,10 +1307,18 @@ def _coerce(key: str, hint, value):
             value = float(value)
         except ValueError:
             pass
+    if isinstance(value, str) and any(typing.get_origin(arg) is list and typing.get_args(arg) == (str,) for arg in allowed):
+        # A list of words as its flag takes it: `--set lora.targets=query,value`, `targets: query, value`.
+        value = [value] if whole else [word.strip() for word in value.split(",") if word.strip()]
     if _matches(hint, value):
         if float in allowed and int not in allowed and type(value) is int:
             return float(value)
         return value
+    if isinstance(value, bool):  # YAML 1.1's reading of a bare on/off/yes/no/true/false
+        raise UserError(
+            f"config key {key!r} must be {_describe(hint)}, got {value!r} (YAML reads a bare on, off, yes or no "
+            "as true or false)"
+        )
     raise UserError(f"config key {key!r} must be {_describe(hint)}, got {value!r}")
 
 

@@ -40,7 +40,7 @@ def test_unknown_key_is_refused_with_a_suggestion(tmp_path):
     "key, value, message",
     [
         ("train.epochs", "two", "must be an integer"),
-        ("lora.targets", "query", "must be a list of a string"),
+        ("lora.targets", 7, "must be a list of a string"),
         ("data.drop_context", "yes", "must be true or false"),
     ],
 )
@@ -102,6 +102,20 @@ def test_set_values_are_read_as_yaml():
     assert config.parse_set("train.max_steps=null") == ("train.max_steps", None)
     with pytest.raises(UserError, match="key=value"):
         config.parse_set("train.epochs")
+
+
+def test_a_list_setting_takes_words_as_its_flag_does():
+    """`--set lora.targets=query,value` is split at commas as --target is; --labels and --reward, whose flags take
+    each value whole, take a plain string as one item; a YAML boolean where a number is wanted says why."""
+    load = lambda *pairs: config.load(None, dict(config.parse_set(pair) for pair in pairs))  # noqa: E731
+    assert load("lora.targets=query, value").lora.targets == ["query", "value"]
+    assert load("lora.targets=query").lora.targets == ["query"]
+    assert load("model.add_tokens=<a>,<b>").model.add_tokens == ["<a>", "<b>"]
+    assert load("train.method=classify", "train.labels=yes, no").train.labels == ["yes, no"]
+    with pytest.raises(UserError, match="must be a list of a number"):
+        load("train.reward_weights=1,2")
+    with pytest.raises(UserError, match=r"got False \(YAML reads a bare on, off"):
+        load("train.epochs=off")
 
 
 def test_recipe_rates_without_a_dot_read_as_numbers(tmp_path):
