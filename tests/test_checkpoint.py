@@ -283,6 +283,25 @@ def test_a_torn_or_corrupt_checkpoint_is_never_loaded(tmp_path):
     found = checkpoint.latest(tmp_path)
     assert found.step == 2
     assert checkpoint.load(found)[0][0][0] == 2
+    skipped = checkpoint.damaged_after(tmp_path, found)
+    assert len(skipped) == 2 and "checksum" in skipped[0] and "not a whole checkpoint" in skipped[1], skipped
+
+
+@pytest.mark.backend_neutral
+def test_a_resume_past_a_damaged_checkpoint_says_so_and_trains_its_steps_again(uninterrupted, tmp_path):
+    """The newest checkpoint damaged (a disk fault): --resume continues from the one before, saying which one it
+    skipped and why, and ends where the uninterrupted run did."""
+    out = tmp_path / "damaged"
+    train(out, "--max-steps", "4")
+    assert [c.step for c in checkpoint.find(out)] == [2, 4]
+    weights = checkpoint.find(out)[-1].path / "weights.npz"
+    data = bytearray(weights.read_bytes())
+    data[-20] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    resumed = train(out, "--resume", "--max-steps", "8")
+    assert "a later checkpoint cannot be loaded" in resumed.output and "does not match its checksum" in resumed.output
+    assert "resuming from step 2, so the steps after it train again" in resumed.output
+    assert metrics(out)["resumed_from_step"] == 2 and train_losses(out) == train_losses(uninterrupted)
 
 
 @pytest.mark.backend_neutral

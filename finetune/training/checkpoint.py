@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -336,7 +337,26 @@ def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoin
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
         replacing = ", replacing the finished one (--overwrite)" if published is not None else ""
         print(f"note: no checkpoint in {target} to resume from; starting a new run there{replacing}")
+    for reason in damaged_after(target.path, found):
+        print(f"note: a later checkpoint cannot be loaded ({reason}); resuming from step {found.step}, so the steps "
+              "after it train again")
     return found
+
+
+def damaged_after(run_dir: Path, found: Checkpoint | None) -> list[str]:
+    """Why each checkpoint directory of a step past `found` cannot be loaded: a resume skips it for `found`."""
+    if found is None:
+        return []
+    parent, reasons = Path(run_dir) / DIRECTORY, []
+    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
+        named = re.match(r"step-(\d+)-", path.name)
+        if path.name.startswith(".") or not path.is_dir() or not named or int(named.group(1)) <= found.step:
+            continue
+        try:
+            _checked(path, verify=True)
+        except CheckpointError as e:
+            reasons.append(str(e))
+    return reasons
 
 
 def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
