@@ -482,7 +482,11 @@ def plan(
     _print_plan(cfg, devices, device_memory, json_out)
 
 
+DOES_NOT_FIT = 3  # the exit code of a plan that does not fit its device, so that a job script can stop there
+
+
 def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: bool = False) -> None:
+    """Print the plan; exit DOES_NOT_FIT after it when it does not fit the device given (none given: no verdict)."""
     from finetune.training import plan as plan_module
 
     target = plan_module.device(device_memory) if device_memory is not None else None
@@ -491,6 +495,8 @@ def _print_plan(cfg, devices: int | None, device_memory: str | None, json_out: b
         print(json.dumps(plan_module.as_dict(planned), indent=2))
     else:
         print(plan_module.table(planned))
+    if planned.fits is False:
+        raise typer.Exit(DOES_NOT_FIT)
 
 
 @app.command()

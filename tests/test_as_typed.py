@@ -239,3 +239,24 @@ def test_a_finished_run_trains_further_as_typed(tmp_path):
     assert [line for line in further.stdout.splitlines() if line.startswith("precision") and "resumed" in line]
     said = refused("generate", "--run", run, "--prompt", "Hi.", "--system", "Be brief.", cwd=tmp_path)
     assert "--system needs a chat template, and the run's is dolly" in said, said
+
+
+@pytest.mark.backend_neutral  # the plan is Python arithmetic, no keras
+def test_a_plan_that_does_not_fit_exits_3_after_printing_it(tmp_path):
+    """`finetune plan` and `--plan-only` print the whole plan either way; one that does not fit the device's memory
+    exits 3 after it (a job script's `plan && gemma` stops), one that fits exits 0, and no verdict (no device) is 0."""
+    command = Path(sys.executable).with_name("finetune")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+
+    def plan(*args):
+        return subprocess.run([str(command), *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                              timeout=600)  # fmt: skip
+
+    big = plan("plan", "--preset", "gemma_7b_en", "--seq-len", "4096", "--device-memory", "16GB")
+    assert big.returncode == 3 and "Traceback" not in big.stderr, big.stderr
+    assert "total" in big.stdout and "does not fit: " in big.stdout + big.stderr
+    as_json = plan("plan", "--preset", "gemma_7b_en", "--seq-len", "4096", "--device-memory", "16GB", "--json")
+    assert as_json.returncode == 3 and json.loads(as_json.stdout)["fits"] is False
+    assert plan("plan", "--preset", "gemma_2b_en", "--device-memory", "h100").returncode == 0
+    assert plan("plan", "--preset", "gemma_7b_en", "--seq-len", "4096").returncode == 0
+    assert list(tmp_path.iterdir()) == []
