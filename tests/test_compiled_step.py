@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import float32_policy, packed_rows
+from test_lean_torch import _source  # tiny-gemma2: soft caps, post norms, a sliding window
 
 from finetune.data import batching
 from finetune.model import builder, presets
@@ -23,7 +24,7 @@ def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[floa
 
     keras_compat.lean_torch_ops()  # what apply_runtime_tweaks installs; lean_torch.enable reads it
     backend.set_seed(0)
-    lm, preprocessor = builder.build(presets.resolve(preset), 48, "float32")
+    lm, preprocessor = builder.build(_source(preset), 48, "float32")
     builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value"]), seed=0)
     took = lean_torch.compile_blocks(lm.backbone) if compiled else 0
     trainer = builder.compile(lm, 1e-2, 0.0)
@@ -36,7 +37,7 @@ def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[floa
     return found, took
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-gemma4"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-gemma3", "tiny-gemma4"])
 def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
     """The bench's `compile` lever on PyTorch: every decoder block's pass compiled (regional compilation: the lean
     Gemma 1-3 blocks after their mask, keras-hub's own Gemma 4 blocks) trains what the eager blocks do, in float32 on a CPU, and each is one graph:
@@ -50,8 +51,8 @@ def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
         eager, _ = block_losses(preset, False)
         counters.clear()
         compiled, took = block_losses(preset, True)
-    assert took == len(families.decoder_blocks(builder.build(presets.resolve(preset), 48, "float32")[0].backbone))
-    assert eager[-1] < eager[0]  # it learns, so equal losses say the updates were equal too
+    assert took == len(families.decoder_blocks(builder.build(_source(preset), 48, "float32")[0].backbone))
+    assert min(eager[1:]) < eager[0]  # it learns, so equal losses say the updates were equal too
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] >= took  # it compiled: a graph per block at least (grad modes)
     assert not counters["graph_break"], dict(counters["graph_break"])
