@@ -715,6 +715,14 @@ class TrainConfig:
         "JAX only: share of GPU memory XLA may take (XLA_PYTHON_CLIENT_MEM_FRACTION).",
         flag="--xla-mem-fraction", panel=TRAINING, range=Range(0, 1, low_open=True), label="XLA memory fraction",
     )  # fmt: skip
+    compile: bool = setting(
+        False,
+        "Compile the train step further. PyTorch: each decoder block's pass with torch.compile, one graph a block "
+        "forward and backward (Gemma 1 to 4; a block with LoRA dropout or remat, and Gemma 3n's, stay eager); "
+        "TensorFlow: XLA (jit_compile). The first steps of each row length compile. JAX compiles every step "
+        "already.",
+        flag="--compile", panel=TRAINING,
+    )  # fmt: skip
     threads: Optional[int] = setting(
         None,
         "PyTorch on a CPU: intra-op threads.",

@@ -5,13 +5,13 @@ step is always compiled (XLA); TensorFlow's lever is Keras' jit_compile."""
 import keras
 import numpy as np
 import pytest
-from conftest import float32_policy, packed_rows
+from conftest import BACKEND, float32_policy, packed_rows, train, train_losses
 from test_lean_torch import _source  # tiny-gemma2: soft caps, post norms, a sliding window
 
 from finetune.data import batching
 from finetune.model import builder, presets
 
-pytestmark = pytest.mark.skipif(keras.config.backend() != "torch", reason="torch.compile: the PyTorch backend's")
+torch_only = pytest.mark.skipif(keras.config.backend() != "torch", reason="torch.compile: the PyTorch backend's")
 
 
 def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[float], int]:
@@ -37,6 +37,7 @@ def block_losses(preset: str, compiled: bool, steps: int = 3) -> tuple[list[floa
     return found, took
 
 
+@torch_only
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-gemma3", "tiny-gemma4"])
 def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
     """The bench's `compile` lever on PyTorch: every decoder block's pass compiled (regional compilation: the lean
@@ -57,3 +58,28 @@ def test_compiled_blocks_train_what_the_eager_ones_do_in_one_graph_each(preset):
     assert counters["stats"]["unique_graphs"] >= took  # it compiled: a graph per block at least (grad modes)
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
+
+
+COMPILED = {
+    "torch": ("True", "torch.compile of 2 of 2 decoder blocks"),
+    "tensorflow": ("True", "XLA (jit_compile)"),
+    "jax": ("False", "JAX compiles every step already (XLA)"),
+}
+
+
+def test_a_run_with_compile_trains_what_the_eager_run_does_and_says_what_it_compiled(tmp_path):
+    """`finetune gemma --compile`: the table's row says what was compiled on this backend, and the losses are the
+    eager run's in float32; with LoRA dropout PyTorch's blocks stay eager, and the row says why."""
+    flags = ["--precision", "float32", "--max-steps", "4"]
+    eager = train(tmp_path / "eager", *flags)
+    compiled = train(tmp_path / "compiled", *flags, "--compile")
+    row = next(line for line in compiled.output.splitlines() if line.startswith("compile "))
+    value, why = COMPILED[BACKEND]
+    assert row.split()[1] == value and row.endswith(why), row
+    assert not any(line.startswith("compile ") for line in eager.output.splitlines())
+    losses = [[float(loss) for loss in train_losses(tmp_path / name)] for name in ("compiled", "eager")]
+    np.testing.assert_allclose(*losses, rtol=1e-5)
+    if BACKEND == "torch":
+        dropped = train(tmp_path / "dropout", *flags, "--compile", "--lora-dropout", "0.1")
+        row = next(line for line in dropped.output.splitlines() if line.startswith("compile "))
+        assert row.split()[1] == "False" and "LoRA dropout draws its masks on the host" in row, row

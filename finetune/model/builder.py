@@ -144,6 +144,27 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     return Model(lm, preprocessor, trainer, adapted, added)
 
 
+def compile_step(model: Model) -> tuple[bool, str]:
+    """Compile `model`'s train step further (--compile), after its batch size is found (a probe stays eager):
+    (whether anything was compiled, what). PyTorch: each decoder block's pass with torch.compile
+    (lean_torch.compile_blocks); TensorFlow: XLA, read when the first step makes the train function; JAX: its step
+    is compiled by XLA already."""
+    name = keras.config.backend()
+    if name == "jax":
+        return False, "JAX compiles every step already (XLA)"
+    if name == "tensorflow":
+        model.trainer.jit_compile = True
+        return True, "XLA (jit_compile)"
+    total = len(families.decoder_blocks(model.lm.backbone))
+    if getattr(model.lm.backbone, "lora_dropout_passes", None) is not None:
+        # Each mask is drawn from a count read on the host (lora_dropout.dropped): a graph break in every layer.
+        return False, f"the {total} decoder blocks stay eager: LoRA dropout draws its masks on the host"
+    blocks = lean_torch.compile_blocks(model.lm.backbone)
+    if not blocks:
+        return False, f"the {total} decoder blocks stay eager: remat and Gemma 3n's blocks take no compiled pass"
+    return True, f"torch.compile of {blocks} of {total} decoder blocks"
+
+
 def embedding_ratio(embedding_learning_rate: float | None, learning_rate: float) -> float | None:
     """--embedding-lr as a multiple of the run's learning rate (the new rows follow its schedule); None: the same.
     A run's steps take it from train_with's controls (training/train.py), as its schedule and clipping."""

@@ -496,7 +496,7 @@ def peak_line(peaks: dict[str, dict]) -> str:
 
 
 def _work(spec: Spec) -> dict:
-    from finetune.model import builder, lean_torch
+    from finetune.model import builder
     from finetune.platform import backend
 
     backend.select(spec.backend)  # the tutorial too sets XLA's memory fraction to 1.00
@@ -525,10 +525,8 @@ def _work(spec: Spec) -> dict:
         recipe = builder.Recipe(spec.workload.seq_len, tweaks["dtype_policy"], quantize, remat, lora, seed=0,
                                 optimizer=builder.Optimizer(1e-4, 0.01, objective=objective))  # fmt: skip
         model = builder.build_model(source, recipe)  # as `finetune gemma` builds its model
-        if spec.lever == "compile" and spec.backend == "torch":  # each decoder block (keras' whole step did not
-            tweaks["compiled_blocks"] = lean_torch.compile_blocks(model.lm.backbone)  # finish compiling on an H200)
-        elif spec.lever == "compile":
-            model.trainer.jit_compile = True  # XLA on TensorFlow: read when the first step makes the train function
+        if spec.lever == "compile":  # as --compile does: PyTorch each decoder block, TensorFlow XLA
+            tweaks["compiled"] = builder.compile_step(model)[1]
         lm = model.lm
         if method.paired:
             result = _train_pairs(spec, model, method, objective)
@@ -726,8 +724,7 @@ def _settings(spec: Spec, tweaks: dict) -> str:
     if quantize:
         parts[-1] = f"{quantize} base ({tweaks['dtype_policy']} embedding)"
     if spec.lever == "compile":
-        parts.append(f"torch.compile of {tweaks.get('compiled_blocks', 0)} blocks" if spec.backend == "torch"
-                     else "XLA")  # fmt: skip
+        parts.append(tweaks.get("compiled", "compiled"))
     if spec.lever == "stock":
         parts.append("keras' own ops (no lean host work)")
     if spec.lever == "remat" or tweaks.get("remat"):
