@@ -1315,7 +1315,9 @@ def _coerce(key: str, hint, value, whole: bool = False):
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, str) and any(typing.get_origin(arg) is list and typing.get_args(arg) == (str,) for arg in allowed):
+    if isinstance(value, str) and any(
+        typing.get_origin(arg) is list and typing.get_args(arg) == (str,) for arg in allowed
+    ):
         # A list of words as its flag takes it: `--set lora.targets=query,value`, `targets: query, value`.
         value = [value] if whole else [word.strip() for word in value.split(",") if word.strip()]
     if _matches(hint, value):

@@ -9,7 +9,7 @@ from conftest import BACKEND, float32_policy, packed_rows, train, train_losses
 from test_lean_torch import _source  # tiny-gemma2: soft caps, post norms, a sliding window
 
 from finetune.data import batching
-from finetune.model import builder, presets
+from finetune.model import builder
 
 torch_only = pytest.mark.skipif(keras.config.backend() != "torch", reason="torch.compile: the PyTorch backend's")
 

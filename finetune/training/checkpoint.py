@@ -338,8 +338,10 @@ def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoin
         replacing = ", replacing the finished one (--overwrite)" if published is not None else ""
         print(f"note: no checkpoint in {target} to resume from; starting a new run there{replacing}")
     for reason in damaged_after(target.path, found):
-        print(f"note: a later checkpoint cannot be loaded ({reason}); resuming from step {found.step}, so the steps "
-              "after it train again")
+        print(
+            f"note: a later checkpoint cannot be loaded ({reason}); resuming from step {found.step}, so the steps "
+            "after it train again"
+        )
     return found
 
 
