@@ -30,7 +30,7 @@ METRICS = {
 def run_directory(tmp_path, settings: dict, family: str, metrics=METRICS) -> runs.Run:
     cfg = config_module.from_dict(settings)
     directory = tmp_path / "run"
-    directory.mkdir()
+    directory.mkdir(parents=True)
     written = {**outputs.run_config(cfg), "resolved": RESOLVED}
     (directory / outputs.CONFIG).write_text(yaml.safe_dump(written, sort_keys=False), encoding="utf-8")
     (directory / outputs.METRICS).write_text(json.dumps(metrics), encoding="utf-8")
@@ -110,3 +110,17 @@ def test_a_run_that_held_nothing_out_says_so(tmp_path):
     metrics = {"steps": 4, "train_examples": 40, "eval_examples": 0}
     _, body = card_of(run_directory(tmp_path, {"model": {"preset": "tiny"}}, "gemma", metrics))
     assert "The run held nothing out, so it has no held-out metrics." in body and "| loss |" not in body
+
+
+def test_the_card_names_the_frameworks_the_run_used_not_every_one_installed(tmp_path):
+    """A PyTorch run's card: its torch, and TensorFlow as keras-hub's tokenizers' (not as its backend); not JAX."""
+    installed = {"finetune": "0.2.0", "keras": "3.15.1", "keras-hub": "0.32.0", "jax": "0.10.2", "torch": "2.13.0",
+                 "tensorflow": "2.21.0"}  # fmt: skip
+    for backend, shown, hidden in [("torch", "- torch 2.13.0", "jax"), ("jax", "- jax 0.10.2", "torch")]:
+        run = run_directory(tmp_path / backend, {"backend": backend, "model": {"preset": "tiny"}}, "gemma")
+        written = yaml.safe_load((run.directory / outputs.CONFIG).read_text())
+        written["resolved"] = {**RESOLVED, "versions": installed}
+        (run.directory / outputs.CONFIG).write_text(yaml.safe_dump(written, sort_keys=False), encoding="utf-8")
+        _, body = card_of(run)
+        assert shown in body and f"- {hidden} " not in body, body
+        assert "- tensorflow 2.21.0 (keras-hub's tokenizers)" in body and "- keras 3.15.1" in body

@@ -195,8 +195,14 @@ def _metrics(metrics: dict) -> list[str]:
 
 
 def _versions(recorded: dict, trained_on: str) -> list[str]:
+    """The versions a run trained with: finetune's, keras', keras-hub's and its backend's framework's; TensorFlow
+    also on another backend, as keras-hub's tokenizers run on it. Not the other backends' installed beside."""
     versions = recorded.get("versions")
     lines = [f"- trained on {trained_on}"]
     if isinstance(versions, dict):
-        lines += [f"- {_cell(name)} {_cell(version)}" for name, version in versions.items()]
+        for name, version in versions.items():
+            if name in ("jax", "torch") and name != trained_on:  # installed beside, not used
+                continue
+            used = " (keras-hub's tokenizers)" if name == "tensorflow" and trained_on != "tensorflow" else ""
+            lines.append(f"- {_cell(name)} {_cell(version)}{used}")
     return lines
