@@ -665,9 +665,17 @@ def test_the_table_shows_every_part_of_the_memory_it_totals():
     in the total and shown nowhere."""
     grpo = {"model.preset": "gemma3_270m", "train.method": "grpo", "train.num_generations": 8, "model.seq_len": 1024,
             "train.batch_size": 1, "model.remat": "on", "model.precision": "bfloat16"}  # fmt: skip
-    for settings in (grpo, {"model.add_tokens": ["<a>"]}, {"model.quantize": "int8"}):
+    for settings in (grpo, {"model.add_tokens": ["<a>"]}, {"model.quantize": "int8"}, {"train.grad_accum": 4}):
         planned = make(**{"model.preset": "gemma_2b_en", "backend": "torch", **settings}, device="h100")
         shown = plan.table(planned)
         parts = [key for key, value in planned.memory.items() if key != "total" and value]
         assert parts and all(plan._ROWS[key] in shown for key in parts), (settings, parts)
     assert "rollout" in make(**{"backend": "torch", **grpo}, device="h100").memory
+    # --grad-accum's sum of the gradients is a row of its own, the size of the gradients, not in AdamW's moments
+    once, summed = (
+        make(**{"model.preset": "gemma_2b_en"}),
+        make(**{"model.preset": "gemma_2b_en", "train.grad_accum": 4}),
+    )
+    assert summed.memory["gradient_sum"] == summed.memory["lora_gradients"] and "gradient_sum" not in once.memory
+    assert summed.memory["optimizer"] == once.memory["optimizer"]
+    assert summed.memory["total"] - once.memory["total"] == pytest.approx(summed.memory["gradient_sum"])

@@ -365,14 +365,17 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         notes += [fitted] if fitted else []
     kernels = [p for p in placements if p.shape]
     groups = _weight_groups(model, kernels, precision, cfg.model.quantize, model_size)
-    accumulated = 2 + (cfg.train.grad_accum > 1)  # AdamW's two moments, and with --grad-accum a sum of gradients
+    summed = cfg.train.grad_accum > 1  # --grad-accum keeps a sum of the micro-batches' gradients, a row of its own
+    accumulated = 2 + summed  # AdamW's two moments, and the sum: the new token rows' bytes below
     if cfg.model.full:
         # Every decoder weight trains (its encoders stay frozen), in float32 (the precision keeps it so): a
         # gradient and AdamW's moments for each, sharded as the weight is (data parallel replicates them).
         lora = 0
         trained = sum(g.bytes_per_device for g in groups if g.name not in _ENCODERS)
         memory = {"weights": sum(g.bytes_per_device for g in groups), "gradients": trained,
-                  "optimizer": accumulated * trained}  # fmt: skip
+                  "optimizer": 2 * trained}  # fmt: skip
+        if summed:
+            memory["gradient_sum"] = trained
     else:
         lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank, cfg.lora.dora)
         memory = {
@@ -381,8 +384,10 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
             # and with --grad-accum a sum of the gradients. Activations below are one micro-batch's.
             "lora_weights": lora * _LORA_BYTES,
             "lora_gradients": lora * _LORA_BYTES,
-            "optimizer": accumulated * lora * _LORA_BYTES,
+            "optimizer": 2 * lora * _LORA_BYTES,
         }
+        if summed:
+            memory["gradient_sum"] = lora * _LORA_BYTES
         added = len(cfg.model.add_tokens or ()) * model.dims.hidden_dim  # --add-tokens: their rows train too
         if added:
             memory["new_token_rows"] = (2 + accumulated) * added * _LORA_BYTES  # weights, gradients, moments
@@ -893,7 +898,7 @@ def _judge(plan: Plan, target: tuple[str, Device], cfg: Config) -> None:
 
 def _advice(plan: Plan) -> str:
     m = plan.memory
-    if plan.full and m["weights"] + m["gradients"] + m["optimizer"] > 0.5 * m["total"]:
+    if plan.full and m["weights"] + m["gradients"] + m["optimizer"] + m.get("gradient_sum", 0) > 0.5 * m["total"]:
         return "the trained weights, their gradients and AdamW's moments dominate (16 bytes a weight)"
     if m["weights"] > 0.5 * m["total"]:
         return "the weights dominate: shard them (--parallel model, a larger model axis) or use --quantize int4"
@@ -965,6 +970,7 @@ _ROWS = {
     "lora_gradients": "LoRA gradients",
     "gradients": "gradients (every weight)",
     "optimizer": "AdamW moments",
+    "gradient_sum": "gradient sum (--grad-accum)",
     "new_token_rows": "new token rows, trained",
     "activations": "activations",
     "dequantized_kernel": "one kernel dequantized",
