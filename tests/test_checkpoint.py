@@ -283,7 +283,7 @@ def test_a_torn_or_corrupt_checkpoint_is_never_loaded(tmp_path):
     found = checkpoint.latest(tmp_path)
     assert found.step == 2
     assert checkpoint.load(found)[0][0][0] == 2
-    skipped = checkpoint.damaged_after(tmp_path, found)
+    skipped = checkpoint.problems(tmp_path, after=found.step)
     assert len(skipped) == 2 and "checksum" in skipped[0] and "not a whole checkpoint" in skipped[1], skipped
 
 

@@ -196,12 +196,20 @@ def find(run_dir: Path, verify: bool = False) -> list[Checkpoint]:
     return sorted(found, key=lambda c: (c.created, c.step))
 
 
-def problems(run_dir: Path) -> list[str]:
-    """Why each checkpoint directory that cannot be loaded is refused, for messages."""
+def problems(run_dir: Path, after: int = -1) -> list[str]:
+    """Why each checkpoint directory that cannot be loaded is refused, for messages, oldest first.
+
+    after: int. Only those named with a later step (a resume from that step skips them).
+    """
     parent = Path(run_dir) / DIRECTORY
     found = []
     for path in sorted(parent.iterdir()) if parent.is_dir() else []:
-        if path.name.startswith(".") or not path.is_dir():
+        named = re.match(r"step-(\d+)-", path.name)
+        if (
+            path.name.startswith(".")
+            or not path.is_dir()
+            or (after >= 0 and int(named.group(1) if named else -1) <= after)
+        ):
             continue
         try:
             _checked(path, verify=True)
@@ -337,28 +345,12 @@ def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoin
             raise UserError(f"{target} holds a finished run without checkpoints; pass --overwrite to train again")
         replacing = ", replacing the finished one (--overwrite)" if published is not None else ""
         print(f"note: no checkpoint in {target} to resume from; starting a new run there{replacing}")
-    for reason in damaged_after(target.path, found):
+    for reason in problems(target.path, after=found.step) if found is not None else ():
         print(
             f"note: a later checkpoint cannot be loaded ({reason}); resuming from step {found.step}, so the steps "
             "after it train again"
         )
     return found
-
-
-def damaged_after(run_dir: Path, found: Checkpoint | None) -> list[str]:
-    """Why each checkpoint directory of a step past `found` cannot be loaded: a resume skips it for `found`."""
-    if found is None:
-        return []
-    parent, reasons = Path(run_dir) / DIRECTORY, []
-    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
-        named = re.match(r"step-(\d+)-", path.name)
-        if path.name.startswith(".") or not path.is_dir() or not named or int(named.group(1)) <= found.step:
-            continue
-        try:
-            _checked(path, verify=True)
-        except CheckpointError as e:
-            reasons.append(str(e))
-    return reasons
 
 
 def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
