@@ -90,6 +90,40 @@ def test_finetune_data_reads_the_split_a_run_would(tmp_path, monkeypatch):
     assert refused.exit_code == 2 and "choose one of train, test with --data-split" in refused.output
 
 
+def test_records_longer_than_any_cap_are_counted_whole_and_the_example_says_where_the_sequence_cuts(tmp_path):
+    """A record past 8,192 tokens was counted as 8,193, and one whose prompt alone was longer left out of the counts
+    (while still counted as skipped); the example marked text a run would never train on."""
+    from finetune.model import builder, presets
+
+    records = [{"instruction": "What is 2+2?", "response": "4."},
+               {"instruction": "Summarise.", "context": "word " * 4000, "response": "short"},
+               {"instruction": "Summarise.", "context": "text " * 4000, "response": "short " * 40}]  # fmt: skip
+    path = write(tmp_path / "long.jsonl", records)
+    renderer, tokenizer = templates.get("dolly"), builder.load_tokenizer(presets.resolve("tiny"))
+    read, _ = formats.read(str(path))
+    whole = [1 + sum(len(tokenizer.tokenize(t)) for t, _ in renderer.segments(r)) + 1 for r in read]
+    assert max(whole) > 8193
+    report = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--seq-len", "64", "--example", "3"])
+    assert report.exit_code == 0, report.output
+    lines = report.output.splitlines()
+    assert f"max {max(whole):,}" in next(line for line in lines if line.startswith("tokens ("))
+    assert (
+        next(line for line in lines if line.startswith("loss on ")).split(" (")[0].endswith(f"of {sum(whole):,} tokens")
+    )
+    assert "seq-len 64: 2 records are cut at the end, 2 of them skipped" in report.output
+    assert lines[-1] == (f"at --seq-len 64 this record is skipped: its prompt fills the sequence ({whole[2]:,} tokens "
+                         "in all), so none of its marked text trains")  # fmt: skip
+    short = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--seq-len", "64", "--example", "1"])
+    assert short.output.splitlines()[-1].endswith("»"), short.output  # nothing cut: no note
+    dolly = write(tmp_path / "cut.jsonl", [{"instruction": "Say it.", "response": "word " * 100}])
+    cut = CliRunner().invoke(app, ["data", str(dolly), "--preset", "tiny", "--seq-len", "32"])
+    assert re.fullmatch(
+        r"at --seq-len 32 this record is cut to 33 of its [\d,]+ tokens: the loss is on \d+ of its "
+        r"[\d,]+ marked tokens, those before the cut",
+        cut.output.splitlines()[-1],
+    ), cut.output
+
+
 def test_rows_that_fill_the_sequence_report_no_negative_padding(tmp_path):
     """Records longer than --seq-len fill every position: an example's tokens are one more than its positions (the
     targets shift by one), which the report counted as positions, and said "padding -1%"."""

@@ -45,10 +45,12 @@ def report(path: str, preset: str, template: str, seq_len: int, example: int = 1
         return lines + _prompt_report(records, renderer, preset, example)
     items = [renderer.segments(r) for r in records]
     lines += images.summary(records)
-    lines += _tokens(items, preset, seq_len, train_on_prompt, pictured=any(r.images for r in records))
+    counted, cut_note = _tokens(items, preset, seq_len, train_on_prompt, example - 1,
+                                pictured=any(r.images for r in records))  # fmt: skip
+    lines += counted
     lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
     lines += ["  " + line for line in render(items[example - 1], train_on_prompt).split("\n")]
-    return lines
+    return lines + ([cut_note] if cut_note else [])
 
 
 def render(segments, train_on_prompt: bool = False) -> str:
@@ -63,18 +65,22 @@ def render(segments, train_on_prompt: bool = False) -> str:
     return "".join(f"{MARKS[0]}{text}{MARKS[1]}" if trained else text for text, trained in runs)
 
 
-def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, pictured: bool = False) -> list[str]:
+# Long enough for any record: `finetune data` counts each one's every token (a run keeps --seq-len + 1 of them).
+WHOLE = 10**9
+
+
+def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, example: int,
+            pictured: bool = False) -> tuple[list[str], str | None]:  # fmt: skip
+    """The token counts' lines, and what --seq-len does to record `example` (its index) where it cuts it."""
     from finetune.model import builder  # imports keras: only once the data has been read
 
     try:
         tokenizer = builder.load_tokenizer(presets.resolve(preset))
     except UserError as e:
         first = re.split(r"[;\n]|\. ", str(e))[0]
-        return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
-    whole, _ = batching.tokenize(items, tokenizer, max(8 * seq_len, 8192), train_on_prompt)
+        return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"], None
+    whole, _ = batching.tokenize(items, tokenizer, WHOLE, train_on_prompt)  # every record: its <eos> trains
     examples, dropped = batching.tokenize(items, tokenizer, seq_len, train_on_prompt)
-    if not whole:
-        return [f"tokens: every prompt is over {max(8 * seq_len, 8192):,} tokens long; nothing would train"]
     lengths = np.array([len(e.token_ids) for e in whole])
     trained = sum(int(sum(e.weights)) for e in whole)
     without = ", each <image> counted as its text, not the preset's image tokens" if pictured else ""
@@ -102,7 +108,20 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, pictured: b
         shuffled, grouped = (computed_padding(kept, BATCH, seq_len, by_length) for by_length in (False, True))
         lines.append(f"--packing off, batches of {BATCH} cut to their longest row: padding {shuffled:.0%} of the "
                      f"positions computed, {grouped:.0%} with --group-by-length")  # fmt: skip
-    return lines
+    return lines, _cut(whole[example], example in dropped, seq_len)
+
+
+def _cut(record, skipped: bool, seq_len: int) -> str | None:
+    """What --seq-len does to the example shown: nothing (None), cuts its end, or skips it."""
+    length, marked = len(record.token_ids), int(sum(record.weights))
+    if skipped:
+        return (f"at --seq-len {seq_len} this record is skipped: its prompt fills the sequence ({length:,} tokens "
+                "in all), so none of its marked text trains")  # fmt: skip
+    if length <= seq_len + 1:
+        return None
+    kept = int(sum(record.weights[: seq_len + 1]))
+    return (f"at --seq-len {seq_len} this record is cut to {seq_len + 1:,} of its {length:,} tokens: the loss is on "
+            f"{kept:,} of its {marked:,} marked tokens, those before the cut")  # fmt: skip
 
 
 BATCH = 8  # the batch the report's unpacked padding is counted at
@@ -166,8 +185,7 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
     except UserError as e:
         first = re.split(r"[;\n]|\. ", str(e))[0]
         return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
-    longest = max(8 * seq_len, 8192)
-    whole, _ = pairs.pairs(records, renderer, tokenizer, longest)
+    whole, _ = pairs.pairs(records, renderer, tokenizer, WHOLE)
     _, cut = pairs.pairs(records, renderer, tokenizer, seq_len)
     prompt = np.array([p.prompt_length - 1 for p in whole])
     answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
