@@ -915,7 +915,7 @@ class Sampling:
     )  # fmt: skip
     top_k: Optional[int] = setting(
         None,
-        "Sample from the K most likely tokens.",
+        "Sample from the K most likely tokens (a K past the vocabulary keeps every token).",
         flag="--top-k", metavar="K", range=Range(1), default_text="off",
     )  # fmt: skip
     seed: Optional[int] = setting(

@@ -311,6 +311,15 @@ def test_a_seed_makes_sampling_repeatable_and_greedy_stays_the_default(tiny_run)
     )
     with pytest.raises(finetune.UserError, match="top_p must be in"):
         finetune.generate(tiny_run, prompts, top_p=2.0)
+    # a top-k past the vocabulary keeps every token, as transformers' does: the frameworks' top_k refused it
+    from finetune.model import presets
+
+    vocabulary = presets.tiny_vocabulary_size()
+    every = finetune.generate(tiny_run, prompts, 8, temperature=2.0, top_k=vocabulary, seed=3)
+    assert finetune.generate(tiny_run, prompts, 8, temperature=2.0, top_k=10**6, seed=3) == every
+    assert finetune.generate(tiny_run, prompts, 8, top_p=0.9, top_k=10**6, seed=3) == finetune.generate(
+        tiny_run, prompts, 8, top_p=0.9, top_k=vocabulary, seed=3
+    )
 
 
 @pytest.mark.backend_neutral  # the labels are Python; seeded sampling is checked on every backend above

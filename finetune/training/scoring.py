@@ -44,7 +44,8 @@ def generate(lm, preprocessor, prompts, max_new_tokens: int, stop_tokens=("<eos>
     if not texts:
         return []
     if sampling is not None and not sampling.greedy:
-        lm.compile(sampler=sampler(sampling))  # compile() is where keras-hub takes a sampler; this lm trains no more
+        vocabulary = preprocessor.tokenizer.vocabulary_size()  # the logits' width, or fewer (new tokens appended)
+        lm.compile(sampler=sampler(sampling, vocabulary))  # compile() is where keras-hub takes a sampler
     elif not isinstance(lm.sampler, keras_hub.samplers.GreedySampler):  # a GRPO run's rollouts compiled theirs in
         lm.compile(sampler="greedy")
     tokenizer = preprocessor.tokenizer
@@ -119,18 +120,18 @@ def _written(prompts: dict, preprocessor) -> list[str]:
     return written
 
 
-def sampler(sampling):
+def sampler(sampling, vocabulary: int):
     """keras-hub's sampler for `sampling` (config.Sampling, not greedy): top-p (with top-k, if given, first),
-    top-k, or plain sampling at the temperature."""
+    top-k, or plain sampling at the temperature. A top-k past the `vocabulary` keeps every token, as transformers'
+    does (the frameworks' top_k refuses a k larger than the logits)."""
     import keras_hub
 
     temperature = sampling.temperature or 1.0
+    k = None if sampling.top_k is None else min(sampling.top_k, vocabulary)
     if sampling.top_p is not None:
-        return keras_hub.samplers.TopPSampler(
-            p=sampling.top_p, k=sampling.top_k, seed=sampling.seed, temperature=temperature
-        )
-    if sampling.top_k is not None:
-        return keras_hub.samplers.TopKSampler(k=sampling.top_k, seed=sampling.seed, temperature=temperature)
+        return keras_hub.samplers.TopPSampler(p=sampling.top_p, k=k, seed=sampling.seed, temperature=temperature)
+    if k is not None:
+        return keras_hub.samplers.TopKSampler(k=k, seed=sampling.seed, temperature=temperature)
     return keras_hub.samplers.RandomSampler(seed=sampling.seed, temperature=temperature)
 
 
