@@ -260,3 +260,27 @@ def test_a_plan_that_does_not_fit_exits_3_after_printing_it(tmp_path):
     assert plan("plan", "--preset", "gemma_2b_en", "--device-memory", "h100").returncode == 0
     assert plan("plan", "--preset", "gemma_7b_en", "--seq-len", "4096").returncode == 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.backend_neutral  # the check is Python's, before the model loads
+def test_eval_of_a_run_whose_data_file_changed_is_refused_as_typed(tmp_path):
+    """`finetune eval --run` scores the records the run held out of its --data file, split again: a file changed
+    since (reordered, here) would give another split, with records the run trained on. It is refused, as a resume
+    is; `--data FILE` still evaluates on a file of one's own, and a file since deleted says to pass it."""
+    records = [{"instruction": f"What is {i} plus 1?", "response": f"{i + 1}."} for i in range(24)]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = "runs/held"
+    finetune("gemma", "--preset", "tiny", "--backend", BACKEND, "--data", "mine.jsonl", "--max-steps", "1", *LEAN,
+             "--output", run, cwd=tmp_path)  # fmt: skip
+    assert json.loads((tmp_path / run / "metrics.json").read_text())["data_fingerprint"]
+    first = finetune("eval", "--run", run, cwd=tmp_path).stdout
+    data.write_text("".join(json.dumps(r) + "\n" for r in reversed(records)))
+    said = " ".join(refused("eval", "--run", run, cwd=tmp_path).split())
+    assert "differ from those" in said and "may hold some it trained on; pass --data FILE" in said, said
+    assert "examples" in finetune("eval", "--run", run, "--data", "mine.jsonl", cwd=tmp_path).stdout
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))  # as it was: the same split, the same scores
+    assert finetune("eval", "--run", run, cwd=tmp_path).stdout == first
+    data.unlink()
+    assert "pass --data FILE to evaluate on a file of your own" in " ".join(refused("eval", "--run", run,
+                                                                                    cwd=tmp_path).split())  # fmt: skip

@@ -214,7 +214,15 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
                             "--generate to score against; its held-out reward is `finetune eval`'s score")  # fmt: skip
         scoring.check_rouge()
     path = data_path or cfg.eval.data or cfg.data.path
-    records, found = prepare.read(cfg, path, trained=True)
+    try:
+        records, found = prepare.read(cfg, path, trained=True)
+    except UserError as e:
+        if data_path is not None:
+            raise
+        raise UserError(f"{e}\n{run.shown} held its records out of {path}; pass --data FILE to evaluate on a file "
+                        "of your own") from None  # fmt: skip
+    if data_path is None:
+        _check_held_out_source(run, path, records)
     _check_kind(method, found, path)
     lm, preprocessor = load_model(run)
     # The records training held out, prepared as training prepared them; or every record of another file.
@@ -225,6 +233,20 @@ def evaluate_run(run: Run, data_path: str | None = None, generate: int = 0) -> d
     if generate:
         result.update(_rouge(lm, preprocessor, prepared, generate, cfg.train.max_new_tokens))
     return result
+
+
+def _check_held_out_source(run: Run, path: str, records) -> None:
+    """Refuse to score a run's held-out records from a file that changed since the run read it: its split would
+    not be the records the run held out, and may hold records it trained on (a resume refuses the same)."""
+    from finetune.data import formats
+
+    key = "eval_data_fingerprint" if run.config.eval.data else "data_fingerprint"
+    recorded = (outputs.read_metrics(run.directory) or {}).get(key)
+    if recorded and formats.fingerprint(records) != recorded:  # a run from before metrics.json kept it: unchecked
+        split = "" if run.config.eval.data else (" its held-out split of them would not be the records it held "
+                                                 "out, and may hold some it trained on;")  # fmt: skip
+        raise UserError(f"the records in {path} differ from those {run.shown} held out when it trained;{split} pass "
+                        "--data FILE to evaluate on a file of your own")  # fmt: skip
 
 
 def predict_run(run: Run, data_path: str, output: str | Path, overwrite: bool = False) -> int:

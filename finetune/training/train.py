@@ -339,6 +339,9 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "lr_schedule": cfg.train.lr_schedule,
         "grad_accum": cfg.train.grad_accum,
         "run_id": start.run_id,
+        # The records read (formats.fingerprint): `finetune eval` scores its held-out split of the same ones.
+        "data_fingerprint": start.data_fingerprint,
+        "eval_data_fingerprint": start.eval_data_fingerprint,
         "steps": progress.step,
         "epochs": math.ceil(progress.step / steps.order.steps_per_epoch),
         "resumed_from_step": found.step if found else None,
