@@ -102,7 +102,7 @@ def test_refusals(tmp_path):
     single = write_jsonl(tmp_path / "single.jsonl", labelled(8, labels=("positive",)))
     other = write_jsonl(tmp_path / "other.jsonl", [{"text": "so so", "label": "neutral"}])
     cases = {
-        "without a `label`": ["--data", unlabelled],
+        "unlabelled.jsonl:9: a record without a `label`": ["--data", unlabelled],  # its line, as a null label's
         "at least 2 labels": ["--data", single],
         "label 'neutral' is not one": ["--data", good, "--eval-data", other, "--eval-fraction", "0"],
         "--labels names a classifier": ["--data", good, "--method", "sft", "--labels", "a"],

@@ -673,10 +673,14 @@ def _record(obj, where: str, fmt: str = "dolly") -> Record:
 
 
 def _labelled(obj, record: Record, where: str) -> Record:
-    """The record with its `label` (a classifier's class: text or a whole number) in `columns`, where it has one."""
-    if not isinstance(obj, dict) or "label" not in obj or record.columns:
+    """The record with its file:line (for messages found later: a classifier's record without a label) and its
+    `label` (a classifier's class: text or a whole number) in `columns`, where it has one."""
+    if not isinstance(obj, dict):
         return record
-    return dataclasses.replace(record, where=record.where or where, columns={"label": obj["label"]})
+    record = dataclasses.replace(record, where=record.where or where)
+    if "label" not in obj or record.columns:
+        return record
+    return dataclasses.replace(record, columns={"label": obj["label"]})
 
 
 def _with_images(obj, where: str, fmt: str, source: str) -> Record:
