@@ -144,9 +144,16 @@ class Preference(Method):
             for name, arrays in sets.items():
                 arrays.reference[:] = np.asarray(saved[name], np.float32).reshape(-1, 2)
             return saved
+        from finetune.model import builder
+
         phase(f"scoring the reference: {sum(map(len, sets.values()))} pairs under the base, once")
-        for arrays in sets.values():
-            reference_logps(trainer, pair_batches.Batches(arrays, batch_size, feed), phase.guarded)
+        # The base itself, LoRA switched off (PEFT's disable_adapter, as TRL takes its reference), as `finetune
+        # eval` scores it: a fresh adapter is the base's function, but not its bits in bfloat16 (DoRA's path).
+        # A view of its own, as the trainer's compiled call would keep the LoRA state it was traced with.
+        with builder.lora_off(trainer.lm):
+            view = builder.objective_view(trainer.lm, trainer.objective, trainer.shards)
+            for arrays in sets.values():
+                reference_logps(view, pair_batches.Batches(arrays, batch_size, feed), phase.guarded)
         return {name: arrays.reference.tolist() for name, arrays in sets.items()}
 
     def evaluate(self, lm, cfg, rows, directory=None) -> dict:
@@ -263,9 +270,8 @@ def pair_metrics(view, batches, after_batch=None) -> dict:
 
 
 def reference_logps(view, batches, guard=iter) -> None:
-    """DPO's reference pass: each pair's chosen and rejected log-probability under the model as it stands, into
-    arrays.reference. Run once, before training, on a fresh adapter (LoRA's B is zero, DoRA's magnitudes the
-    weights' norms), so the model scores as the base does; in the run's precision, in inference mode."""
+    """DPO's reference pass: each pair's chosen and rejected log-probability under the model as `view` sees it
+    (the base: LoRA switched off), into arrays.reference; in the run's precision, in inference mode."""
     reference = batches.arrays.reference
     reference[:] = 0.0  # the view subtracts the reference: zeros leave the policy's own log-probabilities
     for indices, values in pair_outputs(view, guard(batches)):  # guard: a run's stop between batches (Phases)

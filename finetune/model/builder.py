@@ -903,9 +903,10 @@ def train_with(view, controls: optimizer.Controls):
     return view
 
 
-def objective_view(lm, objective_):
-    """The view of `lm` that `objective_` (a method's objective) trains with, uncompiled: for scoring."""
-    return objective_.view(lm, chunk_for(lm))
+def objective_view(lm, objective_, shards: int = 1):
+    """The view of `lm` that `objective_` (a method's objective) trains with, uncompiled: for scoring.
+    shards: the data shards a batch is split over, as the run's trainer has them (compile)."""
+    return objective_.view(lm, chunk_for(lm), shards)
 
 
 def train_every_weight(lm, base: bool = False) -> None:
