@@ -284,3 +284,12 @@ def test_eval_of_a_run_whose_data_file_changed_is_refused_as_typed(tmp_path):
     data.unlink()
     assert "pass --data FILE to evaluate on a file of your own" in " ".join(refused("eval", "--run", run,
                                                                                     cwd=tmp_path).split())  # fmt: skip
+
+
+@pytest.mark.backend_neutral  # the refusal comes before training
+def test_a_vision_preset_at_the_shortest_seq_len_is_refused_as_typed(tmp_path):
+    """tiny-gemma3-vision at --seq-len 8, the least the flag takes: keras-hub's preprocessor refused a length that
+    holds no room for its pictures while it was built (exit 1); the run now says what the length cannot hold."""
+    said = refused("gemma", "--preset", "tiny-gemma3-vision", "--backend", BACKEND, "--seq-len", "8", "--max-steps",
+                   "1", "--output", "runs/short", cwd=tmp_path)  # fmt: skip
+    assert "seq-len 8 is too small" in said and not (tmp_path / "runs").exists()

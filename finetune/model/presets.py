@@ -549,7 +549,11 @@ def tiny_preprocessor(name: str, tokenizer, sequence_length: int):
     if spec.vision is not None:
         cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
         arguments = _vision_preprocessing(spec.family, spec.vision)
-        return cls(tokenizer=tokenizer, sequence_length=sequence_length, **arguments)
+        # Built at a length that holds its pictures' room (keras-hub refuses less there), then given the run's, as
+        # a real preset's is after loading: a run whose rows cannot hold a picture says so for its data.
+        preprocessor = cls(tokenizer=tokenizer, sequence_length=max(sequence_length, 1024), **arguments)
+        preprocessor.sequence_length = sequence_length
+        return preprocessor
     cls = families.keras_hub_class(families.get(spec.family), "preprocessor")
     return cls(tokenizer=tokenizer, sequence_length=sequence_length, **_PREPROCESSOR_ARGS.get(spec.family, {}))
 
