@@ -342,10 +342,13 @@ def for_this_command(message: str) -> str:
     if context is None:
         return message
     taken = {name for parameter in context.command.params for name in getattr(parameter, "opts", [])}
+    arguments = {parameter.name for parameter in context.command.params if parameter.param_type_name == "argument"}
 
     def named(match):
-        flag = match.group(0)
-        return SETTING_KEYS[flag] if flag in SETTING_KEYS and flag not in taken else flag
+        flag, space = match.group(1), match.group(2)
+        if flag == "--data" and "file" in arguments and flag not in taken:  # `finetune data FILE`: the file itself
+            return ""
+        return (SETTING_KEYS[flag] if flag in SETTING_KEYS and flag not in taken else flag) + space
 
     # From a command the message spells out on (`retrain it with: finetune gemma --recipe R`), flags are its own.
     commands = getattr(context.find_root().command, "commands", {})
@@ -354,7 +357,7 @@ def for_this_command(message: str) -> str:
     return FLAG.sub(named, message[:cut]) + message[cut:]
 
 
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)( ?)")
 
 
 @app.command()

@@ -907,6 +907,7 @@ class Sampling:
         None,
         "Sample at this temperature: under 1 sharper, over 1 more varied.",
         flag="--temperature", metavar="T", range=Range(0, low_open=True), default_text="greedy; 1 with --top-p or --top-k",
+        hint="leave --temperature out to decode greedily (the limit of a temperature near 0)",
     )  # fmt: skip
     top_p: Optional[float] = setting(
         None,

@@ -203,6 +203,11 @@ def resume(name, change, expected):
 
 CASES = [
     # Numbers: out of range, not finite, or not numbers at all.
+    gemma(
+        "category-mistyped",
+        ["--data", "sample", "--category", "Open_QA"],
+        "its categories are brainstorming, classification, closed_qa",
+    ),
     gemma("lr-nan", ["--lr", "nan"], "'train.learning_rate' must be a finite number"),
     gemma("lr-inf", ["--lr", "inf"], "'train.learning_rate' must be a finite number"),
     gemma("lr-negative", ["--lr", "-1"], "learning rate must be positive"),
@@ -382,6 +387,12 @@ CASES = [
     run_case(
         "run-config-not-yaml", "eval", lambda r, w: (r / "config.yaml").write_text("lora: [unclosed\n"), "config.yaml"
     ),
+    run_case(  # YAML reads the damage as a key: said so, without the list of every key
+        "run-config-damaged",
+        "eval",
+        lambda r, w: (r / "config.yaml").write_text("::: not yaml [\n"),
+        "config.yaml does not hold a run's settings (unknown config key '::'): it was edited or damaged",
+    ),
     Case("run-missing", lambda w: ["--run", w.tmp / "no-such-run"], "no-such-run does not exist", command="eval"),
     Case(
         "eval-data-of-another-format",  # the run's template is dolly: eval cannot take another, so none is advised
@@ -396,6 +407,7 @@ CASES = [
         command="eval",
     ),
     generate("generate-zero-tokens", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    generate("generate-temperature-zero", ["--temperature", "0"], "leave --temperature out to decode greedily"),
     generate("generate-negative-tokens", ["--max-new-tokens", "-5"], "--max-new-tokens must be at least 1"),
     Case("generate-empty-prompt", lambda w: ["--run", w.run_copy(), "--prompt", ""], "--prompt is empty", "generate"),
     generate("generate-tokens-not-int", ["--max-new-tokens", "x"], "invalid value for '--max-new-tokens'"),
@@ -499,6 +511,13 @@ CASES = [
         "data-missing-file", lambda w: [w.tmp / "none.jsonl", "--preset", "tiny"], "none.jsonl does not exist", "data"
     ),
     Case("data-unknown-template", lambda w: [w.good, "--template", "chatml"], "unknown template 'chatml'", "data"),
+    # the hf: dataset's advice names the file `finetune data` takes, not a --data it has no flag for
+    Case(
+        "data-hf-offline",
+        lambda w: ["hf:someone/none", "--preset", "tiny"],
+        "to JSONL elsewhere and pass FILE.jsonl",
+        "data",
+    ),  # fmt: skip
     Case(
         "data-example-out-of-range", lambda w: [w.good, "--preset", "tiny", "--example", "13"], "--example 13", "data"
     ),

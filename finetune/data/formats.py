@@ -1161,8 +1161,13 @@ def filter_records(records, *, drop_context=False, categories=(), max_records=No
         if categories:
             applied.append(f"categories={list(categories)}")
         fix = fix or "relax --category / --drop-context or use another file"
+        found = sorted({r.category for r in records if r.category})
+        held = ""
+        if categories:  # what the file holds, for a category mistyped (Open_QA for open_qa)
+            shown = ", ".join(found[:12]) + (f" and {len(found) - 12} more" if len(found) > 12 else "")
+            held = f"; its categories are {shown}" if found else "; its records name no category"
         raise UserError(
-            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}); {fix}"
+            f"no usable records in {source or 'the data'} after filters ({', '.join(applied) or 'none'}){held}; {fix}"
         )
     return kept
 

@@ -74,7 +74,12 @@ def open_run(directory: str | Path) -> Run:
     if not (directory / outputs.METRICS).is_file():  # written last: without it the files may be of two runs
         raise UserError(f"{directory} has no {outputs.METRICS}, so it is not a finished run (it stopped or is being "
                         f"written); finish it with `finetune gemma --resume --output {directory}`")  # fmt: skip
-    cfg = config_module.from_dict(config_module.read_recipe(directory / outputs.CONFIG))
+    try:
+        cfg = config_module.from_dict(config_module.read_recipe(directory / outputs.CONFIG))
+    except UserError as e:  # a key or value no run writes: the file was changed, or another version wrote it
+        first = str(e).split("; known keys:")[0]
+        raise UserError(f"{shown}/{outputs.CONFIG} does not hold a run's settings ({first}): it was edited or "
+                        "damaged, or a newer finetune wrote it; restore it, or train the run again") from None  # fmt: skip
     trained, described = (
         (outputs.WEIGHTS, outputs.WEIGHTS_JSON) if cfg.model.full else (outputs.ADAPTER, outputs.ADAPTER_JSON)
     )
