@@ -58,6 +58,7 @@ def test_a_classifier_learns_a_labelled_task_from_the_command_line(classify_run)
     assert metrics["eval_macro_f1"] > 0.8 and metrics["eval_loss"] < metrics["eval_loss_before"]
     assert "eval macro f1" in stdout
     assert (out / classify.HEAD).is_file()
+    assert "None: a classifier run writes no text." in (out / "samples.md").read_text()  # not a bare header
     assert "- negative\n" in (out / "config.yaml").read_text()
 
 

@@ -712,8 +712,11 @@ SAMPLE_SECTIONS = (("Prompt", "prompt"), ("Reference", "reference"), ("Before tr
                    ("After training", "after"))  # fmt: skip
 
 
-def write_samples(path: Path, samples: list[dict]) -> None:
+def write_samples(path: Path, samples: list[dict], none_why: str = "") -> None:
+    """samples.md: each held-out prompt's generations before and after training; none_why: why there are none."""
     lines = ["# Generations on held-out prompts", "", "Greedy decoding, before and after training.", ""]
+    if not samples:
+        lines += [f"None: {none_why or 'the run generated none'}.", ""]
     for i, sample in enumerate(samples, start=1):
         lines += [f"## Sample {i}", ""]
         for title, key in SAMPLE_SECTIONS:

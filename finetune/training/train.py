@@ -386,6 +386,18 @@ def _resolved(run: resolve.Resolved, claim: outputs.Claim, run_id: str) -> dict:
     }
 
 
+def _no_samples_why(session: Session) -> str:
+    """Why a run's samples.md holds no generation, as _held_out decided it."""
+    run = session.run
+    if not run.method.generates:
+        return f"a {run.method.title} run writes no text"
+    if not run.config.train.samples:
+        return "train.samples is 0"
+    if not session.prepared.held_out:
+        return "no records were held out to prompt with"
+    return "a job of several processes generates none; run `finetune generate` on the adapter"
+
+
 def _files(session: Session, config: dict, metrics: dict, progress, samples: list) -> dict:
     """What a finished run writes: a file name to write(path), for outputs.publish."""
     run, backbone = session.run, session.model.lm.backbone
@@ -395,7 +407,7 @@ def _files(session: Session, config: dict, metrics: dict, progress, samples: lis
         **_model_files(run, backbone),
         outputs.CONFIG: lambda p: outputs.write_config(p, config),
         outputs.HISTORY: lambda p: outputs.write_history(p, progress.rows),
-        outputs.SAMPLES: lambda p: outputs.write_samples(p, samples),
+        outputs.SAMPLES: lambda p: outputs.write_samples(p, samples, _no_samples_why(session)),
         outputs.LOSS_PLOT: lambda p: outputs.plot_loss(p, history, title),
         outputs.METRICS: lambda p: outputs.write_metrics(p, metrics),
         **run.method.published(session.model.trainer),  # a reward model's head
