@@ -13,6 +13,8 @@ NOISE = [
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     b"I0000 00:00:1795325987.734281   15909 port.cc:153] oneDNN custom operations are on.",
     b"E0000 00:00:1795325992.352479   15909 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)",
+    # torch's logging, in the same form with a path (torch.compile past its recompile limit, --compile)
+    b"W1129 06:30:19.954000 32681 torch/_dynamo/convert_frame.py:1994] [0/16] torch._dynamo hit config.recompile_limit",
     b"W1122 05:40:01.123456    1234 cudart_stub.cc:31] Could not find cuda drivers on your machine",
     b"normalizer.cc(51) LOG(INFO) precompiled_charsmap is empty. use identity normalization.",
     b"[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",

@@ -144,11 +144,13 @@ def build_model(source: presets.Source, recipe: Recipe) -> Model:
     return Model(lm, preprocessor, trainer, adapted, added)
 
 
-def compile_step(model: Model) -> tuple[bool, str]:
+def compile_step(model: Model, packed: bool = True) -> tuple[bool, str]:
     """Compile `model`'s train step further (--compile), after its batch size is found (a probe stays eager):
     (whether anything was compiled, what). PyTorch: each decoder block's pass with torch.compile
     (lean_torch.compile_blocks); TensorFlow: XLA, read when the first step makes the train function; JAX: its step
-    is compiled by XLA already."""
+    is compiled by XLA already.
+
+    packed: the rows are packed, so of one length; unpacked rows come in many, each a graph of its own."""
     name = keras.config.backend()
     if name == "jax":
         return False, "JAX compiles every step already (XLA)"
@@ -162,7 +164,9 @@ def compile_step(model: Model) -> tuple[bool, str]:
     blocks = lean_torch.compile_blocks(model.lm.backbone)
     if not blocks:
         return False, f"the {total} decoder blocks stay eager: remat and Gemma 3n's blocks take no compiled pass"
-    return True, f"torch.compile of {blocks} of {total} decoder blocks"
+    lengths = "" if packed else ("; unpacked rows come in many lengths, each compiled apart until torch's limit "
+                                 "sends the rest eagerly: packed rows (one length) suit it")  # fmt: skip
+    return True, f"torch.compile of {blocks} of {total} decoder blocks{lengths}"
 
 
 def embedding_ratio(embedding_learning_rate: float | None, learning_rate: float) -> float | None:

@@ -24,14 +24,15 @@ import sys
 import threading
 import warnings
 
-# C++ log lines in glog/absl form ("I0000 00:00:1795325987.734281   15909 port.cc:153] ..."), the
+# C++ log lines in glog/absl form ("I0000 00:00:1795325987.734281   15909 port.cc:153] ..."; torch's Python
+# logging writes the same form with a path: "W1129 06:30:19.954000 32681 torch/_dynamo/convert_frame.py:1994]"), the
 # absl pre-initialisation banner, SentencePiece's LOG(INFO) lines, and the connection lines of Gloo
 # (JAX's CPU collectives in a multi-process job). TensorFlow's CPU-feature note runs over two lines, and
 # the second has no log prefix: it appears where TF_CPP_MIN_LOG_LEVEL is unset (`finetune data`, which
 # chooses no backend) on a CPU with instructions the TensorFlow build leaves out (AVX-512).
 NOISE = re.compile(
     rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
-    rb"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.\-]+:\d+\]"
+    rb"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.\-/]+:\d+\]"  # a path: torch's (torch/_dynamo/...)
     rb"|To enable the following instructions: .*rebuild TensorFlow with the appropriate compiler flags\.$"
     rb"|[\w.\-]+\.cc\(\d+\) LOG\(INFO\)"
     rb"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks)"

@@ -160,7 +160,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
         prepared = method.evaluated_on(prepared, data.eval_records, model.preprocessor, cfg)
     settled = {"packing": packing}
     if cfg.train.compile:  # after the batch size's probe, which stays eager
-        settled["compile"] = resolve.Decision(*builder.compile_step(model))
+        settled["compile"] = resolve.Decision(*builder.compile_step(model, packing.value))
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
     step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
