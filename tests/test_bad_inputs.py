@@ -511,13 +511,6 @@ CASES = [
         "data-missing-file", lambda w: [w.tmp / "none.jsonl", "--preset", "tiny"], "none.jsonl does not exist", "data"
     ),
     Case("data-unknown-template", lambda w: [w.good, "--template", "chatml"], "unknown template 'chatml'", "data"),
-    # the hf: dataset's advice names the file `finetune data` takes, not a --data it has no flag for
-    Case(
-        "data-hf-offline",
-        lambda w: ["hf:someone/none", "--preset", "tiny"],
-        "to JSONL elsewhere and pass FILE.jsonl",
-        "data",
-    ),  # fmt: skip
     Case(
         "data-example-out-of-range", lambda w: [w.good, "--preset", "tiny", "--example", "13"], "--example 13", "data"
     ),

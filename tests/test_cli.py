@@ -525,3 +525,24 @@ def test_every_command_s_errors_become_exit_codes_in_one_place(monkeypatch):
     ]
     result = invoke("runs", "--debug")
     assert result.exit_code == 1 and "Traceback" in result.stderr
+
+
+@pytest.mark.backend_neutral  # the wording is Python's
+def test_a_message_names_each_setting_as_the_running_command_takes_it():
+    """Shared messages name settings by `finetune gemma`'s flags: a command without the flag names the key instead,
+    and `finetune data`, which takes the data as its FILE argument, the file alone (it said `pass data.path`)."""
+    import typer.main
+
+    from finetune.cli import for_this_command
+
+    group = typer.main.get_command(app)
+    advice = "export it to JSONL elsewhere and pass --data FILE.jsonl; or raise --seq-len"
+    with group.make_context("finetune", ["data", "x.jsonl"], resilient_parsing=True) as root:
+        with group.commands["data"].make_context("data", ["x.jsonl"], parent=root, resilient_parsing=True):
+            assert for_this_command(advice) == "export it to JSONL elsewhere and pass FILE.jsonl; or raise --seq-len"
+    with group.make_context("finetune", ["eval"], resilient_parsing=True) as root:
+        with group.commands["eval"].make_context("eval", ["--run", "r"], parent=root, resilient_parsing=True):
+            assert (
+                for_this_command(advice)
+                == "export it to JSONL elsewhere and pass --data FILE.jsonl; or raise model.seq_len"
+            )
