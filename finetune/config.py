@@ -745,7 +745,8 @@ class TrainConfig:
     )  # fmt: skip
     time_limit: Optional[str] = setting(
         None,
-        "Stop with a checkpoint before this much time has passed: 11h30m, 90m, 3600s, or `off`.",
+        "Stop with a checkpoint before this much time has passed: 11h30m, 90m, 3600s, or `off`. The run then exits "
+        "75, and --resume continues it.",
         flag="--time-limit", panel=OUTPUT, metavar="DURATION", check=_duration_or_off, label="time limit",
         default_text="11h30m in a Kaggle notebook, whose sessions end at 12 hours; else off",
     )  # fmt: skip

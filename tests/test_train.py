@@ -401,3 +401,16 @@ def test_one_trainer_steps_batches_of_two_sizes_as_the_batch_size_probe_does():
                                       names=builder.input_names(lm))  # fmt: skip
             loss = trainer.train_on_batch(x, y, sample_weight=w, return_dict=True)["loss"]
             assert np.isfinite(float(loss))
+
+
+@pytest.mark.backend_neutral  # the note is the loop's arithmetic
+def test_accumulating_past_an_epoch_says_each_step_is_a_pass(tmp_path):
+    """--grad-accum far past the data: each optimizer step takes every row (one pass), as HF's Trainer steps; said,
+    where the run had trained its 2 steps over the data twice with no word of it."""
+    result = train(tmp_path / "long", "--max-records", "16", "--grad-accum", "1000", "--max-steps", "1")
+    said = "note: one optimizer step of --batch-size 2 x --grad-accum 1000 takes every training row or more"
+    assert said in result.output, result.output
+    assert (
+        "one pass over"
+        not in train(tmp_path / "short", "--max-records", "40", "--grad-accum", "2", "--max-steps", "1").output
+    )

@@ -171,6 +171,10 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     feed = batching.Feed(decided.part, step, builder.input_names(model.lm), grouped)
     order = method.order(prepared, cfg, feed, model)
     settled.update(resolve.steps(cfg.train, order.steps_per_epoch))
+    if cfg.train.grad_accum > 1 and order.steps_per_epoch == 1:
+        print(f"note: one optimizer step of --batch-size {prepared.batch_size} x --grad-accum {cfg.train.grad_accum} "
+              "takes every training row or more: each step is one pass over the data; lower --grad-accum for more "
+              "steps an epoch")  # fmt: skip
     changed = found and resolve.replanned(cfg.train, found.state()["config"], order.steps_per_epoch, found.step)
     if changed:
         print(f"note: {changed}")
