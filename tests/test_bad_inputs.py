@@ -262,6 +262,11 @@ CASES = [
     data("data-empty", b"", "is empty"),
     data("data-not-json", '{"instruction": "a", "response": "b"}\nnot json at all\n', ":2: not valid JSON"),
     data("data-json-array", '["instruction", "response"]\n', "item 1: expected a JSON object"),
+    data(  # json.loads keeps the last of a key given twice, silently: which answer trained was a guess
+        "data-key-twice",
+        '{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d", "response": "e"}\n',
+        ":2: key 'response' is given twice in one object",
+    ),
     data("data-no-response", '{"instruction": "a"}\n', ":1: record has no 'response' field"),
     data("data-non-string", '{"instruction": "a", "response": 42}\n', ":1: field 'response' must be a string"),
     data("data-empty-instruction", '{"instruction": "  ", "response": "b"}\n', ":1: field 'instruction' is empty"),

@@ -483,12 +483,28 @@ def _whole_number(digits: str):
         return decimal.Decimal(digits)
 
 
+class _KeyTwice(Exception):
+    """A JSON object that gives one key twice (json.loads keeps the last value without a word)."""
+
+
+def _once_each(pairs: list) -> dict:
+    """An object's pairs as a dict, refusing a key given twice."""
+    made = dict(pairs)
+    if len(made) != len(pairs):
+        seen = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return made
+
+
 def _json(text: str, where: str, shape: str, whole_file: bool = False):
     """json.loads that never escapes: invalid JSON, nesting deeper than Python's parser goes, or anything else
     it raises is a UserError naming `where`, file:line (whole_file: `text` is all of the file `where` names,
     and the line is found in it)."""
     try:
-        return json.loads(text, parse_int=_whole_number)
+        return json.loads(text, parse_int=_whole_number, object_pairs_hook=_once_each)
+    except _KeyTwice as e:
+        raise UserError(f"{where}: key {e.args[0]!r} is given twice in one object, and JSON would keep the last "
+                        "silently; keep one") from None  # fmt: skip
     except json.JSONDecodeError as e:
         where = f"{where}:{e.lineno}" if whole_file else where
         raise UserError(f"{where}: not valid JSON ({e.msg}); {shape}") from None
