@@ -204,12 +204,9 @@ def problems(run_dir: Path, after: int = -1) -> list[str]:
     parent = Path(run_dir) / DIRECTORY
     found = []
     for path in sorted(parent.iterdir()) if parent.is_dir() else []:
-        named = re.match(r"step-(\d+)-", path.name)
-        if (
-            path.name.startswith(".")
-            or not path.is_dir()
-            or (after >= 0 and int(named.group(1) if named else -1) <= after)
-        ):
+        named = re.match(r"step-(\d+)-", path.name)  # save()'s name: a damaged one's step is read from it
+        step = int(named.group(1)) if named else -1
+        if path.name.startswith(".") or not path.is_dir() or (after >= 0 and step <= after):
             continue
         try:
             _checked(path, verify=True)

@@ -374,8 +374,6 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
         trained = sum(g.bytes_per_device for g in groups if g.name not in _ENCODERS)
         memory = {"weights": sum(g.bytes_per_device for g in groups), "gradients": trained,
                   "optimizer": 2 * trained}  # fmt: skip
-        if summed:
-            memory["gradient_sum"] = trained
     else:
         lora = _lora_parameters(model, kernels, cfg.lora.targets, cfg.lora.rank, cfg.lora.dora)
         memory = {
@@ -386,13 +384,13 @@ def _make(cfg: Config, devices: int | None, target: tuple[str, Device] | None, r
             "lora_gradients": lora * _LORA_BYTES,
             "optimizer": 2 * lora * _LORA_BYTES,
         }
-        if summed:
-            memory["gradient_sum"] = lora * _LORA_BYTES
         added = len(cfg.model.add_tokens or ()) * model.dims.hidden_dim  # --add-tokens: their rows train too
         if added:
             memory["new_token_rows"] = (2 + accumulated) * added * _LORA_BYTES  # weights, gradients, moments
             notes.append(f"--add-tokens: {len(cfg.model.add_tokens)} new embedding rows ({added:,} weights) train "
                          "beside LoRA, in float32")  # fmt: skip
+    if summed:  # the size of the gradients it sums
+        memory["gradient_sum"] = memory["gradients" if cfg.model.full else "lora_gradients"]
     per_device = _batch_per_device(batch, data, notes)  # one row per device for auto, then _largest_batch
     seq_len = cfg.model.seq_len
     per_sequence = _activations_per_sequence(model, kernels, seq_len, precision, model_size)
