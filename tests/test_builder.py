@@ -236,6 +236,23 @@ def test_dora_computes_peft_s_weight_decomposed_update():
     assert names == {"lora_kernel_a", "lora_kernel_b", "lora_magnitude"}  # checkpointed with A and B
 
 
+def test_a_fresh_dora_adapter_is_its_base_bit_for_bit_in_bfloat16():
+    """m starts at |W| and B at zero, so m / |W + s A B| is 1 and a fresh DoRA layer gives its base's output. The
+    magnitude was read autocast to bfloat16 in the layer's call, so the ratio was 1 only to bfloat16's rounding: a
+    fresh adapter scored 9.1034 where its base scored 9.1039."""
+    keras.config.set_dtype_policy(backend.POLICIES["bfloat16"][1])  # the adapter's, as a run sets it
+    backend.set_seed(0)
+    lm, preprocessor = builder.build(TINY, seq_len=32, precision="bfloat16")
+    builder.enable_lora(lm, LoraConfig(rank=2, targets=["query", "value", "ffw_linear"], dora=True))
+    assert {layer.compute_dtype for layer in adapted_layers(lm)} == {"bfloat16"}
+    x, _, _ = a_batch(preprocessor)
+    fresh = logits(lm, x)
+    with builder.lora_off(lm):
+        base = logits(lm, x)
+    np.testing.assert_array_equal(fresh, base)
+    assert {v.dtype for layer in adapted_layers(lm) for v in [layer.lora_magnitude]} == {"float32"}
+
+
 def test_lora_plus_steps_b_at_ratio_times_the_learning_rate():
     """One AdamW step with --lora-plus-ratio 4 moves A as lr does and B as 4 * lr does, weight decay included."""
     from conftest import float32_policy
