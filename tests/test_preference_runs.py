@@ -291,3 +291,4 @@ def test_a_dora_run_in_bfloat16_scores_its_reference_as_eval_does(pairs_file, tm
     published = json.loads((out / "metrics.json").read_text())
     evaluated = finetune.evaluate(out)
     assert evaluated["loss"] == pytest.approx(published["eval_loss"], abs=1e-6), (evaluated, published)
+    assert published["eval_loss_before"] == pytest.approx(np.log(2), abs=1e-6)  # the fresh adapter is the base

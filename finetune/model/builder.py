@@ -508,7 +508,10 @@ def enable_lora(lm, lora, seed: int = 0) -> int:
                 # Read as float32 in the layer's call too: autocast to a bfloat16 compute dtype, m / |W| was 1 only
                 # to bfloat16's rounding, and a fresh DoRA adapter moved a bfloat16 run off its base.
                 layer.lora_magnitude = layer.add_weight(
-                    name="lora_magnitude", shape=magnitude_shape(layer), initializer="zeros", dtype="float32",
+                    name="lora_magnitude",
+                    shape=magnitude_shape(layer),
+                    initializer="zeros",
+                    dtype="float32",
                     autocast=False,
                 )
                 layer.lora_magnitude.assign(keras.ops.convert_to_numpy(_column_norm(layer, with_update=False)))
