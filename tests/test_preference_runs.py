@@ -5,6 +5,7 @@ The data is learnable by a tiny model: the chosen answer repeats the prompt's wo
 rejected answer is "no".
 """
 
+import csv
 import json
 import math
 import random
@@ -65,6 +66,8 @@ def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
     for name in preference.METRICS:
         assert name in header and metrics[name] is not None, name
     assert "eval_reward_accuracy" in header
+    evaluations = [row for row in csv.DictReader((out / "history.csv").open()) if row["eval_loss"]]
+    assert evaluations and all(row["eval_reward_accuracy"] and not row["eval_accuracy"] for row in evaluations)
 
 
 @pytest.mark.backend_neutral  # DPO's scoring runs on every backend above

@@ -491,7 +491,8 @@ class Loop:
                 "step": self.progress.step,
                 "epoch": epoch,
                 "eval_loss": result["loss"],
-                "eval_accuracy": result["accuracy"],
+                # A preference method's accuracy is its reward accuracy, which its own column holds.
+                **({"eval_accuracy": result["accuracy"]} if "accuracy" in self.evaluation.method.held_out else {}),
                 **{f"eval_{name}": result[name] for name in self.evaluation.history},
             }
         )
