@@ -70,8 +70,44 @@ def test_a_run_at_learning_rate_0_says_the_adapter_did_not_change(tmp_path):
 def test_a_run_that_trains_says_nothing_of_the_kind(uninterrupted):
     metrics = json.loads((uninterrupted / "metrics.json").read_text())
     assert metrics["adapter_changed"] is True and metrics["forward_warning"] is None
+    assert metrics["held_out_warning"] is None
     assert "did not change" not in outputs.summary_table(metrics, uninterrupted)
     assert runs.describe(uninterrupted)["note"] == ""
+
+
+# === An adapter that scores its held-out records worse than the base ===
+
+
+@pytest.mark.one_backend
+def test_a_held_out_loss_above_the_base_s_is_doubted_with_its_likely_causes():
+    why = guards.held_out_worse(2.5, 2.61, None, 2e-4)
+    assert why.startswith("the held-out loss rose in training, 2.5000 -> 2.6100: the adapter scores")
+    assert "--lr 0.0002" in why and "--keep-best" in why
+    best = guards.held_out_worse(2.5, 2.61, 40, 2e-4)
+    assert "the best evaluation's adapter (step 40)" in best and "--keep-best" not in best
+    assert guards.held_out_worse(2.5, 2.4, None, 2e-4) is None
+    assert guards.held_out_worse(2.51241, 2.51244, None, 2e-4) is None  # the same to the summary's digits
+    assert guards.held_out_worse(None, None, None, 2e-4) is None  # nothing held out (or GRPO's sampled reward)
+
+
+@pytest.mark.backend_neutral  # the check reads the held-out loss every backend computes: test_backends_agree
+def test_a_dpo_run_held_out_on_the_opposite_preference_is_warned(tmp_path):
+    """Trained to prefer one answer and evaluated on pairs that prefer the other, the held-out loss rises above
+    ln 2, the base's: the summary, metrics.json and `finetune runs` say so."""
+    train_pairs, held_out = tmp_path / "train.jsonl", tmp_path / "held-out.jsonl"
+    pairs = [(f"Is {i} good?", "yes it is", "no it is not") for i in range(16)]
+    train_pairs.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs))
+    held_out.write_text("".join(json.dumps({"prompt": p, "chosen": r, "rejected": c}) + "\n" for p, c, r in pairs))
+    out = tmp_path / "run"
+    result = invoke("gemma", *SHORT, "--method", "dpo", "--data", train_pairs, "--eval-data", held_out,
+                    "--eval-fraction", "0", "--seq-len", "32", "--batch-size", "4", "--max-steps", "4",
+                    "--set", "train.samples=0", "--output", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_loss"] > metrics["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-5)
+    assert metrics["held_out_warning"].startswith("the held-out loss rose in training")
+    assert result.output.count("warning: the held-out loss rose in training") == 1
+    assert "held-out loss above the base's" in runs.describe(out)["note"]
 
 
 # === A broken forward ===

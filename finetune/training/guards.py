@@ -2,12 +2,13 @@
 
 The most reported failure of fine-tuning a new Gemma is a run that "trains" and learns nothing (transformers
 #45242, unsloth #5230, unsloth-zoo #813): no NaN, no error, an adapter that is all zeros or a model that never
-saw its weights. Two checks here read what a run already measured:
+saw its weights. Three checks here read what a run already measured:
 
 - broken_forward: a pretrained model whose held-out loss before training is near ln(vocabulary size), the loss of
   a uniform guess, is not computing what it was trained to.
 - adapter_unchanged: at the end of a run, every LoRA B factor still exactly 0 (keras-hub starts them so) or the
   held-out loss the same before and after means the adapter changes nothing.
+- held_out_worse: the published adapter scores its held-out records worse than the base did before training.
 
 The third, float16 on Gemma 3, 3n and 4, is a rule of --precision auto (backend.precision_rule).
 """
@@ -89,3 +90,23 @@ def adapter_unchanged(zero_b: bool, before: float | None, after: float | None, r
         causes.append(f"a learning rate too small to move it (--lr {learning_rate:g}), too few steps, or every token "
                       "masked out of the loss")  # fmt: skip
     return f"{seen}: {'; '.join(causes)}"
+
+
+def held_out_worse(
+    before: float | None, after: float | None, best_step: int | None, learning_rate: float
+) -> str | None:
+    """Why to doubt an adapter whose held-out loss, `after`, is above the base's before training, `before`, to the
+    digits the summary prints; None otherwise or where nothing was held out.
+
+    best_step: int or None. With --keep-best, the step of the published (best) evaluation: even it is worse.
+    """
+    if before is None or after is None or round(after, LOSS_DIGITS) <= round(before, LOSS_DIGITS):
+        return None
+    which = "the adapter" if best_step is None else f"even the best evaluation's adapter (step {best_step})"
+    fix = "" if best_step is not None else ", or --eval-every N with --keep-best to publish the best evaluation"
+    return (
+        f"the held-out loss rose in training, {before:.4f} -> {after:.4f}: {which} scores the held-out records "
+        f"worse than the base did. Likely causes: a learning rate too high (--lr {learning_rate:g}), too many "
+        f"epochs (overfitting), or held-out records unlike the training data; try a lower --lr or fewer "
+        f"--epochs{fix}"
+    )

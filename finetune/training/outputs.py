@@ -793,6 +793,8 @@ def _guard_warnings(metrics: dict) -> list[str]:
         warnings.append(f"warning: the adapter did not change: {metrics['adapter_changed_why']}")
     if metrics.get("forward_warning"):
         warnings.append(f"warning: {metrics['forward_warning']}")
+    if metrics.get("held_out_warning"):
+        warnings.append(f"warning: {metrics['held_out_warning']}")
     return warnings
 
 

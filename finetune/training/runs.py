@@ -526,6 +526,8 @@ def guard_note(metrics: dict) -> str:
         found.append("the adapter did not change")
     if metrics.get("forward_warning"):
         found.append("held-out loss near ln(vocabulary) before training: a broken forward?")
+    if metrics.get("held_out_warning"):
+        found.append("held-out loss above the base's")
     return "; ".join(found)
 
 

@@ -358,6 +358,9 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "adapter_changed": unchanged is None,
         "adapter_changed_why": unchanged or "the LoRA B factors moved and the held-out loss changed",
         "forward_warning": _broken_forward(session, before),
+        "held_out_warning": guards.held_out_worse(
+            *losses, after["step"] if cfg.eval.keep_best and after else None, cfg.train.learning_rate
+        ),
         "packing": prepared.packed,
         "padding_fraction": prepared.padding["padding_fraction"],
         "padding_fraction_unpacked": prepared.padding["unpacked"],
