@@ -405,6 +405,17 @@ CASES = [
         "holds text records, which this run's template, dolly, cannot render",
         command="eval",
     ),
+    Case(  # the run's seq-len is fixed: a longer one is a retraining, named by its key
+        "eval-data-whose-prompts-fill-the-run-s-seq-len",
+        lambda w: [
+            "--run",
+            w.run_copy(),
+            "--data",
+            w.file("long.jsonl", json.dumps({"instruction": "word " * 200, "response": "ok"}) + "\n"),
+        ],  # fmt: skip
+        "fill the whole sequence of 64 tokens; use shorter records, or train with a longer model.seq_len",
+        command="eval",
+    ),
     Case(
         "eval-data-of-chat-records",
         lambda w: ["--run", w.run_copy(), "--data", w.file("c.jsonl", json.dumps(chat(0)) + "\n")],

@@ -128,11 +128,13 @@ def pad(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_fits(examples, dropped: list[int], source: str) -> None:
+def check_fits(examples, dropped: list[int], source: str, seq_len: int) -> None:
+    """Refuse records none of which leaves a token to score. A trained run's seq_len is fixed (`finetune eval`
+    reads it from the run): shorter records are the first fix, a run trained longer the other."""
     if not examples:
         raise UserError(
-            f"no usable records in {source}: all {len(dropped)} prompts fill the whole sequence; "
-            "raise --seq-len or use shorter records"
+            f"no usable records in {source}: all {len(dropped)} prompts fill the whole sequence of {seq_len} "
+            "tokens; use shorter records, or train with a longer --seq-len"
         )
 
 

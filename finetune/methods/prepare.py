@@ -96,7 +96,7 @@ def examples(records, template, tokenizer, seq_len: int, train_on_prompt: bool =
     template: templates.Template, or anything with its segments() (Pictured).
     """
     tokenized, dropped = batching.tokenize([template.segments(r) for r in records], tokenizer, seq_len, train_on_prompt)
-    batching.check_fits(tokenized, dropped, source)
+    batching.check_fits(tokenized, dropped, source, seq_len)
     if dropped:
         print(f"note: {len(dropped)} records skipped: their prompt fills all {seq_len} tokens")
     skipped = set(dropped)
