@@ -31,6 +31,23 @@ def test_finetune_data_reports_the_format_tokens_packing_and_a_marked_example(tm
     assert lines[-1] == "  1 plus 1 is« 2.<eos>»"
 
 
+def test_finetune_data_counts_a_classifier_s_labels_in_the_order_a_run_numbers_them(tmp_path):
+    """Records with a `label` are what --method classify trains on: its classes (whole numbers as numbers), each
+    one's records, and the records a classifier would refuse."""
+    labels = [10, 2, "x", 2, None, True, 2]
+    path = write(tmp_path / "l.jsonl", [{"text": f"record {i}", "label": label} for i, label in enumerate(labels)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert ("labels (for --method classify): 3 classes: 2: 3, 10: 1, x: 1; 2 records without a usable label "
+            "(text or a whole number)") in result.output.splitlines()  # fmt: skip
+    one = write(tmp_path / "one.jsonl", [{"text": f"record {i}", "label": "a"} for i in range(3)])
+    result = CliRunner().invoke(app, ["data", str(one), "--preset", "tiny"])
+    assert "1 class: a: 3; a classifier needs records of at least 2 labels" in result.output
+    plain = CliRunner().invoke(app, ["data", str(write(tmp_path / "t.jsonl", [text(i) for i in range(3)])),
+                                     "--preset", "tiny"])  # fmt: skip
+    assert "labels" not in plain.output
+
+
 def test_finetune_data_reports_prompts_as_grpo_takes_them(tmp_path):
     """Prompts alone: no loss, packing or skipped records to report (it reported SFT's); their tokens and one."""
     path = write(tmp_path / "p.jsonl", [{"prompt": f"Tell me about {i}.", "answer": str(i)} for i in range(7)])

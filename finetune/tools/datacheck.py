@@ -47,10 +47,31 @@ def report(path: str, preset: str, template: str, seq_len: int, example: int = 1
     lines += images.summary(records)
     counted, cut_note = _tokens(items, preset, seq_len, train_on_prompt, example - 1,
                                 pictured=any(r.images for r in records))  # fmt: skip
-    lines += counted
+    lines += counted + _labels(records)
     lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
     lines += ["  " + line for line in render(items[example - 1], train_on_prompt).split("\n")]
     return lines + ([cut_note] if cut_note else [])
+
+
+def _labels(records) -> list[str]:
+    """What a classifier (--method classify) would train on, where records carry a `label`: its classes, in the
+    order a run numbers them, with each one's records; and the records a classifier would refuse."""
+    from finetune.methods import classify
+
+    given = [r.columns.get("label") for r in records]
+    usable = [str(v) for v in given if isinstance(v, (str, int)) and not isinstance(v, bool) and v != ""]
+    if not usable:
+        return []
+    counts: dict = {}
+    for label in usable:
+        counts[label] = counts.get(label, 0) + 1
+    shown = ", ".join(f"{name}: {counts[name]:,}" for name in sorted(counts, key=classify._order))
+    line = f"labels (for --method classify): {len(counts)} class{'es' * (len(counts) != 1)}: {shown}"
+    if len(usable) < len(records):
+        line += f"; {len(records) - len(usable):,} records without a usable label (text or a whole number)"
+    if len(counts) < 2:
+        line += "; a classifier needs records of at least 2 labels"
+    return [line]
 
 
 def render(segments, train_on_prompt: bool = False) -> str:
