@@ -144,3 +144,13 @@ def test_grouped_batches_of_padded_rows_carry_less_padding(tokenizer):
 
     (plain, tokens), (grouped, same) = positions(False), positions(True)
     assert same == tokens and grouped - tokens < 0.5 * (plain - tokens)  # the padding halved, at least
+
+
+def test_a_compiled_step_takes_few_lengths_on_every_backend():
+    """Each length is a compiled program under XLA and under torch.compile (--compile): eighths of seq_len there;
+    an eager PyTorch step and TensorFlow's dynamic graph on a CPU follow the rows to within 16 positions."""
+    assert batching.length_step("jax", 512) == 64
+    assert batching.length_step("torch", 512) == batching.length_step("tensorflow", 512) == 16
+    assert batching.length_step("torch", 512, compiled=True) == batching.length_step("tensorflow", 512, compiled=True)
+    assert batching.length_step("torch", 512, compiled=True) == 64
+    assert batching.length_step("tensorflow", 512, "gpu") == 64

@@ -2,6 +2,8 @@
 torch.compile) trains what the eager step trains: the same losses in float32 on a CPU, one graph a block. JAX's
 step is always compiled (XLA); TensorFlow's lever is Keras' jit_compile."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -83,3 +85,16 @@ def test_a_run_with_compile_trains_what_the_eager_run_does_and_says_what_it_comp
         dropped = train(tmp_path / "dropout", *flags, "--compile", "--lora-dropout", "0.1")
         row = next(line for line in dropped.output.splitlines() if line.startswith("compile "))
         assert row.split()[1] == "False" and "LoRA dropout draws its masks on the host" in row, row
+        # Unpacked rows are cut to eighths of --seq-len, each length compiled once: the same losses as eager's.
+        unpacked = [*flags, "--packing", "off", "--seq-len", "256"]
+        rows = [
+            train(tmp_path / name, *unpacked, *extra)
+            for name, extra in (("u-eager", ()), ("u-compiled", ("--compile",)))
+        ]
+        row = next(line for line in rows[1].output.splitlines() if line.startswith("compile "))
+        assert "unpacked rows are cut to eighths of --seq-len" in row, row
+        losses = [[float(loss) for loss in train_losses(tmp_path / name)] for name in ("u-compiled", "u-eager")]
+        np.testing.assert_allclose(*losses, rtol=1e-5)
+        shares = [json.loads((tmp_path / name / "metrics.json").read_text())["padding_computed"]
+                  for name in ("u-compiled", "u-eager")]  # fmt: skip
+        assert shares[0] > shares[1], shares  # longer rows: the positions of fewer lengths

@@ -223,20 +223,22 @@ def example_positions(segment_ids: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
-def length_step(backend: str, seq_len: int, device: str = "cpu") -> int:
+def length_step(backend: str, seq_len: int, device: str = "cpu", compiled: bool = False) -> int:
     """How finely a batch's length is cut to its longest row: each length is a compiled shape.
 
-    XLA compiles a program per shape (JAX everywhere, TensorFlow on an accelerator), so
-    there the lengths are few (eighths of seq_len); TensorFlow on a CPU traces one graph
-    with a dynamic length (objective.TrainingView) and PyTorch runs eagerly, so theirs
-    follow the rows to within 16 positions.
+    XLA compiles a program per shape (JAX everywhere, TensorFlow on an accelerator or with --compile), and so does
+    torch.compile (PyTorch with --compile), so there the lengths are few (eighths of seq_len); TensorFlow on a CPU
+    traces one graph with a dynamic length (objective.TrainingView) and PyTorch runs eagerly, so theirs follow the
+    rows to within 16 positions.
+
+    compiled: bool. The run compiles its step further (--compile, builder.compile_step).
     """
-    return max(16, seq_len // 8) if compiles_per_length(backend, device) else 16
+    return max(16, seq_len // 8) if compiles_per_length(backend, device, compiled) else 16
 
 
-def compiles_per_length(backend: str, device: str = "cpu") -> bool:
+def compiles_per_length(backend: str, device: str = "cpu", compiled: bool = False) -> bool:
     """Whether each new batch length compiles a new program (see length_step)."""
-    return backend == "jax" or (backend == "tensorflow" and device != "cpu")
+    return backend == "jax" or compiled or (backend == "tensorflow" and device != "cpu")
 
 
 def batch_length(lengths: np.ndarray, step: int, seq_len: int) -> int:

@@ -150,7 +150,8 @@ def compile_step(model: Model, packed: bool = True) -> tuple[bool, str]:
     (lean_torch.compile_blocks); TensorFlow: XLA, read when the first step makes the train function; JAX: its step
     is compiled by XLA already.
 
-    packed: the rows are packed, so of one length; unpacked rows come in many, each a graph of its own."""
+    packed: the rows are packed, so of one length; unpacked rows are cut to eighths of seq_len, as under XLA
+    (batching.length_step with compiled), each a graph of its own."""
     name = keras.config.backend()
     if name == "jax":
         return False, "JAX compiles every step already (XLA)"
@@ -164,8 +165,8 @@ def compile_step(model: Model, packed: bool = True) -> tuple[bool, str]:
     blocks = lean_torch.compile_blocks(model.lm.backbone)
     if not blocks:
         return False, f"the {total} decoder blocks stay eager: remat and Gemma 3n's blocks take no compiled pass"
-    lengths = "" if packed else ("; unpacked rows come in many lengths, each compiled apart until torch's limit "
-                                 "sends the rest eagerly: packed rows (one length) suit it")  # fmt: skip
+    lengths = "" if packed else ("; unpacked rows are cut to eighths of --seq-len, each length compiled once: packed "
+                                 "rows (one length) pad less")  # fmt: skip
     return True, f"torch.compile of {blocks} of {total} decoder blocks{lengths}"
 
 

@@ -213,9 +213,10 @@ def compile_blocks(backbone) -> int:
         return 0
     keras_compat.prepare_direct_calls(backbone._flatten_layers(include_self=True))
     config = torch._dynamo.config
-    # one trace per block, per grad mode (training, evaluation) and per row shape, where torch's default keeps 8
-    config.recompile_limit = max(config.recompile_limit, 8 * len(blocks))
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 32 * len(blocks))
+    # one trace per block, per grad mode (training, evaluation) and per row shape (up to 8 lengths, eighths of
+    # seq_len: batching.length_step, and the last batches' rows), where torch's default keeps 8 in all
+    config.recompile_limit = max(config.recompile_limit, 32 * len(blocks))
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * len(blocks))
     for block in blocks:
         if type(block) in lean:
             block.__dict__["compiled_pass"] = True  # keras' __setattr__ would track it

@@ -813,7 +813,8 @@ def _train_finetune(spec: Spec, model) -> dict:
     rows = prepare.rows(examples, w.seq_len, packed=spec.lever not in UNPACKED)
     if len(rows["token_ids"]) < w.batch_size:
         raise UserError(f"the data fills {len(rows['token_ids'])} rows, fewer than one batch of {w.batch_size}")
-    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator(),
+                                                          compiled=spec.lever == "compile"),
                          inputs=builder.input_names(model.lm), grouped=spec.lever == "grouped")  # fmt: skip
     order = batching.TrainOrder(rows, w.batch_size, seed=0, feed=feed)
     compiles = _compiles_per_length(spec)  # else every length is timed
@@ -878,7 +879,8 @@ def _train_pairs(spec: Spec, model, method, objective) -> dict:
     arrays = pair_batches.pad(bench_pairs(w, model.tokenizer), w.seq_len)
     if len(arrays) < w.batch_size:
         raise UserError(f"the data makes {len(arrays)} pairs, fewer than one batch of {w.batch_size}")
-    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator()),
+    feed = batching.Feed(length_step=batching.length_step(spec.backend, w.seq_len, backend.accelerator(),
+                                                          compiled=spec.lever == "compile"),
                          inputs=builder.input_names(model.lm), grouped=spec.lever == "grouped")  # fmt: skip
     if spec.lever in UNPACKED:
         order = pair_batches.PairOrder(arrays, w.batch_size, 0, feed)

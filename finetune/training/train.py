@@ -163,7 +163,7 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
         settled["compile"] = resolve.Decision(*builder.compile_step(model, packing.value))
     if cfg.train.batch_size == "auto":
         settled["batch_size"] = resolve.Decision(prepared.batch_size, prepared.batch_size_why)
-    step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device)
+    step = batching.length_step(cfg.backend, cfg.model.seq_len, decided.device, compiled=cfg.train.compile)
     grouped = cfg.train.group_by_length and not packing.value
     if cfg.train.group_by_length and packing.value:
         print("note: --group-by-length leaves packed rows as they are (each near --seq-len); pass --packing off "
@@ -207,7 +207,8 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
         print("note: no sample generations in a multi-process job; run `finetune generate` on the adapter")
         samples = []
     # Keras feeds evaluate() on TensorFlow through a tf.data signature read off its first batches: one length.
-    step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, run.device)
+    step = None if cfg.backend == "tensorflow" else batching.length_step(cfg.backend, cfg.model.seq_len, run.device,
+                                                                         compiled=cfg.train.compile)  # fmt: skip
     feed = batching.Feed(run.part, step, builder.input_names(model.lm))
     rows = prepared.held_out_rows
     scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
