@@ -341,7 +341,7 @@ class ModelConfig:
 
     def conflicts(self, cfg: Config) -> Iterator[str]:
         """An int8 base in float16 (keras refuses it); what --full rules out: a quantized or 16-bit stored base,
-        LoRA's settings, new tokens, model parallelism."""
+        LoRA's settings, model parallelism."""
         if self.quantize == "int8" and self.precision == "float16":
             yield ("--quantize int8 with --precision float16 is not supported: keras' int8 layers do not compute in "
                    "float16; pass --precision bfloat16, float32 or auto (which picks float32 for an int8 base where "
@@ -368,11 +368,6 @@ class ModelConfig:
                     f"--full trains every weight, so {flag} ({item.key}: {getattr(cfg.lora, name)!r}) is a LoRA "
                     f"setting it cannot take; drop {item.key} (from the recipe or the command), or drop --full"
                 )
-        if self.add_tokens:
-            yield (
-                "--full with --add-tokens is not supported yet: new tokens' rows train beside LoRA; drop --full to "
-                "train them with LoRA, or drop --add-tokens"
-            )
         if cfg.distribution.parallel == "model":
             yield (
                 "--full with --parallel model is not supported yet: only LoRA runs are built and tested sharded over "

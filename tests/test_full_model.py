@@ -209,7 +209,6 @@ def test_weights_of_another_run_are_refused_before_they_load(tiny, tmp_path):
         (["--lora-dropout", "0.1"], "--lora-dropout (lora.dropout: 0.1)"),
         (["--target", "query"], "--target (lora.targets: ['query'])"),
         (["--parallel", "model", "--mesh", "1x2"], "--full with --parallel model is not supported"),
-        (["--add-tokens", "<tool>"], "--full with --add-tokens is not supported yet"),
     ],
 )
 def test_what_full_cannot_go_with_is_refused_and_nothing_is_written(extra, said, tmp_path):

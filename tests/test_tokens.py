@@ -104,6 +104,35 @@ def test_only_the_new_rows_train(runs, base, tmp_path):
     assert logits.shape[-1] == 813
 
 
+def test_a_full_run_trains_its_new_rows_and_exports_them_merged(tmp_path):
+    """--full with --add-tokens: every weight trains, the new rows too (kept beside the model, as a LoRA run keeps
+    them beside its adapter); eval, generate and the merged export carry them, the export with the run's logits."""
+    import keras
+    import keras_hub
+
+    data = write_jsonl(tmp_path / "tools.jsonl", records())
+    run = train(tmp_path / "full", data, "--full", "--add-tokens", ",".join(NEW), "--lr", "2e-2")
+    described = json.loads((run / "model.json").read_text())
+    assert described["added_tokens"] == {"tokens": NEW, "ids": [811, 812], "vocabulary": 813}
+    (state,) = run.glob("checkpoints/*/state.json")
+    paths = json.loads(state.read_text())["trainable_paths"]
+    assert any(p.endswith("added_token_rows") for p in paths) and any(p.endswith("/embeddings") for p in paths)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert finetune.evaluate(run)["loss"] == pytest.approx(metrics["eval_loss"], abs=1e-5)
+    lm = finetune.load(run)
+    rows = np.load(run / "adapter.tokens.npy")
+    out = finetune.export(run, "merged", tmp_path / "merged")
+    merged = keras_hub.models.CausalLM.from_preset(str(out))
+    matrix = np.asarray(merged.backbone.token_embedding.embeddings.numpy())
+    assert matrix.shape == (813, rows.shape[1])
+    np.testing.assert_array_equal(matrix[TINY_VOCABULARY:], rows)
+    ids = np.asarray(lm.preprocessor.tokenizer.tokenize("Call tool 3 <tool> 3 <sym>"))[None]
+    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(merged(inputs)), keras.ops.convert_to_numpy(lm(inputs)),
+                               atol=1e-5)  # fmt: skip
+    assert "<tool>" in finetune.generate(run, ["Call tool 3"], max_new_tokens=6)[0]
+
+
 def test_a_new_token_is_one_id_in_training_eval_and_generate(runs):
     run, _ = runs
     lm = finetune.load(run)

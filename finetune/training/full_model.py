@@ -28,9 +28,13 @@ _FIX = "retrain the run, or copy model.weights.h5 and model.json back together f
 
 def saved_weights(backbone) -> list[tuple[str, object]]:
     """(name, variable) of each weight the file keeps: the backbone's, without its random seeds' states (NEFTune,
-    dropout), which a built model makes anew."""
+    dropout), which a built model makes anew, and without --add-tokens' rows, which adapter.tokens.npy keeps as a
+    LoRA run's (the file then fits the base as it loads, and an export merges the rows as a LoRA run's)."""
+    from finetune.model import tokens
+
     paths = families.weight_paths(backbone)
-    return [(paths[id(w)], w) for w in backbone.weights if not w.path.endswith("seed_generator_state")]
+    return [(paths[id(w)], w) for w in backbone.weights
+            if not w.path.endswith("seed_generator_state") and not tokens.is_rows(w)]  # fmt: skip
 
 
 def describe(backbone, run, version: str, digest: str) -> dict:
@@ -38,8 +42,12 @@ def describe(backbone, run, version: str, digest: str) -> dict:
 
     run: resolve.Resolved. The run that trained it: its preset, template and precision are recorded.
     """
+    from finetune.model import tokens
+
     cfg = run.config
+    added = tokens.added_of(backbone)
     return {
+        **({"added_tokens": added.describe()} if added else {}),  # as adapter.json: the tokens' ids (runs.py)
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "preset": {"name": cfg.model.preset, "family": run.source.family, "fingerprint": adapter.fingerprint(backbone)},

@@ -169,12 +169,13 @@ def load_model(run: Run):
         if resolved.method.scores_base(run.config.train):  # `finetune eval` of a DPO run scores its reference
             builder.keep_base(model.lm)
         full_model.load(model.lm.backbone, run.directory, run.adapter)
-        return model.lm, model.preprocessor
-    # Checked before anything is assigned (keras-hub's load_lora_weights checks nothing), then assigned whole:
-    # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
-    adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))
+    else:
+        # Checked before anything is assigned (keras-hub's load_lora_weights checks nothing), then assigned whole:
+        # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
+        adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))
     if model.added is not None:  # --add-tokens: the tokenizer placed them where the run did, and their rows
-        tokens.check_place(model.added, run.adapter.get("added_tokens"), str(run.directory / outputs.ADAPTER_JSON))
+        described = run.directory / (outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON)
+        tokens.check_place(model.added, run.adapter.get("added_tokens"), str(described))
         tokens.assign_rows(model.lm.backbone, token_rows(run))
     return model.lm, model.preprocessor
 
@@ -182,8 +183,9 @@ def load_model(run: Run):
 def token_rows(run: Run):
     """The new tokens' rows of a run trained with --add-tokens (outputs.TOKEN_ROWS, checked)."""
     if "added_tokens" not in run.adapter:
-        raise UserError(f"{run.shown}/{outputs.ADAPTER_JSON} names no added tokens, config.yaml does; "
-                        "copy adapter.json back from the run")  # fmt: skip
+        described = outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON
+        raise UserError(f"{run.shown}/{described} names no added tokens, config.yaml does; "
+                        f"copy {described} back from the run")  # fmt: skip
     return adapter.read_token_rows(run.directory / outputs.TOKEN_ROWS, run.adapter)
 
 
