@@ -24,7 +24,16 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import BACKEND, REPO, adapter_arrays, invoke, killed_after, make_records, write_jsonl
+from conftest import (
+    BACKEND,
+    REPO,
+    adapter_arrays,
+    invoke,
+    killed_after,
+    make_records,
+    tensorboard_scalars,
+    write_jsonl,
+)
 from test_grpo import story_prompts
 from test_preference_runs import learnable_pairs
 
@@ -93,6 +102,24 @@ def plain(plain_runs):
 
 
 @neutral
+@neutral  # the trackers' writers are Python; each method's metrics: its own tests on every backend
+@pytest.mark.parametrize("method", METHODS)
+def test_the_trackers_log_every_metric_history_csv_has(method, plain_runs):
+    """A tracker is written once for every method: each step's and each evaluation's numbers in history.csv (a
+    preference step's rewards, GRPO's rollouts', a classifier's macro F1) are in the TensorBoard log too, as MLflow
+    and W&B are given them (callbacks.step_scalars, held_out_scalars)."""
+    out = plain_runs[method]
+    with (out / "history.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    train = {name for r in rows if r["train_loss"] for name, value in r.items() if value} - {"step", "epoch"}
+    held_out = {name for r in rows if r["eval_loss"] for name, value in r.items() if value} - {"step", "epoch"}
+    board = tensorboard_scalars(out / "tensorboard" / "train")
+    assert {"loss" if name == "train_loss" else name for name in train} <= set(board), (train, set(board))
+    board = tensorboard_scalars(out / "tensorboard" / "eval")
+    assert {name.removeprefix("eval_") for name in held_out} <= set(board), (held_out, set(board))
+    assert len(held_out) >= 2 and len(train) >= 3
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_grad_accum_equals_the_whole_batch(method, data, plain, tmp_path):
     result = run(method, data, tmp_path / "run", "--batch-size", "2", "--grad-accum", "2", "--remat", "off",

@@ -16,6 +16,24 @@ import numpy as np
 from finetune.training import events
 
 
+def step_scalars(logs: dict) -> dict:
+    """What every tracker logs of a step: its loss, the learning rate and gradient norm it applied, and the
+    method's own metrics (a preference step's rewards and log-probabilities, GRPO's rewards and completion lengths),
+    the columns history.csv has; each a finite number. The step's tokens and seconds are its speed, not a metric."""
+    return {name: float(value) for name, value in logs.items() if name not in ("tokens", "seconds") and _scalar(value)}
+
+
+def held_out_scalars(logs: dict) -> dict:
+    """What every tracker logs of an evaluation: the held-out loss and every metric the method scores beside it
+    (perplexity and accuracy; a preference method's reward accuracy and margin, a classifier's macro F1, GRPO's
+    reward), each a finite number."""
+    return {name: float(value) for name, value in logs.items() if name not in ("step", "examples") and _scalar(value)}
+
+
+def _scalar(value) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
 class TensorBoardLog(keras.callbacks.Callback):
     """Scalars for TensorBoard: per step the train loss, learning rate and tokens/s; per evaluation the held-out loss.
 
@@ -46,20 +64,16 @@ class TensorBoardLog(keras.callbacks.Callback):
         """batch: int. The run's step just taken; logs: loss, tokens and seconds of that step, and the learning
         rate and gradient norm it applied (optimizer.step_record) where the optimizer reports them."""
         self._step = batch
-        learning_rate = logs.get("learning_rate")
-        if learning_rate is None:  # by now the optimizer's rate is the next step's: the best there is
-            learning_rate = float(np.asarray(keras.ops.convert_to_numpy(self.optimizer.learning_rate)))
-        scalars = {"loss": logs["loss"], "learning_rate": learning_rate}
-        if logs.get("grad_norm") is not None:
-            scalars["grad_norm"] = logs["grad_norm"]
+        scalars = step_scalars(logs)
+        if scalars.get("learning_rate") is None:  # by now the optimizer's rate is the next step's: the best there is
+            scalars["learning_rate"] = float(np.asarray(keras.ops.convert_to_numpy(self.optimizer.learning_rate)))
         if logs.get("seconds"):
             scalars["tokens_per_second"] = logs["tokens"] / logs["seconds"]
         self._files["train"].scalars(batch, scalars)
 
     def on_test_end(self, logs=None):
-        """logs: the held-out metrics (loss, accuracy, perplexity); `step` when not the last step trained."""
-        names = ("loss", "accuracy", "perplexity")
-        self._files["eval"].scalars(logs.get("step", self._step), {k: logs[k] for k in names if k in logs})
+        """logs: the held-out metrics (held_out_scalars); `step` when not the last step trained."""
+        self._files["eval"].scalars(logs.get("step", self._step), held_out_scalars(logs))
 
     def on_train_end(self, logs=None):
         for file in self._files.values():

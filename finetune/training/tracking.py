@@ -199,14 +199,13 @@ class MLflowLog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        for name, value in _step_scalars(logs).items():
+        for name, value in callbacks.step_scalars(logs).items():
             self.client.log_metric(self.run_id, f"train_{name}", value, step=batch)
 
     def on_test_end(self, logs=None):
         step = logs.get("step", self._step)
-        for key in ("loss", "accuracy", "perplexity"):
-            if key in logs:
-                self.client.log_metric(self.run_id, f"eval_{key}", logs[key], step=step)
+        for name, value in callbacks.held_out_scalars(logs).items():
+            self.client.log_metric(self.run_id, f"eval_{name}", value, step=step)
 
     def published(self, metrics: dict, adapter: Path) -> None:
         from mlflow.entities import Metric
@@ -268,11 +267,11 @@ class WandbLog(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step = batch
-        self.run.log({f"train/{name}": value for name, value in _step_scalars(logs).items()}, step=batch)
+        self.run.log({f"train/{name}": value for name, value in callbacks.step_scalars(logs).items()}, step=batch)
 
     def on_test_end(self, logs=None):
-        names = ("loss", "accuracy", "perplexity")
-        self.run.log({f"eval/{k}": logs[k] for k in names if k in logs}, step=logs.get("step", self._step))
+        scalars = callbacks.held_out_scalars(logs)
+        self.run.log({f"eval/{name}": value for name, value in scalars.items()}, step=logs.get("step", self._step))
 
     def published(self, metrics: dict, adapter: Path) -> None:
         self.run.summary.update(_numbers(metrics))
@@ -291,8 +290,3 @@ class WandbLog(keras.callbacks.Callback):
 
     def __exit__(self, kind, error, trace) -> None:
         self._end(1 if kind is not None else 0)
-
-
-def _step_scalars(logs: dict) -> dict:
-    """A step's loss, and the learning rate and gradient norm it applied where the loop knows them."""
-    return {name: logs[name] for name in ("loss", "learning_rate", "grad_norm") if logs.get(name) is not None}
