@@ -277,6 +277,14 @@ def test_gemma3_has_no_tool_turns_and_says_so():
 
 
 @pytest.mark.one_backend
+def test_calls_of_any_tool_are_read_where_the_record_declares_none():
+    """Without `tools` a record declares nothing to check a call's name against (some datasets keep no schemas)."""
+    obj = copy.deepcopy(TOOL_CHAT)
+    del obj["tools"]
+    obj["messages"][7]["tool_calls"][0]["function"]["name"] = "get_wether"
+    assert read(obj)[0].messages[7]["tool_calls"][0]["function"]["name"] == "get_wether"
+
+
 def test_tool_call_arguments_written_as_json_text_are_read_as_objects():
     obj = copy.deepcopy(TOOL_CHAT)
     obj["messages"][7]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Oslo", "days": 1})
@@ -294,6 +302,12 @@ def test_tool_call_arguments_written_as_json_text_are_read_as_objects():
         (lambda m: m.pop(2), "message 3 is a tool's answer with no assistant tool_calls before it"),
         (lambda m: m[1].update(role="robot"), "message 2 has role 'robot'"),
         (lambda m: m.pop(), "the last message must be the assistant's"),
+        (
+            lambda m: m[7]["tool_calls"][0]["function"].update(name="get_wether"),
+            "message 8 calls 'get_wether', which the record's tools do not declare \\(get_weather, get_time\\)",
+        ),
+        (lambda m: m.pop(8), "message 9 is the assistant's, but the assistant's tool_calls before it have no answer"),
+        (lambda m: m.insert(3, {"role": "user", "content": "Well?"}), "message 4 is the user's, but the assistant's"),
     ],
 )
 def test_malformed_tool_chats_name_the_record_and_message(change, message):

@@ -923,7 +923,11 @@ def _tool_chat_record(obj: dict, where: str) -> Record:
             raise UserError(f"{where}: message {number} should be the user's: a conversation opens with the user")
         if role == "tool" and previous not in ("tool", "called"):
             raise UserError(f"{where}: message {number} is a tool's answer with no assistant tool_calls before it")
+        if previous == "called" and role != "tool":
+            raise UserError(f"{where}: message {number} is the {role}'s, but the assistant's tool_calls before it "
+                            "have no answer: put each call's `tool` message after them")  # fmt: skip
         kept.append(_tool_message(message, role, number, where))
+        _check_called(kept[-1], tools, number, where)
         previous = "called" if role == "assistant" and "tool_calls" in kept[-1] else role
     if kept[-1]["role"] != "assistant":
         raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
@@ -931,6 +935,17 @@ def _tool_chat_record(obj: dict, where: str) -> Record:
     first = next((text for role, text in said if role == "user"), "")
     last = next((text for role, text in reversed(said) if role == "assistant"), "")
     return Record(instruction=first, response=last, turns=tuple(said), messages=tuple(kept), tools=tools)
+
+
+def _check_called(message: dict, tools: tuple, number: int, where: str) -> None:
+    """Refuse a call of a tool the record's `tools` do not declare, where it declares any: the model would learn
+    to call a function its prompt never shows."""
+    declared = [tool["function"]["name"] for tool in tools]
+    for call in message.get("tool_calls", ()) if declared else ():
+        name = call["function"]["name"]
+        if name not in declared:
+            raise UserError(f"{where}: message {number} calls {name!r}, which the record's tools do not declare "
+                            f"({', '.join(declared)}); fix the name, or add its schema to `tools`")  # fmt: skip
 
 
 def _tool_message(message: dict, role: str, number: int, where: str) -> dict:
