@@ -291,7 +291,7 @@ def _prompt(name: str) -> dict:
 @pytest.mark.parametrize(
     "method, record, expected",
     [
-        ("grpo", _prompt, "does not train on pictures or audio yet"),
+        ("grpo", _prompt, "--method grpo does not train on audio yet"),
     ],
 )
 def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, record, expected, tmp_path):

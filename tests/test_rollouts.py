@@ -168,3 +168,45 @@ def test_left_padded_prompts_sample_what_each_prompt_alone_samples(preset):
         (own,), _ = alone.complete(ids[row : row + 1, :length], lengths[row : row + 1], seed=1)
         assert together[row] == own, (row, together[row], own)
         assert len(own) >= 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3-vision", "tiny-gemma4-vision"])
+def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp_path):
+    """GRPO's prompts with pictures: each prompt's soft tokens move with it to the right of its row, and a batch
+    of prompts of unlike lengths samples (greedily) what each prompt samples alone with its picture, laid out as
+    keras-hub lays one out; a blank picture samples something else, so the pictures reach the decoder."""
+    from conftest import float32_policy
+    from test_images import square, write_lines
+
+    from finetune.data import formats, templates
+    from finetune.methods import prepare
+    from finetune.model import builder, presets
+
+    texts = ["<image>What colour?", "Tell me, in a few words and with care, what colour <image> this is.",
+             "Say it: <image>"]  # fmt: skip
+    colours = ["red", "green", "blue"]
+    lines = [{"prompt": text, "images": [square(tmp_path / f"{i}.png", colour)], "answer": colour}
+             for i, (text, colour) in enumerate(zip(texts, colours))]  # fmt: skip
+    records, _ = formats.read(str(write_lines(tmp_path / "prompts.jsonl", lines)))
+    with float32_policy():
+        lm, preprocessor = builder.build(presets.resolve(preset), seq_len=256, images=True)
+    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
+    media = prepare.Media.of(records, preprocessor, preset, "prompts.jsonl")
+    prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
+                                  greedy, 256, media=media)  # fmt: skip
+    assert len(set(prompts.lengths)) == 3 and set(prompts.media) >= {"vision_indices"}
+    rows = np.arange(3)
+    batch = rollouts.Sampler(lm, greedy)
+    assert batch.left
+    together, _ = batch.complete(prompts.ids, prompts.lengths, 1, prompts.media_of(rows))
+    alone = rollouts.Sampler(lm, greedy)
+    alone.left = False
+    for row, length in enumerate(prompts.lengths):
+        own_rows = rows[row : row + 1]
+        (own,), _ = alone.complete(prompts.ids[own_rows, :length], prompts.lengths[own_rows], 1,
+                                   prompts.media_of(own_rows))  # fmt: skip
+        assert together[row] == own, (row, together[row], own)
+    pixels = "images" if "images" in prompts.media else "pixel_values"
+    blank = {**prompts.media_of(rows), pixels: np.zeros_like(prompts.media[pixels])}
+    unseen, _ = batch.complete(prompts.ids, prompts.lengths, 1, blank)
+    assert unseen != together

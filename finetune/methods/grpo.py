@@ -96,16 +96,15 @@ class GRPO(Method):
 
     def prepare(self, records, preprocessor, cfg, *, packed=None, probe=None, every_record_of=None):
         """records -> the template's prompt -> ids -> split. The batch size counts prompts."""
-        if any(r.images or r.audios for r in records):
-            raise UserError("--method grpo does not train on pictures or audio yet; give prompts without them")
         template = templates.get(cfg.data.template)
         tokenizer = prepare.tokenizer_of(preprocessor)
+        media = _media(records, preprocessor, cfg, cfg.data.path)
         usable = [(record, None) for record in records]
         train, held_out = prepare.split(usable, cfg, every_record_of)
         sampling = self.sampling(cfg, template, tokenizer)
-        rows = rollouts.prompts_of(train, template, tokenizer, sampling, cfg.model.seq_len)
+        rows = rollouts.prompts_of(train, template, tokenizer, sampling, cfg.model.seq_len, media=media)
         held_out_rows = rollouts.prompts_of(held_out, template, tokenizer, sampling, cfg.model.seq_len,
-                                            rows.ids.shape[1] if train else None)  # fmt: skip
+                                            rows.ids.shape[1] if train else None, media)  # fmt: skip
         prepared = prepare.Prepared(template, train, held_out, cfg.train.batch_size, held_out_rows, packed=False)
         if packed is not None:
             if not train:
@@ -128,8 +127,9 @@ class GRPO(Method):
         sampling = self.sampling(cfg, prepared.template, tokenizer)
         prepared.held_out = pairs
         width = prepared.rows.ids.shape[1] if prepared.rows is not None else None
+        media = _media(records, preprocessor, cfg, cfg.eval.data or cfg.data.path)
         prepared.held_out_rows = rollouts.prompts_of(pairs, prepared.template, tokenizer, sampling, cfg.model.seq_len,
-                                                     width)  # fmt: skip
+                                                     width, media)  # fmt: skip
         return prepared
 
     def order(self, prepared, cfg, feed, model=None):
@@ -202,3 +202,20 @@ class GRPO(Method):
 
 
 GRPO_METHOD = GRPO()
+
+
+def _media(records, preprocessor, cfg, source: str):
+    """The prompts' pictures (prepare.Media), refused where the preset has no vision encoder; None for text.
+    Audio is not sampled from yet."""
+    if any(r.audios for r in records):
+        raise UserError("--method grpo does not train on audio yet; give prompts without it (pictures it takes)")
+    if not any(r.images for r in records):
+        return None
+    from finetune.model import presets
+
+    if presets.family_of(cfg.model.preset) == "gemma3n":
+        # Its cached generation of a picture prompt beside a prompt of another length differed from the prompt's
+        # own (Gemma 3's and 4's are the same, tests/test_grpo.py): until that is understood, none is sampled.
+        raise UserError("--method grpo does not sample Gemma 3n's completions of prompts with pictures yet; use a "
+                        "Gemma 3 or 4 preset for them (tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up)")  # fmt: skip
+    return prepare.Media.of(records, preprocessor, cfg.model.preset, source)

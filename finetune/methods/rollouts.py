@@ -68,9 +68,16 @@ class Prompts:
     sampling: Sampling
     tokenizer: object
     conversational: bool = False
+    media: dict = field(default_factory=dict)
+    """Prompts with pictures: each row's picture inputs (images.model_inputs: the pictures' arrays and
+    `vision_indices`, the soft tokens' positions in the prompt), one array of N rows each; empty for text."""
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def media_of(self, rows: np.ndarray) -> dict:
+        """The picture inputs of `rows`."""
+        return {name: value[rows] for name, value in self.media.items()}
 
 
 def prompt_room(seq_len: int, max_completion_length: int) -> int:
@@ -83,11 +90,14 @@ def prompt_room(seq_len: int, max_completion_length: int) -> int:
     return room
 
 
-def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: int, width: int | None = None):
+def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: int, width: int | None = None,
+               media=None):  # fmt: skip
     """Prompts of (record, _) pairs: each prompt cut from its left to leave --max-completion-length in seq_len.
 
     width: the prompt width (P) to pad to; the longest prompt's when None (the held-out prompts take the
-        training prompts', so that both share the rollouts' compiled shape)."""
+        training prompts', so that both share the rollouts' compiled shape).
+    media: prepare.Media of prompts with pictures: each `<image>` written as the family's image tokens, and each
+        row's picture inputs kept (Prompts.media); a prompt with pictures is never cut, but refused where long."""
     room = prompt_room(seq_len, sampling.max_completion_length)
     records = [record for record, _ in pairs]
     turned = templates.read_as_text(template.name, records)
@@ -98,7 +108,16 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     for reward in sampling.rewards:
         reward.check_prompts(records)
     texts = [template.apply(record)[0] for record in records]
-    ids = [[batching.BOS, *row][-room:] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
+    if media is not None:
+        texts = [media.expanded(text, record) for text, record in zip(texts, records)]
+    ids = [[batching.BOS, *row] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
+    for record, row in zip(records, ids):
+        if len(row) > room and (record.images or record.audios):
+            raise UserError(f"{record.where or 'a prompt'}: with its pictures, the prompt takes {len(row)} tokens, "
+                            f"more than the {room} that --seq-len {seq_len} leaves beside --max-completion-length "
+                            f"{sampling.max_completion_length}, and cutting it could cut its image tokens; raise "
+                            "--seq-len or shorten the prompt")  # fmt: skip
+    ids = [row[-room:] for row in ids]
     cut = sum(len(row) == room for row in ids)
     if cut:  # the held-out prompts take the training prompts' width: given, they are the held-out ones
         which = "held-out " if width is not None else ""
@@ -114,7 +133,13 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     conversational = bool(records) and bool(records[0].turns)
     shown = [messages_of(r) if conversational else r.instruction for r in records]
     lengths = np.array([len(row) for row in ids], np.int64)
-    return Prompts(padded, lengths, shown, columns, sampling, tokenizer, conversational)
+    pictured = {}
+    if media is not None and records:
+        # Each prompt's picture inputs, as a training row's (its soft tokens' positions counted from its <bos>).
+        attached = [media.attached(batching.Example([*row, 0], [0.0] * (len(row) + 1)), record).inputs
+                    for row, record in zip(ids, records)]  # fmt: skip
+        pictured = {name: np.stack([inputs[name] for inputs in attached]) for name in attached[0]}
+    return Prompts(padded, lengths, shown, columns, sampling, tokenizer, conversational, pictured)
 
 
 def messages_of(record) -> list:
@@ -136,9 +161,10 @@ class Sampler:
     def __init__(self, lm, sampling: Sampling):
         import keras_hub
 
-        from finetune.model import attention
+        from finetune.model import attention, builder
 
         self.lm, self.sampling = lm, sampling
+        self.names = builder.input_names(lm)  # the model's inputs: a picture model's among them
         # Prompts laid out on the left of their rows where every decoder block takes the key mask (attention.py):
         # the loop then samples --max-completion-length steps whatever the prompts' lengths.
         self.left = attention.packs_exactly(lm.backbone)
@@ -151,22 +177,24 @@ class Sampler:
         self.top_p = own if same else keras_hub.samplers.TopPSampler(p=sampling.top_p, temperature=sampling.temperature,
                                                                      seed=sampling.seed)  # fmt: skip
 
-    def complete(self, ids: np.ndarray, lengths: np.ndarray, seed: int) -> tuple[list, np.ndarray]:
+    def complete(self, ids: np.ndarray, lengths: np.ndarray, seed: int, media: dict | None = None):
         """(each row's completion ids, whether each was cut at --max-completion-length), from prompt rows `ids`
         (right-padded, `lengths` long), sampled with the sampler's state set to `seed` (and on for each further
-        call of generate, calls())."""
+        call of generate, calls()); `media`: the rows' picture inputs (Prompts.media_of)."""
         import keras
 
+        media = media or {}
         completions, cut = [None] * len(ids), np.zeros(len(ids), bool)
         together = [np.arange(len(ids))] if self.left else None  # left-padded: one call samples the budget alone
         for index, rows in enumerate(together or calls(lengths, self.sampling.max_completion_length,
                                                        keras.config.backend())):  # fmt: skip
-            made, stopped = self._call(ids[rows], lengths[rows], seed + index)
+            pictured = {name: value[rows] for name, value in media.items()}
+            made, stopped = self._call(ids[rows], lengths[rows], seed + index, pictured)
             for row, completion, done in zip(rows, made, stopped):
                 completions[row], cut[row] = completion, done
         return completions, cut
 
-    def _call(self, ids: np.ndarray, lengths: np.ndarray, seed: int) -> tuple[list, np.ndarray]:
+    def _call(self, ids: np.ndarray, lengths: np.ndarray, seed: int, media: dict) -> tuple[list, np.ndarray]:
         import keras
 
         if self.lm.sampler is not self.top_p:
@@ -187,6 +215,8 @@ class Sampler:
             token_ids[:, :width] = ids[:, :width]
             inputs = {"token_ids": token_ids, "padding_mask": positions < lengths[:, None]}
             starts = lengths
+        if media:  # each prompt's soft tokens moved with it where it sits at the right of its row
+            inputs.update(generation_media(media, starts - lengths, width + limit, self.names))
         out = self.lm.generate(inputs, stop_token_ids=self.sampling.stop_ids)
         made, kept = (np.asarray(keras.ops.convert_to_numpy(out[k])) for k in ("token_ids", "padding_mask"))
         completions, cut = [], np.zeros(rows, bool)
@@ -195,6 +225,22 @@ class Sampler:
             completions.append([int(t) for t in span])
             cut[row] = not any(t in self.sampling.stop_ids for t in completions[-1])
         return completions, cut
+
+
+def generation_media(media: dict, offsets: np.ndarray, length: int, names) -> dict:
+    """The picture inputs of generate's rows: each row's soft tokens `offsets` positions on from where its prompt's
+    inputs counted them (its left padding), and their mask over the `length` positions, as batching.inputs feeds a
+    training row's (a model that places pictures in the batch's order gets them so)."""
+    from finetune.data import images
+
+    x = dict(media)
+    if "vision_indices" in x:
+        indices = x["vision_indices"]
+        x["vision_indices"] = np.where(indices > 0, indices + offsets[:, None], 0).astype(indices.dtype)
+        x["vision_mask"] = images.vision_mask(x["vision_indices"], length)
+        if "images" in names and "vision_indices" not in names:
+            x["images"] = images.in_batch_order(x["images"], x["vision_indices"])
+    return {name: value for name, value in x.items() if name in names}
 
 
 def prompt_width(lengths: np.ndarray, width: int, backend: str) -> int:
@@ -422,7 +468,7 @@ class RolloutOrder(batching.Order):
         rows = np.repeat(filled, g)
         micro_rows = self.batch_size * g
         completions, cut = self.sampler.complete(self.prompts.ids[rows], self.prompts.lengths[rows],
-                                                 self.seed * 1_000_003 + group)  # fmt: skip
+                                                 self.seed * 1_000_003 + group, self.prompts.media_of(rows))  # fmt: skip
         count = len(chosen) * g
         table = scored(self.prompts, chosen, completions[:count], step)
         weights = np.array([r.weight for r in sampling.rewards])
@@ -467,7 +513,9 @@ class RolloutOrder(batching.Order):
         examples = []
         for row, completion in zip(rows, completions):
             prompt = [int(t) for t in self.prompts.ids[row, : self.prompts.lengths[row]]]
-            examples.append(batching.Example(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+            media = {name: value[row] for name, value in self.prompts.media.items()}  # the prompt's, from its <bos>
+            examples.append(batching.Example(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion),
+                                             media))  # fmt: skip
         width = self.prompts.ids.shape[1] + self.prompts.sampling.max_completion_length
         arrays = batching.pad(examples, width - 1)
         # Cut to the micro-batch's longest row, rounded to the feed's step (a compiled shape each on XLA): the
@@ -542,7 +590,7 @@ def held_out_reward(sampler: Sampler, prompts: Prompts, after_batch=None) -> dic
         part = np.arange(start, min(start + rows, count))
         filled = np.concatenate([part, part[np.arange(rows - len(part)) % len(part)]])
         made, _ = sampler.complete(prompts.ids[filled], prompts.lengths[filled],
-                                   prompts.sampling.seed + EVAL_SEED + start)  # fmt: skip
+                                   prompts.sampling.seed + EVAL_SEED + start, prompts.media_of(filled))  # fmt: skip
         table = scored(prompts, part, made[: len(part)], None)
         total = np.nansum(table * weights[None, :], axis=1)
         totals.append(total)
