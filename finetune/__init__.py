@@ -76,6 +76,9 @@ def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> di
     from finetune.model import presets
     from finetune.platform import backend
 
+    if cfg is not None and not isinstance(cfg, (Config, dict)):
+        raise UserError(f"cfg must be a Config (finetune.load_config(...)) or a dict of settings, got "
+                        f"{type(cfg).__name__} {cfg!r:.60}; for a recipe, pass finetune.load_config({cfg!r:.40})")  # fmt: skip
     # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
     cfg = config.from_dict(cfg if isinstance(cfg, dict) else (cfg or Config()).to_dict())
     cfg = config.absolute_paths(cfg)  # config.yaml then names the same files from any directory

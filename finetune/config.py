@@ -967,7 +967,14 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The settings, nested as a recipe's. An attribute set by hand that is no setting (`cfg.lora.rnak = 8`)
+        is kept, so that from_dict refuses it by name where dataclasses.asdict dropped it silently."""
+        return _as_dict(self)
+
+
+def _as_dict(section) -> dict:
+    return {name: _as_dict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type)
+            else copy.deepcopy(value) for name, value in vars(section).items()}  # fmt: skip
 
 
 def load(
@@ -980,6 +987,12 @@ def load(
     base: dict. Settings that stand in for the defaults: a checkpoint's config
         when resuming, so `--resume` alone continues the run as it was.
     """
+    if recipe is not None and not isinstance(recipe, (str, os.PathLike)):
+        raise UserError(f"recipe must be a shipped recipe's name or a YAML file's path, got {type(recipe).__name__} "
+                        f"{recipe!r}")  # fmt: skip
+    if overrides is not None and not isinstance(overrides, dict):
+        raise UserError(f"overrides must be a dict of dotted keys to values, such as {{'lora.rank': 8}}, got "
+                        f"{type(overrides).__name__}")  # fmt: skip
     data: dict = copy.deepcopy(base) if base else {}
     settings = {}
     if recipe is not None:
@@ -1076,8 +1089,9 @@ def read_recipe(recipe: str | Path) -> dict:
         raise UserError(f"recipe {path} is nested too deeply to read; a recipe is a few levels of keys") from None
     except OSError as e:
         raise UserError(f"cannot read recipe {path} ({e.strerror or e})") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or comments alone: a recipe cut short or not written yet
+        raise UserError(f"recipe {path} holds no settings (it is empty, or comments alone); write keys such as "
+                        "`train:` and `lora:` in it, or leave --recipe out for the defaults")  # fmt: skip
     if not isinstance(data, dict):
         raise UserError(f"recipe {path} must be a mapping of keys such as `train:` and `lora:`")
     return data

@@ -89,6 +89,35 @@ def test_a_wrong_type_set_in_python_names_the_key():
         finetune.run(cfg)
 
 
+def test_a_setting_misspelt_on_a_config_by_hand_is_refused_by_name():
+    """`cfg.lora.rnak = 8` added an attribute that no setting reads: the run trained at rank 4, silently."""
+    cfg = finetune.Config()
+    cfg.lora.rnak = 8
+    with pytest.raises(UserError, match="unknown config key 'lora.rnak'; did you mean 'lora.rank'"):
+        finetune.run(cfg)
+
+
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        (lambda: finetune.load_config(42), "recipe must be a shipped recipe's name or a YAML file's path, got int"),
+        (lambda: finetune.load_config("tiny", ["lora.rank=4"]), "overrides must be a dict of dotted keys"),
+        (lambda: finetune.run("tiny"), r"cfg must be a Config .* pass finetune.load_config\('tiny'\)"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_in_words(call, said):
+    with pytest.raises(UserError, match=said):
+        call()
+
+
+def test_generate_refuses_a_budget_of_no_tokens(finished):
+    """max_new_tokens 0 or below returned part of the prompt as the answer; the CLI refused it already."""
+    out, _ = finished
+    for tokens in (0, -1):
+        with pytest.raises(UserError, match=f"^max_new_tokens must be at least 1, got {tokens}"):
+            finetune.generate(out, "Name a colour.", max_new_tokens=tokens)
+
+
 def test_a_dict_of_settings_is_a_config():
     with pytest.raises(UserError, match="unknown config key"):
         finetune.run({"lora": {"rnak": 4}})

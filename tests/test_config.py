@@ -190,6 +190,8 @@ def test_bare_on_and_off_reach_word_settings_as_words(tmp_path):
         (b"a: !!python/object:os.system x\n", "r.yaml:1 is not valid YAML: could not determine a constructor"),
         (b"lora:\n  rank: 4\n  alpha: 8\n  rank: 16\n", "r.yaml:4 is not valid YAML: key 'rank' is given twice"),
         (b"lora:\n  rank: 4\ntrain: {}\nlora:\n  alpha: 8\n", "r.yaml:4 is not valid YAML: key 'lora' is given twice"),
+        (b"", "r.yaml holds no settings (it is empty, or comments alone)"),  # a recipe cut short: not the defaults
+        (b"# lora:\n#   rank: 8\n", "r.yaml holds no settings (it is empty, or comments alone)"),
     ],
 )
 def test_a_broken_recipe_names_its_file_and_line(tmp_path, body, message):

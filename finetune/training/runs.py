@@ -358,6 +358,8 @@ def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, ra
     from finetune.training import scoring
 
     check_writes_text(run, "generate")
+    if max_new_tokens is not None:  # the CLI checks it first; the Python API's caller here
+        config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     cfg = run.config
     template = templates.get(cfg.data.template)
     framed = _framing(given, template, raw)  # before the files are read: a refusal of the flags comes first
