@@ -1122,3 +1122,21 @@ def test_other_families_with_an_encoder_are_refused_naming_what_works(kind, fmt)
     with pytest.raises(UserError, match="use --format merged or lora"):
         export.check_encoders(backbone, fmt)
     export.check_encoders(type(kind, (), {"vision_encoder": None})(), fmt)  # the text decoder alone is exported
+
+
+@pytest.mark.backend_neutral  # the refusal and the base are Python and keras' float weights
+def test_a_quantized_run_exports_its_float_base_for_the_peft_adapter_and_refuses_a_merge(tmp_path):
+    """QLoRA's adapter loads onto the float base, quantized as it loads: `--format hf --base` writes that base, with
+    a note, where the merged formats are refused (the adapter merged into the float base is not what trained)."""
+    out = tmp_path / "run"
+    trained = CliRunner().invoke(app, ["gemma", "--preset", "tiny", "--backend", BACKEND, "--quantize", "int8",
+                                       "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--max-records",
+                                       "12", "--set", "train.samples=0", "--output", str(out)])  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    written = invoke("--run", out, "--format", "hf", "--base", "--output", tmp_path / "base")
+    assert written.exit_code == 0, written.output
+    assert "the base is written in float; the run trained on its int8 quantization" in written.output
+    assert (tmp_path / "base" / "model.safetensors").is_file()
+    merged = invoke("--run", out, "--format", "hf", "--output", tmp_path / "merged")
+    assert merged.exit_code == 2 and "export it with --format peft or lora" in merged.output
+    assert not (tmp_path / "merged").exists()

@@ -199,7 +199,12 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
             f"{run.shown} trained every weight (--full), so it has no adapter to export as {fmt}; export the "
             f"trained model with --format {', '.join(f for f in FORMATS if f not in ADAPTER_FORMATS)}"
         )
-    if fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
+    if fmt in ("merged", "hf", "gguf") and cfg.model.quantize and base:
+        # The float base alone, for the peft export: a QLoRA adapter is loaded onto the float base, quantized as it
+        # loads (transformers' BitsAndBytesConfig), as the run quantized it.
+        print(f"note: the base is written in float; the run trained on its {cfg.model.quantize} quantization: "
+              "load it quantized for the peft adapter, as the run did")  # fmt: skip
+    elif fmt in ("merged", "hf", "gguf") and cfg.model.quantize:
         raise UserError(
             f"this run trained on an {cfg.model.quantize} base, so its adapter merged into the float base is not the "
             "model it trained;\nexport it with --format peft or lora instead"
