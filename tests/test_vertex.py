@@ -44,7 +44,7 @@ def test_the_spec_runs_the_recipes_command(tmp_path):
 def test_several_replicas_make_a_chief_pool_of_one_and_a_pool_of_the_rest():
     spec, notes = spec_of(
         "--recipe", "gemma-2b-dolly", *L4, "--accelerator-count", "2", "--replicas", "4",
-        "--set", "distribution.parallel=data", "--region", "europe-west4", "--output", "gs://b/r",
+        "--set", "distribution.parallel=data", "--region", "europe-west4", "--output", "gs://my-bucket/r",
     )  # fmt: skip
     chief, workers = spec["workerPoolSpecs"]
     assert (chief["replicaCount"], workers["replicaCount"]) == (1, 3)
@@ -77,9 +77,13 @@ def test_a_cpu_machine_has_no_accelerator_fields():
         (["--recipe", "tiny", *L4, "--set", "output.dir=runs/a"], "would be lost with the job's container"),
         (["--recipe", "tiny", *L4, "--set", "train.method=grpo", "--set", "train.reward=[exact]", "--set",
           "data.packing=on"], "data.packing on: train.method grpo"),
+        (["--recipe", "tiny", *L4, "--output", "gs://"], "--output gs:// names no bucket"),
+        (["--recipe", "tiny", *L4, "--output", "/gcs/"], "--output /gcs/ names no bucket"),
+        (["--recipe", "tiny", *L4, "--output", "gs://B_A_D!/x"], "'B_A_D!' is not a Cloud Storage bucket name"),
     ],
     ids=["unknown-recipe", "no-replicas", "negative-count", "count-without-type", "bad-type", "local-output",
-         "replicas-without-parallel", "bad-key", "torch-recipe", "recipe-local-output", "method-refusal"],
+         "replicas-without-parallel", "bad-key", "torch-recipe", "recipe-local-output", "method-refusal",
+         "no-bucket", "no-mounted-bucket", "bad-bucket"],
 )  # fmt: skip
 def test_a_job_that_could_not_run_exits_2_with_one_line(args, message):
     result = runner.invoke(app, ["vertex-spec", *args])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from finetune import config
+from finetune.platform import storage
 from finetune.platform.errors import UserError
 
 DEFAULT_REGION = "us-central1"
@@ -62,6 +63,8 @@ def check(recipe: str, machine: Machine, replicas: int, output: Optional[str], s
         raise UserError(
             f"--output {output} would be lost with the job's container; pass a bucket path, gs://BUCKET/PATH"
         )
+    if output is not None and storage.bucket_problem(output):
+        raise UserError(f"--output {storage.bucket_problem(output)}; pass a bucket path, gs://BUCKET/PATH")
     # The config as the container reads it: its Dockerfile sets KERAS_BACKEND=jax, whatever this shell has.
     shell = os.environ.get("KERAS_BACKEND")
     os.environ["KERAS_BACKEND"] = "jax"
