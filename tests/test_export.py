@@ -1137,6 +1137,9 @@ def test_a_quantized_run_exports_its_float_base_for_the_peft_adapter_and_refuses
     assert written.exit_code == 0, written.output
     assert "the base is written in float; the run trained on its int8 quantization" in written.output
     assert (tmp_path / "base" / "model.safetensors").is_file()
+    # safetensors' own writer left the weights readable by their owner alone, beside a config.json all could read
+    modes = {name: (tmp_path / "base" / name).stat().st_mode & 0o777 for name in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"], modes
     merged = invoke("--run", out, "--format", "hf", "--output", tmp_path / "merged")
     assert merged.exit_code == 2 and "export it with --format peft or lora" in merged.output
     assert not (tmp_path / "merged").exists()

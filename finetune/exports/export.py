@@ -841,6 +841,11 @@ def _save_safetensors(path: Path, tensors: dict) -> None:
     from safetensors.numpy import save_file
 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    # safetensors writes a private temporary file and renames it: give it the mode every other file gets here, so
+    # that a serving process of another user or group reads it as it reads config.json beside it.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_peft(directory: Path, backbone, factors: dict, lora) -> None:
