@@ -337,6 +337,17 @@ def test_an_output_directory_is_refused_where_a_file_is(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_an_output_through_a_link_to_nothing_is_refused_before_the_work(tmp_path):
+    """A run's --output that is a dangling link passed every check, trained its evaluation and samples, then failed
+    to make the directory (FileExistsError, exit 1)."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for output in (tmp_path / "dangling", tmp_path / "dangling" / "run"):
+        with pytest.raises(UserError, match=r"dangling is a link to .*gone, which does not exist; create it"):
+            storage.check_output(str(output), "--output", directory=True)
+    (tmp_path / "gone").mkdir()
+    storage.check_output(str(tmp_path / "dangling"), "--output", directory=True)  # a link to a folder is fine
+
+
 def test_an_output_file_needs_its_folder(tmp_path):
     with pytest.raises(UserError, match="its folder does not exist"):
         storage.check_output(str(tmp_path / "missing" / "rows.json"), "--json")

@@ -61,6 +61,10 @@ def check_output(path: str, flag: str, *, directory: bool = False, beside: int =
             )
     if len(str(target).encode("utf-8")) + inside > path_max:
         raise UserError(f"{flag} {path[:40]}... is too long a path for the file system; pass a shorter {flag}")
+    for part in (target, *target.parents):  # a link to nothing: making the directory fails only after the work
+        if part.is_symlink() and not part.exists():
+            raise UserError(f"{flag} {path}: {part} is a link to {os.readlink(part)}, which does not exist; create "
+                            f"it or pass another {flag}")  # fmt: skip
     if directory and target.exists() and not target.is_dir():
         raise UserError(f"{flag} {path} is a file, not a directory; pass another {flag}")
     if not directory and target.is_dir():
