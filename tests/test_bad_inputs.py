@@ -493,7 +493,6 @@ CASES = [
         "data.packing='on', this run asks for 'off'",
     ),
     gemma("unknown-packing", ["--packing", "sometimes"], "unknown packing 'sometimes'"),
-    resume("resume-finished-run", lambda w: ["--resume", "--output", w.run_copy()], "already trained 1 of 1 steps"),
     Case(
         "output-holds-unfinished-run",
         lambda w: ["--output", _unfinished(w)],

@@ -76,8 +76,12 @@ def test_resume_may_train_further_but_not_change_the_recipe(uninterrupted, tmp_p
     resumed = train(out, "--resume", "--max-steps", "8")
     assert metrics(out)["steps"] == 8 and train_losses(out) == train_losses(uninterrupted)
     assert "planned again" not in resumed.output  # a constant rate past the warmup: no step's rate changes
+    # Finished: a job restarted from the top repeats its --resume, which ends as its first attempt did, exit 0.
+    published = {name: (out / name).read_bytes() for name in ("metrics.json", "adapter.lora.h5", "history.csv")}
     result = invoke("gemma", "--resume", "--output", out)
-    assert result.exit_code == 2 and "already trained 8 of 8 steps; raise --epochs or" in result.stderr
+    assert result.exit_code == 0, result.output
+    assert "has already trained 8 of 8 steps and is finished: nothing to do; raise --epochs or" in result.output
+    assert published == {name: (out / name).read_bytes() for name in published}
     other = next(b for b in config.BACKENDS if b != BACKEND)
     monkeypatch.setenv("KERAS_BACKEND", other)  # the checkpoint's backend wins, and the run says so
     result = invoke("gemma", "--resume", "--epochs", "1", "--output", out)  # the checkpoint's --max-steps 8 goes

@@ -350,8 +350,10 @@ def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoin
     return found
 
 
-def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> None:
-    """Refuse a resume past the run's new end, or of a run already published from this checkpoint.
+def check_resume_end(found: Checkpoint | None, total_steps: int, target, published: dict | None) -> str | None:
+    """Refuse a resume past the run's new end; say why there is nothing to do for a run already published from
+    this checkpoint at its end (finished, or stopped early): a job restarted from the top with `--resume` then
+    ends as its first attempt did, exit 0, its results as they were. None: the resume trains.
 
     A run whose last checkpoint is its final step but has no results of that
     checkpoint (killed while publishing) is resumed: it only publishes.
@@ -359,7 +361,7 @@ def check_resume_end(found: Checkpoint | None, total_steps: int, target, publish
     published: dict. The metrics.json in `target` (outputs.read_metrics); None when there is none.
     """
     if found is None:
-        return
+        return None
     if found.step > total_steps:
         raise UserError(
             f"{target} has trained {found.step} steps, more than the {total_steps} this run asks for; "
@@ -371,12 +373,12 @@ def check_resume_end(found: Checkpoint | None, total_steps: int, target, publish
         and published.get("steps") == found.step
         and published.get("stopped_early")
     ):
-        raise UserError(f"{target} stopped early at step {found.step} (--early-stop); start a new run to train further")
+        return (f"{target} stopped early at step {found.step} (--early-stop) and is finished: nothing to do; start a "
+                "new run to train further")  # fmt: skip
     if found.step == total_steps and published.get("run_id") == found.run_id and published.get("steps") == found.step:
-        raise UserError(
-            f"{target} has already trained {found.step} of {total_steps} steps; "
-            "raise --epochs or --max-steps to train further"
-        )
+        return (f"{target} has already trained {found.step} of {total_steps} steps and is finished: nothing to do; "
+                "raise --epochs or --max-steps to train further")  # fmt: skip
+    return None
 
 
 def newest(run_dir: Path) -> Checkpoint | None:

@@ -62,7 +62,10 @@ def _run(cfg: Config, resume: bool) -> dict:
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
     session = _session(decided, data, job, found, phase)
-    checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
+    finished = checkpoint.check_resume_end(found, session.total_steps, target, outputs.read_metrics(target.path))
+    if finished is not None:  # a repeated --resume of a finished run: its results stand, untouched
+        print(f"note: {finished}")
+        return outputs.read_metrics(target.path)
     size = checkpoint_bytes(
         builder.trainable_parameters(session.model.trainer), cfg.train.grad_accum, cfg.eval.keep_best
     )
