@@ -1032,10 +1032,39 @@ def _anchor_paths(settings: dict, folder: Path) -> None:
         path = Path(model_section["preset"]).expanduser()
         if not path.is_absolute() and (folder / path).is_dir():
             model_section["preset"] = str(folder / path)
+    train_section = settings.get("train")
+    rewards = train_section.get("reward") if isinstance(train_section, dict) else None
+    if isinstance(rewards, list):  # reward files, as the data, beside the recipe
+        found = [_reward_file(spec) for spec in rewards]
+        train_section["reward"] = [
+            spec
+            if part is None or Path(part[1]).expanduser().is_absolute()
+            else part[0] + str(folder / part[1]) + part[2]
+            for spec, part in zip(rewards, found)
+        ]
+
+
+def _reward_file(spec) -> tuple[str, str, str] | None:
+    """(before, path, after) of a --reward naming a local file or folder: FILE.py:FUNCTION or run:DIR; None for a
+    built-in (format:REGEX holds a colon too) or a module."""
+    if not isinstance(spec, str) or spec.startswith(("format:", "length")) or spec in ("exact", "math"):
+        return None
+    if spec.startswith("run:"):
+        return ("run:", spec[4:], "") if _is_local_path(spec[4:]) else None
+    where, _, name = spec.rpartition(":")
+    return ("", where, ":" + name) if where.endswith(".py") and _is_local_path(where) else None
+
+
+def absolute_reward(spec):
+    """A --reward with its local file or folder made absolute (from the working directory); others as they are."""
+    found = _reward_file(spec)
+    return spec if found is None else found[0] + os.path.abspath(os.path.expanduser(found[1])) + found[2]
 
 
 def absolute_paths(cfg: Config) -> Config:
-    """`cfg` with its local data path and preset folder made absolute, so a run's config.yaml works from anywhere."""
+    """`cfg` with its local data path, preset folder and reward files made absolute, so a run's config.yaml works
+    from anywhere (a resume from another directory found the data but not `--reward rewards.py:f`)."""
+    cfg.train.reward = [absolute_reward(spec) for spec in cfg.train.reward]
     if _is_local_path(cfg.data.path):
         cfg.data.path = os.path.abspath(os.path.expanduser(cfg.data.path))
     if _is_local_path(cfg.eval.data):

@@ -492,6 +492,11 @@ CASES = [
         lambda w: ["--resume", "--packing", "off", "--output", _unfinished(w)],
         "data.packing='on', this run asks for 'off'",
     ),
+    resume(  # the method first: the checkpoint's settings are its method's, which another's checks would name
+        "resume-other-method",
+        lambda w: ["--resume", "--method", "orpo", "--output", _unfinished(w)],
+        "trained with train.method='sft', this run asks for 'orpo'",
+    ),
     gemma("unknown-packing", ["--packing", "sometimes"], "unknown packing 'sometimes'"),
     Case(
         "output-holds-unfinished-run",

@@ -275,3 +275,19 @@ def test_a_dict_of_settings_may_name_them_dotted_as_load_config_s_overrides():
         config.from_dict({"lora.rnak": 4})
     with pytest.raises(UserError, match="'lora' is not a section"):
         config.from_dict({"lora": 3, "lora.rank": 2})
+
+
+def test_reward_files_are_kept_absolute_and_built_ins_as_they_are(tmp_path, monkeypatch):
+    """A GRPO run's config.yaml names its reward file absolute, as its data: a resume from another directory found
+    the data and not `rewards.py`. In a recipe, a reward file is beside the recipe, as its data is."""
+    monkeypatch.chdir(tmp_path)
+    given = ["rewards.py:score", "run:runs/judge", "format:a/b:c", "exact", "math", "length:8", "pkg.mod:fn",
+             "gs://b/r.py:f"]  # fmt: skip
+    cfg = config.load(None, {"train.method": "grpo", "train.reward": given, "data.path": "p.jsonl"})
+    assert cfg.train.reward == [f"{tmp_path}/rewards.py:score", f"run:{tmp_path}/runs/judge", *given[2:]]
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "r.yaml").write_text(
+        "train:\n  method: grpo\n  reward: [judge.py:score, exact]\ndata:\n  path: p.jsonl\n"
+    )
+    assert config.load(folder / "r.yaml").train.reward == [f"{folder}/judge.py:score", "exact"]

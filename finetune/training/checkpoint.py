@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from finetune import config as config_module
 from finetune.methods import registry
 from finetune.platform import storage
 from finetune.platform.errors import UserError
@@ -323,6 +324,19 @@ _LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune
                "reward"}  # fmt: skip
 
 
+def check_method(found: Checkpoint | None, cfg, target) -> None:
+    """Refuse a resume under another method first: the checkpoint's settings are its method's (a DPO run's
+    label_smoothing), which another method's checks would name as if the user had passed them."""
+    if found is None:
+        return
+    then = found.state()["config"].get("train", {}).get("method") or "sft"
+    if then != cfg.train.method:
+        raise UserError(
+            f"cannot resume {target}: its checkpoint was trained with train.method={then!r}, this run asks for "
+            f"{cfg.train.method!r}; drop that setting to continue, or start a new run with another --output"
+        )
+
+
 def to_resume(target, output, resume: bool, published: dict | None) -> Checkpoint | None:
     """The checkpoint a run continues from: with --resume, the newest valid one in `target`.
 
@@ -419,6 +433,8 @@ def check_compatible(found: Checkpoint | None, cfg, fingerprints: tuple, target:
             then = bool(then)
         if key == "method":  # a checkpoint from before preference methods trained SFT
             then = then or "sft"
+        if key == "reward" and isinstance(then, list):  # written before reward files were kept absolute
+            then = [config_module.absolute_reward(spec) for spec in then]
         if key == "packing":
             then, now = _packing(saved, then, now, registry.get(cfg.train.method))
         if then != now:

@@ -48,11 +48,12 @@ def _run(cfg: Config, resume: bool) -> dict:
     phase = loop.Phases()
     job = _join(cfg, resume)
     tracking.check(cfg.output.report_to)
-    registry.check(cfg)  # the settings alone, before a file is read or written
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
     found = checkpoint.to_resume(target, cfg.output, resume, outputs.read_metrics(target.path))
+    checkpoint.check_method(found, cfg, target)  # before the method's checks read the checkpoint's settings
+    registry.check(cfg)  # the settings alone, before the data is read or a file written
     data = _read(cfg)
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
