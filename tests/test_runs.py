@@ -38,6 +38,7 @@ def test_a_stopped_run_s_note_ends_whole(tmp_path, monkeypatch):
     run.mkdir()
     outputs.write_status(run, "stopped", 5, message)
     monkeypatch.setattr(checkpoint, "find", lambda path, verify=False: [types.SimpleNamespace(step=5)])
+    monkeypatch.setattr(checkpoint, "latest", lambda path: types.SimpleNamespace(step=5))
     row = runs.describe(run)
     assert row["state"] == "stopped" and row["note"] == (
         "Ctrl-C: stopped at step 5/28 with a checkpoint; rerun the same command with --resume to continue; "
@@ -45,6 +46,25 @@ def test_a_stopped_run_s_note_ends_whole(tmp_path, monkeypatch):
     )
     assert runs.short_note("word " * 40) == ("word " * 19).strip() + "…"
     assert runs.short_note("first line\nsecond") == "first line"
+
+
+def test_runs_names_the_checkpoint_resume_would_load_and_says_where_none_can_be(tmp_path):
+    """`finetune runs` read the checkpoints' sizes where --resume reads their checksums: a checkpoint with a byte
+    changed was listed as the one to continue from, and a run whose every checkpoint was cut short as resumable."""
+    out = tmp_path / "killed"
+    assert run_with_fault(out, "SIGKILL", 4).returncode == -9  # checkpoints at steps 2 and 4
+    steps = sorted(checkpoint.find(out), key=lambda c: c.step)
+    assert [c.step for c in steps] == [2, 4]
+    weights = steps[-1].path / "weights.npz"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size, another checksum
+    weights.write_bytes(bytes(data))
+    row = runs.describe(out)
+    assert row["step"] == 2 and row["note"].endswith("last checkpoint step 2; a later checkpoint is damaged"), row
+    for found in steps:
+        (found.path / "weights.npz").write_bytes(b"cut")
+    row = runs.describe(out)
+    assert row["note"] == "no checkpoint can be loaded (damaged): --resume cannot continue it; --overwrite starts again"
 
 
 def _finished(path, metrics='{"steps": 8, "eval_loss": 1.25}'):
@@ -61,6 +81,7 @@ def test_a_finished_run_under_a_run_over_it_that_died_says_so(tmp_path, monkeypa
     assert runs.describe(run)["note"] == ""
     outputs.write_status(run, "running", 105)
     monkeypatch.setattr(checkpoint, "find", lambda path, verify=False: [types.SimpleNamespace(step=100)])
+    monkeypatch.setattr(checkpoint, "latest", lambda path: types.SimpleNamespace(step=100))
     row = runs.describe(run)
     assert row["state"] == "finished" and row["step"] == 8  # its results stand until the run over it finishes
     assert row["note"] == ("a run over it (--overwrite) was killed or lost at checkpoint step 100, which --resume "

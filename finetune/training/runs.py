@@ -482,9 +482,17 @@ def describe(path: Path) -> dict | None:
     """
     from finetune.training import checkpoint
 
-    found = checkpoint.find(path)
-    if not (found or any((path / name).exists() for name in (outputs.STATUS, outputs.METRICS))):
+    listed = checkpoint.find(path)
+    if not (listed or any((path / name).exists() for name in (outputs.STATUS, outputs.METRICS))):
         return None  # a claim alone (finetune-run.json) is not a run yet
+    # The checkpoint --resume would load: the newest whole one, checksums read, as resume reads them.
+    whole = checkpoint.latest(path) if listed else None
+    found = [whole] if whole is not None else []
+    damaged = ""
+    if whole is None and (listed or checkpoint.problems(path)):
+        damaged = "no checkpoint can be loaded (damaged): --resume cannot continue it; --overwrite starts again"
+    elif whole is not None and whole.step != listed[-1].step:
+        damaged = "a later checkpoint is damaged"
     row = {"run": str(path), "state": "", "step": found[-1].step if found else "", "eval_loss": "", "note": ""}
     if outputs.is_locked(path):
         row["state"] = "running"
@@ -520,6 +528,8 @@ def describe(path: Path) -> dict | None:
         row["note"] = "ended before its first checkpoint"
     if found:
         row["note"] = (row["note"] + f"; last checkpoint step {found[-1].step}").lstrip("; ")
+    # The status' own words ("rerun ... with --resume") no longer hold where no checkpoint can be loaded.
+    row["note"] = damaged if whole is None and damaged else "; ".join(filter(None, [row["note"], damaged]))
     return row
 
 
