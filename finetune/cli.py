@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 import typing
@@ -952,7 +953,12 @@ def main():
         quiet.keep_verbose()  # the Python API's own install (backend.select) included
     quiet.install()
     backend.LEAVE_OUT_OTHER_FRAMEWORKS = True  # a process of our own: only its backend's framework
-    app()
+    try:
+        app()
+    finally:
+        # The exit code is decided: a Ctrl-C that arrives while the interpreter shuts down (a second one, close
+        # behind the first) would raise in the frameworks' exit hooks and print their traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
