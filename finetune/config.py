@@ -1008,6 +1008,11 @@ def load(
         # --full on the command line over a LoRA recipe (gemma3-270m's rank 8): the recipe's LoRA section is
         # left behind, as the run trains no LoRA; LoRA settings given beside --full are still refused.
         data.pop("lora", None)
+    data_section = data.get("data")
+    if not base and "data.path" in (overrides or {}) and "data.split" not in overrides and isinstance(data_section,
+                                                                                                     dict):  # fmt: skip
+        # Another --data than the recipe's: the recipe's split was its dataset's (train_prefs), not the new one's.
+        data_section.pop("split", None)
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     return absolute_paths(from_dict(data))

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.one_backend  # pure Python: no Keras backend
 RESOLVED = {
     "learning_rate": {"value": 0.0001, "why": "the default for a pretrained preset"},
     "packing": {"value": True, "why": "auto: examples packed | padding 3% of 16%"},
+    "alpha": {"value": 4.0, "why": "the rank: a scale of 1, keras-hub's"},
     "output_dir": "/home/alice/runs/a",
     "versions": {"finetune": "0.2.0", "keras": "3.15.1", "keras-hub": "0.32.0"},
 }
@@ -80,6 +81,7 @@ def test_the_card_says_what_goes_up_for_an_adapter_run_or_a_full_one_and_the_fam
         assert ("adapter" in body.split("## Base model")[0]) is not full, body
         assert ("every weight" in body.split("## Base model")[0]) is full, body
         assert ("lora" in yaml.safe_load(front)["tags"]) is not full
+        assert ("| alpha | 4.0 |" in body) is not full  # LoRA's scale: a --full run decided it, and used none
         if form == "merged":
             assert "keras_hub.models.Gemma4CausalLM.from_preset" in body
 

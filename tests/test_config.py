@@ -291,3 +291,13 @@ def test_reward_files_are_kept_absolute_and_built_ins_as_they_are(tmp_path, monk
         "train:\n  method: grpo\n  reward: [judge.py:score, exact]\ndata:\n  path: p.jsonl\n"
     )
     assert config.load(folder / "r.yaml").train.reward == [f"{folder}/judge.py:score", "exact"]
+
+
+def test_another_data_file_than_the_recipe_s_leaves_the_recipe_s_split_behind(tmp_path):
+    """A recipe of a Hugging Face dataset names its split (train_prefs); --data FILE over it was refused for that
+    split, a flag the user never typed. --data-split typed beside it is kept."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  path: hf:someone/prefs\n  split: train_prefs\n")
+    assert config.load(recipe).data.split == "train_prefs"
+    assert config.load(recipe, {"data.path": "mine.jsonl"}).data.split == config.DataConfig().split
+    assert config.load(recipe, {"data.path": "hf:other", "data.split": "test"}).data.split == "test"

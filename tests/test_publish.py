@@ -189,7 +189,11 @@ def test_a_keras_preset_goes_to_kaggle_through_keras_hub(uninterrupted, credenti
     files = recorder.calls[0][2]
     assert {"config.json", "model.weights.h5", "README.md"} <= set(files) and "finetune-export.json" not in files
     assert "published" in result.stdout and "https://www.kaggle.com/models/someone/tiny" in result.stdout
+    assert "--private is for the Hugging Face Hub" not in result.output
     no_secret_in(result.output, *files.values())
+    private = CliRunner().invoke(app, ["publish", "--run", str(uninterrupted), "--to", "kaggle://someone/tiny/keras/v1",
+                                       "--private", "--dry-run"])  # fmt: skip
+    assert private.exit_code == 0 and "note: --private is for the Hugging Face Hub; Kaggle makes" in private.output
 
 
 def test_a_keras_preset_goes_to_the_hub_with_its_card_first(uninterrupted, credentials, recorder):

@@ -73,7 +73,7 @@ def model_card(run, upload: Upload, licence: families.Licence) -> str:
         "",
         "Each setting the run decided, and why:",
         "",
-        *_decisions(recorded),
+        *_decisions(recorded, lora=not cfg.model.full),
         "",
         "## Held-out metrics",
         "",
@@ -163,8 +163,10 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _decisions(recorded: dict) -> list[str]:
-    rows = [(key, entry) for key, entry in recorded.items() if isinstance(entry, dict) and "why" in entry]
+def _decisions(recorded: dict, lora: bool = True) -> list[str]:
+    """The decisions' table; a --full run's without LoRA's alpha, which it decided and never used."""
+    rows = [(key, entry) for key, entry in recorded.items() if isinstance(entry, dict) and "why" in entry
+            and (lora or key != "alpha")]  # fmt: skip
     if not rows:
         return ["(the run recorded none)"]
     table = ["| setting | value | why |", "|---|---|---|"]

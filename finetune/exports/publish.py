@@ -194,6 +194,9 @@ def publish(run_dir, request: Request, backend: str | None = None) -> Published:
     from finetune.training import runs
 
     where, form = check(request)
+    if request.private and where.hub == KAGGLE:  # said, not left silent: the flag changes nothing there
+        print("note: --private is for the Hugging Face Hub; Kaggle makes every new model private already (share it "
+              "on its page)")  # fmt: skip
     run = open_finished(run_dir)
     runs.check_writes_text(run, "publish")  # a classifier or reward model: its exports are not published yet
     licence = licence_of(run)
