@@ -77,13 +77,15 @@ def test_a_cpu_machine_has_no_accelerator_fields():
         (["--recipe", "tiny", *L4, "--set", "output.dir=runs/a"], "would be lost with the job's container"),
         (["--recipe", "tiny", *L4, "--set", "train.method=grpo", "--set", "train.reward=[exact]", "--set",
           "data.packing=on"], "data.packing on: train.method grpo"),
+        (["--recipe", "tiny", *L4, "--accelerator-count", "4", "--set", "distribution.parallel=data", "--set",
+          "distribution.mesh=1x8"], "the recipe's mesh 1x8 spans 8 devices, and the job has 4 GPUs"),
         (["--recipe", "tiny", *L4, "--output", "gs://"], "--output gs:// names no bucket"),
         (["--recipe", "tiny", *L4, "--output", "/gcs/"], "--output /gcs/ names no bucket"),
         (["--recipe", "tiny", *L4, "--output", "gs://B_A_D!/x"], "'B_A_D!' is not a Cloud Storage bucket name"),
     ],
     ids=["unknown-recipe", "no-replicas", "negative-count", "count-without-type", "bad-type", "local-output",
          "replicas-without-parallel", "bad-key", "torch-recipe", "recipe-local-output", "method-refusal",
-         "no-bucket", "no-mounted-bucket", "bad-bucket"],
+         "mesh-of-other-devices", "no-bucket", "no-mounted-bucket", "bad-bucket"],
 )  # fmt: skip
 def test_a_job_that_could_not_run_exits_2_with_one_line(args, message):
     result = runner.invoke(app, ["vertex-spec", *args])

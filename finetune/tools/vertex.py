@@ -90,6 +90,15 @@ def check(recipe: str, machine: Machine, replicas: int, output: Optional[str], s
             f"--replicas {replicas} starts one process per machine, but this recipe trains on one device "
             "(distribution.parallel none); add --set distribution.parallel=data (or model)"
         )
+    gpus = machine.accelerator_count * replicas if (machine.accelerator_type or "").startswith("NVIDIA") else None
+    if cfg.distribution.mesh is not None and gpus:  # a TPU's chips hold one or two devices each: not counted here
+        data_axis, model_axis = (int(n) for n in cfg.distribution.mesh.lower().split("x"))
+        if data_axis * model_axis != gpus:
+            raise UserError(
+                f"the recipe's mesh {cfg.distribution.mesh} spans {data_axis * model_axis} devices, and the job has "
+                f"{gpus} GPUs ({replicas} x {machine.accelerator_count} {machine.accelerator_type}); match "
+                "--accelerator-count and --replicas to it, or --set distribution.mesh=DxM"
+            )
     from finetune.methods import registry
 
     registry.check(cfg)  # what the job's run would refuse of these settings, before a machine is paid for
