@@ -169,3 +169,16 @@ def test_an_unknown_keras_backend_is_refused_as_the_run_refuses_it(tmp_path, mon
     monkeypatch.setenv("KERAS_BACKEND", "bogus")
     result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny"])
     assert result.exit_code == 2 and "unknown backend 'bogus' (from KERAS_BACKEND)" in result.output, result.output
+
+
+def test_finetune_data_reports_prompts_with_pictures_as_grpo_takes_them(tmp_path):
+    """GRPO's prompts with pictures are never cut (a longer one is refused), and their pictures are counted."""
+    from test_images import square
+
+    records = [{"prompt": "<image>What colour?", "images": [square(tmp_path / f"{i}.png")], "answer": "red"}
+               for i in range(3)]  # fmt: skip
+    path = write(tmp_path / "p.jsonl", records)
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny-gemma3-vision"])
+    assert result.exit_code == 0, result.output
+    assert "a prompt with pictures is never cut: a longer one is refused" in result.output
+    assert "images: 3 in 3 of 3 records" in result.output and "each <image> counted as its text" in result.output

@@ -178,8 +178,11 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
     from finetune.model import builder  # imports keras: only once the data has been read
 
     texts = [renderer.apply(r)[0] for r in records]
+    pictured = any(r.images for r in records)
     lines = ["GRPO (--method grpo) writes the completions: a prompt longer than --seq-len less "
-             "--max-completion-length is cut from its left, and none is skipped"]  # fmt: skip
+             "--max-completion-length is cut from its left, and none is skipped"
+             + ("; a prompt with pictures is never cut: a longer one is refused" if pictured else "")]  # fmt: skip
+    lines += images.summary(records)
     try:
         tokenizer = builder.load_tokenizer(presets.resolve(preset))
     except UserError as e:
@@ -187,7 +190,8 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
         lines.append(f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny")
     else:
         lengths = np.array([1 + len(ids) for ids in batching.leading_ids(tokenizer, texts, 10**9)])
-        lines.append(f"prompt tokens ({preset}'s tokenizer, with <bos>): min {lengths.min():,}, median "
+        without = ", each <image> counted as its text, not the preset's image tokens" if pictured else ""
+        lines.append(f"prompt tokens ({preset}'s tokenizer, with <bos>{without}): min {lengths.min():,}, median "
                      f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max "
                      f"{lengths.max():,}")  # fmt: skip
     lines.append(f"example: prompt {example}, as the model is given it:")
