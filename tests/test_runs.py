@@ -48,6 +48,7 @@ def test_a_stopped_run_s_note_ends_whole(tmp_path, monkeypatch):
     assert runs.short_note("first line\nsecond") == "first line"
 
 
+@pytest.mark.backend_neutral  # the listing reads files; checkpoints load on every backend: test_checkpoint.py
 def test_runs_names_the_checkpoint_resume_would_load_and_says_where_none_can_be(tmp_path):
     """`finetune runs` read the checkpoints' sizes where --resume reads their checksums: a checkpoint with a byte
     changed was listed as the one to continue from, and a run whose every checkpoint was cut short as resumable."""
