@@ -2,6 +2,7 @@
 Gemma 4's encoders) training on them (both forms, mixed in one file), resuming, evaluating, generating and exporting
 merged. A path that is the same for both families runs tiny-gemma4-vision in the PyTorch suite alone."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -453,3 +454,23 @@ def _merged_gives_the_runs_outputs(merged, run, picture):
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(lm.backbone(x)), keras.ops.convert_to_numpy(tuned.backbone(x)), atol=1e-4
     )
+
+
+@pytest.mark.one_backend
+def test_a_prompt_of_trl_s_content_parts_reads_as_its_placeholder_form(tmp_path):
+    """GRPO's prompts as messages take TRL's content parts, as SFT's messages do: they were refused ("message 1
+    must be an object with a `role` and a string `content`"), text parts alone too."""
+    square(tmp_path / "a.png")
+    parts = [{"type": "image"}, {"type": "text", "text": "What colour?"}]
+    write_lines(tmp_path / "parts.jsonl", [{"prompt": [{"role": "user", "content": parts}], "images": ["a.png"],
+                                            "answer": "red"}])  # fmt: skip
+    write_lines(tmp_path / "text.jsonl", [{"prompt": [{"role": "user", "content": "<image>What colour?"}],
+                                           "images": ["a.png"], "answer": "red"}])  # fmt: skip
+    (from_parts,), found = formats.read(str(tmp_path / "parts.jsonl"))
+    (from_text,), _ = formats.read(str(tmp_path / "text.jsonl"))
+    assert found == "prompts-chat" and dataclasses.replace(from_parts, where="") == dataclasses.replace(
+        from_text, where="")  # fmt: skip
+    assert from_parts.images == (str(tmp_path / "a.png"),) and from_parts.turns == (("user", "<image>What colour?"),)
+    write_lines(tmp_path / "plain.jsonl", [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}])
+    (plain,), _ = formats.read(str(tmp_path / "plain.jsonl"))
+    assert plain.turns == (("user", "Hi"),) and plain.images == ()

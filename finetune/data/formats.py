@@ -711,9 +711,13 @@ def _with_images(obj, where: str, fmt: str, source: str) -> Record:
         obj = {**obj, "messages": images.parts_to_text(obj["messages"], where)}
     if fmt == "completion-chat":
         obj = {**obj, **{key: images.parts_to_text(obj.get(key), where) for key in ("prompt", "completion")}}
+    if fmt == "prompts-chat":  # GRPO's prompt as messages, TRL's content parts among them
+        obj = {**obj, "prompt": images.parts_to_text(obj.get("prompt"), where)}
     paths = _pictures(obj, where, source)
     record = _labelled(obj, _record(obj, where, fmt), where)
     texts = [record.instruction, record.context, record.response] + [text for _, text in record.turns[1:-1]]
+    if fmt in PROMPT_FORMATS:  # no answer: the last turn is the user's, placeholders and all
+        texts = [record.instruction] + [text for _, text in record.turns[1:]]
     if clips or "audios" in obj:
         _check_placeholders(texts, clips, where, audio.PLACEHOLDER, "audio clip")
         record = dataclasses.replace(record, audios=clips)
