@@ -46,6 +46,11 @@ def test_finetune_data_counts_a_classifier_s_labels_in_the_order_a_run_numbers_t
     plain = CliRunner().invoke(app, ["data", str(write(tmp_path / "t.jsonl", [text(i) for i in range(3)])),
                                      "--preset", "tiny"])  # fmt: skip
     assert "labels" not in plain.output
+    floats = write(
+        tmp_path / "f.jsonl", [{"text": f"record {i}", "label": label} for i, label in enumerate([1.0, True])]
+    )
+    result = CliRunner().invoke(app, ["data", str(floats), "--preset", "tiny"])
+    assert "none of the 2 records has a usable label (text or a whole number)" in result.output
 
 
 def test_finetune_data_reports_prompts_as_grpo_takes_them(tmp_path):

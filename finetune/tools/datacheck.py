@@ -58,10 +58,13 @@ def _labels(records) -> list[str]:
     order a run numbers them, with each one's records; and the records a classifier would refuse."""
     from finetune.methods import classify
 
+    if not any("label" in r.columns for r in records):
+        return []
     given = [r.columns.get("label") for r in records]
     usable = [str(v) for v in given if isinstance(v, (str, int)) and not isinstance(v, bool) and v != ""]
     if not usable:
-        return []
+        return [f"labels (for --method classify): none of the {len(records):,} records has a usable label (text or "
+                "a whole number); a classifier refuses them"]  # fmt: skip
     counts: dict = {}
     for label in usable:
         counts[label] = counts.get(label, 0) + 1
