@@ -168,6 +168,8 @@ def test_hf_and_gguf_exports_carry_the_new_tokens(runs, base, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer("a <tool> b<sym>")["input_ids"].count(811) == 1
     assert tokenizer.convert_ids_to_tokens([811, 812]) == NEW
+    # Text, not special tokens: a decoder that skips special tokens (pipelines', vLLM's) keeps them in the answer
+    assert tokenizer.decode([811, 300, 812], skip_special_tokens=True).count("<") == 2
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     embedding = model.get_input_embeddings().weight.detach().numpy()
     assert embedding.shape == (813, rows.shape[1]) and model.config.vocab_size == 813

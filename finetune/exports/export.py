@@ -675,8 +675,12 @@ def write_unigram_tokenizer(directory: Path, tokenizer) -> None:
     unigram.pre_tokenizer = pre_tokenizers.Sequence(splits)
     unigram.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     control = sentencepiece_model_pb2.ModelProto.SentencePiece
-    special = [p.piece for p in proto.pieces if p.type in (control.CONTROL, control.USER_DEFINED)]
+    special = [p.piece for p in proto.pieces if p.type == control.CONTROL]
     unigram.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    # A user-defined piece (--add-tokens' among them) is matched whole, as SentencePiece matches it, and is text:
+    # marked special, a decoder that skips special tokens (pipelines', vLLM's default) dropped it from the answer.
+    defined = [p.piece for p in proto.pieces if p.type == control.USER_DEFINED]
+    unigram.add_tokens([AddedToken(piece, special=False, normalized=False) for piece in defined])
     bos = tokenizer.start_token  # keras-hub's Gemma preprocessor starts every sequence with it
     unigram.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
