@@ -277,11 +277,32 @@ def test_gemma3_has_no_tool_turns_and_says_so():
 
 
 @pytest.mark.one_backend
+def test_each_tool_answer_is_tied_to_its_call_by_id_name_or_order():
+    """Gemma 4's template writes an answer under the name of the call whose id its tool_call_id gives: without ids,
+    both answers of a message of two calls were written under the last call's name. Calls without ids get theirs,
+    and each answer the id of its call: by tool_call_id, else by name, else in order."""
+    obj = copy.deepcopy(TOOL_CHAT)
+    for message in obj["messages"]:
+        message.pop("tool_call_id", None)
+        for call in message.get("tool_calls", ()):
+            call.pop("id", None)
+    obj["messages"][3]["name"], obj["messages"][4]["name"] = "get_time", "get_weather"  # answers out of order
+    record = read(obj)[0]
+    calls = {call["function"]["name"]: call["id"] for call in record.messages[2]["tool_calls"]}
+    assert record.messages[3]["tool_call_id"] == calls["get_time"]
+    assert record.messages[4]["tool_call_id"] == calls["get_weather"]
+    assert record.messages[8]["tool_call_id"] == record.messages[7]["tool_calls"][0]["id"]
+    text = templates.get("gemma4-chat").segments(record)
+    rendered = "".join(piece for piece, _ in text)
+    assert rendered.index("response:get_time") < rendered.index("response:get_weather"), rendered
+
+
 def test_calls_of_any_tool_are_read_where_the_record_declares_none():
     """Without `tools` a record declares nothing to check a call's name against (some datasets keep no schemas)."""
     obj = copy.deepcopy(TOOL_CHAT)
     del obj["tools"]
     obj["messages"][7]["tool_calls"][0]["function"]["name"] = "get_wether"
+    obj["messages"][8]["name"] = "get_wether"
     assert read(obj)[0].messages[7]["tool_calls"][0]["function"]["name"] == "get_wether"
 
 
@@ -308,6 +329,10 @@ def test_tool_call_arguments_written_as_json_text_are_read_as_objects():
         ),
         (lambda m: m.pop(8), "message 9 is the assistant's, but the assistant's tool_calls before it have no answer"),
         (lambda m: m.insert(3, {"role": "user", "content": "Well?"}), "message 4 is the user's, but the assistant's"),
+        (lambda m: m.pop(4), "the tool calls before message 5 left 'get_time' without a `tool` answer"),
+        (lambda m: m[8].update(name="get_time"), "message 9 is 'get_time''s answer, but no unanswered call"),
+        (lambda m: m[3].update(tool_call_id="z"), "message 4 answers call 'z', which no unanswered call"),
+        (lambda m: m.insert(5, {"role": "tool", "content": "more"}), "message 6 is a tool's answer, but every call"),
     ],
 )
 def test_malformed_tool_chats_name_the_record_and_message(change, message):

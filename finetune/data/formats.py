@@ -910,12 +910,14 @@ def _tool_chat_record(obj: dict, where: str) -> Record:
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: `messages` must be a non-empty list of {{role, content}} messages")
-    kept, previous = [], None
+    kept, previous, pending = [], None, []
     for number, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
             raise UserError(f"{where}: message {number} must be an object with a `role`")
         role = message.get("role")
         role = ROLES.get(role, role) if isinstance(role, str) else role
+        if pending and role != "tool" and previous == "tool":
+            _unanswered(pending, number, where)
         if role == "system" and number == 1:
             kept.append({"role": "system", "content": _message_text(message, number, where)})
             continue
@@ -932,13 +934,50 @@ def _tool_chat_record(obj: dict, where: str) -> Record:
                             "have no answer: put each call's `tool` message after them")  # fmt: skip
         kept.append(_tool_message(message, role, number, where))
         _check_called(kept[-1], tools, number, where)
+        if "tool_calls" in kept[-1]:
+            for index, call in enumerate(kept[-1]["tool_calls"]):  # each its id: which answer is whose (below)
+                call.setdefault("id", f"call_{number}_{index}")
+            pending = list(kept[-1]["tool_calls"])
+        if role == "tool":
+            kept[-1]["tool_call_id"] = _answered(pending, kept[-1], number, where)["id"]
         previous = "called" if role == "assistant" and "tool_calls" in kept[-1] else role
+    if pending and previous == "tool":
+        _unanswered(pending, len(messages) + 1, where)
     if kept[-1]["role"] != "assistant":
         raise UserError(f"{where}: the last message must be the assistant's, which is what the model learns")
     said = [(m["role"], m.get("content", "")) for m in kept if m["role"] in ("user", "assistant") and m.get("content")]
     first = next((text for role, text in said if role == "user"), "")
     last = next((text for role, text in reversed(said) if role == "assistant"), "")
     return Record(instruction=first, response=last, turns=tuple(said), messages=tuple(kept), tools=tools)
+
+
+def _answered(pending: list, message: dict, number: int, where: str) -> dict:
+    """The call a tool message answers, taken off `pending`: the one its tool_call_id names, else the first of its
+    `name`, else the first. Gemma 4's template writes each answer under the name of the call whose id it gives:
+    without ids, every answer of a message of two calls was written under the last call's name."""
+    if not pending:
+        raise UserError(f"{where}: message {number} is a tool's answer, but every call before it has one already")
+    wanted, name = message.get("tool_call_id"), message.get("name")
+    if wanted is not None:
+        found = next((call for call in pending if call.get("id") == wanted), None)
+        if found is None:
+            raise UserError(f"{where}: message {number} answers call {wanted!r}, which no unanswered call before it "
+                            "has as its id")  # fmt: skip
+    elif name is not None:
+        found = next((call for call in pending if call["function"]["name"] == name), None)
+        if found is None:
+            raise UserError(f"{where}: message {number} is {name!r}'s answer, but no unanswered call before it "
+                            f"calls {name!r}")  # fmt: skip
+    else:
+        found = pending[0]
+    pending.remove(found)
+    return found
+
+
+def _unanswered(pending: list, number: int, where: str) -> None:
+    names = ", ".join(repr(call["function"]["name"]) for call in pending)
+    raise UserError(f"{where}: the tool calls before message {number} left {names} without a `tool` answer; give "
+                    "each call its answer, in order or by tool_call_id")  # fmt: skip
 
 
 def _check_called(message: dict, tools: tuple, number: int, where: str) -> None:
