@@ -318,7 +318,10 @@ def test_tool_call_arguments_written_as_json_text_are_read_as_objects():
     "change, message",
     [
         (lambda m: m[2]["tool_calls"][0].pop("function"), "message 3's tool_calls\\[0\\] is not a call"),
-        (lambda m: m[7]["tool_calls"][0]["function"].update(arguments="{city"), "message 8's tool_calls\\[0\\]"),
+        (
+            lambda m: m[7]["tool_calls"][0]["function"].update(arguments="{city"),
+            "message 8's tool_calls\\[0\\] has arguments written as text that is not JSON \\(Expecting",
+        ),
         (lambda m: m[2].update(tool_calls=[]), "message 3's tool_calls must be a list"),
         (lambda m: m.pop(2), "message 3 is a tool's answer with no assistant tool_calls before it"),
         (lambda m: m[1].update(role="robot"), "message 2 has role 'robot'"),

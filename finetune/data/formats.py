@@ -1036,8 +1036,10 @@ def _tool_calls(calls, number: int, where: str) -> list:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
-                arguments = None
+            except ValueError as e:
+                raise UserError(f"{where}: message {number}'s tool_calls[{index}] has arguments written as text that "
+                                f"is not JSON ({e.msg} at character {e.pos}); write them as an object or as JSON "
+                                "text") from None  # fmt: skip
         if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
             raise UserError(f"{where}: message {number}'s tool_calls[{index}] is not a call: it must be {form[10:]}")
         kept.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
