@@ -207,8 +207,9 @@ def test_early_stop_publishes_the_run_with_the_reason(tmp_path, monkeypatch):
     assert stopped["at_step"] == 6 and "2 evaluations without a lower held-out loss" in stopped["reason"]
     assert metrics(out)["steps"] == 6 and "early stop at step 6/8" in result.output
     assert json.loads((out / "status.json").read_text())["state"] == "finished"
-    refused = invoke("gemma", "--resume", "--output", out)
-    assert refused.exit_code == 2 and "stopped early" in refused.stderr
+    again = invoke("gemma", "--resume", "--output", out)  # finished: a repeated resume has nothing to do
+    assert again.exit_code == 0 and "stopped early at step 6 (--early-stop) and is finished" in again.output
+    assert metrics(out)["steps"] == 6
 
 
 @pytest.mark.backend_neutral

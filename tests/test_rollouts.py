@@ -120,7 +120,7 @@ def test_prompts_cut_to_leave_the_completions_room_are_counted_by_split(capsys):
     sampling = rollouts.Sampling(2, 8, 1.0, 1.0, 0, (), (1,))
     train = rollouts.prompts_of(pairs, templates.get("none"), tokenizer, sampling, 32)
     assert train.ids.shape == (3, 24) and train.lengths[0] == train.lengths[2] == 24 > train.lengths[1]
-    rollouts.prompts_of(pairs[:2], templates.get("none"), tokenizer, sampling, 32, train.ids.shape[1])
+    rollouts.prompts_of(pairs[:2], templates.get("none"), tokenizer, sampling, 32, rollouts.Layout(train.ids.shape[1]))
     said = capsys.readouterr().out
     assert "note: 2 of 3 prompts cut to 24 tokens from their left" in said
     assert "note: 1 of 2 held-out prompts cut to 24 tokens" in said
@@ -193,7 +193,7 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
     media = prepare.Media.of(records, preprocessor, preset, "prompts.jsonl")
     prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
-                                  greedy, 256, media=media)  # fmt: skip
+                                  greedy, 256, rollouts.Layout(media=media))  # fmt: skip
     assert len(set(prompts.lengths)) == 3 and set(prompts.media) >= {"vision_indices"}
     rows = np.arange(3)
     batch = rollouts.Sampler(lm, greedy)

@@ -102,9 +102,11 @@ class GRPO(Method):
         usable = [(record, None) for record in records]
         train, held_out = prepare.split(usable, cfg, every_record_of)
         sampling = self.sampling(cfg, template, tokenizer)
-        rows = rollouts.prompts_of(train, template, tokenizer, sampling, cfg.model.seq_len, media=media)
+        rows = rollouts.prompts_of(
+            train, template, tokenizer, sampling, cfg.model.seq_len, rollouts.Layout(media=media)
+        )
         held_out_rows = rollouts.prompts_of(held_out, template, tokenizer, sampling, cfg.model.seq_len,
-                                            rows.ids.shape[1] if train else None, media)  # fmt: skip
+                                            rollouts.Layout(rows.ids.shape[1] if train else None, media))  # fmt: skip
         prepared = prepare.Prepared(template, train, held_out, cfg.train.batch_size, held_out_rows, packed=False)
         if packed is not None:
             if not train:
@@ -129,7 +131,7 @@ class GRPO(Method):
         width = prepared.rows.ids.shape[1] if prepared.rows is not None else None
         media = _media(records, preprocessor, cfg, cfg.eval.data or cfg.data.path)
         prepared.held_out_rows = rollouts.prompts_of(pairs, prepared.template, tokenizer, sampling, cfg.model.seq_len,
-                                                     width, media)  # fmt: skip
+                                                     rollouts.Layout(width, media))  # fmt: skip
         return prepared
 
     def order(self, prepared, cfg, feed, model=None):

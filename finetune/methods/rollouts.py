@@ -90,14 +90,24 @@ def prompt_room(seq_len: int, max_completion_length: int) -> int:
     return room
 
 
-def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: int, width: int | None = None,
-               media=None):  # fmt: skip
-    """Prompts of (record, _) pairs: each prompt cut from its left to leave --max-completion-length in seq_len.
+@dataclass(frozen=True)
+class Layout:
+    """How prompts_of lays the prompts out.
 
     width: the prompt width (P) to pad to; the longest prompt's when None (the held-out prompts take the
         training prompts', so that both share the rollouts' compiled shape).
     media: prepare.Media of prompts with pictures: each `<image>` written as the family's image tokens, and each
-        row's picture inputs kept (Prompts.media); a prompt with pictures is never cut, but refused where long."""
+        row's picture inputs kept (Prompts.media); a prompt with pictures is never cut, but refused where long.
+    """
+
+    width: int | None = None
+    media: object = None
+
+
+def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: int, layout: Layout = Layout()):
+    """Prompts of (record, _) pairs: each prompt cut from its left to leave --max-completion-length in seq_len,
+    laid out as `layout` says."""
+    width, media = layout.width, layout.media
     room = prompt_room(seq_len, sampling.max_completion_length)
     records = [record for record, _ in pairs]
     turned = templates.read_as_text(template.name, records)

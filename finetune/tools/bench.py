@@ -673,12 +673,12 @@ def _train_rollouts(spec: Spec, model, method) -> dict:
     compiles = batching.compiles_per_length(spec.backend, backend.accelerator())
     new_shape = [False]
 
-    def timed_call(ids, lengths, seed):
+    def timed_call(ids, lengths, seed, media):
         shape = (len(ids), rollouts.prompt_width(lengths, ids.shape[1], spec.backend))
         new_shape[0] |= shape not in shapes
         shapes.add(shape)
         started = time.perf_counter()
-        out = call(ids, lengths, seed)
+        out = call(ids, lengths, seed, media)
         sampling_s[0] += time.perf_counter() - started
         return out
 

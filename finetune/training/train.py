@@ -67,10 +67,8 @@ def _run(cfg: Config, resume: bool) -> dict:
     if finished is not None:  # a repeated --resume of a finished run: its results stand, untouched
         print(f"note: {finished}")
         return outputs.read_metrics(target.path)
-    size = checkpoint_bytes(
-        builder.trainable_parameters(session.model.trainer), cfg.train.grad_accum, cfg.eval.keep_best
-    )
-    outputs.check_free_space(target.path, size * (cfg.train.keep_checkpoints + 2))
+    outputs.check_free_space(target.path, (cfg.train.keep_checkpoints + 2) * checkpoint_bytes(
+        builder.trainable_parameters(session.model.trainer), cfg.train.grad_accum, cfg.eval.keep_best))  # fmt: skip
 
     # Evaluate before training; a resumed run takes up the scores and the step its checkpoint kept.
     start = _start(session, data.fingerprints, target)
