@@ -927,6 +927,10 @@ def train_every_weight(lm, base: bool = False) -> None:
     base: bool. Keep a host copy of the weights as they are now, the base's, for lora_off (keep_base).
     """
     lm.backbone.trainable = True
+    if tokens.rows(lm.backbone) is not None:
+        # --add-tokens froze the base's matrix beside its new rows (tokens.install), and on TensorFlow the layer's
+        # trainable flag does not thaw a variable frozen by hand: a --full run there left the matrix untrained.
+        tokens.token_embedding(lm.backbone).embeddings.trainable = True
     for encoder in encoders(lm.backbone):
         encoder.trainable = False
     if base:
