@@ -526,3 +526,19 @@ def test_a_copy_not_fetched_for_a_week_is_removed_at_the_next_fetch(bucket, monk
     storage.fetched("gs://b/runs/b", names)
     assert not stale.exists() and (recent / "config.yaml").is_file()
     assert (storage.fetched("gs://b/runs/a", names) / "metrics.json").is_file()  # fetched anew when asked again
+
+
+def test_finetune_gemma_as_typed_refuses_an_output_through_a_link_to_nothing(tmp_path):
+    """The installed command, in a fresh process: exit 2 and one line before anything loads, nothing made where the
+    link points (it was exit 1 after the first evaluation)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    command = [str(Path(sys.executable).with_name("finetune")), "gemma", "--preset", "tiny", "--max-steps", "1",
+               "--output", "dangling"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "dangling is a link to" in done.stderr and "which does not exist" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "gone").exists()
