@@ -250,7 +250,7 @@ def _export_run(run, fmt: str, target: Path, base: bool, dtype: str | None) -> P
     if fmt in ("merged", "hf", "gguf") and cfg.model.add_tokens and not base:
         from finetune.model import tokens  # the new tokens become plain pieces and rows of the merged model
 
-        where = str(run.directory / (outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON))
+        where = str(run.directory / runs.described_in(run))
         lm = tokens.merged(lm, preprocessor, cfg.model.add_tokens, runs.token_rows(run),
                            run.adapter.get("added_tokens"), where)  # fmt: skip
     if fmt == "peft":

@@ -135,17 +135,16 @@ _BUCKET = re.compile(r"[a-z0-9](?:[a-z0-9._-]{1,220})[a-z0-9]")
 def bucket_problem(path: str) -> str | None:
     """Why `path` (gs://BUCKET/PATH, or /gcs/BUCKET/PATH under Vertex AI's mount) names no bucket; None if it
     does."""
-    shown = path
     rest = (
         path[len("gs://") :] if path.startswith("gs://") else path[len("/gcs/") :] if path.startswith("/gcs/") else None
     )
     if rest is None:
-        return f"{shown} is not a bucket path"
+        return f"{path} is not a bucket path"
     bucket = rest.split("/", 1)[0]
     if not bucket:
-        return f"{shown} names no bucket"
+        return f"{path} names no bucket"
     if not _BUCKET.fullmatch(bucket) or (len(bucket) > 63 and "." not in bucket):
-        return (f"{shown}: {bucket!r} is not a Cloud Storage bucket name (3 to 63 lower-case letters, digits, "
+        return (f"{path}: {bucket!r} is not a Cloud Storage bucket name (3 to 63 lower-case letters, digits, "
                 "dashes, underscores and dots, starting and ending with a letter or digit)")  # fmt: skip
     return None
 

@@ -174,16 +174,20 @@ def load_model(run: Run):
         # DoRA's magnitudes and the experts' factors too, which keras-hub's loader leaves out.
         adapter.assign(model.lm.backbone, checked_factors(run, model.lm.backbone))
     if model.added is not None:  # --add-tokens: the tokenizer placed them where the run did, and their rows
-        described = run.directory / (outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON)
-        tokens.check_place(model.added, run.adapter.get("added_tokens"), str(described))
+        tokens.check_place(model.added, run.adapter.get("added_tokens"), str(run.directory / described_in(run)))
         tokens.assign_rows(model.lm.backbone, token_rows(run))
     return model.lm, model.preprocessor
+
+
+def described_in(run: Run) -> str:
+    """The file that describes what the run trained: adapter.json, or a --full run's model.json."""
+    return outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON
 
 
 def token_rows(run: Run):
     """The new tokens' rows of a run trained with --add-tokens (outputs.TOKEN_ROWS, checked)."""
     if "added_tokens" not in run.adapter:
-        described = outputs.WEIGHTS_JSON if run.full else outputs.ADAPTER_JSON
+        described = described_in(run)
         raise UserError(f"{run.shown}/{described} names no added tokens, config.yaml does; "
                         f"copy {described} back from the run")  # fmt: skip
     return adapter.read_token_rows(run.directory / outputs.TOKEN_ROWS, run.adapter)
