@@ -9,6 +9,7 @@ import pytest
 from conftest import BACKEND, invoke
 
 from finetune.data import audio, formats
+from finetune.methods import prepare
 
 RATE = 16000
 
@@ -352,6 +353,37 @@ def test_gemma3n_gives_every_clip_its_fixed_tokens_and_keras_hub_s_frames(tmp_pa
     assert held.sum() == 48 and not keras.ops.convert_to_numpy(x["input_features_mask"])[0, 0].any()  # 1: padding
     fed = audio.frames((str(tmp_path / "a.wav"),), hearing, 2, 60)["input_features_mask"]
     assert not fed[0, :48].any() and fed[0, 48:].all() and fed[1].all()  # as keras-hub feeds it: padding marked
+
+
+@pytest.mark.one_backend  # the batch's layout is numpy's; every suite trains on clips
+def test_a_gemma3n_row_hears_its_own_clip_beside_a_row_without_one(tmp_path):
+    """keras-hub's Gemma 3n places the batch's clips by their order in the whole batch, not by row: a row with a
+    clip after a text row (its slot empty) gives the hidden states it gives alone, as does the text row."""
+    import keras
+    from test_images import _cfg
+
+    from finetune.data import batching, templates
+    from finetune.model import builder, presets
+
+    name = "tiny-gemma3n-audio"
+    text = {"messages": [{"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "words"}]}
+    data = write_lines(tmp_path / "mixed.jsonl", [text, llama_factory(clip(tmp_path / "a.wav"), "tone")])
+    records = formats.read(str(data))[0]
+    lm, preprocessor = builder.build(presets.resolve(name), 64, "float32", images=True)
+    made = prepare.pictured_examples(records, templates.get("gemma-chat"), preprocessor, _cfg(name), "x")
+    arrays = batching.pad([example for _, example in made], 64)
+    names = builder.input_names(lm)
+    assert "audio_indices" not in names  # its causal LM declares them; its backbone never reads them
+
+    def hidden(rows):
+        x, _, _ = batching.inputs(arrays, np.array(rows), 1, 64, names=names)
+        x = {key: x[key] for key in names}
+        x["padding_mask"] = x["padding_mask"] > 0
+        return keras.ops.convert_to_numpy(lm.backbone(x))
+
+    both, heard = hidden([0, 1]), hidden([1])
+    np.testing.assert_allclose(both[1], heard[0], atol=1e-5)
+    np.testing.assert_allclose(both[0], hidden([0])[0], atol=1e-5)
 
 
 @pytest.mark.one_backend

@@ -384,9 +384,9 @@ def test_text_prompts_with_held_out_prompts_as_messages_are_refused_before_anyth
 
 @pytest.mark.backend_neutral  # the sampler with pictures: test_rollouts.py, on every backend
 @pytest.mark.parametrize("preset", ["tiny-gemma3-vision", "tiny-gemma3n-vision"])
-def test_grpo_learns_from_prompts_with_pictures_and_gemma3n_s_are_refused(tmp_path, preset):
-    """Prompts with pictures, as SFT's records hold them: the rollouts see each prompt's picture (the sampler:
-    test_rollouts.py, every backend) and train on it; Gemma 3n's picture prompts are refused, nothing written."""
+def test_grpo_learns_from_prompts_with_pictures(tmp_path, preset):
+    """Prompts with pictures, as SFT's records hold them, on Gemma 3 and 3n: the rollouts see each prompt's picture
+    (the sampler: test_rollouts.py, every backend) and train on it."""
     from test_images import square, write_lines
 
     reward_file = tmp_path / "rewards.py"
@@ -396,14 +396,10 @@ def test_grpo_learns_from_prompts_with_pictures_and_gemma3n_s_are_refused(tmp_pa
     colours = ["red", "green", "blue"]
     lines = [{"prompt": "<image>Tell a story about this colour.", "images": [square(tmp_path / f"{i}.png", c)],
               "answer": c} for i, c in enumerate(colours * 4)]  # fmt: skip
+    lines[1::4] = [{"prompt": "Tell a story about a colour.", "answer": "none"}] * 3  # text prompts beside them
     data, out = write_lines(tmp_path / "prompts.jsonl", lines), tmp_path / "run"
     done = grpo("--preset", preset, "--seq-len", "320", "--data", data, "--reward", f"{reward_file}:chars",
                 "--max-steps", "2", "--output", out)  # fmt: skip
-    if preset == "tiny-gemma3n-vision":
-        assert done.returncode == 2 and "does not sample Gemma 3n's completions of prompts with pictures" in (
-            done.stdout + done.stderr)  # fmt: skip
-        assert not out.exists()
-        return
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["adapter_changed"], metrics

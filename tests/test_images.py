@@ -388,7 +388,7 @@ def test_a_gemma3n_row_reads_its_own_picture_beside_a_row_with_more(tmp_path):
 
     from finetune.data import batching, templates
     from finetune.methods import prepare
-    from finetune.model import presets
+    from finetune.model import builder, presets
 
     one = trl(square(tmp_path / "a.png", "red"))
     two = trl(square(tmp_path / "b.png", "blue"), "blue")
@@ -399,19 +399,21 @@ def test_a_gemma3n_row_reads_its_own_picture_beside_a_row_with_more(tmp_path):
         records, templates.get("gemma-chat"), vision_preprocessor(GEMMA3N), _cfg(GEMMA3N), "x"
     )
     arrays = batching.pad([example for _, example in made], 64)
-    backbone = presets.tiny_backbone(presets.tiny_vocabulary_size(GEMMA3N), name=GEMMA3N)
-    names = ("token_ids", "padding_mask", "images")
+    lm, _ = builder.build(presets.resolve(GEMMA3N), 64, "float32", images=True)
+    names = builder.input_names(lm)  # the model's own: its causal LM declares indices its backbone never reads
+    assert "vision_indices" not in names
 
     def hidden(rows):
         x, _, _ = batching.inputs(arrays, np.array(rows), 1, 64, names=names)
         x = {name: x[name] for name in names}
         x["padding_mask"] = x["padding_mask"] > 0
-        return keras.ops.convert_to_numpy(backbone(x))
+        return keras.ops.convert_to_numpy(lm.backbone(x))
 
     both, alone = hidden([0, 1]), hidden([1])
     length = len(made[1][1].token_ids) - 1
     np.testing.assert_allclose(both[1, :length], alone[0, :length], atol=1e-5)
     np.testing.assert_allclose(both[0], hidden([0])[0], atol=1e-5)
+    np.testing.assert_allclose(hidden([1, 0])[0], alone[0], atol=1e-5)  # first, beside one with fewer
     flat = batching.inputs(arrays, np.array([0, 1]), 1, 64, names=names)[0]["images"].reshape(4, -1)
     assert flat[:3].any(axis=1).all() and not flat[3].any()  # the three pictures, then the empty slot
 

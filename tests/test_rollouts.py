@@ -170,11 +170,12 @@ def test_left_padded_prompts_sample_what_each_prompt_alone_samples(preset):
         assert len(own) >= 1
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma3-vision", "tiny-gemma4-vision"])
+@pytest.mark.parametrize("preset", ["tiny-gemma3-vision", "tiny-gemma4-vision", "tiny-gemma3n-vision"])
 def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp_path):
     """GRPO's prompts with pictures: each prompt's soft tokens move with it to the right of its row, and a batch
-    of prompts of unlike lengths samples (greedily) what each prompt samples alone with its picture, laid out as
-    keras-hub lays one out; a blank picture samples something else, so the pictures reach the decoder."""
+    of prompts of unlike lengths samples (greedily) what each prompt samples alone with its pictures, laid out as
+    keras-hub lays one out; a blank picture samples something else, so the pictures reach the decoder. The last
+    prompt holds two pictures beside rows of one (Gemma 3n places the batch's pictures by their order)."""
     from conftest import float32_policy
     from test_images import square, write_lines
 
@@ -183,9 +184,10 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     from finetune.model import builder, presets
 
     texts = ["<image>What colour?", "Tell me, in a few words and with care, what colour <image> this is.",
-             "Say it: <image>"]  # fmt: skip
+             "Say it: <image> then <image>"]  # fmt: skip
     colours = ["red", "green", "blue"]
-    lines = [{"prompt": text, "images": [square(tmp_path / f"{i}.png", colour)], "answer": colour}
+    lines = [{"prompt": text, "images": [square(tmp_path / f"{i}{n}.png", colours[(i + n) % 3])
+                                         for n in range(text.count("<image>"))], "answer": colour}
              for i, (text, colour) in enumerate(zip(texts, colours))]  # fmt: skip
     records, _ = formats.read(str(write_lines(tmp_path / "prompts.jsonl", lines)))
     with float32_policy():

@@ -213,11 +213,4 @@ def _media(records, preprocessor, cfg, source: str):
         raise UserError("--method grpo does not train on audio yet; give prompts without it (pictures it takes)")
     if not any(r.images for r in records):
         return None
-    from finetune.model import presets
-
-    if presets.family_of(cfg.model.preset) == "gemma3n":
-        # Its cached generation of a picture prompt beside a prompt of another length differed from the prompt's
-        # own (Gemma 3's and 4's are the same, tests/test_grpo.py): until that is understood, none is sampled.
-        raise UserError("--method grpo does not sample Gemma 3n's completions of prompts with pictures yet; use a "
-                        "Gemma 3 or 4 preset for them (tiny-gemma3-vision, tiny-gemma4-vision, gemma3_4b and up)")  # fmt: skip
     return prepare.Media.of(records, preprocessor, cfg.model.preset, source)

@@ -409,8 +409,12 @@ def _transformers_tokenizer(source: presets.Source):
 
 def input_names(lm) -> tuple[str, ...]:
     """What a batch must feed `lm` (batching.inputs makes each): token ids, padding mask, maybe positions, and
-    for a model with a vision encoder its image and audio inputs (batching.MEDIA)."""
-    names = tuple(tensor.name for tensor in keras.tree.flatten(lm.inputs))
+    for a model with a vision encoder its image and audio inputs (batching.MEDIA).
+
+    The backbone's inputs, which every view feeds: keras-hub's Gemma 3n causal LM declares picture and clip indices
+    and masks that its backbone never reads (it places the batch's pictures and clips by their order in the whole
+    batch). Without them among the names, batching lays the media out in that order (images.in_batch_order)."""
+    names = tuple(tensor.name for tensor in keras.tree.flatten(lm.backbone.inputs))
     fed = ("token_ids", "padding_mask", "position_ids", *batching.MEDIA)
     others = [name for name in names if name not in fed]
     if others:
