@@ -256,6 +256,28 @@ def test_a_prompt_longer_than_seq_len_is_cut_to_half_the_sequence_and_keeps_its_
         assert sum(side.weights[1:]) >= 1  # an answer token to compare
 
 
+@pytest.mark.parametrize("template", ["none", "gemma-chat"])
+def test_a_prompt_of_many_thousand_characters_keeps_its_end(tokenizer, template):
+    """Tokenizing is cut short for a very long text (batching.leading_ids: 32 characters an id kept); a prompt is
+    cut from its left, so it keeps its end: the question, and a chat's turn header before the answer. It kept a
+    slice from its middle, cut mid-word, where the prompt ran past 32 x (seq_len + 1) characters."""
+    question = "\n\nQUESTION: what colour is the sky?"
+    prompt = "Background: " + " ".join(f"word{i}" for i in range(1500)) + question
+    record = formats.Record(instruction=prompt, response=" Blue.", rejected=" Green.", where="p.jsonl:1")
+    if template == "gemma-chat":
+        record = formats.Record(prompt, " Blue.", turns=(("user", prompt), ("assistant", " Blue.")), rejected=" Green.",
+                                where="p.jsonl:1")  # fmt: skip
+    renderer = templates.get(template)
+    for seq_len in (64, 256):
+        assert len(prompt) > 32 * (seq_len + 1)
+        [pair], cut = pairs.pairs([record], renderer, tokenizer, seq_len)
+        assert cut == 1 and pair.prompt_cut
+        whole = [i for text, _ in templates.pair_segments(renderer, record)[0][:-1] for i in ids(tokenizer, text)]
+        kept = pair.chosen.token_ids[1 : pair.prompt_length]
+        assert kept == whole[-len(kept) :], seq_len  # the prompt's own last ids
+        assert pair.chosen.token_ids[0] == batching.BOS
+
+
 def test_finetune_data_reports_pairs_tokens_cuts_and_an_example(tmp_path):
     rows = [FORMS["hh"][0], {"chosen": f"{HH} " + "very " * 30 + "blue.", "rejected": f"{HH} Green."}]
     path = write(tmp_path / "hh.jsonl", rows)
@@ -274,6 +296,29 @@ def test_finetune_data_reports_pairs_tokens_cuts_and_an_example(tmp_path):
         "answers at their end), none skipped"
     ) in lines
     assert lines[-4:] == ["  chosen:", "    « It is blue.<eos>»", "  rejected:", "    « It is green.<eos>»"]
+
+
+def test_pairs_the_cut_leaves_alike_are_counted_as_skipped_by_the_run_and_by_finetune_data(tmp_path, capsys):
+    """Two pairs whose answers differ only past --seq-len: the run skips them and says so, and neither it nor
+    `finetune data` says "none skipped" (both did, beside the note that they were skipped)."""
+    from types import SimpleNamespace
+
+    from finetune.methods import preference
+
+    late = [{"prompt": f"Q{i}", "chosen": " " + "same words " * 80 + "GOOD", "rejected": " " + "same words " * 80 + "BAD"}
+            for i in range(2)]  # fmt: skip
+    rows = late + [{"prompt": f"P{i}", "chosen": " yes", "rejected": " no"} for i in range(8)]
+    path = write(tmp_path / "late.jsonl", rows)
+    records, _ = formats.read(str(path))
+    cfg = SimpleNamespace(model=SimpleNamespace(seq_len=64, preset="tiny"))
+    kept = preference.pair_examples(records, templates.get("none"), presets.tiny_tokenizer(), cfg, "late.jsonl")
+    said = capsys.readouterr().out
+    assert len(kept) == 8 and "note: 2 pairs skipped: cut to --seq-len 64" in said, said
+    assert "pairs cut to" not in said and "none skipped" not in said  # the only cut pairs were skipped
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny", "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert "seq-len 64: 2 of 10 pairs are cut" in result.output and "2 of them skipped" in result.output
+    assert "none skipped" not in result.output
 
 
 def test_finetune_data_counts_a_prompt_over_seq_len_as_cut(tmp_path):

@@ -88,8 +88,18 @@ def leading_ids(tokenizer, texts, seq_len: int):
     few, so the kept ids are the whole text's. Texts of long pieces (a run of
     unknown characters merged into one <unk>) fall back to the whole text.
     """
+    return _kept_ids(tokenizer, texts, seq_len, lambda text, limit: text[:limit])
+
+
+def trailing_ids(tokenizer, texts, seq_len: int):
+    """The ids of each text whose last seq_len + 1 are its own (a prompt cut from its left keeps its end); a very
+    long text is cut from its left first, as leading_ids() cuts one from its right, so its first ids may differ."""
+    return _kept_ids(tokenizer, texts, seq_len, lambda text, limit: text[-limit:])
+
+
+def _kept_ids(tokenizer, texts, seq_len: int, cut):
     limit = 32 * (seq_len + 1)
-    ids = _ids(tokenizer, [text[:limit] for text in texts])
+    ids = _ids(tokenizer, [cut(text, limit) for text in texts])
     for index, text in enumerate(texts):
         if len(text) > limit and len(ids[index]) < 2 * (seq_len + 1):
             ids[index] = _ids(tokenizer, text)

@@ -30,6 +30,13 @@ class Pair:
     """Ids both sides begin with: <bos> and the prompt as kept."""
     prompt_cut: bool = False
     """Whether the prompt lost ids from its left to fit seq_len."""
+    cut: bool = False
+    """Whether the pair lost ids to fit seq_len: its prompt's from the left, or an answer's from its end."""
+
+    @property
+    def alike(self) -> bool:
+        """Whether the cut left both answers the same tokens: no preference to learn, so a run skips the pair."""
+        return self.chosen.token_ids == self.rejected.token_ids
 
 
 def pairs(records, template, tokenizer, seq_len: int):
@@ -39,18 +46,19 @@ def pairs(records, template, tokenizer, seq_len: int):
     """
     batching.check_layout(tokenizer)
     sides = [templates.pair_segments(template, record) for record in records]
-    texts = []
-    for chosen, rejected in sides:
-        texts += [text for text, _ in chosen[:-1]] + [chosen[-1][0], rejected[-1][0]]
-    pieces = iter(batching.leading_ids(tokenizer, texts, seq_len))
+    # A prompt keeps its right end (where a chat's turn header meets the answer), an answer its start.
+    prompts = iter(batching.trailing_ids(tokenizer, [text for chosen, _ in sides for text, _ in chosen[:-1]], seq_len))
+    answers_of = [text for chosen, rejected in sides for text in (chosen[-1][0], rejected[-1][0])]
+    pieces = iter(batching.leading_ids(tokenizer, answers_of, seq_len))
     made, cut = [], 0
     for chosen, _ in sides:
-        prompt = [i for _ in chosen[:-1] for i in next(pieces)]
+        prompt = [i for _ in chosen[:-1] for i in next(prompts)]
         answers = next(pieces), next(pieces)
         kept = _kept_prompt(prompt, max(map(len, answers)), seq_len)
-        cut += len(kept) < len(prompt) or any(len(kept) + len(a) + 2 > seq_len + 1 for a in answers)
+        lost = len(kept) < len(prompt) or any(len(kept) + len(a) + 2 > seq_len + 1 for a in answers)
+        cut += lost
         made.append(Pair(*(_example(kept, answer, seq_len) for answer in answers), prompt_length=1 + len(kept),
-                         prompt_cut=len(kept) < len(prompt)))  # fmt: skip
+                         prompt_cut=len(kept) < len(prompt), cut=lost))  # fmt: skip
     return made, cut
 
 

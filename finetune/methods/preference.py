@@ -10,6 +10,8 @@ constants and their defaults are TRL's where TRL has the method
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from finetune.data import audio, batching, images, packing, pair_batches, pair_packing, pairs, templates
@@ -214,12 +216,12 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
                 raise UserError(f"{record.where or source}: a pair's pictures and audio clips go in its prompt, "
                                 "which both answers follow; this one has a placeholder in an answer")  # fmt: skip
     written = template if media is None else media.written(template)
-    made, cut = pairs.pairs(records, written, prepare.tokenizer_of(preprocessor), seq_len)
+    made, _ = pairs.pairs(records, written, prepare.tokenizer_of(preprocessor), seq_len)
     kept = [(r, p) for r, p in zip(records, made) if not (p.prompt_cut and (r.images or r.audios))]
     skipped = len(made) - len(kept)
-    alike = [(r, p) for r, p in kept if p.chosen.token_ids == p.rejected.token_ids]
+    alike = [(r, p) for r, p in kept if p.alike]
     if alike:
-        kept = [(r, p) for r, p in kept if p.chosen.token_ids != p.rejected.token_ids]
+        kept = [(r, p) for r, p in kept if not p.alike]
         print(f"note: {len(alike)} pairs skipped: cut to --seq-len {seq_len}, their chosen and rejected answers are "
               f"the same tokens (the first: {alike[0][0].where or source}); raise --seq-len to keep them")  # fmt: skip
     if not kept:
@@ -228,13 +230,13 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
     if skipped:
         print(f"note: {skipped} pairs with pictures or audio skipped: their prompt and answer do not fit --seq-len "
               f"{seq_len}, and cutting the prompt would cut its image or audio tokens")  # fmt: skip
-    if cut > skipped:
-        print(f"note: {cut - skipped} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left "
-              "(keeping at least half the sequence), then the answers at their end; "
-              f"{'none skipped' if not skipped else 'those with pictures or audio were skipped instead'}")  # fmt: skip
+    cut = sum(p.cut for _, p in kept)
+    if cut:  # the pairs kept: those skipped are counted above
+        print(f"note: {cut} of {len(made)} pairs cut to --seq-len {seq_len}: the prompt from its left (keeping at "
+              "least half the sequence), then the answers at their end")  # fmt: skip
     if media is None:
         return kept
-    return [(r, pairs.Pair(media.attached(p.chosen, r), media.attached(p.rejected, r), p.prompt_length, p.prompt_cut))
+    return [(r, dataclasses.replace(p, chosen=media.attached(p.chosen, r), rejected=media.attached(p.rejected, r)))
             for r, p in kept]  # fmt: skip
 
 

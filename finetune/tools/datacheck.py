@@ -214,7 +214,8 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
         first = re.split(r"[;\n]|\. ", str(e))[0]
         return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
     whole, _ = pairs.pairs(records, renderer, tokenizer, WHOLE)
-    _, cut = pairs.pairs(records, renderer, tokenizer, seq_len)
+    made, cut = pairs.pairs(records, renderer, tokenizer, seq_len)
+    alike = sum(p.alike for p in made)
     prompt = np.array([p.prompt_length - 1 for p in whole])
     answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
                for side in ("chosen", "rejected")}  # fmt: skip
@@ -226,6 +227,8 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
         )
     lines.append(
         f"seq-len {seq_len}: {cut} of {len(records)} pairs are cut (the prompt from its left, keeping at least half "
-        "the sequence, then the answers at their end), none skipped"
-    )
+        "the sequence, then the answers at their end), "
+        + (f"{alike} of them skipped: the cut leaves their chosen and rejected answers the same tokens, so there is no "
+           "preference to learn; raise --seq-len to keep them" if alike else "none skipped")
+    )  # fmt: skip
     return lines
