@@ -16,7 +16,7 @@ from conftest import adapter_arrays, invoke, write_jsonl
 
 import finetune
 from finetune.data import formats
-from finetune.methods import registry
+from finetune.methods import registry, rollouts
 from finetune.platform.errors import UserError
 from finetune.training import checkpoint, runs
 
@@ -72,6 +72,9 @@ def test_prompt_records_are_read_with_their_columns(tmp_path):
     records, found = formats.read(str(chat))
     assert found == "prompts-chat" and records[0].turns == (("user", "Be brief.\n\nHi?"),)
     assert records[0].columns == {"solution": 1}
+    # The reward functions get the messages as the data gives them (TRL's prompts), the system message apart.
+    assert rollouts.messages_of(records[0]) == [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "Hi?"}]  # fmt: skip
 
 
 @pytest.mark.one_backend

@@ -25,6 +25,10 @@ def test_builtins_score_as_documented():
     assert got == [1.0, 1.0, 1.0]
     assert math.function(["p"], ["7"], answer=[" "]) == [None]
     assert exact.function(["p", "p"], ["anything", "x"], answer=["", "  "]) == [None, None]
+    # An answer given as a list (a question's aliases) accepts any of them; it scored 0 as the list's repr.
+    got = exact.function(["p"] * 3, ["Paris!", "it is 7", "no"], answer=[["paris", "Paris"], ["7"], [" ", None]])
+    assert got == [1.0, 1.0, None]
+    assert math.function(["p", "p"], ["#### 8", "9"], answer=[["7", "8"], ["1"]]) == [1.0, 0.0]
 
 
 def test_two_rewards_of_one_name_are_told_apart_in_order():

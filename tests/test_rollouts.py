@@ -112,7 +112,7 @@ def test_rollouts_sample_and_the_samples_stay_greedy_whichever_ran_last():
 @pytest.mark.one_backend  # the ids and the note: Python's
 def test_prompts_cut_to_leave_the_completions_room_are_counted_by_split(capsys):
     """Each note says how many of which prompts were cut: the training prompts', then the held-out ones'."""
-    from finetune.data import formats, templates
+    from finetune.data import batching, formats, templates
     from finetune.model import builder, presets
 
     tokenizer = builder.load_tokenizer(presets.resolve("tiny"))
@@ -120,10 +120,15 @@ def test_prompts_cut_to_leave_the_completions_room_are_counted_by_split(capsys):
     sampling = rollouts.Sampling(2, 8, 1.0, 1.0, 0, (), (1,))
     train = rollouts.prompts_of(pairs, templates.get("none"), tokenizer, sampling, 32)
     assert train.ids.shape == (3, 24) and train.lengths[0] == train.lengths[2] == 24 > train.lengths[1]
+    whole = [2, *batching.leading_ids(tokenizer, ["word " * 60], 10**9)[0]]
+    assert list(train.ids[2]) == [2, *whole[-23:]]  # cut from the left after its <bos>
     rollouts.prompts_of(pairs[:2], templates.get("none"), tokenizer, sampling, 32, rollouts.Layout(train.ids.shape[1]))
     said = capsys.readouterr().out
     assert "note: 2 of 3 prompts cut to 24 tokens from their left" in said
     assert "note: 1 of 2 held-out prompts cut to 24 tokens" in said
+    exact = len(batching.leading_ids(tokenizer, ["word " * 5], 10**9)[0]) + 1  # with <bos>: the room, not cut
+    rollouts.prompts_of([(formats.Record("word " * 5, ""), None)], templates.get("none"), tokenizer, sampling, exact + 8)
+    assert "cut" not in capsys.readouterr().out
 
 
 def test_prompts_of_like_length_share_a_call_of_generate_and_far_ones_do_not():

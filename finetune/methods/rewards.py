@@ -30,7 +30,7 @@ BUILT_INS = {
     "format:REGEX": "1 where the completion matches REGEX (re.search, DOTALL), else 0",
     "length[:TOKENS]": "1 - |tokens - TOKENS| / TOKENS, at least 0: 1 at TOKENS completion tokens; TOKENS is half "
     "of --max-completion-length unless given",
-    "exact": "1 where the record's `answer`, stripped, appears in the completion, else 0",
+    "exact": "1 where the record's `answer` (or one of a list of them), stripped, appears in the completion, else 0",
     "math": "1 where the completion's answer equals the record's `answer` as numbers (math-verify where it is "
     "installed; else the last number of each, after GSM8K's '####' or inside \\boxed{} where those are), else 0",
     "run:DIR": "the score a trained reward model (a finished --method reward run) gives the prompt and completion",
@@ -163,16 +163,22 @@ def _answers(columns: dict, name: str, count: int) -> list:
     return answers
 
 
+def _accepted(answer) -> list[str]:
+    """A record's accepted answers, stripped: its `answer`, or each of a list of them (a question's aliases); none
+    where it has none, or only empty ones (which every text contains)."""
+    given = answer if isinstance(answer, (list, tuple)) else [answer]
+    return [str(a).strip() for a in given if a is not None and not isinstance(a, (list, tuple, dict)) and str(a).strip()]
+
+
 def exact(prompts, completions, **columns):
-    """1 where the record's answer (stripped) appears in the completion; None where the record has none (or an
-    empty one, which every text contains)."""
-    answers = _answers(columns, "exact", len(completions))
-    answers = [None if a is None or not str(a).strip() else str(a).strip() for a in answers]
-    return [None if a is None else float(a in _text(c)) for c, a in zip(completions, answers)]
+    """1 where one of the record's accepted answers (_accepted) appears in the completion; None where it has none."""
+    accepted = [_accepted(a) for a in _answers(columns, "exact", len(completions))]
+    return [float(any(a in _text(c) for a in ok)) if ok else None for c, ok in zip(completions, accepted)]
 
 
 def math_reward(prompts, completions, **columns):
-    """1 where the completion's answer and the record's are the same number (or expression, with math-verify)."""
+    """1 where the completion's answer and one of the record's accepted answers are the same number (or
+    expression, with math-verify)."""
     answers = _answers(columns, "math", len(completions))
     try:
         import math_verify
@@ -180,12 +186,15 @@ def math_reward(prompts, completions, **columns):
         math_verify = None
     out = []
     for completion, answer in zip(completions, answers):
-        if answer is None or not str(answer).strip():
+        ok = _accepted(answer)
+        if not ok:
             out.append(None)
         elif math_verify is not None:
-            out.append(float(math_verify.verify(math_verify.parse(str(answer)), math_verify.parse(_text(completion)))))
+            given = math_verify.parse(_text(completion))
+            out.append(float(any(math_verify.verify(math_verify.parse(a), given) for a in ok)))
         else:
-            out.append(float(same_number(final_number(_text(completion)), final_number(str(answer)))))
+            given = final_number(_text(completion))
+            out.append(float(any(same_number(given, final_number(a)) for a in ok)))
     return out
 
 

@@ -127,8 +127,8 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
                             f"more than the {room} that --seq-len {seq_len} leaves beside --max-completion-length "
                             f"{sampling.max_completion_length}, and cutting it could cut its image tokens; raise "
                             "--seq-len or shorten the prompt")  # fmt: skip
-    ids = [row[-room:] for row in ids]
-    cut = sum(len(row) == room for row in ids)
+    cut = sum(len(row) > room for row in ids)
+    ids = [row if len(row) <= room else [batching.BOS, *row[len(row) - room + 1 :]] for row in ids]  # <bos> kept
     if cut:  # the held-out prompts take the training prompts' width: given, they are the held-out ones
         which = "held-out " if width is not None else ""
         print(f"note: {cut} of {len(ids)} {which}prompts cut to {room} tokens from their left (--seq-len less "
@@ -153,7 +153,10 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
 
 
 def messages_of(record) -> list:
-    """A conversational prompt record's turns as the messages the reward functions get."""
+    """A conversational prompt record's messages as the reward functions get them: as the data gives them (TRL's
+    prompt column), a system message apart, not folded into the first user turn as Gemma 1-3's template folds it."""
+    if record.messages:
+        return [dict(message) for message in record.messages]
     return [{"role": role, "content": text} for role, text in record.turns]
 
 
