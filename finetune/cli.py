@@ -291,6 +291,9 @@ def _fail(error: BaseException, debug: bool, out_of_memory: str = TRAINING_OOM):
     if isinstance(error, RunStopped):
         print(str(error), file=sys.stderr)
         raise typer.Exit(error.exit_code)
+    if isinstance(error, BrokenPipeError):  # the reader went away (`finetune data FILE | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+        raise typer.Exit(0)
     if isinstance(error, UserError):
         print(f"error: {for_this_command(str(error))}", file=sys.stderr)
         raise typer.Exit(2)

@@ -4,6 +4,7 @@ trained text marked.
 How each format is read is test_data.py's; how each is rendered and weighted is test_templates.py's.
 """
 
+import os
 import re
 
 import numpy as np
@@ -187,3 +188,21 @@ def test_finetune_data_reports_prompts_with_pictures_as_grpo_takes_them(tmp_path
     assert result.exit_code == 0, result.output
     assert "a prompt with pictures is never cut: a longer one is refused" in result.output
     assert "images: 3 in 3 of 3 records" in result.output and "each <image> counted as its text" in result.output
+
+
+@pytest.mark.one_backend  # a fresh process of its own
+def test_finetune_data_into_a_reader_that_goes_away_exits_0_quietly(tmp_path):
+    """`finetune data FILE | head -1`: the reader closes the pipe before the report is written; the command
+    exits 0 with nothing on stderr, as a shell's own commands do (it exited 1 with a BrokenPipeError)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).with_name("finetune")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    data = formats.SAMPLE_PATH
+    with subprocess.Popen([str(command), "data", str(data), "--preset", "tiny"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=tmp_path, env=env) as done:  # fmt: skip
+        done.stdout.close()  # before the command has started: its first line meets a closed pipe
+        _, err = done.communicate(timeout=600)
+    assert done.returncode == 0 and not err.strip(), err.decode()
