@@ -127,7 +127,9 @@ def test_prompts_cut_to_leave_the_completions_room_are_counted_by_split(capsys):
     assert "note: 2 of 3 prompts cut to 24 tokens from their left" in said
     assert "note: 1 of 2 held-out prompts cut to 24 tokens" in said
     exact = len(batching.leading_ids(tokenizer, ["word " * 5], 10**9)[0]) + 1  # with <bos>: the room, not cut
-    rollouts.prompts_of([(formats.Record("word " * 5, ""), None)], templates.get("none"), tokenizer, sampling, exact + 8)
+    rollouts.prompts_of(
+        [(formats.Record("word " * 5, ""), None)], templates.get("none"), tokenizer, sampling, exact + 8
+    )
     assert "cut" not in capsys.readouterr().out
 
 

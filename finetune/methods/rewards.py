@@ -167,7 +167,9 @@ def _accepted(answer) -> list[str]:
     """A record's accepted answers, stripped: its `answer`, or each of a list of them (a question's aliases); none
     where it has none, or only empty ones (which every text contains)."""
     given = answer if isinstance(answer, (list, tuple)) else [answer]
-    return [str(a).strip() for a in given if a is not None and not isinstance(a, (list, tuple, dict)) and str(a).strip()]
+    return [
+        str(a).strip() for a in given if a is not None and not isinstance(a, (list, tuple, dict)) and str(a).strip()
+    ]
 
 
 def exact(prompts, completions, **columns):
