@@ -32,11 +32,17 @@ DECIDED = ("precision", "batch_size", "learning_rate", "template", "packing", "r
 
 def finetune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The `finetune` console script installed beside this Python, run as a shell would: no KERAS_BACKEND."""
+    return finetune_exits(0, *args, cwd=cwd)
+
+
+def finetune_exits(code: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The `finetune` console script run as finetune() runs it, expected to exit `code` (a refusal: 2) without a
+    traceback."""
     command = Path(sys.executable).with_name("finetune")
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     done = subprocess.run([str(command), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
     assert "Traceback" not in done.stderr, done.stderr
-    assert done.returncode == 0, f"finetune {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == code, f"finetune {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done
 
 

@@ -384,6 +384,24 @@ def test_sharegpt_reads_as_chat_with_its_system_turn_first(tmp_path):
     assert record.turns == (("user", "Be brief.\n\nAdd 0 and 1."), ("assistant", "1."))
 
 
+def test_kto_s_unpaired_preferences_are_refused_not_trained_as_sft(tmp_path):
+    """TRL's unpaired form (prompt, completion, a true/false label) trained as SFT, imitating the completions
+    labelled false too; it is refused before anything is written, in a fresh process as typed."""
+    from test_as_typed import finetune_exits
+
+    rows = [{"prompt": "Q1", "completion": " good", "label": True}, {"prompt": "Q1", "completion": " awful",
+            "label": False}]  # fmt: skip
+    path = write(tmp_path / "kto.jsonl", rows)
+    with pytest.raises(UserError, match="unpaired preference form"):
+        formats.read(str(path))
+    chat = [{"prompt": [{"role": "user", "content": "Q1"}], "completion": [{"role": "assistant", "content": "x"}],
+             "label": False}]  # fmt: skip
+    with pytest.raises(UserError, match="KTO's"):
+        formats.read(str(write(tmp_path / "kto_chat.jsonl", chat)))
+    done = finetune_exits(2, "gemma", "--preset", "tiny", "--data", "kto.jsonl", "--output", "run", cwd=tmp_path)
+    assert "kto.jsonl" in done.stderr and "--method dpo" in done.stderr and not (tmp_path / "run").exists()
+
+
 def test_completion_and_text_records():
     assert formats._record(completion(3), "x", "completion") == formats.Record(
         instruction="3 plus 1 is", response=" 4."

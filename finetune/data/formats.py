@@ -180,6 +180,11 @@ def detect_format(obj) -> str | None:
 
 def _first_format(obj, where: str) -> str:
     found = detect_format(obj)
+    if found in ("completion", "completion-chat") and isinstance(obj.get("label"), bool):
+        # Read as SFT, its undesirable completions (label false) would be trained on as answers to imitate.
+        raise UserError(f"{where}: a prompt and completion with a true/false `label` is TRL's unpaired preference "
+                        "form (KTO's), which finetune does not train yet; give pairs (prompt, chosen, rejected) for "
+                        "--method dpo, or keep the records labelled true, without the label, for SFT")  # fmt: skip
     if found is not None:
         return found
     if not isinstance(obj, dict):
