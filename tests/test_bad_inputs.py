@@ -267,6 +267,17 @@ CASES = [
         '{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d", "response": "e"}\n',
         ":2: key 'response' is given twice in one object",
     ),
+    data(  # a file of one line is JSON Lines: its line's error, not "one JSON object over many lines"
+        "data-key-twice-one-line",
+        '{"instruction": "c", "response": "d", "response": "e"}\n',
+        ":1: key 'response' is given twice in one object",
+    ),
+    data(  # the role named is the first message's, not None
+        "data-pair-answer-messages",
+        '{"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "assistant", "content": "a"}, {"role": '
+        '"user", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]}\n',
+        "it is 2 message(s), the first with role 'assistant'",
+    ),
     data("data-no-response", '{"instruction": "a"}\n', ":1: record has no 'response' field"),
     data("data-non-string", '{"instruction": "a", "response": 42}\n', ":1: field 'response' must be a string"),
     data("data-empty-instruction", '{"instruction": "  ", "response": "b"}\n', ":1: field 'instruction' is empty"),

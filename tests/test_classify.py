@@ -94,6 +94,14 @@ def test_labels_sort_as_whole_numbers_only_where_they_are_ascii_digits():
     assert sorted(["x", "²", "10", "-2", "9"], key=classify._order) == ["-2", "9", "10", "x", "²"]
 
 
+@pytest.mark.one_backend
+def test_a_whole_number_label_written_as_a_float_is_its_number():
+    """pandas writes an integer column with a gap as floats: 1.0 is class 1, as CSV's "1" and JSON's 1 are; 1.5,
+    NaN and true are no class."""
+    assert [classify.label_text(v) for v in (1.0, 1, "1", -2.0, "pos")] == ["1", "1", "1", "-2", "pos"]
+    assert [classify.label_text(v) for v in (1.5, float("nan"), True, "", None, [1])] == [None] * 6
+
+
 @pytest.mark.backend_neutral
 def test_refusals(tmp_path):
     """Exit 2, a short message and no run directory: a record without a label, one class, an --eval-data label the
@@ -102,11 +110,20 @@ def test_refusals(tmp_path):
     unlabelled = write_jsonl(tmp_path / "unlabelled.jsonl", labelled(8) + [{"text": "no label here"}])
     single = write_jsonl(tmp_path / "single.jsonl", labelled(8, labels=("positive",)))
     other = write_jsonl(tmp_path / "other.jsonl", [{"text": "so so", "label": "neutral"}])
+    first = next(line for line, r in enumerate(labelled(16), start=1) if r["label"] == "negative")
     cases = {
         "unlabelled.jsonl:9: a record without a `label`": ["--data", unlabelled],  # its line, as a null label's
         "at least 2 labels": ["--data", single],
         "label 'neutral' is not one": ["--data", good, "--eval-data", other, "--eval-fraction", "0"],
         "--labels names a classifier": ["--data", good, "--method", "sft", "--labels", "a"],
+        f"good.jsonl:{first}: label 'negative' is not one of --labels": [
+            "--data",
+            good,
+            "--labels",
+            "positive",
+            "--labels",
+            "x",
+        ],
     }
     for message, flags in cases.items():
         out = tmp_path / "run"

@@ -378,7 +378,9 @@ def _json_lines(text: str, source: str):
 
 def _refuse_one_object(text: str, source: str) -> None:
     """A file that is one JSON object over many lines (pretty-printed, or records under a key such as `data`)
-    is told apart from broken JSON Lines."""
+    is told apart from broken JSON Lines; a file of one line is JSON Lines' own, whose line's error stands."""
+    if sum(1 for line in text.split("\n") if line.strip()) < 2:
+        return
     try:
         obj = json.loads(text, parse_int=_whole_number)
     except (ValueError, RecursionError):
@@ -1216,9 +1218,10 @@ def _answer(messages: list, name: str, where: str) -> str:
     message = messages[0] if len(messages) == 1 else None
     role = message.get("role") if isinstance(message, dict) else None
     if not isinstance(role, str) or ROLES.get(role) != "assistant" or not isinstance(message.get("content"), str):
+        first = messages[0].get("role") if messages and isinstance(messages[0], dict) else None
         raise UserError(
             f"{where}: after the prompt, `{name}` must be one assistant message {{role: assistant, content}}; it "
-            f"is {len(messages)} message(s)" + (f", the first with role {role!r}" if messages else "")
+            f"is {len(messages)} message(s)" + (f", the first with role {first!r}" if messages else "")
         )
     content = message["content"]
     _check_text(content, where, f"the {name} answer")

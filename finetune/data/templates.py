@@ -42,7 +42,10 @@ class Template:
 
     def segments(self, record: Record) -> list[tuple[str, bool]]:
         if record.turns:
-            raise UserError(f"chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}")
+            where = f"{record.where}: " if record.where else ""  # an --eval-data file's, as a training file's
+            raise UserError(
+                f"{where}chat records (messages) need --template gemma-chat or gemma4-chat, not {self.name}"
+            )
         prompt, response = self.apply(record)
         return [(prompt, False), (response, True)]
 

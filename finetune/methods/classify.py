@@ -55,10 +55,10 @@ class Classify(Supervised):
         found = sorted({label_of(r, cfg.data.path) for r in records}, key=_order)
         given = list(cfg.train.labels)
         if given:
-            missing = [name for name in found if name not in given]
-            if missing:
-                raise UserError(f"{cfg.data.path} has label {missing[0]!r}, which --labels ({', '.join(given)}) "
-                                "lacks; add it to --labels or leave --labels out")  # fmt: skip
+            missing = next((r for r in records if label_of(r, cfg.data.path) not in given), None)
+            if missing is not None:
+                raise UserError(f"{missing.where or cfg.data.path}: label {label_of(missing, cfg.data.path)!r} is not "
+                                f"one of --labels ({', '.join(given)}); add it to --labels or leave --labels out")  # fmt: skip
         labels = given or found
         if len(labels) < 2:
             raise UserError(f"{cfg.data.path} has {len(labels)} class ({', '.join(labels) or 'none'}); a classifier "
@@ -148,10 +148,21 @@ def label_of(record, source: str) -> str:
         raise UserError(f"{where}: a record without a `label`; a classifier trains on records that each have one "
                         "(a string or a whole number)")  # fmt: skip
     label = record.columns["label"]
-    if isinstance(label, bool) or not isinstance(label, (str, int)):
+    text = label_text(label)
+    if text is None:
         raise UserError(f"{where}: label {label!r} is neither text nor a whole number; give each record's class as "
                         "one of those")  # fmt: skip
-    return str(label)
+    return text
+
+
+def label_text(value) -> str | None:
+    """A label as the run names its class: text as it is, a whole number as its digits (1.0 as 1: pandas writes an
+    integer column with a gap as floats); None for anything else (true/false, 1.5, NaN, a list)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        return None
+    return str(value)
 
 
 def sequences(records, template, preprocessor, cfg, source: str, ids: dict | None) -> list:

@@ -60,8 +60,8 @@ def _labels(records) -> list[str]:
 
     if not any("label" in r.columns for r in records):
         return []
-    given = [r.columns.get("label") for r in records]
-    usable = [str(v) for v in given if isinstance(v, (str, int)) and not isinstance(v, bool) and v != ""]
+    given = [classify.label_text(r.columns.get("label")) for r in records]
+    usable = [v for v in given if v is not None]
     if not usable:
         return [f"labels (for --method classify): none of the {len(records):,} records has a usable label (text or "
                 "a whole number); a classifier refuses them"]  # fmt: skip
