@@ -95,6 +95,17 @@ def test_only_grpo_takes_prompts_and_grpo_takes_only_prompts():
     assert decided["loss_type"][0] == "dapo" and decided["num_generations"][0] == 8 and decided["beta"][0] == 0.0
 
 
+@pytest.mark.one_backend
+def test_grpo_s_samples_are_as_long_as_its_rollouts():
+    """samples.md's generations are scored by the rewards as rollouts are: they take --max-completion-length,
+    not --max-new-tokens (a length reward scored them at 48 tokens where rollouts had 8)."""
+    from finetune.config import Config
+
+    cfg = Config()
+    cfg.train.method, cfg.train.reward, cfg.train.max_completion_length = "grpo", ["length"], 8
+    assert registry.get("grpo").sample_tokens(cfg) == 8 and registry.get("sft").sample_tokens(cfg) == 48
+
+
 FAST = ["--preset", "tiny", "--precision", "float32", "--seq-len", "48", "--batch-size", "4", "--num-generations",
         "8", "--max-completion-length", "4", "--temperature", "1", "--lr", "3e-2", "--eval-fraction", "0.25",
         "--set", "train.samples=0"]  # fmt: skip

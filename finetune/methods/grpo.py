@@ -170,6 +170,10 @@ class GRPO(Method):
 
         return score
 
+    def sample_tokens(self, cfg) -> int:
+        """A rollout's budget: the samples are scored by the rewards as rollouts are, so they are as long."""
+        return self.constants(cfg.train)["max_completion_length"]
+
     def run_metrics(self, train, rows: list) -> dict:
         last = next((row for row in reversed(rows) if "reward" in row and "train_loss" in row), {})
         shown = ("reward", "reward_std", "completion_length", "kl", "clip_ratio_region", "entropy")

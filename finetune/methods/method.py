@@ -208,6 +208,10 @@ class Method:
         method scores no generation."""
         return None
 
+    def sample_tokens(self, cfg) -> int:
+        """The longest sample generation (samples.md): --max-new-tokens."""
+        return cfg.train.max_new_tokens
+
     # === Plan ===
 
     def sequences_per_entry(self, packed: bool, train=None) -> int:

@@ -216,7 +216,7 @@ def _held_out(run: resolve.Resolved, job, model: builder.Model, prepared: prepar
     scores = run.method.held_out_scores(model, rows, prepared.batch_size, feed, shards=run.part[2])
     # The records held out, as the line before the first evaluation counts them (rows is a dict of arrays for SFT).
     held_out = scoring.HeldOut(scores, len(prepared.held_out), model, samples, prepared.template,
-                               cfg.train.max_new_tokens)  # fmt: skip
+                               run.method.sample_tokens(cfg))  # fmt: skip
     if samples:
         held_out.judge = run.method.sample_scores(cfg, samples, prepare.tokenizer_of(model.preprocessor))
     return held_out
