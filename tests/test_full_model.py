@@ -338,3 +338,14 @@ def test_full_takes_the_same_controls_as_lora_accumulation_equals_the_whole_batc
             runs[name] = [(float(r["train_loss"]), float(r["grad_norm"])) for r in csv.DictReader(f) if r["train_loss"]]
     assert len(runs["whole"]) == 3 and runs["whole"][0][1] > 0.5  # clipped: the norm before clipping is logged
     assert np.array(runs["accumulated"]) == pytest.approx(np.array(runs["whole"]), rel=1e-5, abs=1e-6)
+
+
+def test_full_in_mixed_bfloat16_trains_on_every_backend(data, tmp_path):
+    """auto's precision for --full on a bf16 GPU or TPU (mixed_bfloat16) trains; every method's LoRA run in it:
+    test_method_matrix.py."""
+    result = invoke("gemma", "--preset", "tiny", "--backend", BACKEND, "--precision", "mixed_bfloat16", "--full",
+                    "--data", str(data), "--seq-len", "48", "--batch-size", "2", "--max-steps", "2",
+                    "--eval-fraction", "0", "--set", "train.samples=0", "--output", str(tmp_path / "run"))  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    run = metrics(tmp_path / "run")
+    assert run["steps"] == 2 and np.isfinite(run["train_loss"]), run

@@ -148,6 +148,18 @@ def test_dropout_and_neftune_train_finite_to_the_end_with_filler_rows(method, da
     assert len(trained) == 30 and all(math.isfinite(v) for v in trained)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's cond took the loss's chunks' branches in the run's dtype on "
+                    "JAX only; --full in mixed_bfloat16 trains on every backend (test_full_model.py)")  # fmt: skip
+@pytest.mark.parametrize("method", METHODS)
+def test_mixed_bfloat16_trains_with_every_method(method, data, tmp_path):
+    """--precision mixed_bfloat16: bfloat16 hidden states beside float32 weights. On JAX the loss's chunk branch
+    gave float32 gradients of the hidden states where its empty branch gave bfloat16, and XLA's cond refused them:
+    exit 1 on the first step, with every method but the classifier."""
+    result = run(method, data, tmp_path / "run", "--batch-size", "4", "--precision", "mixed_bfloat16")
+    assert result.exit_code == 0, result.output
+    assert all(math.isfinite(v) for v in losses(tmp_path / "run"))
+
+
 @neutral
 @pytest.mark.parametrize("method", METHODS)
 def test_added_tokens_train_with_every_method(method, data, tmp_path):

@@ -141,8 +141,10 @@ def _token_losses(t: Targets, chunk: int, entropy: bool):
                     delta = delta * slope
                 if entropy:
                     loss = ops.stack([loss, ops.stop_gradient(spread)], axis=-1)
+                # The hidden states' gradient in their dtype: under mixed_bfloat16 they are bfloat16 beside a
+                # float32 kernel, and XLA's cond takes no branch of another dtype than nothing()'s.
                 if projection is None:
-                    return loss, ops.matmul(ops.cast(delta, h.dtype), kernel)
+                    return loss, ops.cast(ops.matmul(ops.cast(delta, h.dtype), kernel), h.dtype)
                 return loss, kernel.times(delta, h.dtype), kernel.columns(delta)
 
             def nothing(h=h):

@@ -274,7 +274,7 @@ class Projection:
         vocabulary = self.added.base_vocabulary
         grad = ops.matmul(ops.cast(delta[:, :vocabulary], dtype), self.base)
         change = ops.cast(ops.convert_to_tensor(self.rows), "float32") - self.old_rows()
-        return grad + ops.cast(ops.matmul(self.columns(delta), change), dtype)
+        return ops.cast(grad + ops.cast(ops.matmul(self.columns(delta), change), dtype), dtype)
 
     def columns(self, delta):
         """delta's (N, k) columns of the new ids, float32."""
