@@ -46,6 +46,26 @@ _RUN_DIR = _argument("run_dir", "--run", metavar="DIR")
 _BACKEND = _argument("backend", "--backend", choices=_config.BACKENDS)
 
 
+def _keeps_the_dtype_policy(function):
+    """`function` leaves keras' global dtype policy as the caller had it: a run sets its precision's
+    (backend.select), and a notebook's next model would be built in it (a bf16 run left mixed_bfloat16 behind)."""
+    import functools
+    import sys
+
+    @functools.wraps(function)
+    def kept(*args, **kwargs):
+        keras = sys.modules.get("keras")  # not imported here: the call chooses the backend
+        before = keras.config.dtype_policy() if keras is not None else None
+        try:
+            return function(*args, **kwargs)
+        finally:
+            keras = sys.modules.get("keras")
+            if keras is not None:
+                keras.config.set_dtype_policy(before if before is not None else "float32")  # keras' own default
+
+    return kept
+
+
 @contextlib.contextmanager
 def _in_python_words(*arguments: _config.Setting, with_settings: bool = False):
     """A refusal raised to a Python caller names the argument or config key to change where the command line's
@@ -70,6 +90,7 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
         return run_as_command(cfg, resume)
 
 
+@_keeps_the_dtype_policy
 def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     """`run` as `finetune gemma` calls it: its refusals name the command line's flags."""
     from finetune import config
@@ -82,11 +103,17 @@ def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> di
     # A Config edited by hand in a notebook gets the recipe's checks: types, then ranges, naming the key.
     cfg = config.from_dict(cfg if isinstance(cfg, dict) else (cfg or Config()).to_dict())
     cfg = config.absolute_paths(cfg)  # config.yaml then names the same files from any directory
-    backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
-    from finetune.training import train
+    from finetune.training import loop  # numpy's alone: its handlers are in before the frameworks' imports
 
     try:
-        return train.run(cfg, resume=resume)
+        with loop.StopSignals() as signals:
+            # A Ctrl-C raised inside an import leaves its module half made, and the notebook's next call fails
+            # on it: a stop while the frameworks load is recorded, and taken once they have.
+            with loop.StopSignals.deferred():
+                backend.select(cfg.backend, cfg.train.xla_mem_fraction, presets.frameworks_needed(cfg.model.preset))
+                from finetune.training import train
+            signals.check()
+            return train.run(cfg, resume=resume)
     finally:
         if cfg.distribution.parallel != "none":  # a notebook's next run starts on one device again
             import keras
@@ -101,6 +128,7 @@ def _open(run_dir, backend: str | None = None):
     return runs.open_on(run_dir, backend)
 
 
+@_keeps_the_dtype_policy
 def evaluate(run_dir, data: str | None = None, backend: str | None = None, generate: int = 0) -> dict:
     """Per-token loss, perplexity and accuracy over response tokens of a finished run's adapter.
 
@@ -118,6 +146,7 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None, gener
         return runs.evaluate_run(_open(run_dir, backend), data, generate)
 
 
+@_keeps_the_dtype_policy
 def generate(
     run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None,
     images: list | None = None, audio: str | None = None, system: str | None = None, tools=None, **sampling,
@@ -153,6 +182,7 @@ def generate(
         return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, sampled, given)
 
 
+@_keeps_the_dtype_policy
 def load(run_dir, backend: str | None = None):
     """The keras-hub causal LM of a finished run, with its adapter loaded and its preprocessor attached.
 
@@ -167,6 +197,7 @@ def load(run_dir, backend: str | None = None):
     return lm
 
 
+@_keeps_the_dtype_policy
 def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype=None):
     """Write a finished run's adapter as `format` into the directory `output`; returns its path.
 
@@ -191,6 +222,7 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
         return export(run_dir, Request(format, output, overwrite, base, dtype), backend)
 
 
+@_keeps_the_dtype_policy
 def publish(run_dir, to: str, format: str = "keras", dry_run: bool = False, private: bool = False, backend=None):
     """Upload a finished run to the Hugging Face Hub or Kaggle Models with a model card written from its record;
     returns what went up (`files`: (name, bytes) pairs, `card`: the README.md, `url`).

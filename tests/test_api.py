@@ -64,6 +64,23 @@ def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished
     assert isinstance(lm.generate("Instruction:\nSay hi.\n\nResponse:\n", max_length=40), str)
 
 
+def test_keras_dtype_policy_is_the_caller_s_after_each_call(finished, tmp_path):
+    """A bfloat16 run, and load and evaluate of it, set keras' global policy to the run's (mixed_bfloat16) and
+    left it so: a notebook's next model was built in it. Each call now leaves it as it found it."""
+    import keras
+
+    out, _ = finished
+    keras.config.set_dtype_policy("float32")
+    settings = {"backend": BACKEND, "output.dir": str(tmp_path / "bf16"), "model.seq_len": 32, "train.batch_size": 2,
+                "train.max_steps": 1, "train.samples": 0, "data.max_records": 8, "model.precision": "bfloat16"}  # fmt: skip
+    finetune.run(finetune.load_config("tiny", settings))
+    assert keras.config.dtype_policy().name == "float32"
+    finetune.load(tmp_path / "bf16")
+    finetune.evaluate(tmp_path / "bf16")
+    assert keras.config.dtype_policy().name == "float32"
+    assert keras.layers.Dense(2).compute_dtype == "float32"
+
+
 def test_a_refusal_in_python_names_the_setting_or_argument_not_the_flag(finished, tmp_path):
     """A notebook has no --overwrite to pass: the refusal names what the caller sets instead."""
     out, _ = finished
