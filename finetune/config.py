@@ -1281,6 +1281,8 @@ def in_python_words(message: str, arguments: tuple[Setting, ...] = (), with_sett
             return found.group(0)  # a flag of the command line alone (--set, --recipe): as it is
         word = found.group(2) or ""
         value, tail = re.fullmatch(r"(.*?)([.,;:)]*)", word).groups()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":  # a value the message quoted
+            value = value[1:-1]
         if item.type is bool:
             return f"{item.key}=True" + (f" {word}" if word else "")
         if not word or not _is_value(item, value):
@@ -1288,7 +1290,9 @@ def in_python_words(message: str, arguments: tuple[Setting, ...] = (), with_sett
         placeholder = re.fullmatch(r"[A-Z][A-Za-z0-9_]*(\.\w+)?|-?\d+(\.\d+)?", value) is not None
         return f"{item.key}={value if placeholder else repr(value).replace(chr(39), chr(34))}{tail}"
 
-    return _FLAG_AND_WORD.sub(reworded, message)
+    # A command quoted in backticks (`finetune export --format hf`) is the command line's, and stays so.
+    parts = message.split("`")
+    return "`".join(part if i % 2 else _FLAG_AND_WORD.sub(reworded, part) for i, part in enumerate(parts))
 
 
 def _is_value(item: Setting, word: str) -> bool:

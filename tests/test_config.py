@@ -254,6 +254,9 @@ def test_a_message_for_the_command_line_is_reworded_for_python():
         ("raise --epochs or --max-steps to train further", "raise train.epochs or train.max_steps to train further"),
         ("--output is empty", "output.dir is empty"),
         ("use --set train.epochs=2 or --recipe tiny", "use --set train.epochs=2 or --recipe tiny"),  # no such setting
+        ("--output 'ftp://x' is not a place", 'output.dir="ftp://x" is not a place'),  # quoted once, not twice
+        ("`finetune export --format hf` keeps it; lower --rank", "`finetune export --format hf` keeps it; lower "
+         "lora.rank"),  # a command quoted in backticks stays the command line's
     ]:  # fmt: skip
         assert config.in_python_words(cli, (resume,)) == python
     assert config.in_python_words("pass --overwrite", with_settings=False) == "pass --overwrite"
