@@ -476,3 +476,27 @@ def test_a_prompt_of_trl_s_content_parts_reads_as_its_placeholder_form(tmp_path)
     write_lines(tmp_path / "plain.jsonl", [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}])
     (plain,), _ = formats.read(str(tmp_path / "plain.jsonl"))
     assert plain.turns == (("user", "Hi"),) and plain.images == ()
+
+
+@pytest.mark.one_backend  # token counts: numpy's and the tokenizer's
+@pytest.mark.parametrize("preset", ["tiny-gemma3-vision", GEMMA3N])
+def test_finetune_data_counts_a_picture_as_the_preset_s_soft_tokens(preset, tmp_path):
+    """`finetune data` counted each `<image>` as its text; it counts the soft tokens a run writes, so its longest
+    record is the run's own (prepare.pictured_examples), and a preset that sees no pictures says why it cannot."""
+    from types import SimpleNamespace
+
+    from finetune.data import templates
+    from finetune.methods import prepare
+
+    data = pictures(tmp_path, 4)
+    result = invoke("data", str(data), "--preset", preset, "--seq-len", "64")
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("tokens (")]
+    assert f"each picture and clip as {preset}'s soft tokens" in line, line
+    records, _ = formats.read(str(data))
+    made = prepare.pictured_examples(records, templates.get("gemma-chat"), vision_preprocessor(preset),
+                                     SimpleNamespace(model=SimpleNamespace(seq_len=4096, preset=preset),
+                                                     data=SimpleNamespace(train_on_prompt=False)), "x")  # fmt: skip
+    assert line.endswith(f"max {max(len(e.token_ids) for _, e in made):,}"), line
+    text = invoke("data", str(data), "--preset", "tiny", "--seq-len", "64")
+    assert "each <image> and <audio> counted as its text: " in text.output and "no vision encoder" in text.output

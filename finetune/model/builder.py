@@ -317,6 +317,21 @@ def load_tokenizer(source: presets.Source):
         raise UserError(f"could not load the tokenizer of {source.handle}: {str(e).splitlines()[0]}") from None
 
 
+def load_preprocessor(source: presets.Source, seq_len: int):
+    """The preset's preprocessor with its image and audio converters, without the model: what `finetune data`
+    writes a record's pictures and clips as the preset's soft tokens with. A transformers checkpoint's is made
+    with its model (_from_transformers): a UserError here."""
+    if source.kind == "tiny":
+        return presets.tiny_preprocessor(source.handle, presets.tiny_tokenizer(source.handle), seq_len)
+    if source.transformers or source.kind == "random":
+        raise UserError(f"{source.handle}'s preprocessor is made with its model")
+    cls = families.keras_hub_class(families.get(source.family))
+    try:
+        return cls.preprocessor_cls.from_preset(source.handle, sequence_length=seq_len)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"could not load the preprocessor of {source.handle}: {str(e).splitlines()[0]}") from None
+
+
 def _from_preset(cls, family, handle: str, dtype, quantize: str | None, images: bool):
     """The preset's causal LM as keras-hub's from_preset builds it, without the encoders the run does not feed,
     and quantized as it loads.

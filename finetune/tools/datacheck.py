@@ -45,8 +45,9 @@ def report(path: str, preset: str, template: str, seq_len: int, example: int = 1
         return lines + _prompt_report(records, renderer, preset, example)
     items = [renderer.segments(r) for r in records]
     lines += images.summary(records)
-    counted, cut_note = _tokens(items, preset, seq_len, train_on_prompt, example - 1,
-                                pictured=any(r.images for r in records))  # fmt: skip
+    written = _written(records, renderer, preset, seq_len, path)
+    counted, cut_note = _tokens([written.renderer.segments(r) for r in records], preset, seq_len, train_on_prompt,
+                                example - 1, written)  # fmt: skip
     lines += counted + _labels(records)
     lines += [f"example: record {example}, the loss is taken on the text between {MARKS[0]} and {MARKS[1]}:"]
     lines += ["  " + line for line in render(items[example - 1], train_on_prompt).split("\n")]
@@ -77,6 +78,48 @@ def _labels(records) -> list[str]:
     return [line]
 
 
+class Written:
+    """How `finetune data` counts records' pictures and clips: each placeholder written as the preset's soft tokens
+    (prepare.Media), as a run writes it, where the preset's preprocessor loads and sees or hears; else as its text,
+    with the reason (`how`)."""
+
+    def __init__(self, records, renderer, media=None, how: str = ""):
+        self.records = records
+        self.media_records = any(r.images or r.audios for r in records)
+        self.media = media
+        self.renderer = renderer if media is None else media.written(renderer)
+        self.how = how
+
+    def refused(self, whole, seq_len: int, skipped: set) -> list[str]:
+        """The lines naming the records with pictures that --seq-len cuts inside their soft tokens, which a run
+        refuses (images.model_inputs), among those it does not skip (`skipped`: their prompt fills the sequence);
+        none where the soft tokens were not counted."""
+        vision = self.media.vision if self.media is not None else None
+        if vision is None:
+            return []
+        reached = [r for i, (r, e) in enumerate(zip(self.records, whole)) if r.images and i not in skipped and
+                   np.flatnonzero(np.asarray(e.token_ids) == vision.placeholder_id).max(initial=0) >= seq_len]  # fmt: skip
+        if not reached:
+            return []
+        return [f"seq-len {seq_len}: {len(reached)} records with pictures are cut inside their image tokens, which a "
+                f"run refuses (the first: {reached[0].where or 'a record'}); raise --seq-len or shorten them"]  # fmt: skip
+
+
+def _written(records, renderer, preset: str, seq_len: int, path: str) -> Written:
+    """The records' Written: their pictures and clips as `preset`'s soft tokens where its preprocessor loads."""
+    if not any(r.images or r.audios for r in records):
+        return Written(records, renderer)
+    from finetune.methods import prepare
+    from finetune.model import builder  # imports keras: only once the data has been read
+
+    try:
+        media = prepare.Media.of(records, builder.load_preprocessor(presets.resolve(preset), seq_len), preset, path)
+    except UserError as e:
+        first = re.split(r"[;\n]|\. ", str(e))[0]
+        return Written(records, renderer, how=f", each <image> and <audio> counted as its text: {first}")
+    return Written(records, renderer, media, f", each picture and clip as {preset}'s soft tokens")
+
+
 def render(segments, train_on_prompt: bool = False) -> str:
     """A record's segments as one text, with the trained ones (and the closing <eos>) marked."""
     runs: list[list] = []
@@ -94,8 +137,10 @@ WHOLE = 10**9
 
 
 def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, example: int,
-            pictured: bool = False) -> tuple[list[str], str | None]:  # fmt: skip
-    """The token counts' lines, and what --seq-len does to record `example` (its index) where it cuts it."""
+            written=None) -> tuple[list[str], str | None]:  # fmt: skip
+    """The token counts' lines, and what --seq-len does to record `example` (its index) where it cuts it.
+
+    written: Written. How the records' pictures and clips were written (None: the records have none)."""
     from finetune.model import builder  # imports keras: only once the data has been read
 
     try:
@@ -107,7 +152,8 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, example: in
     examples, dropped = batching.tokenize(items, tokenizer, seq_len, train_on_prompt)
     lengths = np.array([len(e.token_ids) for e in whole])
     trained = sum(int(sum(e.weights)) for e in whole)
-    without = ", each <image> counted as its text, not the preset's image tokens" if pictured else ""
+    pictured = written is not None and written.media_records
+    without = written.how if pictured else ""
     lines = [
         f"tokens ({preset}'s tokenizer, with <bos> and <eos>{without}): min {lengths.min():,}, median "
         f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max {lengths.max():,}",
@@ -120,6 +166,7 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, example: in
             "prompt fills the sequence"
         )
     if pictured:
+        lines += written.refused(whole, seq_len, set(dropped))
         lines.append("packing: off for data with images (a row with pictures takes keras-hub's own mask)")
     elif examples:
         padded = batching.pad(examples, seq_len)
@@ -180,7 +227,9 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
     run writes the completions, and cuts a prompt from its left to leave them room (rollouts.prompts_of)."""
     from finetune.model import builder  # imports keras: only once the data has been read
 
+    written = _written(records, renderer, preset, 10**6, "the data")
     texts = [renderer.apply(r)[0] for r in records]
+    counted = texts if written.media is None else [written.media.expanded(t, r) for t, r in zip(texts, records)]
     pictured = any(r.images for r in records)
     lines = ["GRPO (--method grpo) writes the completions: a prompt longer than --seq-len less "
              "--max-completion-length is cut from its left, and none is skipped"
@@ -192,11 +241,16 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
         first = re.split(r"[;\n]|\. ", str(e))[0]
         lines.append(f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny")
     else:
-        lengths = np.array([1 + len(ids) for ids in batching.leading_ids(tokenizer, texts, 10**9)])
-        without = ", each <image> counted as its text, not the preset's image tokens" if pictured else ""
+        lengths = np.array([1 + len(ids) for ids in batching.leading_ids(tokenizer, counted, 10**9)])
+        without = written.how if written.media_records else ""
         lines.append(f"prompt tokens ({preset}'s tokenizer, with <bos>{without}): min {lengths.min():,}, median "
                      f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max "
                      f"{lengths.max():,}")  # fmt: skip
+        if pictured and written.media is not None:
+            longest = max((i for i, r in enumerate(records) if r.images), key=lambda i: lengths[i])
+            lines.append(f"the longest prompt with pictures takes {lengths[longest]:,} tokens "
+                         f"({records[longest].where or 'a prompt'}): a run needs --seq-len of at least that plus "
+                         "--max-completion-length, as it never cuts one")  # fmt: skip
     lines.append(f"example: prompt {example}, as the model is given it:")
     return lines + [("  " + line).rstrip() for line in texts[example - 1].split("\n")]
 
