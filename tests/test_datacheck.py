@@ -48,7 +48,7 @@ def test_finetune_data_counts_a_classifier_s_labels_in_the_order_a_run_numbers_t
                                      "--preset", "tiny"])  # fmt: skip
     assert "labels" not in plain.output
     floats = write(
-        tmp_path / "f.jsonl", [{"text": f"record {i}", "label": label} for i, label in enumerate([1.0, True])]
+        tmp_path / "f.jsonl", [{"text": f"record {i}", "label": label} for i, label in enumerate([1.5, True])]
     )
     result = CliRunner().invoke(app, ["data", str(floats), "--preset", "tiny"])
     assert "none of the 2 records has a usable label (text or a whole number)" in result.output
@@ -187,7 +187,9 @@ def test_finetune_data_reports_prompts_with_pictures_as_grpo_takes_them(tmp_path
     result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny-gemma3-vision"])
     assert result.exit_code == 0, result.output
     assert "a prompt with pictures is never cut: a longer one is refused" in result.output
-    assert "images: 3 in 3 of 3 records" in result.output and "each <image> counted as its text" in result.output
+    assert "images: 3 in 3 of 3 records" in result.output
+    assert "each picture and clip as tiny-gemma3-vision's soft tokens" in result.output
+    assert "the longest prompt with pictures takes" in result.output and "p.jsonl:1)" in result.output
 
 
 @pytest.mark.one_backend  # a fresh process of its own
