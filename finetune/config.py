@@ -730,7 +730,7 @@ class TrainConfig:
     max_new_tokens: int = setting(48, "Tokens generated for each sample.", range=Range(1), hint="try 48")
     checkpoint_every: int = setting(
         100,
-        "Save a resumable checkpoint every this many steps, and at each epoch's end.",
+        "Save a resumable checkpoint every this many steps, at each epoch's end and after each evaluation.",
         flag="--checkpoint-every", panel=OUTPUT, range=Range(1), hint="try --checkpoint-every 100",
     )  # fmt: skip
     keep_checkpoints: int = setting(

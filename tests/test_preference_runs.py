@@ -295,3 +295,21 @@ def test_a_dora_run_in_bfloat16_scores_its_reference_as_eval_does(pairs_file, tm
     evaluated = finetune.evaluate(out)
     assert evaluated["loss"] == pytest.approx(published["eval_loss"], abs=1e-6), (evaluated, published)
     assert published["eval_loss_before"] == pytest.approx(np.log(2), abs=1e-6)  # the fresh adapter is the base
+
+
+@pytest.mark.backend_neutral  # the rows' layout is numpy's
+def test_packing_auto_at_batch_1_trains_pairs_longer_than_a_row_unpacked(tmp_path):
+    """--batch-size 1 packs a micro-batch of one row, which a pair longer than --seq-len cannot fill whole: auto
+    trains the pairs unpacked, and says so (it was refused, as --packing on still is)."""
+    long = [{"prompt": "Tell me about " + "the river " * 12, "chosen": " It is long. " * 4, "rejected": " No."}] * 8
+    data = write_jsonl(tmp_path / "long.jsonl", long)
+    flags = ["--preset", "tiny", "--backend", BACKEND, "--method", "dpo", "--data", str(data), "--seq-len", "48",
+             "--batch-size", "1", "--max-steps", "1", "--eval-fraction", "0", "--set", "train.samples=0"]  # fmt: skip
+    result = invoke("gemma", *flags, "--output", str(tmp_path / "auto"))
+    assert result.exit_code == 0, result.output
+    assert "note: packing off: a pair is longer than one row of --seq-len 48" in result.output
+    resolved = yaml.safe_load((tmp_path / "auto" / "config.yaml").read_text())["resolved"]
+    assert resolved["packing"]["value"] is False, resolved
+    refused = invoke("gemma", *flags, "--packing", "on", "--output", str(tmp_path / "on"))
+    assert refused.exit_code == 2 and "pass --batch-size 2 or more, or --packing off" in refused.output
+    assert not (tmp_path / "on").exists()

@@ -71,6 +71,10 @@ class Preference(Method):
             batch_size, why = self._probe(usable, seq_len, bool(packed), probe, cfg.train.grad_accum)
         train, held_out = prepare.split(usable, cfg, every_record_of)
         held_out_rows = self.pad([p for _, p in held_out], seq_len)
+        if packed and cfg.data.packing == "auto" and batch_size == 1 and not _fit_one_row(train, seq_len):
+            print(f"note: packing off: a pair is longer than one row of --seq-len {seq_len}, and --batch-size 1 "
+                  "packs a micro-batch of one row")  # fmt: skip
+            packed = False
         prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=bool(packed))
         prepared.batch_size_why = why
         if packed is not None:
@@ -187,6 +191,12 @@ class Preference(Method):
                     f"the activations are an SFT batch's of as many rows{reference}")  # fmt: skip
         return (f"--method {self.name}: each of the batch's pairs is two sequences, so the activations are twice an "
                 f"SFT batch's{reference}")  # fmt: skip
+
+
+def _fit_one_row(train, seq_len: int) -> bool:
+    """Whether each training pair's two sequences fit one row of seq_len together (packed, a micro-batch of one
+    row holds a pair whole)."""
+    return all(len(p.chosen.token_ids) + len(p.rejected.token_ids) - 2 <= seq_len for _, p in train)
 
 
 def _packed(arrays, rows: int, seq_len: int):

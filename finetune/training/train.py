@@ -160,6 +160,8 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     prepared = method.prepare(data.records, model.preprocessor, cfg, packed=packing.value, probe=probe)
     if data.eval_records is not None:
         prepared = method.evaluated_on(prepared, data.eval_records, model.preprocessor, cfg)
+    if packing.value and not prepared.packed:  # auto, and the method found its rows do not pack (batch 1)
+        packing = resolve.Decision(False, "auto: the method's rows do not pack at this --batch-size")
     settled = {"packing": packing}
     if cfg.train.compile:  # after the batch size's probe, which stays eager
         settled["compile"] = resolve.Decision(*builder.compile_step(model, packing.value))
