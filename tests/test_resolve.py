@@ -224,3 +224,19 @@ def test_pairs_pack_as_sft_s_examples_do(monkeypatch):
     packed = resolve.packing(LM(), "auto", DPO)
     assert packed.value is True and "pairs packed" in packed.why
     assert resolve.packing(LM(), "on", DPO).value is True
+
+
+@pytest.mark.one_backend
+def test_controls_the_run_s_length_leaves_idle_are_noted():
+    """A warmup as long as the run, --eval-every past its end, an --early-stop or --keep-best with too few
+    evaluations: each runs as asked, with a note (they were silent)."""
+    cfg = Config()
+    assert resolve.plan_notes(cfg, total=30, warmup=3, steps_per_epoch=10) == []
+    (warm,) = resolve.plan_notes(cfg, total=3, warmup=10, steps_per_epoch=10)
+    assert "the warmup takes 10 steps and the run 3" in warm and "0.2x" in warm
+    cfg.eval.every, cfg.eval.early_stop, cfg.eval.keep_best = 10, 2, True
+    said = " | ".join(resolve.plan_notes(cfg, total=3, warmup=0, steps_per_epoch=10))
+    assert "--eval-every 10 is past the run's 3 steps: the held-out split is scored 1 time" in said
+    assert "--early-stop 2 needs more evaluations than the run's 1" in said and "--keep-best has one" in said
+    cfg.eval.every = 1  # three evaluations: early stop after two without a better one can act
+    assert resolve.plan_notes(cfg, total=3, warmup=0, steps_per_epoch=10) == []

@@ -262,6 +262,28 @@ def steps(train, steps_per_epoch: int) -> dict:
     return {"steps": decided, "warmup_steps": Decision(warmup, why)}
 
 
+def plan_notes(cfg, total: int, warmup: int, steps_per_epoch: int) -> list[str]:
+    """What the run's length leaves some controls unable to do, as notes: a warmup as long as the run, an
+    --eval-every past its end, an --early-stop or --keep-best with too few evaluations to act on."""
+    notes = []
+    if warmup >= total > 0:
+        notes.append(f"the warmup takes {warmup} steps and the run {total}: the learning rate never reaches --lr "
+                     f"(its last step trains at {(total - 1) / max(1, warmup):.2g}x it); lower --warmup-steps or "
+                     "--warmup-ratio")  # fmt: skip
+    every = cfg.eval.every
+    evaluations = sum(1 for step in range(1, total + 1) if (every and step % every == 0) or
+                      step % steps_per_epoch == 0 or step == total)  # the loop's (Evaluation.due)  # fmt: skip
+    if every and every > total:
+        notes.append(f"--eval-every {every} is past the run's {total} steps: the held-out split is scored "
+                     f"{evaluations} time{'s' * (evaluations != 1)}, at each epoch's end and the last step")  # fmt: skip
+    if cfg.eval.early_stop is not None and evaluations <= cfg.eval.early_stop:
+        notes.append(f"--early-stop {cfg.eval.early_stop} needs more evaluations than the run's {evaluations} "
+                     "to stop it early; lower --eval-every for more")  # fmt: skip
+    if cfg.eval.keep_best and evaluations < 2:
+        notes.append("--keep-best has one evaluation to choose from: the run publishes its last step's adapter")
+    return notes
+
+
 def replanned(train, saved: dict, steps_per_epoch: int, done: int) -> str | None:
     """What a resume that trains to another end than first planned does to the learning-rate schedule, as a note:
     the decay (linear, cosine) and a --warmup-ratio are planned over the run's steps, so they stretch over the new

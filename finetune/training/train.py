@@ -179,6 +179,8 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
         print(f"note: one optimizer step of --batch-size {prepared.batch_size} x --grad-accum {cfg.train.grad_accum} "
               "takes every training row or more: each step is one pass over the data; lower --grad-accum for more "
               "steps an epoch")  # fmt: skip
+    for note in resolve.plan_notes(cfg, settled["steps"].value, settled["warmup_steps"].value, order.steps_per_epoch):
+        print(f"note: {note}")
     changed = found and resolve.replanned(cfg.train, found.state()["config"], order.steps_per_epoch, found.step)
     if changed:
         print(f"note: {changed}")
