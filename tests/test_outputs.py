@@ -1,6 +1,8 @@
 """The run directory (outputs.py): checked before any work, claimed, published file by file, never lost to a
 failed overwrite or taken by a second run."""
 
+import re
+
 import pytest
 import yaml
 from conftest import SHORT, invoke, run_with_fault, train
@@ -108,6 +110,9 @@ def test_history_plot_and_summary(tmp_path):
     )
     table = outputs.summary_table(metrics, tmp_path)
     assert "3.0000 -> 2.0000" in table and "jax" in table
+    assert re.search(r"LoRA rank +\| 4\n", table)  # plain LoRA: the rank alone
+    varied = outputs.summary_table({**metrics, "lora_variant": "DoRA, dropout 0.1, on an int4 base"}, tmp_path)
+    assert "| 4, DoRA, dropout 0.1, on an int4 base" in varied
     assert "| gpu (NVIDIA L4), bfloat16" in table  # where it trained, and in what
     assert "n/a" in table  # one step in this session: nothing timed
 

@@ -769,7 +769,7 @@ def summary_table(metrics: dict, run_dir) -> str:
         ("backend", metrics["backend"]),
         ("device", f"{metrics['device_name']}, {metrics['dtype_policy']}"),
         ("preset", metrics["preset"]),
-        ("trained", "every weight (--full)") if metrics.get("full") else ("LoRA rank", str(metrics["rank"])),
+        ("trained", "every weight (--full)") if metrics.get("full") else ("LoRA rank", _lora(metrics)),
         ("train steps", str(metrics["steps"])),
         ("padding", _padding(metrics)),
         ("train loss", f"{metrics['train_loss']:.4f}"),
@@ -784,6 +784,11 @@ def summary_table(metrics: dict, run_dir) -> str:
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line] + _guard_warnings(metrics))
+
+
+def _lora(metrics: dict) -> str:
+    """The LoRA row: its rank, then what it is beside (DoRA, rsLoRA, LoRA+, dropout, a quantized base)."""
+    return ", ".join(filter(None, [str(metrics["rank"]), metrics.get("lora_variant")]))
 
 
 def _guard_warnings(metrics: dict) -> list[str]:

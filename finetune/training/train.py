@@ -190,6 +190,17 @@ def _session(decided: resolve.Resolved, data: Data, job, found, phase) -> Sessio
     return Session(run, model, prepared, order, run.steps, _held_out(run, job, model, prepared), found, phase)
 
 
+def _lora_variant(cfg) -> str:
+    """What the run's LoRA is beside its rank, in words (the summary's): DoRA, rsLoRA, LoRA+, dropout, and the
+    quantized base it adapts; "" for plain LoRA on a float base."""
+    lora = cfg.lora
+    parts = [name for name, on in (("DoRA", lora.dora), ("rsLoRA", lora.rslora)) if on]
+    parts += [f"LoRA+ ratio {lora.plus_ratio:g}"] if lora.plus_ratio else []
+    parts += [f"dropout {lora.dropout:g}"] if lora.dropout else []
+    parts += [f"on an {cfg.model.quantize} base"] if cfg.model.quantize else []
+    return ", ".join(parts)
+
+
 def _optimize(run: resolve.Resolved, trainer) -> None:
     """Give the trainer the run's optimizer (model/optimizer.py): its schedule, clipping and accumulation."""
     train = run.config.train
@@ -338,6 +349,7 @@ def _metrics(session: Session, steps: loop.Loop, start: checkpoint.RunState) -> 
         "preset": cfg.model.preset,
         "full": cfg.model.full,  # every weight trained: no LoRA, so no rank, alpha or targets
         "rank": None if cfg.model.full else cfg.lora.rank,
+        "lora_variant": None if cfg.model.full else _lora_variant(cfg),
         "alpha": None if cfg.model.full else run.alpha,
         "targets": [] if cfg.model.full else list(cfg.lora.targets),
         "adapted_layers": session.model.adapted,
