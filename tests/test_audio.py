@@ -359,8 +359,7 @@ def test_gemma3n_gives_every_clip_its_fixed_tokens_and_keras_hub_s_frames(tmp_pa
 def test_a_gemma3n_row_hears_its_own_clip_beside_a_row_without_one(tmp_path):
     """keras-hub's Gemma 3n places the batch's clips by their order in the whole batch, not by row: a row with a
     clip after a text row (its slot empty) gives the hidden states it gives alone, as does the text row."""
-    import keras
-    from test_images import _cfg
+    from test_images import _cfg, batch_hidden
 
     from finetune.data import batching, templates
     from finetune.model import builder, presets
@@ -375,15 +374,9 @@ def test_a_gemma3n_row_hears_its_own_clip_beside_a_row_without_one(tmp_path):
     names = builder.input_names(lm)
     assert "audio_indices" not in names  # its causal LM declares them; its backbone never reads them
 
-    def hidden(rows):
-        x, _, _ = batching.inputs(arrays, np.array(rows), 1, 64, names=names)
-        x = {key: x[key] for key in names}
-        x["padding_mask"] = x["padding_mask"] > 0
-        return keras.ops.convert_to_numpy(lm.backbone(x))
-
-    both, heard = hidden([0, 1]), hidden([1])
+    both, heard = batch_hidden(lm, arrays, [0, 1]), batch_hidden(lm, arrays, [1])
     np.testing.assert_allclose(both[1], heard[0], atol=1e-5)
-    np.testing.assert_allclose(both[0], hidden([0])[0], atol=1e-5)
+    np.testing.assert_allclose(both[0], batch_hidden(lm, arrays, [0])[0], atol=1e-5)
 
 
 @pytest.mark.one_backend

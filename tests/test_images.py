@@ -378,14 +378,26 @@ def test_a_vision_preset_trains_on_text_alone_unpacked(preset, tmp_path):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1
 
 
+def batch_hidden(lm, arrays, rows, seq_len=64):
+    """The backbone's hidden states of `rows` of padded `arrays`, fed as a run feeds them (the model's own inputs)."""
+    import keras
+
+    from finetune.data import batching
+    from finetune.model import builder
+
+    names = builder.input_names(lm)
+    x, _, _ = batching.inputs(arrays, np.array(rows), 1, seq_len, names=names)
+    x = {name: x[name] for name in names}
+    x["padding_mask"] = x["padding_mask"] > 0
+    return keras.ops.convert_to_numpy(lm.backbone(x))
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the batch's layout is the same on every backend; every suite trains "
                     "tiny-gemma3n-vision on pictures")  # fmt: skip
 def test_a_gemma3n_row_reads_its_own_picture_beside_a_row_with_more(tmp_path):
     """keras-hub's Gemma 3n places the batch's pictures by their order in the whole batch, not by row. A row with two
     pictures after a row with one (and an empty slot) gives the same hidden states as it does alone: the batch's
     pictures are laid out in their order, then the empty slots (images.in_batch_order)."""
-    import keras
-
     from finetune.data import batching, templates
     from finetune.methods import prepare
     from finetune.model import builder, presets
@@ -404,10 +416,7 @@ def test_a_gemma3n_row_reads_its_own_picture_beside_a_row_with_more(tmp_path):
     assert "vision_indices" not in names
 
     def hidden(rows):
-        x, _, _ = batching.inputs(arrays, np.array(rows), 1, 64, names=names)
-        x = {name: x[name] for name in names}
-        x["padding_mask"] = x["padding_mask"] > 0
-        return keras.ops.convert_to_numpy(lm.backbone(x))
+        return batch_hidden(lm, arrays, rows)
 
     both, alone = hidden([0, 1]), hidden([1])
     length = len(made[1][1].token_ids) - 1
