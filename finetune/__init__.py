@@ -46,19 +46,27 @@ _RUN_DIR = _argument("run_dir", "--run", metavar="DIR")
 _BACKEND = _argument("backend", "--backend", choices=_config.BACKENDS)
 
 
-def _keeps_the_dtype_policy(function):
-    """`function` leaves keras' global dtype policy as the caller had it: a run sets its precision's
-    (backend.select), and a notebook's next model would be built in it (a bf16 run left mixed_bfloat16 behind)."""
+def _keeps_the_caller_s_state(function):
+    """`function` leaves keras' global dtype policy, and Python's and NumPy's global random generators, as the
+    caller had them: a run sets its precision's policy (backend.select) and seeds every generator with its seed
+    (keras.utils.set_random_seed), and a notebook's next model was built in that policy (a bf16 run left
+    mixed_bfloat16 behind) and its next draws were the run's."""
     import functools
+    import random
     import sys
+
+    import numpy as np
 
     @functools.wraps(function)
     def kept(*args, **kwargs):
         keras = sys.modules.get("keras")  # not imported here: the call chooses the backend
         before = keras.config.dtype_policy() if keras is not None else None
+        drawn = random.getstate(), np.random.get_state()
         try:
             return function(*args, **kwargs)
         finally:
+            random.setstate(drawn[0])
+            np.random.set_state(drawn[1])
             keras = sys.modules.get("keras")
             if keras is not None:
                 keras.config.set_dtype_policy(before if before is not None else "float32")  # keras' own default
@@ -90,7 +98,7 @@ def run(cfg: Config | dict | None = None, resume: bool = False) -> dict:
         return run_as_command(cfg, resume)
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def run_as_command(cfg: Config | dict | None = None, resume: bool = False) -> dict:
     """`run` as `finetune gemma` calls it: its refusals name the command line's flags."""
     from finetune import config
@@ -128,7 +136,7 @@ def _open(run_dir, backend: str | None = None):
     return runs.open_on(run_dir, backend)
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def evaluate(run_dir, data: str | None = None, backend: str | None = None, generate: int = 0) -> dict:
     """Per-token loss, perplexity and accuracy over response tokens of a finished run's adapter.
 
@@ -146,7 +154,7 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None, gener
         return runs.evaluate_run(_open(run_dir, backend), data, generate)
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def generate(
     run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None,
     images: list | None = None, audio: str | None = None, system: str | None = None, tools=None, **sampling,
@@ -182,7 +190,7 @@ def generate(
         return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, sampled, given)
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def load(run_dir, backend: str | None = None):
     """The keras-hub causal LM of a finished run, with its adapter loaded and its preprocessor attached.
 
@@ -197,7 +205,7 @@ def load(run_dir, backend: str | None = None):
     return lm
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def export(run_dir, format: str, output, overwrite: bool = False, base: bool = False, backend=None, dtype=None):
     """Write a finished run's adapter as `format` into the directory `output`; returns its path.
 
@@ -222,7 +230,7 @@ def export(run_dir, format: str, output, overwrite: bool = False, base: bool = F
         return export(run_dir, Request(format, output, overwrite, base, dtype), backend)
 
 
-@_keeps_the_dtype_policy
+@_keeps_the_caller_s_state
 def publish(run_dir, to: str, format: str = "keras", dry_run: bool = False, private: bool = False, backend=None):
     """Upload a finished run to the Hugging Face Hub or Kaggle Models with a model card written from its record;
     returns what went up (`files`: (name, bytes) pairs, `card`: the README.md, `url`).

@@ -64,16 +64,26 @@ def test_load_returns_the_keras_hub_model_with_adapter_and_preprocessor(finished
     assert isinstance(lm.generate("Instruction:\nSay hi.\n\nResponse:\n", max_length=40), str)
 
 
-def test_keras_dtype_policy_is_the_caller_s_after_each_call(finished, tmp_path):
+def test_keras_dtype_policy_and_the_global_random_draws_are_the_caller_s_after_each_call(finished, tmp_path):
     """A bfloat16 run, and load and evaluate of it, set keras' global policy to the run's (mixed_bfloat16) and
-    left it so: a notebook's next model was built in it. Each call now leaves it as it found it."""
+    left it so: a notebook's next model was built in it; and a run reseeded Python's and NumPy's generators with
+    its own seed. Each call now leaves them as it found them."""
+    import random
+
     import keras
+    import numpy as np
 
     out, _ = finished
     keras.config.set_dtype_policy("float32")
+    random.seed(123)
+    np.random.seed(123)
+    expected = (random.random(), np.random.random())
+    random.seed(123)
+    np.random.seed(123)
     settings = {"backend": BACKEND, "output.dir": str(tmp_path / "bf16"), "model.seq_len": 32, "train.batch_size": 2,
                 "train.max_steps": 1, "train.samples": 0, "data.max_records": 8, "model.precision": "bfloat16"}  # fmt: skip
     finetune.run(finetune.load_config("tiny", settings))
+    assert (random.random(), np.random.random()) == expected  # the draws the notebook was making
     assert keras.config.dtype_policy().name == "float32"
     finetune.load(tmp_path / "bf16")
     finetune.evaluate(tmp_path / "bf16")
