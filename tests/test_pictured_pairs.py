@@ -152,3 +152,22 @@ def test_predict_refuses_a_pictured_record_too_long_rather_than_leave_a_line_out
     records = [dataclasses.replace(r, instruction="<image>" + " long" * 80) for r in _pairs(tmp_path)[:1]]
     with pytest.raises(UserError, match="longer than the run's --seq-len 64"):
         classify.sequences(records, templates.get("none"), _preprocessor(), _cfg(), "x.jsonl", None)
+
+
+@pytest.mark.one_backend  # token counts: numpy's and the tokenizer's
+def test_finetune_data_counts_a_pair_s_picture_and_the_pairs_a_run_skips_for_it(tmp_path):
+    """`finetune data` on pairs with pictures counts them as the preset's soft tokens and names the pairs a run
+    skips because cutting their prompt would cut a picture, as the run does (preference.pair_examples)."""
+    from conftest import invoke
+    from test_images import write_lines
+
+    rows = [{"prompt": "<image>" + "Tell me the colour. " * (1 + 10 * i), "chosen": " Red.", "rejected": " Blue.",
+             "images": [square(tmp_path / f"{i}.png")]} for i in range(4)]  # fmt: skip
+    data = write_lines(tmp_path / "pairs.jsonl", rows)
+    result = invoke("data", str(data), "--preset", PRESET, "--seq-len", "128")
+    assert result.exit_code == 0, result.output
+    assert f"each picture and clip as {PRESET}'s soft tokens" in result.output
+    assert "2 of 4 pairs are cut" in result.output and "2 with pictures or audio skipped" in result.output
+    records, _ = formats.read(str(data))
+    kept = preference.pair_examples(records, templates.get("none"), _preprocessor(), _cfg(128), "pairs.jsonl")
+    assert len(kept) == 2

@@ -267,13 +267,18 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
     except UserError as e:
         first = re.split(r"[;\n]|\. ", str(e))[0]
         return [f"tokens: not counted ({first}); pass --preset with a tokenizer this machine has, such as tiny"]
-    whole, _ = pairs.pairs(records, renderer, tokenizer, WHOLE)
-    made, cut = pairs.pairs(records, renderer, tokenizer, seq_len)
-    alike = sum(p.alike for p in made)
+    written = _written(records, renderer, preset, seq_len, "the data")  # a pair's pictures, as the run writes them
+    whole, _ = pairs.pairs(records, written.renderer, tokenizer, WHOLE)
+    made, cut = pairs.pairs(records, written.renderer, tokenizer, seq_len)
+    # As the run skips them (preference.pair_examples): a pair with pictures whose prompt is cut, then one whose
+    # answers the cut leaves the same tokens.
+    pictured = sum(p.prompt_cut and bool(r.images or r.audios) for r, p in zip(records, made)) if written.media else 0
+    alike = sum(p.alike and not (p.prompt_cut and (r.images or r.audios)) for r, p in zip(records, made))
     prompt = np.array([p.prompt_length - 1 for p in whole])
     answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
                for side in ("chosen", "rejected")}  # fmt: skip
-    lines = [f"tokens ({preset}'s tokenizer; answers with <eos>, the prompt without <bos>):"]
+    how = written.how if written.media_records else ""
+    lines = [f"tokens ({preset}'s tokenizer; answers with <eos>, the prompt without <bos>{how}):"]
     for label, lengths in (("prompt", prompt), *answers.items()):
         lines.append(
             f"  {label}: min {lengths.min():,}, median {int(np.median(lengths)):,}, 95th percentile "
@@ -283,6 +288,8 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
         f"seq-len {seq_len}: {cut} of {len(records)} pairs are cut (the prompt from its left, keeping at least half "
         "the sequence, then the answers at their end), "
         + (f"{alike} of them skipped: the cut leaves their chosen and rejected answers the same tokens, so there is no "
-           "preference to learn; raise --seq-len to keep them" if alike else "none skipped")
+           "preference to learn; raise --seq-len to keep them" if alike else "none skipped" if not pictured else "")
+        + (f"{'; ' if alike else ''}{pictured} with pictures or audio skipped: cutting their prompt would cut its "
+           "soft tokens" if pictured else "")
     )  # fmt: skip
     return lines
