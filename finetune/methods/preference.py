@@ -71,16 +71,16 @@ class Preference(Method):
             batch_size, why = self._probe(usable, seq_len, bool(packed), probe, cfg.train.grad_accum)
         train, held_out = prepare.split(usable, cfg, every_record_of)
         held_out_rows = self.pad([p for _, p in held_out], seq_len)
-        if packed and cfg.data.packing == "auto" and batch_size == 1 and not _fit_one_row(train, seq_len):
-            print(f"note: packing off: a pair is longer than one row of --seq-len {seq_len}, and --batch-size 1 "
-                  "packs a micro-batch of one row")  # fmt: skip
-            packed = False
         prepared = prepare.Prepared(template, train, held_out, batch_size, held_out_rows, packed=bool(packed))
         prepared.batch_size_why = why
         if packed is not None:
             prepared.rows = self.pad([p for _, p in train], seq_len)
             share = packing.padding_fraction(pair_batches.both_sides(prepared.rows))
             prepared.padding = {"padding_fraction": share, "unpacked": share}
+            if packed and batch_size == 1 and cfg.data.packing == "auto" and _longest_pair(prepared.rows) > seq_len:
+                print(f"note: packing off: a pair is longer than one row of --seq-len {seq_len}, and --batch-size 1 "
+                      "packs a micro-batch of one row")  # fmt: skip
+                packed = prepared.packed = False
             if packed:
                 prepared.rows.packed = _packed(prepared.rows, batch_size, seq_len)
                 prepared.padding["padding_fraction"] = prepared.rows.packed.padding_fraction()
@@ -193,20 +193,24 @@ class Preference(Method):
                 f"SFT batch's{reference}")  # fmt: skip
 
 
-def _fit_one_row(train, seq_len: int) -> bool:
-    """Whether each training pair's two sequences fit one row of seq_len together (packed, a micro-batch of one
-    row holds a pair whole)."""
-    return all(len(p.chosen.token_ids) + len(p.rejected.token_ids) - 2 <= seq_len for _, p in train)
+def _longest_pair(arrays) -> int:
+    """The positions of the longest pair's two sequences together: what a packed micro-batch of one row holds."""
+    return int(pair_batches.sequence_lengths(arrays).sum(1).max())
 
 
 def _packed(arrays, rows: int, seq_len: int):
     """The training pairs packed into micro-batches of `rows` rows; refuses a pair one micro-batch cannot hold."""
-    lengths = pair_batches.sequence_lengths(arrays)
-    if rows == 1 and int(lengths.sum(1).max()) > seq_len:
-        raise UserError(f"a pair of {int(lengths.sum(1).max())} tokens does not fit one row of --seq-len {seq_len}, "
+    if rows == 1 and _longest_pair(arrays) > seq_len:
+        raise UserError(f"a pair of {_longest_pair(arrays)} tokens does not fit one row of --seq-len {seq_len}, "
                         "and packed pairs keep both sequences in one micro-batch of --batch-size rows; pass "
                         "--batch-size 2 or more, or --packing off")  # fmt: skip
     return pair_packing.pack(arrays, rows)
+
+
+def cuts_its_media(record, pair: pairs.Pair) -> bool:
+    """Whether fitting the pair to seq_len cut its prompt, which holds pictures or clips: the cut would take some of
+    their soft tokens, so the pair is skipped (pair_examples; `finetune data` counts them)."""
+    return pair.prompt_cut and bool(record.images or record.audios)
 
 
 def pair_examples(records, template, preprocessor, cfg, source: str = "") -> list:
@@ -227,7 +231,7 @@ def pair_examples(records, template, preprocessor, cfg, source: str = "") -> lis
                                 "which both answers follow; this one has a placeholder in an answer")  # fmt: skip
     written = template if media is None else media.written(template)
     made, _ = pairs.pairs(records, written, prepare.tokenizer_of(preprocessor), seq_len)
-    kept = [(r, p) for r, p in zip(records, made) if not (p.prompt_cut and (r.images or r.audios))]
+    kept = [(r, p) for r, p in zip(records, made) if not cuts_its_media(r, p)]
     skipped = len(made) - len(kept)
     alike = [(r, p) for r, p in kept if p.alike]
     if alike:

@@ -260,6 +260,7 @@ def _marked(answer: str) -> str:
 
 
 def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
+    from finetune.methods import preference
     from finetune.model import builder  # imports keras: only once the data has been read
 
     try:
@@ -272,8 +273,8 @@ def _pair_tokens(records, renderer, preset: str, seq_len: int) -> list[str]:
     made, cut = pairs.pairs(records, written.renderer, tokenizer, seq_len)
     # As the run skips them (preference.pair_examples): a pair with pictures whose prompt is cut, then one whose
     # answers the cut leaves the same tokens.
-    pictured = sum(p.prompt_cut and bool(r.images or r.audios) for r, p in zip(records, made)) if written.media else 0
-    alike = sum(p.alike and not (p.prompt_cut and (r.images or r.audios)) for r, p in zip(records, made))
+    pictured = sum(preference.cuts_its_media(r, p) for r, p in zip(records, made)) if written.media else 0
+    alike = sum(p.alike and not preference.cuts_its_media(r, p) for r, p in zip(records, made))
     prompt = np.array([p.prompt_length - 1 for p in whole])
     answers = {side: np.array([len(getattr(p, side).token_ids) - p.prompt_length for p in whole])
                for side in ("chosen", "rejected")}  # fmt: skip

@@ -105,10 +105,7 @@ class Evaluation:
 
     def due(self, step: int, steps_per_epoch: int, total_steps: int) -> bool:
         """Whether to evaluate after `step`."""
-        if self.score is None:
-            return False
-        every = step % self.every == 0 if self.every else False
-        return every or step % steps_per_epoch == 0 or step == total_steps
+        return self.score is not None and evaluates_after(step, self.every, steps_per_epoch, total_steps)
 
     def stop_reason(self, progress: Progress) -> str | None:
         """Why to stop early after the evaluation just made; None to go on."""
@@ -118,6 +115,12 @@ class Evaluation:
         best = progress.best()
         return f"{stale} evaluations without {self.method.better_words(best)} at step {best.get('step')} " \
                f"(--early-stop {self.early_stop})"  # fmt: skip
+
+
+def evaluates_after(step: int, every: int | None, steps_per_epoch: int, total_steps: int) -> bool:
+    """Whether a run that holds records out scores them after `step`: every --eval-every steps, at each epoch's
+    end, and at its last step."""
+    return bool(every and step % every == 0) or step % steps_per_epoch == 0 or step == total_steps
 
 
 def _stopped_before_training(name: str) -> str:

@@ -26,7 +26,7 @@ from finetune.methods import registry
 from finetune.model import distribution, families, presets
 from finetune.platform import backend, platforms
 from finetune.platform.errors import UserError
-from finetune.training import plan
+from finetune.training import loop, plan
 
 KAGGLE_TIME_LIMIT = "11h30m"  # Kaggle sessions end at 12 hours: leave time to save and copy out
 
@@ -271,8 +271,7 @@ def plan_notes(cfg, total: int, warmup: int, steps_per_epoch: int) -> list[str]:
                      f"(its last step trains at {(total - 1) / max(1, warmup):.2g}x it); lower --warmup-steps or "
                      "--warmup-ratio")  # fmt: skip
     every = cfg.eval.every
-    evaluations = sum(1 for step in range(1, total + 1) if (every and step % every == 0) or
-                      step % steps_per_epoch == 0 or step == total)  # the loop's (Evaluation.due)  # fmt: skip
+    evaluations = sum(loop.evaluates_after(step, every, steps_per_epoch, total) for step in range(1, total + 1))
     if every and every > total:
         notes.append(f"--eval-every {every} is past the run's {total} steps: the held-out split is scored "
                      f"{evaluations} time{'s' * (evaluations != 1)}, at each epoch's end and the last step")  # fmt: skip
