@@ -184,6 +184,8 @@ def test_the_reference_keeps_float32_in_a_bfloat16_run():
         assert np.abs(arrays.reference).max() > 20  # sums large enough for bfloat16 to round away a tenth
         scored = preference.pair_metrics(view, batches)
         assert scored["loss"] == pytest.approx(np.log(2), abs=1e-5)
+        # the trackers log these names: reward accuracy once, not again as `accuracy`
+        assert set(scored) == set(preference.COLUMNS) and "accuracy" not in scored
     finally:
         keras.config.set_dtype_policy(before)
 

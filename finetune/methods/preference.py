@@ -274,15 +274,13 @@ def pair_outputs(view, batches):
 
 
 def pair_metrics(view, batches, after_batch=None) -> dict:
-    """The mean of each COLUMNS over the held-out pairs; `accuracy` is the reward accuracy (the loop and the
-    trackers name it so for every method)."""
+    """The mean of each COLUMNS over the held-out pairs (reward_accuracy and reward_margin among them)."""
     total, count = 0.0, 0
     for indices, values in pair_outputs(view, batches):
         total, count = total + values.sum(axis=0), count + len(indices)
         if after_batch is not None:  # a run's stop check (loop.check_stop)
             after_batch()
-    means = {name: float(value) for name, value in zip(COLUMNS, total / max(count, 1))}
-    return {**means, "accuracy": means["reward_accuracy"]}
+    return {name: float(value) for name, value in zip(COLUMNS, total / max(count, 1))}
 
 
 def reference_logps(view, batches, guard=iter) -> None:
