@@ -284,28 +284,27 @@ def _pair(name: str) -> dict:
     return {"prompt": "<audio>What is this?", "chosen": "tone", "rejected": "noise", "audios": [name]}
 
 
-def _prompt(name: str) -> dict:
-    return {"prompt": "<audio>What is this?", "audios": [name]}
+@pytest.mark.backend_neutral  # the sampler with clips: test_rollouts.py, on every backend
+def test_grpo_learns_from_prompts_with_clips(tmp_path):
+    """GRPO's prompts with clips, as SFT's records hold them, in a fresh process as typed: the rollouts hear each
+    prompt's clip (the sampler: test_rollouts.py, every backend) and train on it; before, such prompts were
+    refused."""
+    from test_as_typed import finetune as typed
 
-
-@pytest.mark.one_backend
-@pytest.mark.parametrize(
-    "method, record, expected",
-    [
-        ("grpo", _prompt, "--method grpo does not train on audio yet"),
-    ],
-)
-def test_a_method_that_does_not_hear_refuses_audio_and_writes_nothing(method, record, expected, tmp_path):
-    """Its rows would hold the text <audio>, not the clip: refused before anything is written."""
-    name = clip(tmp_path / "a.wav")
-    records = [record(name)] * 2 + [{**record(name), "label": "noise"} if method == "classify" else record(name)] * 2
-    data = write_lines(tmp_path / "data.jsonl", records)
-    out = tmp_path / "run"
-    rewards = ["--reward", "length", "--max-completion-length", "8"] if method == "grpo" else []
-    result = invoke("gemma", "--preset", "tiny-gemma4-audio", "--method", method, *rewards, "--data", data,
-                    "--output", out)  # fmt: skip
-    assert result.exit_code == 2 and expected in result.stderr, result.output + result.stderr
-    assert "Traceback" not in result.output and not out.exists()
+    (tmp_path / "rewards.py").write_text(
+        "def chars(completions, **columns):\n    return [float(len(c)) for c in completions]\n"
+    )
+    lines = [{"prompt": "<audio>What is this?", "audios": [clip(tmp_path / f"{i}.wav", kind, seed=i)]}
+             for i, kind in enumerate(["tone", "noise"] * 4)]  # fmt: skip
+    lines[1::4] = [{"prompt": "Name a sound."}] * 2  # text prompts beside them
+    write_lines(tmp_path / "prompts.jsonl", lines)
+    done = typed("gemma", "--preset", "tiny-gemma4-audio", "--backend", BACKEND, "--method", "grpo", "--data",
+                 "prompts.jsonl", "--reward", "rewards.py:chars", "--num-generations", "2", "--batch-size", "2",
+                 "--max-completion-length", "8", "--seq-len", "64", "--max-steps", "2", "--set", "train.samples=0",
+                 "--output", "run", cwd=tmp_path)  # fmt: skip
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["adapter_changed"], metrics
+    assert "rollout 2: reward" in done.stdout
 
 
 @pytest.mark.backend_neutral  # the pairs' layout is numpy's; every suite trains on audio (above)

@@ -186,10 +186,22 @@ def test_finetune_data_reports_prompts_with_pictures_as_grpo_takes_them(tmp_path
     path = write(tmp_path / "p.jsonl", records)
     result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny-gemma3-vision"])
     assert result.exit_code == 0, result.output
-    assert "a prompt with pictures is never cut: a longer one is refused" in result.output
+    assert "a prompt with pictures or clips is never cut: a longer one is refused" in result.output
     assert "images: 3 in 3 of 3 records" in result.output
     assert "each picture and clip as tiny-gemma3-vision's soft tokens" in result.output
-    assert "the longest prompt with pictures takes" in result.output and "p.jsonl:1)" in result.output
+    assert "the longest prompt with pictures or clips takes" in result.output and "p.jsonl:1)" in result.output
+
+
+def test_finetune_data_reports_prompts_with_clips_as_grpo_takes_them(tmp_path):
+    """GRPO's prompts with clips, as its pictures: never cut, and the longest named with its room."""
+    from test_audio import clip
+
+    records = [{"prompt": "<audio>What is this?", "audios": [clip(tmp_path / f"{i}.wav")]} for i in range(2)]
+    path = write(tmp_path / "p.jsonl", [{"prompt": "Name a sound."}, *records])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny-gemma4-audio"])
+    assert result.exit_code == 0, result.output
+    assert "a prompt with pictures or clips is never cut: a longer one is refused" in result.output
+    assert "the longest prompt with pictures or clips takes" in result.output and "p.jsonl:2)" in result.output
 
 
 @pytest.mark.one_backend  # a fresh process of its own

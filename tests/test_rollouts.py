@@ -219,3 +219,45 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     blank = {**prompts.media_of(rows), pixels: np.zeros_like(prompts.media[pixels])}
     unseen, _ = batch.complete(prompts.ids, prompts.lengths, 1, blank)
     assert unseen != together
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma4-audio", "tiny-gemma3n-audio"])
+def test_prompts_with_clips_sample_what_each_prompt_alone_samples(preset, tmp_path):
+    """GRPO's prompts with audio clips, as its pictures (above): each prompt's soft tokens move with it to the
+    right of its row, a batch of prompts of unlike lengths samples (greedily) what each prompt samples alone with
+    its clip, and silence samples something else, so the clips reach the decoder. A text prompt sits beside them
+    (Gemma 3n places the batch's clips by their order)."""
+    from conftest import float32_policy
+    from test_audio import clip
+    from test_images import write_lines
+
+    from finetune.data import audio, formats, templates
+    from finetune.methods import prepare
+    from finetune.model import builder, presets
+
+    texts = ["<audio>What is this?", "Say what it is, in a few words: a tone or a noise?",
+             "Listen with care to this and say, in a few words and with care, what it is: <audio>"]  # fmt: skip
+    lines = [{"prompt": text, **({"audios": [clip(tmp_path / f"{i}.wav", kind)]} if "<audio>" in text else {})}
+             for i, (text, kind) in enumerate(zip(texts, ["tone", "tone", "noise"]))]  # fmt: skip
+    records, _ = formats.read(str(write_lines(tmp_path / "prompts.jsonl", lines)))
+    with float32_policy():
+        lm, preprocessor = builder.build(presets.resolve(preset), seq_len=128, images=True)
+    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
+    media = prepare.Media.of(records, preprocessor, preset, "prompts.jsonl")
+    prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
+                                  greedy, 128, rollouts.Layout(media=media))  # fmt: skip
+    assert len(set(prompts.lengths)) == 3 and "audio_indices" in prompts.media
+    rows = np.arange(3)
+    batch = rollouts.Sampler(lm, greedy)
+    together, _ = batch.complete(prompts.ids, prompts.lengths, 1, prompts.media_of(rows))
+    alone = rollouts.Sampler(lm, greedy)
+    alone.left = False
+    for row, length in enumerate(prompts.lengths):
+        own_rows = rows[row : row + 1]
+        (own,), _ = alone.complete(prompts.ids[own_rows, :length], prompts.lengths[own_rows], 1,
+                                   prompts.media_of(own_rows))  # fmt: skip
+        assert together[row] == own, (row, together[row], own)
+    features = audio.hearing_of(preprocessor).names[0]
+    silent = {**prompts.media_of(rows), features: np.zeros_like(prompts.media[features])}
+    unheard, _ = batch.complete(prompts.ids, prompts.lengths, 1, silent)
+    assert unheard != together

@@ -202,14 +202,21 @@ def inputs(arrays, rows: np.ndarray, shards: int, width: int, length: int | None
     gathered = targets(arrays, rows, shards, width)
     # The segment ids stand in for keras-hub's padding mask: attention.py makes them a per-example mask.
     x = {**model_inputs(arrays["token_ids"][rows], arrays["segment_ids"][rows], names), **gathered}
-    x.update({name: arrays[name][rows] for name in MEDIA if name in names})
-    # keras-hub's Gemma 3n places pictures and clips by their order in the batch, and takes no indices.
-    if "images" in names and "vision_indices" not in names and "vision_indices" in arrays:
-        x["images"] = images.in_batch_order(x["images"], arrays["vision_indices"][rows])
-    if "input_features" in names and "audio_indices" not in names and "audio_indices" in arrays:
-        for name in ("input_features", "input_features_mask"):
-            x[name] = images.in_batch_order(x[name], arrays["audio_indices"][rows])
+    x.update(media_inputs({name: arrays[name][rows] for name in MEDIA if name in arrays}, names))
     return x, gathered["loss_labels"], gathered["loss_weights"]
+
+
+def media_inputs(media: dict, names) -> dict:
+    """The pictures' and clips' inputs the model takes (`names`), of one batch's `media` (MEDIA arrays of its
+    rows): for keras-hub's Gemma 3n, which places them by their order in the whole batch and takes no indices,
+    laid out in that order (images.in_batch_order). A training batch's and a sampled batch's alike."""
+    x = {name: value for name, value in media.items() if name in names}
+    if "images" in x and "vision_indices" not in names and "vision_indices" in media:
+        x["images"] = images.in_batch_order(x["images"], media["vision_indices"])
+    if "input_features" in x and "audio_indices" not in names and "audio_indices" in media:
+        for name in ("input_features", "input_features_mask"):
+            x[name] = images.in_batch_order(x[name], media["audio_indices"])
+    return x
 
 
 def model_inputs(token_ids: np.ndarray, padding_mask: np.ndarray, names=INPUTS) -> dict:

@@ -211,10 +211,8 @@ GRPO_METHOD = GRPO()
 
 
 def _media(records, preprocessor, cfg, source: str):
-    """The prompts' pictures (prepare.Media), refused where the preset has no vision encoder; None for text.
-    Audio is not sampled from yet."""
-    if any(r.audios for r in records):
-        raise UserError("--method grpo does not train on audio yet; give prompts without it (pictures it takes)")
-    if not any(r.images for r in records):
+    """The prompts' pictures and clips (prepare.Media), refused where the preset has no encoder for them; None for
+    text."""
+    if not any(r.images or r.audios for r in records):
         return None
     return prepare.Media.of(records, preprocessor, cfg.model.preset, source)

@@ -69,14 +69,15 @@ class Prompts:
     tokenizer: object
     conversational: bool = False
     media: dict = field(default_factory=dict)
-    """Prompts with pictures: each row's picture inputs (images.model_inputs: the pictures' arrays and
-    `vision_indices`, the soft tokens' positions in the prompt), one array of N rows each; empty for text."""
+    """Prompts with pictures or clips: each row's inputs for them (images.model_inputs, audio.model_inputs: their
+    arrays and `vision_indices`, `audio_indices`, the soft tokens' positions in the prompt), one array of N rows
+    each; empty for text."""
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def media_of(self, rows: np.ndarray) -> dict:
-        """The picture inputs of `rows`."""
+        """The picture and clip inputs of `rows`."""
         return {name: value[rows] for name, value in self.media.items()}
 
 
@@ -96,8 +97,9 @@ class Layout:
 
     width: the prompt width (P) to pad to; the longest prompt's when None (the held-out prompts take the
         training prompts', so that both share the rollouts' compiled shape).
-    media: prepare.Media of prompts with pictures: each `<image>` written as the family's image tokens, and each
-        row's picture inputs kept (Prompts.media); a prompt with pictures is never cut, but refused where long.
+    media: prepare.Media of prompts with pictures or clips: each `<image>` (`<audio>`) written as the family's
+        tokens, and each row's inputs for them kept (Prompts.media); such a prompt is never cut, but refused where
+        long.
     """
 
     width: int | None = None
@@ -123,9 +125,9 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     ids = [[batching.BOS, *row] for row in batching.leading_ids(tokenizer, texts, 10**9)] if texts else []
     for record, row in zip(records, ids):
         if len(row) > room and (record.images or record.audios):
-            raise UserError(f"{record.where or 'a prompt'}: with its pictures, the prompt takes {len(row)} tokens, "
+            raise UserError(f"{record.where or 'a prompt'}: with its {'pictures' if record.images else 'clips'}, the prompt takes {len(row)} tokens, "
                             f"more than the {room} that --seq-len {seq_len} leaves beside --max-completion-length "
-                            f"{sampling.max_completion_length}, and cutting it could cut its image tokens; raise "
+                            f"{sampling.max_completion_length}, and cutting it could cut their soft tokens; raise "
                             "--seq-len or shorten the prompt")  # fmt: skip
     cut = sum(len(row) > room for row in ids)
     ids = [row if len(row) <= room else [batching.BOS, *row[len(row) - room + 1 :]] for row in ids]  # <bos> kept
@@ -145,7 +147,7 @@ def prompts_of(pairs: list, template, tokenizer, sampling: Sampling, seq_len: in
     lengths = np.array([len(row) for row in ids], np.int64)
     pictured = {}
     if media is not None and records:
-        # Each prompt's picture inputs, as a training row's (its soft tokens' positions counted from its <bos>).
+        # Each prompt's picture and clip inputs, as a training row's (soft tokens' positions counted from <bos>).
         attached = [media.attached(batching.Example([*row, 0], [0.0] * (len(row) + 1)), record).inputs
                     for row, record in zip(ids, records)]  # fmt: skip
         pictured = {name: np.stack([inputs[name] for inputs in attached]) for name in attached[0]}
@@ -193,7 +195,7 @@ class Sampler:
     def complete(self, ids: np.ndarray, lengths: np.ndarray, seed: int, media: dict | None = None):
         """(each row's completion ids, whether each was cut at --max-completion-length), from prompt rows `ids`
         (right-padded, `lengths` long), sampled with the sampler's state set to `seed` (and on for each further
-        call of generate, calls()); `media`: the rows' picture inputs (Prompts.media_of)."""
+        call of generate, calls()); `media`: the rows' picture and clip inputs (Prompts.media_of)."""
         import keras
 
         media = media or {}
@@ -241,19 +243,17 @@ class Sampler:
 
 
 def generation_media(media: dict, offsets: np.ndarray, length: int, names) -> dict:
-    """The picture inputs of generate's rows: each row's soft tokens `offsets` positions on from where its prompt's
-    inputs counted them (its left padding), and their mask over the `length` positions, as batching.inputs feeds a
-    training row's (a model that places pictures in the batch's order gets them so)."""
+    """The picture and clip inputs of generate's rows: each row's soft tokens `offsets` positions on from where
+    its prompt's inputs counted them (its left padding), and their masks over the `length` positions, as
+    batching.inputs feeds a training row's (batching.media_inputs: Gemma 3n's in the batch's order)."""
     from finetune.data import images
 
     x = dict(media)
-    if "vision_indices" in x:
-        indices = x["vision_indices"]
-        x["vision_indices"] = np.where(indices > 0, indices + offsets[:, None], 0).astype(indices.dtype)
-        x["vision_mask"] = images.vision_mask(x["vision_indices"], length)
-        if "images" in names and "vision_indices" not in names:
-            x["images"] = images.in_batch_order(x["images"], x["vision_indices"])
-    return {name: value for name, value in x.items() if name in names}
+    for indices, mask in (("vision_indices", "vision_mask"), ("audio_indices", "audio_mask")):
+        if indices in x:
+            moved = np.where(x[indices] > 0, x[indices] + offsets[:, None], 0).astype(x[indices].dtype)
+            x[indices], x[mask] = moved, images.vision_mask(moved, length)
+    return batching.media_inputs(x, names)
 
 
 def prompt_width(lengths: np.ndarray, width: int, backend: str) -> int:

@@ -230,10 +230,10 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
     written = _written(records, renderer, preset, 10**6, "the data")
     texts = [renderer.apply(r)[0] for r in records]
     counted = texts if written.media is None else [written.media.expanded(t, r) for t, r in zip(texts, records)]
-    pictured = any(r.images for r in records)
+    pictured = any(r.images or r.audios for r in records)  # rollouts.prompts_of never cuts these
     lines = ["GRPO (--method grpo) writes the completions: a prompt longer than --seq-len less "
              "--max-completion-length is cut from its left, and none is skipped"
-             + ("; a prompt with pictures is never cut: a longer one is refused" if pictured else "")]  # fmt: skip
+             + ("; a prompt with pictures or clips is never cut: a longer one is refused" if pictured else "")]  # fmt: skip
     lines += images.summary(records)
     try:
         tokenizer = builder.load_tokenizer(presets.resolve(preset))
@@ -247,8 +247,8 @@ def _prompt_report(records, renderer, preset: str, example: int) -> list[str]:
                      f"{int(np.median(lengths)):,}, 95th percentile {int(np.percentile(lengths, 95)):,}, max "
                      f"{lengths.max():,}")  # fmt: skip
         if pictured and written.media is not None:
-            longest = max((i for i, r in enumerate(records) if r.images), key=lambda i: lengths[i])
-            lines.append(f"the longest prompt with pictures takes {lengths[longest]:,} tokens "
+            longest = max((i for i, r in enumerate(records) if r.images or r.audios), key=lambda i: lengths[i])
+            lines.append(f"the longest prompt with pictures or clips takes {lengths[longest]:,} tokens "
                          f"({records[longest].where or 'a prompt'}): a run needs --seq-len of at least that plus "
                          "--max-completion-length, as it never cuts one")  # fmt: skip
     lines.append(f"example: prompt {example}, as the model is given it:")
