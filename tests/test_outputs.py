@@ -1,6 +1,7 @@
 """The run directory (outputs.py): checked before any work, claimed, published file by file, never lost to a
 failed overwrite or taken by a second run."""
 
+import json
 import re
 
 import pytest
@@ -222,6 +223,25 @@ def test_two_runs_never_share_a_directory(tmp_path, monkeypatch):
     assert runs.describe(first.path) is None  # a claim alone is not a run
     first.release()
     outputs.claim(first.path, default=False, overwrite=True, resume=False).release()
+
+
+def test_a_second_fresh_run_into_the_same_new_directory_is_refused_at_once(tmp_path):
+    """Two runs started together into one new --output: while the first is past its checks and not training yet
+    (its evaluation before training; the directory not made), a second is refused before it reads its data, in a
+    fresh process as typed, and writes nothing. Before, the directory's lock, taken once training starts, let it
+    pass: both evaluated, and the second was refused after (outputs.Reservation)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "finetune", "gemma", *SHORT, "--max-steps", "2", "--output", str(out)]
+    with outputs.Reservation() as first:
+        first.take(outputs.Target(out))  # as the first run holds it from its checks on
+        second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and "another finetune run is writing to" in second.stderr, second.stderr
+        assert "read " not in second.stdout and "Traceback" not in second.stderr and not out.exists()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)  # let go of: the run is free
+    assert done.returncode == 0 and json.loads((out / "metrics.json").read_text())["steps"] == 2, done.stderr
 
 
 def _state(out) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -535,6 +536,45 @@ def _lock(path: Path):
             lock_file.close()
             print(f"note: {path} cannot be locked (a FUSE mount?); a second run writing there would not be stopped")
             return None
+
+
+class Reservation:
+    """A local run directory held from the run's first check to its end, before the directory's own lock.
+
+    The directory's lock (claim()) is taken once training starts, so that a run refused before then writes
+    nothing where it goes; two runs started together into one new directory both evaluated before the second was
+    refused. take() flocks a file named for the directory in the temp directory instead, which writes nothing
+    there: the second run is refused at once.
+    """
+
+    def __init__(self):
+        self._file = None
+
+    def take(self, target: Target) -> None:
+        """Hold `target`'s directory; a UserError where another run holds it. A default runs/<timestamp> (claim()
+        takes the next free name), a scratch or a remote run's staging directory is not held."""
+        if fcntl is None or target.default or target.scratch or target.mirror is not None:
+            return
+        named = hashlib.sha256(str(target.path.expanduser().resolve()).encode()).hexdigest()[:24]
+        try:
+            folder = Path(tempfile.gettempdir()) / f"finetune-runs-{os.getuid()}"
+            folder.mkdir(mode=0o700, exist_ok=True)
+            self._file = open(folder / f"{named}.lock", "a+")  # noqa: SIM115 - held open until __exit__
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.__exit__()
+            raise UserError(f"another finetune run is writing to {target.path}; wait for it to end or choose another "
+                            "--output") from None  # fmt: skip
+        except OSError:  # a temp directory that takes no locks: the directory's own lock still guards it
+            self.__exit__()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def vertex_mirrors(run_dir: Path) -> list[storage.Mirror]:

@@ -40,17 +40,18 @@ def run(cfg: Config, resume: bool = False) -> dict:
     SIGTERM and Ctrl-C stop it at any moment (loop.StopSignals): at once with nothing written before training, after
     the step under way with a checkpoint from the claimed run directory on, at once while the results are written.
     """
-    with loop.StopSignals():
-        return _run(cfg, resume)
+    with loop.StopSignals(), outputs.Reservation() as reservation:
+        return _run(cfg, resume, reservation)
 
 
-def _run(cfg: Config, resume: bool) -> dict:
+def _run(cfg: Config, resume: bool, reservation: outputs.Reservation) -> dict:
     phase = loop.Phases()
     job = _join(cfg, resume)
     tracking.check(cfg.output.report_to)
 
     # Check the run: everything a user can get wrong, before the first file is written.
     target = outputs.check_run_target(cfg.output, resume, process=job.process_id if job else 0)
+    reservation.take(target)  # a second run into it is refused now, not after its first evaluation
     found = checkpoint.to_resume(target, cfg.output, resume, outputs.read_metrics(target.path))
     checkpoint.check_method(found, cfg, target)  # before the method's checks read the checkpoint's settings
     registry.check(cfg)  # the settings alone, before the data is read or a file written
