@@ -177,6 +177,23 @@ def test_left_padded_prompts_sample_what_each_prompt_alone_samples(preset):
         assert len(own) >= 1
 
 
+def _sampled_together_as_alone(lm, greedy, prompts):
+    """(the sampler, what it samples for `prompts` in one left-padded batch), having checked that each prompt
+    samples the same alone with its media, laid out as keras-hub lays one out (on the right of its row)."""
+    rows = np.arange(len(prompts))
+    batch = rollouts.Sampler(lm, greedy)
+    assert batch.left
+    together, _ = batch.complete(prompts.ids, prompts.lengths, 1, prompts.media_of(rows))
+    alone = rollouts.Sampler(lm, greedy)
+    alone.left = False
+    for row, length in enumerate(prompts.lengths):
+        own_rows = rows[row : row + 1]
+        (own,), _ = alone.complete(prompts.ids[own_rows, :length], prompts.lengths[own_rows], 1,
+                                   prompts.media_of(own_rows))  # fmt: skip
+        assert together[row] == own, (row, together[row], own)
+    return batch, together
+
+
 @pytest.mark.parametrize("preset", ["tiny-gemma3-vision", "tiny-gemma4-vision", "tiny-gemma3n-vision"])
 def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp_path):
     """GRPO's prompts with pictures: each prompt's soft tokens move with it to the right of its row, and a batch
@@ -204,17 +221,8 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
                                   greedy, 256, rollouts.Layout(media=media))  # fmt: skip
     assert len(set(prompts.lengths)) == 3 and set(prompts.media) >= {"vision_indices"}
+    batch, together = _sampled_together_as_alone(lm, greedy, prompts)
     rows = np.arange(3)
-    batch = rollouts.Sampler(lm, greedy)
-    assert batch.left
-    together, _ = batch.complete(prompts.ids, prompts.lengths, 1, prompts.media_of(rows))
-    alone = rollouts.Sampler(lm, greedy)
-    alone.left = False
-    for row, length in enumerate(prompts.lengths):
-        own_rows = rows[row : row + 1]
-        (own,), _ = alone.complete(prompts.ids[own_rows, :length], prompts.lengths[own_rows], 1,
-                                   prompts.media_of(own_rows))  # fmt: skip
-        assert together[row] == own, (row, together[row], own)
     pixels = "images" if "images" in prompts.media else "pixel_values"
     blank = {**prompts.media_of(rows), pixels: np.zeros_like(prompts.media[pixels])}
     unseen, _ = batch.complete(prompts.ids, prompts.lengths, 1, blank)
@@ -247,16 +255,8 @@ def test_prompts_with_clips_sample_what_each_prompt_alone_samples(preset, tmp_pa
     prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
                                   greedy, 128, rollouts.Layout(media=media))  # fmt: skip
     assert len(set(prompts.lengths)) == 3 and "audio_indices" in prompts.media
+    batch, together = _sampled_together_as_alone(lm, greedy, prompts)
     rows = np.arange(3)
-    batch = rollouts.Sampler(lm, greedy)
-    together, _ = batch.complete(prompts.ids, prompts.lengths, 1, prompts.media_of(rows))
-    alone = rollouts.Sampler(lm, greedy)
-    alone.left = False
-    for row, length in enumerate(prompts.lengths):
-        own_rows = rows[row : row + 1]
-        (own,), _ = alone.complete(prompts.ids[own_rows, :length], prompts.lengths[own_rows], 1,
-                                   prompts.media_of(own_rows))  # fmt: skip
-        assert together[row] == own, (row, together[row], own)
     features = audio.hearing_of(preprocessor).names[0]
     silent = {**prompts.media_of(rows), features: np.zeros_like(prompts.media[features])}
     unheard, _ = batch.complete(prompts.ids, prompts.lengths, 1, silent)
