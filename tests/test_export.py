@@ -160,7 +160,7 @@ def test_a_chat_runs_hf_export_carries_its_chat_template_and_stops_at_the_turn_e
     """transformers' apply_chat_template renders a conversation as the run rendered its records (the model's own
     template, <bos> first), and generate stops at the model's turn end, as `finetune generate` does: the export
     of a chat run had neither, and apply_chat_template failed. The gguf's Modelfile takes Ollama's system
-    message, which it dropped."""
+    message, which it dropped, and the gguf carries the chat template for llama.cpp's server."""
     transformers = pytest.importorskip("transformers", reason="pip install 'finetune[hf]'")
     from conftest import CHAT, chat, write_jsonl
 
@@ -184,8 +184,11 @@ def test_a_chat_runs_hf_export_carries_its_chat_template_and_stops_at_the_turn_e
     transformers.GenerationConfig.from_pretrained(exported)  # it reads
     # Ollama's Modelfile: a system message goes where the model's template puts one, as `finetune generate
     # --system` renders it; without one, the prompt alone. Ollama's Go template, filled in as Ollama fills it.
-    template = re.search(r'TEMPLATE """(.*?)"""', (export(out, "gguf", tmp_path / "gguf") / "Modelfile").read_text(),
-                         re.S).group(1)  # fmt: skip
+    gguf = export(out, "gguf", tmp_path / "gguf")
+    template = re.search(r'TEMPLATE """(.*?)"""', (gguf / "Modelfile").read_text(), re.S).group(1)
+    # llama.cpp's server (--jinja) renders conversations, system messages and tools with the file's own template
+    _, fields = read_gguf(gguf / "model.gguf")
+    assert fields["tokenizer.chat_template"] == chats.source(used.renderer.file)
     told, plain = re.fullmatch(r"\{\{ if \.System \}\}(.*)\{\{ else \}\}(.*)\{\{ end \}\}", template, re.S).groups()
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     fill = lambda text: text.replace("{{ .System }}", "Be brief.").replace("{{ .Prompt }}", "Hi")  # noqa: E731
@@ -720,6 +723,7 @@ def test_gguf_holds_the_merged_model_in_llama_cpp_layout(trained, tmp_path):
     assert np.abs(query - keras.ops.convert_to_numpy(block(0).attention.query_dense._kernel)).max() > 1e-3
     modelfile = (out / "Modelfile").read_text()
     assert modelfile.startswith("FROM ./model.gguf\n") and 'TEMPLATE """Instruction:\n{{ .Prompt }}\n\n' in modelfile
+    assert "tokenizer.chat_template" not in fields  # dolly's: a text template holds no conversation
 
 
 def llama_cpp_gemma_logits(tensors, fields, tokens):

@@ -321,17 +321,18 @@ def write_gguf(directory: Path, run, backbone, tokenizer, dtype: str, vision=Non
     from finetune.model import builder
 
     name, arch = run.name, llamacpp.architecture(backbone)
+    about = llamacpp.About(name, chat_template(run.config.data.template))
     projector = mmproj.FILE if builder.encoders(backbone) else None
     if arch in transformers_gguf.ARCHITECTURES or projector:
         # llama.cpp's converter reads a transformers checkpoint; so do these, from our own export of it.
         with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.hf-") as exported:
             write_transformers(Path(exported), backbone, tokenizer, vision)
             if arch in transformers_gguf.ARCHITECTURES:
-                transformers_gguf.write(directory / llamacpp.FILE, Path(exported), arch, tokenizer, dtype, name)
+                transformers_gguf.write(directory / llamacpp.FILE, Path(exported), arch, tokenizer, dtype, about)
             if projector:
                 mmproj.write(directory / mmproj.FILE, Path(exported), dtype, name=name)
     if arch not in transformers_gguf.ARCHITECTURES:
-        llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, name=name)
+        llamacpp.write(directory / llamacpp.FILE, backbone, tokenizer, dtype, about)
     template = templates.get(run.config.data.template)
     prompt = template.apply(Record(instruction="{{ .Prompt }}", response="-"))[0]
     if run.config.data.template in templates.CHAT:  # Ollama's system message, where the model's template puts one
@@ -611,18 +612,26 @@ def write_image_processor(directory: Path, tokenizer, vision) -> None:
     _write_json(directory / "tokenizer_config.json", config)
 
 
+def chat_template(template: str) -> str | None:
+    """The Jinja source of a chat run's template (data/chat_templates), the model's own; None for a text template
+    (dolly, alpaca, none): it has no conversation."""
+    from finetune.data import chat, templates
+
+    return chat.source(templates.TEMPLATES[template].renderer.file) if template in templates.CHAT else None
+
+
 def write_chat_template(directory: Path, template: str, tokenizer) -> None:
     """A chat run's template in the transformers export: the model's own chat template, which the run rendered
     its records with (data/chat_templates), as tokenizer_config.json's chat_template, for apply_chat_template and
     the servers that read it; and the model's turn end among generation_config.json's stop ids, where generation
     stops as `finetune generate` does. Nothing for a text template (dolly, alpaca, none): it has no conversation."""
-    from finetune.data import chat, templates
+    from finetune.data import templates
 
     if template not in templates.CHAT:
         return
     used = templates.TEMPLATES[template]
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    config["chat_template"] = chat.source(used.renderer.file)
+    config["chat_template"] = chat_template(template)
     _write_json(directory / "tokenizer_config.json", config)
     generation = directory / "generation_config.json"  # Gemma 1's export has none: its ids, as transformers' own
     found = json.loads(generation.read_text(encoding="utf-8")) if generation.is_file() else {

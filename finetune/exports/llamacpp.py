@@ -30,6 +30,7 @@ from them is refused here rather than written to compute differently.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.platform.errors import UserError
@@ -188,7 +189,18 @@ def vocabulary(tokenizer, size: int) -> dict:
     }
 
 
-def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "finetune") -> None:
+@dataclass(frozen=True)
+class About:
+    """What a GGUF file says of its model beside the weights and the vocabulary."""
+
+    name: str = "finetune"
+    chat_template: str | None = None
+    """A chat run's template (the model's own, which the run rendered its records with), as
+    tokenizer.chat_template: llama.cpp's server (`--jinja`) renders conversations, system messages and tools with it.
+    None for a text template (dolly, alpaca, none)."""
+
+
+def write(path: Path, backbone, tokenizer, dtype: str = "f16", about: About = About()) -> None:
     """Write `backbone` (LoRA already merged) and its tokenizer to the GGUF file `path`, matrices in `dtype`."""
     import gguf
 
@@ -196,8 +208,8 @@ def write(path: Path, backbone, tokenizer, dtype: str = "f16", name: str = "fine
     weights = tensors(backbone, arch)
     vocab = vocabulary(tokenizer, weights["token_embd.weight"].shape[0])
     writer = gguf.GGUFWriter(str(path), arch)
-    _hyperparameters(writer, backbone, arch, weights, name, dtype)
-    add_tokenizer(writer, vocab)
+    _hyperparameters(writer, backbone, arch, weights, about.name, dtype)
+    add_tokenizer(writer, vocab, about.chat_template)
     write_tensors(writer, weights, lambda tensor_name, value: tensor_type(value, dtype))
 
 
@@ -275,8 +287,11 @@ def _hyperparameters(writer, backbone, arch: str, weights: dict, name: str, dtyp
             writer.add_rope_scaling_factor(float(backbone.global_rope_scaling_factor))
 
 
-def add_tokenizer(writer, vocab: dict) -> None:
-    """The vocabulary's metadata (vocabulary()), as llama.cpp's converter writes a SentencePiece tokenizer's."""
+def add_tokenizer(writer, vocab: dict, chat_template: str | None = None) -> None:
+    """The vocabulary's metadata (vocabulary()), as llama.cpp's converter writes a SentencePiece tokenizer's, and
+    the chat template where there is one (About.chat_template)."""
+    if chat_template:
+        writer.add_chat_template(chat_template)
     writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab["tokens"])

@@ -102,14 +102,15 @@ def tensor_type(name: str, value, dtype: str):
     return llamacpp.tensor_type(value, dtype)
 
 
-def write(path: Path, exported: Path, arch: str, tokenizer, dtype: str = "f16", name: str = "finetune") -> None:
+def write(path: Path, exported: Path, arch: str, tokenizer, dtype: str = "f16", about=None) -> None:
     """Write model.gguf from the transformers export in `exported` (config.json, model.safetensors) of a Gemma
-    3n or 4 text decoder, with `tokenizer`'s vocabulary."""
+    3n or 4 text decoder, with `tokenizer`'s vocabulary; `about`: llamacpp.About, its name and chat template."""
     import gguf
     from safetensors.numpy import load_file
 
     from finetune.exports import llamacpp
 
+    about = about or llamacpp.About()
     config = json.loads((exported / "config.json").read_text(encoding="utf-8"))
     config = {**config, **config.get("text_config", {})}
     weights = tensors(
@@ -119,10 +120,10 @@ def write(path: Path, exported: Path, arch: str, tokenizer, dtype: str = "f16", 
     )
     vocab = llamacpp.vocabulary(tokenizer, weights["token_embd.weight"].shape[0])
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
+    writer.add_name(about.name)
     writer.add_file_type(llamacpp.file_type(dtype))
     _hyperparameters(writer, config, arch)
-    llamacpp.add_tokenizer(writer, vocab)
+    llamacpp.add_tokenizer(writer, vocab, about.chat_template)
     llamacpp.write_tensors(writer, weights, lambda tensor_name, value: tensor_type(tensor_name, value, dtype))
 
 
