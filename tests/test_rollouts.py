@@ -229,7 +229,11 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     assert unseen != together
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma4-audio", "tiny-gemma3n-audio"])
+@pytest.mark.parametrize(
+    "preset",
+    # CI time: Gemma 4's clips on every backend; Gemma 3n's batch order (numpy's) in the PyTorch suite
+    ["tiny-gemma4-audio", pytest.param("tiny-gemma3n-audio", marks=pytest.mark.backend_neutral)],
+)
 def test_prompts_with_clips_sample_what_each_prompt_alone_samples(preset, tmp_path):
     """GRPO's prompts with audio clips, as its pictures (above): each prompt's soft tokens move with it to the
     right of its row, a batch of prompts of unlike lengths samples (greedily) what each prompt samples alone with
