@@ -177,9 +177,29 @@ def test_left_padded_prompts_sample_what_each_prompt_alone_samples(preset):
         assert len(own) >= 1
 
 
-def _sampled_together_as_alone(lm, greedy, prompts):
-    """(the sampler, what it samples for `prompts` in one left-padded batch), having checked that each prompt
-    samples the same alone with its media, laid out as keras-hub lays one out (on the right of its row)."""
+def _media_prompts(preset: str, path, seq_len: int):
+    """(`preset`'s model in float32, its preprocessor, rollouts.Prompts) of the prompt file `path` with pictures or
+    clips, for greedy sampling (top-p of almost nothing)."""
+    from conftest import float32_policy
+
+    from finetune.data import formats, templates
+    from finetune.methods import prepare
+    from finetune.model import builder, presets
+
+    records, _ = formats.read(str(path))
+    with float32_policy():
+        lm, preprocessor = builder.build(presets.resolve(preset), seq_len=seq_len, images=True)
+    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
+    media = prepare.Media.of(records, preprocessor, preset, path.name)
+    prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
+                                  greedy, seq_len, rollouts.Layout(media=media))  # fmt: skip
+    return lm, preprocessor, prompts
+
+
+def _sampled_together_as_alone(lm, prompts):
+    """(the sampler, what it samples for `prompts` (_media_prompts) in one left-padded batch), having checked that
+    each prompt samples the same alone with its media, laid out as keras-hub lays one out (right of its row)."""
+    greedy = prompts.sampling
     rows = np.arange(len(prompts))
     batch = rollouts.Sampler(lm, greedy)
     assert batch.left
@@ -200,12 +220,7 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     of prompts of unlike lengths samples (greedily) what each prompt samples alone with its pictures, laid out as
     keras-hub lays one out; a blank picture samples something else, so the pictures reach the decoder. The last
     prompt holds two pictures beside rows of one (Gemma 3n places the batch's pictures by their order)."""
-    from conftest import float32_policy
     from test_images import square, write_lines
-
-    from finetune.data import formats, templates
-    from finetune.methods import prepare
-    from finetune.model import builder, presets
 
     texts = ["<image>What colour?", "Tell me, in a few words and with care, what colour <image> this is.",
              "Say it: <image> then <image>"]  # fmt: skip
@@ -213,15 +228,9 @@ def test_prompts_with_pictures_sample_what_each_prompt_alone_samples(preset, tmp
     lines = [{"prompt": text, "images": [square(tmp_path / f"{i}{n}.png", colours[(i + n) % 3])
                                          for n in range(text.count("<image>"))], "answer": colour}
              for i, (text, colour) in enumerate(zip(texts, colours))]  # fmt: skip
-    records, _ = formats.read(str(write_lines(tmp_path / "prompts.jsonl", lines)))
-    with float32_policy():
-        lm, preprocessor = builder.build(presets.resolve(preset), seq_len=256, images=True)
-    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
-    media = prepare.Media.of(records, preprocessor, preset, "prompts.jsonl")
-    prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
-                                  greedy, 256, rollouts.Layout(media=media))  # fmt: skip
+    lm, _, prompts = _media_prompts(preset, write_lines(tmp_path / "prompts.jsonl", lines), 256)
     assert len(set(prompts.lengths)) == 3 and set(prompts.media) >= {"vision_indices"}
-    batch, together = _sampled_together_as_alone(lm, greedy, prompts)
+    batch, together = _sampled_together_as_alone(lm, prompts)
     rows = np.arange(3)
     pixels = "images" if "images" in prompts.media else "pixel_values"
     blank = {**prompts.media_of(rows), pixels: np.zeros_like(prompts.media[pixels])}
@@ -239,27 +248,18 @@ def test_prompts_with_clips_sample_what_each_prompt_alone_samples(preset, tmp_pa
     right of its row, a batch of prompts of unlike lengths samples (greedily) what each prompt samples alone with
     its clip, and silence samples something else, so the clips reach the decoder. A text prompt sits beside them
     (Gemma 3n places the batch's clips by their order)."""
-    from conftest import float32_policy
     from test_audio import clip
     from test_images import write_lines
 
-    from finetune.data import audio, formats, templates
-    from finetune.methods import prepare
-    from finetune.model import builder, presets
+    from finetune.data import audio
 
     texts = ["<audio>What is this?", "Say what it is, in a few words: a tone or a noise?",
              "Listen with care to this and say, in a few words and with care, what it is: <audio>"]  # fmt: skip
     lines = [{"prompt": text, **({"audios": [clip(tmp_path / f"{i}.wav", kind)]} if "<audio>" in text else {})}
              for i, (text, kind) in enumerate(zip(texts, ["tone", "tone", "noise"]))]  # fmt: skip
-    records, _ = formats.read(str(write_lines(tmp_path / "prompts.jsonl", lines)))
-    with float32_policy():
-        lm, preprocessor = builder.build(presets.resolve(preset), seq_len=128, images=True)
-    greedy = rollouts.Sampling(1, 6, 1.0, 1e-9, 0, (), (1, 106))
-    media = prepare.Media.of(records, preprocessor, preset, "prompts.jsonl")
-    prompts = rollouts.prompts_of([(r, None) for r in records], templates.get("none"), preprocessor.tokenizer,
-                                  greedy, 128, rollouts.Layout(media=media))  # fmt: skip
+    lm, preprocessor, prompts = _media_prompts(preset, write_lines(tmp_path / "prompts.jsonl", lines), 128)
     assert len(set(prompts.lengths)) == 3 and "audio_indices" in prompts.media
-    batch, together = _sampled_together_as_alone(lm, greedy, prompts)
+    batch, together = _sampled_together_as_alone(lm, prompts)
     rows = np.arange(3)
     features = audio.hearing_of(preprocessor).names[0]
     silent = {**prompts.media_of(rows), features: np.zeros_like(prompts.media[features])}
