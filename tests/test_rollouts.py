@@ -50,6 +50,22 @@ def test_token_weights_average_as_trl_does(loss_type):
     assert ours == pytest.approx(trl, rel=1e-6)
 
 
+@pytest.mark.one_backend
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_an_epoch_s_short_last_step_weighs_as_a_step_of_its_real_rows(loss_type):
+    """An epoch's last step with --grad-accum 2 whose second micro-batch is filler alone (Keras' mean counts it as
+    0): the weighted sum is the loss of the step its real rows make alone, as TRL (which drops such a batch) would
+    take them. bnpo's halved: its weights did not count the micro-batches of filler."""
+    rng = np.random.default_rng(1)
+    counts, real, longest = np.array([3, 1, 4, 2]), np.array([True, True, False, False]), 5
+    losses = [rng.normal(size=c) for c in counts]
+    short = rollouts.token_weights(loss_type, counts, real, 2, 2, longest)
+    ours = sum(w * x.sum() for w, x in zip(short, losses)) / 2  # K = 2 micro-batches, the second filler
+    alone = rollouts.token_weights(loss_type, counts[:2], np.ones(2, bool), 2, 1, longest)
+    assert ours == pytest.approx(sum(w * x.sum() for w, x in zip(alone, losses)), rel=1e-6)
+    assert not short[2:].any()
+
+
 class Letters:
     """A tokenizer of one letter a token: 1 is a, 2 is b..."""
 

@@ -382,9 +382,11 @@ def token_weights(loss_type: str, counts: np.ndarray, real: np.ndarray, micro_ro
         weight = grad_accum / (rows * np.maximum(counts, 1.0))
     elif loss_type == "dapo":  # every completion token of the step alike
         weight = np.full_like(counts, grad_accum / max(counts.sum(), 1.0))
-    elif loss_type == "bnpo":  # every completion token of the micro-batch alike
+    elif loss_type == "bnpo":  # every completion token of the micro-batch alike, averaged over the micro-batches
         per_micro = counts.reshape(-1, micro_rows).sum(axis=1)
-        weight = np.repeat(1.0 / np.maximum(per_micro, 1.0), micro_rows)
+        # of real rows: an epoch's last step may hold micro-batches of filler alone, which Keras' mean counts as 0
+        held = max(int(real.reshape(-1, micro_rows).any(axis=1).sum()), 1)
+        weight = np.repeat(grad_accum / (held * np.maximum(per_micro, 1.0)), micro_rows)
     else:  # dr_grpo: over rows x the longest completion, a constant
         weight = np.full_like(counts, grad_accum / (rows * max_completion_length))
     return np.where(real, weight, 0.0).astype(np.float32)
