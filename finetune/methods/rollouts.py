@@ -305,8 +305,9 @@ def keras_string(value):
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
-def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int) -> np.ndarray:
-    """(completions, functions): the rewards of `completions`, G to a prompt of `indices`, in order."""
+def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int, logged: dict | None = None):
+    """(completions, functions): the rewards of `completions`, G to a prompt of `indices`, in order; `logged`
+    gathers what the functions gave TRL's `log_metric` (rewards.score)."""
     g = len(completions) // len(indices)
     repeat = np.repeat(indices, g)
     shown = [prompts.prompts[i] for i in repeat]
@@ -315,7 +316,7 @@ def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int) 
     if prompts.conversational:
         made = [[{"role": "assistant", "content": text}] for text in made]
     columns = {key: [values[i] for i in repeat] for key, values in prompts.columns.items()}
-    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step)
+    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step, logged)
 
 
 def advantages(table: np.ndarray, weights: np.ndarray, generations: int, scale: str) -> tuple[np.ndarray, dict]:
@@ -485,7 +486,8 @@ class RolloutOrder(batching.Order):
         completions, cut = self.sampler.complete(self.prompts.ids[rows], self.prompts.lengths[rows],
                                                  self.seed * 1_000_003 + group, self.prompts.media_of(rows))  # fmt: skip
         count = len(chosen) * g
-        table = scored(self.prompts, chosen, completions[:count], step)
+        logged = {}
+        table = scored(self.prompts, chosen, completions[:count], step, logged)
         weights = np.array([r.weight for r in sampling.rewards])
         advantage, stats = advantages(table, weights, g, self.constants["scale_rewards"])
         advantage = np.concatenate([advantage, np.zeros(len(rows) - count)])
@@ -500,6 +502,7 @@ class RolloutOrder(batching.Order):
                    "completion_length": float(real_counts.mean()), "completion_length_min": int(real_counts.min()),
                    "completion_length_max": int(real_counts.max()),
                    "completion_clipped": float(cut[:count].mean())}  # fmt: skip
+        metrics.update(rewards_module.logged_metrics(logged, metrics))
         alike = float(np.all(np.abs(advantage[:count].reshape(-1, g)) < 1e-6, axis=1).mean())
         self._report(group, metrics, alike)
         micro_tokens = [float(np.where(real, counts, 0)[s : s + micro_rows].sum()) for s in range(0, len(rows),
