@@ -316,7 +316,8 @@ def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int, 
     if prompts.conversational:
         made = [[{"role": "assistant", "content": text}] for text in made]
     columns = {key: [values[i] for i in repeat] for key, values in prompts.columns.items()}
-    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step, logged)
+    columns["completion_ids"] = completions
+    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, step, logged)
 
 
 def advantages(table: np.ndarray, weights: np.ndarray, generations: int, scale: str) -> tuple[np.ndarray, dict]:
