@@ -571,8 +571,8 @@ class RolloutOrder(batching.Order):
         if which == "policy":
             return score_logps(self.model.trainer, x)
         with builder.lora_off(lm):  # a view of its own, traced with LoRA off (a traced call keeps what it traced)
-            if "reference" not in self._views:
-                self._views["reference"] = builder.objective_view(lm, self.objective)
+            if "reference" not in self._views:  # the trainer's data shards: the slots are laid out per shard
+                self._views["reference"] = builder.objective_view(lm, self.objective, self.model.trainer.shards)
             return score_logps(self._views["reference"], x)
 
 
