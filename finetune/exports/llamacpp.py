@@ -196,7 +196,8 @@ class About:
     name: str = "finetune"
     chat_template: str | None = None
     """A chat run's template (the model's own, which the run rendered its records with), as
-    tokenizer.chat_template: llama.cpp's server (`--jinja`) renders conversations, system messages and tools with it.
+    tokenizer.chat_template: llama.cpp's server, its Jinja templates on, renders conversations, system messages and
+    tools with it.
     None for a text template (dolly, alpaca, none)."""
 
 
