@@ -85,9 +85,9 @@ def test_only_grpo_takes_prompts_and_grpo_takes_only_prompts():
         registry.decide(TrainConfig(), "prompts")
     with pytest.raises(UserError, match="trains on prompts alone"):
         registry.decide(TrainConfig(method="grpo", reward=["exact"]), "dolly")
-    with pytest.raises(UserError, match="--reward scores GRPO's"):
+    with pytest.raises(UserError, match="--reward scores the rollouts of GRPO and RLOO"):
         registry.decide(TrainConfig(reward=["exact"]), "dolly")
-    with pytest.raises(UserError, match="--num-generations is GRPO's"):
+    with pytest.raises(UserError, match="--num-generations is GRPO, RLOO's"):
         registry.decide(TrainConfig(method="dpo", num_generations=4), "preference")
     with pytest.raises(UserError, match="--beta 0"):
         registry.decide(TrainConfig(method="dpo", beta=0.0), "preference")
@@ -118,14 +118,14 @@ def files(tmp_path_factory):
     return write_jsonl(folder / "prompts.jsonl", story_prompts()), folder / "rewards.py"
 
 
-def grpo(*args, fault: tuple | None = None) -> subprocess.CompletedProcess:
-    """`finetune gemma --method grpo` with FAST's settings, in a fresh process; `fault` (signal, step): killed by
-    tests/fault_run.py right after that step's checkpoint."""
+def grpo(*args, fault: tuple | None = None, method: str = "grpo") -> subprocess.CompletedProcess:
+    """`finetune gemma --method grpo` (or `method`, RLOO's) with FAST's settings, in a fresh process; `fault`
+    (signal, step): killed by tests/fault_run.py right after that step's checkpoint."""
     program, env = ["-m", "finetune"], dict(os.environ)
     if fault is not None:
         program = [str(Path(__file__).parent / "fault_run.py")]
         env.update({"FAULT": fault[0], "FAULT_STEP": str(fault[1])})
-    command = [sys.executable, *program, "gemma", *FAST, "--method", "grpo", *map(str, args)]
+    command = [sys.executable, *program, "gemma", *FAST, "--method", method, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
