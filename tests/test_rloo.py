@@ -5,13 +5,11 @@ and loss against TRL's code: test_rloo_trl.py. GRPO's rollouts, which it shares:
 import csv
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import adapter_arrays, invoke, make_records, write_jsonl
-from test_grpo import files, grpo, history, story_prompts  # noqa: F401 (files: the fixture)
+from conftest import invoke, make_records, write_jsonl
+from test_grpo import assert_same_run, files, grpo, guide_run, history, killed_and_resumed, story_prompts  # noqa: F401 (files: the fixture)
 
 from finetune.config import TrainConfig
 from finetune.methods import registry, rloo
@@ -129,21 +127,10 @@ def test_a_killed_rloo_run_resumes_to_the_uninterrupted_history_and_adapter(file
     uninterrupted run's (its rollouts, KL penalty and reference passes included)."""
     whole, metrics, _ = learned
     out = tmp_path / "killed"
-    killed = run(*learning_flags(files, out), "--checkpoint-every", "4", fault=("SIGKILL", 4))
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    resumed = killed_and_resumed(run, out, 4, *learning_flags(files, out), "--checkpoint-every", "4")
     assert "resuming" in resumed.stdout and "rollout 5: reward" in resumed.stdout
-    expected, got = history(whole), history(out)
-    assert [r.keys() for r in got] == [r.keys() for r in expected]
-    for a, b in zip(got, expected):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
+    assert_same_run(whole, out)
     assert json.loads((out / "metrics.json").read_text())["eval_reward"] == pytest.approx(metrics["eval_reward"])
-    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    assert first.keys() == second.keys() and len(first) > 1
-    for name in first:
-        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_a_run_killed_within_a_batch_of_rollouts_resumes_to_the_uninterrupted_run(files, tmp_path):  # noqa: F811
@@ -156,16 +143,14 @@ def test_a_run_killed_within_a_batch_of_rollouts_resumes_to_the_uninterrupted_ru
     done = run(*flags, "--output", whole)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     out = tmp_path / "run"
-    killed = run(*flags, "--output", out, fault=("SIGKILL", 1))
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    resumed = killed_and_resumed(run, out, 1, *flags, "--output", out, kept=True)  # step 2's batch
     assert "sampled again" not in resumed.stdout and "rollout 1: reward" not in resumed.stdout
-    expected, got = history(whole), history(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(got, expected):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
-    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    for name in first:
-        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    assert [r["step"] for r in history(out)] == [1, 2, 3, 4]
+    assert_same_run(whole, out)
+
+
+@pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
+def test_the_rl_guide_s_rloo_run_learns_as_it_says(tmp_path):
+    """docs/rl.md's RLOO command, as written, from a directory holding the repository's examples/."""
+    metrics = json.loads((guide_run("rloo", tmp_path) / "metrics.json").read_text())
+    assert metrics["method"] == "rloo" and metrics["eval_reward"] - metrics["eval_reward_before"] >= 0.4, metrics

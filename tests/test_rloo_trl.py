@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
+from test_grpo_trl import _Accelerator  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 from trl.trainer.rloo_trainer import RLOOTrainer  # noqa: E402
 
@@ -30,19 +31,6 @@ pytestmark = pytest.mark.backend_neutral  # keras ops on torch tensors, for the 
 
 PROMPT = 3  # each row's prompt positions before its completion
 SHARDS = 2
-
-
-class _Accelerator:
-    num_processes = 1
-    process_index = 0
-
-    @staticmethod
-    def gather(x):
-        return x
-
-    @staticmethod
-    def reduce(x, reduction="sum"):
-        return x
 
 
 def _case(seed=0, rows=8, width=7):
