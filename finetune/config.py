@@ -202,7 +202,8 @@ def documented(cls):
                 for what, words in (("Default", item.default_words()), ("Flag", item.flag))
                 if words
             )
-        lines += textwrap.wrap(entry, 100, initial_indent="    ", subsequent_indent="        ")
+        # A flag is never cut at its hyphens: "Flag: --normalize-advantages." stays whole
+        lines += textwrap.wrap(entry, 100, initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
     cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\nArgs:\n" + "\n".join(lines) + "\n"
     return cls
 

@@ -100,7 +100,7 @@ def _ours(case, epsilon, epsilon_high, fresh):
     np.testing.assert_array_equal(np.where(real, rows_of_slots.numpy(), -1), row)  # the view finds each slot's row
     spread = np.where(real, advantages[np.maximum(row, 0)], 0.0).astype(np.float32)
     values = rloo_view.sequence_values(objective, _at_slots(now, row, token), _at_slots(old, row, token),
-                                       torch.tensor(spread), rows_of_slots, torch.tensor(real),
+                                       torch.tensor(spread), (rows_of_slots, torch.tensor(real)),
                                        entropy=_at_slots(entropy, row, token))  # fmt: skip
     rows = logps.shape[0]
     weights = rollouts.token_weights("grpo", mask.sum(1), np.ones(rows, bool), rows, 1, logps.shape[1])

@@ -57,15 +57,16 @@ def slot_rows(positions, seq_len, shards: int):
     return first[:, None] + ops.floor_divide(ops.cast(positions, "int32"), ops.cast(seq_len, "int32"))
 
 
-def sequence_values(objective_: Objective, logps, old, advantages, rows, real, entropy=None):
+def sequence_values(objective_: Objective, logps, old, advantages, slots, entropy=None):
     """(rows, width, len(COLUMNS)) float32: each slot's completion's loss and TRL's clip flags, its entropy, its
     log-probability.
 
     logps, old, advantages: (rows, width), each slot's log-probability now, when sampled (ignored where
-    objective_.fresh), and its completion's advantage; rows: each slot's row in the batch (slot_rows); real: 1 at
-    the slots of completion tokens, 0 at the padding slots; entropy: each slot's, passed through (0 where None).
+    objective_.fresh), and its completion's advantage; slots: (rows, real), each slot's row in the batch
+    (slot_rows) and whether it holds a completion token (the padding slots do not); entropy: each slot's, passed
+    through (0 where None).
     """
-    count = logps.shape[0]
+    count, (rows, real) = logps.shape[0], slots
     real = ops.cast(real, "float32")
     spread = ops.one_hot(rows, count, dtype="float32") * real[..., None]  # (rows, width, sequences)
     now = ops.einsum("rws,rw->s", spread, logps)
@@ -91,7 +92,7 @@ class RLOOView(grpo_view.GRPOView):
         rows = slot_rows(inputs["loss_positions"], ops.shape(inputs["token_ids"])[1], self.shards)
         real = ops.cast(inputs["loss_weights"], "float32") > 0
         given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_advantages")]
-        return sequence_values(self.objective, logps, *given, rows, real, entropy=entropy)
+        return sequence_values(self.objective, logps, *given, (rows, real), entropy=entropy)
 
     def step_metrics(self) -> list:
         """The clip ratios' means over the completions (each slot by its sample weight, 1 / its completion's tokens),
