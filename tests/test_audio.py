@@ -378,6 +378,30 @@ def test_a_gemma3n_row_hears_its_own_clip_beside_a_row_without_one(tmp_path):
     np.testing.assert_allclose(both[0], batch_hidden(lm, arrays, [0])[0], atol=1e-5)
 
 
+def test_gemma3n_s_clip_positions_past_its_end_take_the_padding_embedding():
+    """keras-hub's Gemma 3n embedded the audio encoder's outputs past a clip's end (zeros: the encoder zeroes
+    them) as they are; transformers' Gemma3nModel gives them the padding embedding, the one both pad a clip's soft
+    tokens with. A short clip beside a longer one in a batch is padded to its frames, so its tail read the
+    embedding of zeros there and the padding embedding alone (0.003-0.01 nats of loss apart). The audio
+    embedder's soft path now gives a row of zeros the padding embedding, and every other row what it gave."""
+    import keras
+
+    from finetune.model import builder, presets
+
+    lm, _ = builder.build(presets.resolve("tiny-gemma3n-audio"), 64, "float32", images=True)
+    embedder = lm.backbone.embed_audio
+    assert embedder.pads_clips  # builder.load_base: every Gemma 3n the runs, exports and evaluations build
+    features = np.random.default_rng(0).normal(size=(2, 5, embedder.multimodal_hidden_size)).astype("float32")
+    features[0, 3:] = 0.0  # past a clip's end, as the encoder leaves it
+    last = embedder.vocab_offset + embedder.embedding.input_dim - 1
+    padding = keras.ops.convert_to_numpy(embedder(np.array([[last]], "int32")))[0, 0]
+    got = keras.ops.convert_to_numpy(embedder(features))
+    np.testing.assert_allclose(got[0, 3:], np.broadcast_to(padding, got[0, 3:].shape), atol=1e-6)
+    unpatched = type(embedder).call  # keras-hub's own, on the rows that hold a clip
+    np.testing.assert_allclose(got[1], keras.ops.convert_to_numpy(unpatched(embedder, features))[1], atol=1e-6)
+    assert np.abs(keras.ops.convert_to_numpy(unpatched(embedder, features))[0, 3] - padding).max() > 1e-2
+
+
 @pytest.mark.one_backend
 def test_a_conversational_prompt_completion_hears_its_audio_parts(tmp_path):
     """TRL's conversational prompt-completion with an audio content part in its prompt: the record's clip, and the

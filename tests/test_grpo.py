@@ -35,7 +35,8 @@ def broken(prompts, completions, **columns):
     raise RuntimeError("no judge today")
 
 
-def none_at_all(prompts, completions, **columns):
+def none_at_all(prompts, completions, log_metric, **columns):
+    log_metric("skipped", float(len(completions)))  # TRL's: a metric of the function's own
     return [None for _ in completions]
 
 
@@ -155,6 +156,7 @@ def test_a_reward_function_that_gives_none_for_every_completion_leaves_its_metri
         step = next(r for r in csv.DictReader(f) if r["train_loss"])
     assert step["reward_none_at_all"] == "" and step["completion_length"] != ""
     assert json.loads((out / "metrics.json").read_text())["train_reward"] is None
+    assert float(step["skipped"]) > 0  # what it gave log_metric: kept by name
 
 
 @pytest.mark.backend_neutral  # the guard is Python over metrics; GRPO's training: the tests below, every backend

@@ -60,6 +60,8 @@ def test_dpo_learns_a_preference_from_the_command_line(dpo_run):
     assert metrics["eval_reward_accuracy_before"] == 0.0  # every reward is 0: no pair is ahead yet
     assert metrics["eval_reward_accuracy"] >= 0.75 and metrics["eval_loss"] < 0.5
     assert stdout.count("scoring the reference") == 1
+    # each evaluation's line says the reward accuracy, by its name (the held-out metrics hold no `accuracy`)
+    assert f"eval loss {metrics['eval_loss']:.4f}, reward accuracy {metrics['eval_reward_accuracy']:.3f}" in stdout
     # --packing auto packs the pairs (issue 34): a packed micro-batch of 4 rows holds several pairs
     assert "packing: 46 pairs in " in stdout and "pairs packed" in stdout, stdout[-3000:]
     header = (out / "history.csv").read_text().splitlines()[0].split(",")

@@ -1,5 +1,7 @@
 """GRPO's reward functions: loading --reward, the built-ins, and the checks that stop a run."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,46 @@ def test_a_bad_reward_stops_naming_itself_and_the_prompt(tmp_path, body, said):
     path.write_text(f"def judge(prompts, completions, **kw):\n    {body}\n")
     (reward,) = rewards.load([f"{path}:judge"], [], 8)
     with pytest.raises(UserError, match=f"judge {said}.*at step 3.*the prompt 'first'"):
+        rewards.score([reward], ["first", "second"], ["a", "b"], {}, [[1], [2]], 2)
+
+
+def test_a_reward_returns_what_trl_takes(tmp_path):
+    """What TRL's torch.tensor(...) takes is a reward here too: bools (a check's pass or fail), NumPy numbers and
+    arrays, a 1-D tensor; an `async def` function (an LLM judge) is awaited; `log_metric` and `log_extra` are
+    there to call, and the metrics logged are kept by name (ours keep theirs). Each was refused, exit 2, or a
+    TypeError calling None; a tensor's refusal said "returned 2 values for 2 completions"."""
+    import torch
+
+    path = tmp_path / "trl.py"
+    path.write_text(
+        "import numpy as np, torch\n"
+        "def passed(completions, **kw):\n    return [c.startswith('a') for c in completions]\n"
+        "def flags(completions, **kw):\n    return np.array([c == 'b' for c in completions])\n"
+        "def tensor(completions, **kw):\n    return torch.tensor([0.5, 2.0])\n"
+        "async def judge(completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+        "def logs(completions, log_metric, log_extra, **kw):\n"
+        "    log_metric('judge_calls', 1.0)\n    log_metric('reward', 5.0)\n    log_extra('why', ['x', 'y'])\n"
+        "    return [np.float32(1.0), None]\n"
+    )
+    loaded = rewards.load([f"{path}:{name}" for name in ("passed", "flags", "tensor", "judge", "logs")], [], 8)
+    logged = {}
+    table = rewards.score(loaded, ["p", "q"], ["ab", "b"], {}, [[1], [2]], 0, logged)
+    np.testing.assert_array_equal(table[:, :4], [[1.0, 0.0, 0.5, 2.0], [0.0, 1.0, 2.0, 1.0]])
+    assert table[0, 4] == 1.0 and np.isnan(table[1, 4])
+    assert rewards.logged_metrics(logged, {"reward": 0.3}) == {"judge_calls": 1.0, "logged_reward": 5.0}
+    assert torch.is_tensor(torch.tensor([1.0]))  # the tensor case ran on torch's own type
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [("'ok'", "returned str, not one reward per completion"), ("[[1.0, 2.0]] * 2", "returned an array of shape (2, 2)"),
+     ("['1', 2.0]", "returned '1', not a finite number"), ("[np.array([1.0]), 2.0]", "returned array([1.]), not a finite number")],
+)  # fmt: skip
+def test_a_reward_of_another_kind_stops_naming_what_it_returned(tmp_path, value, said):
+    path = tmp_path / "odd.py"
+    path.write_text(f"import numpy as np\ndef odd(completions, **kw):\n    return {value}\n")
+    (reward,) = rewards.load([f"{path}:odd"], [], 8)
+    with pytest.raises(UserError, match=f"odd {re.escape(said)}"):
         rewards.score([reward], ["first", "second"], ["a", "b"], {}, [[1], [2]], 2)
 
 

@@ -72,8 +72,10 @@ class Method:
     none. `finetune export --format hf` writes it as transformers' ...ForSequenceClassification's `score`."""
 
     def held_out_words(self, result: dict) -> str:
-        """An evaluation's scores (the held-out metrics, `result`) as the run's log says them."""
-        return f"eval loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f}"
+        """An evaluation's scores (the held-out metrics, `result`) as the run's log says them: the loss and the
+        method's first held-out rate (SFT's accuracy, a preference method's reward accuracy)."""
+        rate = next(name for name in self.held_out if name != "perplexity")
+        return f"eval loss {result['loss']:.4f}, {rate.replace('_', ' ')} {result[rate]:.3f}"
 
     def better_words(self, best: dict) -> str:
         """What an evaluation must score to beat `best`, the best one so far (--early-stop's reason)."""

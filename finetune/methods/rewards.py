@@ -14,8 +14,11 @@ raises, returns the wrong count or a NaN stops the run: nothing it scored can be
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -229,30 +232,89 @@ def same_number(a: float | None, b: float | None) -> bool:
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, columns: dict, completion_ids: list,
-          step: int | None) -> np.ndarray:  # fmt: skip
+          step: int | None, logged: dict | None = None) -> np.ndarray:  # fmt: skip
     """(completions, functions) float64: each function's reward of each completion, NaN where it gave None.
 
     columns: the prompt records' other keys, each a list as long as `completions`. A function that raises,
-    returns anything but one number or None per completion, or a NaN or an infinity, stops the run (a UserError, exit 2),
-    naming the function and the prompt.
+    returns anything but one number (a bool counts as 0 or 1) or None per completion, or a NaN or an infinity,
+    stops the run (a UserError, exit 2), naming the function and the prompt. An `async def` function is awaited,
+    as TRL awaits one. logged: {name: [values]}, what the functions gave TRL's `log_metric` (logged_metrics());
+    TRL's `log_extra` columns have no table here and are dropped.
     """
     table = np.full((len(completions), len(rewards)), np.nan)
+    logged = {} if logged is None else logged
+
+    def log_metric(name: str, value: float) -> None:
+        logged.setdefault(str(name), []).append(float(value))
+
     for index, reward in enumerate(rewards):
         try:
             values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                     trainer_state=None, **columns)  # fmt: skip
+                                     trainer_state=None, log_metric=log_metric, log_extra=_dropped, **columns)  # fmt: skip
+            if inspect.isawaitable(values):  # an async reward function (an LLM judge): awaited off any running loop
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    values = pool.submit(asyncio.run, _awaited(values)).result()
+            values = _listed(values, len(completions))
+        except _Refused as e:
+            raise _stopped(reward, prompts[0], step, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the user's function: anything it raises stops the run
             raise _stopped(reward, prompts[0], step, f"raised {type(e).__name__}: {e}") from e
-        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
-            got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
-            raise _stopped(reward, prompts[0], step, f"returned {got} for {len(completions)} completions")
         for row, value in enumerate(values):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            number = _number(value)
+            if number is None:
                 raise _stopped(reward, prompts[row], step, f"returned {value!r}, not a finite number or None")
-            table[row, index] = float(value)
+            table[row, index] = number
     return table
+
+
+def logged_metrics(logged: dict, taken) -> dict:
+    """The means of what the reward functions gave `log_metric` (score's `logged`), each by its name, or as
+    logged_NAME where finetune's own metrics (`taken`) hold the name."""
+    return {(f"logged_{name}" if name in taken else name): float(np.mean(values)) for name, values in logged.items()}
+
+
+class _Refused(Exception):
+    """What a reward function returned, refused: the message's words."""
+
+
+def _dropped(column, values) -> None:
+    """TRL's `log_extra` (a column of its completions table): finetune keeps no such table."""
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _listed(values, count: int) -> list:
+    """A function's return value as a list of `count`: a list, tuple, NumPy array or a 1-D tensor (TRL's
+    torch.tensor takes each)."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        raise _Refused(f"returned {type(values).__name__}, not one reward per completion ({count})")
+    try:
+        rank = np.ndim(values)
+    except ValueError:  # values of unlike shapes: each is checked on its own (_number)
+        rank = 1
+    if rank > 1:
+        raise _Refused(f"returned an array of shape {tuple(np.shape(values))}, not one reward per completion "
+                       f"({count})")  # fmt: skip
+    if len(values) != count:
+        raise _Refused(f"returned {len(values)} values for {count} completions")
+    return list(values)
+
+
+def _number(value) -> float | None:
+    """A reward as a float: a number, a bool (0 or 1), or a 0-d array or tensor of one; None for anything else or
+    a value that is not finite."""
+    try:
+        found = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+    except Exception:  # noqa: BLE001 - whatever the user's function returned
+        return None
+    if found.ndim != 0 or found.dtype.kind not in "biuf":
+        return None
+    number = float(found)
+    return number if math.isfinite(number) else None
 
 
 def line(rewards: list[Reward], row: np.ndarray) -> str:

@@ -305,8 +305,9 @@ def keras_string(value):
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
-def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int) -> np.ndarray:
-    """(completions, functions): the rewards of `completions`, G to a prompt of `indices`, in order."""
+def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int, logged: dict | None = None):
+    """(completions, functions): the rewards of `completions`, G to a prompt of `indices`, in order; `logged`
+    gathers what the functions gave TRL's `log_metric` (rewards.score)."""
     g = len(completions) // len(indices)
     repeat = np.repeat(indices, g)
     shown = [prompts.prompts[i] for i in repeat]
@@ -315,7 +316,7 @@ def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int) 
     if prompts.conversational:
         made = [[{"role": "assistant", "content": text}] for text in made]
     columns = {key: [values[i] for i in repeat] for key, values in prompts.columns.items()}
-    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step)
+    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step, logged)
 
 
 def advantages(table: np.ndarray, weights: np.ndarray, generations: int, scale: str) -> tuple[np.ndarray, dict]:
@@ -382,9 +383,11 @@ def token_weights(loss_type: str, counts: np.ndarray, real: np.ndarray, micro_ro
         weight = grad_accum / (rows * np.maximum(counts, 1.0))
     elif loss_type == "dapo":  # every completion token of the step alike
         weight = np.full_like(counts, grad_accum / max(counts.sum(), 1.0))
-    elif loss_type == "bnpo":  # every completion token of the micro-batch alike
+    elif loss_type == "bnpo":  # every completion token of the micro-batch alike, averaged over the micro-batches
         per_micro = counts.reshape(-1, micro_rows).sum(axis=1)
-        weight = np.repeat(1.0 / np.maximum(per_micro, 1.0), micro_rows)
+        # of real rows: an epoch's last step may hold micro-batches of filler alone, which Keras' mean counts as 0
+        held = max(int(real.reshape(-1, micro_rows).any(axis=1).sum()), 1)
+        weight = np.repeat(grad_accum / (held * np.maximum(per_micro, 1.0)), micro_rows)
     else:  # dr_grpo: over rows x the longest completion, a constant
         weight = np.full_like(counts, grad_accum / (rows * max_completion_length))
     return np.where(real, weight, 0.0).astype(np.float32)
@@ -497,7 +500,8 @@ class RolloutOrder(batching.Order):
         completions, cut = self.sampler.complete(self.prompts.ids[rows], self.prompts.lengths[rows],
                                                  self.seed * 1_000_003 + group, self.prompts.media_of(rows))  # fmt: skip
         count = len(chosen) * g
-        table = scored(self.prompts, chosen, completions[:count], step)
+        logged = {}
+        table = scored(self.prompts, chosen, completions[:count], step, logged)
         counts = np.array([len(c) for c in completions])
         loss_weights = self.loss_weights(counts, real, micro_rows)
         made = [self._batch(rows[s : s + micro_rows], completions[s : s + micro_rows], loss_weights[s : s + micro_rows])
@@ -518,6 +522,7 @@ class RolloutOrder(batching.Order):
                    "completion_length": float(real_counts.mean()), "completion_length_min": int(real_counts.min()),
                    "completion_length_max": int(real_counts.max()),
                    "completion_clipped": float(cut[:count].mean())}  # fmt: skip
+        metrics.update(rewards_module.logged_metrics(logged, metrics))
         alike = float(np.all(np.abs(advantage[:count].reshape(-1, g)) < 1e-6, axis=1).mean())
         self._report(group, metrics, alike)
         tokens = (int(sum(self.prompts.lengths[rows][real]) + counts[real].sum()), int(counts[real].sum()))

@@ -232,6 +232,7 @@ def load_base(source: presets.Source, seq_len: int, dtype: str | None = None, qu
         keras_compat.exact_tensorflow_adds()  # keras-hub's Gemma 3 places pictures with an add keras misreads
     with keras_compat.collections_of_new_objects_only():  # a quantized build deletes every float kernel
         lm, preprocessor = _load_base(source, seq_len, dtype, quantize, images)
+    keras_compat.gemma3n_clip_padding(lm.backbone)  # a clip's tail as transformers' model reads it
     with_image_tokens(source, lm, preprocessor, image_tokens)
     return lm, preprocessor
 

@@ -106,6 +106,35 @@ def keep_float16_matmuls() -> bool:
     return True
 
 
+def gemma3n_clip_padding(backbone) -> None:
+    """Gemma 3n's clip positions past a clip's end take the padding embedding, as transformers' Gemma3nModel gives
+    them, so that a clip reads the same beside a longer one in its batch as alone.
+
+    keras-hub's Gemma3nBackbone embeds every output of the audio encoder, the ones past a clip's end too, which
+    the encoder zeroes (its mask is dropped): a clip padded to a longer clip's frames got the embedding of zeros
+    in its tail soft tokens, where alone (or in transformers) it gets the padding embedding. The audio embedder's
+    soft path now gives rows of zeros the padding embedding (the last of its vocabulary, which keras-hub's backbone
+    and transformers' model both pad a clip's tokens with). Nothing where the backbone has no audio embedder.
+    """
+    embedder = getattr(backbone, "embed_audio", None)
+    if embedder is None or getattr(embedder, "pads_clips", False) or not hasattr(embedder, "vocab_offset"):
+        return
+    import keras
+
+    ops, own = keras.ops, embedder.call
+
+    def call(inputs):
+        embedded = own(inputs)
+        if isinstance(inputs, list) or "int" in str(inputs.dtype):
+            return embedded  # the hard path: token ids
+        last = embedder.vocab_offset + embedder.embedding.input_dim - 1
+        padding = ops.cast(own(ops.convert_to_tensor([[last]], dtype="int32")), embedded.dtype)
+        past_the_end = ops.all(ops.equal(inputs, 0), axis=-1, keepdims=True)
+        return ops.where(past_the_end, padding, embedded)
+
+    embedder.call, embedder.pads_clips = call, True
+
+
 def exact_tensorflow_adds() -> bool:
     """Keras' TensorFlow `add` puts a (B, 1) tensor beside a (B, N) one along the wrong axis when N == B; make it
     broadcast as NumPy does.
