@@ -157,13 +157,16 @@ def evaluate(run_dir, data: str | None = None, backend: str | None = None, gener
 @_keeps_the_caller_s_state
 def generate(
     run_dir, prompts: str | list[str], max_new_tokens: int | None = None, raw: bool = False, backend: str | None = None,
-    images: list | None = None, audio: str | None = None, system: str | None = None, tools=None, **sampling,
+    images: list | None = None, audio: str | None = None, system: str | None = None, tools=None, think: bool = False,
+    **sampling,
 ) -> list[str]:  # fmt: skip
     """Completions from a finished run's model; each prompt goes in the run's template unless `raw`.
 
     system: a system prompt before every prompt, as `finetune generate --system`: a chat template's runs only.
     tools: tool schemas the model may call (a list of them, or a JSON file's path), as `finetune generate
         --tools`: declared as gemma4-chat declares a tool-chat record's.
+    think: the template's thinking switch on (gemma4-chat's <|think|>), as `finetune generate --think`: how a run
+        trained on records with thinking (`reasoning_content`) is asked.
 
     images: paths of pictures that go with every prompt, where its `<image>` is (else before it), as
         `finetune generate --image`; the run's preset must see images (tiny-gemma3-vision, tiny-gemma4-vision,
@@ -182,10 +185,10 @@ def generate(
     tokens = _argument("max_new_tokens", "--max-new-tokens", int)
     names = [_argument(item.key, item.flag) for item in _config.settings(_config.Sampling)]
     pictures, clip = _argument("images", "--image"), _argument("audio", "--audio")
-    framing = _argument("system", "--system"), _argument("tools", "--tools")
+    framing = _argument("system", "--system"), _argument("tools", "--tools"), _argument("think", "--think", bool)
     with _in_python_words(_RUN_DIR, _BACKEND, tokens, _argument("raw", "--raw", bool), pictures, clip, *framing,
                           *names):  # fmt: skip
-        given = runs.Given(tuple(images or ()), audio, system, tools)
+        given = runs.Given(tuple(images or ()), audio, system, tools, bool(think))
         sampled = _config.Sampling.checked(sampling)
         return runs.generate(_open(run_dir, backend), prompts, max_new_tokens, raw, sampled, given)
 

@@ -639,6 +639,12 @@ def generate(
         "as the run's template declares them (gemma4-chat).",
         metavar="FILE",
     ),
+    think: bool = typer.Option(
+        False,
+        "--think",
+        help="Turn on the template's thinking switch (gemma4-chat's <|think|>), as a record with reasoning_content "
+        "trained: how a run trained on thinking is asked.",
+    ),
     backend: RunBackend = None,
     debug: Debug = False,
     verbose: Verbose = False,
@@ -655,7 +661,7 @@ def generate(
     config_module.check("train.max_new_tokens", max_new_tokens, name="--max-new-tokens")
     sampling = config_module.Sampling.checked(settings)
     saved = runs.open_on(run, backend)
-    given = runs.Given(tuple(image), audio, system, tools)
+    given = runs.Given(tuple(image), audio, system, tools, think)
     answers = runs.generate(saved, list(prompt), max_new_tokens, raw, sampling, given)
     for number, (text, answer) in enumerate(zip(prompt, answers), start=1):
         if len(prompt) > 1:

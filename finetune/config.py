@@ -1013,6 +1013,10 @@ def load(
     if base and "train.epochs" in asked and "train.max_steps" not in asked:
         # A resume of a --max-steps run that asks for more epochs: the checkpoint's max_steps would win over them.
         data.setdefault("train", {})["max_steps"] = None
+    if base and "distribution.parallel" in asked and "distribution.mesh" not in asked:
+        # A resume on other devices (--parallel none, or data on more of them): the checkpoint's mesh was its
+        # devices' layout, not a setting the new command makes; it would be refused against the new --parallel.
+        data.setdefault("distribution", {})["mesh"] = None
     if (overrides or {}).get("model.full") is True and (data.get("model") or {}).get("full") is not True:
         # --full on the command line over a LoRA recipe (gemma3-270m's rank 8): the recipe's LoRA section is
         # left behind, as the run trains no LoRA; LoRA settings given beside --full are still refused.

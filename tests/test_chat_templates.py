@@ -385,7 +385,7 @@ def test_tool_calling_data_trains_tiny_gemma4_through_the_cli_by_the_recipe(tmp_
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([WEATHER["function"], TIME]), encoding="utf-8")  # bare and OpenAI's forms
     answered = finetune("generate", "--run", out, "--system", "Answer briefly.", "--tools", tools, "--prompt", "Paris?",
-                        "--max-new-tokens", "3")  # fmt: skip
+                        "--max-new-tokens", "3", "--think")  # fmt: skip
     assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr[-3000:]
 
 
@@ -406,6 +406,28 @@ def test_generate_s_system_prompt_and_tools_render_as_a_record_of_them_trains(na
     asked = template.apply(runs._framing(given, template, raw=False)("Paris?"))[0]
     assert asked == template.apply(records[0])[0]
     assert "Answer briefly." in asked and ("get_time" in asked) == bool(tools), asked
+
+
+@pytest.mark.one_backend  # the text the template renders: Python's
+def test_generate_s_think_renders_the_prompt_of_a_record_with_thinking(tmp_path):
+    """`finetune generate --think` prompts a run trained on records with thinking as they trained (Gemma 4's
+    <|think|> in the system turn, with or without a system prompt); it had no way to, so such a run was asked
+    without the switch. A template without one refuses it, as does --raw."""
+    from finetune.training import runs
+
+    template = templates.get("gemma4-chat")
+    for system in ((), ({"role": "system", "content": "Answer briefly."},)):
+        messages = [*system, {"role": "user", "content": "Paris?"},
+                    {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."}]  # fmt: skip
+        records, _ = formats.read(str(write_jsonl(tmp_path / "think.jsonl", [{"messages": messages}])))
+        given = runs.Given(system=system[0]["content"] if system else None, think=True)
+        asked = template.apply(runs._framing(given, template, raw=False)("Paris?"))[0]
+        assert asked == template.apply(records[0])[0] and "<|think|>" in asked, asked
+    assert "<|think|>" not in template.apply(runs._framing(runs.Given(), template, raw=False)("Paris?"))[0]
+    with pytest.raises(UserError, match="gemma-chat, which has none"):
+        runs._framing(runs.Given(think=True), templates.get("gemma-chat"), raw=False)
+    with pytest.raises(UserError, match="--raw sends the prompt as is; put the thinking switch"):
+        runs._framing(runs.Given(think=True), template, raw=True)
 
 
 def prompt_completion(record: dict) -> dict:

@@ -304,3 +304,16 @@ def test_another_data_file_than_the_recipe_s_leaves_the_recipe_s_split_behind(tm
     assert config.load(recipe).data.split == "train_prefs"
     assert config.load(recipe, {"data.path": "mine.jsonl"}).data.split == config.DataConfig().split
     assert config.load(recipe, {"data.path": "hf:other", "data.split": "test"}).data.split == "test"
+
+
+def test_a_resume_that_changes_parallel_leaves_the_checkpoint_s_mesh_behind():
+    """A run of --parallel model --mesh 2x2 resumed with --parallel none (or data on other devices): the mesh was
+    the old devices' layout, which the resume was refused against ("--mesh 2x2 needs --parallel data or --parallel
+    model", a flag the user never gave). A mesh given with the resume is kept."""
+    jax = {"backend": "jax"}
+    base = config.load(None, {**jax, "distribution.parallel": "model", "distribution.mesh": "2x2"}).to_dict()
+    assert config.load(None, {"distribution.parallel": "none"}, base=base).distribution.mesh is None
+    assert config.load(None, {**jax, "distribution.parallel": "data"}, base=base).distribution.mesh is None
+    kept = config.load(None, {**jax, "distribution.parallel": "data", "distribution.mesh": "4x1"}, base=base)
+    assert kept.distribution.mesh == "4x1"
+    assert config.load(None, {}, base=base).distribution.mesh == "2x2"  # the same devices: the run's own

@@ -204,6 +204,15 @@ def test_finetune_data_reports_prompts_with_clips_as_grpo_takes_them(tmp_path):
     assert "the longest prompt with pictures or clips takes" in result.output and "p.jsonl:2)" in result.output
 
 
+def test_finetune_data_says_records_with_audio_train_unpacked(tmp_path):
+    """Records with clips train unpacked, as pictures do: the line names audio (it said images)."""
+    from test_audio import clip, llama_factory
+
+    path = write(tmp_path / "s.jsonl", [llama_factory(clip(tmp_path / f"{i}.wav"), "tone") for i in range(2)])
+    result = CliRunner().invoke(app, ["data", str(path), "--preset", "tiny-gemma4-audio"])
+    assert result.exit_code == 0 and "packing: off for data with audio (" in result.output, result.output
+
+
 @pytest.mark.one_backend  # a fresh process of its own
 def test_finetune_data_into_a_reader_that_goes_away_exits_0_quietly(tmp_path):
     """`finetune data FILE | head -1`: the reader closes the pipe before the report is written; the command

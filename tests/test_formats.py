@@ -337,6 +337,29 @@ def test_chat_records_keep_every_turn_and_put_the_system_turn_first(tmp_path):
     assert record.response == "6."
 
 
+def test_a_first_developer_message_is_the_system_prompt(tmp_path):
+    """OpenAI's newer name for the system message, which Gemma 4's template renders as one: read as the system
+    turn of a chat and of a tool chat (it was refused, exit 2)."""
+    developer = {**CHAT, "messages": [{**CHAT["messages"][0], "role": "developer"}, *CHAT["messages"][1:]]}
+    assert CHAT["messages"][0]["role"] == "system"
+    tools = {"tools": [], **developer}
+    tools["messages"] = [
+        *developer["messages"][:2],
+        {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
+    ]
+    (tmp_path / "c.jsonl").write_text(json.dumps(developer) + "\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps(tools) + "\n")
+    (read,), _ = formats.read(str(tmp_path / "c.jsonl"))
+    (tmp_path / "s.jsonl").write_text(json.dumps(CHAT) + "\n")
+    (system,), _ = formats.read(str(tmp_path / "s.jsonl"))
+    assert read == system
+    (tool_chat,), found = formats.read(str(tmp_path / "t.jsonl"))
+    assert found == "tool-chat" and tool_chat.messages[0] == {
+        "role": "system",
+        "content": CHAT["messages"][0]["content"],
+    }
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -44,7 +44,7 @@ def test_a_file_function_gets_the_columns(tmp_path):
         "def f(prompts, completions, answer, **kw):\n    return [float(a == c) for a, c in zip(answer, completions)]\n"
     )
     (reward,) = rewards.load([f"{path}:f"], [2.0], 8)
-    table = rewards.score([reward], ["p", "q"], ["x", "y"], {"answer": ["x", "z"]}, [[1], [2]], 0)
+    table = rewards.score([reward], ["p", "q"], ["x", "y"], {"answer": ["x", "z"], "completion_ids": [[1], [2]]}, 0)
     assert reward.weight == 2.0 and table.tolist() == [[1.0], [0.0]]
 
 
@@ -58,7 +58,7 @@ def test_a_bad_reward_stops_naming_itself_and_the_prompt(tmp_path, body, said):
     path.write_text(f"def judge(prompts, completions, **kw):\n    {body}\n")
     (reward,) = rewards.load([f"{path}:judge"], [], 8)
     with pytest.raises(UserError, match=f"judge {said}.*at step 3.*the prompt 'first'"):
-        rewards.score([reward], ["first", "second"], ["a", "b"], {}, [[1], [2]], 2)
+        rewards.score([reward], ["first", "second"], ["a", "b"], {"completion_ids": [[1], [2]]}, 2)
 
 
 def test_a_reward_returns_what_trl_takes(tmp_path):
@@ -81,7 +81,7 @@ def test_a_reward_returns_what_trl_takes(tmp_path):
     )
     loaded = rewards.load([f"{path}:{name}" for name in ("passed", "flags", "tensor", "judge", "logs")], [], 8)
     logged = {}
-    table = rewards.score(loaded, ["p", "q"], ["ab", "b"], {}, [[1], [2]], 0, logged)
+    table = rewards.score(loaded, ["p", "q"], ["ab", "b"], {"completion_ids": [[1], [2]]}, 0, logged)
     np.testing.assert_array_equal(table[:, :4], [[1.0, 0.0, 0.5, 2.0], [0.0, 1.0, 2.0, 1.0]])
     assert table[0, 4] == 1.0 and np.isnan(table[1, 4])
     assert rewards.logged_metrics(logged, {"reward": 0.3}) == {"judge_calls": 1.0, "logged_reward": 5.0}
@@ -98,12 +98,12 @@ def test_a_reward_of_another_kind_stops_naming_what_it_returned(tmp_path, value,
     path.write_text(f"import numpy as np\ndef odd(completions, **kw):\n    return {value}\n")
     (reward,) = rewards.load([f"{path}:odd"], [], 8)
     with pytest.raises(UserError, match=f"odd {re.escape(said)}"):
-        rewards.score([reward], ["first", "second"], ["a", "b"], {}, [[1], [2]], 2)
+        rewards.score([reward], ["first", "second"], ["a", "b"], {"completion_ids": [[1], [2]]}, 2)
 
 
 def test_none_is_not_a_number_but_allowed():
     reward = rewards.Reward("r", lambda prompts, completions, **kw: [None, 1])
-    table = rewards.score([reward], ["p", "q"], ["a", "b"], {}, [[1], [2]], 0)
+    table = rewards.score([reward], ["p", "q"], ["a", "b"], {"completion_ids": [[1], [2]]}, 0)
     assert np.isnan(table[0, 0]) and table[1, 0] == 1.0
 
 

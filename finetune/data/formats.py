@@ -106,6 +106,9 @@ def kind(fmt: str) -> str:
 
 
 ROLES = {"user": "user", "assistant": "assistant", "model": "assistant"}
+# A first message's roles that are the system prompt: OpenAI's newer name for it too, which Gemma 4's template
+# renders as it renders a system message.
+SYSTEM_ROLES = ("system", "developer")
 # ShareGPT's speakers, as community sets name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 PARQUET_MAGIC = b"PAR1"
@@ -785,7 +788,7 @@ def _chat_record(messages, where: str, key: str, names: tuple, roles: dict, syst
                 f"{where}: message {number} must be an object with a `{role_key}` and a string `{text_key}`"
             )
         role, content = message.get(role_key), message[text_key]
-        if role == "system" and number == 1:
+        if role in SYSTEM_ROLES and number == 1:
             system = content
             continue
         if not isinstance(role, str) or role not in roles:  # a list or an object is no role, and not hashable
@@ -925,7 +928,7 @@ def _tool_chat_record(obj: dict, where: str) -> Record:
         role = ROLES.get(role, role) if isinstance(role, str) else role
         if pending and role != "tool" and previous == "tool":
             _unanswered(pending, number, where)
-        if role == "system" and number == 1:
+        if role in SYSTEM_ROLES and number == 1:
             kept.append({"role": "system", "content": _message_text(message, number, where)})
             continue
         if role not in ("user", "assistant", "tool"):

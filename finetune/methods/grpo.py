@@ -169,7 +169,7 @@ class GRPO(Method):
             made = [[{"role": "assistant", "content": g}] if conversational else g for g in generations]
             ids = batching.leading_ids(tokenizer, generations, 10**6) if generations else []
             try:
-                table = rewards.score(loaded, shown, made, columns, ids, None)
+                table = rewards.score(loaded, shown, made, {**columns, "completion_ids": ids}, None)
             except UserError as e:  # after training too: the run's results stand; the line says why
                 return [f"not scored: {e}"] * len(generations)
             return [rewards.line(loaded, row) for row in table]

@@ -231,11 +231,12 @@ def same_number(a: float | None, b: float | None) -> bool:
 # === Scoring ===
 
 
-def score(rewards: list[Reward], prompts: list, completions: list, columns: dict, completion_ids: list,
-          step: int | None, logged: dict | None = None) -> np.ndarray:  # fmt: skip
+def score(rewards: list[Reward], prompts: list, completions: list, columns: dict, step: int | None,
+          logged: dict | None = None) -> np.ndarray:  # fmt: skip
     """(completions, functions) float64: each function's reward of each completion, NaN where it gave None.
 
-    columns: the prompt records' other keys, each a list as long as `completions`. A function that raises,
+    columns: the prompt records' other keys, each a list as long as `completions`, and `completion_ids` (each
+    completion's token ids), as the functions get them. A function that raises,
     returns anything but one number (a bool counts as 0 or 1) or None per completion, or a NaN or an infinity,
     stops the run (a UserError, exit 2), naming the function and the prompt. An `async def` function is awaited,
     as TRL awaits one. logged: {name: [values]}, what the functions gave TRL's `log_metric` (logged_metrics());
@@ -249,8 +250,8 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: dict
 
     for index, reward in enumerate(rewards):
         try:
-            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                     trainer_state=None, log_metric=log_metric, log_extra=_dropped, **columns)  # fmt: skip
+            values = reward.function(prompts=prompts, completions=completions, trainer_state=None,
+                                     log_metric=log_metric, log_extra=_dropped, **columns)  # fmt: skip
             if inspect.isawaitable(values):  # an async reward function (an LLM judge): awaited off any running loop
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     values = pool.submit(asyncio.run, _awaited(values)).result()

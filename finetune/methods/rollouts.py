@@ -316,7 +316,8 @@ def scored(prompts: Prompts, indices: np.ndarray, completions: list, step: int, 
     if prompts.conversational:
         made = [[{"role": "assistant", "content": text}] for text in made]
     columns = {key: [values[i] for i in repeat] for key, values in prompts.columns.items()}
-    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, completions, step, logged)
+    columns["completion_ids"] = completions
+    return rewards_module.score(list(prompts.sampling.rewards), shown, made, columns, step, logged)
 
 
 def advantages(table: np.ndarray, weights: np.ndarray, generations: int, scale: str) -> tuple[np.ndarray, dict]:
@@ -607,8 +608,8 @@ class RolloutOrder(batching.Order):
         if which == "policy":
             return score_logps(self.model.trainer, x)
         with builder.lora_off(lm):  # a view of its own, traced with LoRA off (a traced call keeps what it traced)
-            if "reference" not in self._views:
-                self._views["reference"] = builder.objective_view(lm, self.objective)
+            if "reference" not in self._views:  # the trainer's data shards: the slots are laid out per shard
+                self._views["reference"] = builder.objective_view(lm, self.objective, self.model.trainer.shards)
             return score_logps(self._views["reference"], x)
 
 

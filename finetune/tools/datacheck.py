@@ -167,7 +167,10 @@ def _tokens(items, preset: str, seq_len: int, train_on_prompt: bool, example: in
         )
     if pictured:
         lines += written.refused(whole, seq_len, set(dropped))
-        lines.append("packing: off for data with images (a row with pictures takes keras-hub's own mask)")
+        held = written.records
+        kinds = " or ".join(k for k, v in (("images", any(r.images for r in held)),
+                                           ("audio", any(r.audios for r in held))) if v)  # fmt: skip
+        lines.append(f"packing: off for data with {kinds} (such a row takes keras-hub's own mask)")
     elif examples:
         padded = batching.pad(examples, seq_len)
         packed = packing.pack(examples, seq_len)

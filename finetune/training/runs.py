@@ -349,6 +349,9 @@ class Given:
     tools: object = None
     """Tool schemas the model may call (formats.read_tools: a JSON file's path, or the schemas), declared as the
     run's chat template declares a tool-chat record's."""
+    think: bool = False
+    """The template's thinking switch on (Gemma 4's <|think|> in the system turn), as a record with thinking
+    (`reasoning_content`) renders it: how a run trained on such records was asked."""
 
 
 def generate(run: Run, prompts: list[str], max_new_tokens: int | None = None, raw: bool = False, sampling=None,
@@ -403,7 +406,7 @@ def _framing(given: Given, template, raw: bool):
     them where the template has no place for them (they would be dropped, or read as the prompt's own words)."""
     from finetune.data import formats, templates
 
-    asked = {"system prompt": given.system, "tool declarations": given.tools}
+    asked = {"system prompt": given.system, "tool declarations": given.tools, "thinking switch": given.think or None}
     asked = [words for words, value in asked.items() if value is not None]
     if asked and raw:
         raise UserError(f"--raw sends the prompt as is; put the {' and '.join(asked)} in its text, or drop --raw")
@@ -416,12 +419,17 @@ def _framing(given: Given, template, raw: bool):
     if tools and not template.tools:
         raise UserError(f"--tools needs a template that declares tools (gemma4-chat), and the run's is "
                         f"{template.name}: it trained without tool turns")  # fmt: skip
+    if given.think and not template.tools:
+        raise UserError(f"--think turns on a template's thinking switch (gemma4-chat's), and the run's template is "
+                        f"{template.name}, which has none")  # fmt: skip
     system = ({"role": "system", "content": given.system},) if given.system is not None else ()
+    # the answer's thinking turns the switch on, as a record's does (templates.Template.apply)
+    answer = {"role": "assistant", "content": "-", **({"reasoning_content": "-"} if given.think else {})}
 
     def framed(prompt: str):
-        if not system and not tools:
+        if not system and not tools and not given.think:
             return formats.Record(instruction=prompt, response="-")
-        messages = (*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": "-"})
+        messages = (*system, {"role": "user", "content": prompt}, answer)
         return formats.Record(instruction=prompt, response="-", messages=messages, tools=tools)
 
     return framed
