@@ -48,7 +48,7 @@ TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 # The training methods: SFT's token loss, a preference loss over (chosen, rejected) pairs (docs/preference.md),
 # online RL on prompts with reward functions (docs/rl.md), or a reward model on pairs (docs/reward.md).
 # methods/registry.py's names (a test keeps the two equal).
-METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "reward", "classify")
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo", "grpo", "rloo", "reward", "classify")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's GRPOConfig.loss_type values we train
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards values
 
@@ -202,7 +202,8 @@ def documented(cls):
                 for what, words in (("Default", item.default_words()), ("Flag", item.flag))
                 if words
             )
-        lines += textwrap.wrap(entry, 100, initial_indent="    ", subsequent_indent="        ")
+        # A flag is never cut at its hyphens: "Flag: --normalize-advantages." stays whole
+        lines += textwrap.wrap(entry, 100, initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
     cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\nArgs:\n" + "\n".join(lines) + "\n"
     return cls
 
@@ -589,15 +590,17 @@ class TrainConfig:
         "sft",
         "The objective: sft (the response tokens' cross-entropy), a preference loss on (prompt, chosen, "
         "rejected) pairs: dpo or ipo (against the base, scored once before training), orpo or simpo (no reference), "
-        "grpo: online RL on prompts, scored by --reward functions, or reward: a reward model trained on the pairs.",
+        "grpo or rloo: online RL on prompts, scored by --reward functions, or reward: a reward model trained on the "
+        "pairs.",
         flag="--method", panel=TRAINING, choices=METHODS, metavar="NAME",
     )  # fmt: skip
     beta: Optional[float] = setting(
         None,
         "The preference loss's beta: DPO's and SimPO's inverse temperature, IPO's regularisation tau, ORPO's "
-        "lambda (the weight of its odds-ratio term); GRPO's KL weight (0: no reference).",
+        "lambda (the weight of its odds-ratio term); GRPO's KL weight, RLOO's KL penalty on the reward (0: no "
+        "reference).",
         flag="--beta", panel=TRAINING, range=Range(0), metavar="B",
-        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0, grpo 0 (docs/preference.md, docs/rl.md)",
+        default_text="dpo 0.1, ipo 0.1, orpo 0.1, simpo 2.0, grpo 0, rloo 0.05 (docs/preference.md, docs/rl.md)",
     )  # fmt: skip
     label_smoothing: Optional[float] = setting(
         None,
@@ -624,48 +627,48 @@ class TrainConfig:
     )  # fmt: skip
     reward: list[str] = setting(
         [],
-        "GRPO: a reward function, FILE.py:FUNCTION or module:function, f(prompts, completions, **columns) -> "
+        "GRPO and RLOO: a reward function, FILE.py:FUNCTION or module:function, f(prompts, completions, **columns) -> "
         "list of float or None, as TRL's; or a built-in: format:REGEX, length[:TOKENS], exact, math (docs/rl.md).",
         flag="--reward", panel=TRAINING, metavar="SPEC", default_text="none", whole=True,
     )  # fmt: skip
     reward_weights: list[float] = setting(
         [],
-        "GRPO: each --reward's weight in the total reward, in order.",
+        "GRPO and RLOO: each --reward's weight in the total reward, in order.",
         flag="--reward-weights", panel=TRAINING, metavar="W", default_text="1 each",
     )  # fmt: skip
     num_generations: Optional[int] = setting(
         None,
-        "GRPO: completions sampled for each prompt, the group its advantages are normalised in.",
-        flag="--num-generations", panel=TRAINING, metavar="G", range=Range(2), default_text="8, as TRL",
+        "GRPO and RLOO: completions sampled for each prompt, the group its advantages are made in.",
+        flag="--num-generations", panel=TRAINING, metavar="G", range=Range(2), default_text="grpo 8, rloo 2, as TRL",
     )  # fmt: skip
     max_completion_length: Optional[int] = setting(
         None,
-        "GRPO: the most tokens sampled for a completion.",
+        "GRPO and RLOO: the most tokens sampled for a completion.",
         flag="--max-completion-length", panel=TRAINING, metavar="N", range=Range(1), default_text="256",
     )  # fmt: skip
     temperature: Optional[float] = setting(
         None,
-        "GRPO: the sampling temperature of the rollouts (the log-probabilities are taken at it too, as TRL's).",
+        "GRPO and RLOO: the sampling temperature of the rollouts (the log-probabilities are taken at it too, as TRL's).",
         flag="--temperature", panel=TRAINING, metavar="T", range=Range(0, low_open=True), default_text="1.0",
     )  # fmt: skip
     top_p: Optional[float] = setting(
         None,
-        "GRPO: nucleus sampling of the rollouts.",
+        "GRPO and RLOO: nucleus sampling of the rollouts.",
         flag="--top-p", panel=TRAINING, metavar="P", range=Range(0, 1, low_open=True), default_text="1.0",
     )  # fmt: skip
     epsilon: Optional[float] = setting(
         None,
-        "GRPO: the clip range's lower side: the ratio is kept above 1 - epsilon.",
+        "GRPO and RLOO: the clip range's lower side: the ratio is kept above 1 - epsilon.",
         flag="--epsilon", panel=TRAINING, metavar="E", range=Range(0, 1, low_open=True), default_text="0.2",
     )  # fmt: skip
     epsilon_high: Optional[float] = setting(
         None,
-        "GRPO: the clip range's upper side, 1 + epsilon_high (DAPO's paper: 0.28).",
+        "GRPO and RLOO: the clip range's upper side, 1 + epsilon_high (DAPO's paper: 0.28).",
         flag="--epsilon-high", panel=TRAINING, metavar="E", range=Range(0, low_open=True), default_text="--epsilon",
     )  # fmt: skip
     num_iterations: Optional[int] = setting(
         None,
-        "GRPO: optimizer steps on each batch of rollouts (mu).",
+        "GRPO and RLOO: optimizer steps on each batch of rollouts (mu).",
         flag="--num-iterations", panel=TRAINING, metavar="MU", range=Range(1), default_text="1",
     )  # fmt: skip
     loss_type: Optional[str] = setting(
@@ -678,6 +681,12 @@ class TrainConfig:
         None,
         "GRPO: divide the advantages by the rewards' std in each group, the batch's, or not at all.",
         flag="--scale-rewards", panel=TRAINING, choices=SCALE_REWARDS, metavar="HOW", default_text="group",
+    )  # fmt: skip
+    normalize_advantages: Optional[bool] = setting(
+        None,
+        "RLOO: normalise the leave-one-out advantages over the batch to mean 0 and std 1 (TRL's "
+        "normalize_advantages).",
+        flag="--normalize-advantages", panel=TRAINING, default_text="off, as TRL",
     )  # fmt: skip
     max_grad_norm: Union[float, str] = setting(
         1.0,

@@ -86,9 +86,9 @@ def test_only_grpo_takes_prompts_and_grpo_takes_only_prompts():
         registry.decide(TrainConfig(), "prompts")
     with pytest.raises(UserError, match="trains on prompts alone"):
         registry.decide(TrainConfig(method="grpo", reward=["exact"]), "dolly")
-    with pytest.raises(UserError, match="--reward scores GRPO's"):
+    with pytest.raises(UserError, match="--reward scores the rollouts of GRPO and RLOO"):
         registry.decide(TrainConfig(reward=["exact"]), "dolly")
-    with pytest.raises(UserError, match="--num-generations is GRPO's"):
+    with pytest.raises(UserError, match="--num-generations is GRPO, RLOO's"):
         registry.decide(TrainConfig(method="dpo", num_generations=4), "preference")
     with pytest.raises(UserError, match="--beta 0"):
         registry.decide(TrainConfig(method="dpo", beta=0.0), "preference")
@@ -119,14 +119,14 @@ def files(tmp_path_factory):
     return write_jsonl(folder / "prompts.jsonl", story_prompts()), folder / "rewards.py"
 
 
-def grpo(*args, fault: tuple | None = None) -> subprocess.CompletedProcess:
-    """`finetune gemma --method grpo` with FAST's settings, in a fresh process; `fault` (signal, step): killed by
-    tests/fault_run.py right after that step's checkpoint."""
+def grpo(*args, fault: tuple | None = None, method: str = "grpo") -> subprocess.CompletedProcess:
+    """`finetune gemma --method grpo` (or `method`, RLOO's) with FAST's settings, in a fresh process; `fault`
+    (signal, step): killed by tests/fault_run.py right after that step's checkpoint."""
     program, env = ["-m", "finetune"], dict(os.environ)
     if fault is not None:
         program = [str(Path(__file__).parent / "fault_run.py")]
         env.update({"FAULT": fault[0], "FAULT_STEP": str(fault[1])})
-    command = [sys.executable, *program, "gemma", *FAST, "--method", "grpo", *map(str, args)]
+    command = [sys.executable, *program, "gemma", *FAST, "--method", method, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -205,28 +205,62 @@ def history(out) -> list[dict]:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
 
 
+def resume(out) -> subprocess.CompletedProcess:
+    """`finetune gemma --resume --output OUT` alone, in a fresh process; it must exit 0."""
+    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    return resumed
+
+
+def killed_and_resumed(launch, out, step: int, *flags, kept: bool = False) -> subprocess.CompletedProcess:
+    """`launch(*flags)` (grpo, or another method's launcher), its run in `out` SIGKILLed right after the step-`step`
+    checkpoint, then resumed alone; the resume's process. kept: the checkpoint must keep its batch of rollouts
+    (order.npz: killed within a batch that --num-iterations trains on)."""
+    killed = launch(*flags, fault=("SIGKILL", step))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert (checkpoint.latest(out).path / checkpoint.ORDER).is_file() == kept
+    return resume(out)
+
+
+def guide_run(method: str, folder) -> Path:
+    """docs/rl.md's first command of --method `method`, as written, run in `folder` holding a copy of the
+    repository's examples/; the run's directory."""
+    guide = (Path(__file__).parent.parent / "docs" / "rl.md").read_text()
+    start = f"finetune gemma --preset tiny --method {method} "
+    (command,) = [line for line in guide.splitlines() if line.startswith(start)]
+    shutil.copytree(Path(__file__).parent.parent / "examples", folder / "examples")
+    done = subprocess.run([sys.executable, "-m", "finetune", *shlex.split(command)[1:]], cwd=folder,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "runs" / method
+
+
+def assert_same_run(whole, out) -> None:
+    """The run in `out` has the history.csv and adapter of the run in `whole`, within 1e-5. TensorFlow's oneDNN
+    kernels may sum in another order in another process: Adam turns that float noise in a near-zero gradient into
+    ~1e-5 of an update."""
+    expected, got = history(whole), history(out)
+    assert [r.keys() for r in got] == [r.keys() for r in expected]
+    for a, b in zip(got, expected):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
+    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
+    assert first.keys() == second.keys() and len(first) > 1
+    for name in first:
+        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_a_killed_grpo_run_resumes_to_the_uninterrupted_history_and_adapter(files, learned, tmp_path):
     """SIGKILL right after the step-4 checkpoint, then --resume alone: the rollouts are sampled again from the
     restored adapter with the same seeds, so history.csv and the adapter are the uninterrupted run's."""
     whole, metrics, _ = learned
     out = tmp_path / "killed"
-    killed = grpo(*learning_flags(files, out), "--checkpoint-every", "4", fault=("SIGKILL", 4))
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    resumed = killed_and_resumed(grpo, out, 4, *learning_flags(files, out), "--checkpoint-every", "4")
     assert "resuming" in resumed.stdout and "rollout 5: reward" in resumed.stdout
-    expected, got = history(whole), history(out)
-    assert [r.keys() for r in got] == [r.keys() for r in expected]
-    for a, b in zip(got, expected):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
+    assert_same_run(whole, out)
     again = json.loads((out / "metrics.json").read_text())
     assert again["eval_reward"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
     assert again["eval_reward_before"] == metrics["eval_reward_before"]
-    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    assert first.keys() == second.keys() and len(first) > 1
-    for name in first:
-        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_eval_and_export_of_a_grpo_run(learned, tmp_path):
@@ -319,17 +353,12 @@ def test_a_reward_that_fails_on_the_held_out_prompts_before_training_leaves_noth
 def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     """docs/rl.md's first command, as written, from a directory holding the repository's examples/: the held-out
     reward rises as the guide says (0.2–0.4 to 0.9–1.0)."""
-    guide = (Path(__file__).parent.parent / "docs" / "rl.md").read_text()
-    (command,) = [line for line in guide.splitlines() if line.startswith("finetune gemma --preset tiny --method grpo")]
-    shutil.copytree(Path(__file__).parent.parent / "examples", tmp_path / "examples")
-    done = subprocess.run([sys.executable, "-m", "finetune", *shlex.split(command)[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    metrics = json.loads((tmp_path / "runs" / "grpo" / "metrics.json").read_text())
+    out = guide_run("grpo", tmp_path)
+    metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval_reward_before"] <= 0.4 and metrics["eval_reward"] >= 0.8, metrics
     assert metrics["eval_reward"] - metrics["eval_reward_before"] >= 0.4, metrics
     # samples.md: each greedy generation with its rewards, before and after; no empty reference for prompts alone
-    samples = (tmp_path / "runs" / "grpo" / "samples.md").read_text()
+    samples = (out / "samples.md").read_text()
     assert "**Reference**" not in samples
     scored = re.findall(r"reward (\d\.\d{3}) \(opens_with_the (\d\.\d{3})\)", samples)
     assert len(scored) == 2 * samples.count("## Sample") > 0, samples[:2000]
@@ -347,23 +376,12 @@ def test_a_run_killed_within_a_batch_of_rollouts_resumes_to_the_uninterrupted_ru
     done = grpo(*flags, "--output", whole)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     out = tmp_path / "run"
-    killed = grpo(*flags, "--output", out, fault=("SIGKILL", 1))
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
-    assert (checkpoint.latest(out).path / checkpoint.ORDER).is_file()
-    resumed = subprocess.run([sys.executable, "-m", "finetune", "gemma", "--resume", "--output", str(out)],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    resumed = killed_and_resumed(grpo, out, 1, *flags, "--output", out, kept=True)
     assert "sampled again" not in resumed.stdout and "rollout 2: reward" in resumed.stdout
     assert "rollout 1: reward" not in resumed.stdout  # step 2 trained on step 1's batch, kept
-    expected, got = history(whole), history(out)
+    got = history(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4] and all(r["kl"] >= 0 for r in got)
-    for a, b in zip(got, expected):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (a, b)
-    first, second = adapter_arrays(whole / "adapter.lora.h5"), adapter_arrays(out / "adapter.lora.h5")
-    assert first.keys() == second.keys() and len(first) > 1
-    for name in first:  # TensorFlow's oneDNN kernels may sum in another order in another process: Adam turns that
-        # float noise in a near-zero gradient into ~1e-5 of an update, as the test above allows
-        np.testing.assert_allclose(second[name], first[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_same_run(whole, out)
 
 
 @pytest.mark.one_backend  # the sampler itself is checked on every family and backend in test_rollouts.py

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.backend_neutral  # keras ops on torch tensors, for the 
 
 class _Accelerator:
     num_processes = 1
+    process_index = 0
     sync_gradients = True
 
     @staticmethod

@@ -72,13 +72,15 @@ NO_TEST_FILE = {
     "reward": "the reward model and its GRPO reward: test_reward_model.py runs both end to end",
     "reward_view": "the view the reward model trains through: test_reward_model.py checks its loss against TRL's",
     "classify_view": "the view a classifier trains through: test_classify.py trains it on every backend",
+    "rloo_view": "the view RLOO trains through: test_rloo_trl.py checks its loss against TRL's, test_rloo.py trains "
+    "it on every backend",
     "chat": "the chat templates' renderer: test_chat_templates.py checks it against transformers' and trains on it",
 }
 END_TO_END = {  # test files of the whole package (or of the suite: test_suite) rather than one module; most run the
     # CLI or API end to end
     "test_api", "test_image_tokens", "test_as_typed", "test_bad_inputs", "test_backends_agree", "test_docs", "test_imports", "test_install",
     "test_notebook", "test_properties", "test_recipes", "test_evaluation", "test_preference_runs",
-    "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl", "test_chat_templates",
+    "test_preference_trl", "test_method_matrix", "test_reward_model", "test_grpo_trl", "test_rloo_trl", "test_chat_templates",
     "test_compiled_step", "test_gpu_check", "test_suite", "test_device_reads", "test_pictured_pairs",
 }  # fmt: skip
 

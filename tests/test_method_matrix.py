@@ -249,7 +249,7 @@ def test_each_method_s_grouped_order_trains_every_row_once_in_no_more_positions(
 @pytest.mark.parametrize("method", ROWS_OF_THEIR_OWN)
 @pytest.mark.parametrize("flags, said", [(["--batch-size", "auto"], "--batch-size counts prompts"),
                                          (["--packing", "on"], "is a row of its own"),
-                                         (["--group-by-length"], "--group-by-length: GRPO pads every prompt")])  # fmt: skip
+                                         (["--group-by-length"], "pads every prompt to the widest")])  # fmt: skip
 def test_rollouts_refuse_what_they_do_not_do_yet_before_anything_is_written(method, data, tmp_path, flags, said):
     result = run(method, data, tmp_path / "run", *flags)
     assert result.exit_code == 2 and said in result.output, result.output

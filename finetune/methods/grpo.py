@@ -65,15 +65,16 @@ class GRPO(Method):
             return refused
         rollouts.prompt_room(cfg.model.seq_len, self.constants(train)["max_completion_length"])  # raises
         if train.batch_size == "auto":
-            return ("--method grpo: --batch-size counts prompts, each --num-generations rows; give a number (auto is "
-                    "not probed for rollouts yet)")  # fmt: skip
+            return (f"--method {self.name}: --batch-size counts prompts, each --num-generations rows; give a number "
+                    "(auto is not probed for rollouts yet)")  # fmt: skip
         return None
 
     def unpacked_why(self) -> str | None:
-        return "--method grpo: each rollout (a prompt and one completion) is a row of its own"
+        return f"--method {self.name}: each rollout (a prompt and one completion) is a row of its own"
 
     def ungrouped_why(self) -> str | None:
-        return "GRPO pads every prompt to the widest (its sampler's one compiled shape), so their lengths set nothing"
+        return (f"{self.title} pads every prompt to the widest (its sampler's one compiled shape), so their lengths "
+                "set nothing")  # fmt: skip
 
     def constants(self, train) -> dict:
         """This method's constants as decided (unset ones take their defaults)."""
@@ -136,9 +137,14 @@ class GRPO(Method):
 
     def order(self, prepared, cfg, feed, model=None):
         if feed.part[1] - feed.part[0] != feed.part[2]:
-            raise UserError("--method grpo samples its rollouts in one process; run it on one host")
+            raise UserError(f"--method {self.name} samples its rollouts in one process; run it on one host")
         constants = self.constants(cfg.train)
-        return rollouts.RolloutOrder(prepared.rows, prepared.batch_size, cfg, feed, model, constants)
+        return self.rollout_order(prepared.rows, prepared.batch_size, cfg, feed, model, constants)
+
+    rollout_order = rollouts.RolloutOrder
+    bench_peer = True
+    """`finetune bench --recipes hf` has its TRL trainer as a peer (tools/peer_grpo.py: TRL's GRPOTrainer)."""
+    """The order of its rollouts (rollouts.RolloutOrder): how a batch's advantages and loss weights are made."""
 
     # === Score ===
 
@@ -201,10 +207,12 @@ class GRPO(Method):
 
     def plan_note(self, cfg, packed: bool = False) -> str | None:
         c = self.constants(cfg.train)  # never packed: each rollout is a row of its own
-        return (f"--method grpo: each prompt of a batch is {c['num_generations']} rows (--num-generations), each "
+        return (f"--method {self.name}: each prompt of a batch is {c['num_generations']} rows (--num-generations), each "
                 f"up to --max-completion-length {c['max_completion_length']} sampled tokens with keras-hub's KV "
-                "cache; " + ("no reference pass (--beta 0)" if not c["beta"] else "the KL's reference is the base "
-                             "with LoRA off, one more forward pass per rollout, no second model"))  # fmt: skip
+                "cache; " + ("no reference pass (--beta 0)" if not c["beta"] else self.kl_words))  # fmt: skip
+
+    kl_words = "the KL's reference is the base with LoRA off, one more forward pass per rollout, no second model"
+    """What the plan says of the KL's passes where --beta is not 0."""
 
 
 GRPO_METHOD = GRPO()

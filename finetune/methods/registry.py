@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections import Counter
 
 from finetune.data import formats
-from finetune.methods import classify, grpo, preference, reward, supervised
+from finetune.methods import classify, grpo, preference, reward, rloo, supervised
 from finetune.methods.method import Method
 from finetune.platform.errors import UserError
 
 METHODS: dict[str, Method] = {m.name: m for m in (supervised.SFT, preference.DPO, preference.IPO, preference.ORPO,
-                                                   preference.SIMPO, grpo.GRPO_METHOD, reward.REWARD,
-                                                   classify.CLASSIFY)}  # fmt: skip
+                                                   preference.SIMPO, grpo.GRPO_METHOD, rloo.RLOO_METHOD,
+                                                   reward.REWARD, classify.CLASSIFY)}  # fmt: skip
 
 
 def get(name: str) -> Method:
@@ -31,10 +31,11 @@ CONSTANT_FLAGS = {"beta": "--beta", "label_smoothing": "--label-smoothing", "sim
                   "num_generations": "--num-generations", "max_completion_length": "--max-completion-length",
                   "temperature": "--temperature", "top_p": "--top-p", "epsilon": "--epsilon",
                   "epsilon_high": "--epsilon-high", "num_iterations": "--num-iterations", "loss_type": "--loss-type",
-                  "scale_rewards": "--scale-rewards", "center_rewards": "--center-rewards"}  # fmt: skip
-# GRPO's reward functions: lists, empty when not given.
+                  "scale_rewards": "--scale-rewards", "center_rewards": "--center-rewards",
+                  "normalize_advantages": "--normalize-advantages"}  # fmt: skip
 # The files a finished run of some method writes beside its adapter (Method.files): --overwrite replaces them too.
 FILES = tuple(name for m in METHODS.values() for name in m.files)
+# The online RL methods' reward functions: lists, empty when not given.
 REWARD_FLAGS = {"reward": "--reward", "reward_weights": "--reward-weights"}
 
 
@@ -95,8 +96,10 @@ def _check_settings(method: Method, train) -> None:
     --beta where this method has no use for them."""
     for name, flag in REWARD_FLAGS.items():
         if getattr(train, name, None) and not method.prompted:
-            raise UserError(f"{flag} scores GRPO's completions; --method {method.name} has none: leave it out or "
-                            "pass --method grpo")  # fmt: skip
+            takers = [m for m in METHODS.values() if m.prompted]
+            raise UserError(f"{flag} scores the rollouts of {' and '.join(m.title for m in takers)}; --method "
+                            f"{method.name} has none: leave it out or pass --method "
+                            f"{' or '.join(m.name for m in takers)}")  # fmt: skip
     for name, flag in CONSTANT_FLAGS.items():
         if getattr(train, name, None) is not None and name not in method.defaults:
             owners = [m for m in METHODS.values() if name in m.defaults]
@@ -110,5 +113,6 @@ def _check_settings(method: Method, train) -> None:
         raise UserError(f"--labels names {twice[0]!r} twice; name each class once")
     if getattr(train, "group_by_length", False) and method.ungrouped_why():
         raise UserError(f"--group-by-length: {method.ungrouped_why()}; leave it out")
-    if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0:  # 0 is GRPO's "no KL"; the others need one
+    # 0 is the online RL methods' "no KL" (no reference pass); the preference losses need a beta
+    if train.beta == 0 and method.defaults.get("beta", (0,))[0] > 0 and not method.prompted:
         raise UserError(f"--beta 0 leaves {method.title}'s loss nothing to weigh; give a positive --beta")

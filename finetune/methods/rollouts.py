@@ -1,4 +1,4 @@
-"""GRPO's rows: the model's own completions of the prompts, scored by the rewards, as a data source for the loop.
+"""GRPO's and RLOO's rows: the model's own completions of the prompts, scored by the rewards, for the loop.
 
 The order (RolloutOrder) gives the loop what every order gives it: the micro-batches of each optimizer step.
 At the first step of each batch of prompts it samples --num-generations completions of each with the model as
@@ -408,6 +408,20 @@ class Rollout:
     weights: list = field(default_factory=list)
 
 
+class SlotSums:
+    """Per-slot inputs of a step's micro-batches (loss_old, loss_reference: each slot's log-probability) summed by
+    completion: `sums(name)` is (rows,), each row's sum over its completion tokens."""
+
+    def __init__(self, xs: list, slot_rows: list, rows: int):
+        self.xs, self.slot_rows, self.rows = xs, slot_rows, rows
+
+    def __call__(self, name: str) -> np.ndarray:
+        out = np.zeros(self.rows, np.float64)
+        for x, where in zip(self.xs, self.slot_rows):
+            np.add.at(out, where[where >= 0], np.asarray(x[name], np.float64)[where >= 0])
+        return out
+
+
 class RolloutOrder(batching.Order):
     """The micro-batches of every optimizer step: --batch-size prompts a micro-batch, --num-generations rows
     each; a fresh batch of rollouts every --num-iterations steps (methods/grpo.py)."""
@@ -489,15 +503,21 @@ class RolloutOrder(batching.Order):
         count = len(chosen) * g
         logged = {}
         table = scored(self.prompts, chosen, completions[:count], step, logged)
-        weights = np.array([r.weight for r in sampling.rewards])
-        advantage, stats = advantages(table, weights, g, self.constants["scale_rewards"])
-        advantage = np.concatenate([advantage, np.zeros(len(rows) - count)])
         counts = np.array([len(c) for c in completions])
-        loss_weights = token_weights(self.constants["loss_type"], counts, real, micro_rows, self.grad_accum,
-                                     sampling.max_completion_length)  # fmt: skip
-        batches = [self._batch(rows[s : s + micro_rows], completions[s : s + micro_rows],
-                               advantage[s : s + micro_rows], loss_weights[s : s + micro_rows])
-                   for s in range(0, len(rows), micro_rows)]  # fmt: skip
+        loss_weights = self.loss_weights(counts, real, micro_rows)
+        made = [self._batch(rows[s : s + micro_rows], completions[s : s + micro_rows], loss_weights[s : s + micro_rows])
+                for s in range(0, len(rows), micro_rows)]  # fmt: skip
+        # Each slot's row in the step (-1: a slot of no completion token), for the advantages and the sums by row.
+        slot_rows = [np.where(real_slot, s + row_of_slot, -1) for s, (_, row_of_slot, real_slot)
+                     in zip(range(0, len(rows), micro_rows), made)]  # fmt: skip
+        advantage, stats = self.advantages(
+            table, SlotSums([batch[0] for batch, _, _ in made], slot_rows, len(rows)), counts
+        )
+        advantage = np.concatenate([advantage, np.zeros(len(rows) - count)])
+        batches = []
+        for (x, y, w), where in zip((batch for batch, _, _ in made), slot_rows):
+            x["loss_advantages"] = np.where(where >= 0, advantage[np.maximum(where, 0)], 0.0).astype(np.float32)
+            batches.append(((x, y, w), None))
         real_counts = counts[:count]
         metrics = {**stats, **_per_function(table, sampling.rewards),
                    "completion_length": float(real_counts.mean()), "completion_length_min": int(real_counts.min()),
@@ -506,10 +526,27 @@ class RolloutOrder(batching.Order):
         metrics.update(rewards_module.logged_metrics(logged, metrics))
         alike = float(np.all(np.abs(advantage[:count].reshape(-1, g)) < 1e-6, axis=1).mean())
         self._report(group, metrics, alike)
-        micro_tokens = [float(np.where(real, counts, 0)[s : s + micro_rows].sum()) for s in range(0, len(rows),
-                        micro_rows)]  # fmt: skip
         tokens = (int(sum(self.prompts.lengths[rows][real]) + counts[real].sum()), int(counts[real].sum()))
-        return Rollout(group, batches, tokens, metrics, micro_tokens)
+        return Rollout(group, batches, tokens, metrics, self.micro_weights(counts, real, micro_rows))
+
+    # The method's parts of a batch of rollouts: GRPO's here, RLOO's in methods/rloo.py.
+
+    def advantages(self, table: np.ndarray, sums: SlotSums, counts: np.ndarray) -> tuple[np.ndarray, dict]:
+        """(each real completion's advantage, the rewards' statistics for history.csv), from the rewards `table`
+        (completions, functions); `sums` sums the micro-batches' per-slot inputs by completion; `counts`: each
+        row's completion tokens. GRPO's: TRL's sum_then_normalize."""
+        weights = np.array([r.weight for r in self.prompts.sampling.rewards])
+        return advantages(table, weights, self.prompts.sampling.generations, self.constants["scale_rewards"])
+
+    def loss_weights(self, counts: np.ndarray, real: np.ndarray, micro_rows: int) -> np.ndarray:
+        """Each row's weight per completion token (token_weights): --loss-type's average."""
+        return token_weights(self.constants["loss_type"], counts, real, micro_rows, self.grad_accum,
+                             self.prompts.sampling.max_completion_length)  # fmt: skip
+
+    def micro_weights(self, counts: np.ndarray, real: np.ndarray, micro_rows: int) -> list:
+        """Each micro-batch's weight in the step's metrics (metric_weights): its completion tokens, as the view's
+        metrics are token means."""
+        return [float(np.where(real, counts, 0)[s : s + micro_rows].sum()) for s in range(0, len(real), micro_rows)]
 
     def _report(self, group: int, metrics: dict, alike: float) -> None:
         """The rollout's line; a note where the first rollout of the session has no advantage anywhere (later, every
@@ -523,12 +560,13 @@ class RolloutOrder(batching.Order):
         if alike == 1.0 and first:
             g = self.prompts.sampling.generations
             print(f"note: each prompt's {g} completions scored alike, so every advantage is 0 and this step "
-                  "learns nothing: GRPO learns from the differences within a prompt's group. Raise --temperature "
+                  "learns nothing: the rollouts teach by the differences within a prompt's group. Raise --temperature "
                   "or --num-generations, or give prompts the model does not answer by rote, and a reward that "
                   "varies among their completions", flush=True)  # fmt: skip
 
-    def _batch(self, rows, completions, advantage, weights):
-        """((x, y, sample weights), None) of one micro-batch of rollout rows."""
+    def _batch(self, rows, completions, weights):
+        """((x, y, sample weights), each slot's row in the micro-batch, whether each slot is a completion token) of
+        one micro-batch of rollout rows; its advantages are set once the step's are known (_roll)."""
         examples = []
         for row, completion in zip(rows, completions):
             prompt = [int(t) for t in self.prompts.ids[row, : self.prompts.lengths[row]]]
@@ -551,17 +589,16 @@ class RolloutOrder(batching.Order):
         first_row = (first + np.arange(len(local)) // per_shard) * per_shard
         row_of_slot = first_row[:, None] + x["loss_positions"] // x["token_ids"].shape[1]
         real_slot = slot_weights > 0
-        x["loss_advantages"] = np.where(real_slot, advantage[row_of_slot], 0.0).astype(np.float32)
+        x["loss_advantages"] = np.zeros(slot_weights.shape, np.float32)
         x["loss_old"] = np.zeros_like(x["loss_advantages"])
         x["loss_reference"] = np.zeros_like(x["loss_advantages"])
-        if not self.objective.fresh:
+        if self.objective.scores_old:
             x["loss_old"] = self._logps(x, "policy")
         if self.objective.beta != 0.0:
             x["loss_reference"] = self._logps(x, "reference")
-        columns = 7  # len(grpo_view.COLUMNS)
-        weight = np.zeros((*slot_weights.shape, columns), np.float32)
+        weight = np.zeros((*slot_weights.shape, len(self.objective.columns)), np.float32)
         weight[..., 0] = np.where(real_slot, weights[row_of_slot], 0.0)
-        return (x, np.zeros_like(weight), weight), None
+        return (x, np.zeros_like(weight), weight), row_of_slot, real_slot
 
     def _logps(self, x, which: str) -> np.ndarray:
         """Each slot's log-probability under the model as it stands, or under its base (LoRA off)."""

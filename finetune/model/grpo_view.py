@@ -45,6 +45,13 @@ class Objective:
     temperature: float = 1.0
     fresh: bool = True
 
+    columns = COLUMNS  # the view's output columns; the last is each slot's log-probability (rollouts.score_logps)
+
+    @property
+    def scores_old(self) -> bool:
+        """The rollouts score each slot's log-probability when sampled (loss_old): the loss takes it."""
+        return not self.fresh
+
     def view(self, lm, chunk: int, shards: int = 1) -> GRPOView:
         return GRPOView(lm, chunk, self, shards, dtype=keras.config.dtype_policy())
 
@@ -102,7 +109,11 @@ class GRPOView(objective.TrainingView):
             losses, entropy = both[:, 0], ops.reshape(both[:, 1], shape)
         else:  # scoring (the rollouts' old and reference log-probabilities): no custom-gradient op
             losses, _ = objective.token_scores(t, self.chunk)
-        logps = -ops.reshape(losses, shape)
+        return self.values(inputs, -ops.reshape(losses, shape), entropy)
+
+    def values(self, inputs, logps, entropy):
+        """(rows, width, len(columns)): each slot's loss and metrics, from its log-probability now (`logps`) and
+        its entropy (None where not training)."""
         given = [ops.cast(inputs[name], "float32") for name in ("loss_old", "loss_reference", "loss_advantages")]
         return token_values(self.objective, logps, *given, entropy=entropy)
 
@@ -110,4 +121,4 @@ class GRPOView(objective.TrainingView):
         return [objective.ColumnMean(COLUMNS.index(name), name, by_weight=False) for name in METRICS]
 
     def compute_output_spec(self, inputs):
-        return keras.KerasTensor((*inputs["loss_labels"].shape, len(COLUMNS)), dtype="float32")
+        return keras.KerasTensor((*inputs["loss_labels"].shape, len(self.objective.columns)), dtype="float32")

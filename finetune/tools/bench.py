@@ -223,6 +223,9 @@ def check(workload: Workload, backends: list[str], recipes: list[str], levers: l
                         "another: bench it with --recipes finetune")  # fmt: skip
     if "hf" in recipes and not peer.available():
         raise UserError("recipe hf needs torch, transformers and peft: pip install 'finetune[torch,hf]'")
+    if "hf" in recipes and method.prompted and not method.bench_peer:
+        raise UserError(f"recipe hf has no {method.title} peer yet (its peer is TRL's GRPOTrainer, for --method "
+                        "grpo): pass --recipes finetune")  # fmt: skip
     if "hf" in recipes and method.prompted:
         from finetune.tools import peer_grpo
 

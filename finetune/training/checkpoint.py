@@ -316,12 +316,12 @@ RESUME_KEYS = (
     ("train", "loss_type"), ("train", "scale_rewards"), ("train", "reward"), ("train", "reward_weights"), ("train", "center_rewards"),
     ("train", "group_by_length"), ("eval", "keep_best"),  # the best so far is kept from the start, or there is none to publish
     ("lora", "dropout"), ("lora", "rslora"), ("lora", "dora"), ("lora", "plus_ratio"), ("model", "add_tokens"),
-    ("train", "neftune_alpha"), ("train", "embedding_lr"), ("train", "labels"),
+    ("train", "neftune_alpha"), ("train", "embedding_lr"), ("train", "labels"), ("train", "normalize_advantages"),
 )  # fmt: skip
 # Keys RESUME_KEYS gained after checkpoints were written without them: such a checkpoint's value is unknown.
 # (--reward compares the functions' names, not their bodies: the same FILE.py:FUNCTION, fixed, resumes.)
 _LATER_KEYS = {"dropout", "rslora", "dora", "plus_ratio", "add_tokens", "neftune_alpha", "embedding_lr", "labels",
-               "reward"}  # fmt: skip
+               "reward", "normalize_advantages"}  # fmt: skip
 
 
 def check_method(found: Checkpoint | None, cfg, target) -> None:
