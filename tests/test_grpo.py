@@ -88,7 +88,7 @@ def test_only_grpo_takes_prompts_and_grpo_takes_only_prompts():
         registry.decide(TrainConfig(method="grpo", reward=["exact"]), "dolly")
     with pytest.raises(UserError, match="--reward scores the rollouts of GRPO and RLOO"):
         registry.decide(TrainConfig(reward=["exact"]), "dolly")
-    with pytest.raises(UserError, match="--num-generations is GRPO, RLOO's"):
+    with pytest.raises(UserError, match="--num-generations is a setting of GRPO and RLOO"):
         registry.decide(TrainConfig(method="dpo", num_generations=4), "preference")
     with pytest.raises(UserError, match="--beta 0"):
         registry.decide(TrainConfig(method="dpo", beta=0.0), "preference")

@@ -164,7 +164,7 @@ REFUSED_SETTINGS = [
         "--batch-size counts prompts",
     ),
     (["--method", "grpo"], "learns from rewards: pass --reward"),
-    (["--method", "dpo", "--num-generations", "4"], "--num-generations is GRPO's"),
+    (["--method", "dpo", "--num-generations", "4"], "--num-generations is a setting of GRPO and RLOO"),
     (["--method", "sft", "--labels", "a,b"], "--labels names a classifier's classes"),
     (["--method", "orpo", "--beta", "0"], "--beta 0 leaves ORPO's loss nothing to weigh"),
     (["--method", "dpo", "--train-on-prompt"], "--train-on-prompt puts the prompt's tokens in the loss; DPO's"),

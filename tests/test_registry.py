@@ -77,7 +77,7 @@ def test_an_unknown_method_is_refused_with_the_names():
     [
         ("orpo", {"label_smoothing": 0.1}, "--label-smoothing is DPO's; --method orpo has none"),
         ("dpo", {"simpo_gamma": 0.1}, "--simpo-gamma is SimPO's"),
-        ("sft", {"beta": 0.1}, "--beta is DPO, IPO, ORPO, SimPO, GRPO, RLOO's; --method sft has none"),
+        ("sft", {"beta": 0.1}, "--beta is a setting of DPO, IPO, ORPO, SimPO, GRPO and RLOO; --method sft has none"),
     ],
 )
 def test_a_constant_of_another_method_is_refused(method, setting, message):

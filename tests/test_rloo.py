@@ -54,7 +54,7 @@ def test_the_leave_one_out_baseline_by_hand():
     ("rloo", {"loss_type": "grpo"}, "--loss-type is GRPO's; --method rloo has none"),
     ("rloo", {"scale_rewards": "batch"}, "--scale-rewards is GRPO's; --method rloo has none"),
     ("grpo", {"normalize_advantages": True}, "--normalize-advantages is RLOO's; --method grpo has none"),
-    ("dpo", {"num_iterations": 2}, "--num-iterations is GRPO, RLOO's"),
+    ("dpo", {"num_iterations": 2}, "--num-iterations is a setting of GRPO and RLOO"),
 ])  # fmt: skip
 def test_each_online_method_refuses_the_other_s_own_settings(method, settings, said):
     with pytest.raises(UserError, match=said):

@@ -103,8 +103,10 @@ def _check_settings(method: Method, train) -> None:
     for name, flag in CONSTANT_FLAGS.items():
         if getattr(train, name, None) is not None and name not in method.defaults:
             owners = [m for m in METHODS.values() if name in m.defaults]
-            raise UserError(f"{flag} is {', '.join(m.title for m in owners)}'s; --method {method.name} has none: "
-                            f"leave it out or pass --method {' or '.join(m.name for m in owners)}")  # fmt: skip
+            titles = [m.title for m in owners]
+            whose = f"{titles[0]}'s" if len(titles) == 1 else f"a setting of {', '.join(titles[:-1])} and {titles[-1]}"
+            raise UserError(f"{flag} is {whose}; --method {method.name} has none: leave it out or pass --method "
+                            f"{' or '.join(m.name for m in owners)}")  # fmt: skip
     if getattr(train, "labels", None) and not method.labelled:
         raise UserError(f"--labels names a classifier's classes; --method {method.name} has none: leave it out or "
                         "pass --method classify")  # fmt: skip

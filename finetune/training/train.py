@@ -58,8 +58,13 @@ def _run(cfg: Config, resume: bool, reservation: outputs.Reservation) -> dict:
     data = _read(cfg)
 
     # Decide every auto setting once, with its reason (a resumed run keeps its checkpoint's), on these devices.
-    images = max((len(r.images) for r in data.records), default=0)
-    decided = resolve.resolve(cfg, data.format, found.state()["config"] if found else None, images, data)
+    decided = resolve.resolve(
+        cfg,
+        data.format,
+        found.state()["config"] if found else None,
+        max((len(r.images) for r in data.records), default=0),
+        data,
+    )  # the most pictures a record holds
     checkpoint.check_compatible(found, decided.config, data.fingerprints, target)
 
     # Build the model, then prepare the data: records -> template -> tokens -> split -> rows.
