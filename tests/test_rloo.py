@@ -122,6 +122,7 @@ def test_rloo_learns_from_the_command_line_and_logs_its_quantities(learned):
     assert "rollout 8: reward" in stdout
 
 
+@pytest.mark.backend_neutral  # the rollout order's resume is GRPO's, whose kill and resume run on every backend
 def test_a_killed_rloo_run_resumes_to_the_uninterrupted_history_and_adapter(files, learned, tmp_path):  # noqa: F811
     """SIGKILL right after the step-4 checkpoint, then --resume alone: history.csv and the adapter are the
     uninterrupted run's (its rollouts, KL penalty and reference passes included)."""
