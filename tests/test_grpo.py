@@ -230,7 +230,7 @@ def guide_run(method: str, folder) -> Path:
     start = f"finetune gemma --preset tiny --method {method} "
     (command,) = [line for line in guide.splitlines() if line.startswith(start)]
     shutil.copytree(Path(__file__).parent.parent / "examples", folder / "examples")
-    done = subprocess.run([sys.executable, "-m", "finetune", *shlex.split(command)[1:]], cwd=folder,
+    done = subprocess.run([sys.executable, "-m", "finetune", *shlex.split(command, comments=True)[1:]], cwd=folder,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return folder / "runs" / method
@@ -349,7 +349,7 @@ def test_a_reward_that_fails_on_the_held_out_prompts_before_training_leaves_noth
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
+@pytest.mark.one_backend  # rl.md marks it slow for test_docs, naming this test
 def test_the_rl_guide_s_first_run_learns_as_it_says(tmp_path):
     """docs/rl.md's first command, as written, from a directory holding the repository's examples/: the held-out
     reward rises as the guide says (0.2–0.4 to 0.9–1.0)."""

@@ -151,7 +151,7 @@ def test_a_run_killed_within_a_batch_of_rollouts_resumes_to_the_uninterrupted_ru
     assert_same_run(whole, out)
 
 
-@pytest.mark.one_backend  # test_docs runs it too, in the JAX suite, and checks it exits 0
+@pytest.mark.one_backend  # rl.md marks it slow for test_docs, naming this test
 def test_the_rl_guide_s_rloo_run_learns_as_it_says(tmp_path):
     """docs/rl.md's RLOO command, as written, from a directory holding the repository's examples/."""
     metrics = json.loads((guide_run("rloo", tmp_path) / "metrics.json").read_text())
