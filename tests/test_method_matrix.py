@@ -45,9 +45,10 @@ METHODS = list(registry.METHODS)
 # Each method's own flags: GRPO's rollouts, 4 completions of 4 tokens a prompt, scored by a built-in reward.
 OWN_FLAGS = {name: ["--reward", "format:The", "--num-generations", "4", "--max-completion-length", "4"]
              if registry.get(name).prompted else [] for name in METHODS}  # fmt: skip
-# The same, as the Python API's settings (the --parallel runs below).
-OWN_SETTINGS = {name: {"train.reward": ["format:The"], "train.num_generations": 4, "train.max_completion_length": 4}
-                for name in METHODS if registry.get(name).prompted}  # fmt: skip
+# The same, as the Python API's settings (the --parallel runs below), with a KL term: its base's pass (LoRA off)
+# scores the rollouts' slots as they are laid out per data shard (GRPO's scored them as one shard: KL 3.3 at step 1).
+OWN_SETTINGS = {name: {"train.reward": ["format:The"], "train.num_generations": 4, "train.max_completion_length": 4,
+                       "train.beta": 0.1} for name in METHODS if registry.get(name).prompted}  # fmt: skip
 ROWS_OF_THEIR_OWN = [m for m in METHODS if registry.get(m).prompted]  # GRPO: each rollout is a row (not-yet.md)
 PACKED = [m for m in METHODS if m not in ROWS_OF_THEIR_OWN]
 
