@@ -142,9 +142,9 @@ class GRPO(Method):
         return self.rollout_order(prepared.rows, prepared.batch_size, cfg, feed, model, constants)
 
     rollout_order = rollouts.RolloutOrder
+    """The order of its rollouts (rollouts.RolloutOrder): how a batch's advantages and loss weights are made."""
     bench_peer = True
     """`finetune bench --recipes hf` has its TRL trainer as a peer (tools/peer_grpo.py: TRL's GRPOTrainer)."""
-    """The order of its rollouts (rollouts.RolloutOrder): how a batch's advantages and loss weights are made."""
 
     # === Score ===
 
